@@ -1,0 +1,102 @@
+"""The `rlhf` command.
+
+    rlhf init-model --out runs/tiny-model           build the tiny default policy offline
+    rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
+    rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .common.config import ConfigError, dump_config, load_config
+
+EXIT_CONFIG = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("-c", "--config", required=required, help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (dotted path for sections), repeatable")
+
+
+def _load(args):
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error{'s' if len(e.errors) > 1 else ''} in {args.config}:", file=sys.stderr)
+        for err in e.errors:
+            print(f"  {err}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+
+
+def cmd_config_validate(args) -> int:
+    cfg = _load(args)
+    sys.stdout.write(dump_config(cfg))
+    return 0
+
+
+def cmd_init_model(args) -> int:
+    from .common.tiny import init_tiny_model
+    init_tiny_model(args.out, warm_start_steps=args.warm_start_steps, seed=args.seed)
+    print(f"tiny model written to {args.out}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    cfg = _load(args)
+    if args.run_dir:
+        cfg.run.run_dir = args.run_dir
+    if not args.local:
+        print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    from .common.modeling import check_model_dir
+    try:
+        check_model_dir(cfg.model.path)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    from .learner.local import run_local
+    run_local(cfg, cfg.run.run_dir)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="Microservice PPO for language models")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="print the resolved config or every error (exit 2)")
+    v.add_argument("config", help="YAML config file")
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    v.set_defaults(func=cmd_config_validate)
+
+    p = sub.add_parser("init-model", help="build the tiny default model and tokenizer offline")
+    p.add_argument("--out", default="runs/tiny-model")
+    p.add_argument("--warm-start-steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("train", help="train with PPO")
+    _add_config_args(p)
+    p.add_argument("--local", action="store_true", help="run every part in this process")
+    p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go")
+    p.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

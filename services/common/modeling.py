@@ -1,0 +1,171 @@
+"""Loading models and tokenizers, padding token batches, and the forward passes every service
+shares: response log-probs of a causal LM and per-token values of a value model.
+
+A batch holds `B` sequences laid out as `[left-padded prompt | right-padded response]`, with
+`P` prompt columns and `T` response columns. `response_mask` (B, T) is 1 on generated tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..ppo.losses import entropy_from_logits, logprobs_from_logits
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def check_model_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"no model at {p} (config.json missing); build the tiny default with `rlhf init-model --out {p}`")
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(check_model_dir(path)))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype)
+    return model.to(device)
+
+
+@dataclass
+class TokenBatch:
+    """Prompt + response tokens of `B` sequences, padded into one rectangle.
+
+    input_ids, attention_mask, position_ids: (B, P + T); response_mask: (B, T).
+    """
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_width: int
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_width:]
+
+    def to(self, device) -> "TokenBatch":
+        return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+                          self.response_mask.to(device), self.prompt_width)
+
+    def select(self, idx: torch.Tensor | Sequence[int]) -> "TokenBatch":
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
+                          self.response_mask[idx], self.prompt_width)
+
+
+def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+                      response_width: int | None = None) -> TokenBatch:
+    """Left-pad prompts and right-pad responses into one rectangle (see `TokenBatch`)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    B = len(prompts)
+    P = max((len(p) for p in prompts), default=0)
+    T = max(max((len(r) for r in responses), default=0), 1)
+    if response_width is not None:
+        T = max(T, response_width)
+    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + T), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
+        ids[i, P:P + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        attn[i, P - len(p):P + len(r)] = 1
+    response_mask = attn[:, P:].float()
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    return TokenBatch(ids, attn, position_ids, response_mask, P)
+
+
+def response_logits(model: nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Logits (B, T, V) predicting each response token, divided by the sampling temperature."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, use_cache=False)
+    P = batch.prompt_width
+    logits = out.logits[:, P - 1:-1, :].float()
+    return logits / temperature if temperature not in (0, 1.0) else logits
+
+
+def response_log_probs(model: nn.Module, batch: TokenBatch, temperature: float = 1.0,
+                       with_entropy: bool = False, full: bool = False):
+    """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position and
+    the full log-probability tensor (B, T, V). Returns a dict with keys log_probs/entropy/full."""
+    logits = response_logits(model, batch, temperature)
+    out = {"log_probs": logprobs_from_logits(logits, batch.responses)}
+    if with_entropy:
+        out["entropy"] = entropy_from_logits(logits)
+    if full:
+        out["full"] = torch.log_softmax(logits, dim=-1)
+    return out
+
+
+class ValueModel(nn.Module):
+    """A transformer backbone with a scalar head: one value per position.
+
+    Initialised from any model directory (the policy's or a reward model's); saved as the
+    backbone's own files plus `value_head.safetensors`.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "ValueModel":
+        from transformers import AutoModel
+        path = check_model_dir(path)
+        backbone = AutoModel.from_pretrained(str(path), dtype=dtype)
+        model = cls(backbone, backbone.config.hidden_size)
+        head = Path(path) / "value_head.safetensors"
+        if head.exists():
+            from safetensors.torch import load_file
+            model.value_head.load_state_dict(load_file(str(head)))
+        return model
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(str(path))
+        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()},
+                  str(Path(path) / "value_head.safetensors"))
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+        return self.value_head(hidden.float()).squeeze(-1)
+
+    def response_values(self, batch: TokenBatch) -> torch.Tensor:
+        """V(s_t) for each response position t (B, T): the value of the state before token t."""
+        values = self(batch.input_ids, batch.attention_mask, batch.position_ids)
+        P = batch.prompt_width
+        return values[:, P - 1:-1] * batch.response_mask
+
+
+@dataclass
+class ModelCard:
+    """What `rlhf init-model` records about the model it built (model_card.json)."""
+    task: str
+    vocab_size: int
+    warm_start_steps: int
+    notes: dict = field(default_factory=dict)
+
+    def write(self, path: Path) -> None:
+        (path / "model_card.json").write_text(json.dumps(self.__dict__, indent=2))

@@ -1,0 +1,105 @@
+"""What a training run leaves in its run directory, and what it shows on the terminal.
+
+    DIR/config.yaml     the resolved config
+    DIR/metrics.jsonl   one JSON object per iteration (eval/* keys when evaluated)
+    DIR/summary.json    baseline_eval_reward, final_eval_reward, iterations, wall_s, ...
+    DIR/curves.png      train and held-out reward, and KL to the reference, per iteration
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from .config import dump_config
+
+PROGRESS_KEYS = [("reward", "reward/score_mean", "{:.3f}"), ("eval", "eval/reward_mean", "{:.3f}"),
+                 ("kl", "ppo/kl_ref", "{:.4f}"), ("clip", "ppo/pg_clipfrac", "{:.3f}"),
+                 ("ent", "ppo/entropy", "{:.3f}"), ("vf", "critic/vf_loss", "{:.4f}"),
+                 ("tok/s", "rollout/tokens_per_s", "{:.0f}"), ("s/it", "time/iteration_s", "{:.2f}")]
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class RunLog:
+    def __init__(self, run_dir: str | Path, cfg, mode: str, stream=None):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(dump_config(cfg))
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.metrics_path.write_text("")
+        self.cfg, self.mode, self.stream = cfg, mode, stream or sys.stdout
+        self.rows: list[dict] = []
+        self.t0 = time.time()
+
+    def _append(self, row: dict) -> None:
+        row = {k: _clean(v) for k, v in row.items()}
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def log_eval(self, iteration: int, metrics: dict) -> None:
+        self._append({"iteration": iteration, "wall_s": round(time.time() - self.t0, 3), **metrics})
+        self._print(iteration, metrics)
+
+    def log_iteration(self, iteration: int, metrics: dict) -> None:
+        self._append({"iteration": iteration, "wall_s": round(time.time() - self.t0, 3), **metrics})
+        if iteration % self.cfg.run.log_every == 0 or "eval/reward_mean" in metrics:
+            self._print(iteration, metrics)
+
+    def _print(self, iteration: int, metrics: dict) -> None:
+        parts = [f"iter {iteration:>4}/{self.cfg.run.iterations}"]
+        for label, key, fmt in PROGRESS_KEYS:
+            if key in metrics and metrics[key] is not None:
+                parts.append(f"{label} {fmt.format(metrics[key])}")
+        print("  ".join(parts), file=self.stream, flush=True)
+
+    def finish(self, baseline: float, final: float, iterations: int, wall_s: float, **extra) -> dict:
+        summary = {"mode": self.mode, "baseline_eval_reward": baseline, "final_eval_reward": final,
+                   "improvement": final - baseline, "iterations": iterations, "wall_s": round(wall_s, 2),
+                   "adv_estimator": self.cfg.adv_estimator, **extra}
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:
+            plot_curves(self.rows, self.dir / "curves.png")
+        except Exception as e:  # a plot is a convenience; the numbers are in metrics.jsonl
+            print(f"warning: could not draw curves.png: {e}", file=sys.stderr)
+        print(f"done: held-out reward {baseline:.3f} -> {final:.3f} in {iterations} iterations, "
+              f"{wall_s:.0f}s; results in {self.dir}", file=self.stream, flush=True)
+        return summary
+
+
+def plot_curves(rows: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key):
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x, y = series("reward/score_mean")
+    ax1.plot(x, y, label="train reward", alpha=0.7)
+    x, y = series("eval/reward_mean")
+    ax1.plot(x, y, "o-", label="held-out reward")
+    ax1.set_xlabel("iteration")
+    ax1.set_ylabel("reward")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    x, y = series("ppo/kl_ref")
+    ax2.plot(x, y, label="KL to reference", color="tab:red")
+    x, y = series("ppo/approx_kl")
+    ax2.plot(x, y, label="KL old->new (per update)", color="tab:purple", alpha=0.6)
+    ax2.set_xlabel("iteration")
+    ax2.set_ylabel("KL")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,128 @@
+"""Generation backends: sample responses with per-token log-probs from the current policy, and
+swap in new policy weights atomically between batches.
+
+`GenerationBackend` is the interface the generation server and the in-process trainer call;
+`HFBackend` implements it with transformers (CPU or GPU). The vLLM backend implements the same.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    log_probs: list[float]  # log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" (a stop token was sampled, and is included) or "length"
+
+
+@dataclass
+class GenerationResult:
+    completions: list[list[Completion]]  # [prompt][sample]
+    policy_version: int
+    tokens: int
+    seconds: float
+
+
+class GenerationBackend(Protocol):
+    version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult: ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+
+
+class HFBackend:
+    """transformers `generate` behind a lock: a batch runs start to end on one set of weights,
+    and `update_weights` waits for it, so no sample mixes two policy versions."""
+
+    def __init__(self, model_path: str, device: str = "auto", dtype: torch.dtype = torch.float32):
+        self.device = resolve_device(device)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_causal_lm(model_path, self.device, dtype).eval()
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.version = 0
+        self._lock = threading.Lock()
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a full or partial state dict as policy `version`. Checks every name, shape and
+        dtype first; on any mismatch nothing changes. Versions only move forward."""
+        specs = self.parameter_specs()
+        for name, t in state_dict.items():
+            if name not in specs:
+                raise KeyError(f"unknown tensor {name!r}")
+            if tuple(t.shape) != specs[name][0]:
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {specs[name][0]}")
+        with self._lock:
+            if version <= self.version:
+                raise ValueError(f"weight version {version} is not newer than the serving version {self.version}")
+            self.model.load_state_dict(dict(state_dict), strict=False)
+            self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+        if not prompts:
+            return GenerationResult([], self.version, 0, 0.0)
+        t0 = time.perf_counter()
+        flat = [list(p) for p in prompts for _ in range(params.n)]
+        P = max(len(p) for p in flat)
+        ids = torch.full((len(flat), P), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(flat):
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        stops = sorted({self.eos_token_id, *params.stop_token_ids})
+        greedy = params.temperature == 0
+        kwargs = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, eos_token_id=stops,
+                      pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        if not greedy:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        with self._lock:
+            version = self.version
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        sequences = out.sequences[:, P:].cpu()
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # (N, steps, V) sampling-distribution logits
+        logps = F.log_softmax(scores, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)
+        stop_set = set(stops)
+        completions: list[list[Completion]] = []
+        tokens = 0
+        for i, seq in enumerate(sequences.tolist()):
+            n_tok, reason = len(seq), "length"
+            for j, t in enumerate(seq):
+                if t in stop_set:
+                    n_tok, reason = j + 1, "stop"
+                    break
+            tokens += n_tok
+            c = Completion(seq[:n_tok], logps[i, :n_tok].tolist(), reason)
+            if i % params.n == 0:
+                completions.append([])
+            completions[-1].append(c)
+        return GenerationResult(completions, version, tokens, time.perf_counter() - t0)

@@ -1,0 +1,135 @@
+"""The in-process trainer: the whole PPO loop in one process, with the same domain objects the
+services host (generation backend, reward scorer, critic, learner step), wired directly.
+
+    rlhf train --local -c configs/tiny-cpu.yaml --run-dir runs/local
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ..common.data import EpochSampler, PromptRecord, load_prompts
+from ..common.modeling import build_token_batch
+from ..common.runlog import RunLog
+from ..critic.critic import Critic
+from ..generation.backend import HFBackend, SamplingParams
+from ..reward.scorer import RewardSample, build_scorer
+from .ppo_step import PPOLearner, Rollout
+
+log = logging.getLogger(__name__)
+
+
+def collect_rollout(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams,
+                    critic=None, prompt_length: int | None = None) -> tuple[Rollout, dict]:
+    """Generate `params.n` samples per prompt, score them and (for GAE) value them."""
+    t0 = time.perf_counter()
+    prompt_ids = [tokenizer(r.prompt)["input_ids"] for r in records]
+    if prompt_length is not None:
+        for r, p in zip(records, prompt_ids):
+            if len(p) > prompt_length:
+                raise ValueError(f"prompt {r.id!r} has {len(p)} tokens, more than prompt_length={prompt_length}")
+    gen = backend.generate(prompt_ids, params)
+    t_gen = time.perf_counter() - t0
+    flat_prompts, responses, logps, index, samples = [], [], [], [], []
+    for rec, p, comps in zip(records, prompt_ids, gen.completions):
+        for c in comps:
+            flat_prompts.append(p)
+            responses.append(c.token_ids)
+            logps.append(c.log_probs)
+            index.append(rec.id)
+            samples.append(RewardSample(rec.prompt, tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                                        rec.label, rec.metadata))
+    t1 = time.perf_counter()
+    scored = scorer.score(samples)
+    t_score = time.perf_counter() - t1
+    values = None
+    if critic is not None:
+        values = critic.values(build_token_batch(flat_prompts, responses, tokenizer.pad_token_id))
+    rollout = Rollout(flat_prompts, responses, [s.reward for s in scored], index, logps, values,
+                      [gen.policy_version] * len(responses))
+    comp_means: dict[str, float] = {}
+    for s in scored:
+        for k, v in s.components.items():
+            comp_means[k] = comp_means.get(k, 0.0) + v / len(scored)
+    metrics = {"rollout/tokens_per_s": gen.tokens / max(gen.seconds, 1e-9), "time/generate_s": t_gen,
+               "time/score_s": t_score, **{f"reward/{k}": v for k, v in comp_means.items()}}
+    return rollout, metrics
+
+
+def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams) -> dict:
+    """Held-out reward: one sample per prompt at the eval temperature (0 = greedy)."""
+    prompt_ids = [tokenizer(r.prompt)["input_ids"] for r in records]
+    gen = backend.generate(prompt_ids, params)
+    samples = [RewardSample(r.prompt, tokenizer.decode(c[0].token_ids, skip_special_tokens=True), r.label,
+                            r.metadata) for r, c in zip(records, gen.completions)]
+    scored = scorer.score(samples)
+    out = {"eval/reward_mean": sum(s.reward for s in scored) / len(scored)}
+    for k in scored[0].components if scored else []:
+        out[f"eval/{k}"] = sum(s.components[k] for s in scored) / len(scored)
+    return out
+
+
+def run_local(cfg, run_dir: str | Path | None = None) -> dict:
+    run_dir = Path(run_dir or cfg.run.run_dir)
+    torch.manual_seed(cfg.run.seed)
+    t_start = time.time()
+    backend = HFBackend(cfg.model.path, cfg.model.device)
+    tokenizer = backend.tokenizer
+    scorer = build_scorer(cfg.reward, device="cpu")
+    train = load_prompts(cfg.data.train, "train", tokenizer, cfg.data.prompt_key, cfg.data.label_key,
+                         seed=cfg.run.seed)
+    held_out = load_prompts(cfg.data.eval, "eval", tokenizer, cfg.data.prompt_key, cfg.data.label_key,
+                            limit=cfg.data.eval_size, seed=cfg.run.seed)
+    sampler = EpochSampler(train, cfg.run.seed)
+    ptx = None
+    if cfg.ptx_coef:
+        from ..common.tiny import sft_examples
+        ptx = sft_examples(tokenizer, [r for r in train if r.label is not None])
+    samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
+    updates = cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)
+    learner = PPOLearner(cfg, total_updates=updates, ptx_examples=ptx)
+    critic = Critic.from_config(cfg) if cfg.needs_critic else None
+    params = SamplingParams(n=cfg.num_return_sequences_in_group, temperature=cfg.generation.temperature,
+                            top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
+                            max_new_tokens=cfg.response_length)
+    eval_params = SamplingParams(n=1, temperature=cfg.generation.eval_temperature, top_p=cfg.generation.top_p,
+                                 top_k=cfg.generation.top_k, max_new_tokens=cfg.response_length,
+                                 seed=cfg.run.seed)
+    runlog = RunLog(run_dir, cfg, mode="local")
+    baseline = evaluate(held_out, backend, scorer, tokenizer, eval_params)
+    runlog.log_eval(0, baseline)
+    last_eval = baseline
+    it = 0
+    for it in range(1, cfg.run.iterations + 1):
+        t0 = time.perf_counter()
+        rollout, metrics = collect_rollout(sampler.take(cfg.rollout_batch_size), backend, scorer, tokenizer, params,
+                                           critic, cfg.prompt_length)
+        t1 = time.perf_counter()
+        metrics.update(learner.step(rollout, critic))
+        t2 = time.perf_counter()
+        backend.update_weights(learner.policy_state_dict(), learner.version)
+        t3 = time.perf_counter()
+        metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
+                        "time/iteration_s": t3 - t0, "data/epoch": sampler.epoch,
+                        "policy/version": learner.version})
+        out_of_time = cfg.run.max_wall_s is not None and time.time() - t_start > cfg.run.max_wall_s
+        last = it == cfg.run.iterations or out_of_time
+        if last or (cfg.run.eval_interval and it % cfg.run.eval_interval == 0):
+            last_eval = evaluate(held_out, backend, scorer, tokenizer, eval_params)
+            metrics.update(last_eval)
+        if cfg.run.checkpoint_interval and it % cfg.run.checkpoint_interval == 0 and not last:
+            learner.save_policy(run_dir / "checkpoints" / f"iter_{it:06d}", tokenizer)
+        runlog.log_iteration(it, metrics)
+        if out_of_time:
+            log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
+            break
+    learner.save_policy(run_dir / "final", tokenizer)
+    if critic is not None:
+        critic.save(run_dir / "final_critic")
+    return runlog.finish(baseline=baseline["eval/reward_mean"], final=last_eval["eval/reward_mean"],
+                         iterations=it, wall_s=time.time() - t_start)

@@ -1,0 +1,290 @@
+"""The learner's PPO step: from a batch of scored rollouts to one policy update.
+
+    rollout --make_experience--> old/ref log-probs, token rewards (+KL), advantages, returns
+            --update-----------> ppo_epochs x mini-batches of (policy loss + KL loss - entropy
+                                 + PTX loss), each followed by a critic step on the same rows
+
+The in-process trainer and the learner service both call `PPOLearner.step`; the critic is any
+object with `train_step` (the in-process `Critic` or a gRPC client).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..common.modeling import TokenBatch, build_token_batch, load_causal_lm, response_log_probs, resolve_device
+from ..ppo import (agg_loss, apply_kl_penalty, clip_by_value, compute_advantages, compute_policy_loss,
+                   compute_sft_loss, kl_penalty, make_kl_controller, masked_mean, masked_whiten,
+                   postprocess_rewards, reference_log_probs, RunningMeanStd)
+
+
+@dataclass
+class Rollout:
+    """Scored samples of one batch, as rollout workers produce them. B = prompts x group size."""
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    scores: list[float]
+    index: list  # group id per sample: samples of one prompt share it
+    gen_log_probs: list[list[float]] | None = None  # sampler's log-probs, used when not recomputed
+    values: torch.Tensor | None = None  # (B, T) critic values, needed for GAE
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Experience:
+    batch: TokenBatch
+    old_log_probs: torch.Tensor  # (B, T)
+    ref_log_probs: torch.Tensor | None  # (B, T), or (B, T, V) for kl_penalty 'full'
+    advantages: torch.Tensor  # (B, T)
+    returns: torch.Tensor  # (B, T)
+    values: torch.Tensor | None  # (B, T)
+    metrics: dict
+
+
+def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(list(r)[:width])
+    return out
+
+
+class PPOLearner:
+    """Owns the actor, the reference model, the optimiser, the KL controller and the running
+    reward statistics. `cfg` is the validated `Config`."""
+
+    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.model.device)
+        self.tokenizer_pad_id = None
+        self.policy = load_causal_lm(cfg.model.path, self.device)
+        self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
+        self.lora = cfg.model.lora.rank > 0
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+            lc = cfg.model.lora
+            self.policy = get_peft_model(self.policy, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                                                 target_modules=list(lc.target_modules)))
+        if cfg.model.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+            if self.lora:
+                self.policy.enable_input_require_grads()
+        self.needs_ref = (cfg.use_kl_loss or cfg.add_token_level_kl) and cfg.ref_model != "policy"
+        self.ref = None
+        if self.needs_ref and not self.lora:  # with LoRA the reference is the base with adapters off
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
+                                           weight_decay=cfg.weight_decay)
+        from transformers import get_scheduler
+        self.scheduler = get_scheduler(cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.lr_warmup_steps,
+                                       num_training_steps=max(total_updates or 1, 1))
+        self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)
+        self.reward_stats = RunningMeanStd()
+        self.ptx_examples = list(ptx_examples or [])
+        self.rng = random.Random(cfg.run.seed)
+        self.version = 0
+        self.temperature = cfg.generation.temperature
+
+    # ---------------------------------------------------------------- forward passes
+    def _autocast(self):
+        if self.cfg.model.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _ref_forward(self, batch: TokenBatch, full: bool):
+        with torch.no_grad(), self._autocast():
+            if self.lora:
+                with self.policy.disable_adapter():
+                    return response_log_probs(self.policy, batch, self.temperature, full=full)
+            return response_log_probs(self.ref, batch, self.temperature, full=full)
+
+    # ---------------------------------------------------------------- experience
+    def make_experience(self, rollout: Rollout) -> Experience:
+        cfg = self.cfg
+        full = cfg.kl_penalty == "full"
+        batch = build_token_batch(rollout.prompt_ids, rollout.response_ids, self.pad_id).to(self.device)
+        mask = batch.response_mask
+        T = mask.shape[1]
+        self.policy.eval()
+        with torch.no_grad(), self._autocast():
+            cur = response_log_probs(self.policy, batch, self.temperature, with_entropy=True, full=full)
+        if cfg.recompute_old_log_probs or rollout.gen_log_probs is None:
+            old_log_probs = cur["log_probs"]
+        else:
+            old_log_probs = _pad(rollout.gen_log_probs, T).to(self.device)
+        old_for_ref = cur["full"] if full else old_log_probs
+        ref_log_probs = None
+        if cfg.use_kl_loss or cfg.add_token_level_kl:
+            sft = self._ref_forward(batch, full) if self.needs_ref else None
+            sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
+            ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)
+
+        raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=self.device)
+        scores = postprocess_rewards(raw_scores, cfg.reward_norm, cfg.reward_shift, cfg.reward_scale,
+                                     cfg.reward_clip, rollout.index, self.reward_stats)
+        kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) if ref_log_probs is not None else None
+        token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None,
+                                               self.kl_ctl.value)
+        values = rollout.values.to(self.device) if rollout.values is not None else None
+        if values is not None and values.shape[1] != T:
+            values = torch.nn.functional.pad(values, (0, T - values.shape[1]))[:, :T]
+        advantages, returns = compute_advantages(cfg.adv_estimator, token_level_rewards, mask, values,
+                                                 rollout.index, cfg.gamma, cfg.lambd)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        advantages = clip_by_value(advantages, cfg.advantage_clip)
+
+        seq_kl = masked_mean(kl, mask, dim=-1).mean().item() if kl is not None else 0.0
+        lengths = mask.sum(-1)
+        metrics = {
+            "reward/score_mean": raw_scores.mean().item(), "reward/score_std": raw_scores.std().item()
+            if len(raw_scores) > 1 else 0.0, "reward/normalized_mean": scores.mean().item(),
+            "reward/token_level_sum_mean": token_level_rewards.sum(-1).mean().item(),
+            "ppo/kl_ref": seq_kl, "ppo/kl_coef": self.kl_ctl.value,
+            "ppo/advantages_mean": masked_mean(advantages, mask).item(),
+            "ppo/returns_mean": masked_mean(returns, mask).item(),
+            "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item(),
+            "rollout/response_length_mean": lengths.mean().item(),
+            "rollout/samples": len(rollout.scores),
+        }
+        if values is not None:
+            metrics["critic/values_mean"] = masked_mean(values, mask).item()
+        if rollout.versions:
+            metrics["rollout/staleness_max"] = max(self.version - v for v in rollout.versions)
+        self.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
+        return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics)
+
+    # ---------------------------------------------------------------- update
+    def _ptx_loss(self, n: int) -> torch.Tensor | None:
+        if not self.cfg.ptx_coef or not self.ptx_examples:
+            return None
+        picks = [self.rng.choice(self.ptx_examples) for _ in range(n)]
+        b = build_token_batch([p for p, _ in picks], [a for _, a in picks], self.pad_id).to(self.device)
+        lp = response_log_probs(self.policy, b)["log_probs"]
+        return compute_sft_loss(lp, b.response_mask)
+
+    def update(self, exp: Experience, critic=None) -> dict:
+        cfg = self.cfg
+        full = cfg.kl_penalty == "full"
+        B = exp.batch.input_ids.shape[0]
+        mb = min(cfg.ppo_mini_batch_size, B)
+        micro = min(cfg.micro_batch_size or mb, mb)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def add(k, v):
+            sums[k] = sums.get(k, 0.0) + float(v)
+            counts[k] = counts.get(k, 0) + 1
+
+        g = torch.Generator().manual_seed(self.rng.randrange(2 ** 31))
+        self.policy.train()
+        for _ in range(cfg.ppo_epochs):
+            perm = torch.randperm(B, generator=g)
+            for start in range(0, B, mb):
+                idx = perm[start:start + mb]
+                self.optimizer.zero_grad(set_to_none=True)
+                for mstart in range(0, len(idx), micro):
+                    m = idx[mstart:mstart + micro]
+                    sub = exp.batch.select(m.tolist()) if exp.batch.input_ids.device.type == "cpu" else \
+                        exp.batch.select(m.to(exp.batch.input_ids.device))
+                    mask = sub.response_mask
+                    with self._autocast():
+                        out = response_log_probs(self.policy, sub, self.temperature, with_entropy=True, full=full)
+                    log_prob = out["log_probs"]
+                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                        exp.old_log_probs[m], log_prob, exp.advantages[m], mask,
+                        cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high,
+                        clip_ratio_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
+                        loss_agg_mode=cfg.loss_agg_mode)
+                    loss = pg_loss
+                    entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode)
+                    if cfg.entropy_coef:
+                        loss = loss - cfg.entropy_coef * entropy
+                    if cfg.use_kl_loss and exp.ref_log_probs is not None:
+                        cur = out["full"] if full else log_prob
+                        kl_loss = agg_loss(kl_penalty(cur, exp.ref_log_probs[m], cfg.kl_penalty), mask,
+                                           cfg.loss_agg_mode)
+                        loss = loss + cfg.kl_loss_coef * kl_loss
+                        add("ppo/kl_loss", kl_loss.item())
+                    ptx = self._ptx_loss(len(m))
+                    if ptx is not None:
+                        loss = loss + cfg.ptx_coef * ptx
+                        add("ppo/ptx_loss", ptx.item())
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite policy loss {loss.item()} at version {self.version}")
+                    (loss * len(m) / len(idx)).backward()
+                    add("ppo/pg_loss", pg_loss.item())
+                    add("ppo/pg_clipfrac", clipfrac.item())
+                    add("ppo/pg_clipfrac_lower", clipfrac_lower.item())
+                    add("ppo/approx_kl", ppo_kl.item())
+                    add("ppo/entropy", entropy.item())
+                params = [p for p in self.policy.parameters() if p.requires_grad]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+                add("ppo/grad_norm", float(grad_norm))
+                if math.isfinite(float(grad_norm)):
+                    self.optimizer.step()
+                self.scheduler.step()
+                if critic is not None and exp.values is not None:
+                    sel = idx.tolist()
+                    cm = critic.train_step(exp.batch.select(sel).to("cpu"), exp.returns[idx].cpu(),
+                                           exp.values[idx].cpu())
+                    for k, v in cm.items():
+                        add(k, v)
+        self.policy.eval()
+        self.version += 1
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics["ppo/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def step(self, rollout: Rollout, critic=None) -> dict:
+        exp = self.make_experience(rollout)
+        metrics = dict(exp.metrics)
+        metrics.update(self.update(exp, critic))
+        return metrics
+
+    # ---------------------------------------------------------------- weights and state
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full policy weights under the plain model's names (LoRA merged in), on the CPU."""
+        if not self.lora:
+            return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+        self.policy.merge_adapter()
+        try:
+            sd = {}
+            for k, v in self.policy.get_base_model().state_dict().items():
+                if "lora_" in k:
+                    continue
+                sd[k.replace(".base_layer", "")] = v.detach().cpu().clone()
+        finally:
+            self.policy.unmerge_adapter()
+        return sd
+
+    def save_policy(self, path: str | Path, tokenizer=None) -> None:
+        path = Path(path)
+        model = self.policy
+        if self.lora:
+            model = copy.deepcopy(self.policy).merge_and_unload()
+        model.save_pretrained(str(path))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+
+    def state_dict(self) -> dict:
+        return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                "reward_stats": self.reward_stats.state_dict(), "version": self.version,
+                "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.reward_stats.load_state_dict(state["reward_stats"])
+        self.version = int(state["version"])
+        self.rng.setstate(state["rng"])

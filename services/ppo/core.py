@@ -1,0 +1,80 @@
+"""Masked reductions and loss aggregation shared by every PPO formula.
+
+Shapes: `B` sequences, `T` response positions. A mask is 1.0 on response tokens that count
+(sampled by the policy, before and including EOS) and 0.0 on padding; masked positions never
+change a result.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `values` where `mask` is 1. `values`, `mask`: same shape. Masked NaNs are ignored."""
+    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum() if dim is None else \
+        torch.where(mask.bool(), values, torch.zeros_like(values)).sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` over positions where `mask` is 1 (0 when the mask is empty)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over the masked positions (Bessel-corrected when `unbiased`)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n > 1:
+            var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """Normalise `values` to zero mean and unit variance over the masked positions.
+
+    values, mask: (B, T). Masked-out positions are returned as 0. With `shift_mean=False` the
+    mean is added back (only the scale changes), as in TRL/verl.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    loss_mat, loss_mask: (B, T).
+    - token-mean: mean over every unmasked token of the batch.
+    - seq-mean-token-sum: mean over sequences of each sequence's token sum.
+    - seq-mean-token-mean: mean over sequences of each sequence's token mean.
+    - seq-mean-token-sum-norm: sum over the batch of each sequence's token sum, divided by the
+      padded response length T, a constant normaliser (Dr. GRPO, arXiv:2503.20783).
+    Sequences whose mask is empty do not count in the sequence means.
+    """
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    seq_sum = masked_sum(loss_mat, loss_mask, dim=-1)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return seq_sum.sum() / loss_mask.shape[-1]
+    tokens = loss_mask.sum(dim=-1)
+    valid = (tokens > 0).float()
+    if loss_agg_mode == "seq-mean-token-sum":
+        per_seq = seq_sum
+    elif loss_agg_mode == "seq-mean-token-mean":
+        per_seq = seq_sum / tokens.clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    return (per_seq * valid).sum() / valid.sum().clamp(min=1)
+
+
+def clip_by_value(x: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """Clamp to [-limit, limit]; `None` leaves `x` unchanged (advantage_clip, reward_clip)."""
+    return x if limit is None else x.clamp(-limit, limit)

@@ -1,0 +1,100 @@
+"""Loss terms of the PPO objective: clipped / dual-clipped policy loss, clipped value loss,
+entropy bonus and the PTX/SFT next-token loss.
+
+Shapes: `B` sequences, `T` response positions, `V` vocabulary. `response_mask` (B, T) is 1 on
+tokens the policy sampled and 0 on padding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .core import agg_loss, masked_mean
+
+
+def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, cliprange: float | None = None,
+                        cliprange_low: float | None = None, cliprange_high: float | None = None,
+                        clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean"):
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with the dual clip of
+    Ye et al. 2020 (arXiv:1912.09729) for negative advantages.
+
+    old_log_prob, log_prob, advantages, response_mask: (B, T).
+    ratio = exp(clamp(log_prob - old_log_prob, -10, 10))
+    L1 = -A * ratio;  L2 = -A * clip(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clipped = max(L1, L2);  where A < 0: min(clipped, -A * clip_ratio_c)   (the dual clip)
+    `cliprange_low`/`cliprange_high` default to `cliprange` (asymmetric "clip-higher" when they
+    differ). `clip_ratio_c=None` gives the plain clipped objective.
+    Returns pg_loss (scalar, aggregated by `loss_agg_mode`), pg_clipfrac (share of tokens where
+    the clip is active), ppo_kl (mean of old - new log-prob, an estimate of KL(old || new)) and
+    pg_clipfrac_lower (share of tokens where the dual clip is active).
+    """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be greater than 1.0 for dual-clip PPO, got {clip_ratio_c}")
+    if cliprange_low is None:
+        cliprange_low = cliprange
+    if cliprange_high is None:
+        cliprange_high = cliprange
+    if cliprange_low is None or cliprange_high is None:
+        raise ValueError("compute_policy_loss needs cliprange or both cliprange_low and cliprange_high")
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-10.0, max=10.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+
+    if clip_ratio_c is None:
+        pg_losses = clip_pg_losses1
+        pg_clipfrac_lower = torch.zeros((), dtype=pg_clipfrac.dtype, device=pg_clipfrac.device)
+    else:
+        pg_losses3 = -advantages * clip_ratio_c
+        clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+        pg_clipfrac_lower = masked_mean(
+            (torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask)
+        pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
+                       response_mask: torch.Tensor, cliprange_value: float | None,
+                       loss_agg_mode: str = "token-mean"):
+    """Value regression, 1/2 (V - R)^2, clipped as PPO2 does (OpenAI baselines).
+
+    vpreds: (B, T) values of the critic being trained; values: (B, T) the critic's values when
+    the batch was collected; returns: (B, T) targets. With `cliprange_value` set,
+    V_clip = values + clip(vpreds - values, -c, c) and the loss is max((V-R)^2, (V_clip-R)^2)/2.
+    Returns vf_loss (scalar) and vf_clipfrac (share of tokens where the clipped term is larger).
+    """
+    losses = (vpreds - returns) ** 2
+    if cliprange_value is None:
+        return 0.5 * agg_loss(losses, response_mask, loss_agg_mode), \
+            torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
+    vpredclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    losses_clipped = (vpredclipped - returns) ** 2
+    vf_loss = 0.5 * agg_loss(torch.maximum(losses, losses_clipped), response_mask, loss_agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(losses_clipped, losses).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution of each position. logits: (..., V) -> (...)."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label. logits: (B, T, V); labels: (B, T) -> (B, T)."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def compute_sft_loss(log_prob: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean"):
+    """PTX / SFT next-token loss (InstructGPT's PPO-ptx, arXiv:2203.02155): -log p(target).
+
+    log_prob: (B, T) log-probabilities of the target tokens; loss_mask: (B, T) 1 on targets.
+    """
+    return agg_loss(-log_prob, loss_mask, loss_agg_mode)

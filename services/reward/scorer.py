@@ -1,0 +1,119 @@
+"""Reward scorers: a batch of samples in, one reward each (plus named components) out.
+
+`RuleScorer` runs verifier functions; `ModelScorer` runs a sequence-classification reward model;
+`CombinedScorer` takes a weighted sum of any of them. Each satisfies the `Scorer` protocol, which
+the reward server and the in-process trainer both call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from .rules import resolve_rule
+
+
+@dataclass
+class RewardSample:
+    prompt: str
+    response: str
+    label: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class ScoreResult:
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+class Scorer(Protocol):
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]: ...
+
+
+class RuleScorer:
+    """Weighted sum of rule functions; each rule's value is reported as a component."""
+
+    def __init__(self, rules: Sequence[tuple[str, float, dict]]):
+        if not rules:
+            raise ValueError("RuleScorer needs at least one rule")
+        self.rules = [(name, weight, kwargs, resolve_rule(name)) for name, weight, kwargs in rules]
+
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+        out = []
+        for s in samples:
+            comps = {}
+            total = 0.0
+            for name, weight, kwargs, fn in self.rules:
+                v = float(fn(s.prompt, s.response, s.label, s.metadata, **kwargs))
+                if not math.isfinite(v):
+                    raise ValueError(f"reward rule {name!r} returned {v} for a sample")
+                comps[name] = v
+                total += weight * v
+            out.append(ScoreResult(total, comps))
+        return out
+
+
+class ModelScorer:
+    """A sequence-classification reward model (any AutoModelForSequenceClassification directory
+    with one label), batched, with its own tokenizer. Reward = logit of the single class."""
+
+    def __init__(self, path: str, device: str = "cpu", batch_size: int = 32, max_length: int = 4096):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device, self.batch_size, self.max_length = device, batch_size, max_length
+
+    @torch.no_grad()
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+        out = []
+        for i in range(0, len(samples), self.batch_size):
+            chunk = samples[i:i + self.batch_size]
+            enc = self.tokenizer([s.prompt + s.response for s in chunk], return_tensors="pt", padding=True,
+                                 truncation=True, max_length=self.max_length).to(self.device)
+            logits = self.model(**enc).logits.float()
+            for v in logits[:, 0].tolist():
+                out.append(ScoreResult(v, {"model": v}))
+        return out
+
+
+class CombinedScorer:
+    """Weighted sum of named scorers; each scorer's reward becomes a component."""
+
+    def __init__(self, parts: Sequence[tuple[str, float, Scorer]]):
+        self.parts = list(parts)
+
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+        results = [ScoreResult(0.0, {}) for _ in samples]
+        for name, weight, scorer in self.parts:
+            for res, part in zip(results, scorer.score(samples)):
+                res.reward += weight * part.reward
+                res.components.update({f"{name}/{k}": v for k, v in part.components.items()})
+                res.components[name] = part.reward
+        return results
+
+
+def build_scorer(reward_cfg, device: str = "cpu") -> Scorer:
+    """The scorer a `RewardConfig` describes."""
+    parts: list[tuple[str, float, Scorer]] = []
+    if reward_cfg.type in ("rules", "combined") and reward_cfg.rules:
+        parts.append(("rules", 1.0, RuleScorer([(r.name, r.weight, r.kwargs) for r in reward_cfg.rules])))
+    if reward_cfg.type in ("model", "combined") and reward_cfg.model_path:
+        parts.append(("model", reward_cfg.model_weight, ModelScorer(reward_cfg.model_path, device)))
+    if reward_cfg.type in ("http", "combined") and reward_cfg.http_url:
+        from .http_scorer import HTTPScorer
+        parts.append(("http", reward_cfg.http_weight, HTTPScorer.from_config(reward_cfg)))
+    if not parts:
+        raise ValueError(f"reward.type={reward_cfg.type!r} needs "
+                         + {"rules": "reward.rules", "model": "reward.model_path", "http": "reward.http_url",
+                            "combined": "at least one of reward.rules, reward.model_path, reward.http_url"}[
+                             reward_cfg.type])
+    if len(parts) == 1 and parts[0][1] == 1.0:
+        return parts[0][2]
+    return CombinedScorer(parts)
