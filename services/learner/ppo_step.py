@@ -254,15 +254,16 @@ class PPOLearner:
         """Full policy weights under the plain model's names (LoRA merged in), on the CPU."""
         if not self.lora:
             return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
-        self.policy.merge_adapter()
-        try:
-            sd = {}
-            for k, v in self.policy.get_base_model().state_dict().items():
-                if "lora_" in k:
-                    continue
-                sd[k.replace(".base_layer", "")] = v.detach().cpu().clone()
-        finally:
-            self.policy.unmerge_adapter()
+        from peft.tuners.lora import LoraLayer
+        base = self.policy.get_base_model()
+        with torch.no_grad():
+            sd = {k.replace(".base_layer", ""): v.detach().cpu().clone()
+                  for k, v in base.state_dict().items() if "lora_" not in k}
+            for name, module in base.named_modules():
+                if isinstance(module, LoraLayer):
+                    for adapter in module.active_adapters:
+                        key = f"{name}.weight"
+                        sd[key] = sd[key] + module.get_delta_weight(adapter).detach().cpu().to(sd[key].dtype)
         return sd
 
     def save_policy(self, path: str | Path, tokenizer=None) -> None:

@@ -1,0 +1,97 @@
+"""The learner step's contracts: weights it pushes are the weights it trains, LoRA stays LoRA."""
+import pytest
+import torch
+
+from services.common.config import config_from_dict
+from services.generation.backend import HFBackend, SamplingParams
+from services.learner.ppo_step import PPOLearner, Rollout
+
+
+def _rollout(backend, n=8):
+    prompts = [backend.tokenizer(s)["input_ids"] for s in ["abc=", "hgfe=", "dada=", "bbcah="]]
+    gen = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    p, r, lp, idx = [], [], [], []
+    for i, (prompt, comps) in enumerate(zip(prompts, gen.completions)):
+        for c in comps:
+            p.append(prompt)
+            r.append(c.token_ids)
+            lp.append(c.log_probs)
+            idx.append(i)
+    scores = [float(len(x) % 3) for x in r]
+    return Rollout(p, r, scores, idx, lp, None, [gen.policy_version] * len(r))
+
+
+def _cfg(model_dir, **kw):
+    return config_from_dict({"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
+                             "num_return_sequences_in_group": 2, "actor_lr": 1e-3, "response_length": 8,
+                             "prompt_length": 16, **kw})
+
+
+def test_sampler_log_probs_match_recomputed_old_log_probs(tiny_model_dir):
+    backend = HFBackend(tiny_model_dir, "cpu")
+    learner = PPOLearner(_cfg(tiny_model_dir))
+    ro = _rollout(backend)
+    exp = learner.make_experience(ro)
+    for i, lp in enumerate(ro.gen_log_probs):
+        assert torch.allclose(exp.old_log_probs[i, :len(lp)], torch.tensor(lp), atol=1e-4)
+
+
+def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_model_dir):
+    backend = HFBackend(tiny_model_dir, "cpu")
+    learner = PPOLearner(_cfg(tiny_model_dir))
+    ro = _rollout(backend)
+    learner.step(ro)
+    assert learner.version == 1
+    prompts = [backend.tokenizer("abcd=")["input_ids"]]
+    before = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).completions[0][0]
+    backend.update_weights(learner.policy_state_dict(), learner.version)
+    after = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    assert after.policy_version == 1
+    out = learner.policy.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False,
+                                  eos_token_id=backend.eos_token_id, pad_token_id=backend.pad_token_id)
+    expected = out[0, len(prompts[0]):].tolist()
+    assert after.completions[0][0].token_ids == expected[:len(after.completions[0][0].token_ids)]
+    with pytest.raises(ValueError, match="not newer"):
+        backend.update_weights(learner.policy_state_dict(), 1)
+
+
+def test_lora_trains_only_adapters_and_pushes_merged_weights(tiny_model_dir):
+    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+                                                      "lora": {"rank": 4}}, use_kl_loss=True))
+    backend = HFBackend(tiny_model_dir, "cpu")
+    base = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    learner.step(_rollout(backend))
+    sd = learner.policy_state_dict()
+    assert set(sd) == set(base)
+    changed = [k for k in sd if not torch.equal(sd[k], base[k])]
+    assert changed and all(any(m in k for m in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in changed)
+    # the base weights inside the peft model are untouched (adapters are unmerged again)
+    for k, v in learner.policy.get_base_model().state_dict().items():
+        if "lora_" not in k and "q_proj" in k and "weight" in k:
+            assert torch.equal(v, base[k.replace(".base_layer", "")])
+
+
+def test_update_with_an_unknown_tensor_changes_nothing(tiny_model_dir):
+    backend = HFBackend(tiny_model_dir, "cpu")
+    sd = {k: v.clone() + 1 for k, v in backend.model.state_dict().items()}
+    sd["nope.weight"] = torch.zeros(1)
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    with pytest.raises(KeyError, match="nope.weight"):
+        backend.update_weights(sd, 1)
+    bad_shape = {"model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match="shape"):
+        backend.update_weights(bad_shape, 1)
+    assert backend.version == 0
+    for k, v in backend.model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
+    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+                                                      "lora": {"rank": 4}}))
+    backend = HFBackend(tiny_model_dir, "cpu")
+    learner.step(_rollout(backend))
+    backend.update_weights(learner.policy_state_dict(), learner.version)
+    ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
+    with torch.no_grad():
+        assert torch.allclose(backend.model(ids).logits, learner.policy(ids).logits, atol=1e-5)
