@@ -1,0 +1,35 @@
+from services.common.data import EpochSampler, load_prompts, reverse_task
+from services.common.modeling import load_tokenizer
+
+
+def test_tokenizer_roundtrip_and_chat_template(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    ids = tok("abc=")["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == 5
+    assert tok.decode(ids, skip_special_tokens=True) == "abc="
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "user: hi\nassistant: "
+
+
+def test_train_and_held_out_prompts_are_disjoint():
+    train = {r.prompt for r in reverse_task("train")}
+    held = {r.prompt for r in reverse_task("eval")}
+    assert train and held and not train & held
+    assert all(r.label == r.prompt[:-1][::-1] for r in reverse_task("eval", 20))
+
+
+def test_jsonl_prompts_with_messages_and_labels(tiny_model_dir, tmp_path):
+    tok = load_tokenizer(tiny_model_dir)
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "abc=", "label": "cba"}\n\n{"messages": [{"role": "user", "content": "x"}], "solution": 4}\n')
+    recs = load_prompts(str(f), "train", tok)
+    assert [r.prompt for r in recs] == ["abc=", "user: x\nassistant: "] and [r.label for r in recs] == ["cba", "4"]
+
+
+def test_epoch_sampler_uses_every_record_once_per_epoch():
+    recs = reverse_task("train", 10)
+    s = EpochSampler(recs, seed=0)
+    first = s.take(10)
+    assert sorted(r.id for r in first) == sorted(r.id for r in recs) and s.epoch == 0
+    s.take(1)
+    assert s.epoch == 1
