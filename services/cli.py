@@ -3,6 +3,7 @@
     rlhf init-model --out runs/tiny-model           build the tiny default policy offline
     rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
     rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
+    rlhf serve generation|reward|critic -c FILE     one service, until SIGTERM
 """
 from __future__ import annotations
 
@@ -63,6 +64,42 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Run one service in the foreground until SIGTERM/SIGINT (graceful shutdown)."""
+    cfg = _load(args)
+    ep = getattr(cfg.rpc, args.service)
+    if args.port is not None:
+        ep.port = args.port
+    if args.host is not None:
+        ep.host = args.host
+    if args.metrics_port is not None:
+        ep.metrics_port = args.metrics_port if args.metrics_port >= 0 else None
+    if args.service == "generation":
+        from .generation.server import build_generation_server
+        server, servicer = build_generation_server(cfg)
+        stop_extra = servicer.batcher.close
+    elif args.service == "reward":
+        if args.http_port is not None:
+            cfg.rpc.reward.http_port = args.http_port if args.http_port >= 0 else None
+        from .reward.server import build_reward_server
+        server, http = build_reward_server(cfg)
+        stop_extra = http.stop if http else (lambda: None)
+    elif args.service == "critic":
+        from .critic.server import build_critic_server
+        server = build_critic_server(cfg)
+        stop_extra = lambda: None  # noqa: E731
+    else:
+        print(f"unknown service {args.service!r}", file=sys.stderr)
+        return EXIT_CONFIG
+    server.install_signal_handlers()
+    # one machine-readable line, for supervisors that start services on free ports
+    extra = f" http_port={server.http_port}" if getattr(server, "http_port", None) else ""
+    print(f"READY service={args.service} port={server.port} metrics_port={server.metrics_port}{extra}", flush=True)
+    server.wait()
+    stop_extra()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="Microservice PPO for language models")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -86,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run every part in this process")
     p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("serve", help="run one service: generation, reward or critic")
+    p.add_argument("service", choices=["generation", "reward", "critic"])
+    _add_config_args(p)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, help="gRPC port (0 = a free one)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (0 = a free one, -1 = off)")
+    p.add_argument("--http-port", type=int, help="reward only: OpenRLHF HTTP port (0 = free, -1 = off)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -94,6 +94,44 @@ class RunConfig(_Strict):
     max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds")
 
 
+class Endpoint(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(..., ge=0, le=65535, description="0 picks a free port")
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="Prometheus /metrics; null = off")
+
+
+class RewardEndpoint(Endpoint):
+    http_port: Optional[int] = Field(8052, ge=0, le=65535, description="OpenRLHF-style HTTP reward API; null = off")
+
+
+class RPCConfig(_Strict):
+    host: str = Field("127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
+    auth_token: Optional[str] = Field(None, description="bearer token every call must carry")
+    auth_token_env: str = Field("RLHF_AUTH_TOKEN", description="env var read when auth_token is null")
+    tls_cert_file: Optional[str] = None
+    tls_key_file: Optional[str] = None
+    tls_ca_file: Optional[str] = Field(None, description="clients: CA to trust (default the cert itself)")
+    max_message_mb: int = Field(256, ge=1, le=2047)
+    grace_s: float = Field(10.0, ge=0, description="shutdown: seconds in-flight calls may take")
+    timeout_s: float = Field(120.0, gt=0, description="client deadline per call")
+    max_samples_per_prompt: int = Field(64, ge=1, description="limit on Generate's n")
+    max_prompts_per_request: int = Field(4096, ge=1)
+    generation: Endpoint = Field(default_factory=lambda: Endpoint(port=50051, metrics_port=9101))
+    reward: RewardEndpoint = Field(default_factory=lambda: RewardEndpoint(port=50052, metrics_port=9102))
+    critic: Endpoint = Field(default_factory=lambda: Endpoint(port=50053, metrics_port=9103))
+    learner: Endpoint = Field(default_factory=lambda: Endpoint(port=50054, metrics_port=9104))
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "RPCConfig":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("rpc.tls_cert_file and rpc.tls_key_file must be set together")
+        return self
+
+    def resolved_auth_token(self) -> Optional[str]:
+        import os
+        return self.auth_token or os.environ.get(self.auth_token_env) or None
+
+
 class Config(_Strict):
     # --- ppo related (names and defaults of the seed table) -----------------------------------
     rollout_batch_size: int = Field(512, gt=0, description="prompts per batch")
@@ -147,6 +185,7 @@ class Config(_Strict):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    rpc: RPCConfig = Field(default_factory=RPCConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":

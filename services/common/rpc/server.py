@@ -1,0 +1,187 @@
+"""What every gRPC server of the system shares: bearer-token auth, request ids, Prometheus
+metrics and error mapping in one interceptor; the standard health service (liveness on "",
+readiness on the service's own name); optional TLS; message-size limits; graceful shutdown.
+
+    server = RPCServer("generation", rpc_cfg, port=50051, metrics_port=9101)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
+    server.start(); server.set_ready(True); server.wait()
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from .codec import BadRequest
+
+log = logging.getLogger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Unavailable(Exception):
+    """A dependency could not answer (e.g. an external reward API); mapped to UNAVAILABLE."""
+
+
+class ServiceMetrics:
+    """Per-server Prometheus metrics in a registry of its own (several servers in one process)."""
+
+    def __init__(self, service: str):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("rlhf_rpc_requests_total", "RPCs handled", ["service", "method", "code"],
+                                registry=self.registry)
+        self.latency = Histogram("rlhf_rpc_latency_seconds", "RPC latency", ["service", "method"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("rlhf_batch_size", "items per batch", ["service", "what"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=self.registry)
+        self.tokens = Counter("rlhf_generated_tokens_total", "tokens generated", ["service"], registry=self.registry)
+        self.tokens_per_s = Histogram("rlhf_tokens_per_second", "generation throughput per batch", ["service"],
+                                      buckets=(10, 100, 1e3, 1e4, 1e5, 1e6), registry=self.registry)
+        self.service = service
+
+
+class _ServerInterceptor(grpc.ServerInterceptor):
+    def __init__(self, service: str, token: str | None, metrics: ServiceMetrics):
+        self.service, self.token, self.metrics = service, token, metrics
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler  # health stays open for probes (kubelet sends no token)
+        method = details.method.rsplit("/", 1)[-1]
+        authorized = self.token is None or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}"
+        metrics = self.metrics
+
+        def wrap(fn):
+            def inner(request_or_iterator, context):
+                t0 = time.perf_counter()
+                code = grpc.StatusCode.OK
+                request_id = dict(context.invocation_metadata()).get("x-request-id") or uuid.uuid4().hex[:12]
+                try:
+                    if not authorized:
+                        code = grpc.StatusCode.UNAUTHENTICATED
+                        context.abort(code, "missing or wrong bearer token (metadata 'authorization: Bearer ...')")
+                    context.set_trailing_metadata((("x-request-id", request_id),))
+                    return fn(request_or_iterator, context)
+                except BadRequest as e:
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    context.abort(code, str(e))
+                except Unavailable as e:
+                    code = grpc.StatusCode.UNAVAILABLE
+                    context.abort(code, str(e))
+                except Exception as e:
+                    if code == grpc.StatusCode.OK:  # context.abort raises a plain Exception
+                        got = getattr(context, "code", lambda: None)()
+                        if got is not None and got != grpc.StatusCode.OK:
+                            code = got
+                        else:
+                            code = grpc.StatusCode.INTERNAL
+                            log.exception("%s/%s failed (request %s)", self.service, method, request_id)
+                            context.abort(code, f"internal error: {type(e).__name__}: {e}")
+                    raise
+                finally:
+                    metrics.requests.labels(self.service, method, code.name).inc()
+                    metrics.latency.labels(self.service, method).observe(time.perf_counter() - t0)
+            return inner
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), handler.request_deserializer,
+                                                       handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler
+
+
+def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+    limit = max_message_mb * 1024 * 1024
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+class RPCServer:
+    def __init__(self, service: str, rpc_cfg, port: int, metrics_port: int | None = None, host: str | None = None,
+                 max_workers: int = 16):
+        self.service, self.cfg = service, rpc_cfg
+        self.metrics = ServiceMetrics(service)
+        token = rpc_cfg.resolved_auth_token()
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                                interceptors=[_ServerInterceptor(service, token, self.metrics)],
+                                options=channel_options(rpc_cfg.max_message_mb))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        address = f"{host or rpc_cfg.host}:{port}"
+        if rpc_cfg.tls_cert_file:
+            key = Path(rpc_cfg.tls_key_file).read_bytes()
+            cert = Path(rpc_cfg.tls_cert_file).read_bytes()
+            creds = grpc.ssl_server_credentials([(key, cert)])
+            self.port = self.grpc.add_secure_port(address, creds)
+        else:
+            self.port = self.grpc.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+        self.metrics_port = None
+        if metrics_port is not None:
+            httpd, _ = start_http_server(metrics_port, addr=host or rpc_cfg.host, registry=self.metrics.registry)
+            self.metrics_port = httpd.server_address[1]
+            self._metrics_httpd = httpd
+        self.ready_name = f"rlhf.v1.{service.capitalize()}"
+        self._stopped = threading.Event()
+        self.health.set(self.ready_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def start(self) -> "RPCServer":
+        self.grpc.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # alive
+        log.info("%s server listening on %s:%d%s", self.service, self.cfg.host, self.port,
+                 f" (metrics on :{self.metrics_port})" if self.metrics_port else "")
+        return self
+
+    def set_ready(self, ready: bool) -> None:
+        self.health.set(self.ready_name, health_pb2.HealthCheckResponse.SERVING if ready
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let in-flight calls finish (up to `grace` seconds), then stop."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.set_ready(False)
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(self.cfg.grace_s if grace is None else grace).wait()
+        if getattr(self, "_metrics_httpd", None) is not None:
+            self._metrics_httpd.shutdown()
+        log.info("%s server stopped", self.service)
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, frame):
+            log.info("%s: signal %d, shutting down gracefully", self.service, signum)
+            threading.Thread(target=self.stop, daemon=True).start()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()
+
+
+def client_channel(address: str, rpc_cfg) -> grpc.Channel:
+    opts = channel_options(rpc_cfg.max_message_mb)
+    if rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file:
+        ca = Path(rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file).read_bytes()
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), opts)
+    return grpc.insecure_channel(address, opts)
+
+
+def call_metadata(rpc_cfg) -> tuple:
+    token = rpc_cfg.resolved_auth_token()
+    return (("authorization", f"Bearer {token}"),) if token else ()

@@ -1,0 +1,36 @@
+"""gRPC client of the critic server with the in-process `Critic`'s interface."""
+from __future__ import annotations
+
+import torch
+
+from ..common.modeling import TokenBatch
+from ..common.rpc.codec import batch_to_proto, tensor_from_proto, tensor_to_proto
+from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
+from ..common.rpc.server import call_metadata, client_channel
+
+
+class CriticClient:
+    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
+        self.channel = client_channel(address, rpc_cfg)
+        self.stub = critic_pb2_grpc.CriticStub(self.channel)
+        self.metadata = call_metadata(rpc_cfg)
+        self.timeout = timeout_s or rpc_cfg.timeout_s
+
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        resp = self.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(batch)), timeout=self.timeout,
+                                metadata=self.metadata)
+        return tensor_from_proto(resp.values, "values")
+
+    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
+        req = cpb.TrainRequest(batch=batch_to_proto(batch), returns=tensor_to_proto(returns.float()),
+                               old_values=tensor_to_proto(old_values.float()))
+        return dict(self.stub.Train(req, timeout=self.timeout, metadata=self.metadata).metrics)
+
+    def save(self, path: str) -> int:
+        return self.stub.Save(cpb.CheckpointRequest(path=str(path)), timeout=self.timeout, metadata=self.metadata).step
+
+    def load(self, path: str) -> int:
+        return self.stub.Load(cpb.CheckpointRequest(path=str(path)), timeout=self.timeout, metadata=self.metadata).step
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,75 @@
+"""The critic server: Values, Train (one optimiser step), Save, Load.
+
+    rlhf serve critic -c configs/tiny-cpu.yaml
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
+from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
+from ..common.rpc.server import RPCServer
+
+
+class CriticServicer(critic_pb2_grpc.CriticServicer):
+    def __init__(self, critic, cfg, metrics=None):
+        self.critic, self.cfg, self.metrics = critic, cfg, metrics
+        self.vocab_size = critic.model.backbone.config.vocab_size
+        self._lock = threading.Lock()  # one optimiser step at a time; values wait for it
+
+    def _batch(self, msg):
+        b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length)
+        if self.metrics:
+            self.metrics.batch_size.labels(self.metrics.service, "sequences").observe(b.input_ids.shape[0])
+        return b
+
+    def Values(self, request, context):
+        batch = self._batch(request.batch)
+        with self._lock:
+            values = self.critic.values(batch)
+        return cpb.ValuesResponse(values=tensor_to_proto(values.float()))
+
+    def Train(self, request, context):
+        batch = self._batch(request.batch)
+        shape = tuple(batch.response_mask.shape)
+        returns = tensor_from_proto(request.returns, "returns", ndim=2).float()
+        old = tensor_from_proto(request.old_values, "old_values", ndim=2).float()
+        for name, t in (("returns", returns), ("old_values", old)):
+            if tuple(t.shape) != shape:
+                raise BadRequest(f"{name}: shape {list(t.shape)}, expected {list(shape)} (the response_mask's)")
+        with self._lock:
+            metrics = self.critic.train_step(batch, returns, old)
+        return cpb.TrainResponse(metrics=metrics, step=self.critic.steps)
+
+    def _path(self, path: str) -> Path:
+        if not path:
+            raise BadRequest("path: empty")
+        return Path(path)
+
+    def Save(self, request, context):
+        p = self._path(request.path)
+        with self._lock:
+            self.critic.save(p)
+        return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
+
+    def Load(self, request, context):
+        p = self._path(request.path)
+        if not (p / "value_head.safetensors").exists():
+            raise BadRequest(f"path: no critic checkpoint in {p} (value_head.safetensors missing)")
+        with self._lock:
+            self.critic.load(p)
+        return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
+
+
+def build_critic_server(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1):
+    if critic is None:
+        from .critic import Critic
+        critic = Critic.from_config(cfg)
+    ep = cfg.rpc.critic
+    server = RPCServer("critic", cfg.rpc, ep.port if port is None else port,
+                       ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+    critic_pb2_grpc.add_CriticServicer_to_server(CriticServicer(critic, cfg, server.metrics), server.grpc)
+    server.start()
+    server.set_ready(True)
+    return server

@@ -1,0 +1,215 @@
+"""The generation server: Generate (batched across concurrent callers), PushWeights (streamed,
+checksummed, applied atomically between batches), GetInfo.
+
+    rlhf serve generation -c configs/tiny-cpu.yaml
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..common.rpc.codec import BadRequest, assemble_weights
+from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
+from ..common.rpc.server import RPCServer
+from .backend import GenerationResult, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: Future
+
+
+class Batcher:
+    """Collects concurrent Generate calls for up to `window_s` (or `max_batch_size` prompts) and
+    runs each group of calls with equal sampling parameters as one backend batch. Calls with a
+    seed run alone, so their samples do not depend on what else was in flight."""
+
+    def __init__(self, backend, max_batch_size: int, window_s: float, metrics=None):
+        self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
+        self.q: queue.Queue[_Job | None] = queue.Queue()
+        self.batches = 0
+        self._thread = threading.Thread(target=self._loop, name="generation-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
+        fut: Future = Future()
+        self.q.put(_Job(prompts, params, fut))
+        return fut.result()
+
+    def close(self) -> None:
+        self.q.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            jobs = [job]
+            size = len(job.prompts)
+            deadline = time.monotonic() + self.window_s
+            while size < self.max_batch_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    nxt = self.q.get(timeout=remaining)
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.q.put(None)
+                    break
+                jobs.append(nxt)
+                size += len(nxt.prompts)
+            groups: dict = {}
+            for j in jobs:
+                p = j.params
+                key = (p.n, p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop_token_ids),
+                       id(j) if p.seed is not None else None)
+                groups.setdefault(key, []).append(j)
+            for group in groups.values():
+                self._run(group)
+
+    def _run(self, group: list[_Job]) -> None:
+        prompts = [p for j in group for p in j.prompts]
+        try:
+            res = self.backend.generate(prompts, group[0].params)
+        except Exception as e:  # every caller of the batch sees the error
+            for j in group:
+                j.future.set_exception(e)
+            return
+        self.batches += 1
+        if self.metrics is not None:
+            self.metrics.batch_size.labels(self.metrics.service, "prompts").observe(len(prompts))
+            self.metrics.tokens.labels(self.metrics.service).inc(res.tokens)
+            self.metrics.tokens_per_s.labels(self.metrics.service).observe(res.tokens / max(res.seconds, 1e-9))
+        start = 0
+        for j in group:
+            n = len(j.prompts)
+            share = res.completions[start:start + n]
+            j.future.set_result(GenerationResult(share, res.policy_version,
+                                                 sum(len(c.token_ids) for cs in share for c in cs), res.seconds))
+            start += n
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, backend, cfg, server: RPCServer | None = None, model_name: str = ""):
+        self.backend, self.cfg, self.server = backend, cfg, server
+        self.tok = backend.tokenizer
+        self.vocab_size = backend.vocab_size
+        self.model_name = model_name or cfg.model.path
+        self.batcher = Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000,
+                               server.metrics if server else None)
+        self._push_lock = threading.Lock()
+
+    # ------------------------------------------------------------ decode + check
+    def _prompt_ids(self, i: int, p: gpb.Prompt) -> list[int]:
+        kind = p.WhichOneof("input")
+        if kind == "tokens":
+            ids = list(p.tokens.ids)
+        elif kind == "text":
+            ids = self.tok(p.text)["input_ids"]
+        elif kind == "chat":
+            if not p.chat.messages:
+                raise BadRequest(f"prompts[{i}].chat.messages: empty")
+            text = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in p.chat.messages],
+                                                tokenize=False, add_generation_prompt=True)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            raise BadRequest(f"prompts[{i}]: none of tokens, text, chat is set")
+        if not ids:
+            raise BadRequest(f"prompts[{i}]: empty prompt")
+        if len(ids) > self.cfg.prompt_length:
+            raise BadRequest(f"prompts[{i}]: {len(ids)} tokens, more than prompt_length={self.cfg.prompt_length}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"prompts[{i}].tokens: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _params(self, m: gpb.SamplingParams) -> SamplingParams:
+        rpc, g = self.cfg.rpc, self.cfg.generation
+        n = m.n or 1
+        if not 1 <= n <= rpc.max_samples_per_prompt:
+            raise BadRequest(f"params.n: {n} outside [1, {rpc.max_samples_per_prompt}]")
+        temperature = m.temperature if m.HasField("temperature") else g.temperature
+        if not math.isfinite(temperature) or not 0 <= temperature <= 10:
+            raise BadRequest(f"params.temperature: {temperature} outside [0, 10]")
+        top_p = m.top_p if m.HasField("top_p") else g.top_p
+        if not math.isfinite(top_p) or not 0 < top_p <= 1:
+            raise BadRequest(f"params.top_p: {top_p} outside (0, 1]")
+        if m.top_k < 0:
+            raise BadRequest(f"params.top_k: {m.top_k} is negative (0 turns top-k off)")
+        max_new = m.max_new_tokens or self.cfg.response_length
+        if not 1 <= max_new <= self.cfg.response_length:
+            raise BadRequest(f"params.max_new_tokens: {max_new} outside [1, response_length={self.cfg.response_length}]")
+        bad = [t for t in m.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"params.stop_token_ids: {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=m.top_k, max_new_tokens=max_new,
+                              stop_token_ids=list(m.stop_token_ids), seed=m.seed if m.HasField("seed") else None)
+
+    # ------------------------------------------------------------ RPCs
+    def Generate(self, request, context):
+        if not request.prompts:
+            raise BadRequest("prompts: empty batch (0 prompts)")
+        if len(request.prompts) > self.cfg.rpc.max_prompts_per_request:
+            raise BadRequest(f"prompts: {len(request.prompts)} prompts, more than {self.cfg.rpc.max_prompts_per_request}")
+        prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
+        params = self._params(request.params)
+        res = self.batcher.submit(prompts, params)
+        out = gpb.GenerateResponse(policy_version=res.policy_version)
+        for ids, comps in zip(prompts, res.completions):
+            out.results.append(gpb.PromptResult(prompt_token_ids=ids, completions=[
+                gpb.Completion(token_ids=c.token_ids, log_probs=c.log_probs, finish_reason=c.finish_reason,
+                               text=self.tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]))
+        return out
+
+    def PushWeights(self, request_iterator, context):
+        t0 = time.perf_counter()
+        with self._push_lock:  # one push at a time; generation goes on until the swap
+            version, fmt, state, nbytes = assemble_weights(
+                request_iterator, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64)
+            if version <= self.backend.version:
+                raise BadRequest(f"weights.header.version: {version} is not newer than the serving "
+                                 f"version {self.backend.version}")
+            if self.server:
+                self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
+            try:
+                self.backend.update_weights(state, version)
+            except (KeyError, ValueError) as e:
+                raise BadRequest(f"weights: {e}") from None
+            finally:
+                if self.server:
+                    self.server.set_ready(True)
+        secs = time.perf_counter() - t0
+        log.info("policy version %d applied (%s, %.1f MB in %.2fs)", version, fmt, nbytes / 1e6, secs)
+        return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
+
+    def GetInfo(self, request, context):
+        return gpb.GenerationInfo(model=self.model_name, backend=self.cfg.generation.backend,
+                                  policy_version=self.backend.version, vocab_size=self.vocab_size,
+                                  prompt_length=self.cfg.prompt_length, response_length=self.cfg.response_length,
+                                  eos_token_id=self.backend.eos_token_id, pad_token_id=self.backend.pad_token_id)
+
+
+def build_generation_server(cfg, backend=None, port: int | None = None, metrics_port: int | None = -1) -> tuple:
+    """Start a generation server for `cfg` (or a given backend). Returns (RPCServer, servicer)."""
+    if backend is None:
+        from .backend import HFBackend
+        backend = HFBackend(cfg.model.path, cfg.model.device)
+    ep = cfg.rpc.generation
+    server = RPCServer("generation", cfg.rpc, ep.port if port is None else port,
+                       ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+    servicer = GenerationServicer(backend, cfg, server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
+    server.start()
+    server.set_ready(True)
+    return server, servicer

@@ -1,0 +1,146 @@
+"""The reward server: gRPC `Score`, and the same scorer over HTTP in OpenRLHF's remote reward
+protocol (`POST /score` or `/get_reward`), so other frameworks can use it as their reward model.
+
+    rlhf serve reward -c configs/tiny-cpu.yaml
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+
+from ..common.rpc.codec import BadRequest
+from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
+from ..common.rpc.server import RPCServer
+from .scorer import RewardSample
+
+log = logging.getLogger(__name__)
+MAX_SAMPLES = 65536
+
+
+def _check_scores(results) -> None:
+    for i, r in enumerate(results):
+        if not math.isfinite(r.reward):
+            raise ValueError(f"scorer returned {r.reward} for sample {i}")
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    def __init__(self, scorer, metrics=None):
+        self.scorer, self.metrics = scorer, metrics
+
+    def Score(self, request, context):
+        if not request.samples:
+            raise BadRequest("samples: empty batch (0 samples)")
+        if len(request.samples) > MAX_SAMPLES:
+            raise BadRequest(f"samples: {len(request.samples)} samples, more than {MAX_SAMPLES}")
+        samples = []
+        for i, s in enumerate(request.samples):
+            try:
+                meta = json.loads(s.metadata_json) if s.metadata_json else {}
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"samples[{i}].metadata_json: not JSON ({e})") from None
+            if not isinstance(meta, dict):
+                raise BadRequest(f"samples[{i}].metadata_json: must be a JSON object")
+            samples.append(RewardSample(s.prompt, s.response, s.label if s.HasField("label") else None, meta))
+        try:
+            results = self.scorer.score(samples)
+        except ValueError as e:  # a rule's own complaint about its input (e.g. a missing label)
+            raise BadRequest(str(e)) from None
+        _check_scores(results)
+        if self.metrics:
+            self.metrics.batch_size.labels(self.metrics.service, "samples").observe(len(samples))
+        return rpb.ScoreResponse(scores=[rpb.Score(reward=r.reward, components=r.components) for r in results])
+
+
+def build_http_app(scorer, token: str | None = None):
+    """FastAPI app answering OpenRLHF's remote reward request shape."""
+    from fastapi import FastAPI, Header, HTTPException
+    from pydantic import BaseModel, Field
+
+    class RewardRequest(BaseModel):
+        query: list[str] = Field(..., description="prompt + response per sample")
+        prompts: list[str] | None = None
+        labels: list[str | None] | None = None
+
+    app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
+
+    def score(req: RewardRequest, authorization: str | None):
+        if token is not None and authorization != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong bearer token")
+        n = len(req.query)
+        if n == 0:
+            raise HTTPException(422, "query: empty batch")
+        prompts = req.prompts or [""] * n
+        labels = req.labels or [None] * n
+        if len(prompts) != n or len(labels) != n:
+            raise HTTPException(422, f"query, prompts and labels must have one entry per sample ({n})")
+        samples = []
+        for q, p, l in zip(req.query, prompts, labels):
+            response = q[len(p):] if p and q.startswith(p) else q
+            samples.append(RewardSample(p, response, l))
+        try:
+            results = scorer.score(samples)
+        except ValueError as e:
+            raise HTTPException(422, str(e))
+        _check_scores(results)
+        rewards = [r.reward for r in results]
+        return {"rewards": rewards, "scores": rewards, "extra_logs": {
+            k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})}}
+
+    @app.post("/score")
+    def score_endpoint(req: RewardRequest, authorization: str | None = Header(None)):
+        return score(req, authorization)
+
+    @app.post("/get_reward")
+    def get_reward(req: RewardRequest, authorization: str | None = Header(None)):
+        return score(req, authorization)
+
+    @app.get("/health")
+    def healthz():
+        return {"status": "ok"}
+
+    return app
+
+
+class HTTPServerThread:
+    """uvicorn in a background thread, stoppable."""
+
+    def __init__(self, app, host: str, port: int):
+        import uvicorn
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="reward-http", daemon=True)
+
+    def start(self, timeout: float = 10.0) -> int:
+        import time
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > timeout or not self.thread.is_alive():
+                raise RuntimeError("the reward HTTP server did not start")
+            time.sleep(0.02)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def build_reward_server(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
+                        metrics_port: int | None = -1):
+    """Start gRPC (and HTTP unless http_port is None). Returns (RPCServer, HTTPServerThread|None)."""
+    if scorer is None:
+        from .scorer import build_scorer
+        scorer = build_scorer(cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu")
+    ep = cfg.rpc.reward
+    server = RPCServer("reward", cfg.rpc, ep.port if port is None else port,
+                       ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer, server.metrics), server.grpc)
+    server.start()
+    http = None
+    hp = ep.http_port if http_port == -1 else http_port
+    if hp is not None:
+        http = HTTPServerThread(build_http_app(scorer, cfg.rpc.resolved_auth_token()), ep.host, hp)
+        server.http_port = http.start()
+    server.set_ready(True)
+    return server, http
