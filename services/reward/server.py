@@ -9,6 +9,9 @@ import json
 import logging
 import math
 import threading
+from typing import Optional
+
+from pydantic import BaseModel, Field
 
 from ..common.rpc.codec import BadRequest
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
@@ -17,6 +20,13 @@ from .scorer import RewardSample
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 65536
+
+
+class RewardRequest(BaseModel):
+    """OpenRLHF's remote reward request."""
+    query: list[str] = Field(..., description="prompt + response per sample")
+    prompts: Optional[list[str]] = None
+    labels: Optional[list[Optional[str]]] = None
 
 
 def _check_scores(results) -> None:
@@ -56,12 +66,6 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 def build_http_app(scorer, token: str | None = None):
     """FastAPI app answering OpenRLHF's remote reward request shape."""
     from fastapi import FastAPI, Header, HTTPException
-    from pydantic import BaseModel, Field
-
-    class RewardRequest(BaseModel):
-        query: list[str] = Field(..., description="prompt + response per sample")
-        prompts: list[str] | None = None
-        labels: list[str | None] | None = None
 
     app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
 

@@ -1,0 +1,155 @@
+"""The reward server over gRPC and over its own HTTP endpoint, and the `http` scorer against a
+real local HTTP reward API that fails, stalls and recovers."""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import httpx
+import pytest
+
+from services.common.rpc.gen import reward_pb2 as rpb
+from services.reward.client import RewardClient
+from services.reward.http_scorer import HTTPScorer, RewardUnavailable
+from services.reward.scorer import CombinedScorer, RewardSample, RuleScorer
+from services.reward.server import build_reward_server
+
+from .conftest import TOKEN, expect_code
+
+
+class FlakyRewardAPI:
+    """A real HTTP server speaking OpenRLHF's protocol; its behaviour is scripted per request:
+    'ok', 'fail' (HTTP 503), 'stall' (sleeps past the client's timeout), 'bad' (wrong count)."""
+
+    def __init__(self):
+        self.script: list[str] = []
+        self.requests: list[dict] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                api.requests.append(body)
+                mode = api.script.pop(0) if api.script else "ok"
+                if mode == "fail":
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                if mode == "stall":
+                    time.sleep(1.0)
+                rewards = [float(len(q)) for q in body["query"]]
+                if mode == "bad":
+                    rewards = rewards[:-1]
+                if mode == "lists":
+                    rewards = [[r, 1.0] for r in rewards]
+                data = json.dumps({"rewards": rewards, "extra": "ignored"}).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except BrokenPipeError:
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture()
+def api():
+    a = FlakyRewardAPI()
+    yield a
+    a.close()
+
+
+SAMPLES = [RewardSample("abc=", "cba", "cba"), RewardSample("ab=", "xx", "ba")]
+
+
+def test_http_scorer_speaks_openrlhf_protocol(api):
+    s = HTTPScorer(api.url, timeout_s=0.5, retries=0)
+    out = s.score(SAMPLES)
+    assert [r.reward for r in out] == [7.0, 5.0]
+    assert api.requests[0] == {"query": ["abc=cba", "ab=xx"], "prompts": ["abc=", "ab="], "labels": ["cba", "ba"]}
+    api.script = ["lists"]
+    assert [r.reward for r in s.score(SAMPLES)] == [8.0, 6.0]
+
+
+def test_http_scorer_retries_through_failures_and_stalls(api):
+    api.script = ["fail", "stall", "ok"]
+    s = HTTPScorer(api.url, timeout_s=0.3, retries=3, backoff_s=0.05)
+    assert [r.reward for r in s.score(SAMPLES)] == [7.0, 5.0]
+    assert len(api.requests) == 3
+
+
+def test_http_scorer_gives_up_loudly_never_a_silent_zero(api):
+    api.script = ["fail", "fail", "fail"]
+    s = HTTPScorer(api.url, timeout_s=0.3, retries=2, backoff_s=0.01)
+    with pytest.raises(RewardUnavailable, match="after 3 attempts .*HTTP 503"):
+        s.score(SAMPLES)
+    api.script = ["bad"]
+    with pytest.raises(RewardUnavailable, match="1 rewards for 2 samples"):
+        HTTPScorer(api.url, retries=0).score(SAMPLES)
+    with pytest.raises(RewardUnavailable, match="no reward"):
+        HTTPScorer("http://127.0.0.1:9/nothing", timeout_s=0.2, retries=1, backoff_s=0.01).score(SAMPLES)
+
+
+def test_http_scorer_batches_and_limits_concurrency(api):
+    s = HTTPScorer(api.url, batch_size=3, concurrency=2)
+    out = s.score([RewardSample("p", "r" * i) for i in range(10)])
+    assert [r.reward for r in out] == [1.0 + i for i in range(10)]
+    assert sorted(len(r["query"]) for r in api.requests) == [1, 3, 3, 3]
+
+
+@pytest.fixture()
+def reward_server(cfg, api):
+    scorer = CombinedScorer([("rules", 1.0, RuleScorer([("exact_match", 1.0, {}), ("edit_distance", 0.5, {})])),
+                             ("http", 0.1, HTTPScorer(api.url, timeout_s=0.3, retries=1, backoff_s=0.01))])
+    srv, http = build_reward_server(cfg, scorer, port=0, http_port=0, metrics_port=None)
+    yield srv
+    http.stop()
+    srv.stop(0)
+
+
+def test_grpc_score_with_components(reward_server, cfg):
+    c = RewardClient(f"127.0.0.1:{reward_server.port}", cfg.rpc)
+    out = c.score([RewardSample("abc=", "cba", "cba", {"k": 1}), RewardSample("ab=", "ab", "ba")])
+    assert out[0].reward == pytest.approx(1.0 + 0.5 + 0.1 * 7) and out[0].components["rules/exact_match"] == 1.0
+    assert out[1].components["http"] == 5.0
+
+
+def test_grpc_bad_input_and_auth(reward_server, cfg, api):
+    c = RewardClient(f"127.0.0.1:{reward_server.port}", cfg.rpc)
+    expect_code(lambda: c.stub.Score(rpb.ScoreRequest(), metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
+                "samples: empty batch")
+    bad_meta = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="a", response="b", label="b", metadata_json="{x")])
+    expect_code(lambda: c.stub.Score(bad_meta, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
+                "samples[0].metadata_json")
+    no_label = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="a", response="b")])
+    expect_code(lambda: c.stub.Score(no_label, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT, "needs a label")
+    expect_code(lambda: c.stub.Score(no_label), grpc.StatusCode.UNAUTHENTICATED)
+    api.script = ["fail", "fail"]
+    expect_code(lambda: c.score(SAMPLES), grpc.StatusCode.UNAVAILABLE, "reward API")
+    assert len(c.score(SAMPLES)) == 2  # recovered, still serving
+
+
+def test_reward_server_speaks_openrlhf_http(reward_server):
+    url = f"http://127.0.0.1:{reward_server.http_port}"
+    body = {"query": ["abc=cba", "ab=xx"], "prompts": ["abc=", "ab="], "labels": ["cba", "ba"]}
+    r = httpx.post(f"{url}/get_reward", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200, r.text
+    rewards = r.json()["rewards"]
+    assert rewards[0] == pytest.approx(1.5 + 0.7) and rewards[1] == pytest.approx(0.5 * 0.0 + 0.5)
+    assert httpx.post(f"{url}/score", json=body).status_code == 401
+    assert httpx.post(f"{url}/score", json={"query": []}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
+    # our own http scorer can use our own reward server as its external API
+    own = HTTPScorer(f"{url}/score", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert [x.reward for x in own.score([RewardSample("abc=", "cba", "cba")])] == pytest.approx([2.2])
