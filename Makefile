@@ -33,3 +33,6 @@ test: $(BIN)/.installed
 
 clean:
 	rm -rf runs .pytest_cache
+
+bench: $(BIN)/.installed $(MODEL_DIR)/config.json
+	$(BIN)/python benchmarks/bench_services.py --model $(MODEL_DIR) --out runs/bench/services.json
