@@ -6,15 +6,11 @@ import torch
 from ..common.modeling import TokenBatch
 from ..common.rpc.codec import batch_to_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
-from ..common.rpc.server import call_metadata, client_channel
+from ..common.rpc.server import RPCClient
 
 
-class CriticClient:
-    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
-        self.channel = client_channel(address, rpc_cfg)
-        self.stub = critic_pb2_grpc.CriticStub(self.channel)
-        self.metadata = call_metadata(rpc_cfg)
-        self.timeout = timeout_s or rpc_cfg.timeout_s
+class CriticClient(RPCClient):
+    stub_class = critic_pb2_grpc.CriticStub
 
     def values(self, batch: TokenBatch) -> torch.Tensor:
         resp = self.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(batch)), timeout=self.timeout,
@@ -31,6 +27,3 @@ class CriticClient:
 
     def load(self, path: str) -> int:
         return self.stub.Load(cpb.CheckpointRequest(path=str(path)), timeout=self.timeout, metadata=self.metadata).step
-
-    def close(self) -> None:
-        self.channel.close()

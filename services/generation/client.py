@@ -8,17 +8,12 @@ import torch
 
 from ..common.rpc.codec import weight_chunks
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
-from ..common.rpc.server import call_metadata, client_channel
+from ..common.rpc.server import RPCClient
 from .backend import Completion, GenerationResult, SamplingParams
 
 
-class GenerationClient:
-    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
-        self.address, self.rpc_cfg = address, rpc_cfg
-        self.channel = client_channel(address, rpc_cfg)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.metadata = call_metadata(rpc_cfg)
-        self.timeout = timeout_s or rpc_cfg.timeout_s
+class GenerationClient(RPCClient):
+    stub_class = generation_pb2_grpc.GenerationStub
 
     @staticmethod
     def params_to_proto(p: SamplingParams) -> gpb.SamplingParams:
@@ -47,6 +42,3 @@ class GenerationClient:
     @property
     def version(self) -> int:
         return int(self.info().policy_version)
-
-    def close(self) -> None:
-        self.channel.close()

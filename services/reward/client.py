@@ -5,16 +5,12 @@ import json
 from typing import Sequence
 
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
-from ..common.rpc.server import call_metadata, client_channel
+from ..common.rpc.server import RPCClient
 from .scorer import RewardSample, ScoreResult
 
 
-class RewardClient:
-    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
-        self.channel = client_channel(address, rpc_cfg)
-        self.stub = reward_pb2_grpc.RewardStub(self.channel)
-        self.metadata = call_metadata(rpc_cfg)
-        self.timeout = timeout_s or rpc_cfg.timeout_s
+class RewardClient(RPCClient):
+    stub_class = reward_pb2_grpc.RewardStub
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         req = rpb.ScoreRequest()
@@ -26,6 +22,3 @@ class RewardClient:
             req.samples.append(m)
         resp = self.stub.Score(req, timeout=self.timeout, metadata=self.metadata)
         return [ScoreResult(sc.reward, dict(sc.components)) for sc in resp.scores]
-
-    def close(self) -> None:
-        self.channel.close()

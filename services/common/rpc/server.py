@@ -185,3 +185,19 @@ def client_channel(address: str, rpc_cfg) -> grpc.Channel:
 def call_metadata(rpc_cfg) -> tuple:
     token = rpc_cfg.resolved_auth_token()
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class RPCClient:
+    """Channel (TLS when configured), bearer-token metadata and a default deadline for a stub."""
+
+    stub_class: type = object
+
+    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
+        self.address = address
+        self.channel = client_channel(address, rpc_cfg)
+        self.stub = self.stub_class(self.channel)
+        self.metadata = call_metadata(rpc_cfg)
+        self.timeout = timeout_s or rpc_cfg.timeout_s
+
+    def close(self) -> None:
+        self.channel.close()
