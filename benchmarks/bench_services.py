@@ -54,7 +54,7 @@ def main() -> None:
             rates.append(res.tokens / dt)
         return statistics.median(rates), statistics.median(secs)
 
-    # interleave the two so drift on a shared machine hits both alike
+    # the same seeded batch through both paths, one after the other
     inproc_rate, inproc_s = timed(lambda: backend.generate(prompts, params))
     server_rate, server_s = timed(lambda: client.generate(prompts, params))
 
@@ -65,8 +65,8 @@ def main() -> None:
         t0 = time.perf_counter()
         client.update_weights(state, backend.version + 1)
         pushes.append(time.perf_counter() - t0)
-    # a larger push exercises chunking: the same tensors repeated under a temporary spec is not
-    # accepted by the server, so time the codec end to end instead (encode + assemble) in-process
+    # the server only accepts its model's own tensors, so a larger payload times the chunk codec
+    # (encode, crc32/sha256, assemble) in-process
     from services.common.rpc.codec import assemble_weights, weight_chunks
     big = {f"t{i}": torch.randn(1024, 1024) for i in range(int(args.push_mb // 4.194304) or 1)}
     big_mb = sum(t.numel() * 4 for t in big.values()) / 1e6

@@ -99,13 +99,14 @@ class EpochSampler:
             raise ValueError("the prompt dataset is empty")
         self.records, self.rng, self.epoch = records, random.Random(seed), 0
         self._order: list[int] = []
+        self._started = False
 
     def __iter__(self) -> Iterator[PromptRecord]:
         return self
 
     def __next__(self) -> PromptRecord:
         if not self._order:
-            if hasattr(self, "_started"):
+            if self._started:
                 self.epoch += 1
             self._started = True
             self._order = list(range(len(self.records)))

@@ -66,7 +66,7 @@ class TokenBatch:
                           self.response_mask.to(device), self.prompt_width)
 
     def select(self, idx: torch.Tensor | Sequence[int]) -> "TokenBatch":
-        idx = torch.as_tensor(idx, dtype=torch.long)
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
         return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
                           self.response_mask[idx], self.prompt_width)
 

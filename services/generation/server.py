@@ -177,9 +177,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with self._push_lock:  # one push at a time; generation goes on until the swap
             version, fmt, state, nbytes = assemble_weights(
                 request_iterator, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64)
-            if version <= self.backend.version:
-                raise BadRequest(f"weights.header.version: {version} is not newer than the serving "
-                                 f"version {self.backend.version}")
             if self.server:
                 self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
             try:

@@ -62,7 +62,6 @@ class PPOLearner:
     def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None):
         self.cfg = cfg
         self.device = resolve_device(cfg.model.device)
-        self.tokenizer_pad_id = None
         self.policy = load_causal_lm(cfg.model.path, self.device)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
@@ -192,8 +191,7 @@ class PPOLearner:
                 self.optimizer.zero_grad(set_to_none=True)
                 for mstart in range(0, len(idx), micro):
                     m = idx[mstart:mstart + micro]
-                    sub = exp.batch.select(m.tolist()) if exp.batch.input_ids.device.type == "cpu" else \
-                        exp.batch.select(m.to(exp.batch.input_ids.device))
+                    sub = exp.batch.select(m)
                     mask = sub.response_mask
                     with self._autocast():
                         out = response_log_probs(self.policy, sub, self.temperature, with_entropy=True, full=full)
@@ -232,8 +230,7 @@ class PPOLearner:
                     self.optimizer.step()
                 self.scheduler.step()
                 if critic is not None and exp.values is not None:
-                    sel = idx.tolist()
-                    cm = critic.train_step(exp.batch.select(sel).to("cpu"), exp.returns[idx].cpu(),
+                    cm = critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
                                            exp.values[idx].cpu())
                     for k, v in cm.items():
                         add(k, v)

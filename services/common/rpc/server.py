@@ -122,6 +122,7 @@ class RPCServer:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{host or rpc_cfg.host}:{port}"
+        self.host = host or rpc_cfg.host
         if rpc_cfg.tls_cert_file:
             key = Path(rpc_cfg.tls_key_file).read_bytes()
             cert = Path(rpc_cfg.tls_cert_file).read_bytes()
@@ -143,7 +144,7 @@ class RPCServer:
     def start(self) -> "RPCServer":
         self.grpc.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # alive
-        log.info("%s server listening on %s:%d%s", self.service, self.cfg.host, self.port,
+        log.info("%s server listening on %s:%d%s", self.service, self.host, self.port,
                  f" (metrics on :{self.metrics_port})" if self.metrics_port else "")
         return self
 
