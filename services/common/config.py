@@ -88,10 +88,40 @@ class RunConfig(_Strict):
     run_dir: str = "runs/default"
     iterations: int = Field(100, ge=1)
     eval_interval: int = Field(10, ge=0, description="evaluate every N iterations; 0 = only first/last")
-    checkpoint_interval: int = Field(0, ge=0, description="0 = only at the end")
+    checkpoint_interval: int = Field(10, ge=0, description="checkpoint every N iterations (and at the end and "
+                                     "on SIGTERM); the learner service acknowledges trained trajectories "
+                                     "at each checkpoint; 0 = only at the end")
     seed: int = 0
     log_every: int = Field(1, ge=1)
     max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds")
+
+
+class ReplayConfig(_Strict):
+    url: Optional[str] = Field(None, description="redis://[:password@]host:port/db; null = an embedded "
+                               "redis-server that `rlhf up` starts in the run directory")
+    password: Optional[str] = None
+    password_env: str = Field("RLHF_REDIS_PASSWORD", description="env var read when password is null")
+    namespace: str = Field("rlhf", min_length=1, description="key prefix; one namespace per run")
+    max_backlog: Optional[int] = Field(None, gt=0, description="trajectory groups not yet read by the learner "
+                                       "above which rollout workers pause; default (max_staleness + 1) x "
+                                       "rollout_batch_size")
+    claim_idle_s: float = Field(30.0, gt=0, description="a prompt pending this long at a silent worker is "
+                                "reclaimed (XAUTOCLAIM) by another")
+    heartbeat_s: float = Field(2.0, gt=0, description="generation servers and workers report this often")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a server silent this long is taken off the registry")
+    block_ms: int = Field(500, ge=1, description="longest blocking read on a stream")
+
+    def resolved_password(self) -> Optional[str]:
+        import os
+        return self.password or os.environ.get(self.password_env) or None
+
+
+class RolloutConfig(_Strict):
+    prompts_per_request: int = Field(32, ge=1, description="prompts a worker claims and sends in one Generate")
+    concurrency: int = Field(2, ge=1, description="batches each worker keeps in flight")
+    retries: int = Field(5, ge=0, description="tries of a failing call before the batch is left to others")
+    retry_backoff_s: float = Field(0.5, gt=0)
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="Prometheus /metrics; null = off")
 
 
 class Endpoint(_Strict):
@@ -104,8 +134,14 @@ class RewardEndpoint(Endpoint):
     http_port: Optional[int] = Field(8052, ge=0, le=65535, description="OpenRLHF-style HTTP reward API; null = off")
 
 
+class LearnerEndpoint(Endpoint):
+    http_port: Optional[int] = Field(8054, ge=0, le=65535, description="JSON status at /status; null = off")
+
+
 class RPCConfig(_Strict):
     host: str = Field("127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
+    advertise_host: Optional[str] = Field(None, description="address other services reach this one at (the "
+                                          "pod IP in Kubernetes); default the bind host")
     auth_token: Optional[str] = Field(None, description="bearer token every call must carry")
     auth_token_env: str = Field("RLHF_AUTH_TOKEN", description="env var read when auth_token is null")
     tls_cert_file: Optional[str] = None
@@ -119,7 +155,7 @@ class RPCConfig(_Strict):
     generation: Endpoint = Field(default_factory=lambda: Endpoint(port=50051, metrics_port=9101))
     reward: RewardEndpoint = Field(default_factory=lambda: RewardEndpoint(port=50052, metrics_port=9102))
     critic: Endpoint = Field(default_factory=lambda: Endpoint(port=50053, metrics_port=9103))
-    learner: Endpoint = Field(default_factory=lambda: Endpoint(port=50054, metrics_port=9104))
+    learner: LearnerEndpoint = Field(default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104))
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "RPCConfig":
@@ -169,6 +205,8 @@ class Config(_Strict):
     ref_model: Literal[REF_MODELS] = "sft"  # type: ignore[valid-type]
     ref_mix_coef: float = Field(0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
     recompute_old_log_probs: bool = True
+    max_staleness: int = Field(0, ge=0, description="policy versions a trajectory may lag the learner; "
+                               "0 = synchronous on-policy PPO, >= 1 overlaps generation and training")
     # --- optimisation --------------------------------------------------------------------------
     actor_lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -186,6 +224,8 @@ class Config(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     rpc: RPCConfig = Field(default_factory=RPCConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -194,6 +234,10 @@ class Config(_Strict):
                 f"adv_estimator={self.adv_estimator!r} needs num_return_sequences_in_group >= 2 "
                 f"(got {self.num_return_sequences_in_group})")
         return self
+
+    @property
+    def max_backlog(self) -> int:
+        return self.replay.max_backlog or (self.max_staleness + 1) * self.rollout_batch_size
 
     @property
     def needs_critic(self) -> bool:

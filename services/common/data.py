@@ -115,3 +115,19 @@ class EpochSampler:
 
     def take(self, n: int) -> list[PromptRecord]:
         return [next(self) for _ in range(n)]
+
+    def take_with_epochs(self, n: int) -> list[tuple[int, PromptRecord]]:
+        """Like `take`, with the epoch each record was drawn in."""
+        out = []
+        for _ in range(n):
+            rec = next(self)
+            out.append((self.epoch, rec))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "order": list(self._order), "started": self._started,
+                "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self._order, self._started = int(state["epoch"]), list(state["order"]), bool(state["started"])
+        self.rng.setstate(state["rng"])

@@ -28,15 +28,23 @@ def _clean(v):
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, cfg, mode: str, stream=None):
+    def __init__(self, run_dir: str | Path, cfg, mode: str, stream=None, resume_from: int | None = None):
+        """`resume_from`: keep the rows of iterations up to this one (a run resumed from its
+        checkpoint at that iteration) instead of starting metrics.jsonl afresh."""
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(dump_config(cfg))
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
-        self.cfg, self.mode, self.stream = cfg, mode, stream or sys.stdout
         self.rows: list[dict] = []
-        self.t0 = time.time()
+        if resume_from is not None and self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if row.get("iteration", 0) <= resume_from:
+                        self.rows.append(row)
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.cfg, self.mode, self.stream = cfg, mode, stream or sys.stdout
+        self.t0 = time.time() - (self.rows[-1].get("wall_s", 0.0) if self.rows else 0.0)
 
     def _append(self, row: dict) -> None:
         row = {k: _clean(v) for k, v in row.items()}

@@ -172,11 +172,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                text=self.tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]))
         return out
 
-    def PushWeights(self, request_iterator, context):
+    def apply_chunks(self, chunks) -> tuple[int, int, float]:
+        """Assemble a header/pieces/footer stream and apply it as one new policy version.
+        Used by PushWeights (the learner pushes) and by registration (a late server pulls)."""
         t0 = time.perf_counter()
-        with self._push_lock:  # one push at a time; generation goes on until the swap
+        with self._push_lock:  # one update at a time; generation goes on until the swap
             version, fmt, state, nbytes = assemble_weights(
-                request_iterator, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64)
+                chunks, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64)
             if self.server:
                 self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
             try:
@@ -188,6 +190,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.server.set_ready(True)
         secs = time.perf_counter() - t0
         log.info("policy version %d applied (%s, %.1f MB in %.2fs)", version, fmt, nbytes / 1e6, secs)
+        return version, nbytes, secs
+
+    def PushWeights(self, request_iterator, context):
+        version, nbytes, secs = self.apply_chunks(request_iterator)
         return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
 
     def GetInfo(self, request, context):

@@ -5,60 +5,29 @@ services host (generation backend, reward scorer, critic, learner step), wired d
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from ..common.data import EpochSampler, PromptRecord, load_prompts
-from ..common.modeling import build_token_batch
 from ..common.runlog import RunLog
 from ..critic.critic import Critic
 from ..generation.backend import HFBackend, SamplingParams
 from ..reward.scorer import RewardSample, build_scorer
-from .ppo_step import PPOLearner, Rollout
+from ..rollout.collect import eval_params, groups_to_rollout, sample_groups, train_params
+from .ppo_step import PPOLearner, Rollout, planned_updates, ptx_examples_for
 
 log = logging.getLogger(__name__)
 
 
 def collect_rollout(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams,
-                    critic=None, prompt_length: int | None = None) -> tuple[Rollout, dict]:
+                    critic=None, prompt_length: int | None = None, epoch: int = 0) -> tuple[Rollout, dict]:
     """Generate `params.n` samples per prompt, score them and (for GAE) value them."""
-    t0 = time.perf_counter()
-    prompt_ids = [tokenizer(r.prompt)["input_ids"] for r in records]
-    if prompt_length is not None:
-        for r, p in zip(records, prompt_ids):
-            if len(p) > prompt_length:
-                raise ValueError(f"prompt {r.id!r} has {len(p)} tokens, more than prompt_length={prompt_length}")
-    gen = backend.generate(prompt_ids, params)
-    t_gen = time.perf_counter() - t0
-    flat_prompts, responses, logps, index, samples = [], [], [], [], []
-    for rec, p, comps in zip(records, prompt_ids, gen.completions):
-        for c in comps:
-            flat_prompts.append(p)
-            responses.append(c.token_ids)
-            logps.append(c.log_probs)
-            index.append(rec.id)
-            samples.append(RewardSample(rec.prompt, tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                                        rec.label, rec.metadata))
-    t1 = time.perf_counter()
-    scored = scorer.score(samples)
-    t_score = time.perf_counter() - t1
-    values = None
-    if critic is not None:
-        values = critic.values(build_token_batch(flat_prompts, responses, tokenizer.pad_token_id))
-    rollout = Rollout(flat_prompts, responses, [s.reward for s in scored], index, logps, values,
-                      [gen.policy_version] * len(responses))
-    comp_means: dict[str, float] = {}
-    for s in scored:
-        for k, v in s.components.items():
-            comp_means[k] = comp_means.get(k, 0.0) + v / len(scored)
-    metrics = {"rollout/tokens_per_s": gen.tokens / max(gen.seconds, 1e-9), "time/generate_s": t_gen,
-               "time/score_s": t_score, **{f"reward/{k}": v for k, v in comp_means.items()}}
-    return rollout, metrics
+    groups, metrics = sample_groups(records, [f"{epoch}:{r.id}" for r in records], backend, scorer, tokenizer,
+                                    params, critic, prompt_length)
+    return groups_to_rollout(groups), metrics
 
 
 def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams) -> dict:
@@ -86,29 +55,19 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     held_out = load_prompts(cfg.data.eval, "eval", tokenizer, cfg.data.prompt_key, cfg.data.label_key,
                             limit=cfg.data.eval_size, seed=cfg.run.seed)
     sampler = EpochSampler(train, cfg.run.seed)
-    ptx = None
-    if cfg.ptx_coef:
-        from ..common.tiny import sft_examples
-        ptx = sft_examples(tokenizer, [r for r in train if r.label is not None])
-    samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
-    updates = cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)
-    learner = PPOLearner(cfg, total_updates=updates, ptx_examples=ptx)
+    learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
-    params = SamplingParams(n=cfg.num_return_sequences_in_group, temperature=cfg.generation.temperature,
-                            top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
-                            max_new_tokens=cfg.response_length)
-    eval_params = SamplingParams(n=1, temperature=cfg.generation.eval_temperature, top_p=cfg.generation.top_p,
-                                 top_k=cfg.generation.top_k, max_new_tokens=cfg.response_length,
-                                 seed=cfg.run.seed)
+    params, ev_params = train_params(cfg), eval_params(cfg)
     runlog = RunLog(run_dir, cfg, mode="local")
-    baseline = evaluate(held_out, backend, scorer, tokenizer, eval_params)
+    baseline = evaluate(held_out, backend, scorer, tokenizer, ev_params)
     runlog.log_eval(0, baseline)
     last_eval = baseline
     it = 0
     for it in range(1, cfg.run.iterations + 1):
         t0 = time.perf_counter()
+        epoch = sampler.epoch
         rollout, metrics = collect_rollout(sampler.take(cfg.rollout_batch_size), backend, scorer, tokenizer, params,
-                                           critic, cfg.prompt_length)
+                                           critic, cfg.prompt_length, epoch)
         t1 = time.perf_counter()
         metrics.update(learner.step(rollout, critic))
         t2 = time.perf_counter()
@@ -120,7 +79,7 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
         out_of_time = cfg.run.max_wall_s is not None and time.time() - t_start > cfg.run.max_wall_s
         last = it == cfg.run.iterations or out_of_time
         if last or (cfg.run.eval_interval and it % cfg.run.eval_interval == 0):
-            last_eval = evaluate(held_out, backend, scorer, tokenizer, eval_params)
+            last_eval = evaluate(held_out, backend, scorer, tokenizer, ev_params)
             metrics.update(last_eval)
         if cfg.run.checkpoint_interval and it % cfg.run.checkpoint_interval == 0 and not last:
             learner.save_policy(run_dir / "checkpoints" / f"iter_{it:06d}", tokenizer)

@@ -55,6 +55,20 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     return out
 
 
+def planned_updates(cfg) -> int:
+    """Optimiser steps over the whole run (for the LR schedule)."""
+    samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
+    return cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)
+
+
+def ptx_examples_for(cfg, tokenizer, records) -> list | None:
+    """(prompt ids, answer ids) pairs for the PTX/SFT loss: the labelled training prompts."""
+    if not cfg.ptx_coef:
+        return None
+    from ..common.tiny import sft_examples
+    return sft_examples(tokenizer, [r for r in records if r.label is not None])
+
+
 class PPOLearner:
     """Owns the actor, the reference model, the optimiser, the KL controller and the running
     reward statistics. `cfg` is the validated `Config`."""

@@ -1,0 +1,262 @@
+"""The replay buffer on Redis Streams, and the registry of live services.
+
+Keys, under the run's namespace `ns`:
+
+    ns:prompts       stream, group "workers"   PromptTask records the learner feeds
+    ns:trajectories  stream, group "learner"   TrajectoryGroup records the workers produce
+    ns:dead          stream                    prompts no worker could process (with the error)
+    ns:produced      set   "uid#attempt"       a prompt attempt already has its trajectory
+    ns:trained       set   "uid"               prompts whose update is checkpointed
+    ns:version       int                       the newest policy version (only goes up)
+    ns:generation    hash  address -> json     generation servers, with a heartbeat
+    ns:workers       hash  name -> json        rollout workers, with a heartbeat
+    ns:learner       hash                      the learner's address and version
+
+The contracts (DESIGN.md, "Contracts that keep data safe"):
+- a prompt is acknowledged in the same atomic script that appends its trajectories (`produce`);
+  a second attempt of the same prompt (a reclaimed entry whose first worker was only slow)
+  appends nothing;
+- a trajectory stays pending in the learner's group until the checkpoint that includes its update
+  is written, then `commit` acknowledges it and records its prompt as trained, atomically;
+- a consumer that died leaves pending entries; `claim_prompts` reclaims the ones idle longer than
+  `claim_idle_s` (XAUTOCLAIM) before reading new ones.
+Records are protobuf (`proto/rlhf/v1/replay.proto`); nothing is pickled.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Iterable
+
+import redis
+
+from ..rpc.gen import replay_pb2 as rpb
+
+log = logging.getLogger(__name__)
+
+WORKERS_GROUP = "workers"
+LEARNER_GROUP = "learner"
+LEARNER_CONSUMER = "learner"
+
+# KEYS: produced, trajectories, prompts   ARGV: group, prompt entry id, "uid#attempt", payload
+_PRODUCE = """
+local added = redis.call('SADD', KEYS[1], ARGV[3])
+if added == 1 then redis.call('XADD', KEYS[2], '*', 'd', ARGV[4]) end
+redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[3], ARGV[2])
+return added
+"""
+# KEYS: dead, prompts   ARGV: group, prompt entry id, payload, error, worker
+_DEAD_LETTER = """
+redis.call('XADD', KEYS[1], '*', 'd', ARGV[3], 'error', ARGV[4], 'worker', ARGV[5])
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+def connect(replay_cfg, url: str | None = None) -> redis.Redis:
+    url = url or replay_cfg.url
+    if not url:
+        raise ValueError("replay.url is not set: start the system with `rlhf up` (it runs an embedded Redis), "
+                         "or point replay.url at a Redis server (redis://host:6379/0)")
+    client = redis.Redis.from_url(url, password=replay_cfg.resolved_password() or None,
+                                  socket_keepalive=True, health_check_interval=30)
+    client.ping()
+    return client
+
+
+class ReplayStore:
+    def __init__(self, client: redis.Redis, namespace: str = "rlhf", claim_idle_s: float = 30.0,
+                 heartbeat_ttl_s: float = 10.0):
+        self.r = client
+        self.ns = namespace
+        self.prompts, self.trajectories, self.dead = f"{namespace}:prompts", f"{namespace}:trajectories", f"{namespace}:dead"
+        self.produced, self.trained = f"{namespace}:produced", f"{namespace}:trained"
+        self.version_key, self.learner_key = f"{namespace}:version", f"{namespace}:learner"
+        self.generation_key, self.workers_key = f"{namespace}:generation", f"{namespace}:workers"
+        self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._produce = self.r.register_script(_PRODUCE)
+        self._dead_letter = self.r.register_script(_DEAD_LETTER)
+        self.ensure_groups()
+
+    @classmethod
+    def from_config(cls, cfg, url: str | None = None) -> "ReplayStore":
+        rc = cfg.replay
+        return cls(connect(rc, url), rc.namespace, rc.claim_idle_s, rc.heartbeat_ttl_s)
+
+    def ensure_groups(self) -> None:
+        for stream, group in ((self.prompts, WORKERS_GROUP), (self.trajectories, LEARNER_GROUP)):
+            try:
+                self.r.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    def reset(self) -> int:
+        """Delete every key of this namespace (a fresh run); returns how many."""
+        keys = list(self.r.scan_iter(match=f"{self.ns}:*", count=1000))
+        if keys:
+            self.r.delete(*keys)
+        self.ensure_groups()
+        return len(keys)
+
+    def now(self) -> float:
+        s, us = self.r.time()
+        return s + us / 1e6
+
+    # ------------------------------------------------------------------ prompts (learner -> workers)
+    def feed(self, tasks: Iterable[rpb.PromptTask]) -> int:
+        pipe = self.r.pipeline(transaction=True)
+        n = 0
+        for t in tasks:
+            pipe.xadd(self.prompts, {"d": t.SerializeToString()})
+            n += 1
+        pipe.execute()
+        return n
+
+    @staticmethod
+    def _decode(entries, cls) -> list[tuple[bytes, object]]:
+        out = []
+        for entry_id, fields in entries:
+            if not fields:  # deleted while pending (XAUTOCLAIM reports it with no fields)
+                continue
+            msg = cls()
+            msg.ParseFromString(fields[b"d"])
+            out.append((entry_id, msg))
+        return out
+
+    def reclaim_prompts(self, consumer: str, count: int) -> list[tuple[bytes, rpb.PromptTask]]:
+        """Take over prompts pending longer than claim_idle_s at another (presumably dead) worker."""
+        res = self.r.xautoclaim(self.prompts, WORKERS_GROUP, consumer, self.claim_idle_ms, "0-0", count=count)
+        return self._decode(res[1], rpb.PromptTask)
+
+    def claim_prompts(self, consumer: str, count: int, block_ms: int = 500) -> tuple[list, int]:
+        """Up to `count` prompts for `consumer`: reclaimed ones first, then new ones (blocking up
+        to block_ms). Returns (entries, how many of them were reclaimed)."""
+        got = self.reclaim_prompts(consumer, count)
+        if got:
+            return got, len(got)
+        res = self.r.xreadgroup(WORKERS_GROUP, consumer, {self.prompts: ">"}, count=count, block=block_ms)
+        return (self._decode(res[0][1], rpb.PromptTask) if res else []), 0
+
+    def produce(self, prompt_entry_id: bytes, group: rpb.TrajectoryGroup) -> bool:
+        """Append the trajectories of one prompt and acknowledge the prompt, atomically. False if
+        this attempt of the prompt already had its trajectories (nothing appended)."""
+        key = f"{group.task.uid}#{group.task.attempt}"
+        return bool(self._produce(keys=[self.produced, self.trajectories, self.prompts],
+                                  args=[WORKERS_GROUP, prompt_entry_id, key, group.SerializeToString()]))
+
+    def dead_letter(self, prompt_entry_id: bytes, task: rpb.PromptTask, error: str, worker: str) -> None:
+        self._dead_letter(keys=[self.dead, self.prompts],
+                          args=[WORKERS_GROUP, prompt_entry_id, task.SerializeToString(), error[:2000], worker])
+
+    def read_dead(self, after: bytes | str = "0-0", count: int = 1000) -> list[tuple[bytes, rpb.PromptTask, str]]:
+        res = self.r.xread({self.dead: after}, count=count)
+        out = []
+        for entry_id, fields in (res[0][1] if res else []):
+            t = rpb.PromptTask()
+            t.ParseFromString(fields[b"d"])
+            out.append((entry_id, t, fields.get(b"error", b"").decode()))
+        return out
+
+    def prompt_backlog(self) -> int:
+        return int(self.r.xlen(self.prompts))
+
+    # ------------------------------------------------------------------ trajectories (workers -> learner)
+    def read_trajectories(self, count: int, block_ms: int = 500, pending: bool = False) -> list:
+        """Up to `count` groups. pending=True re-reads the learner's own unacknowledged entries
+        (after a restart) instead of new ones."""
+        res = self.r.xreadgroup(LEARNER_GROUP, LEARNER_CONSUMER, {self.trajectories: "0" if pending else ">"},
+                                count=count, block=None if pending else block_ms)
+        return self._decode(res[0][1], rpb.TrajectoryGroup) if res else []
+
+    def learner_pending(self) -> int:
+        return int(self.r.xpending(self.trajectories, LEARNER_GROUP)["pending"])
+
+    def backlog(self) -> int:
+        """Trajectory groups produced and not yet read by the learner."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xlen(self.trajectories)
+        pipe.xpending(self.trajectories, LEARNER_GROUP)
+        length, pending = pipe.execute()
+        return max(int(length) - int(pending["pending"]), 0)
+
+    def discard(self, entry_id: bytes, refeed: rpb.PromptTask | None = None) -> None:
+        """Acknowledge and delete a trajectory that will not be trained on (stale or a duplicate);
+        with `refeed`, put its prompt back in the same transaction."""
+        pipe = self.r.pipeline(transaction=True)
+        if refeed is not None:
+            pipe.xadd(self.prompts, {"d": refeed.SerializeToString()})
+        pipe.xack(self.trajectories, LEARNER_GROUP, entry_id)
+        pipe.xdel(self.trajectories, entry_id)
+        pipe.execute()
+
+    def commit(self, entries: list[tuple[bytes, str]]) -> None:
+        """The update that used these (entry id, prompt uid) is checkpointed: acknowledge the
+        trajectories and record their prompts as trained, atomically."""
+        if not entries:
+            return
+        ids = [e for e, _ in entries]
+        pipe = self.r.pipeline(transaction=True)
+        pipe.sadd(self.trained, *[u for _, u in entries])
+        pipe.xack(self.trajectories, LEARNER_GROUP, *ids)
+        pipe.xdel(self.trajectories, *ids)
+        pipe.execute()
+
+    def is_trained(self, uid: str) -> bool:
+        return bool(self.r.sismember(self.trained, uid))
+
+    def trained_count(self) -> int:
+        return int(self.r.scard(self.trained))
+
+    # ------------------------------------------------------------------ policy version and registry
+    def version(self) -> int:
+        return int(self.r.get(self.version_key) or 0)
+
+    def next_version(self) -> int:
+        return int(self.r.incr(self.version_key))
+
+    def publish_learner(self, address: str, version: int, **extra) -> None:
+        self.r.hset(self.learner_key, mapping={"address": address, "version": version, "ts": self.now(),
+                                               **{k: json.dumps(v) for k, v in extra.items()}})
+
+    def learner_info(self) -> dict:
+        raw = self.r.hgetall(self.learner_key)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def heartbeat(self, kind: str, name: str, **info) -> None:
+        key = self.generation_key if kind == "generation" else self.workers_key
+        self.r.hset(key, name, json.dumps({**info, "ts": self.now()}))
+
+    def deregister(self, kind: str, name: str) -> None:
+        self.r.hdel(self.generation_key if kind == "generation" else self.workers_key, name)
+
+    def live(self, kind: str) -> dict[str, dict]:
+        """Registered services whose last heartbeat is within heartbeat_ttl_s; stale entries are removed."""
+        key = self.generation_key if kind == "generation" else self.workers_key
+        now = self.now()
+        out, stale = {}, []
+        for name, raw in self.r.hgetall(key).items():
+            info = json.loads(raw)
+            if now - info["ts"] <= self.heartbeat_ttl_s:
+                out[name.decode()] = info
+            else:
+                stale.append(name)
+        if stale:
+            self.r.hdel(key, *stale)
+            log.info("removed %d %s registration(s) without a heartbeat for %.0fs", len(stale), kind,
+                     self.heartbeat_ttl_s)
+        return out
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(interval_s)
+    return predicate()

@@ -1,0 +1,88 @@
+"""A generation server in a distributed run: it registers itself in Redis with a heartbeat (so
+the learner pushes every new policy to it and rollout workers send it prompts), and it pulls the
+current policy from the learner when it starts late or finds it missed a push.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import grpc
+
+from ..common.replay import ReplayStore
+from ..common.rpc.codec import BadRequest
+
+log = logging.getLogger(__name__)
+
+
+class Registration:
+    def __init__(self, cfg, servicer, address: str, store: ReplayStore):
+        self.cfg, self.servicer, self.address, self.store = cfg, servicer, address, store
+        self.backend = servicer.backend
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._behind_since: int | None = None  # learner version we first saw ourselves behind
+
+    def sync(self) -> bool:
+        """Pull the learner's policy if it is newer than ours. True if weights were applied."""
+        info = self.store.learner_info()
+        if not info or int(info.get("version", 0)) <= self.backend.version:
+            return False
+        from ..learner.client import LearnerClient
+        client = LearnerClient(info["address"], self.cfg.rpc)
+        try:
+            stream = iter(client.pull_weights(self.backend.version))
+            first = next(stream, None)
+            if first is None:
+                return False
+            version, nbytes, secs = self.servicer.apply_chunks(itertools.chain([first], stream))
+            log.info("pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, info["address"],
+                     nbytes / 1e6, secs)
+            return True
+        except BadRequest as e:  # a push of the same version won the race
+            log.info("pull skipped: %s", e)
+            return False
+        finally:
+            client.close()
+
+    def heartbeat(self) -> None:
+        self.store.heartbeat("generation", self.address, version=self.backend.version)
+
+    def start(self) -> "Registration":
+        try:
+            self.sync()
+        except (grpc.RpcError, OSError) as e:
+            log.warning("could not pull the current policy from the learner yet: %s", e)
+        self.heartbeat()
+        self._thread = threading.Thread(target=self._loop, name="registration", daemon=True)
+        self._thread.start()
+        log.info("registered %s in the replay namespace %r at policy version %d", self.address,
+                 self.store.ns, self.backend.version)
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.replay.heartbeat_s):
+            try:
+                self.heartbeat()
+                learner_version = int(self.store.learner_info().get("version", 0))
+                if learner_version > self.backend.version:
+                    # behind on two heartbeats in a row for the same version: the push missed us
+                    if self._behind_since == learner_version:
+                        self.sync()
+                        self._behind_since = None
+                    else:
+                        self._behind_since = learner_version
+                else:
+                    self._behind_since = None
+            except Exception as e:  # Redis or the learner restarting; keep serving
+                log.warning("registration: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.store.deregister("generation", self.address)
+        except Exception:
+            pass

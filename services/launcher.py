@@ -1,0 +1,228 @@
+"""`rlhf up`: the whole system on one machine, each service its own process.
+
+    rlhf up -c configs/tiny-cpu.yaml --run-dir runs/tiny-cpu [--workers 2] [--generation-servers 2]
+
+Starts an embedded Redis (unless replay.url is set), then the reward, critic and generation
+servers on free localhost ports, then the learner and the rollout workers; waits for each to be
+ready; shows the learner's progress; restarts a crashed learner (it resumes from its checkpoint)
+or rollout worker; at the end, or on Ctrl-C, stops everything in order (the learner first, so it
+writes a checkpoint). Logs: DIR/logs/<service>.log; ports and pids: DIR/services.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .common.modeling import check_model_dir
+
+PROGRESS_MARKERS = ("iter ", "done:", "resumed from", "stopped at", "Traceback", "Error", "ERROR")
+
+
+class Child:
+    """One service process: its command, log file, READY line, and restarts."""
+
+    def __init__(self, name: str, kind: str, cmd: list[str], log_dir: Path, echo: bool = False):
+        self.name, self.kind, self.cmd, self.echo = name, kind, cmd, echo
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict[str, str] = {}
+        self.ready_event = threading.Event()
+        self.restarts = 0
+
+    def start(self) -> "Child":
+        self.ready, self.ready_event = {}, threading.Event()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # Ctrl-C reaches us only; we stop children in order
+        threading.Thread(target=self._pump, args=(self.proc, self.ready_event), daemon=True).start()
+        return self
+
+    def _pump(self, proc: subprocess.Popen, ready_event: threading.Event) -> None:
+        with self.log_path.open("ab") as log:
+            for raw in proc.stdout:
+                log.write(raw)
+                log.flush()
+                line = raw.decode(errors="replace").rstrip()
+                if line.startswith("READY "):
+                    self.ready = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+                    ready_event.set()
+                elif self.echo and any(m in line for m in PROGRESS_MARKERS):
+                    print(f"[{self.name}] {line}" if "iter " not in line else line, flush=True)
+
+    def wait_ready(self, timeout_s: float) -> dict:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.ready_event.wait(0.2):
+                return self.ready
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                                   f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout_s: float) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"{self.name} did not stop in {timeout_s:.0f}s; killing it", flush=True)
+            self.proc.kill()
+            self.proc.wait()
+
+    def info(self) -> dict:
+        return {"kind": self.kind, "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
+                "log": str(self.log_path), **{k: (int(v) if v.isdigit() else v) for k, v in self.ready.items()}}
+
+
+def tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+class Launcher:
+    def __init__(self, cfg, args):
+        self.cfg, self.args = cfg, args
+        self.run_dir = Path(args.run_dir or cfg.run.run_dir).resolve()
+        self.log_dir = self.run_dir / "logs"
+        self.children: dict[str, Child] = {}
+        self.redis = None
+        self.url = cfg.replay.url
+        self.stopping = threading.Event()
+
+    def _cmd(self, kind: str, sets: list[str], *extra: str) -> list[str]:
+        cmd = [sys.executable, "-m", "services.cli", "serve", kind, "-c", self.args.config]
+        for s in [*self.args.overrides, f"replay.url={self.url}", f"run.run_dir={self.run_dir}", *sets]:
+            cmd += ["--set", s]
+        return cmd + list(extra)
+
+    def _spawn(self, name: str, kind: str, sets: list[str], *extra: str, echo: bool = False) -> Child:
+        child = Child(name, kind, self._cmd(kind, sets, *extra), self.log_dir, echo).start()
+        self.children[name] = child
+        return child
+
+    def write_manifest(self) -> None:
+        data = {"redis": self.url, "run_dir": str(self.run_dir),
+                "services": {n: c.info() for n, c in self.children.items()}}
+        tmp = self.run_dir / ".services.json"
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self.run_dir / "services.json")
+
+    def start(self) -> None:
+        cfg, args = self.cfg, self.args
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.url:
+            from .common.replay.embedded import EmbeddedRedis
+            self.redis = EmbeddedRedis(self.run_dir / "redis", password=cfg.replay.resolved_password()).start()
+            self.url = self.redis.url
+            print(f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {self.run_dir / 'redis'})",
+                  flush=True)
+        free = ["--port", "0", "--metrics-port", "0"]
+        first = [self._spawn("reward", "reward", [], *free, "--http-port", "-1")]
+        if cfg.needs_critic:
+            first.append(self._spawn("critic", "critic", [], *free))
+        for i in range(args.generation_servers):
+            first.append(self._spawn(f"generation-{i}", "generation", [], *free))
+        for c in first:
+            r = c.wait_ready(args.startup_timeout)
+            print(f"{c.name} ready on port {r.get('port')}", flush=True)
+        self.sets = [f"rpc.reward.port={self.children['reward'].ready['port']}"]
+        if cfg.needs_critic:
+            self.sets.append(f"rpc.critic.port={self.children['critic'].ready['port']}")
+        learner = self._spawn("learner", "learner", self.sets, *free, "--http-port", "0", echo=True)
+        r = learner.wait_ready(args.startup_timeout)
+        print(f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status",
+              flush=True)
+        for i in range(args.workers):
+            self._spawn(f"rollout-{i}", "rollout", self.sets, "--metrics-port", "0", "--name", f"rollout-{i}")
+        for i in range(args.workers):
+            self.children[f"rollout-{i}"].wait_ready(args.startup_timeout)
+        print(f"{args.workers} rollout worker(s) running; logs in {self.log_dir}", flush=True)
+        self.write_manifest()
+
+    def supervise(self) -> int:
+        """Until the learner finishes: restart a crashed learner or worker; a crashed server ends the run."""
+        learner = self.children["learner"]
+        while not self.stopping.is_set():
+            time.sleep(0.3)
+            for name, c in list(self.children.items()):
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                if name == "learner" and code == 0:
+                    return 0
+                if self.stopping.is_set():
+                    break
+                if c.kind in ("learner", "rollout") and c.restarts < self.args.max_restarts:
+                    c.restarts += 1
+                    print(f"{name} exited with code {code}; restarting it ({c.restarts}/{self.args.max_restarts})",
+                          flush=True)
+                    c.start()
+                    try:
+                        c.wait_ready(self.args.startup_timeout)
+                    except (RuntimeError, TimeoutError) as e:
+                        print(f"error: {e}", flush=True)
+                    self.write_manifest()
+                    continue
+                print(f"error: {name} exited with code {code}; stopping the run. Last lines of {c.log_path}:\n"
+                      f"{tail(c.log_path)}", flush=True)
+                return code or 1
+        return learner.proc.returncode if learner.proc.poll() is not None else 130
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        learner = self.children.get("learner")
+        if learner is not None and learner.alive():
+            learner.stop(timeout_s=120)  # it checkpoints first
+        order = [c for c in self.children.values() if c.kind == "rollout"]
+        order += [c for c in self.children.values() if c.kind in ("generation", "critic", "reward")]
+        for c in order:
+            c.signal(signal.SIGTERM)
+        for c in order:
+            if c.proc is not None:
+                c.stop(timeout_s=30)
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def run_up(cfg, args) -> int:
+    try:
+        check_model_dir(cfg.model.path)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    launcher = Launcher(cfg, args)
+
+    def on_signal(signum, frame):
+        print("stopping: the learner writes a checkpoint, then every service shuts down", flush=True)
+        launcher.stopping.set()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 1
+    try:
+        launcher.start()
+        code = launcher.supervise()
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    finally:
+        launcher.shutdown()
+    summary = launcher.run_dir / "summary.json"
+    if code == 0 and summary.exists():
+        print(f"summary: {summary}", flush=True)
+    return code

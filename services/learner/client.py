@@ -1,0 +1,20 @@
+"""gRPC client of the learner: pull the current policy (a generation server that starts late),
+and the run's status."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..common.rpc.gen import common_pb2, learner_pb2 as lpb, learner_pb2_grpc
+from ..common.rpc.server import RPCClient
+
+
+class LearnerClient(RPCClient):
+    stub_class = learner_pb2_grpc.LearnerStub
+
+    def pull_weights(self, have_version: int) -> Iterator[common_pb2.WeightChunk]:
+        """The current policy as a chunk stream; empty when `have_version` is already current."""
+        return self.stub.PullWeights(lpb.PullWeightsRequest(have_version=have_version), timeout=self.timeout,
+                                     metadata=self.metadata)
+
+    def status(self) -> lpb.LearnerStatus:
+        return self.stub.Status(lpb.StatusRequest(), timeout=self.timeout, metadata=self.metadata)

@@ -1,0 +1,223 @@
+"""A stateless rollout worker: claim prompts -> Generate -> Score -> Values -> append the
+trajectories and acknowledge the prompts (one atomic step). Run as many as you like; start and
+stop them at any time. A worker killed mid-batch leaves its prompts pending; another worker
+reclaims them after `replay.claim_idle_s`.
+
+    rlhf serve rollout -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from ..common.modeling import load_tokenizer
+from ..common.replay import ReplayStore
+from ..critic.client import CriticClient
+from ..generation.client import GenerationClient
+from ..reward.client import RewardClient
+from .collect import sample_groups, train_params
+from .records import group_to_proto, task_record
+
+log = logging.getLogger(__name__)
+
+
+def endpoint_address(ep) -> str:
+    host = "127.0.0.1" if ep.host in ("0.0.0.0", "::", "") else ep.host
+    return f"{host}:{ep.port}"
+
+
+class WorkerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.claimed = Counter("rlhf_rollout_prompts_claimed_total", "prompts claimed", registry=r)
+        self.reclaimed = Counter("rlhf_rollout_prompts_reclaimed_total", "prompts taken over from a silent worker",
+                                 registry=r)
+        self.produced = Counter("rlhf_rollout_groups_produced_total", "trajectory groups appended", registry=r)
+        self.duplicates = Counter("rlhf_rollout_duplicates_total", "prompt attempts that already had trajectories",
+                                  registry=r)
+        self.dead = Counter("rlhf_rollout_dead_letters_total", "prompts no worker can process", registry=r)
+        self.errors = Counter("rlhf_rollout_errors_total", "failed service calls", ["kind"], registry=r)
+        self.backpressure = Counter("rlhf_rollout_backpressure_seconds_total", "seconds paused on a full buffer",
+                                    registry=r)
+        self.batch_seconds = Histogram("rlhf_rollout_batch_seconds", "claim to append, per batch", registry=r,
+                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.in_flight = Gauge("rlhf_rollout_batches_in_flight", "batches being processed", registry=r)
+
+
+class RolloutWorker:
+    def __init__(self, cfg, store: ReplayStore, name: str | None = None):
+        self.cfg, self.store = cfg, store
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.reward = RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)
+        self.critic = CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc) if cfg.needs_critic else None
+        self.metrics = WorkerMetrics()
+        self.stop_event = threading.Event()
+        self._clients: dict[str, GenerationClient] = {}
+        self._servers: dict[str, dict] = {}
+        self._servers_at = 0.0
+        self._lagging: dict[str, float] = {}  # server -> until when to avoid it
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self.produced = 0
+
+    # ------------------------------------------------------------------ generation servers
+    def _pick_server(self, min_version: int) -> str | None:
+        """A live generation server, round robin; preferring those the registry shows at
+        `min_version` or newer (the learner updates an entry as soon as its push lands). The
+        response's policy version is the final word."""
+        with self._lock:
+            now = time.time()
+            for refresh in (now - self._servers_at > self.cfg.replay.heartbeat_s / 2, True):
+                if refresh:
+                    self._servers, self._servers_at = self.store.live("generation"), now
+                usable = sorted(a for a in self._servers if self._lagging.get(a, 0) < now)
+                current = [a for a in usable if self._servers[a].get("version", 0) >= min_version]
+                if current:
+                    break
+            candidates = current or usable
+            if not candidates:
+                return None
+            address = candidates[next(self._rr) % len(candidates)]
+            if address not in self._clients:
+                self._clients[address] = GenerationClient(address, self.cfg.rpc)
+            return address
+
+    def _avoid(self, address: str, seconds: float) -> None:
+        with self._lock:
+            self._lagging[address] = time.time() + seconds
+            self._servers_at = 0.0  # re-read the registry next time
+
+    # ------------------------------------------------------------------ one batch
+    def _sample(self, entries: list) -> list | None:
+        """Groups for `entries` (one Generate call), retrying transient failures; None = give up
+        (the prompts stay pending and are reclaimed later)."""
+        tasks = [t for _, t in entries]
+        min_version = max(t.min_version for t in tasks)
+        params = train_params(self.cfg, tasks[0].group_size or None)
+        backoff = self.cfg.rollout.retry_backoff_s
+        for attempt in range(self.cfg.rollout.retries + 1):
+            if self.stop_event.is_set() and attempt:
+                return None
+            address = self._pick_server(min_version)
+            if address is None:
+                self.metrics.errors.labels("no_generation_server").inc()
+                log.info("no live generation server registered yet; waiting")
+                time.sleep(backoff * (attempt + 1))
+                continue
+            try:
+                groups, _ = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks],
+                                          self._clients[address], self.reward, self.tokenizer, params, self.critic,
+                                          self.cfg.prompt_length)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(e.details()) from None
+                self.metrics.errors.labels(e.code().name.lower()).inc()
+                log.warning("batch of %d prompts failed on %s (%s: %s); retry %d/%d", len(tasks), address,
+                            e.code().name, e.details(), attempt + 1, self.cfg.rollout.retries)
+                self._avoid(address, backoff * (attempt + 1))
+                time.sleep(backoff * (attempt + 1))
+                continue
+            if groups and groups[0].version < min_version:  # the server missed a push; it will catch up
+                log.info("%s served version %d < %d; trying another", address, groups[0].version, min_version)
+                self._avoid(address, self.cfg.replay.heartbeat_s)
+                time.sleep(0.05)
+                continue
+            return [(g, address) for g in groups]
+        return None
+
+    def process(self, entries: list) -> int:
+        """Sample, append and acknowledge one claimed batch. Returns groups appended."""
+        t0 = time.perf_counter()
+        try:
+            result = self._sample(entries)
+        except ValueError as e:  # the request itself is bad: isolate the prompts that cause it
+            if len(entries) > 1:
+                return sum(self.process([e1]) for e1 in entries)
+            entry_id, task = entries[0]
+            log.error("prompt %s cannot be processed, moved to the dead-letter stream: %s", task.uid, e)
+            self.store.dead_letter(entry_id, task, str(e), self.name)
+            self.metrics.dead.inc()
+            return 0
+        if result is None:
+            log.error("giving up on a batch of %d prompts for now; they stay pending and will be reclaimed",
+                      len(entries))
+            return 0
+        appended = 0
+        secs = time.perf_counter() - t0
+        for (entry_id, task), (group, address) in zip(entries, result):
+            if self.store.produce(entry_id, group_to_proto(group, task, self.name, address, secs)):
+                appended += 1
+            else:
+                self.metrics.duplicates.inc()
+        self.metrics.produced.inc(appended)
+        self.metrics.batch_seconds.observe(time.perf_counter() - t0)
+        with self._lock:
+            self.produced += appended
+        return appended
+
+    # ------------------------------------------------------------------ loops
+    def _loop(self) -> None:
+        rc = self.cfg.replay
+        while not self.stop_event.is_set():
+            try:
+                if self.store.backlog() >= self.cfg.max_backlog:
+                    t0 = time.time()
+                    self.stop_event.wait(rc.block_ms / 1000)
+                    self.metrics.backpressure.inc(time.time() - t0)
+                    continue
+                entries, reclaimed = self.store.claim_prompts(self.name, self.cfg.rollout.prompts_per_request,
+                                                              rc.block_ms)
+                if not entries:
+                    continue
+                self.metrics.claimed.inc(len(entries))
+                if reclaimed:
+                    self.metrics.reclaimed.inc(reclaimed)
+                    log.info("reclaimed %d prompts from a silent worker", reclaimed)
+                self.metrics.in_flight.inc()
+                try:
+                    self.process(entries)
+                finally:
+                    self.metrics.in_flight.dec()
+            except Exception as e:  # Redis restarting, a stream reset by a new run, ...
+                if "NOGROUP" in str(e):
+                    self.store.ensure_groups()
+                    continue
+                self.metrics.errors.labels("loop").inc()
+                log.exception("rollout loop error; retrying in 1s")
+                self.stop_event.wait(1.0)
+
+    def run(self) -> None:
+        """Run `rollout.concurrency` batch loops and a heartbeat until `stop()`."""
+        threads = [threading.Thread(target=self._loop, name=f"rollout-{i}", daemon=True)
+                   for i in range(self.cfg.rollout.concurrency)]
+        for t in threads:
+            t.start()
+        while not self.stop_event.is_set():
+            try:
+                self.store.heartbeat("worker", self.name, produced=self.produced)
+            except Exception as e:
+                log.warning("heartbeat failed: %s", e)
+            self.stop_event.wait(self.cfg.replay.heartbeat_s)
+        for t in threads:
+            t.join()
+        try:
+            self.store.deregister("worker", self.name)
+        except Exception:
+            pass
+        log.info("rollout worker %s stopped after %d groups", self.name, self.produced)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
+        httpd, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+        return httpd.server_address[1]
