@@ -27,3 +27,20 @@ class CriticClient(RPCClient):
 
     def load(self, path: str) -> int:
         return self.stub.Load(cpb.CheckpointRequest(path=str(path)), timeout=self.timeout, metadata=self.metadata).step
+
+
+class OverlappedCritic:
+    """A remote critic whose `train_step` returns a Future: the learner sends each mini-batch's
+    value targets and goes on with the actor's update while the critic server trains. One
+    sender thread keeps the steps in order."""
+
+    def __init__(self, client: CriticClient):
+        from concurrent.futures import ThreadPoolExecutor
+        self.client = client
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
+
+    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor):
+        return self._pool.submit(self.client.train_step, batch, returns, old_values)
+
+    def __getattr__(self, name):  # values, save, load, close: the client's own
+        return getattr(self.client, name)

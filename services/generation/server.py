@@ -31,12 +31,18 @@ class _Job:
 class Batcher:
     """Collects concurrent Generate calls for up to `window_s` (or `max_batch_size` prompts) and
     runs each group of calls with equal sampling parameters as one backend batch. Calls with a
-    seed run alone, so their samples do not depend on what else was in flight."""
+    seed run alone, so their samples do not depend on what else was in flight.
+
+    The window is only waited for while other calls are in the server (`active`, counted by the
+    servicer from the moment a request arrives): a lone caller runs at once, and calls that
+    queued while a batch was running join the next batch without waiting."""
 
     def __init__(self, backend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
         self.q: queue.Queue[_Job | None] = queue.Queue()
         self.batches = 0
+        self.active = 0  # Generate calls inside the server (decoding, queued or running)
+        self._active_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="generation-batcher", daemon=True)
         self._thread.start()
 
@@ -48,6 +54,14 @@ class Batcher:
     def close(self) -> None:
         self.q.put(None)
 
+    def enter(self) -> None:
+        with self._active_lock:
+            self.active += 1
+
+    def exit(self) -> None:
+        with self._active_lock:
+            self.active -= 1
+
     def _loop(self) -> None:
         while True:
             job = self.q.get()
@@ -58,10 +72,10 @@ class Batcher:
             deadline = time.monotonic() + self.window_s
             while size < self.max_batch_size:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
+                if self.q.empty() and (remaining <= 0 or self.active <= len(jobs)):
+                    break  # nobody else is coming (or the window is over)
                 try:
-                    nxt = self.q.get(timeout=remaining)
+                    nxt = self.q.get(timeout=max(remaining, 0)) if remaining > 0 else self.q.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is None:
@@ -158,6 +172,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ------------------------------------------------------------ RPCs
     def Generate(self, request, context):
+        self.batcher.enter()
+        try:
+            return self._generate(request)
+        finally:
+            self.batcher.exit()
+
+    def _generate(self, request):
         if not request.prompts:
             raise BadRequest("prompts: empty batch (0 prompts)")
         if len(request.prompts) > self.cfg.rpc.max_prompts_per_request:

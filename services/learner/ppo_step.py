@@ -5,7 +5,9 @@
                                  + PTX loss), each followed by a critic step on the same rows
 
 The in-process trainer and the learner service both call `PPOLearner.step`; the critic is any
-object with `train_step` (the in-process `Critic` or a gRPC client).
+object with `train_step` (the in-process `Critic`, a gRPC client, or `OverlappedCritic`, whose
+steps are futures so the critic server trains while the actor does; `update` waits for all of
+them before it returns).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import contextlib
 import copy
 import math
 import random
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -196,6 +199,7 @@ class PPOLearner:
             sums[k] = sums.get(k, 0.0) + float(v)
             counts[k] = counts.get(k, 0) + 1
 
+        critic_steps: list = []
         g = torch.Generator().manual_seed(self.rng.randrange(2 ** 31))
         self.policy.train()
         for _ in range(cfg.ppo_epochs):
@@ -244,10 +248,11 @@ class PPOLearner:
                     self.optimizer.step()
                 self.scheduler.step()
                 if critic is not None and exp.values is not None:
-                    cm = critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
-                                           exp.values[idx].cpu())
-                    for k, v in cm.items():
-                        add(k, v)
+                    critic_steps.append(critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
+                                                          exp.values[idx].cpu()))
+        for step in critic_steps:  # a remote critic may return futures: it trains while the actor does
+            for k, v in (step.result() if isinstance(step, Future) else step).items():
+                add(k, v)
         self.policy.eval()
         self.version += 1
         metrics = {k: sums[k] / counts[k] for k in sums}

@@ -21,6 +21,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -36,7 +37,7 @@ from ..common.rpc.codec import weight_chunks
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
 from ..common.rpc.server import RPCServer
 from ..common.runlog import RunLog
-from ..critic.client import CriticClient
+from ..critic.client import CriticClient, OverlappedCritic
 from ..generation.client import GenerationClient
 from ..reward.client import RewardClient
 from ..rollout.collect import eval_params, groups_to_rollout
@@ -74,7 +75,8 @@ class LearnerService:
         self.sampler = EpochSampler(self.train, cfg.run.seed)
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, self.train))
-        self.critic = CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc) if cfg.needs_critic else None
+        self.critic = (OverlappedCritic(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc))
+                       if cfg.needs_critic else None)
         self.reward = RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)
         self.stop_event = threading.Event()
         self.state = "starting"
@@ -83,7 +85,7 @@ class LearnerService:
         self.dead_cursor = "0-0"
         self.uncommitted: list[tuple[bytes, str]] = []  # (trajectory entry id, prompt uid) trained, not checkpointed
         self._uncommitted_uids: set[str] = set()
-        self._queue: list = []  # entries read but not yet examined
+        self._queue: deque = deque()  # (entry id, record, already trained) read, not yet examined
         self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "dead_letters": 0}
         self.last = {"reward": float("nan"), "eval": float("nan")}
         self.snapshot: tuple[int, dict] = (0, {})
@@ -209,7 +211,8 @@ class LearnerService:
         cfg = self.cfg
         want = cfg.rollout_batch_size
         if pending_first:
-            self._queue.extend(self.store.read_trajectories(1 << 20, pending=True))
+            got = self.store.read_trajectories(1 << 20, pending=True)
+            self._queue.extend((e, m, t) for (e, m), t in zip(got, self.store.trained_among([m.task.uid for _, m in got])))
             if self._queue:
                 log.info("re-reading %d trajectory groups read before the restart and not checkpointed",
                          len(self._queue))
@@ -220,7 +223,9 @@ class LearnerService:
                 return None
             if not self._queue:
                 self._replace_dead_letters()
-                self._queue.extend(self.store.read_trajectories(want - len(batch), cfg.replay.block_ms))
+                got = self.store.read_trajectories(want - len(batch), cfg.replay.block_ms)
+                trained = self.store.trained_among([m.task.uid for _, m in got])
+                self._queue.extend((e, m, t) for (e, m), t in zip(got, trained))
                 if not self._queue:
                     if time.time() - last_report > 30:
                         last_report = time.time()
@@ -229,9 +234,9 @@ class LearnerService:
                                  self.store.prompt_backlog(), len(self.store.live("worker")),
                                  len(self._live_servers()))
                     continue
-            entry_id, msg = self._queue.pop(0)
+            entry_id, msg, trained = self._queue.popleft()
             uid = msg.task.uid
-            if uid in uids or uid in self._uncommitted_uids or self.store.is_trained(uid):
+            if trained or uid in uids or uid in self._uncommitted_uids:
                 self.store.discard(entry_id)
                 self.counters["duplicates"] += 1
                 continue

@@ -114,7 +114,7 @@ class RolloutWorker:
                 time.sleep(backoff * (attempt + 1))
                 continue
             try:
-                groups, _ = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks],
+                groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks],
                                           self._clients[address], self.reward, self.tokenizer, params, self.critic,
                                           self.cfg.prompt_length)
             except grpc.RpcError as e:
@@ -131,6 +131,8 @@ class RolloutWorker:
                 self._avoid(address, self.cfg.replay.heartbeat_s)
                 time.sleep(0.05)
                 continue
+            log.debug("batch of %d: generate %.3fs score %.3fs values %.3fs", len(tasks), m["time/generate_s"],
+                      m["time/score_s"], m["time/values_s"])
             return [(g, address) for g in groups]
         return None
 
@@ -151,15 +153,14 @@ class RolloutWorker:
             log.error("giving up on a batch of %d prompts for now; they stay pending and will be reclaimed",
                       len(entries))
             return 0
-        appended = 0
         secs = time.perf_counter() - t0
-        for (entry_id, task), (group, address) in zip(entries, result):
-            if self.store.produce(entry_id, group_to_proto(group, task, self.name, address, secs)):
-                appended += 1
-            else:
-                self.metrics.duplicates.inc()
+        added = self.store.produce([(entry_id, group_to_proto(group, task, self.name, address, secs))
+                                    for (entry_id, task), (group, address) in zip(entries, result)])
+        appended = sum(added)
+        self.metrics.duplicates.inc(len(added) - appended)
         self.metrics.produced.inc(appended)
         self.metrics.batch_seconds.observe(time.perf_counter() - t0)
+        log.debug("batch of %d appended in %.3fs (sampling %.3fs)", len(entries), time.perf_counter() - t0, secs)
         with self._lock:
             self.produced += appended
         return appended

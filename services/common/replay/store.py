@@ -142,12 +142,16 @@ class ReplayStore:
         res = self.r.xreadgroup(WORKERS_GROUP, consumer, {self.prompts: ">"}, count=count, block=block_ms)
         return (self._decode(res[0][1], rpb.PromptTask) if res else []), 0
 
-    def produce(self, prompt_entry_id: bytes, group: rpb.TrajectoryGroup) -> bool:
-        """Append the trajectories of one prompt and acknowledge the prompt, atomically. False if
-        this attempt of the prompt already had its trajectories (nothing appended)."""
-        key = f"{group.task.uid}#{group.task.attempt}"
-        return bool(self._produce(keys=[self.produced, self.trajectories, self.prompts],
-                                  args=[WORKERS_GROUP, prompt_entry_id, key, group.SerializeToString()]))
+    def produce(self, items: list[tuple[bytes, rpb.TrajectoryGroup]]) -> list[bool]:
+        """For each (prompt entry id, group): append the prompt's trajectories and acknowledge the
+        prompt, atomically (one script call per prompt, all in one round trip). False where this
+        attempt of the prompt already had its trajectories (nothing appended)."""
+        pipe = self.r.pipeline(transaction=False)
+        for entry_id, group in items:
+            self._produce(keys=[self.produced, self.trajectories, self.prompts],
+                          args=[WORKERS_GROUP, entry_id, f"{group.task.uid}#{group.task.attempt}",
+                                group.SerializeToString()], client=pipe)
+        return [bool(x) for x in pipe.execute()]
 
     def dead_letter(self, prompt_entry_id: bytes, task: rpb.PromptTask, error: str, worker: str) -> None:
         self._dead_letter(keys=[self.dead, self.prompts],
@@ -206,8 +210,8 @@ class ReplayStore:
         pipe.xdel(self.trajectories, *ids)
         pipe.execute()
 
-    def is_trained(self, uid: str) -> bool:
-        return bool(self.r.sismember(self.trained, uid))
+    def trained_among(self, uids: list[str]) -> list[bool]:
+        return [bool(x) for x in self.r.smismember(self.trained, uids)] if uids else []
 
     def trained_count(self) -> int:
         return int(self.r.scard(self.trained))
