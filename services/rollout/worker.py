@@ -27,6 +27,10 @@ from .records import group_to_proto, task_record
 
 log = logging.getLogger(__name__)
 
+# Fault injection for tests only: a worker that claims a batch and then hangs (to be killed).
+FAULT_STALL_ENV = "RLHF_FAULT_STALL_S"
+FAULT_STALL_S = float(os.environ.get(FAULT_STALL_ENV, "0") or 0)
+
 
 def endpoint_address(ep) -> str:
     host = "127.0.0.1" if ep.host in ("0.0.0.0", "::", "") else ep.host
@@ -180,6 +184,10 @@ class RolloutWorker:
                 if not entries:
                     continue
                 self.metrics.claimed.inc(len(entries))
+                if FAULT_STALL_S:  # test hook: a worker that hangs while it holds prompts
+                    log.warning("%s=%s: stalling with %d claimed prompts", FAULT_STALL_ENV, FAULT_STALL_S,
+                                len(entries))
+                    time.sleep(FAULT_STALL_S)
                 if reclaimed:
                     self.metrics.reclaimed.inc(reclaimed)
                     log.info("reclaimed %d prompts from a silent worker", reclaimed)

@@ -1,0 +1,136 @@
+"""The replay buffer's contracts on a real Redis: atomic produce-and-acknowledge, no duplicate
+trajectories for one prompt attempt, reclaiming a dead consumer's prompts, commit, stale refeed,
+backlog, and the liveness registry. Records are protobuf: no pickle."""
+import time
+
+import numpy as np
+import pytest
+
+from services.common.data import PromptRecord
+from services.common.rpc.gen import replay_pb2 as rpb
+from services.generation.backend import Completion
+from services.reward.scorer import ScoreResult
+from services.rollout.collect import SampleGroup, groups_to_rollout
+from services.rollout.records import group_from_proto, group_to_proto, make_task, task_record
+
+
+def _task(i: int, epoch: int = 0, attempt: int = 0) -> rpb.PromptTask:
+    return make_task(PromptRecord(f"p{i}", f"abc{i}=", label=f"{i}cba", metadata={"k": i}), epoch, version=3,
+                     min_version=3, group_size=2, attempt=attempt)
+
+
+def _group(task: rpb.PromptTask, version: int = 3, values: bool = True) -> rpb.TrajectoryGroup:
+    comps = [Completion([5, 6, 2], [-0.5, -1.25, -0.125], "stop"), Completion([7], [-2.0], "length")]
+    g = SampleGroup(task.uid, task_record(task), [1, 2, 3], comps,
+                    [ScoreResult(1.0, {"exact_match": 1.0}), ScoreResult(0.25, {"exact_match": 0.0})],
+                    [[0.1, 0.2, 0.3], [0.4]] if values else None, version)
+    return group_to_proto(g, task, worker="w", server="s:1")
+
+
+def test_records_round_trip_exactly_and_flatten_into_a_rollout():
+    t = _task(1)
+    back = group_from_proto(rpb.TrajectoryGroup.FromString(_group(t).SerializeToString()))
+    assert back.uid == "0:p1" and back.record.label == "1cba" and back.record.metadata == {"k": 1}
+    assert [c.token_ids for c in back.completions] == [[5, 6, 2], [7]]
+    assert back.completions[0].log_probs == [-0.5, -1.25, -0.125]  # exact in float32
+    assert [s.reward for s in back.scores] == [1.0, 0.25] and back.version == 3
+    r = groups_to_rollout([back, back])
+    assert r.index == ["0:p1"] * 4 and r.versions == [3] * 4 and r.scores == [1.0, 0.25, 1.0, 0.25]
+    assert r.values.shape == (4, 3)
+    np.testing.assert_allclose(r.values[1].numpy(), [0.4, 0, 0], rtol=1e-6)  # padded after the response
+    bad = _group(t)
+    bad.samples[0].log_probs = bad.samples[0].log_probs[:4]
+    with pytest.raises(ValueError, match="log-probs"):
+        group_from_proto(bad)
+
+
+def test_produce_appends_and_acknowledges_atomically_and_once_per_attempt(store):
+    store.feed([_task(i) for i in range(3)])
+    claimed, reclaimed = store.claim_prompts("w1", 10, block_ms=100)
+    assert len(claimed) == 3 and reclaimed == 0
+    assert store.r.xpending(store.prompts, "workers")["pending"] == 3
+    added = store.produce([(e, _group(t)) for e, t in claimed])
+    assert added == [True] * 3
+    assert store.r.xpending(store.prompts, "workers")["pending"] == 0 and store.prompt_backlog() == 0
+    assert store.backlog() == 3
+    # the same attempt again (a reclaimed prompt whose first worker was only slow): nothing appended
+    store.feed([_task(0)])
+    (e, t), = store.claim_prompts("w2", 10, block_ms=100)[0]
+    assert store.produce([(e, _group(t))]) == [False]
+    assert store.backlog() == 3 and store.prompt_backlog() == 0
+    # a re-fed attempt (after a stale drop) is a new attempt and does produce
+    store.feed([_task(0, attempt=1)])
+    (e, t), = store.claim_prompts("w2", 10, block_ms=100)[0]
+    assert store.produce([(e, _group(t))]) == [True]
+    assert store.backlog() == 4
+
+
+def test_a_dead_consumers_prompts_are_reclaimed_by_another(store):
+    store.feed([_task(i) for i in range(4)])
+    taken, _ = store.claim_prompts("doomed", 4, block_ms=100)
+    assert len(taken) == 4
+    # before claim_idle_s, nothing to reclaim and nothing new
+    assert store.claim_prompts("survivor", 4, block_ms=50) == ([], 0)
+    time.sleep(0.4)
+    got, reclaimed = store.claim_prompts("survivor", 4, block_ms=50)
+    assert reclaimed == 4 and sorted(t.uid for _, t in got) == sorted(t.uid for _, t in taken)
+    store.produce([(e, _group(t)) for e, t in got])
+    assert store.r.xpending(store.prompts, "workers")["pending"] == 0
+    # the doomed worker wakes up late and tries to finish its batch: no duplicate trajectories
+    assert store.produce([(e, _group(t)) for e, t in taken]) == [False] * 4
+    assert store.backlog() == 4
+
+
+def test_learner_reads_commits_and_refeeds(store):
+    store.feed([_task(i) for i in range(3)])
+    claimed, _ = store.claim_prompts("w", 3, block_ms=100)
+    store.produce([(e, _group(t, version=i)) for i, (e, t) in enumerate(claimed)])
+    got = store.read_trajectories(10, block_ms=100)
+    assert len(got) == 3 and store.backlog() == 0 and store.learner_pending() == 3
+    # a restarted learner re-reads what it had read and not committed
+    assert [e for e, _ in store.read_trajectories(10, pending=True)] == [e for e, _ in got]
+    (e0, m0), (e1, m1), (e2, m2) = got
+    refeed = rpb.PromptTask()
+    refeed.CopyFrom(m0.task)
+    refeed.attempt += 1
+    store.discard(e0, refeed)  # stale: dropped, prompt fed again in the same transaction
+    assert store.prompt_backlog() == 1 and store.learner_pending() == 2
+    assert store.trained_among([m1.task.uid, m2.task.uid]) == [False, False]
+    store.commit([(e1, m1.task.uid), (e2, m2.task.uid)])
+    assert store.learner_pending() == 0 and store.r.xlen(store.trajectories) == 0
+    assert store.trained_among([m0.task.uid, m1.task.uid, m2.task.uid]) == [False, True, True]
+    store.commit([(e1, m1.task.uid)])  # idempotent (a resumed learner repeats its last commit)
+    assert store.trained_count() == 2
+
+
+def test_dead_letters_are_acknowledged_and_readable(store):
+    store.feed([_task(7)])
+    (e, t), = store.claim_prompts("w", 1, block_ms=100)[0]
+    store.dead_letter(e, t, "prompts[0]: 40 tokens, more than prompt_length=32", "w")
+    assert store.r.xpending(store.prompts, "workers")["pending"] == 0
+    (entry, task, error), = store.read_dead()
+    assert task.uid == "0:p7" and "prompt_length" in error
+    assert store.read_dead(entry) == []
+
+
+def test_registry_forgets_services_without_a_heartbeat(store):
+    store.heartbeat("generation", "127.0.0.1:1", version=4)
+    store.heartbeat("generation", "127.0.0.1:2", version=4)
+    assert set(store.live("generation")) == {"127.0.0.1:1", "127.0.0.1:2"}
+    time.sleep(0.7)
+    store.heartbeat("generation", "127.0.0.1:2", version=5)
+    time.sleep(0.5)
+    live = store.live("generation")
+    assert set(live) == {"127.0.0.1:2"} and live["127.0.0.1:2"]["version"] == 5
+    assert store.r.hlen(store.generation_key) == 1  # the silent one was removed
+    assert store.next_version() == 1 and store.next_version() == 2 and store.version() == 2
+
+
+def test_nothing_in_redis_is_pickled(store):
+    store.feed([_task(1)])
+    (e, t), = store.claim_prompts("w", 1, block_ms=100)[0]
+    store.produce([(e, _group(t))])
+    for key in (store.trajectories,):
+        for _, fields in store.r.xrange(key):
+            assert not fields[b"d"].startswith(b"\x80")  # pickle protocol 2+ header
+            rpb.TrajectoryGroup.FromString(fields[b"d"])
