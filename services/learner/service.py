@@ -403,7 +403,7 @@ class LearnerService:
             self.critic.save(str(self.run_dir / "final_critic"))
         self.state = "done"
         return runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=it,
-                             wall_s=time.time() - self.t_start, resumed_from=self.resumed_from,
+                             wall_s=time.time() - runlog.t0, resumed_from=self.resumed_from,
                              policy_version=self.learner.version, **self.counters)
 
     def _evaluate(self, params) -> dict:
