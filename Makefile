@@ -24,9 +24,13 @@ $(MODEL_DIR)/config.json: | $(BIN)/.installed
 
 model: $(MODEL_DIR)/config.json
 
-# the main job: PPO on the tiny default, all in one process (the distributed `rlhf up` replaces it)
+# the main job: PPO on the tiny default, every service its own process on localhost (embedded Redis)
 run: $(BIN)/.installed $(MODEL_DIR)/config.json
-	$(BIN)/rlhf train --local -c $(CONFIG) --run-dir $(RUN_DIR)
+	$(BIN)/rlhf up -c $(CONFIG) --run-dir $(RUN_DIR)
+
+# the same job in one process (no Redis, no gRPC): the reference the distributed run is measured against
+run-local: $(BIN)/.installed $(MODEL_DIR)/config.json
+	$(BIN)/rlhf train --local -c $(CONFIG) --run-dir $(RUN_DIR)-local
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest tests
@@ -36,3 +40,4 @@ clean:
 
 bench: $(BIN)/.installed $(MODEL_DIR)/config.json
 	$(BIN)/python benchmarks/bench_services.py --model $(MODEL_DIR) --out runs/bench/services.json
+	$(BIN)/python benchmarks/bench_distributed.py --model $(MODEL_DIR) --out runs/bench/distributed.json

@@ -74,6 +74,8 @@ class CriticConfig(_Strict):
     model_path: Optional[str] = Field(None, description="backbone to start from; default model.path")
     lr: float = Field(1e-4, gt=0)
     value_loss_coef: float = Field(1.0, gt=0, description="scales the value loss (c1 in PPO)")
+    overlap_training: bool = Field(True, description="learner service: the critic server trains on each "
+                                   "mini-batch while the actor does (a win when they have their own devices)")
 
 
 class DataConfig(_Strict):

@@ -75,8 +75,11 @@ class LearnerService:
         self.sampler = EpochSampler(self.train, cfg.run.seed)
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, self.train))
-        self.critic = (OverlappedCritic(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc))
-                       if cfg.needs_critic else None)
+        self.critic = None
+        if cfg.needs_critic:
+            self.critic = CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc)
+            if cfg.critic.overlap_training:
+                self.critic = OverlappedCritic(self.critic)
         self.reward = RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)
         self.stop_event = threading.Event()
         self.state = "starting"
@@ -85,6 +88,7 @@ class LearnerService:
         self.dead_cursor = "0-0"
         self.uncommitted: list[tuple[bytes, str]] = []  # (trajectory entry id, prompt uid) trained, not checkpointed
         self._uncommitted_uids: set[str] = set()
+        self._gen_rates: list[float] = []  # generation tokens/s of the Generate calls behind a batch
         self._queue: deque = deque()  # (entry id, record, already trained) read, not yet examined
         self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "dead_letters": 0}
         self.last = {"reward": float("nan"), "eval": float("nan")}
@@ -217,6 +221,7 @@ class LearnerService:
                 log.info("re-reading %d trajectory groups read before the restart and not checkpointed",
                          len(self._queue))
         batch, uids = [], set()
+        self._gen_rates = []
         t0 = last_report = time.time()
         while len(batch) < want:
             if self.stop_event.is_set():
@@ -258,6 +263,8 @@ class LearnerService:
                 self.store.discard(entry_id)
                 continue
             batch.append((entry_id, group))
+            if msg.generate_seconds > 0:
+                self._gen_rates.append(msg.batch_tokens / msg.generate_seconds)
             uids.add(uid)
         return batch
 
@@ -367,6 +374,7 @@ class LearnerService:
             self.counters["trained_groups"] += len(batch)
             metrics.update({"time/wait_s": t1 - t0, "time/train_s": t2 - t1,
                             "rollout/tokens": sum(len(r) for r in rollout.response_ids),
+                            "rollout/tokens_per_s": sum(self._gen_rates) / max(len(self._gen_rates), 1),
                             "replay/staleness_mean": sum(staleness) / len(staleness),
                             "replay/backlog": self._safe_backlog(), "replay/dropped_stale": self.counters["dropped_stale"],
                             "replay/duplicates": self.counters["duplicates"], "data/epoch": self.sampler.epoch,

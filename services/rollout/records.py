@@ -32,10 +32,10 @@ def task_record(task: rpb.PromptTask) -> PromptRecord:
 
 
 def group_to_proto(g: SampleGroup, task: rpb.PromptTask, worker: str = "", server: str = "",
-                   generate_seconds: float = 0.0) -> rpb.TrajectoryGroup:
+                   generate_seconds: float = 0.0, batch_tokens: int = 0) -> rpb.TrajectoryGroup:
     out = rpb.TrajectoryGroup(task=task, prompt_ids=g.prompt_ids, policy_version=g.version, worker=worker,
                               generation_server=server, created_at=time.time(), generate_seconds=generate_seconds,
-                              tokens=sum(len(c.token_ids) for c in g.completions))
+                              tokens=sum(len(c.token_ids) for c in g.completions), batch_tokens=batch_tokens)
     for j, c in enumerate(g.completions):
         s = out.samples.add(response_ids=c.token_ids, log_probs=np.asarray(c.log_probs, _F32).tobytes(),
                             score=g.scores[j].reward, finish_reason=c.finish_reason)

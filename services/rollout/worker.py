@@ -137,7 +137,7 @@ class RolloutWorker:
                 continue
             log.debug("batch of %d: generate %.3fs score %.3fs values %.3fs", len(tasks), m["time/generate_s"],
                       m["time/score_s"], m["time/values_s"])
-            return [(g, address) for g in groups]
+            return [(g, address, m) for g in groups]
         return None
 
     def process(self, entries: list) -> int:
@@ -158,8 +158,9 @@ class RolloutWorker:
                       len(entries))
             return 0
         secs = time.perf_counter() - t0
-        added = self.store.produce([(entry_id, group_to_proto(group, task, self.name, address, secs))
-                                    for (entry_id, task), (group, address) in zip(entries, result)])
+        added = self.store.produce([(entry_id, group_to_proto(group, task, self.name, address, m["time/generate_s"],
+                                                              int(m["rollout/tokens"])))
+                                    for (entry_id, task), (group, address, m) in zip(entries, result)])
         appended = sum(added)
         self.metrics.duplicates.inc(len(added) - appended)
         self.metrics.produced.inc(appended)

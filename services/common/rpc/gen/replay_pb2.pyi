@@ -56,7 +56,7 @@ class Sample(_message.Message):
     def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., log_probs: _Optional[bytes] = ..., values: _Optional[bytes] = ..., score: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
-    __slots__ = ("task", "prompt_ids", "samples", "policy_version", "worker", "generation_server", "created_at", "generate_seconds", "tokens")
+    __slots__ = ("task", "prompt_ids", "samples", "policy_version", "worker", "generation_server", "created_at", "generate_seconds", "tokens", "batch_tokens")
     TASK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class TrajectoryGroup(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     task: PromptTask
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
@@ -75,4 +76,5 @@ class TrajectoryGroup(_message.Message):
     created_at: float
     generate_seconds: float
     tokens: int
-    def __init__(self, task: _Optional[_Union[PromptTask, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., worker: _Optional[str] = ..., generation_server: _Optional[str] = ..., created_at: _Optional[float] = ..., generate_seconds: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    def __init__(self, task: _Optional[_Union[PromptTask, _Mapping]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., worker: _Optional[str] = ..., generation_server: _Optional[str] = ..., created_at: _Optional[float] = ..., generate_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
