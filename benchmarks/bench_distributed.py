@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--out", default="runs/bench/distributed.json")
     ap.add_argument("--workdir", default="runs/bench")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each mode, interleaved (a noisy machine "
+                    "drifts; each round's ratio compares runs taken minutes apart)")
     args = ap.parse_args()
     work = Path(args.workdir)
     common = ["-c", args.config, "--set", f"model.path={args.model}", "--set", f"run.iterations={args.iterations}",
@@ -106,18 +108,26 @@ def main() -> None:
         "sync": rlhf + ["up", *common, "--set", "max_staleness=0", "--run-dir", str(work / "sync")],
         "async": rlhf + ["up", *common, "--set", "max_staleness=1", "--run-dir", str(work / "async")],
     }
-    result: dict = {"config": args.config, "iterations": args.iterations, "warmup_iterations": WARMUP}
-    for name, cmd in modes.items():
-        d = work / name
-        if d.exists():
-            import shutil
-            shutil.rmtree(d)
-        result[name] = run_mode(name, cmd, d)
-    base = result["in_process"]["iteration_s_median"]
-    base_wall = result["in_process"]["wall_per_iteration_s"]
+    result: dict = {"config": args.config, "iterations": args.iterations, "warmup_iterations": WARMUP,
+                    "rounds": args.rounds}
+    per_round: list[dict] = []
+    for rnd in range(args.rounds):
+        this = {}
+        for name, cmd in modes.items():
+            d = work / name
+            if d.exists():
+                import shutil
+                shutil.rmtree(d)
+            this[name] = run_mode(f"{name} {rnd + 1}/{args.rounds}", cmd, d)
+        for name in ("sync", "async"):
+            this[name]["ratio_vs_in_process"] = this[name]["iteration_s_median"] / this["in_process"]["iteration_s_median"]
+        per_round.append(this)
+    result["per_round"] = per_round
+    for name in modes:  # the median run of each mode (by its s/iteration)
+        runs = sorted((r[name] for r in per_round), key=lambda r: r["iteration_s_median"])
+        result[name] = dict(runs[(len(runs) - 1) // 2])
     for name in ("sync", "async"):
-        result[name]["ratio_vs_in_process"] = result[name]["iteration_s_median"] / base
-        result[name]["wall_ratio_vs_in_process"] = result[name]["wall_per_iteration_s"] / base_wall
+        result[name]["ratio_vs_in_process"] = statistics.median(r[name]["ratio_vs_in_process"] for r in per_round)
     policy = Path(args.model) / "model.safetensors"
     result["policy_mb"] = round(policy.stat().st_size / 1e6, 2) if policy.exists() else None
     result["replay"] = bench_replay()
@@ -125,7 +135,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    print(f"\n{'mode':<11} {'s/iter (median)':>15} {'wall s/iter':>11} {'ratio':>6} {'train s':>8} {'push s':>7} "
+    print(f"\nratio to in-process per round: " + ", ".join(
+        f"sync {r['sync']['ratio_vs_in_process']:.2f} / async {r['async']['ratio_vs_in_process']:.2f}" for r in per_round))
+    print(f"{'mode':<11} {'s/iter (median)':>15} {'wall s/iter':>11} {'ratio':>6} {'train s':>8} {'push s':>7} "
           f"{'gen tok/s':>9} {'eval before->after':>19}")
     for name in modes:
         r = result[name]

@@ -62,12 +62,16 @@ def render_prompt(record: dict, tokenizer, prompt_key: str = "prompt") -> str:
 
 def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "prompt", label_key: str = "label",
                  limit: int | None = None, seed: int = 0) -> list[PromptRecord]:
-    """Load prompt records from `synthetic:<task>` or a JSON lines file."""
+    """Load prompt records from `synthetic:<task>`, a JSON lines file, or a Hugging Face `datasets`
+    source: `hf:<name>[:<config>][@<split>]` (a hub dataset or a local dataset directory) or a
+    `.parquet`, `.csv` or `.json` file. The default split is the `split` argument."""
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
         if task not in SYNTHETIC_TASKS:
             raise ValueError(f"unknown synthetic task {task!r}; valid: {', '.join(SYNTHETIC_TASKS)}")
         return SYNTHETIC_TASKS[task](split, limit, seed)
+    if source.startswith("hf:") or source.endswith(DATASETS_FILE_TYPES):
+        return _from_datasets(source, split, tokenizer, prompt_key, label_key, limit)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist")
@@ -80,15 +84,44 @@ def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "pro
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-            label = record.get(label_key, record.get("solution"))
-            out.append(PromptRecord(id=str(record.get("id", f"{path.name}:{lineno}")),
-                                    prompt=render_prompt(record, tokenizer, prompt_key),
-                                    label=None if label is None else str(label),
-                                    metadata={k: v for k, v in record.items()
-                                              if k not in (prompt_key, "messages", label_key, "solution", "id")}))
+            out.append(_record(record, f"{path.name}:{lineno}", tokenizer, prompt_key, label_key))
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+DATASETS_FILE_TYPES = (".parquet", ".csv", ".json")
+
+
+def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key: str) -> PromptRecord:
+    label = record.get(label_key, record.get("solution"))
+    return PromptRecord(id=str(record.get("id", default_id)), prompt=render_prompt(record, tokenizer, prompt_key),
+                        label=None if label is None else str(label),
+                        metadata={k: v for k, v in record.items()
+                                  if k not in (prompt_key, "messages", label_key, "solution", "id")})
+
+
+def _from_datasets(source: str, split: str, tokenizer, prompt_key: str, label_key: str,
+                   limit: int | None) -> list[PromptRecord]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"data source {source!r} needs the `datasets` package: pip install datasets") from None
+    spec = source[3:] if source.startswith("hf:") else source
+    spec, _, want_split = spec.partition("@")
+    want_split = want_split or split
+    if source.startswith("hf:"):
+        name, _, config = spec.partition(":")
+        ds = datasets.load_dataset(name, config or None, split=want_split)
+    else:
+        kind = Path(spec).suffix.lstrip(".")
+        if not Path(spec).exists():
+            raise FileNotFoundError(f"prompt file {spec} does not exist")
+        ds = datasets.load_dataset(kind, data_files={want_split: spec}, split=want_split)
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    label = Path(spec).name
+    return [_record(dict(row), f"{label}:{i}", tokenizer, prompt_key, label_key) for i, row in enumerate(ds)]
 
 
 class EpochSampler:
