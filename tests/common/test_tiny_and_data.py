@@ -33,3 +33,23 @@ def test_epoch_sampler_uses_every_record_once_per_epoch():
     assert sorted(r.id for r in first) == sorted(r.id for r in recs) and s.epoch == 0
     s.take(1)
     assert s.epoch == 1
+
+
+def test_datasets_sources_parquet_csv_and_a_local_dataset_directory(tiny_model_dir, tmp_path):
+    import datasets
+    tok = load_tokenizer(tiny_model_dir)
+    rows = [{"id": "q1", "messages": [{"role": "user", "content": "abc="}], "solution": "cba", "level": 2},
+            {"id": "q2", "messages": [{"role": "user", "content": "de="}], "solution": "ed", "level": 1}]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    recs = load_prompts(str(tmp_path / "p.parquet"), "train", tok)
+    assert [r.id for r in recs] == ["q1", "q2"] and [r.label for r in recs] == ["cba", "ed"]
+    assert "abc=" in recs[0].prompt and recs[0].prompt != "abc="  # rendered through the chat template
+    assert recs[0].metadata == {"level": 2}
+    datasets.Dataset.from_list([{"question": "xy=", "answer": "yx"}] * 3).to_csv(str(tmp_path / "c.csv"))
+    recs = load_prompts(str(tmp_path / "c.csv"), "train", tok, prompt_key="question", label_key="answer", limit=2)
+    assert [(r.id, r.prompt, r.label) for r in recs] == [("c.csv:0", "xy=", "yx"), ("c.csv:1", "xy=", "yx")]
+    d = tmp_path / "dsdir"
+    d.mkdir()
+    datasets.Dataset.from_list([{"prompt": "gh="}]).to_parquet(str(d / "test.parquet"))
+    recs = load_prompts(f"hf:{d}@test", "train", tok)
+    assert [r.prompt for r in recs] == ["gh="] and recs[0].label is None
