@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_process_graceful_sigterm(cfg, tmp_path):
     conf = tmp_path / "c.yaml"
     conf.write_text(f"model: {{path: {cfg.model.path}, device: cpu}}\nprompt_length: 32\nresponse_length: 8\n"
-                    f"rpc: {{auth_token: {TOKEN}, max_samples_per_prompt: 64}}\n")
+                    f"rpc: {{auth_token: {TOKEN}, max_samples_per_prompt: 64, grace_s: 120}}\n")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "generation", "-c", str(conf),
                              "--port", "0", "--metrics-port", "-1"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
