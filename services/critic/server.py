@@ -4,9 +4,9 @@
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
+from ..common.compute import ComputeThread
 from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
 from ..common.rpc.server import RPCServer
@@ -16,7 +16,7 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
     def __init__(self, critic, cfg, metrics=None):
         self.critic, self.cfg, self.metrics = critic, cfg, metrics
         self.vocab_size = critic.model.backbone.config.vocab_size
-        self._lock = threading.Lock()  # one optimiser step at a time; values wait for it
+        self.compute = ComputeThread("critic")  # one step at a time, in order; values wait for it
 
     def _batch(self, msg):
         b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length)
@@ -26,8 +26,7 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
 
     def Values(self, request, context):
         batch = self._batch(request.batch)
-        with self._lock:
-            values = self.critic.values(batch)
+        values = self.compute.run(self.critic.values, batch)
         return cpb.ValuesResponse(values=tensor_to_proto(values.float()))
 
     def Train(self, request, context):
@@ -38,8 +37,7 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         for name, t in (("returns", returns), ("old_values", old)):
             if tuple(t.shape) != shape:
                 raise BadRequest(f"{name}: shape {list(t.shape)}, expected {list(shape)} (the response_mask's)")
-        with self._lock:
-            metrics = self.critic.train_step(batch, returns, old)
+        metrics = self.compute.run(self.critic.train_step, batch, returns, old)
         return cpb.TrainResponse(metrics=metrics, step=self.critic.steps)
 
     def _path(self, path: str) -> Path:
@@ -49,16 +47,14 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
 
     def Save(self, request, context):
         p = self._path(request.path)
-        with self._lock:
-            self.critic.save(p)
+        self.compute.run(self.critic.save, p)
         return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
 
     def Load(self, request, context):
         p = self._path(request.path)
         if not (p / "value_head.safetensors").exists():
             raise BadRequest(f"path: no critic checkpoint in {p} (value_head.safetensors missing)")
-        with self._lock:
-            self.critic.load(p)
+        self.compute.run(self.critic.load, p)
         return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
 
 

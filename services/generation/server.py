@@ -28,6 +28,13 @@ class _Job:
     future: Future
 
 
+@dataclass
+class _Call:
+    """Other work for the batcher's thread (a weight swap): it runs between batches."""
+    fn: object
+    future: Future
+
+
 class Batcher:
     """Collects concurrent Generate calls for up to `window_s` (or `max_batch_size` prompts) and
     runs each group of calls with equal sampling parameters as one backend batch. Calls with a
@@ -35,7 +42,10 @@ class Batcher:
 
     The window is only waited for while other calls are in the server (`active`, counted by the
     servicer from the moment a request arrives): a lone caller runs at once, and calls that
-    queued while a batch was running join the next batch without waiting."""
+    queued while a batch was running join the next batch without waiting.
+
+    The batcher's thread is the server's one compute thread (`services/common/compute.py`):
+    weight swaps run on it too (`call`), between batches."""
 
     def __init__(self, backend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
@@ -54,6 +64,19 @@ class Batcher:
     def close(self) -> None:
         self.q.put(None)
 
+    def call(self, fn, *args):
+        """Run fn(*args) on the batcher's thread between batches; its result or exception."""
+        fut: Future = Future()
+        self.q.put(_Call(lambda: fn(*args), fut))
+        return fut.result()
+
+    @staticmethod
+    def _run_call(c: _Call) -> None:
+        try:
+            c.future.set_result(c.fn())
+        except BaseException as e:  # the caller sees it
+            c.future.set_exception(e)
+
     def enter(self) -> None:
         with self._active_lock:
             self.active += 1
@@ -67,7 +90,11 @@ class Batcher:
             job = self.q.get()
             if job is None:
                 return
+            if isinstance(job, _Call):
+                self._run_call(job)
+                continue
             jobs = [job]
+            deferred: list[_Call] = []
             size = len(job.prompts)
             deadline = time.monotonic() + self.window_s
             while size < self.max_batch_size:
@@ -81,6 +108,9 @@ class Batcher:
                 if nxt is None:
                     self.q.put(None)
                     break
+                if isinstance(nxt, _Call):
+                    deferred.append(nxt)
+                    break
                 jobs.append(nxt)
                 size += len(nxt.prompts)
             groups: dict = {}
@@ -91,6 +121,8 @@ class Batcher:
                 groups.setdefault(key, []).append(j)
             for group in groups.values():
                 self._run(group)
+            for c in deferred:
+                self._run_call(c)
 
     def _run(self, group: list[_Job]) -> None:
         prompts = [p for j in group for p in j.prompts]
@@ -203,7 +235,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if self.server:
                 self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
             try:
-                self.backend.update_weights(state, version)
+                self.batcher.call(self.backend.update_weights, state, version)
             except (KeyError, ValueError) as e:
                 raise BadRequest(f"weights: {e}") from None
             finally:
