@@ -65,11 +65,6 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _advertised(cfg, host: str, port: int) -> str:
-    h = cfg.rpc.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
-    return f"{h}:{port}"
-
-
 def cmd_serve(args) -> int:
     """Run one service in the foreground until SIGTERM/SIGINT (graceful shutdown)."""
     cfg = _load(args)
@@ -93,7 +88,9 @@ def cmd_serve(args) -> int:
         if cfg.replay.url:  # part of a distributed run: register, pull the current policy
             from .common.replay import ReplayStore
             from .generation.registration import Registration
-            reg = Registration(cfg, servicer, _advertised(cfg, ep.host, server.port), ReplayStore.from_config(cfg))
+            from .common.rpc.server import advertised_address
+            reg = Registration(cfg, servicer, advertised_address(cfg.rpc, ep.host, server.port),
+                               ReplayStore.from_config(cfg))
             server.set_ready(False)
             reg.start()
             server.set_ready(True)

@@ -35,14 +35,13 @@ from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.rpc.codec import weight_chunks
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
-from ..common.rpc.server import RPCServer
+from ..common.rpc.server import RPCServer, advertised_address, endpoint_address
 from ..common.runlog import RunLog
 from ..critic.client import CriticClient, OverlappedCritic
 from ..generation.client import GenerationClient
 from ..reward.client import RewardClient
 from ..rollout.collect import eval_params, groups_to_rollout
 from ..rollout.records import group_from_proto, make_task
-from ..rollout.worker import endpoint_address
 from .local import evaluate
 from .ppo_step import PPOLearner, planned_updates, ptx_examples_for
 
@@ -110,9 +109,7 @@ class LearnerService:
 
     # ------------------------------------------------------------------ serving
     def address(self) -> str:
-        ep = self.cfg.rpc.learner
-        host = self.cfg.rpc.advertise_host or ("127.0.0.1" if ep.host in ("0.0.0.0", "::") else ep.host)
-        return f"{host}:{self.server.port}"
+        return advertised_address(self.cfg.rpc, self.cfg.rpc.learner.host, self.server.port)
 
     def start_server(self, port: int | None = None, metrics_port: int | None = -1,
                      http_port: int | None = -1) -> RPCServer:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
+from ..common.rpc.server import endpoint_address
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient
 from ..reward.client import RewardClient
@@ -30,11 +31,6 @@ log = logging.getLogger(__name__)
 # Fault injection for tests only: a worker that claims a batch and then hangs (to be killed).
 FAULT_STALL_ENV = "RLHF_FAULT_STALL_S"
 FAULT_STALL_S = float(os.environ.get(FAULT_STALL_ENV, "0") or 0)
-
-
-def endpoint_address(ep) -> str:
-    host = "127.0.0.1" if ep.host in ("0.0.0.0", "::", "") else ep.host
-    return f"{host}:{ep.port}"
 
 
 class WorkerMetrics:

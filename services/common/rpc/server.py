@@ -183,6 +183,22 @@ def client_channel(address: str, rpc_cfg) -> grpc.Channel:
     return grpc.insecure_channel(address, opts)
 
 
+def reachable_host(host: str) -> str:
+    """An address to dial for a server bound to `host` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def endpoint_address(ep) -> str:
+    """host:port to dial a configured endpoint (`rpc.reward`, `rpc.critic`, ...)."""
+    return f"{reachable_host(ep.host)}:{ep.port}"
+
+
+def advertised_address(rpc_cfg, host: str, port: int) -> str:
+    """host:port this server tells others (Redis registry): `rpc.advertise_host` (the pod IP in
+    Kubernetes) or the bound host."""
+    return f"{rpc_cfg.advertise_host or reachable_host(host)}:{port}"
+
+
 def call_metadata(rpc_cfg) -> tuple:
     token = rpc_cfg.resolved_auth_token()
     return (("authorization", f"Bearer {token}"),) if token else ()
