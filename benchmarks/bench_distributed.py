@@ -96,19 +96,25 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--out", default="runs/bench/distributed.json")
     ap.add_argument("--workdir", default="runs/bench")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every mode (e.g. rollout_batch_size=256)")
+    ap.add_argument("--modes", default="in_process,sync,async", help="which of in_process,sync,async to run")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each mode, interleaved (a noisy machine "
                     "drifts; each round's ratio compares runs taken minutes apart)")
     args = ap.parse_args()
     work = Path(args.workdir)
     common = ["-c", args.config, "--set", f"model.path={args.model}", "--set", f"run.iterations={args.iterations}",
               "--set", "run.eval_interval=0", "--set", "run.checkpoint_interval=0"]
+    for o in args.overrides:
+        common += ["--set", o]
     rlhf = [sys.executable, "-m", "services.cli"]
     modes = {
         "in_process": rlhf + ["train", "--local", *common, "--run-dir", str(work / "in_process")],
         "sync": rlhf + ["up", *common, "--set", "max_staleness=0", "--run-dir", str(work / "sync")],
         "async": rlhf + ["up", *common, "--set", "max_staleness=1", "--run-dir", str(work / "async")],
     }
-    result: dict = {"config": args.config, "iterations": args.iterations, "warmup_iterations": WARMUP,
+    modes = {k: v for k, v in modes.items() if k in args.modes.split(",") or k == "in_process"}
+    result: dict = {"config": args.config, "overrides": args.overrides, "iterations": args.iterations, "warmup_iterations": WARMUP,
                     "rounds": args.rounds}
     per_round: list[dict] = []
     for rnd in range(args.rounds):
@@ -119,14 +125,14 @@ def main() -> None:
                 import shutil
                 shutil.rmtree(d)
             this[name] = run_mode(f"{name} {rnd + 1}/{args.rounds}", cmd, d)
-        for name in ("sync", "async"):
+        for name in [m for m in ("sync", "async") if m in modes]:
             this[name]["ratio_vs_in_process"] = this[name]["iteration_s_median"] / this["in_process"]["iteration_s_median"]
         per_round.append(this)
     result["per_round"] = per_round
     for name in modes:  # the median run of each mode (by its s/iteration)
         runs = sorted((r[name] for r in per_round), key=lambda r: r["iteration_s_median"])
         result[name] = dict(runs[(len(runs) - 1) // 2])
-    for name in ("sync", "async"):
+    for name in [m for m in ("sync", "async") if m in modes]:
         result[name]["ratio_vs_in_process"] = statistics.median(r[name]["ratio_vs_in_process"] for r in per_round)
     policy = Path(args.model) / "model.safetensors"
     result["policy_mb"] = round(policy.stat().st_size / 1e6, 2) if policy.exists() else None
@@ -135,8 +141,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    print(f"\nratio to in-process per round: " + ", ".join(
-        f"sync {r['sync']['ratio_vs_in_process']:.2f} / async {r['async']['ratio_vs_in_process']:.2f}" for r in per_round))
+    print("\nratio to in-process per round: " + ", ".join(
+        " / ".join(f"{m} {r[m]['ratio_vs_in_process']:.2f}" for m in ("sync", "async") if m in r) for r in per_round))
     print(f"{'mode':<11} {'s/iter (median)':>15} {'wall s/iter':>11} {'ratio':>6} {'train s':>8} {'push s':>7} "
           f"{'gen tok/s':>9} {'eval before->after':>19}")
     for name in modes:
@@ -148,7 +154,7 @@ def main() -> None:
     rp = result["replay"]
     print(f"\nreplay (embedded Redis, AOF on): put {rp['put_records_per_s']} records/s, "
           f"get {rp['get_records_per_s']} records/s ({rp['records']} records, batches of {rp['batch']})")
-    s = result["sync"]
+    s = result.get("sync") or result.get("async")
     print(f"weight push ({result['policy_mb']} MB policy): {s['push_s_median'] * 1000:.1f} ms median, "
           f"{s['push_mb_per_s']:.0f} MB/s")
     print(f"wrote {out}")

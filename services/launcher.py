@@ -120,9 +120,11 @@ class Launcher:
         overlapped = self.cfg.max_staleness > 0 and kind in ("generation", "rollout", "reward")
         # asynchronous mode: the learner is the critical path; sampling gets the cycles it leaves
         nice = NICE_SAMPLERS if overlapped else 0
-        # several torch processes share the cores: OpenMP threads that spin after each parallel
-        # region steal them from the process that has work (PASSIVE measured faster on 2 cores)
-        env = {"OMP_WAIT_POLICY": "PASSIVE"}
+        # processes that compute at the same time (learner and critic train together; in
+        # asynchronous mode sampling overlaps training) must not leave OpenMP threads spinning
+        # on the shared cores; a process that works alone is faster with the default spin-wait
+        concurrent = overlapped or (kind in ("learner", "critic") and self.cfg.critic.overlap_training)
+        env = {"OMP_WAIT_POLICY": "PASSIVE"} if concurrent else {}
         child = Child(name, kind, self._cmd(kind, sets, *extra), self.log_dir, echo, nice, env).start()
         self.children[name] = child
         return child
