@@ -23,18 +23,16 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client import Counter, Gauge
 
 from ..common.data import EpochSampler, load_prompts
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
-from ..common.rpc.codec import weight_chunks
-from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
+from ..common.rpc.gen import learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address, endpoint_address
 from ..common.runlog import RunLog
 from ..critic.client import CriticClient, OverlappedCritic
@@ -44,6 +42,7 @@ from ..rollout.collect import eval_params, groups_to_rollout
 from ..rollout.records import group_from_proto, make_task
 from .local import evaluate
 from .ppo_step import PPOLearner, planned_updates, ptx_examples_for
+from .server import LearnerMetrics, LearnerServicer, status_http
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +115,12 @@ class LearnerService:
         ep = self.cfg.rpc.learner
         self.server = RPCServer("learner", self.cfg.rpc, ep.port if port is None else port,
                                 ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-        learner_pb2_grpc.add_LearnerServicer_to_server(_LearnerServicer(self), self.server.grpc)
-        self.metrics = _LearnerMetrics(self.server.metrics.registry)
+        learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self), self.server.grpc)
+        self.metrics = LearnerMetrics(self.server.metrics.registry)
         self.server.start()
         hp = ep.http_port if http_port == -1 else http_port
         if hp is not None:
-            self.http = _status_http(self, ep.host, hp)
+            self.http = status_http(self, ep.host, hp)
         return self.server
 
     def status(self) -> dict:
@@ -153,10 +152,13 @@ class LearnerService:
         self.snapshot = (version, state)
         return state
 
+    def _gen_client(self, address: str) -> GenerationClient:
+        if address not in self._gen_clients:
+            self._gen_clients[address] = GenerationClient(address, self.cfg.rpc)
+        return self._gen_clients[address]
+
     def _push_one(self, address: str, state: dict, version: int) -> tuple[str, float | None]:
-        client = self._gen_clients.get(address)
-        if client is None:
-            client = self._gen_clients[address] = GenerationClient(address, self.cfg.rpc)
+        client = self._gen_client(address)
         try:
             client.update_weights(state, version)
             self.store.heartbeat("generation", address, version=version)  # workers see it at once
@@ -207,13 +209,17 @@ class LearnerService:
             self.counters["dead_letters"] += 1
 
     # ------------------------------------------------------------------ trajectories
+    def _enqueue(self, entries: list) -> None:
+        """Queue read entries with whether their prompt is already trained (one round trip)."""
+        trained = self.store.trained_among([m.task.uid for _, m in entries])
+        self._queue.extend((e, m, t) for (e, m), t in zip(entries, trained))
+
     def collect(self, pending_first: bool = False) -> list | None:
         """rollout_batch_size fresh, unique groups as [(entry id, SampleGroup)]; None when stopping."""
         cfg = self.cfg
         want = cfg.rollout_batch_size
         if pending_first:
-            got = self.store.read_trajectories(1 << 20, pending=True)
-            self._queue.extend((e, m, t) for (e, m), t in zip(got, self.store.trained_among([m.task.uid for _, m in got])))
+            self._enqueue(self.store.read_trajectories(1 << 20, pending=True))
             if self._queue:
                 log.info("re-reading %d trajectory groups read before the restart and not checkpointed",
                          len(self._queue))
@@ -225,9 +231,7 @@ class LearnerService:
                 return None
             if not self._queue:
                 self._replace_dead_letters()
-                got = self.store.read_trajectories(want - len(batch), cfg.replay.block_ms)
-                trained = self.store.trained_among([m.task.uid for _, m in got])
-                self._queue.extend((e, m, t) for (e, m), t in zip(got, trained))
+                self._enqueue(self.store.read_trajectories(want - len(batch), cfg.replay.block_ms))
                 if not self._queue:
                     if time.time() - last_report > 30:
                         last_report = time.time()
@@ -421,10 +425,7 @@ class LearnerService:
             if time.time() > deadline or self.stop_event.is_set():
                 raise RuntimeError(f"no generation server serves policy version {self.learner.version} for the eval")
             time.sleep(0.2)
-        address = sorted(live)[0]
-        client = self._gen_clients.get(address) or GenerationClient(address, self.cfg.rpc)
-        self._gen_clients[address] = client
-        return evaluate(self.held_out, client, self.reward, self.tokenizer, params)
+        return evaluate(self.held_out, self._gen_client(sorted(live)[0]), self.reward, self.tokenizer, params)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -436,73 +437,3 @@ class LearnerService:
             self.server.stop(grace=2)
         for c in self._gen_clients.values():
             c.close()
-
-
-# ---------------------------------------------------------------------------- gRPC, HTTP, metrics
-class _LearnerServicer(learner_pb2_grpc.LearnerServicer):
-    def __init__(self, service: LearnerService):
-        self.service = service
-
-    def PullWeights(self, request, context):
-        version, state = self.service.snapshot
-        if not state or request.have_version >= version:
-            return
-        yield from weight_chunks(state, version)
-
-    def Status(self, request, context):
-        s = self.service.status()
-        return lpb.LearnerStatus(**{k: v for k, v in s.items() if k in lpb.LearnerStatus.DESCRIPTOR.fields_by_name})
-
-
-def _status_http(service: LearnerService, host: str, port: int) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            if self.path.split("?")[0] in ("/status", "/"):
-                body, code = json.dumps(service.status(), default=str).encode(), 200
-            elif self.path == "/healthz":
-                body, code = b'{"ok": true}', 200
-            else:
-                body, code = b'{"error": "not found; try /status"}', 404
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True, name="status-http").start()
-    return httpd
-
-
-class _LearnerMetrics:
-    def __init__(self, registry):
-        g = lambda name, doc: Gauge(name, doc, registry=registry)  # noqa: E731
-        self.iteration = g("rlhf_learner_iteration", "completed iterations")
-        self.version = g("rlhf_learner_policy_version", "newest policy version")
-        self.reward = g("rlhf_learner_reward", "mean training reward of the last batch")
-        self.eval_reward = g("rlhf_learner_eval_reward", "held-out reward of the last eval")
-        self.kl = g("rlhf_learner_kl", "KL to the reference of the last batch")
-        self.staleness = g("rlhf_replay_staleness", "mean policy-version lag of the last batch")
-        self.backlog = g("rlhf_replay_lag", "trajectory groups waiting for the learner")
-        self.push_seconds = g("rlhf_learner_push_seconds", "seconds of the last weight push")
-        self.iteration_seconds = g("rlhf_learner_iteration_seconds", "seconds of the last iteration")
-        self.dropped = Counter("rlhf_replay_dropped_stale_total", "groups dropped as too stale", registry=registry)
-        self._dropped_seen = 0
-
-    def observe(self, service: LearnerService, m: dict) -> None:
-        self.iteration.set(service.iteration)
-        self.version.set(service.learner.version)
-        self.reward.set(m.get("reward/score_mean", float("nan")))
-        if "eval/reward_mean" in m:
-            self.eval_reward.set(m["eval/reward_mean"])
-        self.kl.set(m.get("ppo/kl_ref", 0.0))
-        self.staleness.set(m.get("replay/staleness_mean", 0.0))
-        self.backlog.set(m.get("replay/backlog", 0))
-        self.push_seconds.set(m.get("time/push_s", 0.0))
-        self.iteration_seconds.set(m.get("time/iteration_s", 0.0))
-        d = service.counters["dropped_stale"]
-        self.dropped.inc(d - self._dropped_seen)
-        self._dropped_seen = d

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Iterable
 
 import redis
@@ -255,12 +254,3 @@ class ReplayStore:
                      self.heartbeat_ttl_s)
         return out
 
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.05):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        v = predicate()
-        if v:
-            return v
-        time.sleep(interval_s)
-    return predicate()
