@@ -8,11 +8,12 @@ clipping are separate steps (`masked_whiten`, `clip_by_value`) chosen by the con
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from .core import masked_whiten
+from .registry import Registry
 
 
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
@@ -123,28 +124,44 @@ def compute_reinforce_plus_plus_advantage(token_level_rewards: torch.Tensor, res
     return masked_whiten(returns, response_mask), returns
 
 
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS = Registry("adv_estimator")
+
+
+@ADV_ESTIMATORS.register("gae")
+def _gae(token_level_rewards, response_mask, values=None, index=None, gamma=1.0, lam=0.95):
+    if values is None:
+        raise ValueError("adv_estimator 'gae' needs values from a critic")
+    return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+
+
+@ADV_ESTIMATORS.register("reinforce")
+def _reinforce(token_level_rewards, response_mask, values=None, index=None, gamma=1.0, lam=0.95):
+    return compute_reinforce_return(token_level_rewards, response_mask, gamma)
+
+
+@ADV_ESTIMATORS.register("grpo")
+def _grpo(token_level_rewards, response_mask, values=None, index=None, gamma=1.0, lam=0.95):
+    if index is None:
+        raise ValueError("adv_estimator 'grpo' needs a group index per sample")
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@ADV_ESTIMATORS.register("rloo")
+def _rloo(token_level_rewards, response_mask, values=None, index=None, gamma=1.0, lam=0.95):
+    if index is None:
+        raise ValueError("adv_estimator 'rloo' needs a group index per sample")
+    return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
+def _reinforce_plus_plus(token_level_rewards, response_mask, values=None, index=None, gamma=1.0, lam=0.95):
+    return compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma)
 
 
 def compute_advantages(adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                        values: torch.Tensor | None = None, index: Sequence | None = None,
                        gamma: float = 1.0, lam: float = 0.95):
-    """Dispatch to the estimator named `adv_estimator` (see `ADV_ESTIMATORS`)."""
-    if adv_estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown adv_estimator {adv_estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}")
-    if adv_estimator == "gae":
-        if values is None:
-            raise ValueError("adv_estimator 'gae' needs values from a critic")
-        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
-    if adv_estimator in ("grpo", "rloo"):
-        if index is None:
-            raise ValueError(f"adv_estimator {adv_estimator!r} needs a group index per sample")
-        if adv_estimator == "grpo":
-            return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index)
-        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, index)
-    if adv_estimator == "reinforce":
-        return compute_reinforce_return(token_level_rewards, response_mask, gamma)
-    return compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma)
-
-
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus")
+    """The estimator registered as `adv_estimator` in `ADV_ESTIMATORS`. values: (B, T) for GAE;
+    index: a group id per sequence for GRPO/RLOO. Returns (advantages, returns), (B, T)."""
+    return ADV_ESTIMATORS.get(adv_estimator)(token_level_rewards, response_mask, values=values, index=index,
+                                             gamma=gamma, lam=lam)

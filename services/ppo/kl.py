@@ -9,37 +9,54 @@ import math
 
 import torch
 
-KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl", "full")
-KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+from .registry import Registry
+
+KL_ESTIMATORS = Registry("kl_penalty")
+
+
+@KL_ESTIMATORS.register("kl", "k1")
+def kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """log p - log q: unbiased, high variance, can be negative."""
+    return log_prob - ref_log_prob
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """|log p - log q|."""
+    return (log_prob - ref_log_prob).abs()
+
+
+@KL_ESTIMATORS.register("mse", "k2")
+def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """1/2 (log p - log q)^2: biased, low variance, non-negative."""
+    return 0.5 * (log_prob - ref_log_prob).square()
+
+
+@KL_ESTIMATORS.register("low_var_kl", "k3")
+def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """q/p - log(q/p) - 1, the log-ratio clamped to [-20, 20] and the result to [-10, 10]:
+    unbiased, non-negative, low variance."""
+    log_ratio = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
+    return torch.clamp(log_ratio.exp() - log_ratio - 1, min=-10, max=10)
+
+
+@KL_ESTIMATORS.register("full")
+def kl_full(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """sum_v p(v) (log p(v) - log q(v)): exact over the vocabulary; inputs (B, T, V)."""
+    if log_prob.dim() < 3 or log_prob.shape != ref_log_prob.shape:
+        raise ValueError("kl_penalty 'full' needs full (B, T, V) log-probability tensors of one shape")
+    return (log_prob.exp() * (log_prob - ref_log_prob)).sum(dim=-1)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens (Schulman, "Approximating
-    KL divergence", 2020).
+    """Per-token estimate of KL(pi || pi_ref) (Schulman, "Approximating KL divergence", 2020) by
+    the estimator registered as `kl_penalty` in `KL_ESTIMATORS` (kl/k1, abs, mse/k2,
+    low_var_kl/k3, full).
 
     log_prob, ref_log_prob: (B, T) log-probs of the sampled tokens, or (B, T, V) full
     log-probability tensors for `full`. Returns (B, T).
-    - kl  (k1): log p - log q
-    - abs:      |log p - log q|
-    - mse (k2): 1/2 (log p - log q)^2
-    - low_var_kl (k3): q/p - log(q/p) - 1, clamped to [-10, 10] (non-negative, low variance)
-    - full: sum_v p(v) (log p(v) - log q(v)), exact over the vocabulary
     """
-    name = KL_ALIASES.get(kl_penalty, kl_penalty)
-    if name == "kl":
-        return log_prob - ref_log_prob
-    if name == "abs":
-        return (log_prob - ref_log_prob).abs()
-    if name == "mse":
-        return 0.5 * (log_prob - ref_log_prob).square()
-    if name == "low_var_kl":
-        log_ratio = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
-        return torch.clamp(log_ratio.exp() - log_ratio - 1, min=-10, max=10)
-    if name == "full":
-        if log_prob.dim() < 3 or log_prob.shape != ref_log_prob.shape:
-            raise ValueError("kl_penalty 'full' needs full (B, T, V) log-probability tensors of one shape")
-        return (log_prob.exp() * (log_prob - ref_log_prob)).sum(dim=-1)
-    raise ValueError(f"unknown kl_penalty {kl_penalty!r}; valid: {', '.join(KL_ESTIMATORS + tuple(KL_ALIASES))}")
+    return KL_ESTIMATORS.get(kl_penalty)(log_prob, ref_log_prob)
 
 
 def mix_reference_log_probs(sft_log_prob: torch.Tensor, policy_log_prob: torch.Tensor,

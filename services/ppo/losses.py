@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .core import agg_loss, masked_mean
+from .registry import Registry
 
 
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -57,6 +58,43 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
         pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+POLICY_LOSSES = Registry("policy_loss")
+POLICY_LOSSES.register("vanilla")(compute_policy_loss)
+
+
+@POLICY_LOSSES.register("gspo")
+def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, cliprange: float | None = None,
+                             cliprange_low: float | None = None, cliprange_high: float | None = None,
+                             clip_ratio_c: float | None = None, loss_agg_mode: str = "seq-mean-token-mean"):
+    """GSPO, sequence-level importance ratio (Zheng et al. 2025, arXiv:2507.18071, eq. 7 and its
+    token-level form GSPO-token).
+
+    s_i = exp(mean_t (log_prob - old_log_prob) over sequence i's valid tokens)
+    s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]   (the value of s_i, the gradient of each token)
+    L = max(-A * s_i,t, -A * clip(s_i,t, 1 - cliprange_low, 1 + cliprange_high)),
+    aggregated seq-mean-token-mean as in the paper (`loss_agg_mode` and `clip_ratio_c` are
+    accepted for a uniform signature and not used: the dual clip is a token-ratio device).
+    Shapes as `compute_policy_loss`; returns the same four values (pg_clipfrac_lower = 0).
+    """
+    cliprange_low = cliprange if cliprange_low is None else cliprange_low
+    cliprange_high = cliprange if cliprange_high is None else cliprange_high
+    if cliprange_low is None or cliprange_high is None:
+        raise ValueError("compute_gspo_policy_loss needs cliprange or both cliprange_low and cliprange_high")
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    ppo_kl = masked_mean(-log_ratio.detach(), response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
 
 
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,

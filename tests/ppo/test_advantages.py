@@ -136,7 +136,8 @@ def test_reinforce_plus_plus_is_whitened():
 
 def test_dispatch_names_and_errors():
     r, m = torch.ones(2, 2), torch.ones(2, 2)
-    with pytest.raises(ValueError, match="valid: gae, grpo, rloo, reinforce, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="unknown adv_estimator 'ppo2'; valid: gae, reinforce, grpo, rloo, "
+                                         "reinforce_plus_plus"):
         compute_advantages("ppo2", r, m)
     with pytest.raises(ValueError, match="critic"):
         compute_advantages("gae", r, m)
