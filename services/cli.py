@@ -2,6 +2,7 @@
 
     rlhf init-model --out runs/tiny-model           build the tiny default policy offline
     rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
+    rlhf config describe [--markdown]               every key: default, choices, meaning
     rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
     rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
     rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
@@ -11,8 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib import import_module
 
-from .common.config import ConfigError, dump_config, load_config
+from .common.config import ConfigError, data_source_errors, dump_config, load_config
 
 EXIT_CONFIG = 2
 
@@ -23,9 +25,14 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="override a config key (dotted path for sections), repeatable")
 
 
-def _load(args):
+def _load(args, data: bool = False):
+    """The validated config; with `data`, its data sources must exist too (commands that read them)."""
     try:
-        return load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
+        errors = data_source_errors(cfg) if data else []
+        if errors:
+            raise ConfigError(errors)
+        return cfg
     except ConfigError as e:
         print(f"config error{'s' if len(e.errors) > 1 else ''} in {args.config}:", file=sys.stderr)
         for err in e.errors:
@@ -34,7 +41,7 @@ def _load(args):
 
 
 def cmd_config_validate(args) -> int:
-    cfg = _load(args)
+    cfg = _load(args, data=True)
     sys.stdout.write(dump_config(cfg))
     return 0
 
@@ -46,129 +53,67 @@ def cmd_init_model(args) -> int:
     return 0
 
 
+def cmd_config_describe(args) -> int:
+    from .common.config import describe_config
+    sys.stdout.write(describe_config("markdown" if args.markdown else "text"))
+    return 0
+
+
 def cmd_train(args) -> int:
-    cfg = _load(args)
+    cfg = _load(args, data=True)
     if args.run_dir:
         cfg.run.run_dir = args.run_dir
     if not args.local:
         print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer",
               file=sys.stderr)
         return EXIT_CONFIG
-    from .common.modeling import check_model_dir
+    from .local import run_local
     try:
-        check_model_dir(cfg.model.path)
-    except FileNotFoundError as e:
+        run_local(cfg, cfg.run.run_dir)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    from .learner.local import run_local
-    run_local(cfg, cfg.run.run_dir)
+        return EXIT_CONFIG
     return 0
+
+
+def _port(value: int | None, current):
+    """--port/--metrics-port/--http-port: None keeps the config's; -1 turns it off."""
+    if value is None:
+        return current
+    return None if value < 0 else value
+
+
+def _service(cfg, args):
+    """The `serve(cfg)` handle of the service `args.service` names, with the CLI's overrides."""
+    if args.service == "rollout":
+        from .rollout.worker import serve
+        return serve(cfg, name=args.name, metrics_port=_port(args.metrics_port, cfg.rollout.metrics_port),
+                     host=args.host)
+    ep = getattr(cfg.rpc, args.service)
+    ep.host = args.host or ep.host
+    ep.port = ep.port if args.port is None else args.port
+    ep.metrics_port = _port(args.metrics_port, ep.metrics_port)
+    if args.service in ("reward", "learner"):
+        ep.http_port = _port(args.http_port, ep.http_port)
+    module = import_module(f".{args.service}.server", __package__)
+    return module.serve(cfg)
 
 
 def cmd_serve(args) -> int:
     """Run one service in the foreground until SIGTERM/SIGINT (graceful shutdown)."""
-    cfg = _load(args)
+    from .common.lifecycle import run_service
+    cfg = _load(args, data=args.service == "learner")
     if args.run_dir:
         cfg.run.run_dir = args.run_dir
-    if args.service == "rollout":
-        return _serve_rollout(cfg, args)
-    ep = getattr(cfg.rpc, args.service)
-    if args.port is not None:
-        ep.port = args.port
-    if args.host is not None:
-        ep.host = args.host
-    if args.metrics_port is not None:
-        ep.metrics_port = args.metrics_port if args.metrics_port >= 0 else None
-    if args.service == "learner":
-        return _serve_learner(cfg, args)
-    if args.service == "generation":
-        from .generation.server import build_generation_server
-        server, servicer = build_generation_server(cfg)
-        stops = [servicer.batcher.close]
-        if cfg.replay.url:  # part of a distributed run: register, pull the current policy
-            from .common.replay import ReplayStore
-            from .generation.registration import Registration
-            from .common.rpc.server import advertised_address
-            reg = Registration(cfg, servicer, advertised_address(cfg.rpc, ep.host, server.port),
-                               ReplayStore.from_config(cfg))
-            server.set_ready(False)
-            reg.start()
-            server.set_ready(True)
-            stops.insert(0, reg.stop)
-    elif args.service == "reward":
-        if args.http_port is not None:
-            cfg.rpc.reward.http_port = args.http_port if args.http_port >= 0 else None
-        from .reward.server import build_reward_server
-        server, http = build_reward_server(cfg)
-        stops = [http.stop] if http else []
-    elif args.service == "critic":
-        from .critic.server import build_critic_server
-        server = build_critic_server(cfg)
-        stops = []
-    else:
-        print(f"unknown service {args.service!r}", file=sys.stderr)
-        return EXIT_CONFIG
-    server.install_signal_handlers()
-    # one machine-readable line, for supervisors that start services on free ports
-    extra = f" http_port={server.http_port}" if getattr(server, "http_port", None) else ""
-    print(f"READY service={args.service} port={server.port} metrics_port={server.metrics_port}{extra}", flush=True)
-    server.wait()
-    for stop in stops:
-        stop()
-    return 0
-
-
-def _on_signals(fn) -> None:
-    import signal
-
-    def handler(signum, frame):
-        logging.getLogger("rlhf").info("signal %d: finishing the work in flight, then stopping", signum)
-        fn()
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-
-
-def _serve_learner(cfg, args) -> int:
-    from .common.modeling import check_model_dir
-    from .learner.service import LearnerService
-    if args.http_port is not None:
-        cfg.rpc.learner.http_port = args.http_port if args.http_port >= 0 else None
     try:
-        check_model_dir(cfg.model.path)
-        service = LearnerService(cfg, cfg.run.run_dir)
+        return run_service(_service(cfg, args))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    server = service.start_server()
-    _on_signals(service.stop)
-    http = f" http_port={service.http.server_address[1]}" if service.http else ""
-    print(f"READY service=learner port={server.port} metrics_port={server.metrics_port}{http}", flush=True)
-    try:
-        service.run()
-    finally:
-        service.close()
-    return 0
-
-
-def _serve_rollout(cfg, args) -> int:
-    from .common.replay import ReplayStore
-    from .rollout.worker import RolloutWorker
-    try:
-        store = ReplayStore.from_config(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    worker = RolloutWorker(cfg, store, name=args.name)
-    mp = args.metrics_port if args.metrics_port is not None else cfg.rollout.metrics_port
-    port = worker.serve_metrics(mp, args.host or cfg.rpc.host) if mp is not None and mp >= 0 else None
-    _on_signals(worker.stop)
-    print(f"READY service=rollout worker={worker.name} metrics_port={port}", flush=True)
-    worker.run()
-    return 0
 
 
 def cmd_up(args) -> int:
-    cfg = _load(args)
+    cfg = _load(args, data=True)
     from .launcher import run_up
     return run_up(cfg, args)
 
@@ -184,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config", help="YAML config file")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     v.set_defaults(func=cmd_config_validate)
+    d = csub.add_parser("describe", help="every config key with its default, choices and meaning")
+    d.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
+    d.set_defaults(func=cmd_config_describe)
 
     p = sub.add_parser("init-model", help="build the tiny default model and tokenizer offline")
     p.add_argument("--out", default="runs/tiny-model")

@@ -20,13 +20,16 @@ import time
 from pathlib import Path
 
 from .common.modeling import check_model_dir
+from .common.rpc import health
 
 NICE_SAMPLERS = 10
 PROGRESS_MARKERS = ("iter ", "done:", "resumed from", "stopped at", "Traceback", "Error", "ERROR")
 
 
 class Child:
-    """One service process: its command, log file, READY line, and restarts."""
+    """One service process: its command, log file, LISTENING line (its ports), readiness, and
+    restarts. A gRPC service is ready when its health service says `rlhf.v1.<Name>` is SERVING;
+    a rollout worker (no server) when it has registered, just before its LISTENING line."""
 
     def __init__(self, name: str, kind: str, cmd: list[str], log_dir: Path, echo: bool = False, nice: int = 0,
                  env: dict | None = None):
@@ -34,39 +37,47 @@ class Child:
         self.env = env or {}
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
-        self.ready: dict[str, str] = {}
-        self.ready_event = threading.Event()
+        self.endpoints: dict[str, str] = {}
+        self.listening = threading.Event()
         self.restarts = 0
 
     def start(self) -> "Child":
-        self.ready, self.ready_event = {}, threading.Event()
+        self.endpoints, self.listening = {}, threading.Event()
         env = {**self.env, **os.environ, "PYTHONUNBUFFERED": "1"}
         nice = self.nice
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)  # Ctrl-C reaches us only; we stop children in order
-        threading.Thread(target=self._pump, args=(self.proc, self.ready_event), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc, self.listening), daemon=True).start()
         return self
 
-    def _pump(self, proc: subprocess.Popen, ready_event: threading.Event) -> None:
+    def _pump(self, proc: subprocess.Popen, listening: threading.Event) -> None:
         with self.log_path.open("ab") as log:
             for raw in proc.stdout:
                 log.write(raw)
                 log.flush()
                 line = raw.decode(errors="replace").rstrip()
-                if line.startswith("READY "):
-                    self.ready = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
-                    ready_event.set()
+                if line.startswith("LISTENING "):
+                    self.endpoints = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+                    listening.set()
                 elif self.echo and any(m in line for m in PROGRESS_MARKERS):
                     print(f"[{self.name}] {line}" if "iter " not in line else line, flush=True)
+
+    def _is_ready(self) -> bool:
+        if not self.listening.is_set():
+            return False
+        if self.kind == "rollout":
+            return True
+        return health.check(f"127.0.0.1:{self.endpoints['port']}", health.readiness_name(self.kind))
 
     def wait_ready(self, timeout_s: float) -> dict:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if self.ready_event.wait(0.2):
-                return self.ready
+            if self._is_ready():
+                return self.endpoints
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
                                    f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+            self.listening.wait(0.2) if not self.listening.is_set() else time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
 
     def alive(self) -> bool:
@@ -90,7 +101,7 @@ class Child:
 
     def info(self) -> dict:
         return {"kind": self.kind, "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
-                "log": str(self.log_path), **{k: (int(v) if v.isdigit() else v) for k, v in self.ready.items()}}
+                "log": str(self.log_path), **{k: (int(v) if v.isdigit() else v) for k, v in self.endpoints.items()}}
 
 
 def tail(path: Path, n: int = 20) -> str:
@@ -154,9 +165,9 @@ class Launcher:
         for c in first:
             r = c.wait_ready(args.startup_timeout)
             print(f"{c.name} ready on port {r.get('port')}", flush=True)
-        self.sets = [f"rpc.reward.port={self.children['reward'].ready['port']}"]
+        self.sets = [f"rpc.reward.port={self.children['reward'].endpoints['port']}"]
         if cfg.needs_critic:
-            self.sets.append(f"rpc.critic.port={self.children['critic'].ready['port']}")
+            self.sets.append(f"rpc.critic.port={self.children['critic'].endpoints['port']}")
         learner = self._spawn("learner", "learner", self.sets, *free, "--http-port", "0", echo=True)
         r = learner.wait_ready(args.startup_timeout)
         print(f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status",

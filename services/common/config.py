@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ADV_ESTIMATORS = ("gae", "reinforce", "grpo", "rloo", "reinforce_plus_plus")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl", "full", "k1", "k2", "k3")
-REWARD_NORMS = ("batch", "group", "running")
-REF_MODELS = ("sft", "policy", "mixture")
+from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
+from .data import source_problem
+
+# the algorithm's choices come from its registries: one list of names, not two
+ADV_ESTIMATOR_NAMES = ADV_ESTIMATORS.names()
+KL_PENALTY_NAMES = KL_ESTIMATORS.choices()
+POLICY_LOSS_NAMES = POLICY_LOSSES.names()
 
 
 class _Strict(BaseModel):
@@ -28,80 +30,100 @@ class _Strict(BaseModel):
 
 
 class LoraConfig(_Strict):
-    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model")
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model (with LoRA the KL reference is "
+                      "the base model, adapters off)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability on the adapters' input")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="names of the linear layers that get adapters")
 
 
 class ModelConfig(_Strict):
-    path: str = Field("runs/tiny-model", description="directory with config, weights and tokenizer")
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda', 'cuda:1', ...")
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    path: str = Field("runs/tiny-model", description="the policy: a local directory with config, weights and "
+                      "tokenizer, or a Hugging Face hub id (org/name)")
+    device: str = Field("auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...")
+    bf16: bool = Field(False, description="train and sample in bfloat16 instead of float32")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
+                                         "memory, more compute")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
 
 
 class GenerationConfig(_Strict):
-    backend: Literal["hf", "vllm"] = "hf"
-    temperature: float = Field(1.0, gt=0, le=10)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    eval_temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy held-out eval")
-    max_batch_size: int = Field(256, ge=1)
-    batch_window_ms: float = Field(5.0, ge=0)
+    backend: Literal["hf", "vllm"] = Field("hf", description="sampling engine: transformers (CPU or GPU) or vLLM (GPU)")
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of training rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample from the most likely tokens "
+                         "holding this much probability; 1 = off")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens; 0 = off")
+    eval_temperature: float = Field(0.0, ge=0, le=10, description="sampling temperature of the held-out eval; "
+                                    "0 = greedy")
+    max_batch_size: int = Field(256, ge=1, description="most prompts a generation server decodes in one batch")
+    batch_window_ms: float = Field(5.0, ge=0, description="milliseconds a generation server waits to batch "
+                                   "concurrent calls together")
 
 
 class RuleSpec(_Strict):
-    name: str = Field(..., description="a registered rule or 'module.path:function'")
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(..., description="a registered rule (exact_match, verifiable_answer, edit_distance, "
+                      "repetition, length, regex_format) or 'module.path:function'")
+    weight: float = Field(1.0, description="weight of this rule's score in the reward")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the rule")
 
 
 class RewardConfig(_Strict):
-    type: Literal["rules", "model", "http", "combined"] = "rules"
-    rules: list[RuleSpec] = Field(default_factory=lambda: [RuleSpec(name="exact_match")])
-    model_path: Optional[str] = None
-    model_weight: float = 1.0
-    http_url: Optional[str] = None
-    http_weight: float = 1.0
-    http_timeout_s: float = Field(30.0, gt=0)
-    http_retries: int = Field(3, ge=0)
-    http_concurrency: int = Field(8, ge=1)
+    type: Literal["rules", "model", "http", "combined"] = Field(
+        "rules", description="reward source: rule verifiers, a reward model, an HTTP reward API, or the weighted "
+        "sum of those configured")
+    rules: list[RuleSpec] = Field(default_factory=lambda: [RuleSpec(name="exact_match")],
+                                  description="rule scorers, each {name, weight, kwargs}; their weighted sum")
+    model_path: Optional[str] = Field(None, description="reward model directory "
+                                      "(AutoModelForSequenceClassification); null = none")
+    model_weight: float = Field(1.0, description="weight of the reward model's score in 'combined'")
+    http_url: Optional[str] = Field(None, description="reward API URL (OpenRLHF protocol: POST {query, prompts, "
+                                    "labels} -> {rewards}); null = none")
+    http_weight: float = Field(1.0, description="weight of the HTTP reward in 'combined'")
+    http_timeout_s: float = Field(30.0, gt=0, description="seconds one HTTP reward request may take")
+    http_retries: int = Field(3, ge=0, description="retries of a failed HTTP reward request, with exponential backoff")
+    http_concurrency: int = Field(8, ge=1, description="most HTTP reward requests in flight at once")
 
 
 class CriticConfig(_Strict):
-    model_path: Optional[str] = Field(None, description="backbone to start from; default model.path")
-    lr: float = Field(1e-4, gt=0)
+    model_path: Optional[str] = Field(None, description="value model backbone to start from (a local directory "
+                                      "or hub id); null = model.path")
+    lr: float = Field(1e-4, gt=0, description="critic learning rate")
     value_loss_coef: float = Field(1.0, gt=0, description="scales the value loss (c1 in PPO)")
     overlap_training: bool = Field(True, description="learner service: the critic server trains on each "
                                    "mini-batch while the actor does (a win when they have their own devices)")
 
 
 class DataConfig(_Strict):
-    train: str = Field("synthetic:reverse", description="JSONL path, or synthetic:<task>")
-    eval: str = Field("synthetic:reverse", description="held-out prompts: JSONL path, or synthetic:<task>")
-    eval_size: int = Field(128, ge=1)
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK, a .jsonl, .parquet, "
+                       ".csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local directory)")
+    eval: str = Field("synthetic:reverse", description="held-out prompts, in the forms of data.train; an hf: "
+                      "source without @split reads its eval, test or validation split")
+    eval_size: int = Field(128, ge=1, description="held-out prompts evaluated (the first N)")
+    prompt_key: str = Field("prompt", description="record field with the prompt text (records with 'messages' go "
+                            "through the chat template)")
+    label_key: str = Field("label", description="record field with the reference answer (else 'solution')")
+    overlong: Literal["filter", "error"] = Field("filter", description="prompts longer than prompt_length tokens: "
+                                                 "'filter' drops them with a warning, 'error' stops the run")
+
 
 
 class RunConfig(_Strict):
-    run_dir: str = "runs/default"
-    iterations: int = Field(100, ge=1)
+    run_dir: str = Field("runs/default", description="directory for metrics, checkpoints, logs and the final model")
+    iterations: int = Field(100, ge=1, description="PPO iterations: one rollout batch and its updates each")
     eval_interval: int = Field(10, ge=0, description="evaluate every N iterations; 0 = only first/last")
     checkpoint_interval: int = Field(10, ge=0, description="checkpoint every N iterations (and at the end and "
                                      "on SIGTERM); the learner service acknowledges trained trajectories "
                                      "at each checkpoint; 0 = only at the end")
-    seed: int = 0
-    log_every: int = Field(1, ge=1)
-    max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds")
+    seed: int = Field(0, description="random seed of sampling, data order and initialisation")
+    log_every: int = Field(1, ge=1, description="print a progress line every N iterations (and at each eval)")
+    max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds; null = no limit")
 
 
 class ReplayConfig(_Strict):
     url: Optional[str] = Field(None, description="redis://[:password@]host:port/db; null = an embedded "
                                "redis-server that `rlhf up` starts in the run directory")
-    password: Optional[str] = None
+    password: Optional[str] = Field(None, description="Redis password; null = read password_env")
     password_env: str = Field("RLHF_REDIS_PASSWORD", description="env var read when password is null")
     namespace: str = Field("rlhf", min_length=1, description="key prefix; one namespace per run")
     max_backlog: Optional[int] = Field(None, gt=0, description="trajectory groups not yet read by the learner "
@@ -111,7 +133,7 @@ class ReplayConfig(_Strict):
                                 "reclaimed (XAUTOCLAIM) by another")
     heartbeat_s: float = Field(2.0, gt=0, description="generation servers and workers report this often")
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a server silent this long is taken off the registry")
-    block_ms: int = Field(500, ge=1, description="longest blocking read on a stream")
+    block_ms: int = Field(500, ge=1, description="longest blocking read on a stream, in milliseconds")
 
     def resolved_password(self) -> Optional[str]:
         import os
@@ -122,22 +144,26 @@ class RolloutConfig(_Strict):
     prompts_per_request: int = Field(32, ge=1, description="prompts a worker claims and sends in one Generate")
     concurrency: int = Field(2, ge=1, description="batches each worker keeps in flight")
     retries: int = Field(5, ge=0, description="tries of a failing call before the batch is left to others")
-    retry_backoff_s: float = Field(0.5, gt=0)
-    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="Prometheus /metrics; null = off")
+    retry_backoff_s: float = Field(0.5, gt=0, description="seconds before retry n is n x this")
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of each worker's Prometheus "
+                                        "/metrics; null = off")
 
 
 class Endpoint(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(..., ge=0, le=65535, description="0 picks a free port")
-    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="Prometheus /metrics; null = off")
+    host: str = Field("127.0.0.1", description="address this server binds and clients dial (0.0.0.0 binds all, "
+                      "dialled on loopback)")
+    port: int = Field(..., ge=0, le=65535, description="gRPC port; 0 picks a free port")
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of Prometheus /metrics; null = off")
 
 
 class RewardEndpoint(Endpoint):
-    http_port: Optional[int] = Field(8052, ge=0, le=65535, description="OpenRLHF-style HTTP reward API; null = off")
+    http_port: Optional[int] = Field(8052, ge=0, le=65535, description="port of the OpenRLHF-style HTTP reward "
+                                     "API; null = off")
 
 
 class LearnerEndpoint(Endpoint):
-    http_port: Optional[int] = Field(8054, ge=0, le=65535, description="JSON status at /status; null = off")
+    http_port: Optional[int] = Field(8054, ge=0, le=65535, description="port of the JSON status page (/status); "
+                                     "null = off")
 
 
 class RPCConfig(_Strict):
@@ -146,18 +172,23 @@ class RPCConfig(_Strict):
                                           "pod IP in Kubernetes); default the bind host")
     auth_token: Optional[str] = Field(None, description="bearer token every call must carry")
     auth_token_env: str = Field("RLHF_AUTH_TOKEN", description="env var read when auth_token is null")
-    tls_cert_file: Optional[str] = None
-    tls_key_file: Optional[str] = None
+    tls_cert_file: Optional[str] = Field(None, description="PEM certificate servers present; with tls_key_file, "
+                                         "servers speak TLS; null = plaintext")
+    tls_key_file: Optional[str] = Field(None, description="PEM private key of tls_cert_file")
     tls_ca_file: Optional[str] = Field(None, description="clients: CA to trust (default the cert itself)")
-    max_message_mb: int = Field(256, ge=1, le=2047)
+    max_message_mb: int = Field(256, ge=1, le=2047, description="largest gRPC message, in MiB")
     grace_s: float = Field(10.0, ge=0, description="shutdown: seconds in-flight calls may take")
-    timeout_s: float = Field(120.0, gt=0, description="client deadline per call")
+    timeout_s: float = Field(120.0, gt=0, description="client deadline per call, in seconds")
     max_samples_per_prompt: int = Field(64, ge=1, description="limit on Generate's n")
-    max_prompts_per_request: int = Field(4096, ge=1)
-    generation: Endpoint = Field(default_factory=lambda: Endpoint(port=50051, metrics_port=9101))
-    reward: RewardEndpoint = Field(default_factory=lambda: RewardEndpoint(port=50052, metrics_port=9102))
-    critic: Endpoint = Field(default_factory=lambda: Endpoint(port=50053, metrics_port=9103))
-    learner: LearnerEndpoint = Field(default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104))
+    max_prompts_per_request: int = Field(4096, ge=1, description="limit on the prompts of one Generate")
+    generation: Endpoint = Field(default_factory=lambda: Endpoint(port=50051, metrics_port=9101),
+                                 description="the generation server")
+    reward: RewardEndpoint = Field(default_factory=lambda: RewardEndpoint(port=50052, metrics_port=9102),
+                                   description="the reward server")
+    critic: Endpoint = Field(default_factory=lambda: Endpoint(port=50053, metrics_port=9103),
+                             description="the critic server")
+    learner: LearnerEndpoint = Field(default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104),
+                                     description="the learner service")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "RPCConfig":
@@ -172,62 +203,87 @@ class RPCConfig(_Strict):
 
 class Config(_Strict):
     # --- ppo related (names and defaults of the seed table) -----------------------------------
-    rollout_batch_size: int = Field(512, gt=0, description="prompts per batch")
-    prompt_length: int = Field(2048, gt=0)
-    response_length: int = Field(4096, gt=0)
-    adv_estimator: Literal[ADV_ESTIMATORS] = "gae"  # type: ignore[valid-type]
-    num_return_sequences_in_group: int = Field(1, gt=0)
-    ppo_epochs: int = Field(1, gt=0)
-    use_kl_loss: bool = True
-    kl_loss_coef: float = Field(0.001, ge=0)
-    loss_agg_mode: Literal[LOSS_AGG_MODES] = "seq-mean-token-sum"  # type: ignore[valid-type]
-    whiten_advantages: bool = True
-    advantage_clip: Optional[float] = Field(2.0, gt=0)
-    reward_clip: Optional[float] = Field(None, gt=0)
-    dual_clip_loss: bool = True
-    lambd: float = Field(0.95, ge=0, le=1)
-    gamma: float = Field(1.0, ge=0, le=1)
-    pg_clip: float = Field(0.2, gt=0, lt=1)
-    value_clip: Optional[float] = Field(None, gt=0)
-    kl_penalty: Literal[KL_PENALTIES] = "kl"  # type: ignore[valid-type]
-    target_kl: Optional[float] = Field(None, gt=0)
-    init_kl_coef: float = Field(0.2, ge=0)
-    kl_horizon: int = Field(10000, gt=0)
-    add_token_level_kl: bool = False
+    rollout_batch_size: int = Field(512, gt=0, description="prompts sampled per iteration")
+    prompt_length: int = Field(2048, gt=0, description="most tokens of a prompt")
+    response_length: int = Field(4096, gt=0, description="most generated tokens of a response")
+    adv_estimator: Literal[ADV_ESTIMATOR_NAMES] = Field(  # type: ignore[valid-type]
+        "gae", description="advantage estimator: gae uses the critic, the others are critic-free")
+    num_return_sequences_in_group: int = Field(1, gt=0, description="responses sampled per prompt (>= 2 for grpo "
+                                               "and rloo)")
+    ppo_epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
+    use_kl_loss: bool = Field(True, description="add kl_loss_coef x KL to the reference as a loss term")
+    kl_loss_coef: float = Field(0.001, ge=0, description="weight of the KL loss term")
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = Field(  # type: ignore[valid-type]
+        "seq-mean-token-sum", description="reduction of per-token losses: mean over all tokens (token-mean), "
+        "per-sequence sum or mean then mean over sequences (seq-mean-token-sum/-mean), or total / padded length "
+        "(seq-mean-token-sum-norm, Dr. GRPO)")
+    whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, std 1 over the batch")
+    advantage_clip: Optional[float] = Field(2.0, gt=0, description="clamp advantages to [-x, x]; null = off")
+    reward_clip: Optional[float] = Field(None, gt=0, description="clamp rewards to [-x, x]; null = off")
+    dual_clip_loss: bool = Field(True, description="dual-clip PPO: bound the loss of negative-advantage tokens "
+                                 "at dual_clip_c x advantage")
+    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount factor")
+    pg_clip: float = Field(0.2, gt=0, lt=1, description="PPO clip range: the ratio is clipped to "
+                           "[1 - pg_clip, 1 + pg_clip]")
+    value_clip: Optional[float] = Field(None, gt=0, description="clip new values to old values +- this (PPO2); "
+                                        "null = off")
+    kl_penalty: Literal[KL_PENALTY_NAMES] = Field(  # type: ignore[valid-type]
+        "kl", description="per-token KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), or full (exact, over "
+        "the whole vocabulary)")
+    target_kl: Optional[float] = Field(None, gt=0, description="target KL of the adaptive KL controller; null = "
+                                       "the coefficient stays init_kl_coef")
+    init_kl_coef: float = Field(0.2, ge=0, description="(initial) coefficient of the per-token KL in the reward")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive KL horizon, in sequences: each update moves the "
+                            "coefficient by at most 20% x sequences / horizon")
+    add_token_level_kl: bool = Field(False, description="subtract the KL coefficient x per-token KL from the reward")
     # normalize
-    reward_norm: Optional[Literal[REWARD_NORMS]] = None  # type: ignore[valid-type]
-    reward_shift: bool = False
-    reward_scale: bool = False
+    reward_norm: Optional[Literal[REWARD_NORMS]] = Field(  # type: ignore[valid-type]
+        None, description="normalise rewards with statistics of the batch, of each prompt's group, or running "
+        "ones; null = off")
+    reward_shift: bool = Field(False, description="with reward_norm: only subtract the mean")
+    reward_scale: bool = Field(False, description="with reward_norm: only divide by the std")
     # --- the rest of the seeds: loss terms, dual clip, asymmetric clip, reference choice ------
     dual_clip_c: float = Field(3.0, gt=1, description="c of dual-clip PPO (clip_ratio_c)")
-    pg_clip_low: Optional[float] = Field(None, gt=0, lt=1, description="default pg_clip")
-    pg_clip_high: Optional[float] = Field(None, gt=0, description="default pg_clip (DAPO clip-higher)")
-    entropy_coef: float = Field(0.0, ge=0)
+    pg_clip_low: Optional[float] = Field(None, gt=0, lt=1, description="lower clip range (ratio >= 1 - this); "
+                                         "null = pg_clip")
+    pg_clip_high: Optional[float] = Field(None, gt=0, description="upper clip range (ratio <= 1 + this; DAPO "
+                                          "clip-higher); null = pg_clip")
+    policy_loss: Literal[POLICY_LOSS_NAMES] = Field(  # type: ignore[valid-type]
+        "vanilla", description="policy objective: 'vanilla' = PPO clip on the token ratio (dual clip when "
+        "dual_clip_loss), 'gspo' = clip on the sequence ratio (GSPO)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     ptx_coef: float = Field(0.0, ge=0, description="PTX/SFT next-token loss weight (InstructGPT)")
-    ref_model: Literal[REF_MODELS] = "sft"  # type: ignore[valid-type]
+    ref_model: Literal[REFERENCE_CHOICES] = Field(  # type: ignore[valid-type]
+        "sft", description="KL reference: the frozen initial model, the policy before this update, or a mixture "
+        "of both")
     ref_mix_coef: float = Field(0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
-    recompute_old_log_probs: bool = True
+    recompute_old_log_probs: bool = Field(True, description="recompute the sampled tokens' old log-probs with "
+                                          "the training model; false = use the sampler's")
     max_staleness: int = Field(0, ge=0, description="policy versions a trajectory may lag the learner; "
                                "0 = synchronous on-policy PPO, >= 1 overlaps generation and training")
     # --- optimisation --------------------------------------------------------------------------
-    actor_lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    lr_warmup_steps: int = Field(0, ge=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    actor_lr: float = Field(1e-6, gt=0, description="policy learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the policy and the critic")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas of the policy")
+    lr_warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear learning-rate warmup")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="policy learning-rate "
+                                                                  "schedule after the warmup")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="clip the policy's gradient norm to this; "
+                                           "null = off")
     ppo_mini_batch_size: int = Field(64, gt=0, description="sequences per optimiser step")
-    micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward; default mini batch")
+    micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward and backward "
+                                            "(gradient accumulation); null = ppo_mini_batch_size")
     # --- sections ------------------------------------------------------------------------------
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    critic: CriticConfig = Field(default_factory=CriticConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
-    rpc: RPCConfig = Field(default_factory=RPCConfig)
-    replay: ReplayConfig = Field(default_factory=ReplayConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="the reward")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model")
+    data: DataConfig = Field(default_factory=DataConfig, description="training and held-out prompts")
+    run: RunConfig = Field(default_factory=RunConfig, description="length, evaluation, checkpoints, logging")
+    rpc: RPCConfig = Field(default_factory=RPCConfig, description="servers: addresses, auth, TLS, limits")
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="the Redis replay buffer")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout workers")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -252,6 +308,18 @@ class Config(_Strict):
     @property
     def clip_high(self) -> float:
         return self.pg_clip_high if self.pg_clip_high is not None else self.pg_clip
+
+
+def data_source_errors(cfg: "Config") -> list[str]:
+    """Data sources that cannot be read here (a missing file or dataset directory, an unknown
+    synthetic task). Checked by the commands that read the data (`config validate`, `train`,
+    `up`, `serve learner`), not by every service: a generation server needs no prompt files."""
+    errors = []
+    for key in ("train", "eval"):
+        problem = source_problem(getattr(cfg.data, key))
+        if problem:
+            errors.append(f"data.{key}: {problem}")
+    return errors
 
 
 class ConfigError(Exception):
@@ -283,6 +351,8 @@ def _describe(err: dict) -> str:
     msg = err["msg"]
     if err["type"] == "literal_error":
         msg = f"got {err['input']!r}; allowed: {err['ctx']['expected']}"
+    elif err["type"] == "value_error":
+        msg = str(err["ctx"]["error"])
     elif "input" in err and err["type"] not in ("missing",):
         msg = f"{msg} (got {err['input']!r})"
     return f"{key}: {msg}"
@@ -339,3 +409,93 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def describe_config(fmt: str = "markdown") -> str:
+    """Every leaf key of the configuration, one row each: its dotted key (`reward.rules[].name` for
+    the fields of a list's items), default, options (a Literal's choices or a number's bounds) and
+    description; a markdown table (`fmt="markdown"`) or an aligned plain-text one (`fmt="text"`)."""
+    header = ("key", "default", "options", "meaning")
+    rows = _rows(Config, Config().model_dump(mode="json"), "")
+    if fmt == "markdown":
+        lines = [header, ("---",) * 4, *rows]
+        return "".join("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |\n" for row in lines)
+    if fmt == "text":
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+        return "".join("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[3]]).rstrip() + "\n"
+                       for row in [header, *rows])
+    raise ValueError(f"unknown format {fmt!r}; valid: markdown, text")
+
+
+def _rows(model: type[BaseModel], defaults: dict | None, prefix: str) -> list[tuple[str, str, str, str]]:
+    """The rows of `model`'s fields under `prefix`, recursing into sections; `defaults` holds the
+    dumped default values (None: take each field's own default)."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key, annotation = prefix + name, field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += _rows(annotation, defaults[name] if defaults is not None else None, key + ".")
+            continue
+        if defaults is not None:
+            default = _yaml_value(defaults[name])
+        elif field.is_required():
+            default = "required"
+        else:
+            default = _yaml_value(field.get_default(call_default_factory=True))
+        rows.append((key, default, _options(annotation, field.metadata), field.description or ""))
+        item = get_args(annotation)[0] if get_origin(annotation) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            rows += _rows(item, None, key + "[].")
+    return rows
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10_000).removesuffix("...\n").strip()
+
+
+def _options(annotation: Any, metadata: list) -> str:
+    """A Literal's choices (with null when Optional), else the bounds of a number: [0, 1], > 0, ..."""
+    args = get_args(annotation)
+    nullable = type(None) in args
+    literal = next((a for a in (annotation, *args) if get_origin(a) is Literal), None)
+    if literal is not None:
+        return ", ".join([*map(str, get_args(literal)), *(["null"] if nullable else [])])
+    b = {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt", "min_length") if hasattr(m, k)}
+    low = ("[", b["ge"]) if "ge" in b else ("(", b["gt"]) if "gt" in b else None
+    high = (b["le"], "]") if "le" in b else (b["lt"], ")") if "lt" in b else None
+    if low and high:
+        bounds = f"{low[0]}{low[1]}, {high[0]}{high[1]}"
+    elif low:
+        bounds = f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    elif high:
+        bounds = f"{'<=' if high[1] == ']' else '<'} {high[0]}"
+    elif "min_length" in b:
+        bounds = f"length >= {b['min_length']}"
+    else:
+        return ""
+    return f"{bounds} or null" if nullable else bounds
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_START, TABLE_END = "<!-- config-table:start -->", "<!-- config-table:end -->"
+
+
+def readme_with_config_table(text: str) -> str:
+    """`text` with what lies between the config-table markers replaced by describe_config("markdown")."""
+    head, start, rest = text.partition(TABLE_START)
+    _, end, tail = rest.partition(TABLE_END)
+    if not (start and end):
+        raise ValueError(f"no {TABLE_START} ... {TABLE_END} block")
+    return f"{head}{TABLE_START}\n{describe_config('markdown')}{TABLE_END}{tail}"
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m services.common.config",
+                                     description="print every configuration key, or rewrite README.md's table")
+    parser.add_argument("--readme", action="store_true", help=f"rewrite the configuration table in {README}")
+    if parser.parse_args().readme:
+        README.write_text(readme_with_config_table(README.read_text()))
+        print(f"wrote the configuration table into {README}")
+    else:
+        print(describe_config("text"), end="")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..ppo.losses import entropy_from_logits, logprobs_from_logits
+from .padding import pad_left, pad_right
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -23,12 +24,37 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+# what a hub model is fetched with: config, tokenizer, chat template and safetensors weights
+HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
 def check_model_dir(path: str | Path) -> Path:
-    p = Path(path)
-    if not (p / "config.json").exists():
+    """The local directory of the model `path`: `path` itself when it holds config.json; for a hub
+    id (`name` or `org/name` that is not a local path) the snapshot directory huggingface_hub
+    resolves it to, from its cache or by downloading (unless HF_HUB_OFFLINE is set)."""
+    text = str(path)
+    p = Path(text).expanduser()
+    if (p / "config.json").exists():
+        return p
+    if text.startswith(("/", ".", "~")) or p.exists() or text.count("/") > 1:
         raise FileNotFoundError(
             f"no model at {p} (config.json missing); build the tiny default with `rlhf init-model --out {p}`")
-    return p
+    return _hub_snapshot(text)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    try:
+        snapshot = Path(snapshot_download(repo_id, allow_patterns=HUB_MODEL_FILES))
+    except (OSError, ValueError) as e:
+        reason = str(e).split("\n")[0]
+        raise FileNotFoundError(
+            f"model {repo_id!r} is neither a local directory nor reachable on the Hugging Face hub (no network "
+            f"or not cached: {type(e).__name__}: {reason}); pre-download it into the hub cache (HF_HOME), or give "
+            f"a local directory (`rlhf init-model --out DIR` builds the tiny default)") from e
+    if not (snapshot / "config.json").exists():
+        raise FileNotFoundError(f"model {repo_id!r} on the Hugging Face hub has no config.json ({snapshot})")
+    return snapshot
 
 
 def load_tokenizer(path: str | Path):
@@ -76,18 +102,16 @@ def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequ
     """Left-pad prompts and right-pad responses into one rectangle (see `TokenBatch`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    B = len(prompts)
-    P = max((len(p) for p in prompts), default=0)
     T = max(max((len(r) for r in responses), default=0), 1)
     if response_width is not None:
         T = max(T, response_width)
-    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + T), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
-        ids[i, P:P + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-        attn[i, P - len(p):P + len(r)] = 1
-    response_mask = attn[:, P:].float()
+    prompt_ids, prompt_attn = pad_left(prompts, pad_id)
+    response_ids = pad_right(responses, T, pad_id, torch.long)
+    response_attn = pad_right([[1] * len(r) for r in responses], T, 0, torch.long)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attn = torch.cat([prompt_attn, response_attn], dim=1)
+    P = prompt_ids.shape[1]
+    response_mask = response_attn.float()
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(ids, attn, position_ids, response_mask, P)
 

@@ -17,7 +17,7 @@ from .config import dump_config
 
 PROGRESS_KEYS = [("reward", "reward/score_mean", "{:.3f}"), ("eval", "eval/reward_mean", "{:.3f}"),
                  ("kl", "ppo/kl_ref", "{:.4f}"), ("clip", "ppo/pg_clipfrac", "{:.3f}"),
-                 ("ent", "ppo/entropy", "{:.3f}"), ("vf", "critic/vf_loss", "{:.4f}"),
+                 ("ent", "ppo/entropy_rollout", "{:.3f}"), ("vf", "critic/vf_loss", "{:.4f}"),
                  ("tok/s", "rollout/tokens_per_s", "{:.0f}"), ("s/it", "time/iteration_s", "{:.2f}")]
 
 

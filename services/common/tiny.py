@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .data import PromptRecord, reverse_task
+from .data import reverse_task, sft_examples
 from .modeling import ModelCard
 
 log = logging.getLogger(__name__)
@@ -51,16 +51,6 @@ def build_model(vocab_size: int, seed: int = 0):
                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
                          rms_norm_eps=1e-5)
     return LlamaForCausalLM(config)
-
-
-def sft_examples(tokenizer, records: list[PromptRecord]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + EOS) pairs for supervised training (also the PTX data)."""
-    out = []
-    for r in records:
-        p = tokenizer(r.prompt)["input_ids"]
-        a = tokenizer(r.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append((p, a))
-    return out
 
 
 def sft_train(model, tokenizer, examples, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0,

@@ -5,18 +5,11 @@ trainer both host this object.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from ..common.modeling import TokenBatch, ValueModel, resolve_device
 from ..ppo import compute_value_loss, masked_mean
-
-
-class CriticClient(Protocol):
-    def values(self, batch: TokenBatch) -> torch.Tensor: ...
-
-    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict: ...
 
 
 class Critic:

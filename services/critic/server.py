@@ -9,6 +9,7 @@ from pathlib import Path
 from ..common.compute import ComputeThread
 from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
+from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 
 
@@ -58,14 +59,20 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
 
 
-def build_critic_server(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1):
-    if critic is None:
-        from .critic import Critic
-        critic = Critic.from_config(cfg)
-    ep = cfg.rpc.critic
-    server = RPCServer("critic", cfg.rpc, ep.port if port is None else port,
-                       ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-    critic_pb2_grpc.add_CriticServicer_to_server(CriticServicer(critic, cfg, server.metrics), server.grpc)
-    server.start()
-    server.set_ready(True)
-    return server
+def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1) -> GrpcService:
+    """The critic service: loads the value model `critic` describes (or uses `critic`) and serves
+    gRPC. Ports default to `rpc.critic`'s (metrics_port None = off)."""
+    def build():
+        c = critic
+        if c is None:
+            from .critic import Critic
+            c = Critic.from_config(cfg)
+        ep = cfg.rpc.critic
+        server = RPCServer("critic", cfg.rpc, ep.port if port is None else port,
+                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+        servicer = CriticServicer(c, cfg, server.metrics)
+        critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)
+        server.start()
+        server.set_ready(True)
+        return server, servicer, [servicer.compute.close]
+    return GrpcService("critic", build)

@@ -1,56 +1,20 @@
-"""Generation backends: sample responses with per-token log-probs from the current policy, and
-swap in new policy weights atomically between batches.
-
-`GenerationBackend` is the interface the generation server and the in-process trainer call;
-`HFBackend` implements it with transformers (CPU or GPU). The vLLM backend implements the same.
+"""The `hf` generation backend: transformers' `generate` with per-token log-probs from the
+current policy, and new policy weights swapped in atomically between batches. It implements
+`GenerationBackend` (`services/common/types.py`), the interface the generation server and the
+in-process trainer call.
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
-
-
-@dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
-    seed: int | None = None
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    log_probs: list[float]  # log-prob of each sampled token under the sampling distribution
-    finish_reason: str  # "stop" (a stop token was sampled, and is included) or "length"
-
-
-@dataclass
-class GenerationResult:
-    completions: list[list[Completion]]  # [prompt][sample]
-    policy_version: int
-    tokens: int
-    seconds: float
-
-
-class GenerationBackend(Protocol):
-    version: int
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult: ...
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
-
-    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+from ..common.padding import pad_left
+from ..common.types import Completion, GenerationResult, SamplingParams
 
 
 class HFBackend:
@@ -67,6 +31,13 @@ class HFBackend:
         self.version = 0
         self._lock = threading.Lock()
 
+    def info(self) -> dict:
+        """What GetInfo reports: the engine that really serves, and where."""
+        import transformers
+        dtype = next(self.model.parameters()).dtype
+        return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}",
+                "dtype": str(dtype).removeprefix("torch."), "device": str(self.device)}
+
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
 
@@ -79,6 +50,8 @@ class HFBackend:
                 raise KeyError(f"unknown tensor {name!r}")
             if tuple(t.shape) != specs[name][0]:
                 raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {specs[name][0]}")
+            if t.dtype != specs[name][1]:
+                raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected {specs[name][1]}")
         with self._lock:
             if version <= self.version:
                 raise ValueError(f"weight version {version} is not newer than the serving version {self.version}")
@@ -90,13 +63,8 @@ class HFBackend:
         if not prompts:
             return GenerationResult([], self.version, 0, 0.0)
         t0 = time.perf_counter()
-        flat = [list(p) for p in prompts for _ in range(params.n)]
-        P = max(len(p) for p in flat)
-        ids = torch.full((len(flat), P), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(flat):
-            ids[i, P - len(p):] = torch.tensor(p)
-            attn[i, P - len(p):] = 1
+        ids, attn = pad_left([p for p in prompts for _ in range(params.n)], self.pad_token_id)
+        P = ids.shape[1]
         stops = sorted({self.eos_token_id, *params.stop_token_ids})
         greedy = params.temperature == 0
         kwargs = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, eos_token_id=stops,

@@ -9,7 +9,7 @@ import torch
 from ..common.rpc.codec import weight_chunks
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
 from ..common.rpc.server import RPCClient
-from .backend import Completion, GenerationResult, SamplingParams
+from ..common.types import Completion, GenerationResult, SamplingParams
 
 
 class GenerationClient(RPCClient):

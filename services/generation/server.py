@@ -1,7 +1,7 @@
 """The generation server: Generate (batched across concurrent callers), PushWeights (streamed,
 checksummed, applied atomically between batches), GetInfo.
 
-    rlhf serve generation -c configs/tiny-cpu.yaml
+    rlhf serve generation -c configs/tiny-cpu.yaml      (`serve(cfg)` below)
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from ..common.rpc.codec import BadRequest, assemble_weights
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
+from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
-from .backend import GenerationResult, SamplingParams
+from ..common.types import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,8 @@ class Batcher:
     servicer from the moment a request arrives): a lone caller runs at once, and calls that
     queued while a batch was running join the next batch without waiting.
 
-    The batcher's thread is the server's one compute thread (`services/common/compute.py`):
-    weight swaps run on it too (`call`), between batches."""
+    The batcher's own thread is the server's one compute thread (the reason is in
+    `services/common/compute.py`): weight swaps run on it too (`call`), between batches."""
 
     def __init__(self, backend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
@@ -250,22 +251,42 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
 
     def GetInfo(self, request, context):
-        return gpb.GenerationInfo(model=self.model_name, backend=self.cfg.generation.backend,
-                                  policy_version=self.backend.version, vocab_size=self.vocab_size,
+        info = self.backend.info()
+        return gpb.GenerationInfo(model=self.model_name, backend=info["backend"], engine_version=info["engine_version"],
+                                  dtype=info["dtype"], device=info["device"], policy_version=self.backend.version, vocab_size=self.vocab_size,
                                   prompt_length=self.cfg.prompt_length, response_length=self.cfg.response_length,
                                   eos_token_id=self.backend.eos_token_id, pad_token_id=self.backend.pad_token_id)
 
 
-def build_generation_server(cfg, backend=None, port: int | None = None, metrics_port: int | None = -1) -> tuple:
-    """Start a generation server for `cfg` (or a given backend). Returns (RPCServer, servicer)."""
-    if backend is None:
-        from .backend import HFBackend
-        backend = HFBackend(cfg.model.path, cfg.model.device)
-    ep = cfg.rpc.generation
-    server = RPCServer("generation", cfg.rpc, ep.port if port is None else port,
-                       ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-    servicer = GenerationServicer(backend, cfg, server)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
-    server.start()
-    server.set_ready(True)
-    return server, servicer
+def make_backend(cfg):
+    """The sampling engine `generation.backend` names, loaded from `model.path`."""
+    if cfg.generation.backend == "vllm":
+        raise ValueError("generation.backend: 'vllm' is not available in this version (the vLLM backend is "
+                         "not built yet); use generation.backend: hf")
+    from .backend import HFBackend
+    return HFBackend(cfg.model.path, cfg.model.device)
+
+
+def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None = -1) -> GrpcService:
+    """The generation service: loads the backend (or uses `backend`), serves gRPC, and in a
+    distributed run (`replay.url` set) registers in Redis and pulls the current policy before it
+    reports ready. `port`/`metrics_port` default to `rpc.generation`'s (None = metrics off)."""
+    def build():
+        b = backend if backend is not None else make_backend(cfg)
+        ep = cfg.rpc.generation
+        server = RPCServer("generation", cfg.rpc, ep.port if port is None else port,
+                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+        servicer = GenerationServicer(b, cfg, server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
+        server.start()
+        closers = [servicer.batcher.close]
+        if cfg.replay.url:
+            from ..common.replay import ReplayStore
+            from ..common.rpc.server import advertised_address
+            from .registration import Registration
+            reg = Registration(cfg, servicer, advertised_address(cfg.rpc, ep.host, server.port),
+                               ReplayStore.from_config(cfg)).start()
+            closers.insert(0, reg.stop)
+        server.set_ready(True)
+        return server, servicer, closers
+    return GrpcService("generation", build)

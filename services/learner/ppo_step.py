@@ -16,28 +16,18 @@ import copy
 import math
 import random
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
+from ..common.data import sft_examples
 from ..common.modeling import TokenBatch, build_token_batch, load_causal_lm, response_log_probs, resolve_device
-from ..ppo import (agg_loss, apply_kl_penalty, clip_by_value, compute_advantages, compute_policy_loss,
+from ..common.padding import pad_right
+from ..common.types import Rollout
+from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, clip_by_value, compute_advantages,
                    compute_sft_loss, kl_penalty, make_kl_controller, masked_mean, masked_whiten,
-                   postprocess_rewards, reference_log_probs, RunningMeanStd)
-
-
-@dataclass
-class Rollout:
-    """Scored samples of one batch, as rollout workers produce them. B = prompts x group size."""
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    scores: list[float]
-    index: list  # group id per sample: samples of one prompt share it
-    gen_log_probs: list[list[float]] | None = None  # sampler's log-probs, used when not recomputed
-    values: torch.Tensor | None = None  # (B, T) critic values, needed for GAE
-    versions: list[int] = field(default_factory=list)
+                   postprocess_rewards, reference_log_probs)
 
 
 @dataclass
@@ -51,13 +41,6 @@ class Experience:
     metrics: dict
 
 
-def _pad(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(list(r)[:width])
-    return out
-
-
 def planned_updates(cfg) -> int:
     """Optimiser steps over the whole run (for the LR schedule)."""
     samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
@@ -68,8 +51,7 @@ def ptx_examples_for(cfg, tokenizer, records) -> list | None:
     """(prompt ids, answer ids) pairs for the PTX/SFT loss: the labelled training prompts."""
     if not cfg.ptx_coef:
         return None
-    from ..common.tiny import sft_examples
-    return sft_examples(tokenizer, [r for r in records if r.label is not None])
+    return sft_examples(tokenizer, records)
 
 
 class PPOLearner:
@@ -134,7 +116,7 @@ class PPOLearner:
         if cfg.recompute_old_log_probs or rollout.gen_log_probs is None:
             old_log_probs = cur["log_probs"]
         else:
-            old_log_probs = _pad(rollout.gen_log_probs, T).to(self.device)
+            old_log_probs = pad_right(rollout.gen_log_probs, T).to(self.device)
         old_for_ref = cur["full"] if full else old_log_probs
         ref_log_probs = None
         if cfg.use_kl_loss or cfg.add_token_level_kl:
@@ -148,9 +130,7 @@ class PPOLearner:
         kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) if ref_log_probs is not None else None
         token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None,
                                                self.kl_ctl.value)
-        values = rollout.values.to(self.device) if rollout.values is not None else None
-        if values is not None and values.shape[1] != T:
-            values = torch.nn.functional.pad(values, (0, T - values.shape[1]))[:, :T]
+        values = pad_right(rollout.values, T).to(self.device) if rollout.values is not None else None
         advantages, returns = compute_advantages(cfg.adv_estimator, token_level_rewards, mask, values,
                                                  rollout.index, cfg.gamma, cfg.lambd)
         if cfg.whiten_advantages:
@@ -199,6 +179,7 @@ class PPOLearner:
             sums[k] = sums.get(k, 0.0) + float(v)
             counts[k] = counts.get(k, 0) + 1
 
+        policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         critic_steps: list = []
         g = torch.Generator().manual_seed(self.rng.randrange(2 ** 31))
         self.policy.train()
@@ -214,7 +195,7 @@ class PPOLearner:
                     with self._autocast():
                         out = response_log_probs(self.policy, sub, self.temperature, with_entropy=True, full=full)
                     log_prob = out["log_probs"]
-                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
                         exp.old_log_probs[m], log_prob, exp.advantages[m], mask,
                         cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high,
                         clip_ratio_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
@@ -240,7 +221,8 @@ class PPOLearner:
                     add("ppo/pg_clipfrac", clipfrac.item())
                     add("ppo/pg_clipfrac_lower", clipfrac_lower.item())
                     add("ppo/approx_kl", ppo_kl.item())
-                    add("ppo/entropy", entropy.item())
+                    add("ppo/entropy_loss", entropy.item())  # as the loss aggregates it
+                    add("ppo/entropy", masked_mean(out["entropy"].detach(), mask).item())  # per token
                 params = [p for p in self.policy.parameters() if p.requires_grad]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
                 add("ppo/grad_norm", float(grad_norm))

@@ -1,15 +1,16 @@
 """The learner's network faces: gRPC (PullWeights for a generation server that starts late,
-Status), a JSON status page over HTTP, and its Prometheus gauges."""
+Status) and a JSON status page over HTTP; and `serve(cfg)`, its lifecycle."""
 from __future__ import annotations
 
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import Counter, Gauge
-
+from ..common.lifecycle import Service
 from ..common.rpc.codec import weight_chunks
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
+from ..common.rpc.server import RPCServer, advertised_address
+from .service import LearnerService
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -17,7 +18,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         self.service = service
 
     def PullWeights(self, request, context):
-        version, state = self.service.snapshot
+        version, state = self.service.broadcaster.snapshot
         if not state or request.have_version >= version:
             return
         yield from weight_chunks(state, version)
@@ -50,32 +51,72 @@ def status_http(service, host: str, port: int) -> ThreadingHTTPServer:
     return httpd
 
 
-class LearnerMetrics:
-    def __init__(self, registry):
-        g = lambda name, doc: Gauge(name, doc, registry=registry)  # noqa: E731
-        self.iteration = g("rlhf_learner_iteration", "completed iterations")
-        self.version = g("rlhf_learner_policy_version", "newest policy version")
-        self.reward = g("rlhf_learner_reward", "mean training reward of the last batch")
-        self.eval_reward = g("rlhf_learner_eval_reward", "held-out reward of the last eval")
-        self.kl = g("rlhf_learner_kl", "KL to the reference of the last batch")
-        self.staleness = g("rlhf_replay_staleness", "mean policy-version lag of the last batch")
-        self.backlog = g("rlhf_replay_lag", "trajectory groups waiting for the learner")
-        self.push_seconds = g("rlhf_learner_push_seconds", "seconds of the last weight push")
-        self.iteration_seconds = g("rlhf_learner_iteration_seconds", "seconds of the last iteration")
-        self.dropped = Counter("rlhf_replay_dropped_stale_total", "groups dropped as too stale", registry=registry)
-        self._dropped_seen = 0
 
-    def observe(self, service, m: dict) -> None:
-        self.iteration.set(service.iteration)
-        self.version.set(service.learner.version)
-        self.reward.set(m.get("reward/score_mean", float("nan")))
-        if "eval/reward_mean" in m:
-            self.eval_reward.set(m["eval/reward_mean"])
-        self.kl.set(m.get("ppo/kl_ref", 0.0))
-        self.staleness.set(m.get("replay/staleness_mean", 0.0))
-        self.backlog.set(m.get("replay/backlog", 0))
-        self.push_seconds.set(m.get("time/push_s", 0.0))
-        self.iteration_seconds.set(m.get("time/iteration_s", 0.0))
-        d = service.counters["dropped_stale"]
-        self.dropped.inc(d - self._dropped_seen)
-        self._dropped_seen = d
+
+class LearnerProcess(Service):
+    """`serve(cfg)`'s handle: start() builds the learner and serves gRPC (and HTTP status); it is
+    ready once it has resumed and published the current policy; run() is the training loop."""
+
+    name = "learner"
+
+    def __init__(self, cfg, run_dir=None, port: int | None = None, metrics_port: int | None = -1,
+                 http_port: int | None = -1):
+        self.cfg, self.run_dir = cfg, run_dir
+        self._port, self._metrics_port, self._http_port = port, metrics_port, http_port
+        self.service: LearnerService | None = None
+        self.server: RPCServer | None = None
+        self.http: ThreadingHTTPServer | None = None
+        self._stopped = False
+
+    def start(self) -> "LearnerProcess":
+        cfg, ep = self.cfg, self.cfg.rpc.learner
+        self.server = RPCServer("learner", cfg.rpc, ep.port if self._port is None else self._port,
+                                ep.metrics_port if self._metrics_port == -1 else self._metrics_port, host=ep.host)
+        self.service = LearnerService(cfg, self.run_dir, registry=self.server.metrics.registry)
+        self.service.address = advertised_address(cfg.rpc, ep.host, self.server.port)
+        learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self.service), self.server.grpc)
+        self.server.start()
+        hp = ep.http_port if self._http_port == -1 else self._http_port
+        if hp is not None:
+            self.http = status_http(self.service, ep.host, hp)
+        threading.Thread(target=self._report_ready, name="learner-ready", daemon=True).start()
+        return self
+
+    def _report_ready(self) -> None:
+        self.service.ready.wait()
+        self.server.set_ready(True)
+
+    @property
+    def ready(self) -> bool:
+        return self.server is not None and self.server.is_ready()
+
+    def endpoints(self) -> dict:
+        return {"port": self.server.port, "metrics_port": self.server.metrics_port,
+                "http_port": self.http.server_address[1] if self.http else None}
+
+    def run(self) -> int:
+        self.service.run()
+        return 0
+
+    def drain(self) -> None:
+        if self.service is not None:
+            self.service.stop()  # the loop checkpoints and returns
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.service is not None:
+            self.service.ready.set()  # releases the readiness thread
+        if self.http is not None:
+            self.http.shutdown()
+        if self.server is not None:
+            self.server.stop(grace=2)
+        if self.service is not None:
+            self.service.close()
+
+
+def serve(cfg, run_dir=None, port: int | None = None, metrics_port: int | None = -1,
+          http_port: int | None = -1) -> LearnerProcess:
+    """The learner service. Ports default to `rpc.learner`'s (None = off for metrics and HTTP)."""
+    return LearnerProcess(cfg, run_dir, port, metrics_port, http_port)

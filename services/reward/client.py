@@ -6,7 +6,7 @@ from typing import Sequence
 
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCClient
-from .scorer import RewardSample, ScoreResult
+from ..common.types import RewardSample, ScoreResult
 
 
 class RewardClient(RPCClient):

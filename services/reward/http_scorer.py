@@ -17,8 +17,8 @@ from typing import Sequence
 
 import httpx
 
-from ..common.rpc.server import Unavailable
-from .scorer import RewardSample, ScoreResult
+from ..common.rpc.errors import Unavailable
+from ..common.types import RewardSample, ScoreResult
 
 log = logging.getLogger(__name__)
 

@@ -1,36 +1,19 @@
 """Reward scorers: a batch of samples in, one reward each (plus named components) out.
 
 `RuleScorer` runs verifier functions; `ModelScorer` runs a sequence-classification reward model;
-`CombinedScorer` takes a weighted sum of any of them. Each satisfies the `Scorer` protocol, which
-the reward server and the in-process trainer both call.
+`CombinedScorer` takes a weighted sum of any of them. Each satisfies the `Scorer` protocol
+(`services/common/types.py`), which the reward server and the in-process trainer both call;
+`HTTPScorer` (`http_scorer.py`) calls your reward API.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
+from ..common.types import RewardSample, ScoreResult, Scorer
 from .rules import resolve_rule
-
-
-@dataclass
-class RewardSample:
-    prompt: str
-    response: str
-    label: str | None = None
-    metadata: dict = field(default_factory=dict)
-
-
-@dataclass
-class ScoreResult:
-    reward: float
-    components: dict[str, float] = field(default_factory=dict)
-
-
-class Scorer(Protocol):
-    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]: ...
 
 
 class RuleScorer:

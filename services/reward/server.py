@@ -8,15 +8,18 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 from pydantic import BaseModel, Field
 
-from ..common.rpc.codec import BadRequest
+from ..common.lifecycle import GrpcService
+from ..common.modeling import load_tokenizer
+from ..common.rpc.errors import BadRequest
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCServer
-from .scorer import RewardSample
+from ..common.types import RewardSample
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 65536
@@ -24,7 +27,7 @@ MAX_SAMPLES = 65536
 
 class RewardRequest(BaseModel):
     """OpenRLHF's remote reward request."""
-    query: list[str] = Field(..., description="prompt + response per sample")
+    query: list[str] = Field(..., description="prompt + response per sample, decoded with special tokens kept")
     prompts: Optional[list[str]] = None
     labels: Optional[list[Optional[str]]] = None
 
@@ -63,10 +66,21 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return rpb.ScoreResponse(scores=[rpb.Score(reward=r.reward, components=r.components) for r in results])
 
 
-def build_http_app(scorer, token: str | None = None):
-    """FastAPI app answering OpenRLHF's remote reward request shape."""
+def special_token_strings(model_path) -> list[str]:
+    """The non-empty BOS, EOS and pad token strings of the tokenizer at `model_path`, each once."""
+    tok = load_tokenizer(model_path)
+    return [t for t in dict.fromkeys((tok.bos_token, tok.eos_token, tok.pad_token)) if t]
+
+
+def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str] = ()):
+    """FastAPI app answering OpenRLHF's remote reward request shape. Each query loses the runs of
+    `strip_tokens` at its start and end (OpenRLHF decodes with special tokens kept: pads, BOS,
+    a trailing EOS), each prompt those at its start, before the response is cut from the query."""
     from fastapi import FastAPI, Header, HTTPException
 
+    # any of strip_tokens, the longest first; with none, (?!), which matches nothing
+    runs = "|".join(re.escape(t) for t in sorted(set(strip_tokens) - {""}, key=len, reverse=True)) or "(?!)"
+    leading, trailing = re.compile(f"^(?:{runs})+"), re.compile(f"(?:{runs})+$")
     app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
 
     def score(req: RewardRequest, authorization: str | None):
@@ -81,6 +95,7 @@ def build_http_app(scorer, token: str | None = None):
             raise HTTPException(422, f"query, prompts and labels must have one entry per sample ({n})")
         samples = []
         for q, p, l in zip(req.query, prompts, labels):
+            q, p = trailing.sub("", leading.sub("", q)), leading.sub("", p)
             response = q[len(p):] if p and q.startswith(p) else q
             samples.append(RewardSample(p, response, l))
         try:
@@ -130,21 +145,27 @@ class HTTPServerThread:
         self.thread.join(timeout=10)
 
 
-def build_reward_server(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
-                        metrics_port: int | None = -1):
-    """Start gRPC (and HTTP unless http_port is None). Returns (RPCServer, HTTPServerThread|None)."""
-    if scorer is None:
-        from .scorer import build_scorer
-        scorer = build_scorer(cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu")
-    ep = cfg.rpc.reward
-    server = RPCServer("reward", cfg.rpc, ep.port if port is None else port,
-                       ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(scorer, server.metrics), server.grpc)
-    server.start()
-    http = None
-    hp = ep.http_port if http_port == -1 else http_port
-    if hp is not None:
-        http = HTTPServerThread(build_http_app(scorer, cfg.rpc.resolved_auth_token()), ep.host, hp)
-        server.http_port = http.start()
-    server.set_ready(True)
-    return server, http
+def serve(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
+          metrics_port: int | None = -1) -> GrpcService:
+    """The reward service: builds the scorer `reward` describes (or uses `scorer`), serves gRPC
+    and, unless the HTTP port is None, OpenRLHF's HTTP protocol. Ports default to `rpc.reward`'s."""
+    def build():
+        sc = scorer
+        if sc is None:
+            from .scorer import build_scorer
+            sc = build_scorer(cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu")
+        ep = cfg.rpc.reward
+        server = RPCServer("reward", cfg.rpc, ep.port if port is None else port,
+                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+        servicer = RewardServicer(sc, server.metrics)
+        reward_pb2_grpc.add_RewardServicer_to_server(servicer, server.grpc)
+        server.start()
+        closers = []
+        hp = ep.http_port if http_port == -1 else http_port
+        if hp is not None:
+            http = HTTPServerThread(build_http_app(sc, cfg.rpc.resolved_auth_token(), strip_tokens=special_token_strings(cfg.model.path)), ep.host, hp)
+            server.http_port = http.start()
+            closers.append(http.stop)
+        server.set_ready(True)
+        return server, servicer, closers
+    return GrpcService("reward", build)

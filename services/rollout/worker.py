@@ -17,14 +17,16 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ..common.lifecycle import Service
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
+from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.server import endpoint_address
+from ..common.sampling import sample_groups
+from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient
 from ..reward.client import RewardClient
-from .collect import sample_groups, train_params
-from .records import group_to_proto, task_record
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class RolloutWorker:
         (the prompts stay pending and are reclaimed later)."""
         tasks = [t for _, t in entries]
         min_version = max(t.min_version for t in tasks)
-        params = train_params(self.cfg, tasks[0].group_size or None)
+        params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
         backoff = self.cfg.rollout.retry_backoff_s
         for attempt in range(self.cfg.rollout.retries + 1):
             if self.stop_event.is_set() and attempt:
@@ -209,7 +211,7 @@ class RolloutWorker:
             t.start()
         while not self.stop_event.is_set():
             try:
-                self.store.heartbeat("worker", self.name, produced=self.produced)
+                self.heartbeat()
             except Exception as e:
                 log.warning("heartbeat failed: %s", e)
             self.stop_event.wait(self.cfg.replay.heartbeat_s)
@@ -221,9 +223,57 @@ class RolloutWorker:
             pass
         log.info("rollout worker %s stopped after %d groups", self.name, self.produced)
 
+    def heartbeat(self) -> None:
+        """Register (or refresh) this worker in the registry."""
+        self.store.heartbeat("worker", self.name, produced=self.produced)
+
     def stop(self) -> None:
         self.stop_event.set()
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
         httpd, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
         return httpd.server_address[1]
+
+
+class WorkerProcess(Service):
+    """`serve(cfg)`'s handle: start() connects to Redis and registers the worker (its first
+    heartbeat), which is when it is ready; run() is the worker's loop until drained."""
+
+    name = "rollout"
+
+    def __init__(self, cfg, name: str | None = None, metrics_port: int | None = -1, host: str | None = None):
+        self.cfg, self._name, self._metrics_port, self._host = cfg, name, metrics_port, host
+        self.worker: RolloutWorker | None = None
+        self.metrics_port: int | None = None
+
+    def start(self) -> "WorkerProcess":
+        self.worker = RolloutWorker(self.cfg, ReplayStore.from_config(self.cfg), name=self._name)
+        mp = self.cfg.rollout.metrics_port if self._metrics_port == -1 else self._metrics_port
+        if mp is not None:
+            self.metrics_port = self.worker.serve_metrics(mp, self._host or self.cfg.rpc.host)
+        self.worker.heartbeat()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def endpoints(self) -> dict:
+        return {"worker": self.worker.name, "metrics_port": self.metrics_port}
+
+    def run(self) -> int:
+        self.worker.run()
+        return 0
+
+    def drain(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    def stop(self) -> None:
+        self.drain()
+
+
+def serve(cfg, name: str | None = None, metrics_port: int | None = -1, host: str | None = None) -> WorkerProcess:
+    """A rollout worker (`replay.url` must be set). `name` is its consumer name (default
+    host-pid); `metrics_port` defaults to `rollout.metrics_port` (None = off)."""
+    return WorkerProcess(cfg, name, metrics_port, host)

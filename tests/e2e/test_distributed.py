@@ -68,13 +68,13 @@ class _Service:
     def _drain(self):
         for line in self.proc.stdout:
             self.lines.append(line)
-            if line.startswith("READY "):
+            if line.startswith("LISTENING "):
                 self.ready = dict(kv.split("=", 1) for kv in line.split()[1:])
                 self._ready.set()
 
     def wait_ready(self, timeout_s=120) -> dict:
         if not self._ready.wait(timeout_s):
-            raise AssertionError("no READY line:\n" + "".join(self.lines[-30:]))
+            raise AssertionError("no LISTENING line:\n" + "".join(self.lines[-30:]))
         return self.ready
 
     def stop(self):

@@ -1,6 +1,7 @@
 import torch
 
-from services.generation.backend import HFBackend, SamplingParams
+from services.common.types import SamplingParams
+from services.generation.backend import HFBackend
 
 
 def test_n_samples_logprobs_finish_reasons_and_seed(tiny_model_dir):

@@ -6,11 +6,9 @@ import json
 import pytest
 
 from services.common.config import config_from_dict
-from services.learner.service import LearnerService, latest_checkpoint
-from services.rollout.collect import SampleGroup
-from services.rollout.records import group_to_proto
-from services.generation.backend import Completion
-from services.reward.scorer import ScoreResult
+from services.common.replay.records import group_to_proto
+from services.common.types import Completion, SampleGroup, ScoreResult
+from services.learner.service import LearnerService
 
 
 def _cfg(model_dir, url, **over):
@@ -25,7 +23,6 @@ def _cfg(model_dir, url, **over):
 @pytest.fixture
 def service(tiny_model_dir, redis_server, tmp_path):
     svc = LearnerService(_cfg(tiny_model_dir, redis_server.url, max_staleness=1), tmp_path / "run")
-    svc.start_server()
     svc.resume()
     yield svc
     svc.close()
@@ -44,18 +41,18 @@ def _produce(store, version: int, n: int):
 
 
 def test_feed_runs_max_staleness_batches_ahead(service):
-    service.feed(1)
-    assert service.store.prompt_backlog() == 8 and service.fed_batches == 2  # batch 1 and, ahead, batch 2
-    service.feed(1)
+    feeder = service.feeder
+    feeder.feed(1, 0)
+    assert service.store.prompt_backlog() == 8 and feeder.fed_batches == 2  # batch 1 and, ahead, batch 2
+    feeder.feed(1, 0)
     assert service.store.prompt_backlog() == 8  # idempotent
-    service.feed(5)
-    assert service.fed_batches == 5  # never beyond the last iteration
+    feeder.feed(5, 0)
+    assert feeder.fed_batches == 5  # never beyond the last iteration
 
 
 def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
     store = service.store
-    service.learner.version = 5
-    service.feed(1)  # 8 prompts
+    service.feeder.feed(1, 5)  # 8 prompts
     old = _produce(store, version=3, n=2)  # 2 versions behind: too stale for max_staleness=1
     fresh = _produce(store, version=4, n=4)
     # a duplicate of a fresh prompt (say a redelivery after a learner restart) arrives too
@@ -64,14 +61,13 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
     dup_task.attempt = 1
     store.feed([dup_task])
     _produce(store, version=5, n=10)
-    batch = service.collect()
+    batch = service.intake.collect(5, service.stop_event)
     uids = [g.uid for _, g in batch]
     assert len(batch) == 4 and len(set(uids)) == 4
     assert service.counters["dropped_stale"] == 2
-    assert service.counters["duplicates"] >= 0
+    assert service.counters["duplicates"] == 0  # the 4 fresh groups filled the batch before any copy was read
     # train on them and commit: the same prompts never make it into a batch again
-    service.uncommitted.extend((e, g.uid) for e, g in batch)
-    service._uncommitted_uids.update(uids)
+    service.intake.trained(batch)
     service.iteration = 1
     service.save_checkpoint()
     assert store.trained_among(uids) == [True] * 4
@@ -84,34 +80,32 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
     assert sorted(t.uid for t in refed) == sorted(o.uid for o in old)
     assert all(t.min_version == 5 for t in refed)
     before = service.counters["duplicates"]
-    second = service.collect()
+    second = service.intake.collect(5, service.stop_event)
     second_uids = {g.uid for _, g in second}
     assert not second_uids & set(uids)
     assert len(second_uids | set(uids)) == 8  # every prompt fed, each in exactly one batch
     assert service.counters["duplicates"] > before
     service.stop_event.set()
-    assert service.collect() is None  # stopping: no partial batch is returned
+    assert service.intake.collect(5, service.stop_event) is None  # stopping: no partial batch is returned
 
 
 def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, redis_server, tmp_path):
     cfg = _cfg(tiny_model_dir, redis_server.url, max_staleness=0)
     cfg.replay.namespace = "resume"
     a = LearnerService(cfg, tmp_path / "run")
-    a.start_server()
     a.resume()
-    a.feed(1)
-    a.feed(2)
+    a.feeder.feed(1, 0)
+    a.feeder.feed(2, 0)
     a.iteration = 2
     a.learner.kl_ctl.value = 0.123
     a.learner.version = a.store.next_version()
     a.save_checkpoint()
-    next_a = [r.id for r in a.sampler.take(4)]
+    next_a = [r.id for r in a.feeder.sampler.take(4)]
     a.close()
-    assert latest_checkpoint(tmp_path / "run").name == "iter_000002"
+    assert a.checkpointer.latest().name == "iter_000002"
     b = LearnerService(cfg, tmp_path / "run")
-    b.start_server()
-    assert b.resume() == 2 and b.fed_batches == 2
+    assert b.resume() == 2 and b.feeder.fed_batches == 2
     assert b.learner.kl_ctl.value == pytest.approx(0.123)
     assert b.learner.version > a.learner.version  # versions only go forward across restarts
-    assert [r.id for r in b.sampler.take(4)] == next_a
+    assert [r.id for r in b.feeder.sampler.take(4)] == next_a
     b.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.learner.local import run_local
+from services.local import run_local
 
 ROOT = Path(__file__).resolve().parents[2]
 

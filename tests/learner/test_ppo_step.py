@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from services.common.config import config_from_dict
-from services.generation.backend import HFBackend, SamplingParams
-from services.learner.ppo_step import PPOLearner, Rollout
+from services.common.types import Rollout, SamplingParams
+from services.generation.backend import HFBackend
+from services.learner.ppo_step import PPOLearner
 
 
 def _rollout(backend, n=8):

@@ -6,12 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from services.common.data import PromptRecord
+from services.common.replay.records import group_from_proto, group_to_proto, make_task, task_record
 from services.common.rpc.gen import replay_pb2 as rpb
-from services.generation.backend import Completion
-from services.reward.scorer import ScoreResult
-from services.rollout.collect import SampleGroup, groups_to_rollout
-from services.rollout.records import group_from_proto, group_to_proto, make_task, task_record
+from services.common.types import Completion, PromptRecord, Rollout, SampleGroup, ScoreResult
 
 
 def _task(i: int, epoch: int = 0, attempt: int = 0) -> rpb.PromptTask:
@@ -34,10 +31,10 @@ def test_records_round_trip_exactly_and_flatten_into_a_rollout():
     assert [c.token_ids for c in back.completions] == [[5, 6, 2], [7]]
     assert back.completions[0].log_probs == [-0.5, -1.25, -0.125]  # exact in float32
     assert [s.reward for s in back.scores] == [1.0, 0.25] and back.version == 3
-    r = groups_to_rollout([back, back])
+    r = Rollout.from_groups([back, back])
     assert r.index == ["0:p1"] * 4 and r.versions == [3] * 4 and r.scores == [1.0, 0.25, 1.0, 0.25]
-    assert r.values.shape == (4, 3)
-    np.testing.assert_allclose(r.values[1].numpy(), [0.4, 0, 0], rtol=1e-6)  # padded after the response
+    assert [len(v) for v in r.values] == [3, 1, 3, 1]  # one value per response token, padded by the learner
+    np.testing.assert_allclose(r.values[0], [0.1, 0.2, 0.3], rtol=1e-6)
     bad = _group(t)
     bad.samples[0].log_probs = bad.samples[0].log_probs[:4]
     with pytest.raises(ValueError, match="log-probs"):

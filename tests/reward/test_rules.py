@@ -1,7 +1,8 @@
 import pytest
 
 from services.reward.rules import RULES, resolve_rule
-from services.reward.scorer import CombinedScorer, RewardSample, RuleScorer
+from services.common.types import RewardSample
+from services.reward.scorer import CombinedScorer, RuleScorer
 
 
 def test_rules_hand_cases():

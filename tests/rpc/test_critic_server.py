@@ -7,16 +7,15 @@ from services.common.rpc.codec import batch_to_proto, tensor_to_proto
 from services.common.rpc.gen import critic_pb2 as cpb
 from services.critic.client import CriticClient
 from services.critic.critic import Critic
-from services.critic.server import build_critic_server
+from services.critic.server import serve
 
 from .conftest import expect_code
 
 
 @pytest.fixture(scope="module")
 def server(cfg):
-    srv = build_critic_server(cfg, port=0, metrics_port=None)
-    yield srv
-    srv.stop(0)
+    with serve(cfg, port=0, metrics_port=None) as svc:
+        yield svc.server
 
 
 def _batch():

@@ -10,18 +10,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import config_from_dict
 from services.common.rpc.codec import weight_chunks
 from services.common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
-from services.generation.backend import HFBackend, SamplingParams
+from services.common.types import SamplingParams
+from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
-from services.generation.server import build_generation_server
+from services.generation.server import serve
 
 from .conftest import TOKEN, expect_code
 
 
 @pytest.fixture(scope="module")
 def server(cfg):
-    srv, servicer = build_generation_server(cfg, port=0, metrics_port=0)
-    yield srv, servicer
-    srv.stop(0)
+    with serve(cfg, port=0, metrics_port=0) as svc:
+        yield svc.server, svc.servicer
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +181,9 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
 
 
 def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
-    srv, servicer = build_generation_server(config_from_dict({**cfg.model_dump(), "generation": {
-        "batch_window_ms": 200, "max_batch_size": 64}}), port=0, metrics_port=None)
-    try:
+    with serve(config_from_dict({**cfg.model_dump(), "generation": {
+            "batch_window_ms": 200, "max_batch_size": 64}}), port=0, metrics_port=None) as svc:
+        srv, servicer = svc.server, svc.servicer
         c = GenerationClient(f"127.0.0.1:{srv.port}", cfg.rpc)
         before = servicer.batcher.batches
         results = []
@@ -195,8 +195,6 @@ def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
             t.join()
         assert len(results) == 8 and all(len(r.completions) == 1 for r in results)
         assert servicer.batcher.batches - before < 8  # fewer backend batches than calls
-    finally:
-        srv.stop(0)
 
 
 def test_metrics_endpoint(server, client):

@@ -1,4 +1,4 @@
-"""`rlhf serve` as its own process: READY line, graceful SIGTERM (in-flight calls finish, new
+"""`rlhf serve` as its own process: LISTENING line, graceful SIGTERM (in-flight calls finish, new
 ones are refused); and TLS on the wire."""
 import shutil
 import signal
@@ -13,9 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import config_from_dict
-from services.generation.backend import SamplingParams
+from services.common.types import SamplingParams
 from services.generation.client import GenerationClient
-from services.generation.server import build_generation_server
+from services.generation.server import serve
 
 from .conftest import TOKEN
 
@@ -32,9 +32,9 @@ def test_serve_process_graceful_sigterm(cfg, tmp_path):
     try:
         line = ""
         t0 = time.time()
-        while not line.startswith("READY") and time.time() - t0 < 60:
+        while not line.startswith("LISTENING") and time.time() - t0 < 60:
             line = proc.stdout.readline()
-        assert line.startswith("READY service=generation"), proc.stderr.read()
+        assert line.startswith("LISTENING service=generation"), proc.stderr.read()
         port = int(line.split("port=")[1].split()[0])
         client = GenerationClient(f"127.0.0.1:{port}", cfg.rpc)
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -72,16 +72,14 @@ def test_tls(cfg, tmp_path):
                    check=True, capture_output=True)
     tls_cfg = config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "tls_cert_file": str(cert),
                                                              "tls_key_file": str(key)}})
-    srv, _ = build_generation_server(tls_cfg, port=0, metrics_port=None)
-    try:
+    with serve(tls_cfg, port=0, metrics_port=None) as svc:
+        srv = svc.server
         secure = GenerationClient(f"localhost:{srv.port}", tls_cfg.rpc)
         assert secure.info().vocab_size > 0
         plain = GenerationClient(f"localhost:{srv.port}", cfg.rpc, timeout_s=3)
         with pytest.raises(grpc.RpcError) as e:
             plain.info()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        srv.stop(0)
 
 
 def test_generated_stubs_match_the_protos():

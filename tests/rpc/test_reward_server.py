@@ -12,8 +12,9 @@ import pytest
 from services.common.rpc.gen import reward_pb2 as rpb
 from services.reward.client import RewardClient
 from services.reward.http_scorer import HTTPScorer, RewardUnavailable
-from services.reward.scorer import CombinedScorer, RewardSample, RuleScorer
-from services.reward.server import build_reward_server
+from services.common.types import RewardSample
+from services.reward.scorer import CombinedScorer, RuleScorer
+from services.reward.server import serve
 
 from .conftest import TOKEN, expect_code
 
@@ -113,10 +114,8 @@ def test_http_scorer_batches_and_limits_concurrency(api):
 def reward_server(cfg, api):
     scorer = CombinedScorer([("rules", 1.0, RuleScorer([("exact_match", 1.0, {}), ("edit_distance", 0.5, {})])),
                              ("http", 0.1, HTTPScorer(api.url, timeout_s=0.3, retries=1, backoff_s=0.01))])
-    srv, http = build_reward_server(cfg, scorer, port=0, http_port=0, metrics_port=None)
-    yield srv
-    http.stop()
-    srv.stop(0)
+    with serve(cfg, scorer, port=0, http_port=0, metrics_port=None) as svc:
+        yield svc.server
 
 
 def test_grpc_score_with_components(reward_server, cfg):

@@ -222,6 +222,10 @@ class ReplayStore:
     def next_version(self) -> int:
         return int(self.r.incr(self.version_key))
 
+    def raise_version_to(self, version: int) -> None:
+        """Make the version counter at least `version` (it never goes down)."""
+        self.r.set(self.version_key, max(version, self.version()))
+
     def publish_learner(self, address: str, version: int, **extra) -> None:
         self.r.hset(self.learner_key, mapping={"address": address, "version": version, "ts": self.now(),
                                                **{k: json.dumps(v) for k, v in extra.items()}})

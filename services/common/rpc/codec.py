@@ -11,15 +11,12 @@ import numpy as np
 import torch
 
 from ..modeling import TokenBatch
+from .errors import BadRequest
 from .gen import common_pb2 as pb
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
           "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class BadRequest(ValueError):
-    """Input that breaks the contract; the servers answer it with INVALID_ARGUMENT."""
 
 
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:

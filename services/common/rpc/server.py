@@ -8,8 +8,8 @@ readiness on the service's own name); optional TLS; message-size limits; gracefu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from .codec import BadRequest
+from .errors import BadRequest, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +28,11 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class Unavailable(Exception):
-    """A dependency could not answer (e.g. an external reward API); mapped to UNAVAILABLE."""
-
-
 class ServiceMetrics:
     """Per-server Prometheus metrics in a registry of its own (several servers in one process)."""
 
-    def __init__(self, service: str):
-        self.registry = CollectorRegistry()
+    def __init__(self, service: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
         self.requests = Counter("rlhf_rpc_requests_total", "RPCs handled", ["service", "method", "code"],
                                 registry=self.registry)
         self.latency = Histogram("rlhf_rpc_latency_seconds", "RPC latency", ["service", "method"],
@@ -50,6 +46,11 @@ class ServiceMetrics:
 
 
 class _ServerInterceptor(grpc.ServerInterceptor):
+    """Checks the bearer token, returns a request id in the trailing metadata, answers
+    `BadRequest` with INVALID_ARGUMENT, `Unavailable` with UNAVAILABLE and any other exception
+    with INTERNAL (logged with its traceback), and counts each call's status and latency; a
+    server-streaming call's when its stream ends."""
+
     def __init__(self, service: str, token: str | None, metrics: ServiceMetrics):
         self.service, self.token, self.metrics = service, token, metrics
 
@@ -59,50 +60,63 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             return handler  # health stays open for probes (kubelet sends no token)
         method = details.method.rsplit("/", 1)[-1]
         authorized = self.token is None or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}"
-        metrics = self.metrics
 
-        def wrap(fn):
+        def wrap_unary(fn):
             def inner(request_or_iterator, context):
-                t0 = time.perf_counter()
-                code = grpc.StatusCode.OK
-                request_id = dict(context.invocation_metadata()).get("x-request-id") or uuid.uuid4().hex[:12]
-                try:
-                    if not authorized:
-                        code = grpc.StatusCode.UNAUTHENTICATED
-                        context.abort(code, "missing or wrong bearer token (metadata 'authorization: Bearer ...')")
-                    context.set_trailing_metadata((("x-request-id", request_id),))
+                with self._accounted(method, authorized, context):
                     return fn(request_or_iterator, context)
-                except BadRequest as e:
-                    code = grpc.StatusCode.INVALID_ARGUMENT
-                    context.abort(code, str(e))
-                except Unavailable as e:
-                    code = grpc.StatusCode.UNAVAILABLE
-                    context.abort(code, str(e))
-                except Exception as e:
-                    if code == grpc.StatusCode.OK:  # context.abort raises a plain Exception
-                        got = getattr(context, "code", lambda: None)()
-                        if got is not None and got != grpc.StatusCode.OK:
-                            code = got
-                        else:
-                            code = grpc.StatusCode.INTERNAL
-                            log.exception("%s/%s failed (request %s)", self.service, method, request_id)
-                            context.abort(code, f"internal error: {type(e).__name__}: {e}")
-                    raise
-                finally:
-                    metrics.requests.labels(self.service, method, code.name).inc()
-                    metrics.latency.labels(self.service, method).observe(time.perf_counter() - t0)
+            return inner
+
+        def wrap_stream(fn):
+            def inner(request, context):
+                with self._accounted(method, authorized, context):
+                    yield from fn(request, context)
             return inner
 
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), handler.request_deserializer,
+            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), handler.request_deserializer,
                                                        handler.response_serializer)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary),
+                                                        handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream),
+                                                        handler.request_deserializer, handler.response_serializer)
         return handler
+
+    @contextlib.contextmanager
+    def _accounted(self, method: str, authorized: bool, context):
+        t0 = time.perf_counter()
+        code = grpc.StatusCode.OK
+        request_id = dict(context.invocation_metadata()).get("x-request-id") or uuid.uuid4().hex[:12]
+        try:
+            if not authorized:
+                code = grpc.StatusCode.UNAUTHENTICATED
+                context.abort(code, "missing or wrong bearer token (metadata 'authorization: Bearer ...')")
+            context.set_trailing_metadata((("x-request-id", request_id),))
+            yield
+        except GeneratorExit:  # the client went away in the middle of a stream
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except BadRequest as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(e))
+        except Unavailable as e:
+            code = grpc.StatusCode.UNAVAILABLE
+            context.abort(code, str(e))
+        except Exception as e:
+            if code == grpc.StatusCode.OK:  # context.abort raises a plain Exception
+                got = getattr(context, "code", lambda: None)()
+                if got is not None and got != grpc.StatusCode.OK:
+                    code = got
+                else:
+                    code = grpc.StatusCode.INTERNAL
+                    log.exception("%s/%s failed (request %s)", self.service, method, request_id)
+                    context.abort(code, f"internal error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self.metrics.requests.labels(self.service, method, code.name).inc()
+            self.metrics.latency.labels(self.service, method).observe(time.perf_counter() - t0)
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -112,9 +126,9 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
 
 class RPCServer:
     def __init__(self, service: str, rpc_cfg, port: int, metrics_port: int | None = None, host: str | None = None,
-                 max_workers: int = 16):
+                 max_workers: int = 16, registry: CollectorRegistry | None = None):
         self.service, self.cfg = service, rpc_cfg
-        self.metrics = ServiceMetrics(service)
+        self.metrics = ServiceMetrics(service, registry)
         token = rpc_cfg.resolved_auth_token()
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                 interceptors=[_ServerInterceptor(service, token, self.metrics)],
@@ -139,6 +153,7 @@ class RPCServer:
             self._metrics_httpd = httpd
         self.ready_name = f"rlhf.v1.{service.capitalize()}"
         self._stopped = threading.Event()
+        self._ready = False
         self.health.set(self.ready_name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def start(self) -> "RPCServer":
@@ -149,6 +164,9 @@ class RPCServer:
         return self
 
     def set_ready(self, ready: bool) -> None:
+        """Readiness on the health service's `rlhf.v1.<Name>`; a stopping server is never ready."""
+        ready = ready and not self._stopped.is_set()
+        self._ready = ready
         self.health.set(self.ready_name, health_pb2.HealthCheckResponse.SERVING if ready
                         else health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -164,12 +182,8 @@ class RPCServer:
             self._metrics_httpd.shutdown()
         log.info("%s server stopped", self.service)
 
-    def install_signal_handlers(self) -> None:
-        def handler(signum, frame):
-            log.info("%s: signal %d, shutting down gracefully", self.service, signum)
-            threading.Thread(target=self.stop, daemon=True).start()
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+    def is_ready(self) -> bool:
+        return self._ready
 
     def wait(self) -> None:
         self.grpc.wait_for_termination()

@@ -96,7 +96,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerationInfo(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "vocab_size", "prompt_length", "response_length", "eos_token_id", "pad_token_id")
+    __slots__ = ("model", "backend", "policy_version", "vocab_size", "prompt_length", "response_length", "eos_token_id", "pad_token_id", "engine_version", "dtype", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class GenerationInfo(_message.Message):
     RESPONSE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -113,4 +116,7 @@ class GenerationInfo(_message.Message):
     response_length: int
     eos_token_id: int
     pad_token_id: int
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
+    engine_version: str
+    dtype: str
+    device: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., engine_version: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...

@@ -7,11 +7,8 @@ import time
 
 import numpy as np
 
-from ..common.data import PromptRecord
-from ..common.rpc.gen import replay_pb2 as rpb
-from ..generation.backend import Completion
-from ..reward.scorer import ScoreResult
-from .collect import SampleGroup
+from ..rpc.gen import replay_pb2 as rpb
+from ..types import Completion, PromptRecord, SampleGroup, ScoreResult
 
 _F32 = np.dtype("<f4")
 

@@ -1,0 +1,126 @@
+"""One lifecycle for every service: `serve(cfg)` (in each service's package) returns a `Service`,
+and `rlhf serve`, `rlhf up`, the container entrypoints and the tests all drive it the same way.
+
+    svc = serve(cfg)          # nothing loaded or bound yet
+    with svc:                 # start(): load, bind, serve; ready once it can do its job
+        svc.run()             # blocks until the work ends or drain() was called
+                              # __exit__: stop(), which releases everything
+
+`drain()` is what SIGTERM does (`run_service` installs the one signal path): stop taking new
+work, finish what is in flight, then let `run()` return. Readiness is reported through the
+standard gRPC health service (`rlhf.v1.<Name>`), which is what probes and `rlhf up` ask.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """Base of every service's handle. Subclasses implement `start`, `run`, `drain`, `stop`."""
+
+    name: str = "service"
+
+    def start(self) -> "Service":
+        raise NotImplementedError
+
+    def run(self) -> int:
+        """Block until the service's work ends (a server: until drained). Returns an exit code."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Stop taking new work and let what is in flight finish; `run()` then returns."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Release ports, threads and clients. Idempotent."""
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def endpoints(self) -> dict[str, int | str | None]:
+        """What the LISTENING line reports: ports (a free one was picked for port 0), names."""
+        return {}
+
+    def __enter__(self) -> "Service":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class GrpcService(Service):
+    """A service that is one `RPCServer` (plus things to close after it): generation, reward and
+    critic. `build` runs at start: it loads the model, binds the ports, starts serving and
+    returns (server, servicer, the callables that release the rest, in order)."""
+
+    def __init__(self, name: str, build: Callable[[], tuple]):
+        self.name, self._build = name, build
+        self.server = self.servicer = None
+        self._closers: list[Callable[[], None]] = []
+        self._stopped = False
+
+    def start(self) -> "GrpcService":
+        self.server, self.servicer, self._closers = self._build()
+        return self
+
+    def run(self) -> int:
+        self.server.wait()
+        return 0
+
+    def drain(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.server is not None:
+            self.server.stop()
+        for close in self._closers:
+            close()
+
+    @property
+    def ready(self) -> bool:
+        return self.server is not None and self.server.is_ready()
+
+    def endpoints(self) -> dict:
+        s = self.server
+        out = {"port": s.port, "metrics_port": s.metrics_port}
+        if getattr(s, "http_port", None):
+            out["http_port"] = s.http_port
+        return out
+
+
+def listening_line(svc: Service) -> str:
+    """One machine-readable line for supervisors that start services on free ports."""
+    parts = [f"service={svc.name}"] + [f"{k}={v}" for k, v in svc.endpoints().items()]
+    return "LISTENING " + " ".join(parts)
+
+
+def run_service(svc: Service, out=None) -> int:
+    """Start `svc`, print its LISTENING line, run it until done or drained by SIGTERM/SIGINT,
+    then stop it: the one signal path of every `rlhf serve`."""
+    out = out or sys.stdout
+
+    def on_signal(signum, frame):
+        log.info("%s: signal %d, finishing the work in flight, then stopping", svc.name, signum)
+        threading.Thread(target=svc.drain, name="drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with svc:
+        print(listening_line(svc), file=out, flush=True)
+        return svc.run()

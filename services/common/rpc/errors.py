@@ -1,0 +1,9 @@
+"""The exceptions a servicer raises to choose the gRPC status the interceptor answers with."""
+
+
+class BadRequest(ValueError):
+    """Input that breaks the contract; the servers answer it with INVALID_ARGUMENT."""
+
+
+class Unavailable(Exception):
+    """A dependency could not answer (e.g. an external reward API); mapped to UNAVAILABLE."""

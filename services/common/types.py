@@ -1,0 +1,150 @@
+"""The data contracts every service shares: prompts, sampling parameters, completions, reward
+samples and results, sample groups and the learner's rollout batch; and the interfaces
+(`GenerationBackend`, `Scorer`, `ValueFunction`) that a domain object and its gRPC client both
+satisfy. A leaf module: it imports no service and no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+
+if TYPE_CHECKING:  # annotations only
+    import torch
+
+    from .modeling import TokenBatch
+
+
+@dataclass
+class PromptRecord:
+    """One prompt of a dataset: its id, the rendered text, an optional label (the reference answer
+    a rule reward checks against) and whatever else the row carried."""
+    id: str
+    prompt: str
+    label: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS is always a stop token
+    seed: int | None = None
+
+    @classmethod
+    def for_training(cls, cfg, n: int | None = None) -> "SamplingParams":
+        """Training rollouts: the group size and the configured temperature/top-p/top-k."""
+        g = cfg.generation
+        return cls(n=n or cfg.num_return_sequences_in_group, temperature=g.temperature, top_p=g.top_p,
+                   top_k=g.top_k, max_new_tokens=cfg.response_length)
+
+    @classmethod
+    def for_eval(cls, cfg) -> "SamplingParams":
+        """The held-out eval: one sample per prompt at eval_temperature (0 = greedy), seeded."""
+        g = cfg.generation
+        return cls(n=1, temperature=g.eval_temperature, top_p=g.top_p, top_k=g.top_k,
+                   max_new_tokens=cfg.response_length, seed=cfg.run.seed)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    log_probs: list[float]  # log-prob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" (a stop token was sampled, and is included) or "length"
+
+
+@dataclass
+class GenerationResult:
+    completions: list[list[Completion]]  # [prompt][sample]
+    policy_version: int
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class RewardSample:
+    prompt: str
+    response: str
+    label: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class ScoreResult:
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SampleGroup:
+    """The samples of one prompt, all from one policy version."""
+    uid: str  # "<epoch>:<prompt id>": samples of a group share it (GRPO/RLOO groups)
+    record: PromptRecord
+    prompt_ids: list[int]
+    completions: list[Completion]
+    scores: list[ScoreResult]
+    values: list[list[float]] | None  # per sample, one value per response token
+    version: int
+
+
+@dataclass
+class Rollout:
+    """Scored samples of one batch, flattened: B = prompts x samples per prompt. Per-token rows
+    are ragged (one entry per response token); the learner pads them once."""
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    scores: list[float]
+    index: list  # group id per sample: samples of one prompt share it
+    gen_log_probs: list[list[float]] | None = None  # the sampler's log-probs
+    values: list[list[float]] | None = None  # critic values per response token, needed for GAE
+    versions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
+        out = cls([], [], [], [], [], [] if groups and groups[0].values is not None else None, [])
+        for g in groups:
+            for j, c in enumerate(g.completions):
+                out.prompt_ids.append(g.prompt_ids)
+                out.response_ids.append(c.token_ids)
+                out.gen_log_probs.append(c.log_probs)
+                out.scores.append(g.scores[j].reward)
+                out.index.append(g.uid)
+                out.versions.append(g.version)
+                if out.values is not None:
+                    out.values.append(g.values[j])
+        return out
+
+
+class GenerationBackend(Protocol):
+    """What the generation server serves and the in-process trainer samples with (the `hf` and
+    `vllm` backends); `GenerationClient` offers `generate`/`update_weights` over gRPC."""
+    version: int
+    tokenizer: object
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult: ...
+
+    def update_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None: ...
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], "torch.dtype"]]: ...
+
+    def info(self) -> dict: ...
+
+
+class Scorer(Protocol):
+    """Rewards for a batch of samples: rule, model and HTTP scorers, and `RewardClient`."""
+
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]: ...
+
+
+class ValueFunction(Protocol):
+    """The critic: the in-process `Critic` and `CriticClient`."""
+
+    def values(self, batch: "TokenBatch") -> "torch.Tensor": ...
+
+    def train_step(self, batch: "TokenBatch", returns: "torch.Tensor", old_values: "torch.Tensor") -> dict: ...

@@ -1,0 +1,80 @@
+"""The weight broadcaster: snapshots each new policy, pushes it to every live generation server in
+parallel, publishes it in the registry (so workers and late servers see it at once), and keeps
+the snapshot that `Learner.PullWeights` serves."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from ..generation.client import GenerationClient
+
+log = logging.getLogger(__name__)
+
+
+class WeightBroadcaster:
+    def __init__(self, cfg, store, learner):
+        self.cfg, self.store, self.learner = cfg, store, learner
+        self.snapshot: tuple[int, dict] = (0, {})  # (version, state dict) for PullWeights
+        self._clients: dict[str, GenerationClient] = {}
+
+    def take_snapshot(self, version: int) -> dict:
+        state = self.learner.policy_state_dict()
+        if self.learner.device.type == "cpu" and not self.learner.lora:  # views of the live parameters
+            state = {k: v.clone() for k, v in state.items()}
+        self.snapshot = (version, state)
+        return state
+
+    def client(self, address: str) -> GenerationClient:
+        if address not in self._clients:
+            self._clients[address] = GenerationClient(address, self.cfg.rpc)
+        return self._clients[address]
+
+    def _push_one(self, address: str, state: dict, version: int) -> bool:
+        try:
+            self.client(address).update_weights(state, version)
+            self.store.heartbeat("generation", address, version=version)  # workers see it at once
+            return True
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in (e.details() or ""):
+                return True  # it pulled this version itself a moment ago
+            log.warning("push of version %d to %s failed: %s %s (it will pull when it sees it is behind)",
+                        version, address, e.code().name, e.details())
+            return False
+
+    def push(self, version: int, learner_address: str) -> dict:
+        """Push policy `version` to every live generation server, in parallel; then publish it."""
+        t0 = time.perf_counter()
+        state = self.take_snapshot(version)
+        servers = list(self.store.live("generation"))
+        failed = 0
+        if servers:
+            with ThreadPoolExecutor(max_workers=min(len(servers), 16)) as pool:
+                failed = sum(not ok for ok in pool.map(lambda a: self._push_one(a, state, version), servers))
+        self.store.publish_learner(learner_address, version)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        secs = time.perf_counter() - t0
+        return {"time/push_s": secs, "push/servers": len(servers), "push/failed": failed,
+                "push/mb_per_s": nbytes * max(len(servers), 1) / max(secs, 1e-9) / 1e6}
+
+    def publish_initial(self, learner_address: str) -> None:
+        """Version 0 (the initial weights every server loads): nothing to push, only to publish."""
+        self.take_snapshot(0)
+        self.store.publish_learner(learner_address, 0)
+
+    def serving(self, version: int, timeout_s: float, stop_event) -> GenerationClient:
+        """A client of a live generation server at `version` or newer (the eval target)."""
+        deadline = time.time() + timeout_s
+        while True:
+            live = [a for a, i in self.store.live("generation").items() if i.get("version", -1) >= version]
+            if live:
+                return self.client(sorted(live)[0])
+            if time.time() > deadline or stop_event.is_set():
+                raise RuntimeError(f"no generation server serves policy version {version} for the eval")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()

@@ -1,0 +1,68 @@
+"""Checkpoints and the ledger of trained prompts.
+
+A checkpoint is `run_dir/checkpoints/iter_N/` with `learner.pt` (the learner's state: actor,
+optimiser, scheduler, KL controller, reward statistics, RNG, the feeder's position, counters,
+and the trajectories its updates include) and `critic/` (written by the critic server; shared
+disk). It is written under a temporary name and renamed, so a crash leaves no half checkpoint.
+Only then are its trajectories acknowledged in Redis and their prompt ids recorded as trained,
+in one transaction, and appended to `run_dir/trained.jsonl`. The newest `keep` are kept.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    def __init__(self, run_dir: Path, store, critic=None, keep: int = 2):
+        self.run_dir, self.store, self.critic, self.keep = Path(run_dir), store, critic, keep
+        self.root = self.run_dir / "checkpoints"
+
+    def complete(self) -> list[Path]:
+        """Checkpoints that were fully written, oldest first."""
+        return sorted(p for p in self.root.glob("iter_*") if (p / "learner.pt").exists()) if self.root.exists() else []
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, iteration: int, state: dict, uncommitted: list[tuple]) -> Path:
+        """Write `state` (plus the critic) for `iteration`, then acknowledge `uncommitted`."""
+        final = self.root / f"iter_{iteration:06d}"
+        tmp = self.root / f".tmp_iter_{iteration:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if self.critic is not None:
+            self.critic.save(str(final / "critic"))
+        commit = [(e.decode() if isinstance(e, bytes) else e, u) for e, u in uncommitted]
+        torch.save({**state, "commit": commit}, tmp / "learner.pt")
+        if final.exists():  # the critic server created it
+            for f in tmp.iterdir():
+                os.replace(f, final / f.name)
+            tmp.rmdir()
+        else:
+            tmp.rename(final)
+        self.store.commit(commit)
+        if commit:
+            with (self.run_dir / "trained.jsonl").open("a") as f:
+                f.write(json.dumps({"iteration": iteration, "uids": [u for _, u in commit]}) + "\n")
+        for old in self.complete()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s written; trained trajectories acknowledged", final.name)
+        return final
+
+    def load(self, path: Path) -> dict:
+        """The learner state saved in `path`; loads the critic's too, and acknowledges the
+        checkpoint's trajectories in case the crash came between writing it and committing."""
+        state = torch.load(path / "learner.pt", weights_only=True)
+        self.store.commit([(e, u) for e, u in state["commit"]])
+        if self.critic is not None and (path / "critic").exists():
+            self.critic.load(str(path / "critic"))
+        return state

@@ -1,0 +1,111 @@
+"""Trajectory intake: reads groups from the replay buffer into a batch of `rollout_batch_size`
+fresh, unique groups, and remembers which trained groups wait for a checkpoint.
+
+For each group read:
+    its prompt already trained (ledger), in this batch, or trained since the last checkpoint
+        -> acknowledged and skipped (a duplicate)
+    sampled by a policy more than `max_staleness` versions old (or from the future)
+        -> dropped; its prompt is fed again with a higher attempt number
+    malformed -> dropped with an error in the log
+    otherwise -> into the batch
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from ..common.replay.records import group_from_proto
+
+log = logging.getLogger(__name__)
+
+
+class TrajectoryIntake:
+    def __init__(self, cfg, store, feeder):
+        self.cfg, self.store, self.feeder = cfg, store, feeder
+        self._queue: deque = deque()  # (entry id, record, prompt already trained) read, not yet examined
+        self.uncommitted: list[tuple[bytes | str, str]] = []  # (entry id, prompt uid) trained, not checkpointed
+        self._uncommitted_uids: set[str] = set()
+        self.gen_rates: list[float] = []  # tokens/s of the Generate calls behind the last batch
+        self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "malformed": 0}
+
+    def _enqueue(self, entries: list) -> None:
+        """Queue read entries with whether their prompt is already trained (one round trip)."""
+        trained = self.store.trained_among([m.task.uid for _, m in entries])
+        self._queue.extend((e, m, t) for (e, m), t in zip(entries, trained))
+
+    def reread_pending(self) -> int:
+        """After a restart: queue what was read before it and not checkpointed."""
+        self._enqueue(self.store.read_trajectories(1 << 20, pending=True))
+        if self._queue:
+            log.info("re-reading %d trajectory groups read before the restart and not checkpointed",
+                     len(self._queue))
+        return len(self._queue)
+
+    def collect(self, version: int, stop_event) -> list | None:
+        """rollout_batch_size groups for the learner at policy `version`, as [(entry id,
+        SampleGroup)]; None when `stop_event` is set first."""
+        cfg = self.cfg
+        want = cfg.rollout_batch_size
+        batch, uids = [], set()
+        self.gen_rates = []
+        t0 = last_report = time.time()
+        while len(batch) < want:
+            if stop_event.is_set():
+                return None
+            if not self._queue:
+                self.feeder.replace_dead_letters(version)
+                self._enqueue(self.store.read_trajectories(want - len(batch), cfg.replay.block_ms))
+                if not self._queue:
+                    if time.time() - last_report > 30:
+                        last_report = time.time()
+                        log.info("waiting for trajectories: %d/%d groups after %.0fs (prompts queued %d, "
+                                 "workers %d, generation servers %d)", len(batch), want, time.time() - t0,
+                                 self.store.prompt_backlog(), len(self.store.live("worker")),
+                                 len(self.store.live("generation")))
+                    continue
+            entry_id, msg, trained = self._queue.popleft()
+            uid = msg.task.uid
+            if trained or uid in uids or uid in self._uncommitted_uids:
+                self.store.discard(entry_id)
+                self.counters["duplicates"] += 1
+                continue
+            staleness = version - msg.policy_version
+            if staleness > cfg.max_staleness or staleness < 0:
+                self._refeed(entry_id, msg, version)
+                continue
+            try:
+                group = group_from_proto(msg)
+            except ValueError as e:
+                log.error("malformed trajectory %s dropped: %s", entry_id, e)
+                self.store.discard(entry_id)
+                self.counters["malformed"] += 1
+                continue
+            batch.append((entry_id, group))
+            if msg.generate_seconds > 0:
+                self.gen_rates.append(msg.batch_tokens / msg.generate_seconds)
+            uids.add(uid)
+        return batch
+
+    def _refeed(self, entry_id, msg, version: int) -> None:
+        refeed = type(msg.task)()
+        refeed.CopyFrom(msg.task)
+        refeed.attempt += 1
+        refeed.min_version = refeed.fed_at_version = version
+        self.store.discard(entry_id, refeed)
+        self.counters["dropped_stale"] += 1
+        log.info("dropped group %s from policy version %d (learner at %d, max_staleness %d); fed again",
+                 msg.task.uid, msg.policy_version, version, self.cfg.max_staleness)
+
+    def trained(self, batch: list) -> None:
+        """The batch's update is done: its groups wait for the next checkpoint to be acknowledged."""
+        self.uncommitted.extend((e, g.uid) for e, g in batch)
+        self._uncommitted_uids.update(g.uid for _, g in batch)
+        self.counters["trained_groups"] += len(batch)
+
+    def committed(self) -> None:
+        """A checkpoint holding every uncommitted update was written and acknowledged."""
+        self.uncommitted, self._uncommitted_uids = [], set()
+
+    def tokens_per_s(self) -> float:
+        return sum(self.gen_rates) / max(len(self.gen_rates), 1)

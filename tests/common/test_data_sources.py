@@ -1,0 +1,107 @@
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.config import config_from_dict, data_source_errors
+from services.common.data import PromptRecord, drop_overlong, load_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _errors(data: dict) -> list[str]:
+    return data_source_errors(config_from_dict({"data": data}))
+
+
+def test_missing_data_sources_are_config_errors_naming_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _errors({"train": "missing.jsonl", "eval": "hf:/no/such/dir"}) == [
+        "data.train: no such file missing.jsonl", "data.eval: no such dataset directory /no/such/dir"]
+    assert _errors({"train": "p.parquet"}) == ["data.train: no such file p.parquet"]
+    assert _errors({"eval": "hf:./dsdir@test"}) == ["data.eval: no such dataset directory dsdir"]
+    assert _errors({"train": "synthetic:sort"}) == ["data.train: unknown synthetic task 'sort'; valid: reverse"]
+
+
+def test_existing_relative_sources_and_hub_names_validate(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ab="}\n')
+    (tmp_path / "dsdir").mkdir()
+    assert _errors({"train": "p.jsonl", "eval": "hf:./dsdir@test"}) == []
+    assert _errors({"train": "hf:dsdir", "eval": "hf:openai/gsm8k:main@test"}) == []
+
+
+def test_cli_validate_rejects_a_missing_data_file():
+    r = subprocess.run([sys.executable, "-m", "services.cli", "config", "validate", "configs/tiny-cpu.yaml",
+                        "--set", "data.train=missing.jsonl", "--set", "data.eval=hf:/no/such/dir"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert "data.train: no such file missing.jsonl" in r.stderr and "data.eval: no such dataset directory" in r.stderr
+
+
+def _save(path: Path, splits: dict[str, list[str]]) -> str:
+    import datasets
+    datasets.DatasetDict({name: datasets.Dataset.from_list([{"prompt": p} for p in prompts])
+                          for name, prompts in splits.items()}).save_to_disk(str(path))
+    return str(path)
+
+
+def test_hf_directory_without_a_split_picks_train_and_test(tmp_path):
+    d = _save(tmp_path / "ds", {"train": ["ab=", "cd="], "test": ["ef="]})
+    assert [r.prompt for r in load_prompts(f"hf:{d}", "train")] == ["ab=", "cd="]
+    assert [r.prompt for r in load_prompts(f"hf:{d}", "eval")] == ["ef="]
+    assert [r.prompt for r in load_prompts(f"hf:{d}@train", "eval", limit=1)] == ["ab="]
+    v = _save(tmp_path / "dv", {"train": ["ab="], "validation": ["gh="]})
+    assert [r.prompt for r in load_prompts(f"hf:{v}", "eval")] == ["gh="]
+
+
+def test_hf_directory_without_a_matching_split_says_how_to_choose(tmp_path):
+    d = _save(tmp_path / "ds", {"train": ["ab="], "extra": ["cd="]})
+    with pytest.raises(ValueError) as e:
+        load_prompts(f"hf:{d}", "eval")
+    assert "no eval/test/validation/valid split (it has train, extra)" in str(e.value)
+    assert f"choose one with hf:{d}@<split>, e.g. hf:{d}@train" in str(e.value)
+    assert [r.prompt for r in load_prompts(f"hf:{d}@extra", "eval")] == ["cd="]
+    with pytest.raises(ValueError, match=f"no nope split .*choose one with hf:{d}@<split>"):
+        load_prompts(f"hf:{d}@nope", "eval")
+    o = _save(tmp_path / "do", {"test": ["ab="]})
+    with pytest.raises(ValueError, match="no train split"):
+        load_prompts(f"hf:{o}", "train")
+
+
+class CharTokenizer:
+    def __call__(self, text):
+        return {"input_ids": list(range(len(text)))}
+
+
+def _records(*prompts):
+    return [PromptRecord(id=f"r{i}", prompt=p) for i, p in enumerate(prompts)]
+
+
+def test_drop_overlong_filters_with_one_warning(caplog):
+    recs = _records("abc", "abcdefgh", "ab", "abcdefghij", "abcdefg", "abcdefghijk")
+    with caplog.at_level(logging.WARNING, logger="services.common.data"):
+        kept = drop_overlong(recs, CharTokenizer(), 5, "filter")
+    assert [r.id for r in kept] == ["r0", "r2"]
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "4 of 6 training prompts" in msg and "prompt_length=5" in msg
+    assert "'r1' (8 tokens)" in msg and "'r3'" in msg and "'r4'" in msg and "'r5'" not in msg
+    caplog.clear()
+    assert drop_overlong(recs[:1], CharTokenizer(), 5, "filter") == recs[:1] and not caplog.records
+
+
+def test_drop_overlong_error_mode_and_all_overlong():
+    recs = _records("abc", "abcdefgh")
+    with pytest.raises(ValueError, match="1 of 2 held-out prompts .*'r1' \\(8 tokens\\).*data.overlong=filter"):
+        drop_overlong(recs, CharTokenizer(), 5, "error", what="held-out")
+    with pytest.raises(ValueError, match="2 of 2 training prompts.*none is left"):
+        drop_overlong(recs, CharTokenizer(), 2, "filter")
+
+
+def test_drop_overlong_counts_the_tokenizers_tokens(tiny_model_dir):
+    from services.common.modeling import load_tokenizer
+    tok = load_tokenizer(tiny_model_dir)
+    recs = _records("abc=", "abcd=")  # the tiny tokenizer adds a BOS token: 5 and 6 tokens
+    assert [r.id for r in drop_overlong(recs, tok, 5, "filter")] == ["r0"]
