@@ -19,3 +19,14 @@ def redis_server(tmp_path_factory):
     from services.common.replay.embedded import EmbeddedRedis
     with EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False) as r:
         yield r
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model_dir):
+    """A server config on the tiny model with bearer-token auth (tests of one server use it; a
+    test module that needs another config defines its own `cfg`)."""
+    from services.common.config import config_from_dict
+    from tests.grpc_helpers import TOKEN
+    return config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}, "prompt_length": 32,
+                             "response_length": 8, "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
+                             "generation": {"batch_window_ms": 50}})

@@ -1,7 +1,7 @@
 """One typed, validated configuration for every service.
 
-The PPO keys live at the top level with the names and defaults of ROLL's RLVRConfig (the seed
-table `shared/seeds/000_*.txt`), so the seed's own YAML block validates unchanged. Everything
+The PPO keys live at the top level with the names and defaults of ROLL's RLVRConfig PPO table,
+so ROLL's own YAML block (`configs/seed-ppo.yaml`) validates unchanged. Everything
 else (model, sampling, reward, critic, run) sits in sections. Unknown keys are errors that name
 the closest valid key; out-of-range values are errors that name the allowed range or choices.
 
@@ -127,7 +127,7 @@ class ReplayConfig(_Strict):
     password_env: str = Field("RLHF_REDIS_PASSWORD", description="env var read when password is null")
     namespace: str = Field("rlhf", min_length=1, description="key prefix; one namespace per run")
     max_backlog: Optional[int] = Field(None, gt=0, description="trajectory groups not yet read by the learner "
-                                       "above which rollout workers pause; default (max_staleness + 1) x "
+                                       "at which rollout workers pause; default (max_staleness + 1) x "
                                        "rollout_batch_size")
     claim_idle_s: float = Field(30.0, gt=0, description="a prompt pending this long at a silent worker is "
                                 "reclaimed (XAUTOCLAIM) by another")
@@ -202,7 +202,7 @@ class RPCConfig(_Strict):
 
 
 class Config(_Strict):
-    # --- ppo related (names and defaults of the seed table) -----------------------------------
+    # --- ppo related (names and defaults of ROLL's PPO table) ---------------------------------
     rollout_batch_size: int = Field(512, gt=0, description="prompts sampled per iteration")
     prompt_length: int = Field(2048, gt=0, description="most tokens of a prompt")
     response_length: int = Field(4096, gt=0, description="most generated tokens of a response")
@@ -243,7 +243,7 @@ class Config(_Strict):
         "ones; null = off")
     reward_shift: bool = Field(False, description="with reward_norm: only subtract the mean")
     reward_scale: bool = Field(False, description="with reward_norm: only divide by the std")
-    # --- the rest of the seeds: loss terms, dual clip, asymmetric clip, reference choice ------
+    # --- beyond ROLL's table: loss terms, dual clip, asymmetric clip, reference choice ------
     dual_clip_c: float = Field(3.0, gt=1, description="c of dual-clip PPO (clip_ratio_c)")
     pg_clip_low: Optional[float] = Field(None, gt=0, lt=1, description="lower clip range (ratio >= 1 - this); "
                                          "null = pg_clip")

@@ -1,5 +1,5 @@
 """KL between the policy and the reference: estimators, the KL coefficient controllers, the
-token-level KL penalty in the reward, and the choice of reference (seed 003).
+token-level KL penalty in the reward, and the choice of reference (SFT model, previous policy, or their mixture).
 
 Shapes: `B` sequences, `T` response positions, `V` vocabulary.
 """
@@ -61,7 +61,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
 
 def mix_reference_log_probs(sft_log_prob: torch.Tensor, policy_log_prob: torch.Tensor,
                             sft_weight: float) -> torch.Tensor:
-    """Log-probability under the mixture w * pi_SFT + (1 - w) * pi_old (seed 003's "mixed
+    """Log-probability under the mixture w * pi_SFT + (1 - w) * pi_old (the "mixed
     reference"). Both inputs (B, T) or (B, T, V); returns the same shape."""
     if not 0.0 <= sft_weight <= 1.0:
         raise ValueError(f"sft_weight must be in [0, 1], got {sft_weight}")
@@ -77,7 +77,7 @@ REFERENCE_CHOICES = ("sft", "policy", "mixture")
 
 def reference_log_probs(choice: str, sft_log_prob: torch.Tensor | None, old_log_prob: torch.Tensor,
                         sft_weight: float = 0.5) -> torch.Tensor:
-    """The reference the KL is measured against (seed 003): the frozen SFT model (`sft`), the
+    """The reference the KL is measured against (the reference choice of PPO-RLHF): the frozen SFT model (`sft`), the
     policy before this update (`policy`), or the mixture of both (`mixture`)."""
     if choice == "policy":
         return old_log_prob
@@ -93,7 +93,7 @@ def reference_log_probs(choice: str, sft_log_prob: torch.Tensor | None, old_log_
 def apply_kl_penalty(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None,
                      kl_coef: float = 0.0) -> torch.Tensor:
     """Token-level rewards: the outcome score at the last valid response token minus the
-    token-level KL penalty (Ziegler et al. 2019; seed 004):
+    token-level KL penalty (Ziegler et al. 2019; Ouyang et al. 2022):
         r_t = 1[t = last] * score - kl_coef * KL_t
     scores: (B,); response_mask: (B, T); kl: (B, T) or None. Returns (B, T), 0 where masked.
     A sequence with an empty mask gets no reward.

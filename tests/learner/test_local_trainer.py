@@ -73,3 +73,38 @@ def test_every_option_trains(tiny_model_dir, tmp_path, overrides):
     if "ptx_coef=0.5" in overrides:
         assert all(r["ppo/ptx_loss"] > 0 for r in rows)
     assert summary["iterations"] == 2
+
+
+def test_a_batch_crossing_an_epoch_is_labelled_per_record(tiny_model_dir, tmp_path, monkeypatch):
+    """Prompt uids are "<epoch>:<id>" with the epoch each record was drawn in: a batch larger than
+    the dataset carries a prompt twice, under two uids (GRPO must not merge their groups)."""
+    import services.local as local
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"{s}=", "label": s[::-1]}) + "\n"
+                            for i, s in enumerate(["abc", "bcd", "cde"])))
+    seen = []
+    real = local.sample_groups
+
+    def spy(records, uids, *a, **kw):
+        seen.append(list(uids))
+        return real(records, uids, *a, **kw)
+
+    monkeypatch.setattr(local, "sample_groups", spy)
+    cfg = _cfg(tiny_model_dir, "run.iterations=2", "run.eval_interval=0", "rollout_batch_size=4",
+               "adv_estimator=grpo", "num_return_sequences_in_group=2", f"data.train={data}", f"data.eval={data}")
+    run_local(cfg, tmp_path / "run")
+    first, second = seen
+    assert len(set(first)) == 4  # one prompt twice, in two epochs
+    assert sorted(u.split(":")[0] for u in first) == ["0", "0", "0", "1"]
+    assert sorted(u.split(":")[0] for u in second) == ["1", "1", "2", "2"]
+    assert all(u.split(":")[1] in {"p0", "p1", "p2"} for u in first + second)
+
+
+def test_terminal_entropy_is_per_token(tiny_model_dir, tmp_path, capsys):
+    cfg = _cfg(tiny_model_dir, "run.iterations=1", "run.eval_interval=0", "rollout_batch_size=16")
+    run_local(cfg, tmp_path)
+    row = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1]
+    vocab = json.loads((Path(tiny_model_dir) / "config.json").read_text())["vocab_size"]
+    assert 0 < row["ppo/entropy_rollout"] <= math.log(vocab) and 0 < row["ppo/entropy"] <= math.log(vocab)
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("iter    1/")][0]
+    assert float(line.split("ent ")[1].split()[0]) == pytest.approx(row["ppo/entropy_rollout"], abs=1e-3)

@@ -12,7 +12,7 @@ Keys, under the run's namespace `ns`:
     ns:workers       hash  name -> json        rollout workers, with a heartbeat
     ns:learner       hash                      the learner's address and version
 
-The contracts (DESIGN.md, "Contracts that keep data safe"):
+The contracts (docs/architecture.md, "Data contracts that keep samples safe"):
 - a prompt is acknowledged in the same atomic script that appends its trajectories (`produce`);
   a second attempt of the same prompt (a reclaimed entry whose first worker was only slow)
   appends nothing;

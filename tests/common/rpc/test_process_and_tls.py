@@ -17,9 +17,9 @@ from services.common.types import SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 
-from .conftest import TOKEN
+from tests.grpc_helpers import TOKEN
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_serve_process_graceful_sigterm(cfg, tmp_path):

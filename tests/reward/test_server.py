@@ -16,7 +16,7 @@ from services.common.types import RewardSample
 from services.reward.scorer import CombinedScorer, RuleScorer
 from services.reward.server import serve
 
-from .conftest import TOKEN, expect_code
+from tests.grpc_helpers import TOKEN, expect_code
 
 
 class FlakyRewardAPI:

@@ -15,7 +15,7 @@ from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 
-from .conftest import TOKEN, expect_code
+from tests.grpc_helpers import TOKEN, expect_code
 
 
 @pytest.fixture(scope="module")

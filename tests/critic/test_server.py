@@ -9,7 +9,7 @@ from services.critic.client import CriticClient
 from services.critic.critic import Critic
 from services.critic.server import serve
 
-from .conftest import expect_code
+from tests.grpc_helpers import expect_code
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,31 @@
+"""Asking for a backend gets that backend or a clear error, and GetInfo tells the truth."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.config import config_from_dict
+from services.generation.client import GenerationClient
+from services.generation.server import make_backend, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_vllm_is_a_clear_error_until_it_exists(tiny_model_dir):
+    cfg = config_from_dict({"model": {"path": tiny_model_dir}, "generation": {"backend": "vllm"}})
+    with pytest.raises(ValueError, match="generation.backend: 'vllm' is not available"):
+        make_backend(cfg)
+    p = subprocess.run([sys.executable, "-m", "services.cli", "serve", "generation", "-c", "configs/tiny-cpu.yaml",
+                        "--set", f"model.path={tiny_model_dir}", "--set", "generation.backend=vllm", "--port", "0",
+                        "--metrics-port", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "generation.backend: 'vllm' is not available" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_get_info_reports_the_engine_that_serves(tiny_model_dir):
+    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}})
+    with serve(cfg, port=0, metrics_port=None) as svc:
+        info = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).info()
+    assert info.backend == "hf" and info.engine_version.startswith("transformers ")
+    assert info.dtype == "float32" and info.device == "cpu"

@@ -1,0 +1,55 @@
+"""The learner service's lifecycle on real servers: it reports ready on the gRPC health service
+once it has resumed and published the current policy (probes depend on it), serves PullWeights
+as a stream the interceptor accounts for, and drains to a checkpoint."""
+import threading
+import time
+
+import pytest
+
+from services.common.config import config_from_dict
+from services.common.rpc import health
+from services.generation.server import serve as serve_generation
+from services.learner.client import LearnerClient
+from services.learner.server import serve as serve_learner
+from services.reward.server import serve as serve_reward
+
+
+@pytest.fixture
+def cfg(tiny_model_dir, redis_server, tmp_path):
+    return config_from_dict({
+        "model": {"path": tiny_model_dir, "device": "cpu"}, "adv_estimator": "grpo",
+        "num_return_sequences_in_group": 2, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
+        "ppo_mini_batch_size": 8, "data": {"eval_size": 4},
+        "replay": {"url": redis_server.url, "namespace": "lifecycle", "block_ms": 50, "heartbeat_s": 0.2},
+        "run": {"iterations": 3, "run_dir": str(tmp_path / "run")},
+        "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": None}}})
+
+
+def test_learner_reports_ready_serves_pulls_and_drains(cfg):
+    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as reward:
+        cfg.rpc.reward.port = reward.server.port
+        with serve_generation(cfg, port=0, metrics_port=None), serve_learner(cfg) as learner:
+            address = f"127.0.0.1:{learner.server.port}"
+            assert health.check(address, "")  # alive
+            assert not health.check(address, "rlhf.v1.Learner")  # not ready before it has resumed
+            result = {}
+            loop = threading.Thread(target=lambda: result.setdefault("code", learner.run()))
+            loop.start()
+            deadline = time.time() + 60
+            while not health.check(address, "rlhf.v1.Learner") and time.time() < deadline:
+                time.sleep(0.1)
+            assert learner.ready and health.check(address, "rlhf.v1.Learner")
+            client = LearnerClient(address, cfg.rpc)
+            chunks = list(client.pull_weights(-1))
+            assert chunks and chunks[0].WhichOneof("payload") == "header" and chunks[0].header.version == 0
+            assert list(client.pull_weights(0)) == []  # already current
+            samples = learner.server.metrics.registry.get_sample_value
+            assert samples("rlhf_rpc_requests_total", {"service": "learner", "method": "PullWeights",
+                                                       "code": "OK"}) == 2
+            # no worker runs: the learner waits for trajectories until drained, then checkpoints
+            while learner.service.state != "waiting" and time.time() < deadline:
+                time.sleep(0.1)
+            learner.drain()
+            loop.join(timeout=60)
+            assert result == {"code": 0} and learner.service.state == "stopped"
+            assert learner.service.checkpointer.latest() is not None

@@ -1,0 +1,275 @@
+"""The rollout worker against real services: in-process gRPC generation and reward servers, a
+real Redis (each test in its own replay namespace). Covers server choice (round robin, the
+policy version a prompt needs, avoided servers), retries on a dead server, giving up with the
+prompts left pending for another worker, dead letters for prompts a server rejects, and servers
+that answer with an older policy than a prompt needs."""
+import itertools
+import time
+
+import pytest
+
+from services.common.config import config_from_dict
+from services.common.data import reverse_task
+from services.common.replay import ReplayStore
+from services.common.replay.records import make_task
+from services.common.replay.store import WORKERS_GROUP
+from services.common.types import PromptRecord
+from services.generation.client import GenerationClient
+from services.generation.server import serve as serve_generation
+from services.reward.server import serve as serve_reward
+from services.rollout.worker import RolloutWorker
+
+GROUP = 2
+_ns = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny policy without its SFT warm start (a second, not a minute): what the worker does
+    with a server does not depend on how good the samples are."""
+    from services.common.tiny import init_tiny_model
+    return str(init_tiny_model(tmp_path_factory.mktemp("rollout-model"), warm_start_steps=0, seed=0))
+
+
+def _cfg(model_dir, url, namespace, reward_port=0, **over):
+    replay = {"url": url, "namespace": namespace, "block_ms": 50, "heartbeat_s": 0.2, **over.pop("replay", {})}
+    d = {"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
+         "num_return_sequences_in_group": GROUP, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
+         "replay": replay, "rollout": {"retries": 2, "retry_backoff_s": 0.05},
+         "rpc": {"generation": {"port": 0, "metrics_port": None},
+                 "reward": {"port": reward_port, "metrics_port": None, "http_port": None},
+                 "critic": {"port": 0, "metrics_port": None}}}
+    d.update(over)
+    return config_from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def reward_port(model_dir):
+    cfg = _cfg(model_dir, None, "unused")
+    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as svc:
+        yield svc.server.port
+
+
+@pytest.fixture
+def make_cfg(model_dir, redis_server, reward_port):
+    """cfg(**overrides) in this test's own namespace; every namespace used is wiped afterwards."""
+    namespace = f"rollout{next(_ns)}"
+
+    def make(url=redis_server.url, **over):
+        return _cfg(model_dir, url, namespace, reward_port, **over)
+
+    yield make
+    ReplayStore.from_config(make()).reset()
+
+
+def _generation(cfg):
+    return serve_generation(cfg, port=0, metrics_port=None)
+
+
+def _addr(svc) -> str:
+    return f"127.0.0.1:{svc.server.port}"
+
+
+def _feed(store, records, min_version=0):
+    store.feed([make_task(r, 0, min_version, min_version, GROUP) for r in records])
+    return [f"0:{r.id}" for r in records]
+
+
+def _claim_all(store, consumer, count):
+    """Every prompt in the stream, in batches of `count` (as the worker's loop claims them)."""
+    batches = []
+    while True:
+        entries, _ = store.claim_prompts(consumer, count, block_ms=50)
+        if not entries:
+            return batches
+        batches.append(entries)
+
+
+def _errors(worker, kind):
+    return worker.metrics.registry.get_sample_value("rlhf_rollout_errors_total", {"kind": kind}) or 0.0
+
+
+def _pending(store, consumer=None):
+    info = store.r.xpending(store.prompts, WORKERS_GROUP)
+    if consumer is None:
+        return int(info["pending"])
+    return sum(int(c["pending"]) for c in info["consumers"] if c["name"].decode() == consumer)
+
+
+def _trajectories(store):
+    return store.read_trajectories(1000, block_ms=100)
+
+
+# ---------------------------------------------------------------------------------------------- server choice
+def test_pick_server_round_robin_version_preference_and_avoid(make_cfg):
+    cfg = make_cfg()
+    store = ReplayStore.from_config(cfg)
+    with _generation(cfg) as a, _generation(cfg) as b:
+        addr_a, addr_b = _addr(a), _addr(b)
+        live = store.live("generation")
+        assert set(live) == {addr_a, addr_b}  # each server registered itself, with its policy version
+        assert live[addr_a]["version"] == live[addr_b]["version"] == 0
+        worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+
+        picks = [worker._pick_server(0) for _ in range(6)]
+        assert set(picks) == {addr_a, addr_b}
+        assert all(p != q for p, q in zip(picks, picks[1:])), picks  # round robin: alternates
+
+        # the learner pushes version 5 to one server and updates its registry entry
+        client = GenerationClient(addr_a, cfg.rpc)
+        try:
+            assert client.update_weights(a.servicer.backend.model.state_dict(), 5).version == 5
+        finally:
+            client.close()
+        store.heartbeat("generation", addr_a, version=5)
+        assert [worker._pick_server(5) for _ in range(6)] == [addr_a] * 6  # only the server at the version
+        assert set(worker._pick_server(0) for _ in range(6)) == {addr_a, addr_b}  # both qualify for 0
+
+        worker._avoid(addr_a, 1.0)
+        t0 = time.time()
+        # the only server at version 5 is avoided: the other is used (its answer's version decides)
+        assert [worker._pick_server(5) for _ in range(4)] == [addr_b] * 4
+        assert [worker._pick_server(0) for _ in range(4)] == [addr_b] * 4
+        worker._avoid(addr_b, 1.0)
+        assert worker._pick_server(0) is None  # every server avoided
+        assert time.time() - t0 < 0.8, "the checks above ran too slowly for the 1s avoid window"
+        time.sleep(1.05 - (time.time() - t0))
+        assert set(worker._pick_server(0) for _ in range(4)) == {addr_a, addr_b}  # avoidance expires
+        assert worker._pick_server(5) == addr_a
+
+
+# ---------------------------------------------------------------------------------------------- retries
+def test_dead_server_in_registry_is_retried_around(make_cfg):
+    cfg = make_cfg()
+    store = ReplayStore.from_config(cfg)
+    with _generation(cfg) as g:
+        # a registered server that is gone (its entry not yet expired); it sorts before the real one,
+        # so the worker's first pick is the dead server
+        store.heartbeat("generation", "127.0.0.1:1", version=0)
+        assert set(store.live("generation")) == {"127.0.0.1:1", _addr(g)}
+        worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+        uids = _feed(store, reverse_task("train", 8))
+        batches = _claim_all(store, "w1", 2)
+        assert sum(len(b) for b in batches) == 8
+        produced = sum(worker.process(b) for b in batches)
+        assert produced == 8 and worker.produced == 8
+        assert store.backlog() == 8
+        assert _errors(worker, "unavailable") >= 1  # the dead server's failure was counted
+        assert worker.metrics.registry.get_sample_value("rlhf_rollout_groups_produced_total") == 8
+        groups = _trajectories(store)
+        assert sorted(m.task.uid for _, m in groups) == sorted(uids)
+        for _, m in groups:
+            assert m.generation_server == _addr(g) and m.worker == "w1"
+            assert len(m.samples) == GROUP
+        # every prompt acknowledged and deleted in the same step that appended its trajectories
+        assert _pending(store) == 0 and store.prompt_backlog() == 0
+        assert store.read_dead() == []
+
+
+def test_no_generation_server_gives_up_and_leaves_prompts_pending(make_cfg):
+    # claim_idle_s longer than process() takes to give up (0.3s of backoff): see the last check
+    cfg = make_cfg(replay={"claim_idle_s": 1.0})
+    store = ReplayStore.from_config(cfg)
+    assert store.live("generation") == {}
+    worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+    uids = _feed(store, reverse_task("train", 3))
+    entries, reclaimed = store.claim_prompts("w1", 10, block_ms=50)
+    claimed_at = time.perf_counter()
+    assert len(entries) == 3 and reclaimed == 0
+    t0 = time.perf_counter()
+    assert worker.process(entries) == 0
+    elapsed = time.perf_counter() - t0
+    tries = cfg.rollout.retries + 1
+    assert _errors(worker, "no_generation_server") == tries  # the first try and `retries` retries
+    backoff = cfg.rollout.retry_backoff_s
+    assert elapsed >= backoff * tries * (tries + 1) / 2 * 0.9  # it backed off between tries
+    assert worker.produced == 0 and store.backlog() == 0 and store.read_dead() == []
+    # not acknowledged: still pending at w1, and another worker takes them over once they are idle
+    assert _pending(store, "w1") == 3 and store.prompt_backlog() == 3
+    assert time.perf_counter() - claimed_at < 0.9, "too slow to check the idle window"
+    assert store.claim_prompts("w2", 10, block_ms=10) == ([], 0)  # not idle long enough yet
+    time.sleep(max(0.0, 1.1 - (time.perf_counter() - claimed_at)))
+    taken, reclaimed = store.claim_prompts("w2", 10, block_ms=50)
+    assert reclaimed == 3
+    assert sorted(t.uid for _, t in taken) == sorted(uids)
+    assert _pending(store, "w2") == 3 and _pending(store, "w1") == 0
+
+
+# ---------------------------------------------------------------------------------------------- dead letters
+def test_rejected_prompt_goes_to_dead_letters_others_are_produced(make_cfg):
+    worker_cfg = make_cfg()  # prompt_length 16
+    server_cfg = make_cfg(prompt_length=8)
+    store = ReplayStore.from_config(worker_cfg)
+    good = reverse_task("train", 4)
+    bad = PromptRecord("too-long", "abcdefghabcd=", "dcbahgfedcba")  # 14 tokens: fits 16, not 8
+    with _generation(server_cfg) as g:
+        worker = RolloutWorker(worker_cfg, ReplayStore.from_config(worker_cfg), name="w1")
+        assert len(worker.tokenizer(bad.prompt)["input_ids"]) > 8
+        assert all(len(worker.tokenizer(r.prompt)["input_ids"]) <= 8 for r in good)
+        uids = _feed(store, good[:2] + [bad] + good[2:])
+        entries, _ = store.claim_prompts("w1", 10, block_ms=50)
+        assert len(entries) == 5
+        assert worker.process(entries) == 4
+        dead = store.read_dead()
+        assert len(dead) == 1
+        _, task, error = dead[0]
+        assert task.uid == "0:too-long" and task.prompt == bad.prompt
+        assert "prompt_length=8" in error, error
+        assert worker.metrics.registry.get_sample_value("rlhf_rollout_dead_letters_total") == 1
+        groups = _trajectories(store)
+        assert sorted(m.task.uid for _, m in groups) == sorted(u for u in uids if u != "0:too-long")
+        assert all(m.generation_server == _addr(g) for _, m in groups)
+        # the bad prompt is acknowledged too: nothing pending, nothing left to reclaim
+        assert _pending(store) == 0 and store.prompt_backlog() == 0
+
+
+# ---------------------------------------------------------------------------------------------- policy version
+def _push(svc, version):
+    client = GenerationClient(_addr(svc), svc.servicer.cfg.rpc)
+    try:
+        return client.update_weights(svc.servicer.backend.model.state_dict(), version).version
+    finally:
+        client.close()
+
+
+def test_server_behind_min_version_is_not_used(make_cfg):
+    cfg = make_cfg()
+    store = ReplayStore.from_config(cfg)
+    with _generation(cfg) as old, _generation(cfg) as new:
+        assert _push(new, 1) == 1
+        store.heartbeat("generation", _addr(new), version=1)  # what the learner does after a push
+        live = store.live("generation")
+        assert live[_addr(old)]["version"] == 0 and live[_addr(new)]["version"] == 1
+        worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+        uids = _feed(store, reverse_task("train", 6), min_version=1)
+        batches = _claim_all(store, "w1", 2)
+        assert sum(worker.process(b) for b in batches) == 6
+        groups = _trajectories(store)
+        assert sorted(m.task.uid for _, m in groups) == sorted(uids)
+        assert all(m.policy_version >= 1 for _, m in groups), [m.policy_version for _, m in groups]
+        assert all(m.generation_server == _addr(new) for _, m in groups)
+        assert old.servicer.batcher.batches == 0  # never even asked
+        assert store.prompt_backlog() == 0
+
+
+def test_server_that_missed_a_push_is_avoided_by_its_answer(make_cfg):
+    """The registry can be ahead of a server (the learner updates the entry, the push failed):
+    the version in the server's answer is the final word; its groups are thrown away and the batch
+    is sampled again elsewhere."""
+    cfg = make_cfg()
+    store = ReplayStore.from_config(cfg)
+    with _generation(make_cfg(url=None)) as stale, _generation(cfg) as new:  # `stale` does not register itself
+        assert _push(new, 1) == 1
+        store.heartbeat("generation", _addr(new), version=1)
+        store.heartbeat("generation", _addr(stale), version=1)  # the registry says it has the push; it has not
+        worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+        uids = _feed(store, reverse_task("train", 6), min_version=1)
+        batches = _claim_all(store, "w1", 2)
+        assert len(batches) == 3
+        assert sum(worker.process(b) for b in batches) == 6
+        groups = _trajectories(store)
+        assert sorted(m.task.uid for _, m in groups) == sorted(uids)
+        assert all(m.policy_version >= 1 for _, m in groups), [m.policy_version for _, m in groups]
+        assert all(m.generation_server == _addr(new) for _, m in groups)
+        assert stale.servicer.batcher.batches >= 1  # round robin did send it a batch; its answer was discarded
+        assert store.prompt_backlog() == 0 and store.read_dead() == []

@@ -1,0 +1,112 @@
+"""The package structure the architecture promises, checked on the source (ast, every import,
+also those inside functions):
+- `services.common` imports no service; `services.ppo` imports nothing else of the project;
+- a service imports another service only through its `client` module, and client modules
+  import no service internals;
+- no import cycles between modules;
+- the data contracts (`services.common.types`) and the gRPC plumbing load without torch."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ("generation", "reward", "critic", "learner", "rollout")
+ROOTS = ("services.cli", "services.launcher", "services.local")  # composition roots: wire everything
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> project modules it imports (resolved; `from pkg import name` counts as pkg.name
+    when that is a module, else pkg)."""
+    files = {(_module_name(p)): p for p in (ROOT / "services").rglob("*.py") if "/gen/" not in str(p)}
+    known = set(files) | {_module_name(p) for p in (ROOT / "services").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
+            else:
+                continue
+            deps.update(n for n in names if n.split(".")[0] == "services" and n != mod)
+        graph[mod] = {d for d in deps if d in known}
+    return graph
+
+
+GRAPH = _imports()
+
+
+def _service_of(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in SERVICES else None
+
+
+def test_the_graph_sees_the_project():
+    assert len(GRAPH) > 40
+    assert "services.learner.broadcast" in GRAPH and "services.generation.client" in GRAPH["services.learner.broadcast"]
+
+
+def test_common_and_ppo_import_no_service():
+    bad = [(m, d) for m, deps in GRAPH.items() if m.startswith(("services.common", "services.ppo"))
+           for d in deps if _service_of(d) or d in ROOTS]
+    assert not bad, bad
+    assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("services.ppo")
+                for d in deps if not d.startswith("services.ppo")]
+
+
+def test_services_meet_only_through_clients():
+    bad = [(m, d) for m, deps in GRAPH.items() if _service_of(m) for d in deps
+           if _service_of(d) not in (None, _service_of(m)) and not d.endswith(".client")]
+    assert not bad, f"a service imports another service's internals: {bad}"
+
+
+def test_client_modules_import_only_common():
+    clients = [m for m in GRAPH if m.endswith(".client") and _service_of(m)]
+    assert len(clients) == 4  # generation, reward, critic, learner
+    bad = [(m, d) for m in clients for d in GRAPH[m] if not d.startswith(("services.common", "services.ppo"))]
+    assert not bad, bad
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(GRAPH.get(m, ())):
+            if state.get(d) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+
+
+def test_contracts_and_rpc_plumbing_load_without_torch():
+    code = ("import sys, services.common.types, services.common.rpc.server, services.common.rpc.health, "
+            "services.common.lifecycle; assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
