@@ -55,13 +55,10 @@ def bench_replay(n: int = 4096, batch: int = 64) -> dict:
     (atomic script, pipelined); get = the learner's read + commit."""
     import redis
 
-    from services.common.data import PromptRecord
     from services.common.replay import ReplayStore
     from services.common.replay.embedded import EmbeddedRedis
-    from services.generation.backend import Completion
-    from services.reward.scorer import ScoreResult
-    from services.rollout.collect import SampleGroup
-    from services.rollout.records import group_from_proto, group_to_proto, make_task
+    from services.common.replay.records import group_from_proto, group_to_proto, make_task
+    from services.common.types import Completion, PromptRecord, SampleGroup, ScoreResult
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(tmp, appendonly=True) as server:
         store = ReplayStore(redis.Redis.from_url(server.url), "bench")

@@ -31,16 +31,18 @@ def main() -> None:
 
     from services.common.config import config_from_dict
     from services.common.data import reverse_task
-    from services.generation.backend import HFBackend, SamplingParams
+    from services.common.types import SamplingParams
+    from services.generation.backend import HFBackend
     from services.generation.client import GenerationClient
-    from services.generation.server import build_generation_server
+    from services.generation.server import serve
 
     cfg = config_from_dict({"model": {"path": args.model, "device": "cpu"}, "prompt_length": 32,
                             "response_length": args.max_new_tokens, "generation": {"batch_window_ms": 1}})
     backend = HFBackend(args.model, "cpu")
     prompts = [backend.tokenizer(r.prompt)["input_ids"] for r in reverse_task("eval", args.prompts)]
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
-    server, _ = build_generation_server(cfg, backend=backend, port=0, metrics_port=None)
+    service = serve(cfg, backend=backend, port=0, metrics_port=None).start()
+    server = service.server
     client = GenerationClient(f"127.0.0.1:{server.port}", cfg.rpc)
 
     def timed(fn):
@@ -73,7 +75,7 @@ def main() -> None:
     t0 = time.perf_counter()
     assemble_weights(weight_chunks(big, 1))
     codec_s = time.perf_counter() - t0
-    server.stop(0)
+    service.stop()
 
     result = {
         "batch": {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens},

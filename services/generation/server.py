@@ -17,7 +17,7 @@ from ..common.rpc.codec import BadRequest, assemble_weights
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
-from ..common.types import GenerationResult, SamplingParams
+from ..common.types import GenerationBackend, GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Batcher:
     The batcher's own thread is the server's one compute thread (the reason is in
     `services/common/compute.py`): weight swaps run on it too (`call`), between batches."""
 
-    def __init__(self, backend, max_batch_size: int, window_s: float, metrics=None):
+    def __init__(self, backend: GenerationBackend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
         self.q: queue.Queue[_Job | None] = queue.Queue()
         self.batches = 0
@@ -148,7 +148,7 @@ class Batcher:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, backend, cfg, server: RPCServer | None = None, model_name: str = ""):
+    def __init__(self, backend: GenerationBackend, cfg, server: RPCServer | None = None, model_name: str = ""):
         self.backend, self.cfg, self.server = backend, cfg, server
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
@@ -258,7 +258,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                   eos_token_id=self.backend.eos_token_id, pad_token_id=self.backend.pad_token_id)
 
 
-def make_backend(cfg):
+def make_backend(cfg) -> GenerationBackend:
     """The sampling engine `generation.backend` names, loaded from `model.path`."""
     if cfg.generation.backend == "vllm":
         raise ValueError("generation.backend: 'vllm' is not available in this version (the vLLM backend is "
