@@ -54,7 +54,7 @@ def cmd_init_model(args) -> int:
 
 
 def cmd_config_describe(args) -> int:
-    from .common.config import describe_config
+    from .common.config_docs import describe_config
     sys.stdout.write(describe_config("markdown" if args.markdown else "text"))
     return 0
 

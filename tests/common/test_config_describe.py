@@ -4,11 +4,12 @@ from typing import Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from services.common import config as config_module
-from services.common.config import (TABLE_END, TABLE_START, Config, describe_config, readme_with_config_table)
+from services.common import config_docs
+from services.common.config import Config
+from services.common.config_docs import TABLE_END, TABLE_START, describe_config, readme_with_config_table
 
 ROOT = Path(__file__).resolve().parents[2]
-REGENERATE = "run `.venv/bin/python -m services.common.config --readme` to regenerate it"
+REGENERATE = "run `.venv/bin/python -m services.common.config_docs --readme` to regenerate it"
 
 
 def _models(model: type[BaseModel]) -> list[type[BaseModel]]:
@@ -97,7 +98,7 @@ def test_readme_table_is_the_generated_one():
     assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1, f"README.md lacks the table markers; {REGENERATE}"
     block = text.split(TABLE_START)[1].split(TABLE_END)[0]
     assert block == "\n" + describe_config("markdown"), f"README.md's configuration table is out of date; {REGENERATE}"
-    assert config_module.README == ROOT / "README.md"
+    assert config_docs.README == ROOT / "README.md"
 
 
 def test_readme_with_config_table_replaces_only_the_block():
