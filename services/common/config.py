@@ -83,6 +83,8 @@ class RewardConfig(_Strict):
     http_timeout_s: float = Field(30.0, gt=0, description="seconds one HTTP reward request may take")
     http_retries: int = Field(3, ge=0, description="retries of a failed HTTP reward request, with exponential backoff")
     http_concurrency: int = Field(8, ge=1, description="most HTTP reward requests in flight at once")
+    max_text_chars: int = Field(100_000, ge=1, description="longest prompt, response or label one sample may "
+                                "carry (characters); a longer one is refused with INVALID_ARGUMENT")
 
 
 class CriticConfig(_Strict):
@@ -92,6 +94,8 @@ class CriticConfig(_Strict):
     value_loss_coef: float = Field(1.0, gt=0, description="scales the value loss (c1 in PPO)")
     overlap_training: bool = Field(True, description="learner service: the critic server trains on each "
                                    "mini-batch while the actor does (a win when they have their own devices)")
+    max_abs_target: float = Field(1e6, gt=0, description="largest |return| or |old value| Train accepts; "
+                                  "beyond it (or non-finite) the step is refused with INVALID_ARGUMENT")
 
 
 class DataConfig(_Strict):
@@ -134,6 +138,10 @@ class ReplayConfig(_Strict):
     heartbeat_s: float = Field(2.0, gt=0, description="generation servers and workers report this often")
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="a server silent this long is taken off the registry")
     block_ms: int = Field(500, ge=1, description="longest blocking read on a stream, in milliseconds")
+    appendfsync: Literal["everysec", "always", "no"] = Field(
+        "everysec", description="embedded Redis AOF fsync policy: everysec survives a crash of Redis itself "
+        "with nothing acknowledged lost (at most ~1 s of writes on a crash of the machine); always fsyncs "
+        "every write (nothing acknowledged lost even then; slower)")
 
     def resolved_password(self) -> Optional[str]:
         import os
@@ -143,8 +151,10 @@ class ReplayConfig(_Strict):
 class RolloutConfig(_Strict):
     prompts_per_request: int = Field(32, ge=1, description="prompts a worker claims and sends in one Generate")
     concurrency: int = Field(2, ge=1, description="batches each worker keeps in flight")
-    retries: int = Field(5, ge=0, description="tries of a failing call before the batch is left to others")
-    retry_backoff_s: float = Field(0.5, gt=0, description="seconds before retry n is n x this")
+    retries: int = Field(6, ge=0, description="retries of a failing batch (a service unavailable or "
+                         "restarting) before it is left pending for later")
+    retry_backoff_s: float = Field(0.5, gt=0, description="seconds before the first retry; doubles with each "
+                                   "retry up to rpc.retry_max_backoff_s")
     metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of each worker's Prometheus "
                                         "/metrics; null = off")
 
@@ -179,6 +189,18 @@ class RPCConfig(_Strict):
     max_message_mb: int = Field(256, ge=1, le=2047, description="largest gRPC message, in MiB")
     grace_s: float = Field(10.0, ge=0, description="shutdown: seconds in-flight calls may take")
     timeout_s: float = Field(120.0, gt=0, description="client deadline per call, in seconds")
+    retry_backoff_s: float = Field(0.2, gt=0, description="clients: seconds before the first retry of a call "
+                                   "that found its service unavailable; doubles with each retry")
+    retry_max_backoff_s: float = Field(5.0, gt=0, description="clients: longest wait between retries")
+    dependency_wait_s: Optional[float] = Field(600.0, gt=0, description="learner: how long it waits for an "
+                                               "unavailable critic, reward or generation server (saying so in "
+                                               "its status) before it fails; null = forever")
+    max_request_tokens: int = Field(4_194_304, ge=1, description="most token positions one Generate may cost "
+                                    "(prompts x n x (prompt tokens + max_new_tokens)); beyond it "
+                                    "RESOURCE_EXHAUSTED")
+    open_metrics: bool = Field(False, description="serve /metrics without the bearer token (what a default "
+                               "Prometheus scrape sends); false = scrapers send 'Authorization: Bearer <token>' "
+                               "when rpc auth is on")
     max_samples_per_prompt: int = Field(64, ge=1, description="limit on Generate's n")
     max_prompts_per_request: int = Field(4096, ge=1, description="limit on the prompts of one Generate")
     generation: Endpoint = Field(default_factory=lambda: Endpoint(port=50051, metrics_port=9101),

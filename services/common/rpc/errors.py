@@ -7,3 +7,11 @@ class BadRequest(ValueError):
 
 class Unavailable(Exception):
     """A dependency could not answer (e.g. an external reward API); mapped to UNAVAILABLE."""
+
+
+class ResourceExhausted(Exception):
+    """A request that would cost more than the server allows (tokens x samples); RESOURCE_EXHAUSTED."""
+
+
+class DeadlineExceeded(Exception):
+    """The caller's deadline passed while the work was running; DEADLINE_EXCEEDED."""

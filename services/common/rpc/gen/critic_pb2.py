@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as rlhf_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rlhf/v1/critic.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"3\n\rValuesRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.rlhf.v1.TokenBatch\"1\n\x0eValuesResponse\x12\x1f\n\x06values\x18\x01 \x01(\x0b\x32\x0f.rlhf.v1.Tensor\"y\n\x0cTrainRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.rlhf.v1.TokenBatch\x12 \n\x07returns\x18\x02 \x01(\x0b\x32\x0f.rlhf.v1.Tensor\x12#\n\nold_values\x18\x03 \x01(\x0b\x32\x0f.rlhf.v1.Tensor\"\x83\x01\n\rTrainResponse\x12\x34\n\x07metrics\x18\x01 \x03(\x0b\x32#.rlhf.v1.TrainResponse.MetricsEntry\x12\x0c\n\x04step\x18\x02 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x11\x43heckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"0\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x32\xfd\x01\n\x06\x43ritic\x12\x39\n\x06Values\x12\x16.rlhf.v1.ValuesRequest\x1a\x17.rlhf.v1.ValuesResponse\x12\x36\n\x05Train\x12\x15.rlhf.v1.TrainRequest\x1a\x16.rlhf.v1.TrainResponse\x12?\n\x04Save\x12\x1a.rlhf.v1.CheckpointRequest\x1a\x1b.rlhf.v1.CheckpointResponse\x12?\n\x04Load\x12\x1a.rlhf.v1.CheckpointRequest\x1a\x1b.rlhf.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rlhf/v1/critic.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"3\n\rValuesRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.rlhf.v1.TokenBatch\"1\n\x0eValuesResponse\x12\x1f\n\x06values\x18\x01 \x01(\x0b\x32\x0f.rlhf.v1.Tensor\"y\n\x0cTrainRequest\x12\"\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x13.rlhf.v1.TokenBatch\x12 \n\x07returns\x18\x02 \x01(\x0b\x32\x0f.rlhf.v1.Tensor\x12#\n\nold_values\x18\x03 \x01(\x0b\x32\x0f.rlhf.v1.Tensor\"\x83\x01\n\rTrainResponse\x12\x34\n\x07metrics\x18\x01 \x03(\x0b\x32#.rlhf.v1.TrainResponse.MetricsEntry\x12\x0c\n\x04step\x18\x02 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"!\n\x11\x43heckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"0\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x13\n\x11\x43riticInfoRequest\"X\n\nCriticInfo\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0bloaded_from\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nstarted_at\x18\x04 \x01(\x01\x32\xb6\x02\n\x06\x43ritic\x12\x39\n\x06Values\x12\x16.rlhf.v1.ValuesRequest\x1a\x17.rlhf.v1.ValuesResponse\x12\x36\n\x05Train\x12\x15.rlhf.v1.TrainRequest\x1a\x16.rlhf.v1.TrainResponse\x12?\n\x04Save\x12\x1a.rlhf.v1.CheckpointRequest\x1a\x1b.rlhf.v1.CheckpointResponse\x12?\n\x04Load\x12\x1a.rlhf.v1.CheckpointRequest\x1a\x1b.rlhf.v1.CheckpointResponse\x12\x37\n\x04Info\x12\x1a.rlhf.v1.CriticInfoRequest\x1a\x13.rlhf.v1.CriticInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,6 +48,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTREQUEST']._serialized_end=449
   _globals['_CHECKPOINTRESPONSE']._serialized_start=451
   _globals['_CHECKPOINTRESPONSE']._serialized_end=499
-  _globals['_CRITIC']._serialized_start=502
-  _globals['_CRITIC']._serialized_end=755
+  _globals['_CRITICINFOREQUEST']._serialized_start=501
+  _globals['_CRITICINFOREQUEST']._serialized_end=520
+  _globals['_CRITICINFO']._serialized_start=522
+  _globals['_CRITICINFO']._serialized_end=610
+  _globals['_CRITIC']._serialized_start=613
+  _globals['_CRITIC']._serialized_end=923
 # @@protoc_insertion_point(module_scope)

@@ -57,3 +57,19 @@ class CheckpointResponse(_message.Message):
     path: str
     step: int
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CriticInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CriticInfo(_message.Message):
+    __slots__ = ("step", "loaded_from", "incarnation", "started_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FROM_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loaded_from: str
+    incarnation: str
+    started_at: float
+    def __init__(self, step: _Optional[int] = ..., loaded_from: _Optional[str] = ..., incarnation: _Optional[str] = ..., started_at: _Optional[float] = ...) -> None: ...

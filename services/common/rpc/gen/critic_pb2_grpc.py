@@ -54,6 +54,11 @@ class CriticStub:
                 request_serializer=rlhf_dot_v1_dot_critic__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=rlhf_dot_v1_dot_critic__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/rlhf.v1.Critic/Info',
+                request_serializer=rlhf_dot_v1_dot_critic__pb2.CriticInfoRequest.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_critic__pb2.CriticInfo.FromString,
+                _registered_method=True)
 
 
 class CriticServicer:
@@ -83,6 +88,12 @@ class CriticServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CriticServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_CriticServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=rlhf_dot_v1_dot_critic__pb2.CheckpointRequest.FromString,
                     response_serializer=rlhf_dot_v1_dot_critic__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=rlhf_dot_v1_dot_critic__pb2.CriticInfoRequest.FromString,
+                    response_serializer=rlhf_dot_v1_dot_critic__pb2.CriticInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Critic:
             '/rlhf.v1.Critic/Load',
             rlhf_dot_v1_dot_critic__pb2.CheckpointRequest.SerializeToString,
             rlhf_dot_v1_dot_critic__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.Critic/Info',
+            rlhf_dot_v1_dot_critic__pb2.CriticInfoRequest.SerializeToString,
+            rlhf_dot_v1_dot_critic__pb2.CriticInfo.FromString,
             options,
             channel_credentials,
             insecure,
