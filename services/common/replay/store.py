@@ -226,11 +226,19 @@ class ReplayStore:
         """Make the version counter at least `version` (it never goes down)."""
         self.r.set(self.version_key, max(version, self.version()))
 
-    def publish_learner(self, address: str, version: int, **extra) -> None:
-        self.r.hset(self.learner_key, mapping={"address": address, "version": version, "ts": self.now(),
-                                               **{k: json.dumps(v) for k, v in extra.items()}})
+    def new_learner_epoch(self) -> int:
+        """A learner process starts: its epoch, above every earlier one's (the fencing token its
+        weight pushes carry)."""
+        return int(self.r.incr(f"{self.ns}:learner_epoch"))
+
+    def publish_learner(self, address: str, version: int, run_id: str = "", epoch: int = 0) -> None:
+        """The learner's address, its newest published policy version and its identity (run id,
+        epoch): generation servers accept weight pushes only from this writer."""
+        self.r.hset(self.learner_key, mapping={"address": address, "version": version, "run_id": run_id,
+                                               "epoch": epoch, "ts": self.now()})
 
     def learner_info(self) -> dict:
+        """{address, version, run_id, epoch, ts} as strings; {} before a learner published."""
         raw = self.r.hgetall(self.learner_key)
         return {k.decode(): v.decode() for k, v in raw.items()}
 
