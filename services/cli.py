@@ -10,13 +10,31 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
+import socket
 import sys
 from importlib import import_module
+from pathlib import Path
 
 from .common.config import ConfigError, data_source_errors, dump_config, load_config
 
 EXIT_CONFIG = 2
+# what a user's machine or config causes (a port in use, an unwritable directory, a missing model
+# or data file): one `error:` line and EXIT_CONFIG; anything else is a bug and keeps its traceback
+USER_ERRORS = (OSError, ValueError)
+
+log = logging.getLogger("rlhf")
+
+
+def _error(e) -> int:
+    """Print `error: ...` (one line) and return EXIT_CONFIG."""
+    if isinstance(e, BaseException):
+        log.debug("the error's traceback", exc_info=e)
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    print(f"error: {'; '.join(lines)}", file=sys.stderr)
+    return EXIT_CONFIG
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -34,10 +52,57 @@ def _load(args, data: bool = False):
             raise ConfigError(errors)
         return cfg
     except ConfigError as e:
-        print(f"config error{'s' if len(e.errors) > 1 else ''} in {args.config}:", file=sys.stderr)
-        for err in e.errors:
-            print(f"  {err}", file=sys.stderr)
+        if len(e.errors) == 1:  # one line; the file's own errors name it already
+            err = e.errors[0]
+            named = err.startswith(f"{Path(args.config)}:")
+            print(f"config error{'' if named else f' in {args.config}'}: {err}", file=sys.stderr)
+        else:
+            print(f"config errors in {args.config}:", file=sys.stderr)
+            for err in e.errors:
+                print(f"  {err}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+
+
+def _run_dir_problem(path) -> str | None:
+    """Why the run directory `path` cannot be used (created or written), or None; creates nothing."""
+    p = Path(path).expanduser().absolute()
+    try:
+        existing = next(a for a in (p, *p.parents) if a.exists())
+    except OSError as e:
+        return f"cannot use the run directory {p}: {e.strerror or e}"
+    if not existing.is_dir():
+        return f"cannot create the run directory {p}: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return (f"cannot {'write to' if existing == p else 'create'} the run directory {p}: "
+                f"{existing} is not writable")
+    return None
+
+
+def _port_problem(flag: str, value: int | None, off: bool) -> str | None:
+    """--port must be 0-65535; --metrics-port and --http-port may also be -1 (off)."""
+    if value is None or 0 <= value <= 65535 or (off and value == -1):
+        return None
+    return f"{flag} {value} is out of range: 0-65535 (0 picks a free port{', -1 turns it off' if off else ''})"
+
+
+def _bind_problem(what: str, keys: str, host: str, port: int | None) -> str | None:
+    """Why the server about to start cannot bind `port` on `host` (in use, not permitted), or None:
+    it can, or there is nothing to check (no port, a free one, a host that does not resolve here)."""
+    if not port:
+        return None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]") or None, port, 0, socket.SOCK_STREAM, 0,
+                                                           socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError):
+        return None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what servers set: TIME_WAIT is no obstacle
+        try:
+            s.bind(addr)
+        except OSError as e:
+            reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror or e}"
+            return f"{what} port {port} on {host} {reason} ({keys}); pick another, or 0 for a free one"
+    return None
 
 
 def cmd_config_validate(args) -> int:
@@ -48,7 +113,10 @@ def cmd_config_validate(args) -> int:
 
 def cmd_init_model(args) -> int:
     from .common.tiny import init_tiny_model
-    init_tiny_model(args.out, warm_start_steps=args.warm_start_steps, seed=args.seed)
+    try:
+        init_tiny_model(args.out, warm_start_steps=args.warm_start_steps, seed=args.seed)
+    except OSError as e:
+        return _error(f"cannot write the model to {args.out}: {e.strerror or e}")
     print(f"tiny model written to {args.out}")
     return 0
 
@@ -67,12 +135,14 @@ def cmd_train(args) -> int:
         print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer",
               file=sys.stderr)
         return EXIT_CONFIG
+    problem = _run_dir_problem(cfg.run.run_dir)
+    if problem:
+        return _error(problem)
     from .local import run_local
     try:
         run_local(cfg, cfg.run.run_dir)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+    except USER_ERRORS as e:
+        return _error(e)
     return 0
 
 
@@ -81,6 +151,32 @@ def _port(value: int | None, current):
     if value is None:
         return current
     return None if value < 0 else value
+
+
+def _serve_problem(cfg, args) -> str | None:
+    """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, an
+    unusable run directory (learner)."""
+    flags = [("--port", args.port, False), ("--metrics-port", args.metrics_port, True),
+             ("--http-port", args.http_port, True)]
+    for flag, value, off in flags:
+        problem = _port_problem(flag, value, off)
+        if problem:
+            return problem
+    if args.service == "rollout":
+        ports = [("metrics", "--metrics-port, rollout.metrics_port", args.host or cfg.rpc.host,
+                  _port(args.metrics_port, cfg.rollout.metrics_port))]
+    else:
+        ep, key = getattr(cfg.rpc, args.service), f"rpc.{args.service}"
+        host = args.host or ep.host
+        ports = [("gRPC", f"--port, {key}.port", host, ep.port if args.port is None else args.port),
+                 ("metrics", f"--metrics-port, {key}.metrics_port", host, _port(args.metrics_port, ep.metrics_port))]
+        if args.service in ("reward", "learner"):
+            ports.append(("HTTP", f"--http-port, {key}.http_port", host, _port(args.http_port, ep.http_port)))
+    for what, keys, host, port in ports:
+        problem = _bind_problem(what, keys, host, port)
+        if problem:
+            return problem
+    return _run_dir_problem(cfg.run.run_dir) if args.service == "learner" else None
 
 
 def _service(cfg, args):
@@ -105,17 +201,25 @@ def cmd_serve(args) -> int:
     cfg = _load(args, data=args.service == "learner")
     if args.run_dir:
         cfg.run.run_dir = args.run_dir
+    problem = _serve_problem(cfg, args)
+    if problem:
+        return _error(problem)
     try:
         return run_service(_service(cfg, args))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+    except USER_ERRORS as e:
+        return _error(e)
 
 
 def cmd_up(args) -> int:
     cfg = _load(args, data=True)
+    problem = _run_dir_problem(args.run_dir or cfg.run.run_dir)
+    if problem:
+        return _error(problem)
     from .launcher import run_up
-    return run_up(cfg, args)
+    try:
+        return run_up(cfg, args)
+    except USER_ERRORS as e:
+        return _error(e)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,7 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import os
     if args.verbose:
         os.environ["RLHF_LOG_LEVEL"] = "DEBUG"  # services started by `rlhf up` inherit it
     level = os.environ.get("RLHF_LOG_LEVEL", "INFO").upper()

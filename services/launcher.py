@@ -4,20 +4,27 @@
 
 Starts an embedded Redis (unless replay.url is set), then the reward, critic and generation
 servers on free localhost ports, then the learner and the rollout workers; waits for each to be
-ready; shows the learner's progress; restarts a crashed learner (it resumes from its checkpoint)
-or rollout worker; at the end, or on Ctrl-C, stops everything in order (the learner first, so it
-writes a checkpoint). Logs: DIR/logs/<service>.log; ports and pids: DIR/services.json.
+ready; shows the learner's progress; restarts any service that crashes (Redis included) on the
+ports it had, up to --max-restarts times each; at the end, or on Ctrl-C, stops everything in
+order (the learner first, so it writes a checkpoint).
+
+Secrets: the Redis password and the auth token come from the config or their environment
+variables; when unset, `rlhf up` generates them and keeps them in DIR/secrets.env (mode 0600).
+Services get them through their environment, never on a command line.
+Logs: DIR/logs/<service>.log; ports and pids: DIR/services.json (no secrets).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from .common.modeling import check_model_dir
 from .common.rpc import health
@@ -40,6 +47,7 @@ class Child:
         self.endpoints: dict[str, str] = {}
         self.listening = threading.Event()
         self.restarts = 0
+        self.restarted_at: float | None = None  # set while a restarted process is not ready yet
 
     def start(self) -> "Child":
         self.endpoints, self.listening = {}, threading.Event()
@@ -80,6 +88,14 @@ class Child:
             self.listening.wait(0.2) if not self.listening.is_set() else time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
 
+    def pin_ports(self) -> None:
+        """Replace the free ports asked for ("0") with the ones the service got, for restarts."""
+        keys = {"--port": "port", "--metrics-port": "metrics_port", "--http-port": "http_port"}
+        for i, arg in enumerate(self.cmd[:-1]):
+            value = self.endpoints.get(keys.get(arg, ""))
+            if self.cmd[i + 1] == "0" and value and value != "None":
+                self.cmd[i + 1] = str(value)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -111,6 +127,31 @@ def tail(path: Path, n: int = 20) -> str:
         return ""
 
 
+SECRET_KEYS = ("auth_token", "password")  # config keys whose --set values never go on a command line
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (0600), atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def split_url_password(url: str | None) -> tuple[str | None, str | None]:
+    """redis://:pw@host:port/0 -> (redis://host:port/0, pw)."""
+    if not url:
+        return url, None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment)), parts.password
+
+
 class Launcher:
     def __init__(self, cfg, args):
         self.cfg, self.args = cfg, args
@@ -118,12 +159,33 @@ class Launcher:
         self.log_dir = self.run_dir / "logs"
         self.children: dict[str, Child] = {}
         self.redis = None
-        self.url = cfg.replay.url
+        self.redis_restarts = 0
+        self.url, url_password = split_url_password(cfg.replay.url)
+        self.overrides = [o for o in args.overrides if o.split("=", 1)[0].rsplit(".", 1)[-1] not in SECRET_KEYS]
+        self.env = self._secrets(url_password)
         self.stopping = threading.Event()
+
+    def _secrets(self, url_password: str | None) -> dict[str, str]:
+        """The environment that carries the secrets to every service: the configured ones, or
+        for an embedded Redis / an unset token, generated ones kept in DIR/secrets.env (0600)."""
+        cfg = self.cfg
+        path = self.run_dir / "secrets.env"
+        kept = {}
+        if path.exists():
+            kept = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+        pw_env, tok_env = cfg.replay.password_env, cfg.rpc.auth_token_env
+        password = url_password or cfg.replay.resolved_password()
+        if password is None and not cfg.replay.url:  # our own Redis: never without a password
+            password = kept.get(pw_env) or secrets.token_urlsafe(24)
+        token = cfg.rpc.resolved_auth_token() or kept.get(tok_env) or secrets.token_urlsafe(24)
+        env = {tok_env: token, **({pw_env: password} if password else {})}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_private(path, "".join(f"{k}={v}\n" for k, v in env.items()))
+        return env
 
     def _cmd(self, kind: str, sets: list[str], *extra: str) -> list[str]:
         cmd = [sys.executable, "-m", "services.cli", "serve", kind, "-c", self.args.config]
-        for s in [*self.args.overrides, f"replay.url={self.url}", f"run.run_dir={self.run_dir}", *sets]:
+        for s in [*self.overrides, f"replay.url={self.url}", f"run.run_dir={self.run_dir}", *sets]:
             cmd += ["--set", s]
         return cmd + list(extra)
 
@@ -135,25 +197,30 @@ class Launcher:
         # asynchronous mode sampling overlaps training) must not leave OpenMP threads spinning
         # on the shared cores; a process that works alone is faster with the default spin-wait
         concurrent = overlapped or (kind in ("learner", "critic") and self.cfg.critic.overlap_training)
-        env = {"OMP_WAIT_POLICY": "PASSIVE"} if concurrent else {}
+        env = {**self.env, **({"OMP_WAIT_POLICY": "PASSIVE"} if concurrent else {})}
         child = Child(name, kind, self._cmd(kind, sets, *extra), self.log_dir, echo, nice, env).start()
         self.children[name] = child
         return child
 
     def write_manifest(self) -> None:
-        data = {"redis": self.url, "run_dir": str(self.run_dir),
+        data = {"redis": self.url, "run_dir": str(self.run_dir), "secrets": str(self.run_dir / "secrets.env"),
+                "redis_restarts": self.redis_restarts,
+                "redis_pid": self.redis.proc.pid if self.redis is not None and self.redis.proc else None,
                 "services": {n: c.info() for n, c in self.children.items()}}
-        tmp = self.run_dir / ".services.json"
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, self.run_dir / "services.json")
+        write_private(self.run_dir / "services.json", json.dumps(data, indent=2))
+
+    def _start_redis(self) -> None:
+        from .common.replay.embedded import EmbeddedRedis
+        port = self.redis.port if self.redis is not None else None
+        self.redis = EmbeddedRedis(self.run_dir / "redis", port=port, password=self.env.get(self.cfg.replay.password_env),
+                                   appendfsync=self.cfg.replay.appendfsync).start()
+        self.url = self.redis.public_url
 
     def start(self) -> None:
         cfg, args = self.cfg, self.args
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.url:
-            from .common.replay.embedded import EmbeddedRedis
-            self.redis = EmbeddedRedis(self.run_dir / "redis", password=cfg.replay.resolved_password()).start()
-            self.url = self.redis.url
+            self._start_redis()
             print(f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {self.run_dir / 'redis'})",
                   flush=True)
         free = ["--port", "0", "--metrics-port", "0"]
@@ -164,13 +231,16 @@ class Launcher:
             first.append(self._spawn(f"generation-{i}", "generation", [], *free))
         for c in first:
             r = c.wait_ready(args.startup_timeout)
+            c.pin_ports()  # a restart comes back where the others look for it
             print(f"{c.name} ready on port {r.get('port')}", flush=True)
         self.sets = [f"rpc.reward.port={self.children['reward'].endpoints['port']}"]
         if cfg.needs_critic:
             self.sets.append(f"rpc.critic.port={self.children['critic'].endpoints['port']}")
         learner = self._spawn("learner", "learner", self.sets, *free, "--http-port", "0", echo=True)
         r = learner.wait_ready(args.startup_timeout)
-        print(f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status",
+        learner.pin_ports()
+        print(f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status "
+              f"(send 'Authorization: Bearer <{cfg.rpc.auth_token_env} in {self.run_dir / 'secrets.env'}>')",
               flush=True)
         for i in range(args.workers):
             self._spawn(f"rollout-{i}", "rollout", self.sets, "--metrics-port", "0", "--name", f"rollout-{i}")
@@ -179,28 +249,66 @@ class Launcher:
         print(f"{args.workers} rollout worker(s) running; logs in {self.log_dir}", flush=True)
         self.write_manifest()
 
+    def _supervise_redis(self) -> int | None:
+        """Restart a crashed embedded Redis on its port (its AOF brings the streams back)."""
+        if self.redis is None or self.redis.proc is None or self.redis.proc.poll() is None:
+            return None
+        code = self.redis.proc.returncode
+        if self.redis_restarts >= self.args.max_restarts:
+            print(f"error: redis exited with code {code}; stopping the run (restarted {self.redis_restarts} times)",
+                  flush=True)
+            return code or 1
+        self.redis_restarts += 1
+        print(f"redis exited with code {code}; restarting it on port {self.redis.port} "
+              f"({self.redis_restarts}/{self.args.max_restarts})", flush=True)
+        try:
+            self._start_redis()
+        except (RuntimeError, OSError) as e:
+            print(f"error: {e}", flush=True)
+            return 1
+        self.write_manifest()
+        return None
+
+    def _check_back(self, c: Child) -> None:
+        """A restarted service that became ready again: say so and record its new pid."""
+        if c.restarted_at is None:
+            return
+        try:
+            ready = c._is_ready()
+        except Exception:
+            ready = False
+        if ready:
+            print(f"{c.name} is back (restart {c.restarts})", flush=True)
+            c.restarted_at = None
+            self.write_manifest()
+        elif time.time() - c.restarted_at > self.args.startup_timeout:
+            print(f"error: {c.name} not ready {self.args.startup_timeout:.0f}s after its restart; see {c.log_path}",
+                  flush=True)
+            c.restarted_at = None
+
     def supervise(self) -> int:
-        """Until the learner finishes: restart a crashed learner or worker; a crashed server ends the run."""
+        """Until the learner finishes: restart any service that exits before that (Redis too)."""
         learner = self.children["learner"]
         while not self.stopping.is_set():
             time.sleep(0.3)
+            failed = self._supervise_redis()
+            if failed is not None:
+                return failed
             for name, c in list(self.children.items()):
                 code = c.proc.poll()
                 if code is None:
+                    self._check_back(c)
                     continue
                 if name == "learner" and code == 0:
                     return 0
                 if self.stopping.is_set():
                     break
-                if c.kind in ("learner", "rollout") and c.restarts < self.args.max_restarts:
+                if c.restarts < self.args.max_restarts:
                     c.restarts += 1
                     print(f"{name} exited with code {code}; restarting it ({c.restarts}/{self.args.max_restarts})",
                           flush=True)
                     c.start()
-                    try:
-                        c.wait_ready(self.args.startup_timeout)
-                    except (RuntimeError, TimeoutError) as e:
-                        print(f"error: {e}", flush=True)
+                    c.restarted_at = time.time()  # readiness is checked on the next rounds
                     self.write_manifest()
                     continue
                 print(f"error: {name} exited with code {code}; stopping the run. Last lines of {c.log_path}:\n"
@@ -230,6 +338,13 @@ def run_up(cfg, args) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    from .learner.checkpoint import finished_run
+    run_dir = Path(args.run_dir or cfg.run.run_dir).resolve()
+    done = finished_run(run_dir, cfg.run.iterations)
+    if done is not None:
+        print(f"run {run_dir} already finished at iteration {done.get('iterations')} (summary.json); "
+              f"raise run.iterations to continue", flush=True)
+        return 0
     launcher = Launcher(cfg, args)
 
     def on_signal(signum, frame):

@@ -399,7 +399,10 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ConfigError([f"--set {item!r}: expected key=value"])
         key, raw = item.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        try:
+            out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        except yaml.YAMLError as e:
+            raise ConfigError([f"--set {item!r}: the value is not valid YAML: {_yaml_error(e)}"]) from None
     return out
 
 
@@ -413,16 +416,41 @@ def config_from_dict(data: dict | None, overrides: list[str] | None = None) -> C
         raise ConfigError([_describe(err) for err in e.errors()]) from None
 
 
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong, and where."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if isinstance(e, yaml.reader.ReaderError):
+        ch = f"#x{e.character:04x}" if isinstance(e.character, int) else repr(e.character)
+        return f"character {ch} at position {e.position} is not allowed in YAML"
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem or ' '.join(str(e).split())}{where}"
+
+
+def _read_yaml(p: Path) -> Any:
+    """The parsed YAML of the config file `p`; a missing, unreadable, binary or malformed file is
+    a ConfigError that says which."""
+    if not p.exists():
+        raise ConfigError([f"{p}: no such config file"])
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except IsADirectoryError:
+        raise ConfigError([f"{p}: is a directory, not a config file"]) from None
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read: {e.strerror or e}"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not a text file (byte {e.start} is not UTF-8); a config is YAML text"]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{p}: not valid YAML: {_yaml_error(e)}"]) from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.exists():
-            raise ConfigError([f"{p}: no such config file"])
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError([f"{p}: not valid YAML: {e}"]) from None
+        loaded = _read_yaml(p)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError([f"{p}: the top level must be a mapping"])
         data = loaded or {}

@@ -38,8 +38,27 @@ def check_model_dir(path: str | Path) -> Path:
         return p
     if text.startswith(("/", ".", "~")) or p.exists() or text.count("/") > 1:
         raise FileNotFoundError(
-            f"no model at {p} (config.json missing); build the tiny default with `rlhf init-model --out {p}`")
+            f"no model at {p} (config.json missing: {_missing_model_reason(p)}); build the tiny default with "
+            f"`rlhf init-model --out {p}`, or set model.path to a model directory or a hub id (org/name)")
     return _hub_snapshot(text)
+
+
+def _missing_model_reason(p: Path) -> str:
+    """Why the local path `p` is no model directory, in a few words."""
+    if p.is_file():
+        return "it is a file, not a directory"
+    if not p.exists():
+        parent = next((a for a in p.parents if a.exists()), None)
+        return ("the directory does not exist" if parent is None or parent.is_dir()
+                else f"{parent} is a file, not a directory")
+    try:
+        names = sorted(c.name for c in p.iterdir())
+    except OSError as e:
+        return f"the directory cannot be read: {e.strerror}"
+    if not names:
+        return "the directory is empty"
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+    return f"the directory holds only {shown}"
 
 
 def _hub_snapshot(repo_id: str) -> Path:

@@ -28,6 +28,10 @@ class CriticClient(RPCClient):
     def load(self, path: str) -> int:
         return self.stub.Load(cpb.CheckpointRequest(path=str(path)), timeout=self.timeout, metadata=self.metadata).step
 
+    def info(self) -> cpb.CriticInfo:
+        """Step, checkpoint loaded from, incarnation and start time of the critic server."""
+        return self.stub.Info(cpb.CriticInfoRequest(), timeout=self.timeout, metadata=self.metadata)
+
 
 class OverlappedCritic:
     """A remote critic whose `train_step` returns a Future: the learner sends each mini-batch's
@@ -42,5 +46,5 @@ class OverlappedCritic:
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor):
         return self._pool.submit(self.client.train_step, batch, returns, old_values)
 
-    def __getattr__(self, name):  # values, save, load, close: the client's own
+    def __getattr__(self, name):  # values, save, load, info, close: the client's own
         return getattr(self.client, name)

@@ -4,12 +4,24 @@ trainer both host this object.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..common.modeling import TokenBatch, ValueModel, resolve_device
 from ..ppo import compute_value_loss, masked_mean
+
+CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
+
+
+class NonFiniteStep(ValueError):
+    """A step whose loss or gradient norm is not finite; it was not taken."""
+
+
+class CheckpointError(ValueError):
+    """A critic checkpoint with a missing or unreadable file; nothing was loaded."""
 
 
 class Critic:
@@ -17,8 +29,9 @@ class Critic:
                  loss_agg_mode: str = "token-mean", max_grad_norm: float | None = 1.0,
                  value_loss_coef: float = 1.0, device: str = "auto", weight_decay: float = 0.0):
         self.device = resolve_device(device)
+        self.lr, self.weight_decay = lr, weight_decay
         self.model = ValueModel.from_pretrained(model_path).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = self._optimizer(self.model)
         self.value_clip, self.loss_agg_mode = value_clip, loss_agg_mode
         self.max_grad_norm, self.value_loss_coef = max_grad_norm, value_loss_coef
         self.steps = 0
@@ -30,6 +43,9 @@ class Critic:
                    value_loss_coef=cfg.critic.value_loss_coef, device=cfg.model.device,
                    weight_decay=cfg.weight_decay)
 
+    def _optimizer(self, model: ValueModel) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
     @torch.no_grad()
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """V(s_t) per response position: (B, T), 0 where `response_mask` is 0."""
@@ -37,7 +53,8 @@ class Critic:
         return self.model.response_values(batch.to(self.device)).cpu()
 
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
-        """One optimiser step on a mini-batch. returns, old_values: (B, T)."""
+        """One optimiser step on a mini-batch. returns, old_values: (B, T). A non-finite loss or
+        gradient norm raises `NonFiniteStep` and leaves weights, optimiser and step count as they were."""
         self.model.train()
         batch = batch.to(self.device)
         returns, old_values = returns.to(self.device), old_values.to(self.device)
@@ -46,12 +63,16 @@ class Critic:
                                                   self.value_clip, self.loss_agg_mode)
         self.optimizer.zero_grad(set_to_none=True)
         (self.value_loss_coef * vf_loss).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf")))
+        loss = vf_loss.item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep(f"critic step skipped: loss {loss}, gradient norm {grad_norm}")
         self.optimizer.step()
         self.steps += 1
-        return {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": vf_clipfrac.item(),
+        return {"critic/vf_loss": loss, "critic/vf_clipfrac": vf_clipfrac.item(),
                 "critic/vpred_mean": masked_mean(vpreds.detach(), batch.response_mask).item(),
-                "critic/grad_norm": float(grad_norm)}
+                "critic/grad_norm": grad_norm}
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -59,9 +80,31 @@ class Critic:
         torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, path / "critic_optim.pt")
 
     def load(self, path: str | Path) -> None:
+        """Weights, optimiser state and step count from `path`, all or nothing: everything is read
+        into fresh objects and checked against this critic before it is swapped in."""
         path = Path(path)
-        fresh = ValueModel.from_pretrained(path).to(self.device)
-        self.model.load_state_dict(fresh.state_dict())
-        state = torch.load(path / "critic_optim.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps = int(state["steps"])
+        for name in CHECKPOINT_FILES:
+            if not (path / name).is_file():
+                raise CheckpointError(f"{name}: missing")
+        try:
+            load_file(str(path / "value_head.safetensors"))
+        except Exception as e:
+            raise CheckpointError(f"value_head.safetensors: cannot be read ({type(e).__name__}: {e})") from None
+        try:
+            model = ValueModel.from_pretrained(path).to(self.device)
+        except Exception as e:
+            raise CheckpointError(f"backbone model files: cannot be read ({type(e).__name__}: {e})") from None
+        live = {k: (v.shape, v.dtype) for k, v in self.model.state_dict().items()}
+        if {k: (v.shape, v.dtype) for k, v in model.state_dict().items()} != live:
+            raise CheckpointError("model weights: names, shapes or dtypes differ from this critic's model")
+        optimizer = self._optimizer(model)
+        try:
+            state = torch.load(path / "critic_optim.pt", map_location=self.device, weights_only=True)
+            optimizer.load_state_dict(state["optimizer"])
+            steps = int(state["steps"])
+        except Exception as e:
+            raise CheckpointError(f"critic_optim.pt: cannot be read ({type(e).__name__}: {e})") from None
+        for p, s in optimizer.state.items():
+            if any(torch.is_tensor(v) and v.dim() and v.shape != p.shape for v in s.values()):
+                raise CheckpointError("critic_optim.pt: optimiser state does not fit the model's parameters")
+        self.model, self.optimizer, self.steps = model, optimizer, steps

@@ -1,9 +1,13 @@
-"""The critic server: Values, Train (one optimiser step), Save, Load.
+"""The critic server: Values, Train (one optimiser step), Save, Load, Info. Checkpoints live under
+one root (the run directory); at start the newest complete checkpoint there is loaded.
 
     rlhf serve critic -c configs/tiny-cpu.yaml
 """
 from __future__ import annotations
 
+import logging
+import time
+import uuid
 from pathlib import Path
 
 from ..common.compute import ComputeThread
@@ -11,13 +15,19 @@ from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, 
 from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
+from .critic import CheckpointError, NonFiniteStep
+
+log = logging.getLogger(__name__)
+MAX_PATH_CHARS = 1024
 
 
 class CriticServicer(critic_pb2_grpc.CriticServicer):
-    def __init__(self, critic, cfg, metrics=None):
+    def __init__(self, critic, cfg, metrics=None, root: str | Path | None = None):
         self.critic, self.cfg, self.metrics = critic, cfg, metrics
+        self.root = Path(cfg.run.run_dir if root is None else root).resolve()
         self.vocab_size = critic.model.backbone.config.vocab_size
         self.compute = ComputeThread("critic")  # one step at a time, in order; values wait for it
+        self.loaded_from, self.incarnation, self.started_at = "", uuid.uuid4().hex, time.time()
 
     def _batch(self, msg):
         b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length)
@@ -35,33 +45,81 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         shape = tuple(batch.response_mask.shape)
         returns = tensor_from_proto(request.returns, "returns", ndim=2).float()
         old = tensor_from_proto(request.old_values, "old_values", ndim=2).float()
+        limit = self.cfg.critic.max_abs_target
         for name, t in (("returns", returns), ("old_values", old)):
             if tuple(t.shape) != shape:
                 raise BadRequest(f"{name}: shape {list(t.shape)}, expected {list(shape)} (the response_mask's)")
-        metrics = self.compute.run(self.critic.train_step, batch, returns, old)
+            if t.numel() and t.abs().max() > limit:
+                raise BadRequest(f"{name}: |value| {t.abs().max().item():.3g} above critic.max_abs_target={limit:g}")
+        try:
+            metrics = self.compute.run(self.critic.train_step, batch, returns, old)
+        except NonFiniteStep as e:
+            raise BadRequest(str(e)) from None
         return cpb.TrainResponse(metrics=metrics, step=self.critic.steps)
 
-    def _path(self, path: str) -> Path:
+    def _path(self, path: str) -> tuple[str, Path]:
+        """`path` (relative to the checkpoint root, normalised) and where it resolves; a path that is
+        not relative or would leave the root (by `..` or a symlink) is a BadRequest."""
         if not path:
             raise BadRequest("path: empty")
-        return Path(path)
+        if len(path) > MAX_PATH_CHARS:
+            raise BadRequest(f"path: {len(path)} characters, more than {MAX_PATH_CHARS}")
+        if "\0" in path:
+            raise BadRequest("path: contains a NUL byte")
+        rel = Path(path)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise BadRequest(f"path: {path!r} must be relative to the checkpoint root, without '..'")
+        full = (self.root / rel).resolve()
+        if full == self.root or not full.is_relative_to(self.root):
+            raise BadRequest(f"path: {path!r} does not lead to a directory inside the checkpoint root")
+        return str(rel), full
 
     def Save(self, request, context):
-        p = self._path(request.path)
-        self.compute.run(self.critic.save, p)
-        return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
+        rel, full = self._path(request.path)
+        try:
+            self.compute.run(self.critic.save, full)
+        except (FileExistsError, NotADirectoryError) as e:  # a file where the path needs a directory
+            raise BadRequest(f"path: {rel}: {e.strerror}") from None
+        return cpb.CheckpointResponse(path=rel, step=self.critic.steps)
 
     def Load(self, request, context):
-        p = self._path(request.path)
-        if not (p / "value_head.safetensors").exists():
-            raise BadRequest(f"path: no critic checkpoint in {p} (value_head.safetensors missing)")
-        self.compute.run(self.critic.load, p)
-        return cpb.CheckpointResponse(path=str(p), step=self.critic.steps)
+        rel, full = self._path(request.path)
+        if not (full / "value_head.safetensors").exists():
+            raise BadRequest(f"path: no critic checkpoint in {rel} (value_head.safetensors missing)")
+        try:
+            self.compute.run(self.critic.load, full)
+        except CheckpointError as e:
+            raise BadRequest(f"path: {rel}: {e}") from None
+        self.loaded_from = rel
+        return cpb.CheckpointResponse(path=rel, step=self.critic.steps)
+
+    def Info(self, request, context):
+        return cpb.CriticInfo(step=self.critic.steps, loaded_from=self.loaded_from,
+                              incarnation=self.incarnation, started_at=self.started_at)
+
+    def restore_latest(self) -> None:
+        """Load the critic of the newest complete checkpoint under the root (one with `learner.pt`
+        and `critic/`), skipping any that cannot be loaded; without one, keep the initial weights."""
+        done = sorted(p for p in (self.root / "checkpoints").glob("iter_*")
+                      if (p / "learner.pt").is_file() and (p / "critic" / "value_head.safetensors").is_file())
+        for ckpt in reversed(done):
+            rel = str((ckpt / "critic").relative_to(self.root))
+            try:
+                self.critic.load(ckpt / "critic")
+            except CheckpointError as e:
+                log.warning("critic checkpoint %s in %s cannot be loaded: %s", rel, self.root, e)
+                continue
+            self.loaded_from = rel
+            log.info("critic restored from %s in %s (step %d)", rel, self.root, self.critic.steps)
+            return
+        log.info("critic starts from its initial weights (no complete checkpoint in %s)", self.root)
 
 
-def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1) -> GrpcService:
-    """The critic service: loads the value model `critic` describes (or uses `critic`) and serves
-    gRPC. Ports default to `rpc.critic`'s (metrics_port None = off)."""
+def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1,
+          root: str | Path | None = None) -> GrpcService:
+    """The critic service: loads the value model `critic` describes (or uses `critic`), restores the
+    newest complete checkpoint under `root` (default: `run.run_dir`) and serves gRPC. Ports default
+    to `rpc.critic`'s (metrics_port None = off)."""
     def build():
         c = critic
         if c is None:
@@ -70,7 +128,8 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
         ep = cfg.rpc.critic
         server = RPCServer("critic", cfg.rpc, ep.port if port is None else port,
                            ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-        servicer = CriticServicer(c, cfg, server.metrics)
+        servicer = CriticServicer(c, cfg, server.metrics, root=root)
+        servicer.restore_latest()
         critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)
         server.start()
         server.set_ready(True)

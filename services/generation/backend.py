@@ -16,6 +16,10 @@ from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
 from ..common.padding import pad_left
 from ..common.types import Completion, GenerationResult, SamplingParams
 
+# Temperatures below this sample greedily, exactly as temperature 0 does (log-probs then are of the
+# unscaled distribution): dividing logits by a tiny or denormal temperature overflows to inf/NaN.
+GREEDY_BELOW = 1e-5
+
 
 class HFBackend:
     """transformers `generate` behind a lock: a batch runs start to end on one set of weights,
@@ -66,7 +70,7 @@ class HFBackend:
         ids, attn = pad_left([p for p in prompts for _ in range(params.n)], self.pad_token_id)
         P = ids.shape[1]
         stops = sorted({self.eos_token_id, *params.stop_token_ids})
-        greedy = params.temperature == 0
+        greedy = params.temperature < GREEDY_BELOW
         kwargs = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, eos_token_id=stops,
                       pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
         if not greedy:

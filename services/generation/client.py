@@ -32,9 +32,12 @@ class GenerationClient(RPCClient):
                  for r in resp.results]
         return GenerationResult(comps, resp.policy_version, sum(len(c.token_ids) for cs in comps for c in cs), 0.0)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 4 << 20):
-        return self.stub.PushWeights(weight_chunks(state_dict, version, chunk_bytes), timeout=self.timeout,
-                                     metadata=self.metadata)
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 4 << 20,
+                       run_id: str = "", epoch: int = 0):
+        """Push `state_dict` as policy `version`; a server in a distributed run accepts it only
+        from the run's learner: (run_id, epoch) as published in the replay registry."""
+        return self.stub.PushWeights(weight_chunks(state_dict, version, chunk_bytes, run_id=run_id, epoch=epoch),
+                                     timeout=self.timeout, metadata=self.metadata)
 
     def info(self) -> gpb.GenerationInfo:
         return self.stub.GetInfo(gpb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)

@@ -12,12 +12,15 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 from ..common.rpc.codec import BadRequest, assemble_weights
+from ..common.rpc.errors import ResourceExhausted
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
+from .backend import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +151,14 @@ class Batcher:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, backend: GenerationBackend, cfg, server: RPCServer | None = None, model_name: str = ""):
-        self.backend, self.cfg, self.server = backend, cfg, server
+    """`fence(header)`, when given, decides whether a weight push (or pull) comes from the run's
+    writer: it raises `BadRequest` (refused) or `Unavailable` (cannot tell); it runs as soon as the
+    header arrives and again right before the swap. Without it, any push newer than the serving
+    version is applied (a server outside a distributed run)."""
+
+    def __init__(self, backend: GenerationBackend, cfg, server: RPCServer | None = None, model_name: str = "",
+                 fence: Callable[[common_pb2.WeightHeader], None] | None = None):
+        self.backend, self.cfg, self.server, self.fence = backend, cfg, server, fence
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
@@ -167,8 +176,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         elif kind == "chat":
             if not p.chat.messages:
                 raise BadRequest(f"prompts[{i}].chat.messages: empty")
-            text = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in p.chat.messages],
-                                                tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in p.chat.messages],
+                                                    tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # the template refuses the conversation (roles out of order, ...)
+                raise BadRequest(f"prompts[{i}].chat: the chat template refused it: {e}") from None
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
         else:
             raise BadRequest(f"prompts[{i}]: none of tokens, text, chat is set")
@@ -189,6 +201,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         temperature = m.temperature if m.HasField("temperature") else g.temperature
         if not math.isfinite(temperature) or not 0 <= temperature <= 10:
             raise BadRequest(f"params.temperature: {temperature} outside [0, 10]")
+        if temperature < GREEDY_BELOW:
+            temperature = 0.0  # greedy, as the backend treats it (dividing by a denormal overflows)
         top_p = m.top_p if m.HasField("top_p") else g.top_p
         if not math.isfinite(top_p) or not 0 < top_p <= 1:
             raise BadRequest(f"params.top_p: {top_p} outside (0, 1]")
@@ -211,13 +225,32 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self.batcher.exit()
 
+    def _check_cost(self, n_prompts: int, width: int, params: SamplingParams, exact: bool) -> None:
+        """What one request may cost: prompts x n x (prompt width + max_new_tokens) token positions
+        (the backend pads every prompt to the longest), at most rpc.max_request_tokens."""
+        cost = n_prompts * params.n * (width + params.max_new_tokens)
+        limit = self.cfg.rpc.max_request_tokens
+        if cost > limit:
+            raise ResourceExhausted(
+                f"request: {n_prompts} prompts x n={params.n} x ({'' if exact else 'at least '}{width} prompt tokens "
+                f"+ max_new_tokens={params.max_new_tokens}) = {cost} token positions, more than "
+                f"rpc.max_request_tokens={limit}; send fewer prompts or samples per request")
+
     def _generate(self, request):
+        """Request-level errors come first and never start with "prompts["; an error about one
+        prompt starts with "prompts[i]" (rollout workers tell the two apart by that prefix)."""
         if not request.prompts:
             raise BadRequest("prompts: empty batch (0 prompts)")
         if len(request.prompts) > self.cfg.rpc.max_prompts_per_request:
             raise BadRequest(f"prompts: {len(request.prompts)} prompts, more than {self.cfg.rpc.max_prompts_per_request}")
-        prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
         params = self._params(request.params)
+        # a cheap lower bound before tokenizing anything: token prompts' lengths, 1 for text and chat
+        known = [len(p.tokens.ids) for p in request.prompts if p.WhichOneof("input") == "tokens"]
+        width = min(max(known + [1]), self.cfg.prompt_length)  # a longer prompt is refused on its own
+        self._check_cost(len(request.prompts), width, params,
+                         exact=len(known) == len(request.prompts) and width == max(known))
+        prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
+        self._check_cost(len(prompts), max(len(p) for p in prompts), params, exact=True)
         res = self.batcher.submit(prompts, params)
         out = gpb.GenerateResponse(policy_version=res.policy_version)
         for ids, comps in zip(prompts, res.completions):
@@ -231,12 +264,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         Used by PushWeights (the learner pushes) and by registration (a late server pulls)."""
         t0 = time.perf_counter()
         with self._push_lock:  # one update at a time; generation goes on until the swap
-            version, fmt, state, nbytes = assemble_weights(
-                chunks, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64)
+            version, fmt, state, nbytes, header = assemble_weights(
+                chunks, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64,
+                on_header=self.fence)
+
+            def swap():
+                if self.fence is not None:
+                    self.fence(header)  # again: another learner may have taken over while the pieces came
+                self.backend.update_weights(state, version)
             if self.server:
                 self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
             try:
-                self.batcher.call(self.backend.update_weights, state, version)
+                self.batcher.call(swap)
+            except BadRequest:
+                raise
             except (KeyError, ValueError) as e:
                 raise BadRequest(f"weights: {e}") from None
             finally:
@@ -276,16 +317,19 @@ def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None =
         ep = cfg.rpc.generation
         server = RPCServer("generation", cfg.rpc, ep.port if port is None else port,
                            ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-        servicer = GenerationServicer(b, cfg, server)
+        store = None
+        if cfg.replay.url:  # weights only from the learner the registry names (LearnerFence)
+            from ..common.replay import ReplayStore
+            from .registration import LearnerFence
+            store = ReplayStore.from_config(cfg)
+        servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None)
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
         server.start()
         closers = [servicer.batcher.close]
-        if cfg.replay.url:
-            from ..common.replay import ReplayStore
+        if store is not None:
             from ..common.rpc.server import advertised_address
             from .registration import Registration
-            reg = Registration(cfg, servicer, advertised_address(cfg.rpc, ep.host, server.port),
-                               ReplayStore.from_config(cfg)).start()
+            reg = Registration(cfg, servicer, advertised_address(cfg.rpc, ep.host, server.port), store).start()
             closers.insert(0, reg.stop)
         server.set_ready(True)
         return server, servicer, closers

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from ..common.rpc.retry import DependencyUnavailable
 from ..generation.client import GenerationClient
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,7 @@ class WeightBroadcaster:
         self.cfg, self.store, self.learner = cfg, store, learner
         self.snapshot: tuple[int, dict] = (0, {})  # (version, state dict) for PullWeights
         self._clients: dict[str, GenerationClient] = {}
+        self.identity: tuple[str, int] = ("", 0)  # (run id, epoch): the fence every push carries
 
     def take_snapshot(self, version: int) -> dict:
         state = self.learner.policy_state_dict()
@@ -34,7 +36,8 @@ class WeightBroadcaster:
 
     def _push_one(self, address: str, state: dict, version: int) -> bool:
         try:
-            self.client(address).update_weights(state, version)
+            run_id, epoch = self.identity
+            self.client(address).update_weights(state, version, run_id=run_id, epoch=epoch)
             self.store.heartbeat("generation", address, version=version)  # workers see it at once
             return True
         except grpc.RpcError as e:
@@ -53,7 +56,7 @@ class WeightBroadcaster:
         if servers:
             with ThreadPoolExecutor(max_workers=min(len(servers), 16)) as pool:
                 failed = sum(not ok for ok in pool.map(lambda a: self._push_one(a, state, version), servers))
-        self.store.publish_learner(learner_address, version)
+        self.store.publish_learner(learner_address, version, *self.identity)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         secs = time.perf_counter() - t0
         return {"time/push_s": secs, "push/servers": len(servers), "push/failed": failed,
@@ -62,18 +65,20 @@ class WeightBroadcaster:
     def publish_initial(self, learner_address: str) -> None:
         """Version 0 (the initial weights every server loads): nothing to push, only to publish."""
         self.take_snapshot(0)
-        self.store.publish_learner(learner_address, 0)
+        self.store.publish_learner(learner_address, 0, *self.identity)
 
-    def serving(self, version: int, timeout_s: float, stop_event) -> GenerationClient:
-        """A client of a live generation server at `version` or newer (the eval target)."""
-        deadline = time.time() + timeout_s
+    def serving(self, version: int, timeout_s: float | None, stop_event, exclude=frozenset()) -> GenerationClient:
+        """A client of a live generation server at `version` or newer (the eval target), not in
+        `exclude`; waits up to `timeout_s` (None = until stopped) for one."""
+        deadline = None if timeout_s is None else time.time() + timeout_s
         while True:
-            live = [a for a, i in self.store.live("generation").items() if i.get("version", -1) >= version]
+            live = [a for a, i in self.store.live("generation").items()
+                    if i.get("version", -1) >= version and a not in exclude]
             if live:
                 return self.client(sorted(live)[0])
-            if time.time() > deadline or stop_event.is_set():
-                raise RuntimeError(f"no generation server serves policy version {version} for the eval")
-            time.sleep(0.2)
+            if (deadline is not None and time.time() > deadline) or stop_event.is_set():
+                raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
+            stop_event.wait(0.2)
 
     def close(self) -> None:
         for c in self._clients.values():

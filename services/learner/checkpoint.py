@@ -25,6 +25,11 @@ class Checkpointer:
         self.run_dir, self.store, self.critic, self.keep = Path(run_dir), store, critic, keep
         self.root = self.run_dir / "checkpoints"
 
+    def critic_path(self, checkpoint: Path) -> str:
+        """Where the critic server writes a checkpoint's critic: relative to the run directory,
+        which is the critic server's checkpoint root (shared disk)."""
+        return str((checkpoint / "critic").relative_to(self.run_dir))
+
     def complete(self) -> list[Path]:
         """Checkpoints that were fully written, oldest first."""
         return sorted(p for p in self.root.glob("iter_*") if (p / "learner.pt").exists()) if self.root.exists() else []
@@ -40,7 +45,7 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if self.critic is not None:
-            self.critic.save(str(final / "critic"))
+            self.critic.save(self.critic_path(final))
         commit = [(e.decode() if isinstance(e, bytes) else e, u) for e, u in uncommitted]
         torch.save({**state, "commit": commit}, tmp / "learner.pt")
         if final.exists():  # the critic server created it
@@ -64,5 +69,29 @@ class Checkpointer:
         state = torch.load(path / "learner.pt", weights_only=True)
         self.store.commit([(e, u) for e, u in state["commit"]])
         if self.critic is not None and (path / "critic").exists():
-            self.critic.load(str(path / "critic"))
+            self.critic.load(self.critic_path(path))
         return state
+
+
+def checkpoint_iteration(path: Path) -> int | None:
+    """The iteration of a checkpoint directory `iter_N` (None for any other name)."""
+    try:
+        return int(Path(path).name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def finished_run(run_dir: str | Path, iterations: int) -> dict | None:
+    """The summary.json of `run_dir` (as a dict) when that run already finished `iterations`
+    iterations: its newest complete checkpoint, or the summary's own `iterations`, reached them.
+    None when it did not (no summary, an unreadable one, or fewer iterations: it continues)."""
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict):
+        return None
+    reached = [checkpoint_iteration(p) for p in Checkpointer(run_dir, store=None).complete()]
+    reached.append(summary.get("iterations"))
+    return summary if max((i for i in reached if isinstance(i, int)), default=0) >= iterations else None

@@ -5,7 +5,9 @@ For each group read:
     its prompt already trained (ledger), in this batch, or trained since the last checkpoint
         -> acknowledged and skipped (a duplicate)
     sampled by a policy more than `max_staleness` versions old (or from the future)
-        -> dropped; its prompt is fed again with a higher attempt number
+        -> dropped; its prompt is fed again with a higher attempt number. A long run of such
+           drops with nothing fresh in between means the generation servers do not serve the
+           learner's weights: it is reported (log and status `stale_streak`), with the reason
     malformed -> dropped with an error in the log
     otherwise -> into the batch
 """
@@ -28,6 +30,8 @@ class TrajectoryIntake:
         self._uncommitted_uids: set[str] = set()
         self.gen_rates: list[float] = []  # tokens/s of the Generate calls behind the last batch
         self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "malformed": 0}
+        self.stale_streak = 0  # groups dropped as stale in a row, since the last fresh one
+        self._streak_reported = 0
 
     def _enqueue(self, entries: list) -> None:
         """Queue read entries with whether their prompt is already trained (one round trip)."""
@@ -81,6 +85,7 @@ class TrajectoryIntake:
                 self.store.discard(entry_id)
                 self.counters["malformed"] += 1
                 continue
+            self.stale_streak = self._streak_reported = 0
             batch.append((entry_id, group))
             if msg.generate_seconds > 0:
                 self.gen_rates.append(msg.batch_tokens / msg.generate_seconds)
@@ -94,8 +99,18 @@ class TrajectoryIntake:
         refeed.min_version = refeed.fed_at_version = version
         self.store.discard(entry_id, refeed)
         self.counters["dropped_stale"] += 1
-        log.info("dropped group %s from policy version %d (learner at %d, max_staleness %d); fed again",
-                 msg.task.uid, msg.policy_version, version, self.cfg.max_staleness)
+        self.stale_streak += 1
+        log.debug("dropped group %s from policy version %d (learner at %d, max_staleness %d); fed again",
+                  msg.task.uid, msg.policy_version, version, self.cfg.max_staleness)
+        threshold = 4 * self.cfg.rollout_batch_size
+        if self.stale_streak >= max(threshold, 2 * self._streak_reported):
+            self._streak_reported = self.stale_streak
+            why = ("it is AHEAD of the learner: some server serves weights this learner never pushed"
+                   if msg.policy_version > version else
+                   "the generation servers do not get the learner's pushes (see 'push of version' warnings)")
+            log.error("stalled: %d trajectory groups in a row dropped as stale, none fresh (newest from policy "
+                      "version %d, learner at %d, max_staleness %d): %s", self.stale_streak, msg.policy_version,
+                      version, self.cfg.max_staleness, why)
 
     def trained(self, batch: list) -> None:
         """The batch's update is done: its groups wait for the next checkpoint to be acknowledged."""

@@ -2,6 +2,7 @@
 Status) and a JSON status page over HTTP; and `serve(cfg)`, its lifecycle."""
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,18 +22,26 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         version, state = self.service.broadcaster.snapshot
         if not state or request.have_version >= version:
             return
-        yield from weight_chunks(state, version)
+        yield from weight_chunks(state, version, run_id=self.service.run_id, epoch=self.service.epoch)
 
     def Status(self, request, context):
         s = self.service.status()
         return lpb.LearnerStatus(**{k: v for k, v in s.items() if k in lpb.LearnerStatus.DESCRIPTOR.fields_by_name})
 
 
-def status_http(service, host: str, port: int) -> ThreadingHTTPServer:
+def status_http(service, host: str, port: int, token: str | None = None) -> ThreadingHTTPServer:
+    """JSON `/status` (and `/`) of `service`; with a `token`, only for requests that carry
+    `Authorization: Bearer <token>` (401 otherwise). `/healthz` stays open for liveness probes."""
+    expected = f"Bearer {token}".encode() if token is not None else None
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             if self.path.split("?")[0] in ("/status", "/"):
-                body, code = json.dumps(service.status(), default=str).encode(), 200
+                if expected is not None and not hmac.compare_digest(
+                        self.headers.get("Authorization", "").encode(), expected):
+                    body, code = b'{"error": "missing or wrong bearer token (Authorization: Bearer ...)"}', 401
+                else:
+                    body, code = json.dumps(service.status(), default=str).encode(), 200
             elif self.path == "/healthz":
                 body, code = b'{"ok": true}', 200
             else:
@@ -78,7 +87,7 @@ class LearnerProcess(Service):
         self.server.start()
         hp = ep.http_port if self._http_port == -1 else self._http_port
         if hp is not None:
-            self.http = status_http(self.service, ep.host, hp)
+            self.http = status_http(self.service, ep.host, hp, cfg.rpc.resolved_auth_token())
         threading.Thread(target=self._report_ready, name="learner-ready", daemon=True).start()
         return self
 
@@ -95,7 +104,11 @@ class LearnerProcess(Service):
                 "http_port": self.http.server_address[1] if self.http else None}
 
     def run(self) -> int:
-        self.service.run()
+        from ..common.rpc.retry import DependencyUnavailable
+        try:
+            self.service.run()
+        except DependencyUnavailable:
+            return 1  # the service logged what is missing and what a restart does
         return 0
 
     def drain(self) -> None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -26,13 +28,14 @@ from ..common.data import drop_overlong, load_prompts
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.runlog import RunLog
+from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
 from ..common.sampling import evaluate
 from ..common.types import Rollout, SamplingParams
 from ..critic.client import CriticClient, OverlappedCritic
 from ..reward.client import RewardClient
 from .broadcast import WeightBroadcaster
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, finished_run
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .metrics import LearnerMetrics
@@ -41,7 +44,13 @@ from .schedule import Schedule
 
 log = logging.getLogger(__name__)
 
-EVAL_TARGET_TIMEOUT_S = 60
+
+def run_identity(run_dir: Path) -> str:
+    """The run's id (DIR/run_id, made once): the fencing identity of its weight pushes."""
+    path = run_dir / "run_id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex + "\n")
+    return path.read_text().strip()
 
 
 class LearnerService:
@@ -49,6 +58,9 @@ class LearnerService:
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.run.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id, self.epoch = run_identity(self.run_dir), 0
+        self.stop_event = threading.Event()
+        self.waiting_for: str | None = None  # the dependency the loop waits for, if any
         self.store = ReplayStore.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         d = cfg.data
@@ -60,18 +72,18 @@ class LearnerService:
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, train))
         self.critic = None
-        if cfg.needs_critic:
-            self.critic = CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc)
+        if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
+            self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")
             if cfg.critic.overlap_training:
                 self.critic = OverlappedCritic(self.critic)
-        self.reward = RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)
+        self.critic_state: dict = {}
+        self.reward = self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server")
         self.feeder = PromptFeeder(cfg, self.store, train)
         self.intake = TrajectoryIntake(cfg, self.store, self.feeder)
         self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner)
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
         self.address = ""  # where generation servers pull from: set by the server before run()
-        self.stop_event = threading.Event()
         self.ready = threading.Event()  # resumed and the current policy published
         self.state = "starting"
         self.iteration = 0
@@ -79,6 +91,12 @@ class LearnerService:
         self.last = {"reward": float("nan"), "eval": float("nan")}
         self.resumed_from: int | None = None
         self.t_start = time.time()
+
+    def _retrying(self, client, what: str) -> Retrying:
+        return Retrying(client, what, self.cfg.rpc, self.stop_event, on_wait=self._waiting)
+
+    def _waiting(self, msg: str | None) -> None:
+        self.waiting_for = msg
 
     # ------------------------------------------------------------------ status
     @property
@@ -91,7 +109,9 @@ class LearnerService:
                 "last_reward": self.last["reward"], "last_eval_reward": self.last["eval"], **self.counters,
                 "generation_servers": self._quietly(lambda: len(self.store.live("generation")), 0),
                 "replay_backlog": self._quietly(self.store.backlog, -1),
-                "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from}
+                "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from,
+                "waiting_for": self.waiting_for, "stale_streak": self.intake.stale_streak,
+                "critic": self.critic_state, "run_id": self.run_id, "epoch": self.epoch}
 
     @staticmethod
     def _quietly(fn, default):
@@ -139,11 +159,50 @@ class LearnerService:
         return self.iteration
 
     # ------------------------------------------------------------------ the loop
+    def _check_critic(self) -> None:
+        """Notice a restarted critic server: which state it came back with (the newest
+        checkpoint's critic or its initial weights) goes into the log and the status."""
+        if self.critic is None:
+            return
+        info = self.critic.info()
+        before = self.critic_state.get("incarnation")
+        restarts = self.critic_state.get("restarts", 0)
+        if before is not None and before != info.incarnation:
+            restarts += 1
+            log.warning("the critic server restarted; it serves %s (step %d): the value function is as of that "
+                        "checkpoint, the policy is at iteration %d", info.loaded_from or "its initial weights",
+                        info.step, self.iteration)
+        self.critic_state = {"incarnation": info.incarnation, "loaded_from": info.loaded_from, "step": info.step,
+                             "restarts": restarts}
+
     def run(self) -> dict:
+        """The training loop. A dependency that stays unavailable (`rpc.dependency_wait_s`), or is
+        gone when a stop asks for the last checkpoint, raises `DependencyUnavailable`."""
+        done = finished_run(self.run_dir, self.cfg.run.iterations)
+        if done is not None:
+            self.state = "done"
+            self.ready.set()
+            log.info("run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
+                     self.run_dir, done.get("iterations"))
+            return done
+        try:
+            return self._run()
+        except DependencyUnavailable as e:
+            self.state = "failed"
+            last = self.checkpointer.latest()
+            log.error("%s. The newest checkpoint is %s: a restart resumes from it; trajectories trained since "
+                      "are trained again, none is lost", e, last.name if last else "none (a restart starts over)")
+            raise
+
+    def _run(self) -> dict:
         cfg = self.cfg
         start_it = self.resume()
+        self.epoch = self.store.new_learner_epoch()
+        self.broadcaster.identity = (self.run_id, self.epoch)
+        self._check_critic()
         self.state = "pushing"
         if self.learner.version > 0:
+            self.store.publish_learner(self.address, self.learner.version, self.run_id, self.epoch)
             self.broadcaster.push(self.learner.version, self.address)
         else:
             self.broadcaster.publish_initial(self.address)
@@ -162,6 +221,7 @@ class LearnerService:
         it, stopped = start_it, False
         for it in range(start_it + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
+            self._check_critic()
             self.feeder.feed(it, self.learner.version)
             self.state = "waiting"
             batch = self.intake.collect(self.learner.version, self.stop_event)
@@ -221,10 +281,22 @@ class LearnerService:
                              policy_version=self.learner.version, **self.counters)
 
     def _evaluate(self, params: SamplingParams) -> dict:
-        """Held-out eval through a generation server that serves the current version."""
+        """Held-out eval through a generation server that serves the current version; one that
+        fails is skipped for a while and another (or the same, restarted) one is used."""
         state, self.state = self.state, "evaluating"
-        target = self.broadcaster.serving(self.learner.version, EVAL_TARGET_TIMEOUT_S, self.stop_event)
-        out = evaluate(self.held_out, target, self.reward, self.tokenizer, params)
+        skip: dict[str, float] = {}
+        while True:
+            target = self.broadcaster.serving(self.learner.version, self.cfg.rpc.dependency_wait_s, self.stop_event,
+                                              exclude={a for a, t in skip.items() if t > time.time()})
+            try:
+                out = evaluate(self.held_out, target, self.reward, self.tokenizer, params)
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                log.warning("eval on %s failed (%s: %s); skipping it", target.address, e.code().name, e.details())
+                skip[target.address] = time.time() + self.cfg.replay.heartbeat_ttl_s
+                self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
         self.state = state
         return out
 

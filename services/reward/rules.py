@@ -9,6 +9,8 @@ import importlib
 import re
 from typing import Callable, Protocol
 
+from rapidfuzz.distance import Levenshtein
+
 
 class RuleFn(Protocol):
     def __call__(self, prompt: str, response: str, label: str | None, metadata: dict, **kwargs) -> float: ...
@@ -76,23 +78,13 @@ def verifiable_answer(prompt, response, label, metadata, pattern: str = r"answer
         return float(answer == label.strip())
 
 
-def levenshtein(a: str, b: str) -> int:
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i]
-        for j, cb in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
-        prev = cur
-    return prev[-1]
-
-
 @register_rule("edit_distance")
 def edit_similarity(prompt, response, label, metadata, strip: bool = True) -> float:
     """1 - Levenshtein(response, label) / max(len): 1.0 identical, 0.0 nothing in common."""
     label = _need_label(label, "edit_distance")
     a, b = (response.strip(), label.strip()) if strip else (response, label)
     longest = max(len(a), len(b))
-    return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
+    return 1.0 if longest == 0 else 1.0 - Levenshtein.distance(a, b) / longest
 
 
 @register_rule("repetition")

@@ -8,21 +8,24 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import threading
 from typing import Optional, Sequence
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+from starlette.requests import Request  # at module level: FastAPI resolves the handlers' annotations here
 
 from ..common.lifecycle import GrpcService
 from ..common.modeling import load_tokenizer
-from ..common.rpc.errors import BadRequest
+from ..common.rpc.errors import BadRequest, DeadlineExceeded
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCServer
 from ..common.types import RewardSample
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 65536
+MAX_METADATA_CHARS = 64 * 1024
+SLICE_SAMPLES = 512  # a round of the HTTP scorer's default requests (64 x 8 in parallel)
+SLICE_CHARS = 1 << 20
 
 
 class RewardRequest(BaseModel):
@@ -38,9 +41,30 @@ def _check_scores(results) -> None:
             raise ValueError(f"scorer returned {r.reward} for sample {i}")
 
 
+def _check_lengths(fields: dict, limit: int) -> None:
+    """BadRequest naming the first of `fields` (name: text or None) longer than `limit` characters."""
+    for name, text in fields.items():
+        if text is not None and len(text) > limit:
+            raise BadRequest(f"{name}: {len(text)} characters, more than reward.max_text_chars={limit}")
+
+
+def _slices(samples: Sequence[RewardSample], max_samples: int = SLICE_SAMPLES, max_chars: int = SLICE_CHARS):
+    """Consecutive runs of samples, each at most `max_samples` long with at most `max_chars` of
+    text (or one sample): the work between two deadline checks."""
+    start = chars = 0
+    for i, s in enumerate(samples):
+        n = len(s.prompt) + len(s.response) + len(s.label or "")
+        if i > start and (i - start == max_samples or chars + n > max_chars):
+            yield samples[start:i]
+            start, chars = i, 0
+        chars += n
+    if start < len(samples):
+        yield samples[start:]
+
+
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, scorer, metrics=None):
-        self.scorer, self.metrics = scorer, metrics
+    def __init__(self, scorer, metrics=None, max_text_chars: int = 100_000):
+        self.scorer, self.metrics, self.max_text_chars = scorer, metrics, max_text_chars
 
     def Score(self, request, context):
         if not request.samples:
@@ -49,17 +73,29 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             raise BadRequest(f"samples: {len(request.samples)} samples, more than {MAX_SAMPLES}")
         samples = []
         for i, s in enumerate(request.samples):
+            label = s.label if s.HasField("label") else None
+            _check_lengths({f"samples[{i}].prompt": s.prompt, f"samples[{i}].response": s.response,
+                            f"samples[{i}].label": label}, self.max_text_chars)
+            if len(s.metadata_json) > MAX_METADATA_CHARS:
+                raise BadRequest(f"samples[{i}].metadata_json: {len(s.metadata_json)} characters, "
+                                 f"more than {MAX_METADATA_CHARS}")
             try:
                 meta = json.loads(s.metadata_json) if s.metadata_json else {}
             except json.JSONDecodeError as e:
                 raise BadRequest(f"samples[{i}].metadata_json: not JSON ({e})") from None
+            except RecursionError:
+                raise BadRequest(f"samples[{i}].metadata_json: nested too deeply") from None
             if not isinstance(meta, dict):
                 raise BadRequest(f"samples[{i}].metadata_json: must be a JSON object")
-            samples.append(RewardSample(s.prompt, s.response, s.label if s.HasField("label") else None, meta))
-        try:
-            results = self.scorer.score(samples)
-        except ValueError as e:  # a rule's own complaint about its input (e.g. a missing label)
-            raise BadRequest(str(e)) from None
+            samples.append(RewardSample(s.prompt, s.response, label, meta))
+        results = []
+        for part in _slices(samples):
+            if context.time_remaining() <= 0:
+                raise DeadlineExceeded(f"deadline passed after {len(results)} of {len(samples)} samples scored")
+            try:
+                results.extend(self.scorer.score(part))
+            except ValueError as e:  # a rule's own complaint about its input (e.g. a missing label)
+                raise BadRequest(str(e)) from None
         _check_scores(results)
         if self.metrics:
             self.metrics.batch_size.labels(self.metrics.service, "samples").observe(len(samples))
@@ -72,20 +108,51 @@ def special_token_strings(model_path) -> list[str]:
     return [t for t in dict.fromkeys((tok.bos_token, tok.eos_token, tok.pad_token)) if t]
 
 
-def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str] = ()):
+def _strip_runs(s: str, tokens: Sequence[str], leading: bool) -> str:
+    """`s` without the run of `tokens` (tried longest first) at its start or end; linear time."""
+    i, j = 0, len(s)
+    while True:
+        t = next((t for t in tokens if (s.startswith(t, i, j) if leading else s.endswith(t, i, j))), None)
+        if t is None:
+            return s[i:j]
+        i, j = (i + len(t), j) if leading else (i, j - len(t))
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def parse_reward_request(raw: bytes) -> RewardRequest:
+    """The body as a `RewardRequest`: strict UTF-8 JSON without NaN or Infinity."""
+    from fastapi import HTTPException
+    from fastapi.exceptions import RequestValidationError
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise HTTPException(400, f"body: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:
+        raise HTTPException(400, f"body: not JSON ({e})") from None
+    try:
+        return RewardRequest.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in errors]) from None
+
+
+def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str] = (), max_text_chars: int = 100_000):
     """FastAPI app answering OpenRLHF's remote reward request shape. Each query loses the runs of
     `strip_tokens` at its start and end (OpenRLHF decodes with special tokens kept: pads, BOS,
-    a trailing EOS), each prompt those at its start, before the response is cut from the query."""
+    a trailing EOS), each prompt those at its start, before the response is cut from the query.
+    Prompts, responses and labels are limited to `max_text_chars` (a query to twice that)."""
     from fastapi import FastAPI, Header, HTTPException
+    from starlette.concurrency import run_in_threadpool
 
-    # any of strip_tokens, the longest first; with none, (?!), which matches nothing
-    runs = "|".join(re.escape(t) for t in sorted(set(strip_tokens) - {""}, key=len, reverse=True)) or "(?!)"
-    leading, trailing = re.compile(f"^(?:{runs})+"), re.compile(f"(?:{runs})+$")
+    tokens = sorted(set(strip_tokens) - {""}, key=len, reverse=True)
     app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
+    body_schema = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": RewardRequest.model_json_schema()}}}}
 
-    def score(req: RewardRequest, authorization: str | None):
-        if token is not None and authorization != f"Bearer {token}":
-            raise HTTPException(401, "missing or wrong bearer token")
+    def score(req: RewardRequest):
         n = len(req.query)
         if n == 0:
             raise HTTPException(422, "query: empty batch")
@@ -94,9 +161,17 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
         if len(prompts) != n or len(labels) != n:
             raise HTTPException(422, f"query, prompts and labels must have one entry per sample ({n})")
         samples = []
-        for q, p, l in zip(req.query, prompts, labels):
-            q, p = trailing.sub("", leading.sub("", q)), leading.sub("", p)
+        for i, (q, p, l) in enumerate(zip(req.query, prompts, labels)):
+            if len(q) > 2 * max_text_chars:
+                raise HTTPException(422, f"query[{i}]: {len(q)} characters, more than a prompt and a response "
+                                         f"of reward.max_text_chars={max_text_chars} each")
+            q, p = _strip_runs(_strip_runs(q, tokens, True), tokens, False), _strip_runs(p, tokens, True)
             response = q[len(p):] if p and q.startswith(p) else q
+            try:
+                _check_lengths({f"prompts[{i}]": p, f"labels[{i}]": l, f"query[{i}]'s response": response},
+                               max_text_chars)
+            except BadRequest as e:
+                raise HTTPException(422, str(e)) from None
             samples.append(RewardSample(p, response, l))
         try:
             results = scorer.score(samples)
@@ -107,13 +182,19 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
         return {"rewards": rewards, "scores": rewards, "extra_logs": {
             k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})}}
 
-    @app.post("/score")
-    def score_endpoint(req: RewardRequest, authorization: str | None = Header(None)):
-        return score(req, authorization)
+    async def answer(request: Request, authorization: str | None):
+        if token is not None and authorization != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong bearer token")
+        req = parse_reward_request(await request.body())
+        return await run_in_threadpool(score, req)
 
-    @app.post("/get_reward")
-    def get_reward(req: RewardRequest, authorization: str | None = Header(None)):
-        return score(req, authorization)
+    @app.post("/score", openapi_extra=body_schema)
+    async def score_endpoint(request: Request, authorization: str | None = Header(None)):
+        return await answer(request, authorization)
+
+    @app.post("/get_reward", openapi_extra=body_schema)
+    async def get_reward(request: Request, authorization: str | None = Header(None)):
+        return await answer(request, authorization)
 
     @app.get("/health")
     def healthz():
@@ -157,13 +238,15 @@ def serve(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
         ep = cfg.rpc.reward
         server = RPCServer("reward", cfg.rpc, ep.port if port is None else port,
                            ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-        servicer = RewardServicer(sc, server.metrics)
+        servicer = RewardServicer(sc, server.metrics, cfg.reward.max_text_chars)
         reward_pb2_grpc.add_RewardServicer_to_server(servicer, server.grpc)
         server.start()
         closers = []
         hp = ep.http_port if http_port == -1 else http_port
         if hp is not None:
-            http = HTTPServerThread(build_http_app(sc, cfg.rpc.resolved_auth_token(), strip_tokens=special_token_strings(cfg.model.path)), ep.host, hp)
+            app = build_http_app(sc, cfg.rpc.resolved_auth_token(), strip_tokens=special_token_strings(cfg.model.path),
+                                 max_text_chars=cfg.reward.max_text_chars)
+            http = HTTPServerThread(app, ep.host, hp)
             server.http_port = http.start()
             closers.append(http.stop)
         server.set_ready(True)

@@ -1,7 +1,16 @@
 """A stateless rollout worker: claim prompts -> Generate -> Score -> Values -> append the
 trajectories and acknowledge the prompts (one atomic step). Run as many as you like; start and
 stop them at any time. A worker killed mid-batch leaves its prompts pending; another worker
-reclaims them after `replay.claim_idle_s`.
+reclaims them after `replay.claim_idle_s`. A live worker renews its claim while it works, so a
+slow batch (or one waiting for a restarting service) is never taken over.
+
+Failures, by where they come from:
+    a generation server unavailable, or refusing the request as a whole (its limits differ)
+        -> another server is tried (that one avoided for a while); after `rollout.retries`
+           the batch is left pending and picked up again later
+    the reward or critic server unavailable -> wait for it (it restarts), as the learner does
+    one prompt refused (INVALID_ARGUMENT about prompts[i], a reward rule's complaint)
+        -> the batch is split to find it; that prompt alone goes to the dead-letter stream
 
     rlhf serve rollout -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
 """
@@ -21,6 +30,7 @@ from ..common.lifecycle import Service
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.replay.records import group_to_proto, task_record
+from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
 from ..common.sampling import sample_groups
 from ..common.types import SamplingParams
@@ -54,15 +64,65 @@ class WorkerMetrics:
         self.in_flight = Gauge("rlhf_rollout_batches_in_flight", "batches being processed", registry=r)
 
 
+class _Tagged:
+    """A client whose gRPC errors say which service they came from (`e.service`)."""
+
+    def __init__(self, client, service: str):
+        self._client, self._service = client, service
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except grpc.RpcError as e:
+                e.service = self._service
+                raise
+        return call
+
+
+class _ClaimRenewal:
+    """While a batch is worked on, re-claim its prompts every claim_idle_s / 3 (their idle time
+    restarts), so other workers see a live owner and leave them alone."""
+
+    def __init__(self, store: ReplayStore, consumer: str, entry_ids: list, every_s: float):
+        self.store, self.consumer, self.ids, self.every_s = store, consumer, entry_ids, every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="claim-renewal", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._done.wait(self.every_s):
+            try:
+                self.store.renew_claims(self.consumer, self.ids)
+            except Exception as e:  # Redis restarting: the next renewal tries again
+                log.warning("could not renew the claim on %d prompts: %s", len(self.ids), e)
+
+    def __enter__(self) -> "_ClaimRenewal":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+
 class RolloutWorker:
     def __init__(self, cfg, store: ReplayStore, name: str | None = None):
         self.cfg, self.store = cfg, store
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.reward = RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)
-        self.critic = CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc) if cfg.needs_critic else None
-        self.metrics = WorkerMetrics()
         self.stop_event = threading.Event()
+        self.metrics = WorkerMetrics()
+        # the reward and critic servers are waited for while they restart (the claim is renewed)
+        self.reward = _Tagged(Retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server",
+                                       cfg.rpc, self.stop_event, on_wait=self._waiting), "reward")
+        self.critic = None
+        if cfg.needs_critic:
+            self.critic = _Tagged(Retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server",
+                                           cfg.rpc, self.stop_event, on_wait=self._waiting), "critic")
         self._clients: dict[str, GenerationClient] = {}
         self._servers: dict[str, dict] = {}
         self._servers_at = 0.0
@@ -70,6 +130,10 @@ class RolloutWorker:
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self.produced = 0
+
+    def _waiting(self, msg: str | None) -> None:
+        if msg:
+            self.metrics.errors.labels("waiting").inc()
 
     # ------------------------------------------------------------------ generation servers
     def _pick_server(self, min_version: int) -> str | None:
@@ -105,28 +169,45 @@ class RolloutWorker:
         tasks = [t for _, t in entries]
         min_version = max(t.min_version for t in tasks)
         params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
-        backoff = self.cfg.rollout.retry_backoff_s
-        for attempt in range(self.cfg.rollout.retries + 1):
+        rc = self.cfg.rollout
+        for attempt in range(rc.retries + 1):
+            delay = min(rc.retry_backoff_s * 2 ** attempt, self.cfg.rpc.retry_max_backoff_s)
             if self.stop_event.is_set() and attempt:
                 return None
             address = self._pick_server(min_version)
             if address is None:
                 self.metrics.errors.labels("no_generation_server").inc()
-                log.info("no live generation server registered yet; waiting")
-                time.sleep(backoff * (attempt + 1))
+                log.info("no live generation server registered; waiting %.1fs", delay)
+                self.stop_event.wait(delay)
                 continue
             try:
                 groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks],
-                                          self._clients[address], self.reward, self.tokenizer, params, self.critic,
-                                          self.cfg.prompt_length)
+                                          _Tagged(self._clients[address], "generation"), self.reward, self.tokenizer,
+                                          params, self.critic, self.cfg.prompt_length)
+            except DependencyUnavailable as e:  # reward or critic gone for longer than we wait
+                self.metrics.errors.labels("dependency").inc()
+                log.error("batch of %d prompts left pending: %s", len(tasks), e)
+                return None
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ValueError(e.details()) from None
+                source = getattr(e, "service", "generation")
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (
+                        source != "generation" or (e.details() or "").startswith("prompts[")):
+                    raise ValueError(e.details()) from None  # about a prompt: isolate it
                 self.metrics.errors.labels(e.code().name.lower()).inc()
-                log.warning("batch of %d prompts failed on %s (%s: %s); retry %d/%d", len(tasks), address,
-                            e.code().name, e.details(), attempt + 1, self.cfg.rollout.retries)
-                self._avoid(address, backoff * (attempt + 1))
-                time.sleep(backoff * (attempt + 1))
+                if source != "generation":
+                    log.warning("batch of %d prompts: the %s server answered %s (%s); retry %d/%d", len(tasks),
+                                source, e.code().name, e.details(), attempt + 1, rc.retries)
+                    self.stop_event.wait(delay)
+                    continue
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    log.error("generation server %s refuses the request itself (%s): its limits differ from this "
+                              "worker's config; trying another", address, e.details())
+                    self._avoid(address, self.cfg.replay.heartbeat_ttl_s)
+                else:
+                    log.warning("batch of %d prompts failed on %s (%s: %s); retry %d/%d", len(tasks), address,
+                                e.code().name, e.details(), attempt + 1, rc.retries)
+                    self._avoid(address, delay)
+                self.stop_event.wait(delay)
                 continue
             if groups and groups[0].version < min_version:  # the server missed a push; it will catch up
                 log.info("%s served version %d < %d; trying another", address, groups[0].version, min_version)
@@ -192,7 +273,8 @@ class RolloutWorker:
                     log.info("reclaimed %d prompts from a silent worker", reclaimed)
                 self.metrics.in_flight.inc()
                 try:
-                    self.process(entries)
+                    with _ClaimRenewal(self.store, self.name, [e for e, _ in entries], rc.claim_idle_s / 3):
+                        self.process(entries)
                 finally:
                     self.metrics.in_flight.dec()
             except Exception as e:  # Redis restarting, a stream reset by a new run, ...

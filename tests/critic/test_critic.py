@@ -41,3 +41,21 @@ def test_value_clip_limits_the_step(tiny_model_dir):
     # the prediction has moved past v0 + 0.01 towards the target: the clipped term is larger now
     m = clipped.train_step(batch, batch.response_mask * 100, v0)
     assert m["critic/vf_clipfrac"] == 1.0
+
+
+def test_a_non_finite_step_is_not_taken(tiny_model_dir):
+    from services.common.modeling import load_tokenizer
+    from services.critic.critic import NonFiniteStep
+    import pytest
+    batch = _batch(load_tokenizer(tiny_model_dir))
+    critic = Critic(tiny_model_dir, lr=1e-2, device="cpu")
+    critic.train_step(batch, batch.response_mask, critic.values(batch))
+    weights = {k: v.clone() for k, v in critic.model.state_dict().items()}
+    optim = {k: v.clone() for k, v in critic.optimizer.state_dict()["state"][0].items()}
+    with pytest.raises(NonFiniteStep, match="step skipped"):
+        critic.train_step(batch, batch.response_mask * 3.4e38, critic.values(batch))
+    assert critic.steps == 1
+    assert all(torch.equal(v, weights[k]) for k, v in critic.model.state_dict().items())
+    assert all(torch.equal(v, optim[k]) for k, v in critic.optimizer.state_dict()["state"][0].items())
+    assert all(p.grad is None for p in critic.model.parameters())
+    assert torch.isfinite(critic.values(batch)).all()

@@ -1,3 +1,6 @@
+import os
+import time
+
 import grpc
 import pytest
 import torch
@@ -13,16 +16,34 @@ from tests.grpc_helpers import expect_code
 
 
 @pytest.fixture(scope="module")
-def server(cfg):
-    with serve(cfg, port=0, metrics_port=None) as svc:
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("critic-root")
+
+
+@pytest.fixture(scope="module")
+def server(cfg, root):
+    with serve(cfg, port=0, metrics_port=None, root=root) as svc:
         yield svc.server
+
+
+@pytest.fixture()
+def fresh(cfg, tmp_path):
+    """A critic server of its own on an empty checkpoint root (tmp_path/'run'); yields a client."""
+    with serve(cfg, port=0, metrics_port=None, root=tmp_path / "run") as svc:
+        c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
+        yield c
+        c.close()
 
 
 def _batch():
     return build_token_batch([[1, 4, 5, 30], [1, 6, 30]], [[5, 4, 2], [6]], 0)
 
 
-def test_values_train_save_load_match_in_process(server, cfg, tmp_path):
+def _train(c, b, target=2.0):
+    return c.train_step(b, b.response_mask * target, c.values(b))
+
+
+def test_values_train_save_load_match_in_process(server, cfg, root):
     c = CriticClient(f"127.0.0.1:{server.port}", cfg.rpc)
     local = Critic.from_config(cfg)
     b = _batch()
@@ -32,9 +53,10 @@ def test_values_train_save_load_match_in_process(server, cfg, tmp_path):
     m_local = local.train_step(b, returns, local.values(b))
     assert m_remote["critic/vf_loss"] == pytest.approx(m_local["critic/vf_loss"], rel=1e-5)
     assert torch.allclose(c.values(b), local.values(b), atol=1e-5)
-    assert c.save(tmp_path / "ck") == 1
+    assert c.save("ck") == 1
+    assert (root / "ck" / "critic_optim.pt").is_file()
     c.train_step(b, returns, c.values(b))
-    assert c.load(tmp_path / "ck") == 1
+    assert c.load("ck") == 1
     assert torch.allclose(c.values(b), local.values(b), atol=1e-5)
 
 
@@ -58,5 +80,120 @@ def test_bad_critic_input(server, cfg, tmp_path):
                 grpc.StatusCode.INVALID_ARGUMENT, "prompt_length=32")
     expect_code(lambda: c.stub.Values(cpb.ValuesRequest(), metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
                 "batch.input_ids: missing")
-    expect_code(lambda: c.load(tmp_path / "none"), grpc.StatusCode.INVALID_ARGUMENT, "no critic checkpoint")
+    expect_code(lambda: c.load("none"), grpc.StatusCode.INVALID_ARGUMENT, "no critic checkpoint")
     assert c.values(b).shape == (2, 3)  # still serving
+
+
+def test_huge_targets_are_refused_and_the_critic_stays_finite(fresh):
+    b = _batch()
+    _train(fresh, b)
+    before = fresh.values(b)
+    huge = b.response_mask * 3.4e38
+    for returns, old in ((huge, b.response_mask), (-huge, b.response_mask), (b.response_mask, huge)):
+        expect_code(lambda: fresh.train_step(b, returns, old), grpc.StatusCode.INVALID_ARGUMENT, "max_abs_target")
+    after = fresh.values(b)
+    assert torch.isfinite(after).all() and torch.equal(after, before)
+    assert fresh.info().step == 1
+    _train(fresh, b)  # still trains
+    assert fresh.info().step == 2
+
+
+def test_a_non_finite_step_is_refused_not_taken(cfg, tmp_path):
+    """With the bound lifted, the loss overflows to inf: the step is refused, not taken."""
+    loose = cfg.model_copy(update={"critic": cfg.critic.model_copy(update={"max_abs_target": 1e39})})
+    with serve(loose, port=0, metrics_port=None, root=tmp_path) as svc:
+        c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
+        b = _batch()
+        before = c.values(b)
+        expect_code(lambda: c.train_step(b, b.response_mask * 3.4e38, before), grpc.StatusCode.INVALID_ARGUMENT,
+                    "critic step skipped")
+        assert torch.equal(c.values(b), before) and c.info().step == 0
+
+
+BAD_PATHS = [("", "path: empty"), ("ABS", "must be relative"), ("../ck", "without '..'"),
+             ("a/../../ck", "without '..'"), ("a/../ck", "without '..'"), ("ck\0x", "NUL"),
+             ("c" * 1025, "more than 1024"), (".", "inside the checkpoint root"),
+             ("link/ck", "inside the checkpoint root")]  # link -> a directory outside the root
+
+
+def test_checkpoint_paths_stay_under_the_root(fresh, tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    run.mkdir(exist_ok=True)
+    os.symlink(outside, run / "link")
+    for path, fragment in BAD_PATHS:
+        path = str(outside / "ck") if path == "ABS" else path
+        for rpc in (fresh.save, fresh.load):
+            expect_code(lambda: rpc(path), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+    assert not list(outside.iterdir())
+    (run / "file").write_text("x")
+    expect_code(lambda: fresh.save("file/ck"), grpc.StatusCode.INVALID_ARGUMENT, "file/ck")
+    assert fresh.save("a/ck") == 0 and (run / "a" / "ck" / "value_head.safetensors").is_file()
+
+
+@pytest.mark.parametrize("damage", ["delete optim", "corrupt optim", "corrupt head", "corrupt weights",
+                                    "optim of another shape"])
+def test_a_failed_load_leaves_the_critic_unchanged(fresh, tmp_path, damage):
+    b = _batch()
+    _train(fresh, b)
+    fresh.save("ck")
+    _train(fresh, b, target=5.0)
+    before = fresh.values(b)
+    ck = tmp_path / "run" / "ck"
+    name = {"delete optim": "critic_optim.pt", "corrupt optim": "critic_optim.pt", "corrupt head":
+            "value_head.safetensors", "corrupt weights": "model", "optim of another shape": "critic_optim.pt"}[damage]
+    if damage == "delete optim":
+        (ck / "critic_optim.pt").unlink()
+    elif damage == "optim of another shape":
+        state = torch.load(ck / "critic_optim.pt", weights_only=True)
+        for s in state["optimizer"]["state"].values():
+            s["exp_avg"] = torch.zeros(3, 3)
+        torch.save(state, ck / "critic_optim.pt")
+    else:
+        f = {"corrupt optim": "critic_optim.pt", "corrupt head": "value_head.safetensors",
+             "corrupt weights": "model.safetensors"}[damage]
+        (ck / f).write_bytes(b"\x00garbage" * 10)
+    expect_code(lambda: fresh.load("ck"), grpc.StatusCode.INVALID_ARGUMENT, name)
+    assert torch.equal(fresh.values(b), before)
+    info = fresh.info()
+    assert info.step == 2 and info.loaded_from == ""
+    _train(fresh, b)  # still trains
+    assert fresh.info().step == 3
+
+
+def test_info_names_the_incarnation_and_the_loaded_checkpoint(fresh):
+    info = fresh.info()
+    assert info.step == 0 and info.loaded_from == "" and len(info.incarnation) == 32
+    assert time.time() - 120 < info.started_at <= time.time()
+    b = _batch()
+    _train(fresh, b)
+    fresh.save("checkpoints/iter_000001/critic")
+    assert fresh.load("checkpoints/iter_000001/critic") == 1
+    again = fresh.info()
+    assert (again.step, again.loaded_from, again.incarnation) == (1, "checkpoints/iter_000001/critic",
+                                                                   info.incarnation)
+
+
+def test_a_restarted_critic_resumes_from_the_newest_complete_checkpoint(cfg, tmp_path):
+    b = _batch()
+    run = tmp_path / "run"
+    with serve(cfg, port=0, metrics_port=None, root=run) as svc:
+        c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
+        first = c.info().incarnation
+        for it in (1, 2, 3):
+            _train(c, b, target=float(it))
+            c.save(f"checkpoints/iter_{it:06d}/critic")
+            if it < 3:  # iteration 3's learner state was never written: incomplete
+                (run / "checkpoints" / f"iter_{it:06d}" / "learner.pt").write_bytes(b"")
+                expected = c.values(b)
+        (run / "checkpoints" / "iter_000004").mkdir()
+        (run / "checkpoints" / "iter_000004" / "learner.pt").write_bytes(b"")  # no critic/
+    with serve(cfg, port=0, metrics_port=None, root=run) as svc:
+        c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
+        info = c.info()
+        assert (info.step, info.loaded_from) == (2, "checkpoints/iter_000002/critic")
+        assert info.incarnation != first
+        assert torch.equal(c.values(b), expected)
+    with serve(cfg, port=0, metrics_port=None, root=tmp_path / "empty") as svc:
+        info = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).info()
+        assert (info.step, info.loaded_from) == (0, "")

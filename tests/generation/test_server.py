@@ -1,4 +1,7 @@
 """A real generation server on a loopback port, called through the generated client."""
+import hashlib
+import math
+import resource
 import threading
 import time
 
@@ -141,6 +144,199 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
         assert torch.equal(t, good[k])
 
 
+def _restream(chunks):
+    """`chunks` with the footer's sha256 recomputed, so that only the tampering under test is wrong."""
+    digest = hashlib.sha256()
+    for c in chunks:
+        if c.WhichOneof("payload") == "piece":
+            digest.update(c.piece.data)
+    chunks[-1].footer.sha256 = digest.hexdigest()
+    return iter(chunks)
+
+
+def _serves_unchanged(client, backend, good, v, prompts, before):
+    assert client.version == v
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    assert client.generate(prompts, greedy).completions[0][0].token_ids == before
+    for k, t in backend.model.state_dict().items():
+        assert torch.equal(t, good[k]), k
+
+
+def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
+    backend = server[1].backend
+    good = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    v = client.version
+    prompts = [[1, 4, 5, 6, 30]]
+    before = client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).completions[0][0].token_ids
+    noisy = {k: t + 1.0 for k, t in good.items()}
+    push = lambda chunks: client.stub.PushWeights(chunks, metadata=client.metadata)  # noqa: E731
+    name = "model.embed_tokens.weight"  # 66 x 128 float32: 33,792 bytes, 4 pieces of 8,448
+    piece_bytes = good[name].numel() * 4 // 4
+
+    def pieces_of(chunks):
+        return [c for c in chunks if c.WhichOneof("payload") == "piece" and c.piece.name == name]
+
+    # the piece at offset 0 twice and the one at 8,448 left out: the byte count is right, the ranges are not
+    chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
+    first, second = pieces_of(chunks)[:2]
+    second.CopyFrom(first)
+    expect_code(lambda: push(_restream(chunks)), grpc.StatusCode.INVALID_ARGUMENT,
+                f"weights.piece[{name}]: bytes [0, {piece_bytes}) were already received")
+    # only the hole
+    chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
+    chunks.remove(pieces_of(chunks)[1])
+    expect_code(lambda: push(_restream(chunks)), grpc.StatusCode.INVALID_ARGUMENT,
+                f"bytes [{piece_bytes}, {2 * piece_bytes}) missing")
+    # a "full" push without a whole tensor
+    without = {k: t for k, t in noisy.items() if k != "model.norm.weight"}
+    expect_code(lambda: push(iter(weight_chunks(without, v + 1))), grpc.StatusCode.INVALID_ARGUMENT,
+                "a full push without 1 of the model's tensors: model.norm.weight")
+    # a format the server does not know
+    expect_code(lambda: push(iter(weight_chunks(noisy, v + 1, fmt="delta"))), grpc.StatusCode.INVALID_ARGUMENT,
+                "weights.header.format: 'delta' is not one of full, partial")
+    # NaN or infinity anywhere in a floating tensor
+    for bad in (float("nan"), float("inf")):
+        poisoned = dict(noisy)
+        poisoned[name] = noisy[name].clone()
+        poisoned[name][5, 7] = bad
+        expect_code(lambda: push(iter(weight_chunks(poisoned, v + 1))), grpc.StatusCode.INVALID_ARGUMENT,
+                    f"weights.piece[{name}]: contains NaN or infinity")
+    _serves_unchanged(client, backend, good, v, prompts, before)
+
+
+def test_partial_push_replaces_only_its_tensors(client, server):
+    backend = server[1].backend
+    good = {k: t.clone() for k, t in backend.model.state_dict().items()}
+    v = client.version
+    name = "model.norm.weight"
+    new = good[name] * 1.5
+    resp = client.stub.PushWeights(weight_chunks({name: new}, v + 1, fmt="partial"), metadata=client.metadata)
+    assert resp.version == v + 1 and client.version == v + 1
+    for k, t in backend.model.state_dict().items():
+        assert torch.equal(t, new if k == name else good[k]), k
+    # each tensor of a partial push is still complete
+    chunks = list(weight_chunks({name: good[name]}, v + 2, chunk_bytes=128, fmt="partial"))
+    del chunks[2]
+    expect_code(lambda: client.stub.PushWeights(_restream(chunks), metadata=client.metadata),
+                grpc.StatusCode.INVALID_ARGUMENT, "bytes [128, 256) missing")
+    assert client.version == v + 1
+
+
+@pytest.mark.parametrize("where,value,fragment", [
+    ("piece.total_bytes", 1 << 32, ".total_bytes: 4294967296, but shape [66, 128] of float32 is 33792 bytes"),
+    ("piece.total_bytes", 1 << 62, ".total_bytes: 4611686018427387904, but shape"),
+    ("piece.total_bytes", -1, ".total_bytes: -1, but shape"),
+    ("piece.total_bytes", 33792 + 4, ".total_bytes: 33796, but shape"),
+    ("piece.offset", -8, "bytes [-8, "),
+    ("header.total_bytes", -1, "weights.header.total_bytes: -1 is negative"),
+    ("header.total_bytes", 1 << 62, "weights.header.total_bytes: 4611686018427387904, more than the model's"),
+    ("header.total_bytes", "model+1", "more than the model's"),
+    ("header.num_tensors", 0, "weights.header.num_tensors: 0 outside [1, 21]"),  # the tiny model has 21
+    ("header.num_tensors", 22, "weights.header.num_tensors: 22 outside [1, 21]"),
+])
+def test_declared_sizes_are_checked_against_the_model_before_allocating(client, server, where, value, fragment):
+    backend = server[1].backend
+    state = {k: t.clone() for k, t in backend.model.state_dict().items()}
+    v = client.version
+    if value == "model+1":
+        value = sum(t.numel() * t.element_size() for t in state.values()) + 1
+    chunks = list(weight_chunks(state, v + 1, chunk_bytes=8448))
+    if where.startswith("header."):
+        setattr(chunks[0].header, where.split(".")[1], value)
+    else:
+        for c in chunks:
+            if c.WhichOneof("payload") == "piece" and c.piece.name == "model.embed_tokens.weight":
+                setattr(c.piece, where.split(".")[1], value)
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    expect_code(lambda: client.stub.PushWeights(_restream(chunks), metadata=client.metadata),
+                grpc.StatusCode.INVALID_ARGUMENT, fragment)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_kb < 512 * 1024  # nothing of GiBs allocated
+    assert client.version == v
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6])
+def test_tiny_temperatures_sample_greedily(client, temperature):
+    prompts = [gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30])), gpb.Prompt(text="abc=")]
+    resp = client.stub.Generate(gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(
+        n=2, temperature=temperature, max_new_tokens=6)), metadata=client.metadata)
+    greedy = client.stub.Generate(gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(
+        n=1, temperature=0, max_new_tokens=6)), metadata=client.metadata)
+    for r, g in zip(resp.results, greedy.results):
+        for c in r.completions:
+            assert c.log_probs and all(math.isfinite(lp) and lp <= 0 for lp in c.log_probs)
+            assert list(c.token_ids) == list(g.completions[0].token_ids)
+            assert list(c.log_probs) == pytest.approx(list(g.completions[0].log_probs), abs=1e-6)
+
+
+def test_prompt_errors_start_with_the_prompt_and_request_errors_do_not(client):
+    """Rollout workers dead-letter one prompt when the error starts with "prompts[", and treat any
+    other INVALID_ARGUMENT as the whole request's."""
+    ok = gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 30]))
+    bad = gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))
+    generate = lambda req: lambda: client.stub.Generate(req, metadata=client.metadata)  # noqa: E731
+    # a request-level error is reported as such even when a prompt is bad too
+    for params, fragment in [(gpb.SamplingParams(max_new_tokens=100), "params.max_new_tokens"),
+                             (gpb.SamplingParams(n=9), "params.n"), (gpb.SamplingParams(top_p=2), "params.top_p")]:
+        details = expect_code(generate(gpb.GenerateRequest(prompts=[ok, bad], params=params)),
+                              grpc.StatusCode.INVALID_ARGUMENT, fragment)
+        assert not details.startswith("prompts["), details
+    details = expect_code(generate(gpb.GenerateRequest()), grpc.StatusCode.INVALID_ARGUMENT, "prompts: empty")
+    assert not details.startswith("prompts[")
+    for i, prompt in [(1, bad), (0, gpb.Prompt()), (2, gpb.Prompt(text="a" * 40)),
+                      (1, gpb.Prompt(chat=gpb.Chat())), (0, gpb.Prompt(tokens=gpb.TokenIds()))]:
+        prompts = [ok] * 3
+        prompts[i] = prompt
+        req = gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(max_new_tokens=2))
+        details = expect_code(generate(req), grpc.StatusCode.INVALID_ARGUMENT)
+        assert details.startswith(f"prompts[{i}]"), details
+
+
+@pytest.fixture(scope="module")
+def small_server(cfg):
+    """A server that allows 200 token positions per request."""
+    with serve(config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "max_request_tokens": 200}}),
+               port=0, metrics_port=None) as svc:
+        c = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
+        yield svc.servicer, c
+        c.close()
+
+
+def test_one_request_may_not_cost_more_than_max_request_tokens(small_server, monkeypatch):
+    servicer, client = small_server
+    generate = lambda req: lambda: client.stub.Generate(req, metadata=client.metadata)  # noqa: E731
+    tokens = gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30]))
+    # 4 prompts x n=4 x (5 + 8) = 208
+    expect_code(generate(gpb.GenerateRequest(prompts=[tokens] * 4, params=gpb.SamplingParams(n=4))),
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "request: 4 prompts x n=4 x (5 prompt tokens + max_new_tokens=8) = 208 token positions, more than "
+                "rpc.max_request_tokens=200")
+    # text prompts: refused from the prompt count alone, before anything is tokenized
+    calls = []
+    real = servicer.tok
+
+    class Spy:
+        def __call__(self, *a, **kw):
+            calls.append(a)
+            return real(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    monkeypatch.setattr(servicer, "tok", Spy())
+    expect_code(generate(gpb.GenerateRequest(prompts=[gpb.Prompt(text="abc=")] * 30)),
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "30 prompts x n=1 x (at least 1 prompt tokens")
+    assert calls == []
+    # ... and by their exact length once tokenized
+    long_text = "abcdefghijklmnopqrst="
+    width = len(real(long_text)["input_ids"])
+    assert 10 * (1 + 8) <= 200 < 10 * (width + 8)
+    expect_code(generate(gpb.GenerateRequest(prompts=[gpb.Prompt(text=long_text)] * 10)),
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"10 prompts x n=1 x ({width} prompt tokens")
+    # within the limit: served
+    resp = client.stub.Generate(gpb.GenerateRequest(prompts=[tokens] * 2, params=gpb.SamplingParams(n=2)),
+                                metadata=client.metadata)
+    assert len(resp.results) == 2 and all(len(r.completions) == 2 for r in resp.results)
+
+
 def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
     """Hammer Generate while pushing: each response's tokens must be what its reported version
     produces greedily."""
@@ -200,7 +396,8 @@ def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
 def test_metrics_endpoint(server, client):
     import httpx
     client.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2))
-    text = httpx.get(f"http://127.0.0.1:{server[0].metrics_port}/metrics").text
+    text = httpx.get(f"http://127.0.0.1:{server[0].metrics_port}/metrics",
+                     headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'rlhf_rpc_requests_total{code="OK",method="Generate",service="generation"}' in text
     assert 'code="INVALID_ARGUMENT"' in text and 'code="UNAUTHENTICATED"' in text
     assert "rlhf_rpc_latency_seconds_bucket" in text and "rlhf_generated_tokens_total" in text

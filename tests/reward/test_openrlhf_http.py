@@ -1,6 +1,7 @@
 """The reward server's HTTP endpoint as OpenRLHF calls it: the query is the prompt and response
 token ids decoded with their special tokens kept, so it ends with EOS (and, from a padded batch,
 pad tokens) and may start with pads and BOS. The rewards must be those of the bare response."""
+import time
 from pathlib import Path
 
 import httpx
@@ -75,3 +76,11 @@ def test_padded_and_bos_prefixed_queries_score_their_bare_response(reward_url, t
     assert queries[0].startswith(tokenizer.pad_token + tokenizer.pad_token + bos)
     body = post(reward_url + "/get_reward", queries, ["abcd=", bos + "xyz=", "abcd="], ["dcba", "zyx", "dcba"])
     assert body["rewards"] == [2.0, 2.0, 0.75]  # the wrong one: no exact match, 3 of 4 characters
+
+
+def test_long_runs_of_special_tokens_are_stripped_in_linear_time(reward_url, tokenizer):
+    pads = tokenizer.pad_token * 19_000  # 95k characters in the middle of the query
+    t0 = time.monotonic()
+    body = post(reward_url + "/get_reward", ["abcd=" + pads + "dcba" + tokenizer.eos_token], ["abcd="], ["dcba"])
+    assert time.monotonic() - t0 < 3  # a backtracking regex took minutes
+    assert body["rewards"] == [1 - len(pads) / (len(pads) + 4)]  # no exact match; the edit similarity

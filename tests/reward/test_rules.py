@@ -45,3 +45,31 @@ def test_non_finite_rule_is_an_error():
 
 def _nan_rule(prompt, response, label, metadata):
     return float("nan")
+
+
+def _reference_levenshtein(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+@pytest.mark.parametrize("response, label", [("kitten", "sitting"), ("", "abc"), ("abc", ""), ("flaw", "lawn"),
+                                             ("héllo wörld", "hello world"), ("ab" * 40, "ba" * 37), ("x", "x")])
+def test_edit_distance_is_one_minus_levenshtein_over_the_longer(response, label):
+    expected = 1.0 - _reference_levenshtein(response, label) / max(len(response), len(label))
+    assert RULES["edit_distance"]("p", response, label, {}, strip=False) == expected
+
+
+def test_edit_distance_of_long_texts_is_fast():
+    import random
+    import time
+    rng = random.Random(0)
+    a, b = ("".join(rng.choice("abcd") for _ in range(5000)) for _ in range(2))
+    t0 = time.perf_counter()
+    v = RULES["edit_distance"]("p", a, b, {})
+    assert time.perf_counter() - t0 < 1.0  # the quadratic pure-Python loop took seconds
+    assert 0.0 < v < 1.0

@@ -12,7 +12,7 @@ import pytest
 from services.common.rpc.gen import reward_pb2 as rpb
 from services.reward.client import RewardClient
 from services.reward.http_scorer import HTTPScorer, RewardUnavailable
-from services.common.types import RewardSample
+from services.common.types import RewardSample, ScoreResult
 from services.reward.scorer import CombinedScorer, RuleScorer
 from services.reward.server import serve
 
@@ -152,3 +152,75 @@ def test_reward_server_speaks_openrlhf_http(reward_server):
     # our own http scorer can use our own reward server as its external API
     own = HTTPScorer(f"{url}/score", headers={"Authorization": f"Bearer {TOKEN}"})
     assert [x.reward for x in own.score([RewardSample("abc=", "cba", "cba")])] == pytest.approx([2.2])
+
+
+def test_grpc_refuses_oversized_texts_and_metadata(reward_server, cfg):
+    c = RewardClient(f"127.0.0.1:{reward_server.port}", cfg.rpc)
+    long = "x" * (cfg.reward.max_text_chars + 1)
+    for field, sample in (("prompt", rpb.RewardSample(prompt=long, response="r", label="r")),
+                          ("response", rpb.RewardSample(prompt="p", response=long, label="r")),
+                          ("label", rpb.RewardSample(prompt="p", response="r", label=long))):
+        req = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="p", response="r", label="r"), sample])
+        expect_code(lambda: c.stub.Score(req, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
+                    f"samples[1].{field}: {len(long)} characters, more than reward.max_text_chars")
+    for meta, fragment in (("[" * 100_000, "100000 characters, more than 65536"), ("[" * 10_000, "nested too deeply"),
+                           ('{"a": "' + "x" * 70_000 + '"}', "70009 characters, more than 65536")):
+        req = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="p", response="r", label="r", metadata_json=meta)])
+        expect_code(lambda: c.stub.Score(req, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
+                    f"samples[0].metadata_json: {fragment}")
+    ok = "y" * cfg.reward.max_text_chars
+    assert c.score([RewardSample("p", ok, ok)])[0].components["rules/exact_match"] == 1.0
+
+
+class SlowScorer:
+    """1 ms per sample; records the size of each call."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def score(self, samples):
+        self.calls.append(len(samples))
+        time.sleep(0.001 * len(samples))
+        return [ScoreResult(0.0, {}) for _ in samples]
+
+
+def _handled(server, method: str) -> float:
+    """How many `method` calls the server has finished, whatever their status."""
+    return sum(s.value for m in server.metrics.requests.collect() for s in m.samples
+               if s.name.endswith("_total") and s.labels["method"] == method)
+
+
+def test_grpc_score_stops_when_the_deadline_passes(cfg):
+    scorer = SlowScorer()
+    with serve(cfg, scorer, port=0, http_port=None, metrics_port=None) as svc:
+        c = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc, timeout_s=1.0)
+        t0 = time.monotonic()
+        expect_code(lambda: c.score([RewardSample("p", "r")] * 20_000), grpc.StatusCode.DEADLINE_EXCEEDED)
+        while not _handled(svc.server, "Score") and time.monotonic() - t0 < 5:  # 20 s of work unsliced
+            time.sleep(0.05)
+        assert _handled(svc.server, "Score") == 1, "the server went on scoring after the deadline"
+        assert time.monotonic() - t0 < 3
+        assert len(scorer.calls) <= 4 and sum(scorer.calls) <= 4 * 512, scorer.calls
+
+
+def test_http_refuses_bad_json_cleanly(reward_server, cfg):
+    url = f"http://127.0.0.1:{reward_server.http_port}/get_reward"
+    http = httpx.Client(headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    for body, code in ((b'{"query": ["a=b"], "labels": [NaN]}', 400), (b'{"query": [Infinity]}', 400),
+                       (b'{"query": ["a"], "prompts": [-Infinity]}', 400), (b'{"query": ["\xff"]}', 400),
+                       (b"[" * 100_000, 400), (b'{"query": ["a"', 400), (b'{"query": "a=b"}', 422),
+                       (b'{"query": [1]}', 422), (b'{"quer": ["a"]}', 422)):
+        r = http.post(url, content=body)
+        assert r.status_code == code, (body[:40], r.status_code, r.text)
+        assert r.json()["detail"], r.text
+    assert httpx.post(url, content=b'{"query": [NaN]}', headers={"Content-Type": "application/json"}).status_code == 401
+    long = "x" * (cfg.reward.max_text_chars + 1)
+    for body, fragment in (({"query": ["p=" + long], "prompts": ["p="], "labels": ["r"]}, "query[0]'s response"),
+                           ({"query": ["p=r"], "prompts": ["p="], "labels": [long]}, "labels[0]"),
+                           ({"query": [long + "r"], "prompts": [long], "labels": ["r"]}, "prompts[0]"),
+                           ({"query": [long * 2], "labels": ["r"]}, "query[0]")):
+        r = http.post(url, json=body)
+        assert r.status_code == 422 and fragment in r.json()["detail"], r.text
+    r = http.post(url, json={"query": ["abc=cba"], "prompts": ["abc="], "labels": ["cba"]})
+    assert r.status_code == 200 and set(r.json()) == {"rewards", "scores", "extra_logs"}
+    http.close()

@@ -116,11 +116,7 @@ def test_pick_server_round_robin_version_preference_and_avoid(make_cfg):
         assert all(p != q for p, q in zip(picks, picks[1:])), picks  # round robin: alternates
 
         # the learner pushes version 5 to one server and updates its registry entry
-        client = GenerationClient(addr_a, cfg.rpc)
-        try:
-            assert client.update_weights(a.servicer.backend.model.state_dict(), 5).version == 5
-        finally:
-            client.close()
+        assert _push(a, 5) == 5
         store.heartbeat("generation", addr_a, version=5)
         assert [worker._pick_server(5) for _ in range(6)] == [addr_a] * 6  # only the server at the version
         assert set(worker._pick_server(0) for _ in range(6)) == {addr_a, addr_b}  # both qualify for 0
@@ -225,9 +221,19 @@ def test_rejected_prompt_goes_to_dead_letters_others_are_produced(make_cfg):
 
 # ---------------------------------------------------------------------------------------------- policy version
 def _push(svc, version):
-    client = GenerationClient(_addr(svc), svc.servicer.cfg.rpc)
+    """What the learner does: publish its identity (the fence a registered server checks), raise
+    the version counter, push."""
+    cfg = svc.servicer.cfg
+    run_id, epoch = "test-run", 0
+    if cfg.replay.url:
+        store = ReplayStore.from_config(cfg)
+        epoch = store.new_learner_epoch()
+        store.publish_learner("127.0.0.1:1", 0, run_id=run_id, epoch=epoch)
+        store.raise_version_to(version)
+    client = GenerationClient(_addr(svc), cfg.rpc)
     try:
-        return client.update_weights(svc.servicer.backend.model.state_dict(), version).version
+        return client.update_weights(svc.servicer.backend.model.state_dict(), version, run_id=run_id,
+                                     epoch=epoch).version
     finally:
         client.close()
 
@@ -273,3 +279,41 @@ def test_server_that_missed_a_push_is_avoided_by_its_answer(make_cfg):
         assert all(m.generation_server == _addr(new) for _, m in groups)
         assert stale.servicer.batcher.batches >= 1  # round robin did send it a batch; its answer was discarded
         assert store.prompt_backlog() == 0 and store.read_dead() == []
+
+
+# ---------------------------------------------------------------------------------------------- where a failure comes from
+def test_a_request_the_server_refuses_as_a_whole_dead_letters_nothing(make_cfg):
+    """The worker asks for more new tokens than the server's response_length: that is the
+    request (a config mismatch), not any prompt; the prompts stay pending for a server that fits."""
+    worker_cfg = make_cfg(response_length=8)
+    server_cfg = make_cfg(response_length=4)
+    store = ReplayStore.from_config(worker_cfg)
+    with _generation(server_cfg) as g:
+        worker = RolloutWorker(worker_cfg, ReplayStore.from_config(worker_cfg), name="w1")
+        _feed(store, reverse_task("train", 3))
+        entries, _ = store.claim_prompts("w1", 10, block_ms=50)
+        assert worker.process(entries) == 0
+        assert store.read_dead() == []
+        assert _pending(store, "w1") == 3  # left pending: reclaimed later
+        assert _errors(worker, "invalid_argument") >= 1
+        assert _addr(g) in worker._lagging  # that server is avoided for a while
+
+
+def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, model_dir):
+    cfg = _cfg(model_dir, make_cfg().replay.url, make_cfg().replay.namespace, reward_port=1,
+               rpc={"generation": {"port": 0, "metrics_port": None},
+                    "reward": {"port": 1, "metrics_port": None, "http_port": None},
+                    "critic": {"port": 0, "metrics_port": None},
+                    "dependency_wait_s": 0.5, "retry_backoff_s": 0.05})
+    store = ReplayStore.from_config(cfg)
+    with _generation(cfg) as g:
+        worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+        _feed(store, reverse_task("train", 2))
+        entries, _ = store.claim_prompts("w1", 10, block_ms=50)
+        t0 = time.time()
+        assert worker.process(entries) == 0  # no reward: left pending, after waiting for it
+        assert time.time() - t0 >= 0.5
+        assert _errors(worker, "dependency") == 1
+        assert worker._lagging == {}  # the generation server did its part
+        assert g.servicer.batcher.batches >= 1
+        assert _pending(store, "w1") == 2 and store.read_dead() == []

@@ -40,9 +40,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EmbeddedRedis:
     def __init__(self, dir: str | Path, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
-                 appendonly: bool = True):
+                 appendonly: bool = True, appendfsync: str = "everysec"):
         self.dir = Path(dir)
         self.host, self.port, self.password, self.appendonly = host, port, password, appendonly
+        self.appendfsync = appendfsync
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -50,17 +51,34 @@ class EmbeddedRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
+    @property
+    def public_url(self) -> str:
+        """The URL without the password (for logs, argv and manifests)."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    def _write_conf(self, port: int) -> Path:
+        """The server's settings as a config file readable by its owner only, so the password is
+        in no process's argv. Protected mode stays on (the default)."""
+        lines = [f"port {port}", f"bind {self.host}", f'dir "{self.dir.resolve()}"', 'save ""',
+                 f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
+                 "logfile redis.log"]
+        if self.password:
+            quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'requirepass "{quoted}"')
+        conf = self.dir / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.chmod(conf, 0o600)
+        return conf
+
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
         import redis
         self.dir.mkdir(parents=True, exist_ok=True)
         fixed = self.port is not None
         for _ in range(1 if fixed else 5):  # a probed free port can be taken before redis binds it
             port = self.port if fixed else free_port(self.host)
-            args = [redis_server_binary(), "--port", str(port), "--bind", self.host, "--dir", str(self.dir.resolve()),
-                    "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-                    "--protected-mode", "no", "--logfile", "redis.log"]
-            if self.password:
-                args += ["--requirepass", self.password]
+            args = [redis_server_binary(), str(self._write_conf(port))]
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.time() + timeout_s
             while time.time() < deadline and self.proc.poll() is None:
@@ -69,7 +87,7 @@ class EmbeddedRedis:
                     self.port = port
                     log.info("embedded redis-server on %s:%d (data in %s)", self.host, port, self.dir)
                     return self
-                except redis.exceptions.ConnectionError:
+                except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
                     time.sleep(0.05)
             self.stop()
             log.warning("redis-server did not come up on port %d; see %s", port, self.dir / "redis.log")

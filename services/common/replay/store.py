@@ -24,11 +24,16 @@ Records are protobuf (`proto/rlhf/v1/replay.proto`); nothing is pickled.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 from typing import Iterable
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
+from redis.retry import Retry
 
 from ..rpc.gen import replay_pb2 as rpb
 
@@ -55,21 +60,37 @@ return 1
 """
 
 
+# A Redis restart (kill -9, a pod rescheduled) is ridden through: every command that finds the
+# connection gone (or Redis still loading its AOF) reconnects and is repeated, with backoff up to
+# 2 s, for about a minute. The store's writes are safe to repeat (see the contracts above).
+REDIS_RETRIES = 40
+
+
 def connect(replay_cfg, url: str | None = None) -> redis.Redis:
     url = url or replay_cfg.url
     if not url:
         raise ValueError("replay.url is not set: start the system with `rlhf up` (it runs an embedded Redis), "
                          "or point replay.url at a Redis server (redis://host:6379/0)")
     client = redis.Redis.from_url(url, password=replay_cfg.resolved_password() or None,
-                                  socket_keepalive=True, health_check_interval=30)
+                                  socket_keepalive=True, health_check_interval=30,
+                                  retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), REDIS_RETRIES),
+                                  retry_on_error=[RedisConnectionError, RedisTimeout, BusyLoadingError])
     client.ping()
     return client
 
 
+def registration_proof(secret: str, kind: str, name: str) -> str:
+    """HMAC of a registry entry's kind and address with the run's auth token: only a holder of
+    the token can register an address others will send the token and the weights to."""
+    return hmac.new(secret.encode(), f"{kind}|{name}".encode(), hashlib.sha256).hexdigest()
+
+
 class ReplayStore:
     def __init__(self, client: redis.Redis, namespace: str = "rlhf", claim_idle_s: float = 30.0,
-                 heartbeat_ttl_s: float = 10.0):
+                 heartbeat_ttl_s: float = 10.0, secret: str | None = None):
         self.r = client
+        self.secret = secret  # the auth token: registry entries carry a proof of it
+        self._refused: set[str] = set()
         self.ns = namespace
         self.prompts, self.trajectories, self.dead = f"{namespace}:prompts", f"{namespace}:trajectories", f"{namespace}:dead"
         self.produced, self.trained = f"{namespace}:produced", f"{namespace}:trained"
@@ -84,7 +105,8 @@ class ReplayStore:
     @classmethod
     def from_config(cls, cfg, url: str | None = None) -> "ReplayStore":
         rc = cfg.replay
-        return cls(connect(rc, url), rc.namespace, rc.claim_idle_s, rc.heartbeat_ttl_s)
+        return cls(connect(rc, url), rc.namespace, rc.claim_idle_s, rc.heartbeat_ttl_s,
+                   secret=cfg.rpc.resolved_auth_token())
 
     def ensure_groups(self) -> None:
         for stream, group in ((self.prompts, WORKERS_GROUP), (self.trajectories, LEARNER_GROUP)):
@@ -140,6 +162,13 @@ class ReplayStore:
             return got, len(got)
         res = self.r.xreadgroup(WORKERS_GROUP, consumer, {self.prompts: ">"}, count=count, block=block_ms)
         return (self._decode(res[0][1], rpb.PromptTask) if res else []), 0
+
+    def renew_claims(self, consumer: str, entry_ids: list) -> int:
+        """A live worker still works on these prompts: reset their idle time (XCLAIM to itself) so
+        no other worker reclaims them. Returns how many it still holds."""
+        if not entry_ids:
+            return 0
+        return len(self.r.xclaim(self.prompts, WORKERS_GROUP, consumer, 0, entry_ids, justid=True))
 
     def produce(self, items: list[tuple[bytes, rpb.TrajectoryGroup]]) -> list[bool]:
         """For each (prompt entry id, group): append the prompt's trajectories and acknowledge the
@@ -244,7 +273,19 @@ class ReplayStore:
 
     def heartbeat(self, kind: str, name: str, **info) -> None:
         key = self.generation_key if kind == "generation" else self.workers_key
+        if self.secret:
+            info["proof"] = registration_proof(self.secret, kind, name)
         self.r.hset(key, name, json.dumps({**info, "ts": self.now()}))
+
+    def _proven(self, kind: str, name: str, info: dict) -> bool:
+        if not self.secret:
+            return True
+        ok = hmac.compare_digest(str(info.get("proof", "")), registration_proof(self.secret, kind, name))
+        if not ok and name not in self._refused:
+            self._refused.add(name)
+            log.warning("ignoring the %s registration of %s: it does not prove it holds the run's auth token",
+                        kind, name)
+        return ok
 
     def deregister(self, kind: str, name: str) -> None:
         self.r.hdel(self.generation_key if kind == "generation" else self.workers_key, name)
@@ -257,7 +298,8 @@ class ReplayStore:
         for name, raw in self.r.hgetall(key).items():
             info = json.loads(raw)
             if now - info["ts"] <= self.heartbeat_ttl_s:
-                out[name.decode()] = info
+                if self._proven(kind, name.decode(), info):
+                    out[name.decode()] = info
             else:
                 stale.append(name)
         if stale:

@@ -2,10 +2,11 @@
 on the way in. Anything wrong raises `BadRequest` naming the field and the limit."""
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import zlib
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -94,13 +95,17 @@ def batch_from_proto(msg: pb.TokenBatch, vocab_size: int, max_prompt: int, max_r
 
 
 # ------------------------------------------------------------------ weights
+WEIGHT_FORMATS = ("full", "partial")
+
+
 def weight_chunks(state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 4 << 20,
-                  fmt: str = "full") -> Iterator[pb.WeightChunk]:
-    """A state dict as a push stream: header, pieces of at most `chunk_bytes`, footer (sha256)."""
+                  fmt: str = "full", run_id: str = "", epoch: int = 0) -> Iterator[pb.WeightChunk]:
+    """A state dict as a push stream: header (with the writer's run id and epoch, the fencing
+    token), pieces of at most `chunk_bytes`, footer (sha256)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     yield pb.WeightChunk(header=pb.WeightHeader(version=version, format=fmt, num_tensors=len(tensors),
-                                                total_bytes=total))
+                                                total_bytes=total, run_id=run_id, epoch=epoch))
     digest = hashlib.sha256()
     for name, t in tensors.items():
         raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
@@ -113,16 +118,87 @@ def weight_chunks(state_dict: Mapping[str, torch.Tensor], version: int, chunk_by
     yield pb.WeightChunk(footer=pb.WeightFooter(sha256=digest.hexdigest()))
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(int(s) for s in shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _check_header(h: pb.WeightHeader, specs, max_bytes: int | None) -> None:
+    if h.format not in WEIGHT_FORMATS:
+        raise BadRequest(f"weights.header.format: {h.format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if h.total_bytes < 0:
+        raise BadRequest(f"weights.header.total_bytes: {h.total_bytes} is negative")
+    if specs is not None:
+        model_bytes = sum(_nbytes(shape, dtype) for shape, dtype in specs.values())
+        if h.total_bytes > model_bytes:
+            raise BadRequest(f"weights.header.total_bytes: {h.total_bytes}, more than the model's {model_bytes} bytes")
+        if not 1 <= h.num_tensors <= len(specs):
+            raise BadRequest(f"weights.header.num_tensors: {h.num_tensors} outside [1, {len(specs)}] "
+                             f"(the model's tensors)")
+    elif h.num_tensors < 1:
+        raise BadRequest(f"weights.header.num_tensors: {h.num_tensors}, expected at least 1")
+    if max_bytes is not None and h.total_bytes > max_bytes:
+        raise BadRequest(f"weights.header.total_bytes: {h.total_bytes} above the limit {max_bytes}")
+
+
+def _check_piece(p: pb.TensorPiece, specs, header: pb.WeightHeader) -> None:
+    """A piece's name, dtype, shape and declared sizes, before anything is allocated for it."""
+    if specs is not None:
+        if p.name not in specs:
+            raise BadRequest(f"weights.piece.name: unknown tensor {p.name!r}")
+        want_shape, want_dtype = specs[p.name]
+        if tuple(p.shape) != tuple(want_shape):
+            raise BadRequest(f"weights.piece[{p.name}].shape: {list(p.shape)}, expected {list(want_shape)}")
+        if DTYPES.get(p.dtype) != want_dtype:
+            raise BadRequest(f"weights.piece[{p.name}].dtype: {p.dtype}, expected {DTYPE_NAMES.get(want_dtype)}")
+    if p.dtype not in DTYPES:
+        raise BadRequest(f"weights.piece[{p.name}].dtype: {p.dtype!r} unknown")
+    if any(s < 0 for s in p.shape):
+        raise BadRequest(f"weights.piece[{p.name}].shape: negative dimension in {list(p.shape)}")
+    size = _nbytes(p.shape, DTYPES[p.dtype])
+    if p.total_bytes != size:
+        raise BadRequest(f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, but shape {list(p.shape)} of "
+                         f"{p.dtype} is {size} bytes")
+    if p.total_bytes > header.total_bytes:
+        raise BadRequest(f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, more than the "
+                         f"header's total_bytes={header.total_bytes}")
+
+
+def _cover(spans: list[list[int]], name: str, start: int, end: int) -> None:
+    """Add [start, end) to a tensor's sorted, disjoint, merged covered spans; overlap is refused."""
+    if end <= start:
+        return
+    i = bisect.bisect_right(spans, [start, end])
+    if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
+        raise BadRequest(f"weights.piece[{name}]: bytes [{start}, {end}) were already received "
+                         f"(every byte of a tensor must come exactly once)")
+    if i > 0 and spans[i - 1][1] == start:
+        spans[i - 1][1] = end
+        if i < len(spans) and spans[i][0] == end:
+            spans[i - 1][1] = spans.pop(i)[1]
+    elif i < len(spans) and spans[i][0] == end:
+        spans[i][0] = start
+    else:
+        spans.insert(i, [start, end])
+
+
 def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple[tuple, torch.dtype]] | None = None,
-                     max_bytes: int | None = None) -> tuple[int, str, dict[str, torch.Tensor], int]:
-    """Collect a push stream into (version, format, state_dict, bytes), checking every piece's
-    crc32, the running sha256, names/shapes/dtypes against `specs`, and completeness."""
+                     max_bytes: int | None = None, on_header: Callable[[pb.WeightHeader], None] | None = None,
+                     ) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
+    """Collect a push stream into (version, format, state_dict, bytes, header).
+
+    Checks every piece's crc32 and the running sha256; names/shapes/dtypes against `specs` (the
+    model's state dict) and each declared size against them before allocating anything; that
+    every byte of every tensor arrives exactly once (overlaps and holes are refused) and all
+    pieces of a tensor agree; that format "full" covers every tensor of `specs` ("partial" may
+    cover a subset); and that floating tensors are finite. `on_header(header)` runs as soon as
+    the header arrives (e.g. the writer's fence), before any piece is read."""
     header = None
     buffers: dict[str, bytearray] = {}
-    meta: dict[str, tuple[str, list]] = {}
+    meta: dict[str, tuple[str, tuple, int]] = {}
+    spans: dict[str, list[list[int]]] = {}
     filled: dict[str, int] = {}
     digest = hashlib.sha256()
-    received = 0
+    received = allocated = 0
     footer = None
     for chunk in chunks:
         kind = chunk.WhichOneof("payload")
@@ -130,8 +206,9 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
             if header is not None:
                 raise BadRequest("weights: a second header in one push")
             header = chunk.header
-            if max_bytes is not None and header.total_bytes > max_bytes:
-                raise BadRequest(f"weights.header.total_bytes: {header.total_bytes} above the limit {max_bytes}")
+            _check_header(header, specs, max_bytes)
+            if on_header is not None:
+                on_header(header)
         elif kind == "piece":
             if header is None:
                 raise BadRequest("weights: a tensor piece before the header")
@@ -140,31 +217,37 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
             p = chunk.piece
             if zlib.crc32(p.data) != p.crc32:
                 raise BadRequest(f"weights.piece[{p.name}]: crc32 mismatch at offset {p.offset}")
-            if specs is not None:
-                if p.name not in specs:
-                    raise BadRequest(f"weights.piece.name: unknown tensor {p.name!r}")
-                want_shape, want_dtype = specs[p.name]
-                if tuple(p.shape) != tuple(want_shape):
-                    raise BadRequest(f"weights.piece[{p.name}].shape: {list(p.shape)}, expected {list(want_shape)}")
-                if DTYPES.get(p.dtype) != want_dtype:
-                    raise BadRequest(f"weights.piece[{p.name}].dtype: {p.dtype}, expected {DTYPE_NAMES.get(want_dtype)}")
-            if p.dtype not in DTYPES:
-                raise BadRequest(f"weights.piece[{p.name}].dtype: {p.dtype!r} unknown")
-            if p.name not in buffers:
+            if p.name in meta:
+                if meta[p.name] != (p.dtype, tuple(p.shape), p.total_bytes):
+                    dtype, shape, total = meta[p.name]
+                    raise BadRequest(f"weights.piece[{p.name}]: dtype {p.dtype}, shape {list(p.shape)}, total_bytes "
+                                     f"{p.total_bytes} disagree with the tensor's earlier pieces ({dtype}, "
+                                     f"{list(shape)}, {total})")
+            else:
+                _check_piece(p, specs, header)
+                if len(buffers) >= header.num_tensors:
+                    raise BadRequest(f"weights: more than the {header.num_tensors} tensors the header announced")
+                allocated += p.total_bytes
+                if allocated > header.total_bytes:
+                    raise BadRequest(f"weights: the tensors' sizes add up to more than the header's "
+                                     f"total_bytes={header.total_bytes}")
                 buffers[p.name] = bytearray(p.total_bytes)
-                meta[p.name] = (p.dtype, list(p.shape))
+                meta[p.name] = (p.dtype, tuple(p.shape), p.total_bytes)
+                spans[p.name] = []
                 filled[p.name] = 0
-            buf = buffers[p.name]
-            if p.offset < 0 or p.offset + len(p.data) > len(buf):
+            if p.offset < 0 or p.offset + len(p.data) > p.total_bytes:
                 raise BadRequest(f"weights.piece[{p.name}]: bytes [{p.offset}, {p.offset + len(p.data)}) "
-                                 f"outside the tensor's {len(buf)} bytes")
-            buf[p.offset:p.offset + len(p.data)] = p.data
+                                 f"outside the tensor's {p.total_bytes} bytes")
+            _cover(spans[p.name], p.name, p.offset, p.offset + len(p.data))
+            buffers[p.name][p.offset:p.offset + len(p.data)] = p.data
             filled[p.name] += len(p.data)
             digest.update(p.data)
             received += len(p.data)
             if max_bytes is not None and received > max_bytes:
                 raise BadRequest(f"weights: more than {max_bytes} bytes")
         elif kind == "footer":
+            if footer is not None:
+                raise BadRequest("weights: a second footer in one push")
             footer = chunk.footer
         else:
             raise BadRequest("weights: an empty chunk")
@@ -174,10 +257,29 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
         raise BadRequest("weights.footer.sha256: checksum mismatch; the push is incomplete or corrupt")
     if len(buffers) != header.num_tensors:
         raise BadRequest(f"weights: {len(buffers)} tensors received, header announced {header.num_tensors}")
-    state = {}
+    if header.format == "full" and specs is not None:
+        missing = [k for k in specs if k not in buffers]
+        if missing:
+            raise BadRequest(f"weights: a full push without {len(missing)} of the model's tensors: "
+                             f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (format 'partial' "
+                             f"sends a subset)")
     for name, buf in buffers.items():
         if filled[name] != len(buf):
-            raise BadRequest(f"weights.piece[{name}]: {filled[name]} of {len(buf)} bytes received")
-        dtype, shape = meta[name]
-        state[name] = bytes_to_tensor(bytes(buf), dtype, shape, f"weights.piece[{name}]")
-    return int(header.version), header.format or "full", state, received
+            s = spans[name]
+            if not s:
+                hole = (0, len(buf))
+            else:
+                hole = (0, s[0][0]) if s[0][0] > 0 else (s[0][1], s[1][0] if len(s) > 1 else len(buf))
+            raise BadRequest(f"weights.piece[{name}]: {filled[name]} of {len(buf)} bytes received; "
+                             f"bytes [{hole[0]}, {hole[1]}) missing")
+    if allocated != header.total_bytes:
+        raise BadRequest(f"weights: {allocated} bytes of tensors received, header announced "
+                         f"total_bytes={header.total_bytes}")
+    state = {}
+    for name in list(buffers):
+        dtype, shape, _ = meta[name]
+        t = bytes_to_tensor(buffers.pop(name), dtype, shape, f"weights.piece[{name}]")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise BadRequest(f"weights.piece[{name}]: contains NaN or infinity")
+        state[name] = t
+    return int(header.version), header.format, state, received, header

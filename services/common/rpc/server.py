@@ -12,20 +12,34 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 import uuid
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from .errors import BadRequest, Unavailable
+from .errors import BadRequest, DeadlineExceeded, ResourceExhausted, Unavailable
+from .metrics_http import metrics_token, serve_metrics
 
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# the status each exception a servicer raises is answered with (the first match wins); anything
+# else is a bug: INTERNAL. RecursionError / OverflowError come from the input (deeply nested
+# JSON, a number too large for C), not from the server.
+STATUS_OF = (
+    (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    ((RecursionError, OverflowError), grpc.StatusCode.INVALID_ARGUMENT),
+)
+_MAPPED = tuple(c for classes, _ in STATUS_OF for c in (classes if isinstance(classes, tuple) else (classes,)))
 
 
 class ServiceMetrics:
@@ -45,14 +59,59 @@ class ServiceMetrics:
         self.service = service
 
 
+class _Undecodable:
+    """What a wrapped request deserializer returns for bytes that are not the method's request
+    message: gRPC would answer its exception with INTERNAL and log a traceback per request."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lenient(deserialize):
+    """`deserialize`, returning an `_Undecodable` instead of raising."""
+    if deserialize is None:
+        return None
+    owner = getattr(deserialize, "__self__", None)
+    name = getattr(getattr(owner, "DESCRIPTOR", None), "name", None) or getattr(owner, "__name__", "request message")
+
+    def inner(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError, bad UTF-8, nesting too deep, ...
+            return _Undecodable(f"request: not a valid {name} ({str(e)[:200]})")
+    return inner
+
+
+def _decoded(request):
+    if isinstance(request, _Undecodable):
+        raise BadRequest(request.message)
+    return request
+
+
+def _decoded_stream(requests):
+    """A client stream's messages; an undecodable one raises `BadRequest` where the servicer reads it."""
+    for r in requests:
+        yield _decoded(r)
+
+
+def _raised_at(e: BaseException) -> tuple[str, int]:
+    frames = traceback.extract_tb(e.__traceback__)
+    return (frames[-1].filename, frames[-1].lineno) if frames else ("?", 0)
+
+
 class _ServerInterceptor(grpc.ServerInterceptor):
-    """Checks the bearer token, returns a request id in the trailing metadata, answers
-    `BadRequest` with INVALID_ARGUMENT, `Unavailable` with UNAVAILABLE and any other exception
-    with INTERNAL (logged with its traceback), and counts each call's status and latency; a
-    server-streaming call's when its stream ends."""
+    """Checks the bearer token, returns a request id in the trailing metadata, answers request
+    bytes that do not decode with INVALID_ARGUMENT, the exceptions of `STATUS_OF` with their
+    status and any other exception with INTERNAL (logged with its traceback the first time per
+    method, exception type and raising line, in one line after that), and counts each call's
+    status and latency; a server-streaming call's when its stream ends."""
 
     def __init__(self, service: str, token: str | None, metrics: ServiceMetrics):
         self.service, self.token, self.metrics = service, token, metrics
+        self._seen: set[tuple] = set()  # (method, exception type, file, line) already logged
+        self._seen_lock = threading.Lock()
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -61,27 +120,28 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         authorized = self.token is None or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}"
 
-        def wrap_unary(fn):
+        def wrap_unary(fn, decode):
             def inner(request_or_iterator, context):
                 with self._accounted(method, authorized, context):
-                    return fn(request_or_iterator, context)
+                    return fn(decode(request_or_iterator), context)
             return inner
 
         def wrap_stream(fn):
             def inner(request, context):
                 with self._accounted(method, authorized, context):
-                    yield from fn(request, context)
+                    yield from fn(_decoded(request), context)
             return inner
 
+        deserialize = _lenient(handler.request_deserializer)
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), handler.request_deserializer,
+            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary, _decoded), deserialize,
                                                        handler.response_serializer)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary, _decoded_stream),
+                                                        deserialize, handler.response_serializer)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream),
-                                                        handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), deserialize,
+                                                        handler.response_serializer)
         return handler
 
     @contextlib.contextmanager
@@ -98,12 +158,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         except GeneratorExit:  # the client went away in the middle of a stream
             code = grpc.StatusCode.CANCELLED
             raise
-        except BadRequest as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(e))
-        except Unavailable as e:
-            code = grpc.StatusCode.UNAVAILABLE
-            context.abort(code, str(e))
+        except _MAPPED as e:
+            code = next(c for classes, c in STATUS_OF if isinstance(e, classes))
+            builtin = isinstance(e, (RecursionError, OverflowError))
+            if builtin and self._first(method, e):
+                log.warning("%s/%s: %s: %s (answered %s; request %s)", self.service, method, type(e).__name__, e,
+                            code.name, request_id)
+            context.abort(code, f"request: {type(e).__name__}: {e}" if builtin else str(e))
         except Exception as e:
             if code == grpc.StatusCode.OK:  # context.abort raises a plain Exception
                 got = getattr(context, "code", lambda: None)()
@@ -111,12 +172,26 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     code = got
                 else:
                     code = grpc.StatusCode.INTERNAL
-                    log.exception("%s/%s failed (request %s)", self.service, method, request_id)
+                    if self._first(method, e):
+                        log.exception("%s/%s failed (request %s)", self.service, method, request_id)
+                    else:
+                        where = "%s:%d" % _raised_at(e)
+                        log.error("%s/%s failed (request %s): %s: %s at %s (traceback logged once)", self.service,
+                                  method, request_id, type(e).__name__, e, where)
                     context.abort(code, f"internal error: {type(e).__name__}: {e}")
             raise
         finally:
             self.metrics.requests.labels(self.service, method, code.name).inc()
             self.metrics.latency.labels(self.service, method).observe(time.perf_counter() - t0)
+
+    def _first(self, method: str, e: BaseException) -> bool:
+        """True the first time `method` raises this exception type at this line."""
+        key = (method, type(e), *_raised_at(e))
+        with self._seen_lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
@@ -147,10 +222,9 @@ class RPCServer:
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
         self.metrics_port = None
-        if metrics_port is not None:
-            httpd, _ = start_http_server(metrics_port, addr=host or rpc_cfg.host, registry=self.metrics.registry)
-            self.metrics_port = httpd.server_address[1]
-            self._metrics_httpd = httpd
+        if metrics_port is not None:  # /metrics asks for the bearer token unless rpc.open_metrics
+            self._metrics_httpd, self.metrics_port = serve_metrics(self.metrics.registry, self.host, metrics_port,
+                                                                   metrics_token(rpc_cfg))
         self.ready_name = f"rlhf.v1.{service.capitalize()}"
         self._stopped = threading.Event()
         self._ready = False
@@ -179,7 +253,7 @@ class RPCServer:
         self.health.enter_graceful_shutdown()
         self.grpc.stop(self.cfg.grace_s if grace is None else grace).wait()
         if getattr(self, "_metrics_httpd", None) is not None:
-            self._metrics_httpd.shutdown()
+            self._metrics_httpd.stop()
         log.info("%s server stopped", self.service)
 
     def is_ready(self) -> bool:
@@ -190,7 +264,12 @@ class RPCServer:
 
 
 def client_channel(address: str, rpc_cfg) -> grpc.Channel:
-    opts = channel_options(rpc_cfg.max_message_mb)
+    # a server that restarts is dialled again within a second or so of coming back, not after
+    # gRPC's default reconnect backoff (which grows to 120 s); the callers' own retries pace the calls
+    reconnect_ms = int(min(rpc_cfg.retry_max_backoff_s, 2.0) * 1000)
+    opts = channel_options(rpc_cfg.max_message_mb) + [
+        ("grpc.initial_reconnect_backoff_ms", min(200, reconnect_ms)), ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
+        ("grpc.max_reconnect_backoff_ms", reconnect_ms)]
     if rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file:
         ca = Path(rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file).read_bytes()
         return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), opts)

@@ -1,6 +1,7 @@
 """The replay buffer's contracts on a real Redis: atomic produce-and-acknowledge, no duplicate
 trajectories for one prompt attempt, reclaiming a dead consumer's prompts, commit, stale refeed,
 backlog, and the liveness registry. Records are protobuf: no pickle."""
+import json
 import time
 
 import numpy as np
@@ -131,3 +132,31 @@ def test_nothing_in_redis_is_pickled(store):
         for _, fields in store.r.xrange(key):
             assert not fields[b"d"].startswith(b"\x80")  # pickle protocol 2+ header
             rpb.TrajectoryGroup.FromString(fields[b"d"])
+
+
+def test_a_live_consumer_that_renews_its_claim_keeps_its_prompts(store):
+    from services.rollout.worker import _ClaimRenewal
+    store.feed([_task(i) for i in range(3)])
+    taken, _ = store.claim_prompts("slow", 3, block_ms=100)
+    with _ClaimRenewal(store, "slow", [e for e, _ in taken], every_s=0.1):
+        time.sleep(0.9)  # three times claim_idle_s: without renewal another worker takes them over
+        assert store.claim_prompts("other", 3, block_ms=50) == ([], 0)
+    time.sleep(0.4)  # the renewal stopped (the worker died): now they are reclaimed
+    got, reclaimed = store.claim_prompts("other", 3, block_ms=50)
+    assert reclaimed == 3
+
+
+def test_registry_ignores_registrations_without_proof_of_the_token(store):
+    import redis
+    from services.common.replay import ReplayStore
+    secured = ReplayStore(redis.Redis(connection_pool=store.r.connection_pool), namespace=store.ns,
+                          heartbeat_ttl_s=1.0, secret="the-token")
+    secured.heartbeat("generation", "10.0.0.1:50051", version=1)   # holds the token
+    store.heartbeat("generation", "10.6.6.6:50051", version=99)    # Redis access, no token
+    rogue = ReplayStore(redis.Redis(connection_pool=store.r.connection_pool), namespace=store.ns, secret="guess")
+    rogue.heartbeat("generation", "10.6.6.7:50051", version=99)    # a wrong token
+    assert set(secured.live("generation")) == {"10.0.0.1:50051"}
+    # a copied proof does not carry over to another address
+    raw = json.loads(store.r.hget(store.generation_key, "10.0.0.1:50051"))
+    store.r.hset(store.generation_key, "10.6.6.8:50051", json.dumps(raw))
+    assert set(secured.live("generation")) == {"10.0.0.1:50051"}

@@ -1,0 +1,70 @@
+"""Prometheus `/metrics` over HTTP behind the bearer token the RPCs ask for: a server bound to
+0.0.0.0 in a container would otherwise tell anyone who asks its traffic and its model's name.
+
+    httpd, port = serve_metrics(registry, "0.0.0.0", 9101, metrics_token(cfg.rpc))
+    ...
+    httpd.stop()
+
+A scraper sends `Authorization: Bearer <token>` (Prometheus: `authorization: {credentials: ...}`
+in its scrape config); `rpc.open_metrics: true` serves it without (a default scrape).
+"""
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+def metrics_token(rpc_cfg) -> str | None:
+    """The token /metrics requires: the RPCs' bearer token, or None (open) when `rpc.open_metrics`
+    is set or no token is configured."""
+    return None if rpc_cfg.open_metrics else rpc_cfg.resolved_auth_token()
+
+
+class MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        self.shutdown()
+        self.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int,
+                  token: str | None = None) -> tuple[MetricsServer, int]:
+    """Serve `registry` on http://host:port/metrics from a background thread; with a `token`, a
+    request without `Authorization: Bearer <token>` gets 401. Other paths are 404. Returns the
+    server (`stop()` it) and the port bound (a free one for port 0)."""
+    expected = f"Bearer {token}".encode() if token is not None else None
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path.split("?")[0] != "/metrics":
+                return self._reply(404, b"not found; try /metrics\n")
+            if expected is not None and not hmac.compare_digest(
+                    self.headers.get("Authorization", "").encode("utf-8", "replace"), expected):
+                return self._reply(401, b"missing or wrong bearer token (header 'Authorization: Bearer ...')\n",
+                                   extra=(("WWW-Authenticate", "Bearer"),))
+            return self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra=()):
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for k, v in extra:
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(MetricsServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = Server((host, port), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True, name=f"metrics-http-{httpd.server_address[1]}").start()
+    return httpd, httpd.server_address[1]

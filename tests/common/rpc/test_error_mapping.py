@@ -1,0 +1,129 @@
+"""The interceptor's answers to what clients and servicers get wrong: request bytes that are not
+the method's message are INVALID_ARGUMENT without a traceback (unary and client-streaming); the
+exceptions of errors.py and the input-driven RecursionError / OverflowError get their own
+status; INTERNAL logs its traceback once per method, exception type and raising line."""
+import logging
+
+import grpc
+import pytest
+
+from services.common.config import config_from_dict
+from services.common.rpc.errors import BadRequest, DeadlineExceeded, ResourceExhausted, Unavailable
+from services.common.rpc.gen import reward_pb2 as rpb
+from services.common.rpc.server import RPCServer
+
+TOKEN = "s3cret"
+MD = (("authorization", f"Bearer {TOKEN}"),)
+GARBAGE = b"\xff\xff\xff\xff\x0f"            # not protobuf wire format
+BAD_UTF8 = b"\x0a\x04\x0a\x02\xc3\x28"       # samples[0].prompt: invalid UTF-8 in a string field
+
+
+@pytest.fixture()
+def served():
+    """A real RPCServer serving /test.Echo/{Unary,Push,Pull} on ScoreRequest messages; each
+    handler records what it received, and Unary raises `served.raise_` when it is set."""
+    cfg = config_from_dict({"rpc": {"auth_token": TOKEN}})
+    server = RPCServer("reward", cfg.rpc, port=0, host="127.0.0.1")
+    state = type("State", (), {"received": [], "raise_": None})()
+
+    def unary(request, context):
+        state.received.append(request)
+        if state.raise_ is not None:
+            raise state.raise_
+        return rpb.ScoreResponse()
+
+    def push(request_iterator, context):
+        for r in request_iterator:
+            state.received.append(r)
+        return rpb.ScoreResponse()
+
+    def pull(request, context):
+        state.received.append(request)
+        yield rpb.ScoreResponse()
+
+    kw = dict(request_deserializer=rpb.ScoreRequest.FromString, response_serializer=rpb.ScoreResponse.SerializeToString)
+    server.grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary, **kw),
+        "Push": grpc.stream_unary_rpc_method_handler(push, **kw),
+        "Pull": grpc.unary_stream_rpc_method_handler(pull, **kw)}),))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    state.server, state.channel = server, channel
+    yield state
+    channel.close()
+    server.stop(0)
+
+
+def _errors(caplog):
+    return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def _code(fn):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+@pytest.mark.parametrize("data", [GARBAGE, BAD_UTF8])
+def test_undecodable_unary_request_is_invalid_argument_without_a_traceback(served, caplog, data):
+    call = served.channel.unary_unary("/test.Echo/Unary")  # raw bytes, no serializer
+    for _ in range(3):
+        code, details = _code(lambda: call(data, metadata=MD, timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith("request: not a valid ScoreRequest (")
+    assert served.received == []
+    assert _errors(caplog) == []
+    assert served.server.metrics.registry.get_sample_value(
+        "rlhf_rpc_requests_total", {"service": "reward", "method": "Unary", "code": "INVALID_ARGUMENT"}) == 3
+    # a good message still goes through, and without the token garbage is refused before decoding matters
+    assert _code(lambda: call(rpb.ScoreRequest().SerializeToString(), metadata=MD, timeout=10))[0] == grpc.StatusCode.OK
+    assert _code(lambda: call(GARBAGE, timeout=10))[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_undecodable_message_of_a_client_stream_is_invalid_argument(served, caplog):
+    good = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="p")]).SerializeToString()
+    call = served.channel.stream_unary("/test.Echo/Push")
+    code, details = _code(lambda: call(iter([good, GARBAGE, good]), metadata=MD, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "not a valid ScoreRequest" in details
+    assert [r.samples[0].prompt for r in served.received] == ["p"]  # the servicer stopped at the bad one
+    assert _errors(caplog) == []
+
+
+def test_undecodable_request_of_a_server_stream_is_invalid_argument(served, caplog):
+    call = served.channel.unary_stream("/test.Echo/Pull")
+    code, details = _code(lambda: list(call(GARBAGE, metadata=MD, timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert served.received == [] and _errors(caplog) == []
+
+
+@pytest.mark.parametrize("error, code", [
+    (BadRequest("samples: empty"), grpc.StatusCode.INVALID_ARGUMENT),
+    (Unavailable("reward API down"), grpc.StatusCode.UNAVAILABLE),
+    (ResourceExhausted("prompts x n x tokens above the limit"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded("the caller's deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (RecursionError("maximum recursion depth exceeded while decoding a JSON array"), grpc.StatusCode.INVALID_ARGUMENT),
+    (OverflowError("Python int too large to convert to C long"), grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_exceptions_map_to_their_status(served, caplog, error, code):
+    served.raise_ = error
+    call = served.channel.unary_unary("/test.Echo/Unary")
+    got, details = _code(lambda: call(b"", metadata=MD, timeout=10))
+    assert got == code and str(error) in details
+    assert _errors(caplog) == []
+
+
+def test_internal_traceback_is_logged_once_per_method_type_and_line(served, caplog):
+    call = served.channel.unary_unary("/test.Echo/Unary")
+    served.raise_ = RuntimeError("boom")
+    for _ in range(3):
+        assert _code(lambda: call(b"", metadata=MD, timeout=10))[0] == grpc.StatusCode.INTERNAL
+    served.raise_ = KeyError("other")  # another exception type: its traceback once too
+    for _ in range(2):
+        assert _code(lambda: call(b"", metadata=MD, timeout=10))[0] == grpc.StatusCode.INTERNAL
+    logged = [r for r in _errors(caplog) if r.name == "services.common.rpc.server"]
+    assert len(logged) == 5
+    assert [r.exc_info is not None for r in logged] == [True, False, False, True, False]
+    assert "RuntimeError: boom" in logged[1].getMessage() and "traceback logged once" in logged[1].getMessage()

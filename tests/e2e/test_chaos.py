@@ -1,0 +1,182 @@
+"""kill -9 of every kind of service during `rlhf up` (embedded Redis, real processes, the tiny
+model on the CPU): each run must complete by itself, and the learner's ledger must show every
+prompt of every epoch trained exactly once.
+
+- run "one": one generation server. Killed in turn: the generation server, the reward server,
+  the critic server, Redis. Each kill stalls the run until the launcher has the service back.
+- run "two": two generation servers; the one the held-out eval uses is killed: the run never
+  pauses (iterations go on before it is back), and the eval skips it.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.data import reverse_task
+
+BATCH, PROMPTS = 8, 40
+
+
+def _iterations(run_dir: Path) -> int:
+    p = run_dir / "metrics.jsonl"
+    if not p.exists():
+        return 0
+    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    return max((r["iteration"] for r in rows), default=0)
+
+
+def _wait(pred, timeout_s, what, up, log):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        if up.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}\n{log.read_text()[-4000:]}")
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "services.json").read_text())
+
+
+def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int):
+    run_dir = root / "run"
+    data = root / "train.jsonl"
+    records = reverse_task("train", PROMPTS, seed=1)
+    data.write_text("".join(json.dumps({"id": r.id, "prompt": r.prompt, "label": r.label}) + "\n" for r in records))
+    config = root / "chaos.yaml"
+    config.write_text(yaml.safe_dump({
+        "rollout_batch_size": BATCH, "prompt_length": 16, "response_length": 8, "adv_estimator": "gae",
+        "ppo_epochs": 1, "ppo_mini_batch_size": 8, "actor_lr": 2e-4,
+        "model": {"path": tiny_model_dir, "device": "cpu"}, "critic": {"lr": 1e-3},
+        "data": {"train": str(data), "eval": "synthetic:reverse", "eval_size": 8},
+        "run": {"iterations": iterations, "eval_interval": 4, "checkpoint_interval": 2, "seed": 0},
+        "replay": {"namespace": "chaos", "claim_idle_s": 3.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0,
+                   "block_ms": 200},
+        "rollout": {"prompts_per_request": 4, "concurrency": 2},
+        "rpc": {"retry_max_backoff_s": 1.0},
+    }))
+    log = root / "up.log"
+    with log.open("w") as f:
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
+                               "--workers", "1", "--generation-servers", str(gen_servers), "--max-restarts", "2"],
+                              stdout=f, stderr=subprocess.STDOUT)
+    return up, run_dir, log, records
+
+
+def _finish(up, run_dir, log, records) -> dict:
+    try:
+        code = up.wait(timeout=600)
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=120)
+    return {"code": code, "log": log.read_text(), "run_dir": run_dir, "records": records,
+            "summary": json.loads((run_dir / "summary.json").read_text()),
+            "ledger": [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]}
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def one_server(tiny_model_dir, tmp_path_factory):
+    iterations = 60
+    up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-one"), tiny_model_dir, iterations, 1)
+    kills = []
+    try:
+        for name in ("generation-0", "reward", "critic", "redis"):
+            _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
+            it = _wait(lambda: _iterations(run_dir) >= 3 + 4 * len(kills) and _iterations(run_dir), 300,
+                       f"progress before killing {name}", up, log)
+            assert it < iterations - 8, f"the run is too fast for the kills: at {it} of {iterations}"
+            m = _manifest(run_dir)
+            pid = m["redis_pid"] if name == "redis" else m["services"][name]["pid"]
+            _kill(pid)
+            kills.append((name, it))
+            # back: the launcher restarted it and the learner trained 2 more iterations
+            _wait(lambda: f"{name} exited with code -9; restarting it" in log.read_text(), 60,
+                  f"the launcher to restart {name}", up, log)
+            _wait(lambda: _iterations(run_dir) >= it + 2, 300, f"iterations after the restart of {name}", up, log)
+    except BaseException:
+        up.kill()
+        raise
+    out = _finish(up, run_dir, log, records)
+    out["kills"], out["iterations"] = kills, iterations
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_model_dir, tmp_path_factory):
+    iterations = 40
+    up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2)
+    try:
+        it = _wait(lambda: _iterations(run_dir) >= 3 and _iterations(run_dir), 300, "iteration 3", up, log)
+        services = _manifest(run_dir)["services"]
+        # the eval target is the live server whose address sorts first
+        victim = min(("generation-0", "generation-1"), key=lambda n: f"127.0.0.1:{services[n]['port']}")
+        _kill(services[victim]["pid"])
+        t_kill = time.time()
+        back = _wait(lambda: re.search(rf"{victim} is back", log.read_text()), 120, f"{victim} back", up, log)
+        it_back = _iterations(run_dir)
+        seconds_down = time.time() - t_kill
+    except BaseException:
+        up.kill()
+        raise
+    out = _finish(up, run_dir, log, records)
+    out.update(iterations=iterations, it_kill=it, it_back=it_back, victim=victim, seconds_down=seconds_down,
+               back=bool(back))
+    return out
+
+
+def _assert_exactly_once(run: dict) -> None:
+    uids = [u for row in run["ledger"] for u in row["uids"]]
+    assert len(uids) == run["iterations"] * BATCH
+    assert len(set(uids)) == len(uids), "a prompt was trained on twice"
+    ids = {r.id for r in run["records"]}
+    by_epoch: dict[int, set] = {}
+    for u in uids:
+        epoch, rid = u.split(":", 1)
+        by_epoch.setdefault(int(epoch), set()).add(rid)
+    for e in range(run["iterations"] * BATCH // PROMPTS):
+        assert by_epoch[e] == ids, f"epoch {e}: missing {sorted(ids - by_epoch[e])[:5]}"
+
+
+def test_run_with_one_generation_server_survives_each_service_killed(one_server):
+    assert one_server["code"] == 0, one_server["log"][-4000:]
+    assert one_server["summary"]["iterations"] == one_server["iterations"]
+    assert [k for k, _ in one_server["kills"]] == ["generation-0", "reward", "critic", "redis"]
+    log = one_server["log"]
+    for name in ("generation-0", "reward", "critic", "redis"):
+        assert f"{name} exited with code -9; restarting it" in log
+    _assert_exactly_once(one_server)
+
+
+def test_restarted_critic_comes_back_from_the_newest_checkpoint(one_server):
+    learner_log = (one_server["run_dir"] / "logs" / "learner.log").read_text()
+    m = re.search(r"the critic server restarted; it serves (\S+)", learner_log)
+    assert m, learner_log[-3000:]
+    assert m.group(1).startswith("checkpoints/iter_") and m.group(1).endswith("/critic")
+
+
+def test_restarted_generation_server_pulls_the_policy_before_serving(one_server):
+    gen_log = (one_server["run_dir"] / "logs" / "generation-0.log").read_text()
+    assert "pulled policy version" in gen_log, gen_log[-3000:]
+
+
+def test_losing_one_of_two_generation_servers_never_pauses_the_run(two_servers):
+    assert two_servers["code"] == 0, two_servers["log"][-4000:]
+    assert two_servers["back"]
+    # the run went on while the victim was down (it takes seconds to load and pull the policy)
+    assert two_servers["it_back"] >= two_servers["it_kill"] + 2, two_servers
+    _assert_exactly_once(two_servers)
