@@ -22,7 +22,8 @@ from .common.config import ConfigError, data_source_errors, dump_config, load_co
 
 EXIT_CONFIG = 2
 # what a user's machine or config causes (a port in use, an unwritable directory, a missing model
-# or data file): one `error:` line and EXIT_CONFIG; anything else is a bug and keeps its traceback
+# or data file): one `error:` line and EXIT_CONFIG (its traceback with -v); anything else is a bug
+# and keeps its traceback
 USER_ERRORS = (OSError, ValueError)
 
 log = logging.getLogger("rlhf")
@@ -267,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="rollout workers (default 1)")
     p.add_argument("--generation-servers", type=int, default=1, help="generation servers (default 1)")
     p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of a crashed learner or rollout worker before giving up")
+                   help="restarts of each crashed service (Redis included) before giving up")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds a service may take to be ready")
     p.set_defaults(func=cmd_up)
     return parser

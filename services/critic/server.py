@@ -49,7 +49,7 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         for name, t in (("returns", returns), ("old_values", old)):
             if tuple(t.shape) != shape:
                 raise BadRequest(f"{name}: shape {list(t.shape)}, expected {list(shape)} (the response_mask's)")
-            if t.numel() and t.abs().max() > limit:
+            if t.abs().max() > limit:
                 raise BadRequest(f"{name}: |value| {t.abs().max().item():.3g} above critic.max_abs_target={limit:g}")
         try:
             metrics = self.compute.run(self.critic.train_step, batch, returns, old)
@@ -69,6 +69,9 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         rel = Path(path)
         if rel.is_absolute() or ".." in rel.parts:
             raise BadRequest(f"path: {path!r} must be relative to the checkpoint root, without '..'")
+        long = [p for p in rel.parts if len(p.encode()) > 255]
+        if long:
+            raise BadRequest(f"path: a component of {len(long[0].encode())} bytes, more than a file name may have (255)")
         full = (self.root / rel).resolve()
         if full == self.root or not full.is_relative_to(self.root):
             raise BadRequest(f"path: {path!r} does not lead to a directory inside the checkpoint root")

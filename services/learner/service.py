@@ -274,7 +274,7 @@ class LearnerService:
             return {"stopped_at": self.iteration}
         self.learner.save_policy(self.run_dir / "final", self.tokenizer)
         if self.critic is not None:
-            self.critic.save(str(self.run_dir / "final_critic"))
+            self.critic.save("final_critic")  # relative to the run directory, the critic server's root
         self.state = "done"
         return runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=it,
                              wall_s=time.time() - runlog.t0, resumed_from=self.resumed_from,

@@ -24,7 +24,7 @@ import threading
 import time
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..common.lifecycle import Service
 from ..common.modeling import load_tokenizer
@@ -313,8 +313,10 @@ class RolloutWorker:
         self.stop_event.set()
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
-        httpd, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
-        return httpd.server_address[1]
+        """/metrics on `port`, behind the bearer token unless rpc.open_metrics."""
+        from ..common.rpc.metrics_http import metrics_token, serve_metrics
+        _, bound = serve_metrics(self.metrics.registry, host, port, metrics_token(self.cfg.rpc))
+        return bound
 
 
 class WorkerProcess(Service):

@@ -196,10 +196,10 @@ def test_grpc_score_stops_when_the_deadline_passes(cfg):
         c = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc, timeout_s=1.0)
         t0 = time.monotonic()
         expect_code(lambda: c.score([RewardSample("p", "r")] * 20_000), grpc.StatusCode.DEADLINE_EXCEEDED)
-        while not _handled(svc.server, "Score") and time.monotonic() - t0 < 5:  # 20 s of work unsliced
+        while not _handled(svc.server, "Score") and time.monotonic() - t0 < 8:  # 20 s of work unsliced
             time.sleep(0.05)
         assert _handled(svc.server, "Score") == 1, "the server went on scoring after the deadline"
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 4
         assert len(scorer.calls) <= 4 and sum(scorer.calls) <= 4 * 512, scorer.calls
 
 

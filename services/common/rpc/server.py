@@ -12,7 +12,6 @@ import contextlib
 import logging
 import threading
 import time
-import traceback
 import uuid
 from concurrent import futures
 from pathlib import Path
@@ -96,9 +95,17 @@ def _decoded_stream(requests):
         yield _decoded(r)
 
 
+def _brief(text: str, limit: int = 2000) -> str:
+    """`text` cut to `limit` characters: status details travel in a trailer (8 KiB by default)."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def _raised_at(e: BaseException) -> tuple[str, int]:
-    frames = traceback.extract_tb(e.__traceback__)
-    return (frames[-1].filename, frames[-1].lineno) if frames else ("?", 0)
+    """File and line of the innermost frame of `e`'s traceback (where it was raised)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else ("?", 0)
 
 
 class _ServerInterceptor(grpc.ServerInterceptor):
@@ -164,7 +171,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             if builtin and self._first(method, e):
                 log.warning("%s/%s: %s: %s (answered %s; request %s)", self.service, method, type(e).__name__, e,
                             code.name, request_id)
-            context.abort(code, f"request: {type(e).__name__}: {e}" if builtin else str(e))
+            context.abort(code, _brief(f"request: {type(e).__name__}: {e}" if builtin else str(e)))
         except Exception as e:
             if code == grpc.StatusCode.OK:  # context.abort raises a plain Exception
                 got = getattr(context, "code", lambda: None)()
@@ -177,8 +184,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     else:
                         where = "%s:%d" % _raised_at(e)
                         log.error("%s/%s failed (request %s): %s: %s at %s (traceback logged once)", self.service,
-                                  method, request_id, type(e).__name__, e, where)
-                    context.abort(code, f"internal error: {type(e).__name__}: {e}")
+                                  method, request_id, type(e).__name__, _brief(str(e), 300), where)
+                    context.abort(code, _brief(f"internal error: {type(e).__name__}: {e}"))
             raise
         finally:
             self.metrics.requests.labels(self.service, method, code.name).inc()
