@@ -127,7 +127,10 @@ class LearnerService:
                 "torch_rng": torch.get_rng_state()}
 
     def save_checkpoint(self) -> Path:
-        path = self.checkpointer.save(self.iteration, self.state_dict(), self.intake.uncommitted)
+        try:
+            path = self.checkpointer.save(self.iteration, self.state_dict(), self.intake.uncommitted)
+        except DependencyUnavailable as e:
+            raise DependencyUnavailable(f"the checkpoint of iteration {self.iteration} was not written: {e}") from None
         self.intake.committed()
         return path
 
@@ -190,8 +193,10 @@ class LearnerService:
         except DependencyUnavailable as e:
             self.state = "failed"
             last = self.checkpointer.latest()
-            log.error("%s. The newest checkpoint is %s: a restart resumes from it; trajectories trained since "
-                      "are trained again, none is lost", e, last.name if last else "none (a restart starts over)")
+            log.error("%s: %s. The newest checkpoint is %s: a restart resumes from it; trajectories trained "
+                      "since are trained again, none is lost",
+                      "stopped without a final checkpoint" if self.stop_event.is_set() else "the run cannot go on",
+                      e, last.name if last else "none (a restart starts over)")
             raise
 
     def _run(self) -> dict:

@@ -6,6 +6,10 @@ prompt of every epoch trained exactly once.
   the critic server, Redis. Each kill stalls the run until the launcher has the service back.
 - run "two": two generation servers; the one the held-out eval uses is killed: the run never
   pauses (iterations go on before it is back), and the eval skips it.
+- run "no restarts" (--max-restarts 0): the critic dies, the run stops, and the learner's last
+  checkpoint cannot be written: one clear message, no traceback.
+Also: no secret on any process's command line, the files that hold them are 0600, and a finished
+run stays finished.
 """
 import json
 import os
@@ -48,7 +52,7 @@ def _manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "services.json").read_text())
 
 
-def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int):
+def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, max_restarts: int = 2):
     run_dir = root / "run"
     data = root / "train.jsonl"
     records = reverse_task("train", PROMPTS, seed=1)
@@ -68,7 +72,7 @@ def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int):
     log = root / "up.log"
     with log.open("w") as f:
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
-                               "--workers", "1", "--generation-servers", str(gen_servers), "--max-restarts", "2"],
+                               "--workers", "1", "--generation-servers", str(gen_servers), "--max-restarts", str(max_restarts)],
                               stdout=f, stderr=subprocess.STDOUT)
     return up, run_dir, log, records
 
@@ -89,12 +93,22 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def _command_lines(run_dir: Path) -> dict[str, str]:
+    m = _manifest(run_dir)
+    pids = {name: s["pid"] for name, s in m["services"].items()}
+    pids["redis"] = m["redis_pid"]
+    return {name: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for name, pid in pids.items()}
+
+
 @pytest.fixture(scope="module")
 def one_server(tiny_model_dir, tmp_path_factory):
     iterations = 60
     up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-one"), tiny_model_dir, iterations, 1)
     kills = []
     try:
+        _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
+        secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
+        command_lines = _command_lines(run_dir)
         for name in ("generation-0", "reward", "critic", "redis"):
             _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
             it = _wait(lambda: _iterations(run_dir) >= 3 + 4 * len(kills) and _iterations(run_dir), 300,
@@ -113,6 +127,14 @@ def one_server(tiny_model_dir, tmp_path_factory):
         raise
     out = _finish(up, run_dir, log, records)
     out["kills"], out["iterations"] = kills, iterations
+    out["secrets"], out["command_lines"] = secrets, command_lines
+    out["modes"] = {f: (run_dir / f).stat().st_mode & 0o777 for f in ("secrets.env", "services.json",
+                                                                         "redis/redis.conf")}
+    # the same command on the finished run: it says so and leaves everything as it is
+    summary = (run_dir / "summary.json").read_bytes()
+    again = subprocess.run([sys.executable, "-m", "services.cli", "up", "-c", str(run_dir.parent / "chaos.yaml"),
+                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
+    out["again"], out["summary_unchanged"] = again, (run_dir / "summary.json").read_bytes() == summary
     return out
 
 
@@ -137,6 +159,20 @@ def two_servers(tiny_model_dir, tmp_path_factory):
     out.update(iterations=iterations, it_kill=it, it_back=it_back, victim=victim, seconds_down=seconds_down,
                back=bool(back))
     return out
+
+
+@pytest.fixture(scope="module")
+def no_restarts(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chaos-stop")
+    up, run_dir, log, _ = _start(root, tiny_model_dir, 500, 1, max_restarts=0)
+    try:
+        _wait(lambda: _iterations(run_dir) >= 3, 300, "iteration 3", up, log)
+        _kill(_manifest(run_dir)["services"]["critic"]["pid"])
+        code = up.wait(timeout=300)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    return {"code": code, "log": log.read_text(), "learner_log": (run_dir / "logs" / "learner.log").read_text()}
 
 
 def _assert_exactly_once(run: dict) -> None:
@@ -180,3 +216,33 @@ def test_losing_one_of_two_generation_servers_never_pauses_the_run(two_servers):
     # the run went on while the victim was down (it takes seconds to load and pull the policy)
     assert two_servers["it_back"] >= two_servers["it_kill"] + 2, two_servers
     _assert_exactly_once(two_servers)
+
+
+def test_no_secret_on_a_command_line_and_their_files_are_private(one_server):
+    secrets = one_server["secrets"]
+    assert set(secrets) == {"RLHF_AUTH_TOKEN", "RLHF_REDIS_PASSWORD"} and all(len(v) >= 20 for v in secrets.values())
+    for name, line in one_server["command_lines"].items():
+        for value in secrets.values():
+            assert value not in line, f"a secret is on the command line of {name}"
+    assert one_server["modes"] == {"secrets.env": 0o600, "services.json": 0o600, "redis/redis.conf": 0o600}
+    manifest = (one_server["run_dir"] / "services.json").read_text()
+    assert not any(v in manifest for v in secrets.values())
+
+
+def test_a_finished_run_stays_finished(one_server):
+    again = one_server["again"]
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already finished at iteration 60" in again.stdout
+    assert one_server["summary_unchanged"]
+
+
+def test_a_stop_with_the_critic_gone_says_so_in_one_line(no_restarts):
+    assert no_restarts["code"] != 0
+    assert "critic exited with code -9; stopping the run" in no_restarts["log"]
+    learner = no_restarts["learner_log"]
+    assert "Traceback" not in learner, learner[-3000:]
+    # stopped in the middle of an update or at its checkpoint: either way one line that says what
+    # is missing and where a restart resumes
+    m = re.search(r"ERROR .*stopped without a final checkpoint: .*the critic server at \S+ did not answer "
+                  r"(train_step|save|info) .*The newest checkpoint is (iter_\d+|none)", learner)
+    assert m, learner[-3000:]
