@@ -109,8 +109,11 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir",
                                str(run_dir), "--workers", "1", "--set", f"replay.url={url}"],
                               stdout=log, stderr=subprocess.STDOUT)
+    # services started by hand need the secrets `rlhf up` generated (the auth token)
+    _wait(lambda: (run_dir / "secrets.env").exists(), 60, "secrets.env", up, up_log)
+    secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
     # a worker that claims prompts and hangs with them, started alongside the system
-    doomed = _Service("rollout", config, url, "--name", "doomed", env={"RLHF_FAULT_STALL_S": "600"})
+    doomed = _Service("rollout", config, url, "--name", "doomed", env={"RLHF_FAULT_STALL_S": "600", **secrets})
     late = None
     try:
         doomed.wait_ready()
@@ -125,10 +128,14 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         status = json.loads((run_dir / "services.json").read_text())
         learner_http = status["services"]["learner"]["http_port"]
         import urllib.request
-        before = json.load(urllib.request.urlopen(f"http://127.0.0.1:{learner_http}/status", timeout=10))
-        late = _Service("generation", config, url, "--port", "0", "--metrics-port", "-1")
+        status_request = urllib.request.Request(f"http://127.0.0.1:{learner_http}/status",
+                                                headers={"Authorization": f"Bearer {secrets['RLHF_AUTH_TOKEN']}"})
+        before = json.load(urllib.request.urlopen(status_request, timeout=10))
+        late = _Service("generation", config, url, "--port", "0", "--metrics-port", "-1", env=secrets)
         port = late.wait_ready()["port"]
-        client = GenerationClient(f"127.0.0.1:{port}", load_config(config).rpc)
+        rpc = load_config(config).rpc
+        rpc.auth_token = secrets["RLHF_AUTH_TOKEN"]
+        client = GenerationClient(f"127.0.0.1:{port}", rpc)
         out["late_version_at_start"] = client.version
         out["learner_version_before_late"] = before["policy_version"]
         # the learner dies mid-run; `rlhf up` restarts it and it resumes from its checkpoint
