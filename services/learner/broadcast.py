@@ -67,13 +67,14 @@ class WeightBroadcaster:
         self.take_snapshot(0)
         self.store.publish_learner(learner_address, 0, *self.identity)
 
-    def serving(self, version: int, timeout_s: float | None, stop_event, exclude=frozenset()) -> GenerationClient:
-        """A client of a live generation server at `version` or newer (the eval target), not in
-        `exclude`; waits up to `timeout_s` (None = until stopped) for one."""
+    def serving(self, version: int, timeout_s: float | None, stop_event, avoid: dict | None = None) -> GenerationClient:
+        """A client of a live generation server at `version` or newer (the eval target), except
+        those `avoid` maps to a time still ahead; waits up to `timeout_s` (None = until stopped)."""
+        avoid = avoid if avoid is not None else {}
         deadline = None if timeout_s is None else time.time() + timeout_s
         while True:
             live = [a for a, i in self.store.live("generation").items()
-                    if i.get("version", -1) >= version and a not in exclude]
+                    if i.get("version", -1) >= version and avoid.get(a, 0) <= time.time()]
             if live:
                 return self.client(sorted(live)[0])
             if (deadline is not None and time.time() > deadline) or stop_event.is_set():

@@ -292,7 +292,7 @@ class LearnerService:
         skip: dict[str, float] = {}
         while True:
             target = self.broadcaster.serving(self.learner.version, self.cfg.rpc.dependency_wait_s, self.stop_event,
-                                              exclude={a for a, t in skip.items() if t > time.time()})
+                                              avoid=skip)
             try:
                 out = evaluate(self.held_out, target, self.reward, self.tokenizer, params)
                 break

@@ -52,7 +52,8 @@ def _manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "services.json").read_text())
 
 
-def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, max_restarts: int = 2):
+def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, max_restarts: int = 2,
+           heartbeat_ttl_s: float = 3.0, eval_interval: int = 4):
     run_dir = root / "run"
     data = root / "train.jsonl"
     records = reverse_task("train", PROMPTS, seed=1)
@@ -63,8 +64,8 @@ def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, m
         "ppo_epochs": 1, "ppo_mini_batch_size": 8, "actor_lr": 2e-4,
         "model": {"path": tiny_model_dir, "device": "cpu"}, "critic": {"lr": 1e-3},
         "data": {"train": str(data), "eval": "synthetic:reverse", "eval_size": 8},
-        "run": {"iterations": iterations, "eval_interval": 4, "checkpoint_interval": 2, "seed": 0},
-        "replay": {"namespace": "chaos", "claim_idle_s": 3.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0,
+        "run": {"iterations": iterations, "eval_interval": eval_interval, "checkpoint_interval": 2, "seed": 0},
+        "replay": {"namespace": "chaos", "claim_idle_s": 3.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": heartbeat_ttl_s,
                    "block_ms": 200},
         "rollout": {"prompts_per_request": 4, "concurrency": 2},
         "rpc": {"retry_max_backoff_s": 1.0},
@@ -141,7 +142,10 @@ def one_server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_servers(tiny_model_dir, tmp_path_factory):
     iterations = 40
-    up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2)
+    # the dead server stays in the registry (no heartbeat expiry within the test): workers and the
+    # eval must step around it, not wait for the registry to forget it
+    up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2,
+                                       heartbeat_ttl_s=60.0, eval_interval=1)
     try:
         it = _wait(lambda: _iterations(run_dir) >= 3 and _iterations(run_dir), 300, "iteration 3", up, log)
         services = _manifest(run_dir)["services"]
@@ -215,6 +219,10 @@ def test_losing_one_of_two_generation_servers_never_pauses_the_run(two_servers):
     assert two_servers["back"]
     # the run went on while the victim was down (it takes seconds to load and pull the policy)
     assert two_servers["it_back"] >= two_servers["it_kill"] + 2, two_servers
+    # the eval (every iteration) used the victim: it was skipped, not fatal to the learner
+    assert "learner exited" not in two_servers["log"], two_servers["log"][-3000:]
+    learner_log = (two_servers["run_dir"] / "logs" / "learner.log").read_text()
+    assert re.search(r"eval on \S+ failed \(UNAVAILABLE", learner_log), learner_log[-3000:]
     _assert_exactly_once(two_servers)
 
 
