@@ -4,8 +4,8 @@ prompt of every epoch trained exactly once.
 
 - run "one": one generation server. Killed in turn: the generation server, the reward server,
   the critic server, Redis. Each kill stalls the run until the launcher has the service back.
-- run "two": two generation servers; the one the held-out eval uses is killed: the run never
-  pauses (iterations go on before it is back), and the eval skips it.
+- run "two": two generation servers; the one the held-out eval uses is killed and stays
+  registered: the run never pauses (iterations go on before it is back).
 - run "no restarts" (--max-restarts 0): the critic dies, the run stops, and the learner's last
   checkpoint cannot be written: one clear message, no traceback.
 Also: no secret on any process's command line, the files that hold them are 0600, and a finished
@@ -142,8 +142,8 @@ def one_server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_servers(tiny_model_dir, tmp_path_factory):
     iterations = 40
-    # the dead server stays in the registry (no heartbeat expiry within the test): workers and the
-    # eval must step around it, not wait for the registry to forget it
+    # the dead server stays in the registry (no heartbeat expiry within the test): workers must
+    # step around it, not wait for the registry to forget it
     up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2,
                                        heartbeat_ttl_s=60.0, eval_interval=1)
     try:
@@ -219,10 +219,10 @@ def test_losing_one_of_two_generation_servers_never_pauses_the_run(two_servers):
     assert two_servers["back"]
     # the run went on while the victim was down (it takes seconds to load and pull the policy)
     assert two_servers["it_back"] >= two_servers["it_kill"] + 2, two_servers
-    # the eval (every iteration) used the victim: it was skipped, not fatal to the learner
+    # the eval (every iteration) went on through the other server: the victim missed the pushes
+    # while it was down, so the registry shows it behind and it is not an eval target; a target
+    # that fails after the push is skipped (tests/learner/test_eval_target.py)
     assert "learner exited" not in two_servers["log"], two_servers["log"][-3000:]
-    learner_log = (two_servers["run_dir"] / "logs" / "learner.log").read_text()
-    assert re.search(r"eval on \S+ failed \(UNAVAILABLE", learner_log), learner_log[-3000:]
     _assert_exactly_once(two_servers)
 
 
