@@ -23,17 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.data import reverse_task
+from tests.e2e.support import run_iterations, write_train_data
 
 BATCH, PROMPTS = 8, 40
-
-
-def _iterations(run_dir: Path) -> int:
-    p = run_dir / "metrics.jsonl"
-    if not p.exists():
-        return 0
-    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-    return max((r["iteration"] for r in rows), default=0)
 
 
 def _wait(pred, timeout_s, what, up, log):
@@ -56,8 +48,7 @@ def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, m
            heartbeat_ttl_s: float = 3.0, eval_interval: int = 4):
     run_dir = root / "run"
     data = root / "train.jsonl"
-    records = reverse_task("train", PROMPTS, seed=1)
-    data.write_text("".join(json.dumps({"id": r.id, "prompt": r.prompt, "label": r.label}) + "\n" for r in records))
+    records = write_train_data(data, PROMPTS, seed=1)
     config = root / "chaos.yaml"
     config.write_text(yaml.safe_dump({
         "rollout_batch_size": BATCH, "prompt_length": 16, "response_length": 8, "adv_estimator": "gae",
@@ -112,7 +103,7 @@ def one_server(tiny_model_dir, tmp_path_factory):
         command_lines = _command_lines(run_dir)
         for name in ("generation-0", "reward", "critic", "redis"):
             _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
-            it = _wait(lambda: _iterations(run_dir) >= 3 + 4 * len(kills) and _iterations(run_dir), 300,
+            it = _wait(lambda: run_iterations(run_dir) >= 3 + 4 * len(kills) and run_iterations(run_dir), 300,
                        f"progress before killing {name}", up, log)
             assert it < iterations - 8, f"the run is too fast for the kills: at {it} of {iterations}"
             m = _manifest(run_dir)
@@ -122,7 +113,7 @@ def one_server(tiny_model_dir, tmp_path_factory):
             # back: the launcher restarted it and the learner trained 2 more iterations
             _wait(lambda: f"{name} exited with code -9; restarting it" in log.read_text(), 60,
                   f"the launcher to restart {name}", up, log)
-            _wait(lambda: _iterations(run_dir) >= it + 2, 300, f"iterations after the restart of {name}", up, log)
+            _wait(lambda: run_iterations(run_dir) >= it + 2, 300, f"iterations after the restart of {name}", up, log)
     except BaseException:
         up.kill()
         raise
@@ -147,14 +138,14 @@ def two_servers(tiny_model_dir, tmp_path_factory):
     up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2,
                                        heartbeat_ttl_s=60.0, eval_interval=1)
     try:
-        it = _wait(lambda: _iterations(run_dir) >= 3 and _iterations(run_dir), 300, "iteration 3", up, log)
+        it = _wait(lambda: run_iterations(run_dir) >= 3 and run_iterations(run_dir), 300, "iteration 3", up, log)
         services = _manifest(run_dir)["services"]
         # the eval target is the live server whose address sorts first
         victim = min(("generation-0", "generation-1"), key=lambda n: f"127.0.0.1:{services[n]['port']}")
         _kill(services[victim]["pid"])
         t_kill = time.time()
         back = _wait(lambda: re.search(rf"{victim} is back", log.read_text()), 120, f"{victim} back", up, log)
-        it_back = _iterations(run_dir)
+        it_back = run_iterations(run_dir)
         seconds_down = time.time() - t_kill
     except BaseException:
         up.kill()
@@ -170,7 +161,7 @@ def no_restarts(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("chaos-stop")
     up, run_dir, log, _ = _start(root, tiny_model_dir, 500, 1, max_restarts=0)
     try:
-        _wait(lambda: _iterations(run_dir) >= 3, 300, "iteration 3", up, log)
+        _wait(lambda: run_iterations(run_dir) >= 3, 300, "iteration 3", up, log)
         _kill(_manifest(run_dir)["services"]["critic"]["pid"])
         code = up.wait(timeout=300)
     finally:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from services.common.config import load_config
-from services.common.data import reverse_task
+from tests.e2e.support import run_iterations, write_train_data
 from services.generation.client import GenerationClient
 
 ITERATIONS, BATCH, PROMPTS = 80, 8, 48
@@ -41,14 +41,6 @@ def _wait(pred, timeout_s, what, proc=None, log=None):
         time.sleep(0.1)
     tail = Path(log).read_text()[-3000:] if log and Path(log).exists() else ""
     raise AssertionError(f"timed out waiting for {what}\n{tail}")
-
-
-def _iterations(run_dir: Path) -> int:
-    p = run_dir / "metrics.jsonl"
-    if not p.exists():
-        return 0
-    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-    return max((r["iteration"] for r in rows), default=0)
 
 
 class _Service:
@@ -89,8 +81,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     run_dir = root / "run"
     data = root / "train.jsonl"
-    records = reverse_task("train", PROMPTS, seed=0)
-    data.write_text("".join(json.dumps({"id": r.id, "prompt": r.prompt, "label": r.label}) + "\n" for r in records))
+    records = write_train_data(data, PROMPTS, seed=0)
     config = root / "e2e.yaml"
     config.write_text(yaml.safe_dump({
         "rollout_batch_size": BATCH, "prompt_length": 16, "response_length": 8, "adv_estimator": "gae",
@@ -124,7 +115,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait()
         # a generation server that joins mid-run
-        _wait(lambda: _iterations(run_dir) >= 3, 180, "iteration 3", up, up_log)
+        _wait(lambda: run_iterations(run_dir) >= 3, 180, "iteration 3", up, up_log)
         status = json.loads((run_dir / "services.json").read_text())
         learner_http = status["services"]["learner"]["http_port"]
         import urllib.request
@@ -139,7 +130,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         out["late_version_at_start"] = client.version
         out["learner_version_before_late"] = before["policy_version"]
         # the learner dies mid-run; `rlhf up` restarts it and it resumes from its checkpoint
-        it_before = _iterations(run_dir)
+        it_before = run_iterations(run_dir)
         out["learner_killed_after"] = it_before
         learner_pid = json.loads((run_dir / "services.json").read_text())["services"]["learner"]["pid"]
         os.kill(learner_pid, signal.SIGKILL)

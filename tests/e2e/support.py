@@ -1,0 +1,21 @@
+"""What the end-to-end tests of `rlhf up` share: the training data file and the run's progress."""
+import json
+from pathlib import Path
+
+from services.common.data import reverse_task
+
+
+def write_train_data(path: Path, n: int, seed: int) -> list:
+    """n reverse-task prompts as a .jsonl data file; returns the records."""
+    records = reverse_task("train", n, seed=seed)
+    path.write_text("".join(json.dumps({"id": r.id, "prompt": r.prompt, "label": r.label}) + "\n" for r in records))
+    return records
+
+
+def run_iterations(run_dir: Path) -> int:
+    """The newest iteration in the run's metrics.jsonl (0 before the first)."""
+    p = run_dir / "metrics.jsonl"
+    if not p.exists():
+        return 0
+    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    return max((r["iteration"] for r in rows), default=0)
