@@ -48,8 +48,27 @@ class ModelConfig(_Strict):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
 
 
+class VLLMConfig(_Strict):
+    """Options of vLLM's engine (generation.backend: vllm). The defaults suit one GPU; on the CPU
+    build, dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="engine dtype: auto = bfloat16 with model.bf16, else float32")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of the GPU's memory vLLM takes "
+                                          "(weights + KV cache)")
+    max_model_len: Optional[int] = Field(None, gt=0, description="longest sequence the engine serves; null = "
+                                         "prompt_length + response_length")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across")
+    enforce_eager: bool = Field(False, description="no CUDA graphs (slower decoding, faster start, less memory)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes (reset "
+                                        "at every weight swap)")
+    cpu_kvcache_space_gb: float = Field(1.0, gt=0, description="KV cache GiB of the CPU build "
+                                        "(VLLM_CPU_KVCACHE_SPACE); unused on a GPU")
+    seed: int = Field(0, description="engine seed (requests with their own seed use theirs)")
+
+
 class GenerationConfig(_Strict):
-    backend: Literal["hf", "vllm"] = Field("hf", description="sampling engine: transformers (CPU or GPU) or vLLM (GPU)")
+    backend: Literal["hf", "vllm"] = Field("hf", description="sampling engine: transformers (CPU or GPU) or vLLM "
+                                           "(its continuous batching; GPU, or its CPU build)")
     temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of training rollouts")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample from the most likely tokens "
                          "holding this much probability; 1 = off")
@@ -58,7 +77,8 @@ class GenerationConfig(_Strict):
                                     "0 = greedy")
     max_batch_size: int = Field(256, ge=1, description="most prompts a generation server decodes in one batch")
     batch_window_ms: float = Field(5.0, ge=0, description="milliseconds a generation server waits to batch "
-                                   "concurrent calls together")
+                                   "concurrent calls together (hf; vLLM batches continuously)")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
 
 
 class RuleSpec(_Strict):
@@ -282,6 +302,11 @@ class Config(_Strict):
     ref_mix_coef: float = Field(0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
     recompute_old_log_probs: bool = Field(True, description="recompute the sampled tokens' old log-probs with "
                                           "the training model; false = use the sampler's")
+    rollout_is: bool = Field(False, description="truncated importance sampling: weight each token's policy "
+                             "loss by min(exp(old_log_prob - sampler's log_prob), rollout_is_threshold), "
+                             "correcting for a sampler that differs from the learner (bf16 vLLM, staleness); "
+                             "needs the sampler's log-probs; with recompute_old_log_probs false every weight is 1")
+    rollout_is_threshold: float = Field(2.0, gt=0, description="cap of the truncated importance weight")
     max_staleness: int = Field(0, ge=0, description="policy versions a trajectory may lag the learner; "
                                "0 = synchronous on-policy PPO, >= 1 overlaps generation and training")
     # --- optimisation --------------------------------------------------------------------------

@@ -21,6 +21,24 @@ from ..common.types import Completion, GenerationResult, SamplingParams
 GREEDY_BELOW = 1e-5
 
 
+def check_weights(state_dict: Mapping[str, torch.Tensor], specs: Mapping[str, tuple[tuple, torch.dtype]]) -> None:
+    """Every tensor's name, shape and dtype against the model's (`parameter_specs`); raises
+    KeyError / ValueError at the first mismatch, before anything is loaded."""
+    for name, t in state_dict.items():
+        if name not in specs:
+            raise KeyError(f"unknown tensor {name!r}")
+        if tuple(t.shape) != tuple(specs[name][0]):
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(specs[name][0])}")
+        if t.dtype != specs[name][1]:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected {specs[name][1]}")
+
+
+def check_newer(version: int, serving: int) -> None:
+    """Versions only move forward."""
+    if version <= serving:
+        raise ValueError(f"weight version {version} is not newer than the serving version {serving}")
+
+
 class HFBackend:
     """transformers `generate` behind a lock: a batch runs start to end on one set of weights,
     and `update_weights` waits for it, so no sample mixes two policy versions."""
@@ -48,17 +66,9 @@ class HFBackend:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a full or partial state dict as policy `version`. Checks every name, shape and
         dtype first; on any mismatch nothing changes. Versions only move forward."""
-        specs = self.parameter_specs()
-        for name, t in state_dict.items():
-            if name not in specs:
-                raise KeyError(f"unknown tensor {name!r}")
-            if tuple(t.shape) != specs[name][0]:
-                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {specs[name][0]}")
-            if t.dtype != specs[name][1]:
-                raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected {specs[name][1]}")
+        check_weights(state_dict, self.parameter_specs())
         with self._lock:
-            if version <= self.version:
-                raise ValueError(f"weight version {version} is not newer than the serving version {self.version}")
+            check_newer(version, self.version)
             self.model.load_state_dict(dict(state_dict), strict=False)
             self.version = version
 

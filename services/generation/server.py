@@ -137,10 +137,7 @@ class Batcher:
                 j.future.set_exception(e)
             return
         self.batches += 1
-        if self.metrics is not None:
-            self.metrics.batch_size.labels(self.metrics.service, "prompts").observe(len(prompts))
-            self.metrics.tokens.labels(self.metrics.service).inc(res.tokens)
-            self.metrics.tokens_per_s.labels(self.metrics.service).observe(res.tokens / max(res.seconds, 1e-9))
+        record_batch(self.metrics, len(prompts), res)
         start = 0
         for j in group:
             n = len(j.prompts)
@@ -148,6 +145,45 @@ class Batcher:
             j.future.set_result(GenerationResult(share, res.policy_version,
                                                  sum(len(c.token_ids) for cs in share for c in cs), res.seconds))
             start += n
+
+
+def record_batch(metrics, n_prompts: int, res: GenerationResult) -> None:
+    if metrics is not None:
+        metrics.batch_size.labels(metrics.service, "prompts").observe(n_prompts)
+        metrics.tokens.labels(metrics.service).inc(res.tokens)
+        metrics.tokens_per_s.labels(metrics.service).observe(res.tokens / max(res.seconds, 1e-9))
+
+
+class ContinuousBatcher:
+    """The `Batcher` of a backend that batches by itself (vLLM's continuous batching): the same
+    `submit`/`call`/`close`/`enter`/`exit`, each call handed to the backend as it comes."""
+
+    def __init__(self, backend, metrics=None):
+        self.backend, self.metrics = backend, metrics
+        self.batches = 0
+        self.active = 0
+        self._lock = threading.Lock()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
+        res = self.backend.generate(prompts, params)
+        with self._lock:
+            self.batches += 1
+        record_batch(self.metrics, len(prompts), res)
+        return res
+
+    def call(self, fn, *args):
+        return self.backend.call(fn, *args)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def enter(self) -> None:
+        with self._lock:
+            self.active += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self.active -= 1
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -162,8 +198,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
-        self.batcher = Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000,
-                               server.metrics if server else None)
+        metrics = server.metrics if server else None
+        self.batcher = ContinuousBatcher(backend, metrics) if getattr(backend, "continuous_batching", False) else \
+            Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
         self._push_lock = threading.Lock()
 
     # ------------------------------------------------------------ decode + check
@@ -302,8 +339,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 def make_backend(cfg) -> GenerationBackend:
     """The sampling engine `generation.backend` names, loaded from `model.path`."""
     if cfg.generation.backend == "vllm":
-        raise ValueError("generation.backend: 'vllm' is not available in this version (the vLLM backend is "
-                         "not built yet); use generation.backend: hf")
+        from .vllm_backend import VLLMBackend
+        return VLLMBackend(cfg.model.path, cfg.generation.vllm, bf16=cfg.model.bf16,
+                           max_model_len=cfg.prompt_length + cfg.response_length)
     from .backend import HFBackend
     return HFBackend(cfg.model.path, cfg.model.device)
 

@@ -1,0 +1,332 @@
+"""The `vllm` generation backend: vLLM's engine with its continuous batching, per-token log-probs
+of the sampling distribution, and new policy weights loaded into the running engine.
+
+One thread owns the engine (`LLMEngine`, stepped here): Generate calls hand it their prompts
+and each prompt joins the running batch at the next step, whatever else is decoding. A weight
+swap is a call on the same thread: admission pauses, the requests in flight finish on the old
+weights, the new ones load through vLLM's in-place reload (`reload_weights`), the prefix cache
+is reset (its blocks hold the old policy's keys and values), and admission resumes. So every
+completion comes from one policy version, the version it reports.
+
+Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, the log-probs of the
+distribution tokens are drawn from (temperature, top-k and top-p applied), as the `hf` backend
+and the learner's `response_log_probs` compute them; a greedy request gets the unscaled ones.
+
+With `tensor_parallel_size: 1` the engine runs inside the server process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) and a swap hands the tensors to the model directly. With more
+GPUs the engine's workers are processes: the swap writes the weights once as safetensors (to
+/dev/shm when it exists) and every worker reads them through `WeightSwapExtension`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from ..common.modeling import check_model_dir, load_tokenizer
+from ..common.rpc.errors import Unavailable
+from ..common.types import Completion, GenerationResult, SamplingParams
+from .backend import GREEDY_BELOW, check_newer, check_weights
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("generation.backend: vllm needs vLLM, which is not installed in this Python environment "
+                "({python}): on a GPU box `pip install '.[vllm]'`; on a CPU `make vllm-venv` builds .venv-vllm with "
+                "vLLM's CPU build (then run .venv-vllm/bin/rlhf)")
+
+
+def import_vllm():
+    """vLLM, imported after its environment is set, or a one-line error saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        import sys
+        raise ValueError(INSTALL_HINT.format(python=sys.executable) + f" [{e}]") from None
+    return vllm
+
+
+class WeightSwapExtension:
+    """Mixed into every vLLM worker (`worker_extension_cls`): load a policy version from a
+    safetensors file, in place, through the worker's own reload path. Used when the engine's
+    workers are other processes (tensor parallel); called by name through `collective_rpc`."""
+
+    def rlhf_load_weights(self, path: str) -> None:
+        from safetensors import safe_open
+
+        def tensors():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    params: SamplingParams
+    future: Future
+    version: int = -1
+    outputs: list = field(default_factory=list)
+    left: int = 0
+    t0: float = 0.0
+
+
+@dataclass
+class _Call:
+    fn: object
+    future: Future
+
+
+class VLLMBackend:
+    """`GenerationBackend` over vLLM's engine. `generate` may be called from many threads at
+    once: the engine thread batches them continuously. `update_weights` (and `call`) run
+    between requests: admission pauses, the engine drains, the call runs, admission resumes."""
+    continuous_batching = True  # the server hands it calls as they come (no batching window)
+
+    def __init__(self, model_path: str, vcfg, bf16: bool = False, max_model_len: int | None = None):
+        tp = vcfg.tensor_parallel_size
+        self.inprocess = tp == 1
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.inprocess else "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vcfg.cpu_kvcache_space_gb:g}")
+        vllm = import_vllm()
+        self.engine_version = f"vllm {vllm.__version__}"
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        model_dir = check_model_dir(model_path)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self._specs = hf_parameter_specs(model_dir)
+        self.vocab_size = self._vocab_size
+        dtype = vcfg.dtype if vcfg.dtype != "auto" else ("bfloat16" if bf16 else "float32")
+        args = EngineArgs(
+            model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=vcfg.seed,
+            max_model_len=vcfg.max_model_len or max_model_len, tensor_parallel_size=tp,
+            gpu_memory_utilization=vcfg.gpu_memory_utilization, enforce_eager=vcfg.enforce_eager,
+            enable_prefix_caching=vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightSwapExtension")
+        t0 = time.perf_counter()
+        self.engine = LLMEngine.from_engine_args(args)
+        from vllm.platforms import current_platform
+        self.device = current_platform.device_type + (f" x{tp} (tensor parallel)" if tp > 1 else "")
+        self.dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
+        log.info("vLLM engine up in %.1fs (%s, %s, %s)", time.perf_counter() - t0, self.engine_version, self.dtype,
+                 self.device)
+        self.version = 0
+        self.swap_seconds = 0.0
+        self._q: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._inflight: dict[str, tuple[_Job, int]] = {}
+        self._held: list[_Job] = []
+        self._calls: list[_Call] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ what GetInfo reports
+    def info(self) -> dict:
+        return {"backend": "vllm", "engine_version": self.engine_version, "dtype": self.dtype, "device": self.device}
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The policy's tensors as the learner pushes them: the transformers model's state dict
+        names and shapes in float32 (the engine casts to its own dtype and layout as it loads)."""
+        return self._specs
+
+    @property
+    def _vocab_size(self) -> int:
+        return self._specs["model.embed_tokens.weight"][0][0] if "model.embed_tokens.weight" in self._specs \
+            else self.tokenizer.vocab_size
+
+    # ------------------------------------------------------------------ callers' side
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future:
+        fut: Future = Future()
+        if self._closed:
+            fut.set_exception(Unavailable("the vLLM engine is stopping"))
+        else:
+            self._q.put(_Job([list(p) for p in prompts], params, fut))
+        return fut
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+        if not prompts:
+            return GenerationResult([], self.version, 0, 0.0)
+        return self.submit(prompts, params).result()
+
+    def call(self, fn, *args):
+        """Run fn(*args) on the engine thread with nothing in flight (pause, drain, run, resume)."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        fut: Future = Future()
+        self._q.put(_Call(lambda: fn(*args), fut))
+        return fut.result()
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a full state dict (transformers names, see `parameter_specs`) as policy `version`.
+        Names, shapes and dtypes are checked first; on a mismatch nothing changes."""
+        check_weights(state_dict, self._specs)
+        missing = set(self._specs) - set(state_dict)
+        if missing:  # vLLM fuses q/k/v and gate/up: a layer loaded from part of its tensors is corrupt
+            raise ValueError(f"the vllm backend loads whole policies only: {len(missing)} tensors missing "
+                             f"(first {sorted(missing)[0]!r})")
+        self.call(self._swap, state_dict, version)
+
+    def close(self) -> None:
+        self._closed = True
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        check_newer(version, self.version)
+        t0 = time.perf_counter()
+        if self.inprocess:
+            self.engine.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": iter(list(state_dict.items())), "is_checkpoint_format": True})
+        else:
+            from safetensors.torch import save_file
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(prefix="rlhf-weights-", dir=shm) as d:
+                path = str(Path(d) / "model.safetensors")
+                save_file({k: v.contiguous() for k, v in state_dict.items()}, path)
+                self.engine.collective_rpc("rlhf_load_weights", args=(path,))
+        self.engine.reset_prefix_cache()
+        self.version = version
+        self.swap_seconds = time.perf_counter() - t0
+
+    def _loop(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            if not self._take(block=not busy):
+                break
+            if self._calls and not self.engine.has_unfinished_requests():
+                self._run_calls()
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # the engine failed: every request in flight sees it
+                    log.exception("vLLM engine step failed")
+                    self._fail_inflight(e)
+                    continue
+                for out in outputs:
+                    if out.finished:
+                        self._finished(out)
+        self._fail_all(Unavailable("the vLLM engine is stopping"))
+
+    def _take(self, block: bool) -> bool:
+        """Move what callers queued into the engine (jobs) or the pending calls; False at close."""
+        while True:
+            try:
+                item = self._q.get(timeout=0.5) if block else self._q.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            if isinstance(item, _Call):
+                self._calls.append(item)
+            elif self._calls:
+                self._held.append(item)  # admission is paused until the calls have run
+            else:
+                self._admit(item)
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for c in calls:
+            try:
+                c.future.set_result(c.fn())
+            except BaseException as e:  # the caller sees it
+                c.future.set_exception(e)
+        held, self._held = self._held, []
+        for job in held:
+            self._admit(job)
+
+    def _admit(self, job: _Job) -> None:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        p = job.params
+        greedy = p.temperature < GREEDY_BELOW
+        job.version, job.t0, job.left = self.version, time.perf_counter(), len(job.prompts)
+        job.outputs = [None] * len(job.prompts)
+        base = next(self._ids)
+        added = []
+        try:
+            for i, ids in enumerate(job.prompts):
+                sp = VSamplingParams(
+                    n=p.n, temperature=0.0 if greedy else p.temperature, top_p=1.0 if greedy else p.top_p,
+                    top_k=0 if greedy or not p.top_k else p.top_k, max_tokens=p.max_new_tokens,
+                    stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}), logprobs=0, detokenize=False,
+                    seed=None if p.seed is None else p.seed + i * p.n, output_kind=RequestOutputKind.FINAL_ONLY)
+                rid = f"{base}-{i}"
+                self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+                added.append(rid)
+                self._inflight[rid] = (job, i)
+        except Exception as e:  # refused by the engine (too long for max_model_len, ...)
+            for rid in added:
+                self._inflight.pop(rid, None)
+            if added:
+                self.engine.abort_request(added)
+            job.future.set_exception(ValueError(f"vLLM refused the request: {e}"))
+
+    def _finished(self, out) -> None:
+        entry = self._inflight.pop(out.request_id, None)
+        if entry is None:
+            return
+        job, i = entry
+        comps = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            lps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else []
+            reason = "stop" if c.finish_reason == "stop" else "length"
+            comps.append(Completion(ids, lps, reason))
+        job.outputs[i] = comps
+        job.left -= 1
+        if job.left == 0 and not job.future.done():
+            tokens = sum(len(c.token_ids) for cs in job.outputs for c in cs)
+            job.future.set_result(GenerationResult(job.outputs, job.version, tokens, time.perf_counter() - job.t0))
+
+    def _fail_inflight(self, e: Exception) -> None:
+        rids = list(self._inflight)
+        jobs = {id(j): j for j, _ in self._inflight.values()}
+        self._inflight.clear()
+        if rids:
+            try:
+                self.engine.abort_request(rids)
+            except Exception:  # the engine is already broken; the callers learn it below
+                pass
+        for job in jobs.values():
+            if not job.future.done():
+                job.future.set_exception(e)
+
+    def _fail_all(self, e: Exception) -> None:
+        self._fail_inflight(e)
+        for job in self._held:
+            job.future.set_exception(e)
+        for c in self._calls:
+            c.future.set_exception(e)
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item.future.set_exception(e)
+
+
+def hf_parameter_specs(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names and shapes of the transformers model's state dict (float32), from its config alone:
+    the model is built on the meta device, so nothing is allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
