@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..common.modeling import check_model_dir, load_tokenizer
-from ..common.rpc.errors import Unavailable
+from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
 from .backend import GREEDY_BELOW, check_newer, check_weights
 
@@ -261,8 +261,8 @@ class VLLMBackend:
         added = []
         try:
             for i, ids in enumerate(job.prompts):
-                sp = VSamplingParams(
-                    n=p.n, temperature=0.0 if greedy else p.temperature, top_p=1.0 if greedy else p.top_p,
+                sp = VSamplingParams(  # greedy samples are all alike: one is decoded, n are returned
+                    n=1 if greedy else p.n, temperature=0.0 if greedy else p.temperature, top_p=1.0 if greedy else p.top_p,
                     top_k=0 if greedy or not p.top_k else p.top_k, max_tokens=p.max_new_tokens,
                     stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}), logprobs=0, detokenize=False,
                     seed=None if p.seed is None else p.seed + i * p.n, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -275,7 +275,7 @@ class VLLMBackend:
                 self._inflight.pop(rid, None)
             if added:
                 self.engine.abort_request(added)
-            job.future.set_exception(ValueError(f"vLLM refused the request: {e}"))
+            job.future.set_exception(BadRequest(f"request: vLLM's engine refused it: {e}"))
 
     def _finished(self, out) -> None:
         entry = self._inflight.pop(out.request_id, None)
@@ -288,6 +288,9 @@ class VLLMBackend:
             lps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else []
             reason = "stop" if c.finish_reason == "stop" else "length"
             comps.append(Completion(ids, lps, reason))
+        if len(comps) < job.params.n:  # greedy: the one decoded sample, n times
+            comps = [Completion(list(c.token_ids), list(c.log_probs), c.finish_reason)
+                     for c in comps for _ in range(job.params.n)]
         job.outputs[i] = comps
         job.left -= 1
         if job.left == 0 and not job.future.done():

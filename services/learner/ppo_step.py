@@ -27,7 +27,7 @@ from ..common.padding import pad_right
 from ..common.types import Rollout
 from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, clip_by_value, compute_advantages,
                    compute_sft_loss, kl_penalty, make_kl_controller, masked_mean, masked_whiten,
-                   postprocess_rewards, reference_log_probs)
+                   postprocess_rewards, reference_log_probs, rollout_importance_weights)
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Experience:
     returns: torch.Tensor  # (B, T)
     values: torch.Tensor | None  # (B, T)
     metrics: dict
+    rollout_is_weights: torch.Tensor | None = None  # (B, T) truncated pi_old / sampler weights (rollout_is)
 
 
 def planned_updates(cfg) -> int:
@@ -113,10 +114,19 @@ class PPOLearner:
         self.policy.eval()
         with torch.no_grad(), self._autocast():
             cur = response_log_probs(self.policy, batch, self.temperature, with_entropy=True, full=full)
-        if cfg.recompute_old_log_probs or rollout.gen_log_probs is None:
+        if cfg.rollout_is and rollout.gen_log_probs is None:
+            raise ValueError("rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
+                             "set rollout_is: false or have the generation backend return log-probs")
+        gen_log_probs = pad_right(rollout.gen_log_probs, T).to(self.device) \
+            if rollout.gen_log_probs is not None else None
+        if cfg.recompute_old_log_probs or gen_log_probs is None:
             old_log_probs = cur["log_probs"]
         else:
-            old_log_probs = pad_right(rollout.gen_log_probs, T).to(self.device)
+            old_log_probs = gen_log_probs
+        rollout_is_weights, is_metrics = None, {}
+        if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
+            rollout_is_weights, is_metrics = rollout_importance_weights(old_log_probs, gen_log_probs, mask,
+                                                                        cfg.rollout_is_threshold)
         old_for_ref = cur["full"] if full else old_log_probs
         ref_log_probs = None
         if cfg.use_kl_loss or cfg.add_token_level_kl:
@@ -149,13 +159,15 @@ class PPOLearner:
             "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item(),
             "rollout/response_length_mean": lengths.mean().item(),
             "rollout/samples": len(rollout.scores),
+            **is_metrics,
         }
         if values is not None:
             metrics["critic/values_mean"] = masked_mean(values, mask).item()
         if rollout.versions:
             metrics["rollout/staleness_max"] = max(self.version - v for v in rollout.versions)
         self.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
-        return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics)
+        return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics,
+                          rollout_is_weights)
 
     # ---------------------------------------------------------------- update
     def _ptx_loss(self, n: int) -> torch.Tensor | None:
@@ -199,7 +211,8 @@ class PPOLearner:
                         exp.old_log_probs[m], log_prob, exp.advantages[m], mask,
                         cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high,
                         clip_ratio_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
-                        loss_agg_mode=cfg.loss_agg_mode)
+                        loss_agg_mode=cfg.loss_agg_mode,
+                        rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[m])
                     loss = pg_loss
                     entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode)
                     if cfg.entropy_coef:

@@ -11,5 +11,6 @@ from .losses import (POLICY_LOSSES, compute_gspo_policy_loss, compute_policy_los
                      compute_value_loss, entropy_from_logits, logprobs_from_logits)
 from .normalize import REWARD_NORMS, RunningMeanStd, normalize_rewards, postprocess_rewards
 from .registry import Registry
+from .rollout_is import rollout_importance_weights
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -16,7 +16,8 @@ from .registry import Registry
 def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                         response_mask: torch.Tensor, cliprange: float | None = None,
                         cliprange_low: float | None = None, cliprange_high: float | None = None,
-                        clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean"):
+                        clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean",
+                        rollout_is_weights: torch.Tensor | None = None):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with the dual clip of
     Ye et al. 2020 (arXiv:1912.09729) for negative advantages.
 
@@ -26,6 +27,9 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     clipped = max(L1, L2);  where A < 0: min(clipped, -A * clip_ratio_c)   (the dual clip)
     `cliprange_low`/`cliprange_high` default to `cliprange` (asymmetric "clip-higher" when they
     differ). `clip_ratio_c=None` gives the plain clipped objective.
+    rollout_is_weights: optional (B, T) truncated importance weights pi_old / mu between the
+    learner and the sampler (`rollout_importance_weights`); each token's loss is multiplied by
+    its weight before aggregation, as verl's `rollout_is`. None leaves the loss unchanged.
     Returns pg_loss (scalar, aggregated by `loss_agg_mode`), pg_clipfrac (share of tokens where
     the clip is active), ppo_kl (mean of old - new log-prob, an estimate of KL(old || new)) and
     pg_clipfrac_lower (share of tokens where the dual clip is active).
@@ -56,6 +60,8 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
         pg_clipfrac_lower = masked_mean(
             (torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask)
         pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
@@ -68,7 +74,8 @@ POLICY_LOSSES.register("vanilla")(compute_policy_loss)
 def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                              response_mask: torch.Tensor, cliprange: float | None = None,
                              cliprange_low: float | None = None, cliprange_high: float | None = None,
-                             clip_ratio_c: float | None = None, loss_agg_mode: str = "seq-mean-token-mean"):
+                             clip_ratio_c: float | None = None, loss_agg_mode: str = "seq-mean-token-mean",
+                             rollout_is_weights: torch.Tensor | None = None):
     """GSPO, sequence-level importance ratio (Zheng et al. 2025, arXiv:2507.18071, eq. 7 and its
     token-level form GSPO-token).
 
@@ -77,6 +84,8 @@ def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     L = max(-A * s_i,t, -A * clip(s_i,t, 1 - cliprange_low, 1 + cliprange_high)),
     aggregated seq-mean-token-mean as in the paper (`loss_agg_mode` and `clip_ratio_c` are
     accepted for a uniform signature and not used: the dual clip is a token-ratio device).
+    `rollout_is_weights` (B, T), when given, multiplies each token's loss before aggregation, as
+    in `compute_policy_loss`.
     Shapes as `compute_policy_loss`; returns the same four values (pg_clipfrac_lower = 0).
     """
     cliprange_low = cliprange if cliprange_low is None else cliprange_low
@@ -91,6 +100,8 @@ def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = masked_mean(-log_ratio.detach(), response_mask)

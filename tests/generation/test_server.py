@@ -1,4 +1,6 @@
-"""A real generation server on a loopback port, called through the generated client."""
+"""The generation server's contract, run against both backends (`hf` and `vllm`): a real server
+on a loopback port, called through the generated client. The `vllm` cases carry the `vllm`
+mark and run in the vLLM environment (`make test` runs them with .venv-vllm's Python)."""
 import hashlib
 import math
 import resource
@@ -11,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import config_from_dict
+from services.common.modeling import build_token_batch, load_causal_lm, response_log_probs
 from services.common.rpc.codec import weight_chunks
 from services.common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
 from services.common.types import SamplingParams
@@ -20,11 +23,42 @@ from services.generation.server import serve
 
 from tests.grpc_helpers import TOKEN, expect_code
 
+BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+# vLLM's CPU build: float32 (the learner's dtype), no graph capture, a small KV cache
+VLLM_CPU = {"dtype": "float32", "enforce_eager": True, "cpu_kvcache_space_gb": 1}
 
-@pytest.fixture(scope="module")
-def server(cfg):
-    with serve(cfg, port=0, metrics_port=0) as svc:
-        yield svc.server, svc.servicer
+
+def backend_cfg(cfg, backend: str, **generation):
+    return config_from_dict({**cfg.model_dump(), "generation": {
+        **cfg.generation.model_dump(), "backend": backend, "vllm": VLLM_CPU, **generation}})
+
+
+class Served:
+    """A running server, its servicer, and the weights it serves (tracked by the tests' pushes:
+    the vLLM engine holds them in its own fused layout)."""
+
+    def __init__(self, server, servicer, state):
+        self.server, self.servicer, self.state = server, servicer, state
+
+    def __iter__(self):  # server, servicer = served
+        return iter((self.server, self.servicer))
+
+    def __getitem__(self, i):
+        return (self.server, self.servicer)[i]
+
+    def assert_weights(self, state):
+        """The backend holds exactly `state` (readable for hf; vLLM is checked by its outputs)."""
+        backend = self.servicer.backend
+        if hasattr(backend, "model"):
+            for k, t in backend.model.state_dict().items():
+                assert torch.equal(t, state[k]), k
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, cfg, tiny_model_dir):
+    state = {k: v.clone() for k, v in load_causal_lm(tiny_model_dir).state_dict().items()}
+    with serve(backend_cfg(cfg, request.param), port=0, metrics_port=0) as svc:
+        yield Served(svc.server, svc.servicer, state)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +66,12 @@ def client(server, cfg):
     c = GenerationClient(f"127.0.0.1:{server[0].port}", cfg.rpc)
     yield c
     c.close()
+
+
+def push(client, served, state, version, **kw):
+    resp = client.update_weights(state, version, **kw)
+    served.state = {k: v.clone() for k, v in state.items()}
+    return resp
 
 
 def test_generate_tokens_text_and_chat(client, server):
@@ -47,7 +87,10 @@ def test_generate_tokens_text_and_chat(client, server):
             assert len(c.token_ids) == len(c.log_probs) <= 5 and c.finish_reason in ("stop", "length")
     assert resp.policy_version == 0
     info = client.info()
-    assert info.vocab_size > 0 and info.prompt_length == 32 and info.backend == "hf"
+    assert info.vocab_size > 0 and info.prompt_length == 32
+    assert info.backend == server.servicer.backend.info()["backend"] == server.servicer.cfg.generation.backend
+    assert info.engine_version.startswith({"hf": "transformers ", "vllm": "vllm "}[info.backend])
+    assert info.dtype == "float32" and info.device == "cpu"
 
 
 def client_tokens(text, server):
@@ -85,14 +128,13 @@ def test_bad_generate_requests_are_invalid_argument_and_server_keeps_serving(cli
     assert client.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2)).completions
 
 
-def test_push_makes_server_generate_exactly_what_the_pushed_model_generates(client, cfg, tiny_model_dir):
+def test_push_makes_server_generate_exactly_what_the_pushed_model_generates(client, server, tiny_model_dir):
     torch.manual_seed(0)
     reference = HFBackend(tiny_model_dir, "cpu")
-    new_state = {k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v
-                 for k, v in reference.model.state_dict().items()}
+    new_state = {k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v for k, v in server.state.items()}
     reference.update_weights(new_state, 1)
     before = client.version
-    resp = client.update_weights(new_state, before + 1, chunk_bytes=10_000)
+    resp = push(client, server, new_state, before + 1, chunk_bytes=10_000)
     assert resp.version == before + 1 and resp.bytes > 0
     prompts = [[1, 4, 5, 6, 30], [1, 11, 10, 9, 8, 30]]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
@@ -112,8 +154,7 @@ def _chunks_of(state, version, mutate=None):
 
 
 def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
-    backend = server[1].backend
-    good = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    good = server.state
     v = client.version
     prompts = [[1, 4, 5, 6, 30]]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
@@ -140,8 +181,7 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
                 "without a footer")
     assert client.version == v
     assert client.generate(prompts, greedy).completions[0][0].token_ids == before
-    for k, t in backend.model.state_dict().items():
-        assert torch.equal(t, good[k])
+    server.assert_weights(good)
 
 
 def _restream(chunks):
@@ -154,17 +194,15 @@ def _restream(chunks):
     return iter(chunks)
 
 
-def _serves_unchanged(client, backend, good, v, prompts, before):
+def _serves_unchanged(client, served, good, v, prompts, before):
     assert client.version == v
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     assert client.generate(prompts, greedy).completions[0][0].token_ids == before
-    for k, t in backend.model.state_dict().items():
-        assert torch.equal(t, good[k]), k
+    served.assert_weights(good)
 
 
 def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
-    backend = server[1].backend
-    good = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    good = server.state
     v = client.version
     prompts = [[1, 4, 5, 6, 30]]
     before = client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).completions[0][0].token_ids
@@ -201,19 +239,28 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
         poisoned[name][5, 7] = bad
         expect_code(lambda: push(iter(weight_chunks(poisoned, v + 1))), grpc.StatusCode.INVALID_ARGUMENT,
                     f"weights.piece[{name}]: contains NaN or infinity")
-    _serves_unchanged(client, backend, good, v, prompts, before)
+    _serves_unchanged(client, server, good, v, prompts, before)
 
 
 def test_partial_push_replaces_only_its_tensors(client, server):
-    backend = server[1].backend
-    good = {k: t.clone() for k, t in backend.model.state_dict().items()}
+    good = server.state
     v = client.version
     name = "model.norm.weight"
     new = good[name] * 1.5
-    resp = client.stub.PushWeights(weight_chunks({name: new}, v + 1, fmt="partial"), metadata=client.metadata)
+    partial = lambda: client.stub.PushWeights(  # noqa: E731
+        weight_chunks({name: new}, v + 1, fmt="partial"), metadata=client.metadata)
+    if server.servicer.cfg.generation.backend == "vllm":
+        # vLLM fuses q/k/v and gate/up projections: a layer loaded from part of its tensors would be
+        # corrupt, so the vllm backend refuses partial pushes and keeps serving what it had
+        prompts = [[1, 4, 5, 6, 30]]
+        before = client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).completions[0][0].token_ids
+        expect_code(partial, grpc.StatusCode.INVALID_ARGUMENT, "the vllm backend loads whole policies only")
+        _serves_unchanged(client, server, good, v, prompts, before)
+        return
+    resp = partial()
     assert resp.version == v + 1 and client.version == v + 1
-    for k, t in backend.model.state_dict().items():
-        assert torch.equal(t, new if k == name else good[k]), k
+    server.state = {**good, name: new}
+    server.assert_weights(server.state)
     # each tensor of a partial push is still complete
     chunks = list(weight_chunks({name: good[name]}, v + 2, chunk_bytes=128, fmt="partial"))
     del chunks[2]
@@ -235,8 +282,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
     ("header.num_tensors", 22, "weights.header.num_tensors: 22 outside [1, 21]"),
 ])
 def test_declared_sizes_are_checked_against_the_model_before_allocating(client, server, where, value, fragment):
-    backend = server[1].backend
-    state = {k: t.clone() for k, t in backend.model.state_dict().items()}
+    state = server.state
     v = client.version
     if value == "model+1":
         value = sum(t.numel() * t.element_size() for t in state.values()) + 1
@@ -291,6 +337,57 @@ def test_prompt_errors_start_with_the_prompt_and_request_errors_do_not(client):
         assert details.startswith(f"prompts[{i}]"), details
 
 
+def _reference(served, tiny_model_dir):
+    """The transformers model with the weights the server serves."""
+    model = load_causal_lm(tiny_model_dir).eval()
+    model.load_state_dict(served.state)
+    return model
+
+
+def test_greedy_and_stop_tokens_equal_the_transformers_reference(client, server, tiny_model_dir):
+    ref = HFBackend(tiny_model_dir, "cpu")
+    ref.model.load_state_dict(server.state)
+    prompts = [[1, 4, 5, 6, 30], [1, 11, 10, 9, 8, 30], [1, 7, 30], [1, 20, 21, 22, 23, 24, 25, 30]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    served, local = client.generate(prompts, greedy), ref.generate(prompts, greedy)
+    assert [c[0].token_ids for c in served.completions] == [c[0].token_ids for c in local.completions]
+    assert [c[0].finish_reason for c in served.completions] == [c[0].finish_reason for c in local.completions]
+    for a, b in zip(served.completions, local.completions):
+        assert a[0].log_probs == pytest.approx(b[0].log_probs, abs=1e-4)
+    # a stop token ends the completion, which holds it, with finish_reason "stop"
+    first = local.completions[0][0].token_ids[1]
+    stopped = client.generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[first]))
+    c = stopped.completions[0][0]
+    assert c.token_ids == local.completions[0][0].token_ids[:2] and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_equal_the_learners_recomputation(client, server, tiny_model_dir, temperature):
+    """The sampler's log-probs are those of the distribution it drew from (temperature applied),
+    what the learner's `response_log_probs` computes for the same tokens."""
+    prompts = [[1, 4, 5, 6, 30], [1, 11, 10, 9, 8, 30], [1, 7, 30]]
+    res = client.generate(prompts, SamplingParams(n=4, temperature=temperature, max_new_tokens=8, seed=5))
+    rows = [(p, c) for p, cs in zip(prompts, res.completions) for c in cs]
+    batch = build_token_batch([p for p, _ in rows], [c.token_ids for _, c in rows], 0)
+    with torch.no_grad():
+        learner = response_log_probs(_reference(server, tiny_model_dir), batch, temperature)["log_probs"]
+    worst = max(abs(learner[i, j].item() - lp) for i, (_, c) in enumerate(rows) for j, lp in enumerate(c.log_probs))
+    assert worst < 1e-4, worst
+    assert sum(len(c.token_ids) for _, c in rows) > 3 * len(rows)  # something was really sampled
+
+
+def test_a_seed_repeats_its_samples_and_n_samples_differ(client):
+    prompts = [[1, 4, 5, 6, 30], [1, 11, 10, 9, 8, 30]]
+    params = SamplingParams(n=4, temperature=1.5, max_new_tokens=8, seed=123)
+    a, b = client.generate(prompts, params), client.generate(prompts, params)
+    assert [[c.token_ids for c in cs] for cs in a.completions] == [[c.token_ids for c in cs] for cs in b.completions]
+    assert all(len({tuple(c.token_ids) for c in cs}) > 1 for cs in a.completions)
+    for cs in a.completions:
+        for c in cs:
+            assert len(c.token_ids) == len(c.log_probs) and c.finish_reason in ("stop", "length")
+            assert (c.finish_reason == "length") == (len(c.token_ids) == 8 and c.token_ids[-1] != 2)
+
+
 @pytest.fixture(scope="module")
 def small_server(cfg):
     """A server that allows 200 token positions per request."""
@@ -343,7 +440,7 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
     ref = HFBackend(tiny_model_dir, "cpu")
     states = {}
     v0 = client.version
-    base = {k: t.clone() for k, t in server[1].backend.model.state_dict().items()}
+    base = server.state
     for i in range(1, 4):
         torch.manual_seed(i)
         states[v0 + i] = {k: t + 0.1 * torch.randn_like(t) if t.dim() == 2 else t for k, t in base.items()}
@@ -362,7 +459,7 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
     for t in threads:
         t.start()
     for v in range(v0 + 1, v0 + 4):
-        client.update_weights(states[v], v, chunk_bytes=20_000)
+        push(client, server, states[v], v, chunk_bytes=20_000)
         time.sleep(0.05)
     stop.set()
     for t in threads:
@@ -377,6 +474,7 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
 
 
 def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
+    """The hf backend's window: calls that arrive together share a backend batch."""
     with serve(config_from_dict({**cfg.model_dump(), "generation": {
             "batch_window_ms": 200, "max_batch_size": 64}}), port=0, metrics_port=None) as svc:
         srv, servicer = svc.server, svc.servicer
