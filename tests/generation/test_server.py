@@ -68,6 +68,12 @@ def client(server, cfg):
     c.close()
 
 
+def tied(state):
+    """The tiny model ties its output layer to its embedding: a state dict as the learner sends it
+    holds the same tensor under both names."""
+    return {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+
+
 def push(client, served, state, version, **kw):
     resp = client.update_weights(state, version, **kw)
     served.state = {k: v.clone() for k, v in state.items()}
@@ -131,7 +137,7 @@ def test_bad_generate_requests_are_invalid_argument_and_server_keeps_serving(cli
 def test_push_makes_server_generate_exactly_what_the_pushed_model_generates(client, server, tiny_model_dir):
     torch.manual_seed(0)
     reference = HFBackend(tiny_model_dir, "cpu")
-    new_state = {k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v for k, v in server.state.items()}
+    new_state = tied({k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v for k, v in server.state.items()})
     reference.update_weights(new_state, 1)
     before = client.version
     resp = push(client, server, new_state, before + 1, chunk_bytes=10_000)
@@ -443,7 +449,7 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
     base = server.state
     for i in range(1, 4):
         torch.manual_seed(i)
-        states[v0 + i] = {k: t + 0.1 * torch.randn_like(t) if t.dim() == 2 else t for k, t in base.items()}
+        states[v0 + i] = tied({k: t + 0.1 * torch.randn_like(t) if t.dim() == 2 else t for k, t in base.items()})
     states[v0] = base
     prompts = [[1, 4, 5, 6, 30]]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)

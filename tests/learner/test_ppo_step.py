@@ -1,4 +1,7 @@
-"""The learner step's contracts: weights it pushes are the weights it trains, LoRA stays LoRA."""
+"""The learner step's contracts: weights it pushes are the weights it trains, LoRA stays LoRA,
+rollout_is weights the loss by the sampler/learner importance ratio."""
+import math
+
 import pytest
 import torch
 
@@ -96,3 +99,61 @@ def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
     ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
     with torch.no_grad():
         assert torch.allclose(backend.model(ids).logits, learner.policy(ids).logits, atol=1e-5)
+
+
+def _shifted(ro, old_log_probs, shifts):
+    """`ro` with the sampler's log-probs set to the learner's minus shifts[i] on sequence i, so the
+    importance ratio pi_old / mu of every token of sequence i is exp(shifts[i])."""
+    gen = [(old_log_probs[i, :len(r)] - shifts[i]).tolist() for i, r in enumerate(ro.response_ids)]
+    return Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, gen, None, ro.versions)
+
+
+def test_rollout_is_reports_the_ratio_between_sampler_and_learner(tiny_model_dir):
+    backend = HFBackend(tiny_model_dir, "cpu")
+    ro = _rollout(backend)
+    old = PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).old_log_probs
+    assert "ppo/is_ratio_mean" not in PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).metrics
+    learner = PPOLearner(_cfg(tiny_model_dir, rollout_is=True, rollout_is_threshold=2.0))
+    # even sequences: ratio exp(0.5) = 1.65, under the cap; odd ones: exp(1) = 2.72, truncated to 2
+    shifts = [0.5 if i % 2 == 0 else 1.0 for i in range(len(ro.response_ids))]
+    exp = learner.make_experience(_shifted(ro, old, shifts))
+    lengths = torch.tensor([len(r) for r in ro.response_ids], dtype=torch.float)
+    ratio = torch.exp(torch.tensor(shifts))
+    odd = torch.tensor([i % 2 == 1 for i in range(len(shifts))])
+    assert lengths[odd].sum() > 0 and lengths[~odd].sum() > 0
+    m = exp.metrics
+    assert m["ppo/is_ratio_mean"] == pytest.approx(((ratio * lengths).sum() / lengths.sum()).item(), rel=1e-4)
+    assert m["ppo/is_ratio_max"] == pytest.approx(math.exp(1.0), rel=1e-4)
+    assert m["ppo/is_clipped_frac"] == pytest.approx((lengths[odd].sum() / lengths.sum()).item())
+    weights = ratio.clamp(max=2.0)
+    assert m["ppo/is_weight_mean"] == pytest.approx(((weights * lengths).sum() / lengths.sum()).item(), rel=1e-4)
+    mask = exp.batch.response_mask
+    expected = weights.unsqueeze(-1) * mask
+    assert torch.allclose(exp.rollout_is_weights, expected, rtol=1e-4, atol=0)
+    # the learner's old log-probs are still its own (recompute_old_log_probs), not the sampler's
+    assert torch.equal(exp.old_log_probs, old)
+
+
+def test_rollout_is_weights_scale_the_policy_loss(tiny_model_dir):
+    backend = HFBackend(tiny_model_dir, "cpu")
+    ro = _rollout(backend)
+    old = PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).old_log_probs
+    shifted = _shifted(ro, old, [0.25] * len(ro.response_ids))  # every weight exp(0.25), under the cap
+    plain = PPOLearner(_cfg(tiny_model_dir)).step(shifted)
+    weighted = PPOLearner(_cfg(tiny_model_dir, rollout_is=True)).step(shifted)
+    assert abs(plain["ppo/pg_loss"]) > 1e-4
+    assert weighted["ppo/pg_loss"] == pytest.approx(math.exp(0.25) * plain["ppo/pg_loss"], rel=1e-3)
+    assert weighted["ppo/is_clipped_frac"] == 0.0
+    # with the sampler's log-probs as the old ones, the weights are all 1
+    same = PPOLearner(_cfg(tiny_model_dir, rollout_is=True, recompute_old_log_probs=False)).make_experience(shifted)
+    assert torch.equal(same.rollout_is_weights, same.batch.response_mask.float())
+    assert same.metrics["ppo/is_ratio_mean"] == 1.0
+
+
+def test_rollout_is_without_sampler_log_probs_raises(tiny_model_dir):
+    ro = _rollout(HFBackend(tiny_model_dir, "cpu"))
+    no_lp = Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, None, None, ro.versions)
+    learner = PPOLearner(_cfg(tiny_model_dir, rollout_is=True))
+    with pytest.raises(ValueError, match="rollout_is needs the sampler's log-probs"):
+        learner.make_experience(no_lp)
+    PPOLearner(_cfg(tiny_model_dir)).make_experience(no_lp)  # without rollout_is it is fine
