@@ -5,12 +5,14 @@
 Measures, in one run on one machine and the same prompts:
   - tokens/s of the vllm backend behind the gRPC server vs vLLM's own `LLM.generate` (the
     service layer's cost; goal >= 0.9x), and vs the hf backend behind the same server;
+  - tokens/s of both backends on a ~100M-parameter random Llama-shaped model (16 prompts);
   - seconds of a weight swap (PushWeights end to end, and the engine's reload alone) for the tiny
     policy and for a ~100M-parameter random Llama-shaped model.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -21,16 +23,23 @@ from pathlib import Path
 import torch
 
 
-def timed(fn, repeats):
-    fn()  # warm-up
-    rates, secs = [], []
+def interleaved(fns: dict, repeats: int) -> dict:
+    """Each of `fns` (name -> a call returning tokens) once to warm up, then `repeats` rounds that
+    run every one in turn: tokens/s and seconds, medians over the rounds (noise hits all alike)."""
+    for fn in fns.values():
+        fn()
+    rates: dict = {k: [] for k in fns}
+    secs: dict = {k: [] for k in fns}
+    tokens = {}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        tokens = fn()
-        dt = time.perf_counter() - t0
-        secs.append(dt)
-        rates.append(tokens / dt)
-    return {"tokens_per_s": statistics.median(rates), "seconds": statistics.median(secs), "tokens": tokens}
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            tokens[k] = fn()
+            dt = time.perf_counter() - t0
+            secs[k].append(dt)
+            rates[k].append(tokens[k] / dt)
+    return {k: {"tokens_per_s": statistics.median(rates[k]), "seconds": statistics.median(secs[k]),
+                "tokens": tokens[k]} for k in fns}
 
 
 def server_cfg(model, backend, max_new_tokens):
@@ -68,7 +77,7 @@ def swap_times(model_dir: Path, repeats: int) -> dict:
     with serve(cfg, port=0, metrics_port=None) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         push, reload = [], []
-        for v in range(1, repeats + 1):
+        for v in range(1, min(repeats, 3) + 1):
             new = {k: t + 0.01 for k, t in state.items()}
             t0 = time.perf_counter()
             client.update_weights(new, v)
@@ -85,7 +94,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--big-layers", type=int, default=14, help="layers of the ~100M random model")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -106,23 +115,24 @@ def main() -> None:
     results: dict = {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
                      "torch_threads": torch.get_num_threads()}
 
-    # 1. vLLM's own offline API on the same prompts and sampling
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0, max_model_len=64,
-              logprobs_mode="processed_logprobs")
+    # vLLM's own offline API and our server (vllm backend, then hf backend) on the same prompts and
+    # sampling, in interleaved rounds
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0,
+              max_model_len=32 + args.max_new_tokens, logprobs_mode="processed_logprobs")
     vparams = VSamplingParams(n=args.n, max_tokens=args.max_new_tokens, seed=0, logprobs=0,
                               stop_token_ids=[tok.eos_token_id])
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    results["vllm_llm_generate"] = timed(lambda: sum(len(c.token_ids) for o in llm.generate(
-        inputs, vparams, use_tqdm=False) for c in o.outputs), args.repeats)
-    del llm
-
-    # 2. the same through our gRPC server, vllm backend then hf backend
-    for backend in ("vllm", "hf"):
-        cfg = server_cfg(args.model, backend, args.max_new_tokens)
-        with serve(cfg, port=0, metrics_port=None) as svc:
+    fns = {"vllm_llm_generate": lambda: sum(len(c.token_ids) for o in llm.generate(
+        inputs, vparams, use_tqdm=False) for c in o.outputs)}
+    with contextlib.ExitStack() as stack:
+        for backend in ("vllm", "hf"):
+            cfg = server_cfg(args.model, backend, args.max_new_tokens)
+            svc = stack.enter_context(serve(cfg, port=0, metrics_port=None))
             client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
-            results[f"server_{backend}"] = timed(lambda: client.generate(prompts, params).tokens, args.repeats)
-            client.close()
+            stack.callback(client.close)
+            fns[f"server_{backend}"] = lambda client=client: client.generate(prompts, params).tokens
+        results.update(interleaved(fns, args.repeats))
+    del llm
     results["server_vllm_vs_llm_generate"] = (results["server_vllm"]["tokens_per_s"]
                                               / results["vllm_llm_generate"]["tokens_per_s"])
     results["server_vllm_vs_server_hf"] = (results["server_vllm"]["tokens_per_s"]
@@ -133,14 +143,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         params_count = random_llama(Path(d), args.model, args.big_layers, 768)
         results["swap_100m"] = {"parameters": params_count, **swap_times(Path(d), args.repeats)}
+        # and both backends' tokens/s on it (a random model runs every completion to its length)
+        fns = {}
+        with contextlib.ExitStack() as stack:
+            for backend in ("vllm", "hf"):
+                cfg = server_cfg(d, backend, args.max_new_tokens)
+                svc = stack.enter_context(serve(cfg, port=0, metrics_port=None))
+                client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
+                stack.callback(client.close)
+                fns[f"server_{backend}_100m"] = lambda client=client: client.generate(prompts[:16], params).tokens
+            results.update(interleaved(fns, 3))
+        results["server_vllm_vs_server_hf_100m"] = (results["server_vllm_100m"]["tokens_per_s"]
+                                                    / results["server_hf_100m"]["tokens_per_s"])
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"\n{'what':44s} {'tokens/s':>10s} {'seconds':>9s}")
-    for k in ("vllm_llm_generate", "server_vllm", "server_hf"):
+    for k in ("vllm_llm_generate", "server_vllm", "server_hf", "server_vllm_100m", "server_hf_100m"):
         print(f"{k:44s} {results[k]['tokens_per_s']:10.0f} {results[k]['seconds']:9.3f}")
     print(f"{'server vllm / LLM.generate':44s} {results['server_vllm_vs_llm_generate']:10.2f}x")
-    print(f"{'server vllm / server hf':44s} {results['server_vllm_vs_server_hf']:10.2f}x")
+    print(f"{'server vllm / server hf (tiny)':44s} {results['server_vllm_vs_server_hf']:10.2f}x")
+    print(f"{'server vllm / server hf (100M, 16 prompts)':44s} {results['server_vllm_vs_server_hf_100m']:10.2f}x")
     for k in ("swap_tiny", "swap_100m"):
         r = results[k]
         print(f"{k + ' (%.0f MB)' % r['mb']:44s} push {r['push_s']:.3f}s, engine reload {r['engine_reload_s']:.3f}s")
