@@ -318,8 +318,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except (KeyError, ValueError) as e:
                 raise BadRequest(f"weights: {e}") from None
             finally:
-                if self.server:
-                    self.server.set_ready(True)
+                if self.server and not getattr(self.backend, "broken", None):
+                    self.server.set_ready(True)  # a broken engine stays not ready (alive, for its logs)
         secs = time.perf_counter() - t0
         log.info("policy version %d applied (%s, %.1f MB in %.2fs)", version, fmt, nbytes / 1e6, secs)
         return version, nbytes, secs

@@ -125,6 +125,7 @@ class VLLMBackend:
                  self.device)
         self.version = 0
         self.swap_seconds = 0.0
+        self.broken: str | None = None  # why the engine must not serve (a reload failed midway)
         self._q: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._inflight: dict[str, tuple[_Job, int]] = {}
@@ -151,7 +152,9 @@ class VLLMBackend:
     # ------------------------------------------------------------------ callers' side
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future:
         fut: Future = Future()
-        if self._closed:
+        if self.broken:
+            fut.set_exception(Unavailable(self.broken))
+        elif self._closed:
             fut.set_exception(Unavailable("the vLLM engine is stopping"))
         else:
             self._q.put(_Job([list(p) for p in prompts], params, fut))
@@ -189,6 +192,18 @@ class VLLMBackend:
     def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         check_newer(version, self.version)
         t0 = time.perf_counter()
+        try:
+            self._reload(state_dict)
+        except Exception as e:  # after every check passed: the engine holds a half-loaded policy
+            self.broken = (f"the vLLM engine failed while loading policy version {version} ({type(e).__name__}: "
+                           f"{e}); it serves nothing until this server is restarted")
+            log.critical("%s", self.broken)
+            raise
+        self.engine.reset_prefix_cache()
+        self.version = version
+        self.swap_seconds = time.perf_counter() - t0
+
+    def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         if self.inprocess:
             self.engine.collective_rpc("reload_weights", kwargs={
                 "weights_iterator": iter(list(state_dict.items())), "is_checkpoint_format": True})
@@ -199,9 +214,6 @@ class VLLMBackend:
                 path = str(Path(d) / "model.safetensors")
                 save_file({k: v.contiguous() for k, v in state_dict.items()}, path)
                 self.engine.collective_rpc("rlhf_load_weights", args=(path,))
-        self.engine.reset_prefix_cache()
-        self.version = version
-        self.swap_seconds = time.perf_counter() - t0
 
     def _loop(self) -> None:
         while True:
@@ -253,6 +265,9 @@ class VLLMBackend:
     def _admit(self, job: _Job) -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
+        if self.broken:
+            job.future.set_exception(Unavailable(self.broken))
+            return
         p = job.params
         greedy = p.temperature < GREEDY_BELOW
         job.version, job.t0, job.left = self.version, time.perf_counter(), len(job.prompts)

@@ -84,3 +84,26 @@ def test_a_swap_waits_for_requests_in_flight_and_later_ones_see_the_new_version(
     t.join(60)
     assert swapped.is_set() and order == [("swap", True)]  # the batch in flight had finished first
     assert first.result().policy_version == v0 and later.result().policy_version == v0 + 1
+
+
+def test_an_engine_that_fails_midway_through_a_reload_serves_nothing(vllm_backend, tiny_model_dir, monkeypatch):
+    """Every check passed and vLLM's reload still raised: the engine may hold a half-loaded policy,
+    so it answers UNAVAILABLE (the pusher and the rollout workers go elsewhere) instead of
+    sampling from it under the old version number."""
+    from services.common.rpc.errors import Unavailable
+    from services.common.modeling import load_causal_lm
+    state = load_causal_lm(tiny_model_dir).state_dict()
+    v = vllm_backend.version
+
+    def fail(*a, **kw):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(vllm_backend.engine, "collective_rpc", fail)
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            vllm_backend.update_weights(state, v + 1)
+        assert vllm_backend.version == v
+        with pytest.raises(Unavailable, match=f"failed while loading policy version {v + 1}"):
+            vllm_backend.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2))
+    finally:
+        vllm_backend.broken = None
+
