@@ -39,15 +39,23 @@ def _error(e) -> int:
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("-c", "--config", required=required, help="YAML config file")
+    env = os.environ.get("RLHF_CONFIG")
+    p.add_argument("-c", "--config", required=required and not env, default=env,
+                   help="YAML config file (default $RLHF_CONFIG)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted path for sections), repeatable")
+
+
+def env_overrides() -> list[str]:
+    """KEY=VALUE overrides from $RLHF_SET (one per line, or separated by spaces), applied before the
+    command line's --set: how Compose and Kubernetes give every service the same addresses."""
+    return [o for o in os.environ.get("RLHF_SET", "").split() if o]
 
 
 def _load(args, data: bool = False):
     """The validated config; with `data`, its data sources must exist too (commands that read them)."""
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, env_overrides() + list(args.overrides))
         errors = data_source_errors(cfg) if data else []
         if errors:
             raise ConfigError(errors)
@@ -119,6 +127,18 @@ def cmd_init_model(args) -> int:
     except OSError as e:
         return _error(f"cannot write the model to {args.out}: {e.strerror or e}")
     print(f"tiny model written to {args.out}")
+    return 0
+
+
+def cmd_redis(args) -> int:
+    """redis-server in the foreground with the replay buffer's settings (AOF on, the password from
+    $RLHF_REDIS_PASSWORD, the config file readable by its owner only): Compose's Redis."""
+    from .common.replay.embedded import EmbeddedRedis
+    password = os.environ.get("RLHF_REDIS_PASSWORD") or None
+    if password is None and args.host not in ("127.0.0.1", "localhost"):
+        return _error(f"rlhf redis: set RLHF_REDIS_PASSWORD before listening on {args.host}")
+    EmbeddedRedis(args.dir, port=args.port, host=args.host, password=password, appendfsync=args.appendfsync,
+                  logfile="").exec()
     return 0
 
 
@@ -261,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="learner: where checkpoints, metrics and summary go")
     p.add_argument("--name", help="rollout: the worker's consumer name (default host-pid)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("redis", help="run redis-server in the foreground for the replay buffer (containers)")
+    p.add_argument("--dir", default="/data", help="where the AOF lives")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=6379)
+    p.add_argument("--appendfsync", choices=["everysec", "always", "no"], default="everysec")
+    p.set_defaults(func=cmd_redis)
 
     p = sub.add_parser("up", help="run the whole system on localhost: embedded Redis and every service")
     _add_config_args(p)

@@ -232,6 +232,17 @@ class RPCConfig(_Strict):
     learner: LearnerEndpoint = Field(default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104),
                                      description="the learner service")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _endpoint_defaults(cls, data):
+        """`rpc.critic.host=critic` alone keeps the critic's default ports (an endpoint given in part
+        is completed from its defaults instead of losing them)."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), dict) and field.default_factory is not None:
+                    data = {**data, name: {**field.default_factory().model_dump(), **data[name]}}
+        return data
+
     @model_validator(mode="after")
     def _tls_pair(self) -> "RPCConfig":
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

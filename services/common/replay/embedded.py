@@ -40,8 +40,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EmbeddedRedis:
     def __init__(self, dir: str | Path, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
-                 appendonly: bool = True, appendfsync: str = "everysec"):
+                 appendonly: bool = True, appendfsync: str = "everysec", logfile: str = "redis.log"):
         self.dir = Path(dir)
+        self.logfile = logfile  # "" = standard output (a container's log)
         self.host, self.port, self.password, self.appendonly = host, port, password, appendonly
         self.appendfsync = appendfsync
         self.proc: subprocess.Popen | None = None
@@ -61,7 +62,7 @@ class EmbeddedRedis:
         in no process's argv. Protected mode stays on (the default)."""
         lines = [f"port {port}", f"bind {self.host}", f'dir "{self.dir.resolve()}"', 'save ""',
                  f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
-                 "logfile redis.log"]
+                 f'logfile "{self.logfile}"']
         if self.password:
             quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{quoted}"')
@@ -92,6 +93,12 @@ class EmbeddedRedis:
             self.stop()
             log.warning("redis-server did not come up on port %d; see %s", port, self.dir / "redis.log")
         raise RuntimeError(f"could not start redis-server; see {self.dir / 'redis.log'}")
+
+    def exec(self) -> None:
+        """Become the redis-server (this process is replaced): `rlhf redis` in a container."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        binary = redis_server_binary()
+        os.execv(binary, [binary, str(self._write_conf(self.port or 6379))])
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
