@@ -184,9 +184,21 @@ class VLLMBackend:
         self.call(self._swap, state_dict, version)
 
     def close(self) -> None:
+        """Stop the engine thread, then shut the engine down now: left to the garbage collector,
+        its teardown of vLLM's process-wide parallel state could run in the middle of the start of
+        another engine in this process (a test or benchmark running several)."""
+        if self._closed:
+            return
         self._closed = True
         self._q.put(None)
         self._thread.join(timeout=30)
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:  # already down; nothing more to release
+            log.debug("vLLM engine shutdown", exc_info=True)
+        self.engine = None
+        import gc
+        gc.collect()
 
     # ------------------------------------------------------------------ the engine thread
     def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
