@@ -100,15 +100,19 @@ class VLLMBackend:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vcfg.cpu_kvcache_space_gb:g}")
         vllm = import_vllm()
         self.engine_version = f"vllm {vllm.__version__}"
-        from vllm import EngineArgs
+        from vllm import EngineArgs, SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
+        self._sampling_params, self._final_only = VSamplingParams, RequestOutputKind.FINAL_ONLY
 
         model_dir = check_model_dir(model_path)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
-        self._specs = hf_parameter_specs(model_dir)
-        self.vocab_size = self._vocab_size
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        self.vocab_size = hf_config.vocab_size
+        self._specs = hf_parameter_specs(hf_config)
         dtype = vcfg.dtype if vcfg.dtype != "auto" else ("bfloat16" if bf16 else "float32")
         args = EngineArgs(
             model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=vcfg.seed,
@@ -143,11 +147,6 @@ class VLLMBackend:
         """The policy's tensors as the learner pushes them: the transformers model's state dict
         names and shapes in float32 (the engine casts to its own dtype and layout as it loads)."""
         return self._specs
-
-    @property
-    def _vocab_size(self) -> int:
-        return self._specs["model.embed_tokens.weight"][0][0] if "model.embed_tokens.weight" in self._specs \
-            else self.tokenizer.vocab_size
 
     # ------------------------------------------------------------------ callers' side
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future:
@@ -275,8 +274,6 @@ class VLLMBackend:
             self._admit(job)
 
     def _admit(self, job: _Job) -> None:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
         if self.broken:
             job.future.set_exception(Unavailable(self.broken))
             return
@@ -288,11 +285,11 @@ class VLLMBackend:
         added = []
         try:
             for i, ids in enumerate(job.prompts):
-                sp = VSamplingParams(  # greedy samples are all alike: one is decoded, n are returned
+                sp = self._sampling_params(  # greedy samples are all alike: one is decoded, n are returned
                     n=1 if greedy else p.n, temperature=0.0 if greedy else p.temperature, top_p=1.0 if greedy else p.top_p,
                     top_k=0 if greedy or not p.top_k else p.top_k, max_tokens=p.max_new_tokens,
                     stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}), logprobs=0, detokenize=False,
-                    seed=None if p.seed is None else p.seed + i * p.n, output_kind=RequestOutputKind.FINAL_ONLY)
+                    seed=None if p.seed is None else p.seed + i * p.n, output_kind=self._final_only)
                 rid = f"{base}-{i}"
                 self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
                 added.append(rid)
@@ -352,11 +349,10 @@ class VLLMBackend:
                 item.future.set_exception(e)
 
 
-def hf_parameter_specs(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def hf_parameter_specs(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Names and shapes of the transformers model's state dict (float32), from its config alone:
     the model is built on the meta device, so nothing is allocated."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(str(model_dir))
+    from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

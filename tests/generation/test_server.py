@@ -1,7 +1,6 @@
 """The generation server's contract, run against both backends (`hf` and `vllm`): a real server
 on a loopback port, called through the generated client. The `vllm` cases carry the `vllm`
 mark and run in the vLLM environment (`make test` runs them with .venv-vllm's Python)."""
-import hashlib
 import math
 import resource
 import threading
@@ -21,7 +20,7 @@ from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 
-from tests.grpc_helpers import TOKEN, expect_code
+from tests.grpc_helpers import TOKEN, expect_code, restream
 
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 # vLLM's CPU build: float32 (the learner's dtype), no graph capture, a small KV cache
@@ -190,16 +189,6 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
     server.assert_weights(good)
 
 
-def _restream(chunks):
-    """`chunks` with the footer's sha256 recomputed, so that only the tampering under test is wrong."""
-    digest = hashlib.sha256()
-    for c in chunks:
-        if c.WhichOneof("payload") == "piece":
-            digest.update(c.piece.data)
-    chunks[-1].footer.sha256 = digest.hexdigest()
-    return iter(chunks)
-
-
 def _serves_unchanged(client, served, good, v, prompts, before):
     assert client.version == v
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
@@ -224,12 +213,12 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
     chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
     first, second = pieces_of(chunks)[:2]
     second.CopyFrom(first)
-    expect_code(lambda: push(_restream(chunks)), grpc.StatusCode.INVALID_ARGUMENT,
+    expect_code(lambda: push(iter(restream(chunks))), grpc.StatusCode.INVALID_ARGUMENT,
                 f"weights.piece[{name}]: bytes [0, {piece_bytes}) were already received")
     # only the hole
     chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
     chunks.remove(pieces_of(chunks)[1])
-    expect_code(lambda: push(_restream(chunks)), grpc.StatusCode.INVALID_ARGUMENT,
+    expect_code(lambda: push(iter(restream(chunks))), grpc.StatusCode.INVALID_ARGUMENT,
                 f"bytes [{piece_bytes}, {2 * piece_bytes}) missing")
     # a "full" push without a whole tensor
     without = {k: t for k, t in noisy.items() if k != "model.norm.weight"}
@@ -270,7 +259,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
     # each tensor of a partial push is still complete
     chunks = list(weight_chunks({name: good[name]}, v + 2, chunk_bytes=128, fmt="partial"))
     del chunks[2]
-    expect_code(lambda: client.stub.PushWeights(_restream(chunks), metadata=client.metadata),
+    expect_code(lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
                 grpc.StatusCode.INVALID_ARGUMENT, "bytes [128, 256) missing")
     assert client.version == v + 1
 
@@ -300,7 +289,7 @@ def test_declared_sizes_are_checked_against_the_model_before_allocating(client, 
             if c.WhichOneof("payload") == "piece" and c.piece.name == "model.embed_tokens.weight":
                 setattr(c.piece, where.split(".")[1], value)
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    expect_code(lambda: client.stub.PushWeights(_restream(chunks), metadata=client.metadata),
+    expect_code(lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
                 grpc.StatusCode.INVALID_ARGUMENT, fragment)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_kb < 512 * 1024  # nothing of GiBs allocated
     assert client.version == v

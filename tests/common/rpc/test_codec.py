@@ -1,24 +1,15 @@
 """assemble_weights on its own: the rules that hold with or without the model's specs (the servers
 always pass specs; tests/generation/test_server.py pushes the same cases over gRPC)."""
-import hashlib
-
 import pytest
 import torch
 
 from services.common.rpc.codec import assemble_weights, weight_chunks
 from services.common.rpc.errors import BadRequest
 
+from tests.grpc_helpers import restream
+
 STATE = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.int64)}
 SPECS = {k: (tuple(t.shape), t.dtype) for k, t in STATE.items()}
-
-
-def _restream(chunks):
-    digest = hashlib.sha256()
-    for c in chunks:
-        if c.WhichOneof("payload") == "piece":
-            digest.update(c.piece.data)
-    chunks[-1].footer.sha256 = digest.hexdigest()
-    return chunks
 
 
 def _pieces(chunks, name):
@@ -30,7 +21,7 @@ def test_round_trip_in_any_piece_order_with_the_header():
     body = chunks[1:-1]
     shuffled = [chunks[0], *reversed(body), chunks[-1]]
     for specs in (SPECS, None):
-        version, fmt, state, nbytes, header = assemble_weights(iter(_restream(list(shuffled))), specs)
+        version, fmt, state, nbytes, header = assemble_weights(iter(restream(list(shuffled))), specs)
         assert (version, fmt, nbytes, header.run_id, header.epoch) == (3, "full", 48 + 40, "run-a", 7)
         assert all(torch.equal(state[k], STATE[k]) for k in STATE)
 
@@ -68,7 +59,7 @@ def test_refused(specs, tamper, fragment):
     chunks = list(weight_chunks(STATE, 1, chunk_bytes=8))
     tamper(chunks)
     with pytest.raises(BadRequest) as e:
-        assemble_weights(iter(_restream(chunks)), specs, max_bytes=1000)
+        assemble_weights(iter(restream(chunks)), specs, max_bytes=1000)
     assert fragment in str(e.value)
 
 
