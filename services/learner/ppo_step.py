@@ -151,7 +151,8 @@ class PPOLearner:
         lengths = mask.sum(-1)
         metrics = {
             "reward/score_mean": raw_scores.mean().item(), "reward/score_std": raw_scores.std().item()
-            if len(raw_scores) > 1 else 0.0, "reward/normalized_mean": scores.mean().item(),
+            if len(raw_scores) > 1 else 0.0, "reward/score_min": raw_scores.min().item(),
+            "reward/score_max": raw_scores.max().item(), "reward/normalized_mean": scores.mean().item(),
             "reward/token_level_sum_mean": token_level_rewards.sum(-1).mean().item(),
             "ppo/kl_ref": seq_kl, "ppo/kl_coef": self.kl_ctl.value,
             "ppo/advantages_mean": masked_mean(advantages, mask).item(),

@@ -130,6 +130,7 @@ class RolloutWorker:
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self.produced = 0
+        self.last_heartbeat = time.monotonic()
 
     def _waiting(self, msg: str | None) -> None:
         if msg:
@@ -308,14 +309,23 @@ class RolloutWorker:
     def heartbeat(self) -> None:
         """Register (or refresh) this worker in the registry."""
         self.store.heartbeat("worker", self.name, produced=self.produced)
+        self.last_heartbeat = time.monotonic()
+
+    def health(self) -> str | None:
+        """None while the worker is alive: its heartbeat reached Redis within replay.heartbeat_ttl_s
+        (the age after which the registry forgets it); else why not (for /healthz)."""
+        age = time.monotonic() - self.last_heartbeat
+        if age > self.cfg.replay.heartbeat_ttl_s:
+            return f"no heartbeat reached Redis for {age:.0f} s"
+        return None
 
     def stop(self) -> None:
         self.stop_event.set()
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
-        """/metrics on `port`, behind the bearer token unless rpc.open_metrics."""
+        """/metrics on `port`, behind the bearer token unless rpc.open_metrics, and /healthz (open)."""
         from ..common.rpc.metrics_http import metrics_token, serve_metrics
-        _, bound = serve_metrics(self.metrics.registry, host, port, metrics_token(self.cfg.rpc))
+        _, bound = serve_metrics(self.metrics.registry, host, port, metrics_token(self.cfg.rpc), self.health)
         return bound
 
 

@@ -6,6 +6,7 @@ that answer with an older policy than a prompt needs."""
 import itertools
 import time
 
+import httpx
 import pytest
 
 from services.common.config import config_from_dict
@@ -317,3 +318,21 @@ def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, 
         assert worker._lagging == {}  # the generation server did its part
         assert g.servicer.batcher.batches >= 1
         assert _pending(store, "w1") == 2 and store.read_dead() == []
+
+
+# ---------------------------------------------------------------------------------------------- liveness
+def test_worker_healthz_follows_its_heartbeats_to_redis(make_cfg, redis_server):
+    """/healthz (a container's or pod's liveness probe) is 200 while heartbeats reach Redis, and 503
+    once none has for replay.heartbeat_ttl_s: a worker whose loop or Redis link died is restarted."""
+    cfg = make_cfg(replay={"heartbeat_ttl_s": 0.5})
+    worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="probe")
+    port = worker.serve_metrics(0)
+    url = f"http://127.0.0.1:{port}/healthz"
+    worker.heartbeat()
+    assert httpx.get(url, timeout=5).status_code == 200
+    assert "probe" in worker.store.live("worker")
+    time.sleep(0.7)  # no heartbeat since
+    r = httpx.get(url, timeout=5)
+    assert r.status_code == 503 and "no heartbeat reached Redis" in r.text
+    worker.heartbeat()
+    assert httpx.get(url, timeout=5).status_code == 200

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import socket
 import threading
+from typing import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -33,17 +34,22 @@ class MetricsServer(ThreadingHTTPServer):
         self.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int,
-                  token: str | None = None) -> tuple[MetricsServer, int]:
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, token: str | None = None,
+                  health: Callable[[], str | None] | None = None) -> tuple[MetricsServer, int]:
     """Serve `registry` on http://host:port/metrics from a background thread; with a `token`, a
-    request without `Authorization: Bearer <token>` gets 401. Other paths are 404. Returns the
-    server (`stop()` it) and the port bound (a free one for port 0)."""
+    request without `Authorization: Bearer <token>` gets 401. `/healthz` is open (for probes): 200
+    "ok", or 503 with the reason `health()` returns when it returns one. Other paths are 404.
+    Returns the server (`stop()` it) and the port bound (a free one for port 0)."""
     expected = f"Bearer {token}".encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            if self.path.split("?")[0] != "/metrics":
-                return self._reply(404, b"not found; try /metrics\n")
+            path = self.path.split("?")[0]
+            if path == "/healthz":
+                problem = health() if health is not None else None
+                return self._reply(503, f"{problem}\n".encode()) if problem else self._reply(200, b"ok\n")
+            if path != "/metrics":
+                return self._reply(404, b"not found; try /metrics or /healthz\n")
             if expected is not None and not hmac.compare_digest(
                     self.headers.get("Authorization", "").encode("utf-8", "replace"), expected):
                 return self._reply(401, b"missing or wrong bearer token (header 'Authorization: Bearer ...')\n",

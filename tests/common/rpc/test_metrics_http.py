@@ -72,3 +72,17 @@ def test_rpc_server_metrics_port_asks_for_the_token(open_metrics):
         server.stop(0)
     with pytest.raises(httpx.TransportError):
         _get(port, token=TOKEN)
+
+
+def test_healthz_is_open_and_reports_the_health_check(registry):
+    problem = [None]
+    httpd, port = serve_metrics(registry, "127.0.0.1", 0, TOKEN, health=lambda: problem[0])
+    try:
+        ok = _get(port, "/healthz")
+        assert ok.status_code == 200 and ok.text == "ok\n"
+        problem[0] = "no heartbeat reached Redis for 31 s"
+        bad = _get(port, "/healthz")
+        assert bad.status_code == 503 and "no heartbeat" in bad.text
+        assert _get(port).status_code == 401  # /metrics still asks for the token
+    finally:
+        httpd.stop()
