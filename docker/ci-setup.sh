@@ -64,7 +64,7 @@ stamp=$WHEELS/.built
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   step "building the wheelhouse in $WHEELS"
   mkdir -p "$WHEELS"
-  "$PIP" wheel --quiet --wheel-dir "$WHEELS" "$TORCH" . "setuptools>=68" wheel 2> >(grep -v "is ignored" >&2)
+  "$PIP" wheel --quiet --wheel-dir "$WHEELS" "$TORCH" . pip "setuptools>=68" wheel 2> >(grep -v "is ignored" >&2)
   rm -f "$WHEELS"/rlhf_services-*.whl   # the project itself is built from source in the image
   touch "$stamp"
 fi

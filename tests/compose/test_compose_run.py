@@ -5,9 +5,11 @@ docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` b
   0.25, every service the learner depends on is healthy before the learner starts, and `down -v`
   leaves no container, network or volume behind.
 - "resilient": the reward service calls a user's reward API (its own container, OpenRLHF
-  protocol); the learner's process is killed (Docker's restart policy brings it back), then the
-  whole system goes `down` and `up` again (keeping its volumes); the run resumes from its
-  checkpoints each time, finishes, and its ledger shows every prompt trained at most once."""
+  protocol); the learner's process is killed (a crash: Docker's restart policy brings it back),
+  then its container is `docker kill`ed (a manual stop, which Docker leaves stopped: `up -d`
+  brings it back), then the whole system goes `down` and `up` again (keeping its volumes); the
+  run resumes from its checkpoints each time, finishes, and its ledger shows every prompt of the
+  run trained exactly once."""
 import json
 import os
 import time
@@ -106,8 +108,19 @@ def resilient(tmp_path_factory):
         project.wait_for(lambda: project.state("learner")["RestartCount"] >= 1, 60, "the learner's restart")
         resumed = project.wait_for(lambda: (s := project.status()) and s.get("resumed_from") is not None and s, 120,
                                    "the restarted learner to resume")
-        # 2. the whole system down (SIGTERM: the learner writes a last checkpoint) and up again
-        project.wait_for(lambda: project.iteration() >= resumed["resumed_from"] + 12, 300, "progress after the restart")
+        # 2. `docker kill`: Docker counts it as a manual stop, so no restart policy brings the
+        # container back; `up -d` does, and it resumes again
+        project.wait_for(lambda: project.iteration() >= resumed["resumed_from"] + 8, 300, "progress after the restart")
+        docker("kill", project.container("learner"))
+        time.sleep(3)
+        after_kill = project.state("learner")["State"]
+        project.up("--scale", "rollout=2")
+        resumed_after_kill = project.wait_for(
+            lambda: (s := project.status()) and (s.get("resumed_from") or 0) > resumed["resumed_from"] and s, 120,
+            "the learner to resume after docker kill and up -d")
+        # 3. the whole system down (SIGTERM: the learner writes a last checkpoint) and up again
+        project.wait_for(lambda: project.iteration() >= resumed_after_kill["resumed_from"] + 8, 300,
+                         "progress after docker kill")
         stopped_at = project.iteration()
         stats_before_down = _stats(project)
         project.down(volumes=False)
@@ -118,11 +131,13 @@ def resilient(tmp_path_factory):
         stats_after = _stats(project)
         rows = [json.loads(x) for x in project.read("/runs/run/metrics.jsonl").splitlines() if x.strip()]
         out = {"rows": rows, "code": code, "killed_at": killed_at, "resumed_from": resumed["resumed_from"],
+               "after_docker_kill": after_kill, "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
                "stopped_at": stopped_at, "resumed_again_from": resumed_again["resumed_from"],
                "summary": json.loads(project.read("/runs/run/summary.json")),
                "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
                "reward_api": [stats_before_down, stats_after], "learner_log": project.logs("learner")}
-        print(f"compose resilient run: killed at {killed_at}, resumed from {out['resumed_from']}, stopped at "
+        print(f"compose resilient run: killed at {killed_at}, resumed from {out['resumed_from']}, after docker kill "
+              f"resumed from {out['resumed_after_docker_kill']}, stopped at "
               f"{stopped_at}, resumed from {out['resumed_again_from']}; reward API {out['reward_api']}")
         yield out
     finally:
@@ -134,6 +149,10 @@ def test_killed_learner_is_restarted_and_resumes_from_its_checkpoint(resilient):
     assert r["code"] == 0, r["learner_log"][-3000:]
     # checkpoints every 5 iterations: it resumed from the newest one written before the kill
     assert r["resumed_from"] % 5 == 0 and r["killed_at"] - 5 <= r["resumed_from"] <= r["killed_at"]
+    # docker kill is a manual stop: exited 137 and left so until `up -d`, which resumed it
+    k = r["after_docker_kill"]
+    assert k["Status"] == "exited" and k["ExitCode"] == 137 and not k["Restarting"], k
+    assert r["resumed_after_docker_kill"] > r["resumed_from"]
     # down stops the learner with SIGTERM, which writes a checkpoint where it stands
     assert r["resumed_again_from"] >= r["stopped_at"]
     assert r["summary"]["iterations"] == ITERATIONS
