@@ -59,9 +59,9 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   rm -rf "$root"
 fi
 
-# 4. the wheelhouse (rebuilt when pyproject.toml changes)
+# 4. the wheelhouse (rebuilt when pyproject.toml or this script changes)
 stamp=$WHEELS/.built
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
   step "building the wheelhouse in $WHEELS"
   mkdir -p "$WHEELS"
   "$PIP" wheel --quiet --wheel-dir "$WHEELS" "$TORCH" . pip "setuptools>=68" wheel 2> >(grep -v "is ignored" >&2)

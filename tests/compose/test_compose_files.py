@@ -2,6 +2,7 @@
 and the CPU variant validate, with the values .env.example documents; GPUs are reserved for
 generation, learner and critic; every long-running service has a healthcheck and the learner
 waits for its dependencies to be healthy; the secrets must be set."""
+import json
 import os
 import subprocess
 import tempfile
@@ -113,3 +114,15 @@ def test_state_lives_on_named_volumes(gpu):
     for name in ("learner", "critic", "generation", "init"):
         assert "runs:/runs:rw" in gpu["services"][name]["volumes"], name
     assert gpu["services"]["redis"]["volumes"] == ["redis:/data:rw"]
+
+
+def test_the_image_runs_rlhf_as_a_non_root_user():
+    from tests.compose.support import IMAGE, docker, require_docker
+    require_docker()
+    config = json.loads(docker("image", "inspect", IMAGE).stdout)[0]["Config"]
+    assert config["User"] == "rlhf" and config["Entrypoint"] == ["rlhf"]
+    assert docker("run", "--rm", "--entrypoint", "id", IMAGE, "-u").stdout.strip() == "10001"
+    # the healthcheck helper the compose file calls answers "not serving" with exit 1, not a traceback
+    probe = docker("run", "--rm", "--entrypoint", "python3", IMAGE, "-m", "services.common.rpc.health",
+                   "127.0.0.1:50051", check=False)
+    assert probe.returncode == 1 and "Traceback" not in probe.stderr, probe.stderr
