@@ -18,6 +18,7 @@ pytestmark = pytest.mark.docker
 ENV = {"RLHF_AUTH_TOKEN": "t0ken", "RLHF_REDIS_PASSWORD": "pw", "RLHF_GENERATION_GPUS": "0",
        "RLHF_LEARNER_GPUS": "1", "RLHF_CRITIC_GPUS": "2"}
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
+MONITORING = {"prometheus", "grafana"}
 
 
 def _compose(args: list[str], env: dict, env_file: Path | None = None) -> subprocess.CompletedProcess:
@@ -84,6 +85,8 @@ def test_gpu_file_reserves_gpus_for_the_services_that_compute(gpu):
 
 def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
     for name, service in cpu["services"].items():
+        if name in MONITORING:
+            continue
         assert "deploy" not in service, name
         assert service["image"] == "rlhf:cpu"
         assert service["environment"]["RLHF_CONFIG"] == "/app/configs/tiny-cpu.yaml"
@@ -92,7 +95,7 @@ def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
 @pytest.mark.parametrize("variant", ["gpu", "cpu"])
 def test_every_long_running_service_has_a_healthcheck_and_a_restart_policy(variant, gpu, cpu):
     services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
-    assert set(services) == LONG_RUNNING | {"init"}
+    assert set(services) == LONG_RUNNING | {"init"} | MONITORING
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck", {}).get("test")
         assert check and check[0] == "CMD", (name, check)
@@ -109,8 +112,21 @@ def test_the_learner_waits_for_healthy_dependencies(gpu):
         assert gpu["services"][name]["depends_on"]["init"]["condition"] == "service_completed_successfully"
 
 
+def test_monitoring_is_a_profile_wired_to_deploy(gpu):
+    """Prometheus and Grafana start only with --profile monitoring, and read the shipped files."""
+    for name in MONITORING:
+        assert gpu["services"][name]["profiles"] == ["monitoring"]
+    for name in LONG_RUNNING | {"init"}:
+        assert "profiles" not in gpu["services"][name]
+    prom = gpu["services"]["prometheus"]
+    assert any(v.endswith("deploy/prometheus:/etc/rlhf-prometheus:ro") for v in prom["volumes"])
+    assert "--config.file=/prometheus/config/prometheus.yml" in prom["command"][0]
+    graf = gpu["services"]["grafana"]["volumes"]
+    assert any(v.endswith("deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro") for v in graf)
+
+
 def test_state_lives_on_named_volumes(gpu):
-    assert set(gpu["volumes"]) == {"runs", "redis"}
+    assert set(gpu["volumes"]) == {"runs", "redis", "prometheus"}
     for name in ("learner", "critic", "generation", "init"):
         assert "runs:/runs:rw" in gpu["services"][name]["volumes"], name
     assert gpu["services"]["redis"]["volumes"] == ["redis:/data:rw"]
