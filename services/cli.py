@@ -19,6 +19,7 @@ from importlib import import_module
 from pathlib import Path
 
 from .common.config import ConfigError, data_source_errors, dump_config, load_config
+from .common.tracking import tracking_errors
 
 EXIT_CONFIG = 2
 # what a user's machine or config causes (a port in use, an unwritable directory, a missing model
@@ -53,10 +54,11 @@ def env_overrides() -> list[str]:
 
 
 def _load(args, data: bool = False):
-    """The validated config; with `data`, its data sources must exist too (commands that read them)."""
+    """The validated config; with `data`, its data sources must exist too, and its trackers be
+    installed (the commands that read the data: the ones that train)."""
     try:
         cfg = load_config(args.config, env_overrides() + list(args.overrides))
-        errors = data_source_errors(cfg) if data else []
+        errors = data_source_errors(cfg) + tracking_errors(cfg) if data else []
         if errors:
             raise ConfigError(errors)
         return cfg

@@ -20,7 +20,8 @@ from .critic.critic import Critic
 from .generation.server import make_backend
 from .learner.ppo_step import PPOLearner, planned_updates, ptx_examples_for
 from .learner.schedule import Schedule
-from .reward.scorer import build_scorer
+from .learner.watch import HackingWatch, judge
+from .reward.scorer import build_eval_scorer, build_scorer
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     backend = make_backend(cfg)
     tokenizer = backend.tokenizer
     scorer = build_scorer(cfg.reward, device="cpu")
+    eval_scorer = build_eval_scorer(cfg.reward) or scorer  # reward.eval_rules: a gold reward apart
     d = cfg.data
     train = drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed),
                           tokenizer, cfg.prompt_length, d.overlong)
@@ -41,9 +43,10 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
     params, eval_params = SamplingParams.for_training(cfg), SamplingParams.for_eval(cfg)
+    watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
     runlog = RunLog(run_dir, cfg, mode="local")
-    baseline = evaluate(held_out, backend, scorer, tokenizer, eval_params)
-    runlog.log_eval(0, baseline)
+    baseline = evaluate(held_out, backend, eval_scorer, tokenizer, eval_params)
+    runlog.log_eval(0, {**baseline, **judge(watch, 0, baseline, log.warning)[1]})
     last_eval = baseline
     it = 0
     for it in range(1, cfg.run.iterations + 1):
@@ -59,10 +62,12 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
         metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
                         "time/iteration_s": t3 - t0, "data/epoch": sampler.epoch,
                         "policy/version": learner.version})
+        watch.train(metrics.get("reward/score_mean", float("nan")))
         tick = schedule.at(it)
         if tick.evaluate:
-            last_eval = evaluate(held_out, backend, scorer, tokenizer, eval_params)
+            last_eval = evaluate(held_out, backend, eval_scorer, tokenizer, eval_params)
             metrics.update(last_eval)
+            metrics.update(judge(watch, it, last_eval, log.warning)[1])
         if tick.checkpoint and not tick.last:  # the last one is `final/`
             learner.save_policy(run_dir / "checkpoints" / f"iter_{it:06d}", tokenizer)
         runlog.log_iteration(it, metrics)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
 from .data import source_problem
@@ -105,6 +105,10 @@ class RewardConfig(_Strict):
     http_concurrency: int = Field(8, ge=1, description="most HTTP reward requests in flight at once")
     max_text_chars: int = Field(100_000, ge=1, description="longest prompt, response or label one sample may "
                                 "carry (characters); a longer one is refused with INVALID_ARGUMENT")
+    eval_rules: Optional[list[RuleSpec]] = Field(None, description="rule scorers of the held-out evaluation "
+                                                 "only, each {name, weight, kwargs} as in reward.rules: a gold "
+                                                 "reward the policy is not trained on (the reward-hacking watch "
+                                                 "compares it with the train reward); null = the training reward")
 
 
 class CriticConfig(_Strict):
@@ -142,6 +146,26 @@ class RunConfig(_Strict):
     seed: int = Field(0, description="random seed of sampling, data order and initialisation")
     log_every: int = Field(1, ge=1, description="print a progress line every N iterations (and at each eval)")
     max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds; null = no limit")
+    hacking_window: int = Field(3, ge=0, description="reward-hacking watch: held-out evaluations compared (>= 2); "
+                                "it warns while across them the held-out reward falls and the train reward rises; "
+                                "0 = off")
+    hacking_min_change: float = Field(0.05, ge=0, description="reward-hacking watch: least fall of the held-out "
+                                      "reward and least rise of the train reward across the window (their "
+                                      "least-squares trends, in reward units) that count")
+    tensorboard: bool = Field(True, description="write every metric of metrics.jsonl as TensorBoard scalars "
+                              "into DIR/tensorboard (when the tensorboard package is installed)")
+    wandb_project: Optional[str] = Field(None, description="log every metric of metrics.jsonl to this Weights & "
+                                         "Biases project (needs `pip install wandb`); null = off")
+    wandb_entity: Optional[str] = Field(None, description="W&B entity (user or team); null = your default")
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = Field(
+        None, description="W&B mode; null = wandb's default ($WANDB_MODE, else online)")
+
+    @field_validator("hacking_window")
+    @classmethod
+    def _window(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("1 evaluation shows no trend; use 0 (off) or >= 2")
+        return v
 
 
 class ReplayConfig(_Strict):

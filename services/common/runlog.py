@@ -4,16 +4,21 @@
     DIR/metrics.jsonl   one JSON object per iteration (eval/* keys when evaluated)
     DIR/summary.json    baseline_eval_reward, final_eval_reward, iterations, wall_s, ...
     DIR/curves.png      train and held-out reward, and KL to the reference, per iteration
+    DIR/tensorboard/    every row's numbers as TensorBoard scalars (and W&B when configured; tracking.py)
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
 from pathlib import Path
 
 from .config import dump_config
+from .tracking import open_sinks, scalars
+
+log = logging.getLogger(__name__)
 
 PROGRESS_KEYS = [("reward", "reward/score_mean", "{:.3f}"), ("eval", "eval/reward_mean", "{:.3f}"),
                  ("kl", "ppo/kl_ref", "{:.4f}"), ("clip", "ppo/pg_clipfrac", "{:.3f}"),
@@ -45,12 +50,38 @@ class RunLog:
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         self.cfg, self.mode, self.stream = cfg, mode, stream or sys.stdout
         self.t0 = time.time() - (self.rows[-1].get("wall_s", 0.0) if self.rows else 0.0)
+        self.sinks = open_sinks(self.dir, cfg, resume_from)
 
     def _append(self, row: dict) -> None:
         row = {k: _clean(v) for k, v in row.items()}
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        self._track(row)
+
+    def _track(self, row: dict) -> None:
+        """The row into every tracker; one that fails is dropped (the numbers stay in metrics.jsonl)."""
+        values = scalars(row)
+        for sink in list(self.sinks):
+            try:
+                sink.log(row["iteration"], values)
+            except Exception as e:
+                log.warning("%s tracking failed (%s: %s); it is off for the rest of the run", sink.name,
+                            type(e).__name__, e)
+                self.sinks.remove(sink)
+                self._close(sink)
+
+    @staticmethod
+    def _close(sink) -> None:
+        try:
+            sink.close()
+        except Exception as e:
+            log.warning("closing %s tracking failed: %s", sink.name, e)
+
+    def close(self) -> None:
+        """Close the trackers (flushes their files); idempotent."""
+        while self.sinks:
+            self._close(self.sinks.pop())
 
     def log_eval(self, iteration: int, metrics: dict) -> None:
         self._append({"iteration": iteration, "wall_s": round(time.time() - self.t0, 3), **metrics})
@@ -73,6 +104,7 @@ class RunLog:
                    "improvement": final - baseline, "iterations": iterations, "wall_s": round(wall_s, 2),
                    "adv_estimator": self.cfg.adv_estimator, **extra}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.close()
         try:
             plot_curves(self.rows, self.dir / "curves.png")
         except Exception as e:  # a plot is a convenience; the numbers are in metrics.jsonl

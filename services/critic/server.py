@@ -14,7 +14,7 @@ from ..common.compute import ComputeThread
 from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
 from ..common.lifecycle import GrpcService
-from ..common.rpc.server import RPCServer
+from ..common.rpc.server import RPCServer, batch_size_histogram
 from .critic import CheckpointError, NonFiniteStep
 
 log = logging.getLogger(__name__)
@@ -22,8 +22,9 @@ MAX_PATH_CHARS = 1024
 
 
 class CriticServicer(critic_pb2_grpc.CriticServicer):
-    def __init__(self, critic, cfg, metrics=None, root: str | Path | None = None):
-        self.critic, self.cfg, self.metrics = critic, cfg, metrics
+    def __init__(self, critic, cfg, batch_size=None, root: str | Path | None = None):
+        """`batch_size`: the `rlhf_batch_size` child that counts sequences per call (None = not counted)."""
+        self.critic, self.cfg, self.batch_size = critic, cfg, batch_size
         self.root = Path(cfg.run.run_dir if root is None else root).resolve()
         self.vocab_size = critic.model.backbone.config.vocab_size
         self.compute = ComputeThread("critic")  # one step at a time, in order; values wait for it
@@ -31,8 +32,8 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
 
     def _batch(self, msg):
         b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length)
-        if self.metrics:
-            self.metrics.batch_size.labels(self.metrics.service, "sequences").observe(b.input_ids.shape[0])
+        if self.batch_size is not None:
+            self.batch_size.observe(b.input_ids.shape[0])
         return b
 
     def Values(self, request, context):
@@ -131,7 +132,7 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
         ep = cfg.rpc.critic
         server = RPCServer("critic", cfg.rpc, ep.port if port is None else port,
                            ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-        servicer = CriticServicer(c, cfg, server.metrics, root=root)
+        servicer = CriticServicer(c, cfg, batch_size_histogram(server.metrics, "sequences"), root=root)
         servicer.restore_latest()
         critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)
         server.start()

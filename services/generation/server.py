@@ -21,6 +21,7 @@ from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
 from .backend import GREEDY_BELOW
+from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +148,9 @@ class Batcher:
             start += n
 
 
-def record_batch(metrics, n_prompts: int, res: GenerationResult) -> None:
+def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: GenerationResult) -> None:
     if metrics is not None:
-        metrics.batch_size.labels(metrics.service, "prompts").observe(n_prompts)
-        metrics.tokens.labels(metrics.service).inc(res.tokens)
-        metrics.tokens_per_s.labels(metrics.service).observe(res.tokens / max(res.seconds, 1e-9))
+        metrics.record(n_prompts, res)
 
 
 class ContinuousBatcher:
@@ -198,7 +197,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
-        metrics = server.metrics if server else None
+        metrics = GenerationMetrics(server.metrics) if server else None
         self.batcher = ContinuousBatcher(backend, metrics) if getattr(backend, "continuous_batching", False) else \
             Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
         self._push_lock = threading.Lock()

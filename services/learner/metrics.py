@@ -1,35 +1,148 @@
-"""The learner's Prometheus metrics (in the registry its gRPC server exports)."""
+"""The learner's Prometheus metrics (in the registry its gRPC server exports), each labelled
+`service="learner"`. Most are set once per iteration from the metrics dict the iteration
+computed (`observe`); the prompt queue an autoscaler of rollout workers watches is read from
+Redis every few seconds by a thread of its own (`ReplayPoller`), so a scrape never waits on Redis.
+docs/metrics.md lists them all."""
 from __future__ import annotations
 
+import logging
+import math
+import threading
+from typing import Callable
+
 from prometheus_client import Counter, Gauge
+
+log = logging.getLogger(__name__)
+
+SERVICE = "learner"
+# the parts of an iteration timed in its metrics (time/<phase>_s), each a `phase` of
+# rlhf_learner_phase_seconds; a phase the iteration did not have (no eval) is 0
+PHASES = ("wait", "train", "push", "eval")
+
+
+def phase_seconds(m: dict) -> dict[str, float]:
+    """{phase: seconds} of an iteration's metrics: every `time/<phase>_s` key but the whole
+    iteration's, and 0 for the PHASES it lacks."""
+    out = {p: 0.0 for p in PHASES}
+    for k, v in m.items():
+        if k.startswith("time/") and k.endswith("_s") and k != "time/iteration_s" and v is not None:
+            out[k[len("time/"):-len("_s")]] = float(v)
+    return out
+
+
+def _finite(v, default: float = math.nan) -> float:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else default
 
 
 class LearnerMetrics:
     def __init__(self, registry):
-        g = lambda name, doc: Gauge(name, doc, registry=registry)  # noqa: E731
-        self.iteration = g("rlhf_learner_iteration", "completed iterations")
-        self.version = g("rlhf_learner_policy_version", "newest policy version")
-        self.reward = g("rlhf_learner_reward", "mean training reward of the last batch")
-        self.eval_reward = g("rlhf_learner_eval_reward", "held-out reward of the last eval")
-        self.kl = g("rlhf_learner_kl", "KL to the reference of the last batch")
-        self.staleness = g("rlhf_replay_staleness", "mean policy-version lag of the last batch")
-        self.backlog = g("rlhf_replay_lag", "trajectory groups waiting for the learner")
-        self.push_seconds = g("rlhf_learner_push_seconds", "seconds of the last weight push")
-        self.iteration_seconds = g("rlhf_learner_iteration_seconds", "seconds of the last iteration")
-        self.dropped = Counter("rlhf_replay_dropped_stale_total", "groups dropped as too stale", registry=registry)
-        self._dropped_seen = 0
+        self.registry = registry
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, ["service"], registry=registry).labels(SERVICE)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, ["service"], registry=registry).labels(SERVICE)
+
+        self.iteration = gauge("rlhf_learner_iteration", "completed iterations")
+        self.version = gauge("rlhf_learner_policy_version", "newest policy version")
+        self.reward = gauge("rlhf_learner_reward", "mean training reward of the last batch")
+        self.reward_min = gauge("rlhf_learner_reward_min", "lowest training reward in the last batch")
+        self.reward_max = gauge("rlhf_learner_reward_max", "highest training reward in the last batch")
+        self.eval_reward = gauge("rlhf_learner_eval_reward", "held-out reward of the last eval")
+        self.kl = gauge("rlhf_learner_kl", "KL to the reference of the last batch")
+        self.clip_fraction = gauge("rlhf_learner_clip_fraction", "share of tokens whose ratio was clipped in the "
+                                   "last iteration's updates (ppo/pg_clipfrac)")
+        self.entropy = gauge("rlhf_learner_entropy", "policy entropy per token on the last batch "
+                             "(ppo/entropy_rollout)")
+        self.tokens_per_s = gauge("rlhf_learner_generation_tokens_per_second", "generation throughput behind "
+                                  "the last batch (rollout/tokens_per_s)")
+        self.hacking = gauge("rlhf_learner_reward_hacking", "1 while the reward-hacking watch suspects reward "
+                             "hacking (held-out reward falling, train reward rising), else 0")
+        self.staleness = gauge("rlhf_replay_staleness", "mean policy-version lag of the last batch")
+        self.backlog = gauge("rlhf_replay_lag", "trajectory groups waiting for the learner")
+        self.push_seconds = gauge("rlhf_learner_push_seconds", "seconds of the last weight push")
+        self.iteration_seconds = gauge("rlhf_learner_iteration_seconds", "seconds of the last iteration")
+        self.phases = Gauge("rlhf_learner_phase_seconds", "seconds of each part of the last iteration",
+                            ["service", "phase"], registry=registry)
+        for p in PHASES:
+            self.phases.labels(SERVICE, p)
+        self.prompts_waiting = gauge("rlhf_replay_prompts_waiting", "prompts in the prompt stream not done: not "
+                                     "yet delivered to a rollout worker, or delivered and pending")
+        self.prompts_pending = gauge("rlhf_replay_prompts_pending", "prompts delivered to a rollout worker and "
+                                     "not yet done (part of rlhf_replay_prompts_waiting)")
+        self.dropped = counter("rlhf_replay_dropped_stale_total", "groups dropped as too stale")
+        self.duplicates = counter("rlhf_replay_duplicates_total", "groups skipped: their prompt was already "
+                                  "trained or in the batch")
+        self.malformed = counter("rlhf_replay_malformed_total", "groups dropped as malformed")
+        self.dead_letters = counter("rlhf_replay_dead_letters_total", "dead-lettered prompts the learner "
+                                    "replaced")
+        self._seen = {"dropped_stale": 0, "duplicates": 0, "malformed": 0, "dead_letters": 0}
 
     def observe(self, service, m: dict) -> None:
+        """One iteration's metrics `m` (and the service's counters) into the gauges and counters."""
         self.iteration.set(service.iteration)
         self.version.set(service.learner.version)
-        self.reward.set(m.get("reward/score_mean", float("nan")))
+        self.reward.set(_finite(m.get("reward/score_mean")))
+        self.reward_min.set(_finite(m.get("reward/score_min")))
+        self.reward_max.set(_finite(m.get("reward/score_max")))
         if "eval/reward_mean" in m:
             self.eval_reward.set(m["eval/reward_mean"])
-        self.kl.set(m.get("ppo/kl_ref", 0.0))
+        self.kl.set(_finite(m.get("ppo/kl_ref"), 0.0))
+        self.clip_fraction.set(_finite(m.get("ppo/pg_clipfrac"), 0.0))
+        self.entropy.set(_finite(m.get("ppo/entropy_rollout")))
+        self.tokens_per_s.set(_finite(m.get("rollout/tokens_per_s"), 0.0))
         self.staleness.set(m.get("replay/staleness_mean", 0.0))
         self.backlog.set(m.get("replay/backlog", 0))
         self.push_seconds.set(m.get("time/push_s", 0.0))
         self.iteration_seconds.set(m.get("time/iteration_s", 0.0))
-        d = service.intake.counters["dropped_stale"]
-        self.dropped.inc(d - self._dropped_seen)
-        self._dropped_seen = d
+        for phase, secs in phase_seconds(m).items():
+            self.phases.labels(SERVICE, phase).set(secs)
+        self.counted(service.counters)
+
+    def counted(self, counters: dict) -> None:
+        """Advance the counters to the service's running totals (restored ones included)."""
+        for key, metric in (("dropped_stale", self.dropped), ("duplicates", self.duplicates),
+                            ("malformed", self.malformed), ("dead_letters", self.dead_letters)):
+            now = int(counters.get(key, 0))
+            if now > self._seen[key]:
+                metric.inc(now - self._seen[key])
+                self._seen[key] = now
+
+    def suspected(self, flag: bool) -> None:
+        self.hacking.set(1.0 if flag else 0.0)
+
+    def queue(self, waiting: int, pending: int) -> None:
+        self.prompts_waiting.set(waiting)
+        self.prompts_pending.set(pending)
+
+
+class ReplayPoller:
+    """Calls `read()` -> (waiting, pending) every `every_s` seconds on a daemon thread and hands
+    the numbers to `update`; a failed read (Redis restarting) keeps the last numbers."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]], update: Callable[[int, int], None], every_s: float):
+        self.read, self.update, self.every_s = read, update, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="replay-poller", daemon=True)
+
+    def start(self) -> "ReplayPoller":
+        self._thread.start()
+        return self
+
+    def poll(self) -> None:
+        try:
+            self.update(*self.read())
+        except Exception as e:
+            log.debug("could not read the prompt queue: %s", e)
+
+    def _loop(self) -> None:
+        while True:
+            self.poll()
+            if self._stop.wait(self.every_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

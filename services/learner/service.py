@@ -33,14 +33,15 @@ from ..common.rpc.server import endpoint_address
 from ..common.sampling import evaluate
 from ..common.types import Rollout, SamplingParams
 from ..critic.client import CriticClient, OverlappedCritic
-from ..reward.client import RewardClient
+from ..reward.client import HeldOut, RewardClient
 from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
-from .metrics import LearnerMetrics
+from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PPOLearner, planned_updates, ptx_examples_for
 from .schedule import Schedule
+from .watch import HackingWatch, judge
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class LearnerService:
         self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner)
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
+        self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
+        self.poller: ReplayPoller | None = None  # the prompt queue's gauges, from start to close
+        self.runlog: RunLog | None = None
         self.address = ""  # where generation servers pull from: set by the server before run()
         self.ready = threading.Event()  # resumed and the current policy published
         self.state = "starting"
@@ -111,7 +115,8 @@ class LearnerService:
                 "replay_backlog": self._quietly(self.store.backlog, -1),
                 "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from,
                 "waiting_for": self.waiting_for, "stale_streak": self.intake.stale_streak,
-                "critic": self.critic_state, "run_id": self.run_id, "epoch": self.epoch}
+                "critic": self.critic_state, "run_id": self.run_id, "epoch": self.epoch,
+                "reward_hacking_suspected": self.watch.last.suspected, "reward_hacking": self.watch.status()}
 
     @staticmethod
     def _quietly(fn, default):
@@ -124,7 +129,7 @@ class LearnerService:
     def state_dict(self) -> dict:
         return {"learner": self.learner.state_dict(), "feeder": self.feeder.state_dict(),
                 "iteration": self.iteration, "counters": dict(self.intake.counters), "baseline": self.baseline,
-                "torch_rng": torch.get_rng_state()}
+                "torch_rng": torch.get_rng_state(), "watch": self.watch.state_dict()}
 
     def save_checkpoint(self) -> Path:
         try:
@@ -154,6 +159,8 @@ class LearnerService:
         torch.set_rng_state(state["torch_rng"])
         self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
         self.intake.counters.update(state["counters"])
+        self.watch.load_state_dict(state.get("watch", {}))  # absent in checkpoints of older versions
+        self.metrics.suspected(self.watch.last.suspected)
         # versions only go forward: the restored weights get a number above anything served
         self.learner.version = self.store.next_version()
         self.resumed_from = self.iteration
@@ -212,13 +219,14 @@ class LearnerService:
         else:
             self.broadcaster.publish_initial(self.address)
         self.ready.set()
-        runlog = RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
-                        resume_from=start_it if self.resumed_from is not None else None)
+        self.poller = ReplayPoller(self.store.prompt_queue, self.metrics.queue, cfg.replay.heartbeat_s).start()
+        runlog = self.runlog = RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
+                                      resume_from=start_it if self.resumed_from is not None else None)
         eval_params = SamplingParams.for_eval(cfg)
         if self.baseline is None:
             base = self._evaluate(eval_params)
             self.baseline = base["eval/reward_mean"]
-            runlog.log_eval(0, base)
+            runlog.log_eval(0, {**base, **self._watched(0, base)})
         self.last["eval"] = self.baseline
         if self.resumed_from is not None:
             self.intake.reread_pending()
@@ -252,9 +260,13 @@ class LearnerService:
                             "replay/dropped_stale": self.intake.counters["dropped_stale"],
                             "replay/duplicates": self.intake.counters["duplicates"], "data/epoch": self.feeder.epoch,
                             "policy/version": self.learner.version})
+            self.watch.train(metrics.get("reward/score_mean", float("nan")))
             tick = schedule.at(it)
             if tick.evaluate:
+                t3 = time.perf_counter()
                 metrics.update(self._evaluate(eval_params))
+                metrics["time/eval_s"] = time.perf_counter() - t3
+                metrics.update(self._watched(it, metrics))
                 self.last["eval"] = metrics["eval/reward_mean"]
             self.last["reward"] = metrics.get("reward/score_mean", float("nan"))
             metrics["time/iteration_s"] = time.perf_counter() - t0
@@ -285,6 +297,13 @@ class LearnerService:
                              wall_s=time.time() - runlog.t0, resumed_from=self.resumed_from,
                              policy_version=self.learner.version, **self.counters)
 
+    def _watched(self, iteration: int, evaluated: dict) -> dict:
+        """The reward-hacking watch's verdict on an evaluation (a warning at its onset, the gauge);
+        what it adds to the metrics row."""
+        verdict, row = judge(self.watch, iteration, evaluated, log.warning)
+        self.metrics.suspected(verdict.suspected)
+        return row
+
     def _evaluate(self, params: SamplingParams) -> dict:
         """Held-out eval through a generation server that serves the current version; one that
         fails is skipped for a while and another (or the same, restarted) one is used."""
@@ -294,7 +313,7 @@ class LearnerService:
             target = self.broadcaster.serving(self.learner.version, self.cfg.rpc.dependency_wait_s, self.stop_event,
                                               avoid=skip)
             try:
-                out = evaluate(self.held_out, target, self.reward, self.tokenizer, params)
+                out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, params)
                 break
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -309,4 +328,8 @@ class LearnerService:
         self.stop_event.set()
 
     def close(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+        if self.runlog is not None:
+            self.runlog.close()
         self.broadcaster.close()

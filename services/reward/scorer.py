@@ -3,7 +3,8 @@
 `RuleScorer` runs verifier functions; `ModelScorer` runs a sequence-classification reward model;
 `CombinedScorer` takes a weighted sum of any of them. Each satisfies the `Scorer` protocol
 (`services/common/types.py`), which the reward server and the in-process trainer both call;
-`HTTPScorer` (`http_scorer.py`) calls your reward API.
+`HTTPScorer` (`http_scorer.py`) calls your reward API. `build_eval_scorer` is the held-out
+evaluation's scorer when `reward.eval_rules` sets one apart from the training reward.
 """
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ class CombinedScorer:
         return results
 
 
-def build_scorer(reward_cfg, device: str = "cpu") -> Scorer:
-    """The scorer a `RewardConfig` describes."""
+def build_scorer(reward_cfg, device: str = "cpu", api_metrics=None) -> Scorer:
+    """The scorer a `RewardConfig` describes; `api_metrics` (a `RewardAPIMetrics`) counts the
+    requests its HTTP reward API gets, if it has one."""
     parts: list[tuple[str, float, Scorer]] = []
     if reward_cfg.type in ("rules", "combined") and reward_cfg.rules:
         parts.append(("rules", 1.0, RuleScorer([(r.name, r.weight, r.kwargs) for r in reward_cfg.rules])))
@@ -91,7 +93,7 @@ def build_scorer(reward_cfg, device: str = "cpu") -> Scorer:
         parts.append(("model", reward_cfg.model_weight, ModelScorer(reward_cfg.model_path, device)))
     if reward_cfg.type in ("http", "combined") and reward_cfg.http_url:
         from .http_scorer import HTTPScorer
-        parts.append(("http", reward_cfg.http_weight, HTTPScorer.from_config(reward_cfg)))
+        parts.append(("http", reward_cfg.http_weight, HTTPScorer.from_config(reward_cfg, api_metrics)))
     if not parts:
         raise ValueError(f"reward.type={reward_cfg.type!r} needs "
                          + {"rules": "reward.rules", "model": "reward.model_path", "http": "reward.http_url",
@@ -100,3 +102,11 @@ def build_scorer(reward_cfg, device: str = "cpu") -> Scorer:
     if len(parts) == 1 and parts[0][1] == 1.0:
         return parts[0][2]
     return CombinedScorer(parts)
+
+
+def build_eval_scorer(reward_cfg) -> Scorer | None:
+    """The held-out evaluation's own scorer: the rules of `reward.eval_rules` (a gold reward the
+    policy is not trained on), or None when they are unset (the eval uses the training reward)."""
+    if reward_cfg.eval_rules is None:
+        return None
+    return RuleScorer([(r.name, r.weight, r.kwargs) for r in reward_cfg.eval_rules])

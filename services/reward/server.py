@@ -1,5 +1,7 @@
 """The reward server: gRPC `Score`, and the same scorer over HTTP in OpenRLHF's remote reward
 protocol (`POST /score` or `/get_reward`), so other frameworks can use it as their reward model.
+Score requests marked `held_out` (the learner's held-out evaluation) are scored by
+`reward.eval_rules` when they are set, a gold reward the policy is not trained on.
 
     rlhf serve reward -c configs/tiny-cpu.yaml
 """
@@ -11,6 +13,7 @@ import math
 import threading
 from typing import Optional, Sequence
 
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import Request  # at module level: FastAPI resolves the handlers' annotations here
 
@@ -18,8 +21,9 @@ from ..common.lifecycle import GrpcService
 from ..common.modeling import load_tokenizer
 from ..common.rpc.errors import BadRequest, DeadlineExceeded
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
-from ..common.rpc.server import RPCServer
+from ..common.rpc.server import RPCServer, batch_size_histogram
 from ..common.types import RewardSample
+from .metrics import CountRequests, HTTPMetrics, RewardAPIMetrics
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 65536
@@ -63,8 +67,12 @@ def _slices(samples: Sequence[RewardSample], max_samples: int = SLICE_SAMPLES, m
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, scorer, metrics=None, max_text_chars: int = 100_000):
-        self.scorer, self.metrics, self.max_text_chars = scorer, metrics, max_text_chars
+    """`eval_scorer` answers requests marked `held_out` (None: `scorer` does); `batch_size` is the
+    `rlhf_batch_size` child that counts samples per call (None = not counted)."""
+
+    def __init__(self, scorer, batch_size=None, max_text_chars: int = 100_000, eval_scorer=None):
+        self.scorer, self.batch_size, self.max_text_chars = scorer, batch_size, max_text_chars
+        self.eval_scorer = eval_scorer
 
     def Score(self, request, context):
         if not request.samples:
@@ -88,17 +96,18 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             if not isinstance(meta, dict):
                 raise BadRequest(f"samples[{i}].metadata_json: must be a JSON object")
             samples.append(RewardSample(s.prompt, s.response, label, meta))
+        scorer = self.eval_scorer if request.held_out and self.eval_scorer is not None else self.scorer
         results = []
         for part in _slices(samples):
             if context.time_remaining() <= 0:
                 raise DeadlineExceeded(f"deadline passed after {len(results)} of {len(samples)} samples scored")
             try:
-                results.extend(self.scorer.score(part))
+                results.extend(scorer.score(part))
             except ValueError as e:  # a rule's own complaint about its input (e.g. a missing label)
                 raise BadRequest(str(e)) from None
         _check_scores(results)
-        if self.metrics:
-            self.metrics.batch_size.labels(self.metrics.service, "samples").observe(len(samples))
+        if self.batch_size is not None:
+            self.batch_size.observe(len(samples))
         return rpb.ScoreResponse(scores=[rpb.Score(reward=r.reward, components=r.components) for r in results])
 
 
@@ -139,16 +148,20 @@ def parse_reward_request(raw: bytes) -> RewardRequest:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in errors]) from None
 
 
-def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str] = (), max_text_chars: int = 100_000):
+def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str] = (), max_text_chars: int = 100_000,
+                   metrics: HTTPMetrics | None = None):
     """FastAPI app answering OpenRLHF's remote reward request shape. Each query loses the runs of
     `strip_tokens` at its start and end (OpenRLHF decodes with special tokens kept: pads, BOS,
     a trailing EOS), each prompt those at its start, before the response is cut from the query.
-    Prompts, responses and labels are limited to `max_text_chars` (a query to twice that)."""
+    Prompts, responses and labels are limited to `max_text_chars` (a query to twice that).
+    `metrics` counts every request by path and status code, and times it."""
     from fastapi import FastAPI, Header, HTTPException
     from starlette.concurrency import run_in_threadpool
 
     tokens = sorted(set(strip_tokens) - {""}, key=len, reverse=True)
     app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
+    if metrics is not None:
+        app.add_middleware(CountRequests, metrics=metrics)
     body_schema = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": RewardRequest.model_json_schema()}}}}
 
@@ -231,21 +244,27 @@ def serve(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
     """The reward service: builds the scorer `reward` describes (or uses `scorer`), serves gRPC
     and, unless the HTTP port is None, OpenRLHF's HTTP protocol. Ports default to `rpc.reward`'s."""
     def build():
+        from .scorer import build_eval_scorer
+        registry = CollectorRegistry()
+        api_metrics, http_metrics = RewardAPIMetrics(registry), HTTPMetrics(registry)
         sc = scorer
         if sc is None:
             from .scorer import build_scorer
-            sc = build_scorer(cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu")
+            sc = build_scorer(cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu",
+                              api_metrics=api_metrics)
+        eval_scorer = build_eval_scorer(cfg.reward)  # before any port is bound: a bad rule name fails here
         ep = cfg.rpc.reward
         server = RPCServer("reward", cfg.rpc, ep.port if port is None else port,
-                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
-        servicer = RewardServicer(sc, server.metrics, cfg.reward.max_text_chars)
+                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host, registry=registry)
+        servicer = RewardServicer(sc, batch_size_histogram(server.metrics, "samples"), cfg.reward.max_text_chars,
+                                  eval_scorer=eval_scorer)
         reward_pb2_grpc.add_RewardServicer_to_server(servicer, server.grpc)
         server.start()
         closers = []
         hp = ep.http_port if http_port == -1 else http_port
         if hp is not None:
             app = build_http_app(sc, cfg.rpc.resolved_auth_token(), strip_tokens=special_token_strings(cfg.model.path),
-                                 max_text_chars=cfg.reward.max_text_chars)
+                                 max_text_chars=cfg.reward.max_text_chars, metrics=http_metrics)
             http = HTTPServerThread(app, ep.host, hp)
             server.http_port = http.start()
             closers.append(http.stop)

@@ -27,6 +27,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..common.lifecycle import Service
+from ..common.metrics import register_process_metrics
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.replay.records import group_to_proto, task_record
@@ -45,23 +46,43 @@ FAULT_STALL_ENV = "RLHF_FAULT_STALL_S"
 FAULT_STALL_S = float(os.environ.get(FAULT_STALL_ENV, "0") or 0)
 
 
+# kinds of rlhf_rollout_errors_total: waiting for the reward or critic server, no generation server
+# registered, a dependency gone longer than the worker waits, an error in the claim loop, and the
+# gRPC status codes (lower case) of failed calls, the common ones listed (any other may appear)
+ERROR_KINDS = ("waiting", "no_generation_server", "dependency", "loop", "unavailable", "deadline_exceeded")
+
+
 class WorkerMetrics:
+    """A worker's Prometheus metrics, each labelled `service="rollout"`, and its process's."""
+
+    SERVICE = "rollout"
+
     def __init__(self):
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.claimed = Counter("rlhf_rollout_prompts_claimed_total", "prompts claimed", registry=r)
-        self.reclaimed = Counter("rlhf_rollout_prompts_reclaimed_total", "prompts taken over from a silent worker",
-                                 registry=r)
-        self.produced = Counter("rlhf_rollout_groups_produced_total", "trajectory groups appended", registry=r)
-        self.duplicates = Counter("rlhf_rollout_duplicates_total", "prompt attempts that already had trajectories",
-                                  registry=r)
-        self.dead = Counter("rlhf_rollout_dead_letters_total", "prompts no worker can process", registry=r)
-        self.errors = Counter("rlhf_rollout_errors_total", "failed service calls", ["kind"], registry=r)
-        self.backpressure = Counter("rlhf_rollout_backpressure_seconds_total", "seconds paused on a full buffer",
-                                    registry=r)
-        self.batch_seconds = Histogram("rlhf_rollout_batch_seconds", "claim to append, per batch", registry=r,
-                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.in_flight = Gauge("rlhf_rollout_batches_in_flight", "batches being processed", registry=r)
+        r, service = self.registry, self.SERVICE
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, ["service"], registry=r).labels(service)
+
+        self.claimed = counter("rlhf_rollout_prompts_claimed_total", "prompts claimed")
+        self.reclaimed = counter("rlhf_rollout_prompts_reclaimed_total", "prompts taken over from a silent worker")
+        self.produced = counter("rlhf_rollout_groups_produced_total", "trajectory groups appended")
+        self.duplicates = counter("rlhf_rollout_duplicates_total", "prompt attempts that already had trajectories")
+        self.dead = counter("rlhf_rollout_dead_letters_total", "prompts no worker can process")
+        self.errors = Counter("rlhf_rollout_errors_total", "failed service calls", ["service", "kind"], registry=r)
+        for kind in ERROR_KINDS:  # from 0, so an alert's rate exists before the first error
+            self.error(kind)
+        self.backpressure = counter("rlhf_rollout_backpressure_seconds_total", "seconds paused on a full buffer")
+        self.batch_seconds = Histogram("rlhf_rollout_batch_seconds", "claim to append, per batch", ["service"],
+                                       registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+                                       ).labels(service)
+        self.in_flight = Gauge("rlhf_rollout_batches_in_flight", "batches being processed", ["service"],
+                               registry=r).labels(service)
+        register_process_metrics(r, service)
+
+    def error(self, kind: str):
+        """The `rlhf_rollout_errors_total` child of `kind`."""
+        return self.errors.labels(self.SERVICE, kind)
 
 
 class _Tagged:
@@ -134,7 +155,7 @@ class RolloutWorker:
 
     def _waiting(self, msg: str | None) -> None:
         if msg:
-            self.metrics.errors.labels("waiting").inc()
+            self.metrics.error("waiting").inc()
 
     # ------------------------------------------------------------------ generation servers
     def _pick_server(self, min_version: int) -> str | None:
@@ -177,7 +198,7 @@ class RolloutWorker:
                 return None
             address = self._pick_server(min_version)
             if address is None:
-                self.metrics.errors.labels("no_generation_server").inc()
+                self.metrics.error("no_generation_server").inc()
                 log.info("no live generation server registered; waiting %.1fs", delay)
                 self.stop_event.wait(delay)
                 continue
@@ -186,7 +207,7 @@ class RolloutWorker:
                                           _Tagged(self._clients[address], "generation"), self.reward, self.tokenizer,
                                           params, self.critic, self.cfg.prompt_length)
             except DependencyUnavailable as e:  # reward or critic gone for longer than we wait
-                self.metrics.errors.labels("dependency").inc()
+                self.metrics.error("dependency").inc()
                 log.error("batch of %d prompts left pending: %s", len(tasks), e)
                 return None
             except grpc.RpcError as e:
@@ -194,7 +215,7 @@ class RolloutWorker:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (
                         source != "generation" or (e.details() or "").startswith("prompts[")):
                     raise ValueError(e.details()) from None  # about a prompt: isolate it
-                self.metrics.errors.labels(e.code().name.lower()).inc()
+                self.metrics.error(e.code().name.lower()).inc()
                 if source != "generation":
                     log.warning("batch of %d prompts: the %s server answered %s (%s); retry %d/%d", len(tasks),
                                 source, e.code().name, e.details(), attempt + 1, rc.retries)
@@ -282,7 +303,7 @@ class RolloutWorker:
                 if "NOGROUP" in str(e):
                     self.store.ensure_groups()
                     continue
-                self.metrics.errors.labels("loop").inc()
+                self.metrics.error("loop").inc()
                 log.exception("rollout loop error; retrying in 1s")
                 self.stop_event.wait(1.0)
 

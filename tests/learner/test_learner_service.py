@@ -2,6 +2,7 @@
 prompts fed again, a prompt is never trained twice, the prompt feed stays `max_staleness`
 batches ahead, and a checkpoint acknowledges what it includes and resumes exactly."""
 import json
+import logging
 
 import pytest
 
@@ -109,3 +110,23 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     assert b.learner.version > a.learner.version  # versions only go forward across restarts
     assert [r.id for r in b.feeder.sampler.take(4)] == next_a
     b.close()
+
+
+def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(service, caplog):
+    from services.learner.server import LearnerServicer
+    assert service.status()["reward_hacking"] is None and service.status()["reward_hacking_suspected"] is False
+    rows = []
+    with caplog.at_level(logging.WARNING):
+        for it, (eval_reward, train_reward) in enumerate([(0.9, 0.1), (0.7, 0.3), (0.5, 0.5)], start=1):
+            service.watch.train(train_reward)
+            rows.append(service._watched(it, {"eval/reward_mean": eval_reward}))
+    assert rows == [{"eval/hacking_suspected": 0}] * 2 + [{"eval/hacking_suspected": 1}]
+    (warning,) = [r for r in caplog.records if "reward hacking suspected" in r.message]
+    assert warning.levelno == logging.WARNING and "iterations 1..3" in warning.message
+    status = service.status()
+    assert status["reward_hacking_suspected"] is True
+    assert status["reward_hacking"]["iterations"] == [1, 2, 3] and status["reward_hacking"]["since_iteration"] == 3
+    assert json.loads(json.dumps(status, default=str))["reward_hacking"]["eval_change"] == pytest.approx(-0.4)
+    assert LearnerServicer(service).Status(None, None).reward_hacking_suspected is True
+    assert service.metrics.registry.get_sample_value("rlhf_learner_reward_hacking", {"service": "learner"}) == 1
+    assert service.state_dict()["watch"]["last"]["suspected"] is True

@@ -87,7 +87,8 @@ def _claim_all(store, consumer, count):
 
 
 def _errors(worker, kind):
-    return worker.metrics.registry.get_sample_value("rlhf_rollout_errors_total", {"kind": kind}) or 0.0
+    return worker.metrics.registry.get_sample_value("rlhf_rollout_errors_total",
+                                                    {"service": "rollout", "kind": kind}) or 0.0
 
 
 def _pending(store, consumer=None):
@@ -152,7 +153,8 @@ def test_dead_server_in_registry_is_retried_around(make_cfg):
         assert produced == 8 and worker.produced == 8
         assert store.backlog() == 8
         assert _errors(worker, "unavailable") >= 1  # the dead server's failure was counted
-        assert worker.metrics.registry.get_sample_value("rlhf_rollout_groups_produced_total") == 8
+        assert worker.metrics.registry.get_sample_value("rlhf_rollout_groups_produced_total",
+                                                        {"service": "rollout"}) == 8
         groups = _trajectories(store)
         assert sorted(m.task.uid for _, m in groups) == sorted(uids)
         for _, m in groups:
@@ -212,7 +214,7 @@ def test_rejected_prompt_goes_to_dead_letters_others_are_produced(make_cfg):
         _, task, error = dead[0]
         assert task.uid == "0:too-long" and task.prompt == bad.prompt
         assert "prompt_length=8" in error, error
-        assert worker.metrics.registry.get_sample_value("rlhf_rollout_dead_letters_total") == 1
+        assert worker.metrics.registry.get_sample_value("rlhf_rollout_dead_letters_total", {"service": "rollout"}) == 1
         groups = _trajectories(store)
         assert sorted(m.task.uid for _, m in groups) == sorted(u for u in uids if u != "0:too-long")
         assert all(m.generation_server == _addr(g) for _, m in groups)

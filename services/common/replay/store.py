@@ -197,6 +197,19 @@ class ReplayStore:
     def prompt_backlog(self) -> int:
         return int(self.r.xlen(self.prompts))
 
+    def prompt_queue(self) -> tuple[int, int]:
+        """(waiting, pending) of the prompt stream: `waiting` = prompts not done, whether not yet
+        delivered to any worker or delivered and pending; `pending` = the latter. A prompt is
+        acknowledged and deleted in one script (`produce`, `dead_letter`), so the stream holds
+        exactly the prompts not done (XLEN); XPENDING counts the delivered ones. Redis 6.2 has
+        both (XINFO GROUPS' `lag` is 7.0's)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xlen(self.prompts)
+        pipe.xpending(self.prompts, WORKERS_GROUP)
+        length, pending = pipe.execute()
+        pending = int(pending["pending"])
+        return max(int(length), pending), pending
+
     # ------------------------------------------------------------------ trajectories (workers -> learner)
     def read_trajectories(self, count: int, block_ms: int = 500, pending: bool = False) -> list:
         """Up to `count` groups. pending=True re-reads the learner's own unacknowledged entries

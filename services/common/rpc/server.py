@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ..metrics import register_process_metrics
 from .errors import BadRequest, DeadlineExceeded, ResourceExhausted, Unavailable
 from .metrics_http import metrics_token, serve_metrics
 
@@ -42,7 +43,10 @@ _MAPPED = tuple(c for classes, _ in STATUS_OF for c in (classes if isinstance(cl
 
 
 class ServiceMetrics:
-    """Per-server Prometheus metrics in a registry of its own (several servers in one process)."""
+    """The metrics every gRPC server has, in a registry of its own (several servers in one
+    process): its calls (`rlhf_rpc_requests_total`, `rlhf_rpc_latency_seconds`) and its process
+    (`process_*`, `python_info`). What only some servers do (batches, tokens) each of them adds
+    to `registry` itself, so no server exports another's empty families."""
 
     def __init__(self, service: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -50,12 +54,16 @@ class ServiceMetrics:
                                 registry=self.registry)
         self.latency = Histogram("rlhf_rpc_latency_seconds", "RPC latency", ["service", "method"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.batch_size = Histogram("rlhf_batch_size", "items per batch", ["service", "what"],
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=self.registry)
-        self.tokens = Counter("rlhf_generated_tokens_total", "tokens generated", ["service"], registry=self.registry)
-        self.tokens_per_s = Histogram("rlhf_tokens_per_second", "generation throughput per batch", ["service"],
-                                      buckets=(10, 100, 1e3, 1e4, 1e5, 1e6), registry=self.registry)
+        register_process_metrics(self.registry, service)
         self.service = service
+
+
+def batch_size_histogram(metrics: ServiceMetrics, what: str):
+    """`rlhf_batch_size{service, what}` in a batching server's registry (generation: prompts,
+    reward: samples, critic: sequences); the child to observe."""
+    family = Histogram("rlhf_batch_size", "items per batch", ["service", "what"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=metrics.registry)
+    return family.labels(metrics.service, what)
 
 
 class _Undecodable:

@@ -160,3 +160,19 @@ def test_registry_ignores_registrations_without_proof_of_the_token(store):
     raw = json.loads(store.r.hget(store.generation_key, "10.0.0.1:50051"))
     store.r.hset(store.generation_key, "10.6.6.8:50051", json.dumps(raw))
     assert set(secured.live("generation")) == {"10.0.0.1:50051"}
+
+
+def test_prompt_queue_counts_prompts_not_done_and_those_being_worked_on(store):
+    """What an autoscaler of rollout workers reads (Redis 6.2 commands only): waiting = not yet
+    delivered + delivered and pending; done prompts (produced or dead-lettered) leave it."""
+    assert store.prompt_queue() == (0, 0)
+    store.feed([_task(i) for i in range(5)])
+    assert store.prompt_queue() == (5, 0)
+    claimed, _ = store.claim_prompts("w1", 2, block_ms=100)
+    assert store.prompt_queue() == (5, 2)
+    store.produce([(claimed[0][0], _group(claimed[0][1]))])
+    assert store.prompt_queue() == (4, 1)
+    store.dead_letter(claimed[1][0], claimed[1][1], "refused", "w1")
+    assert store.prompt_queue() == (3, 0)
+    store.claim_prompts("w2", 10, block_ms=100)
+    assert store.prompt_queue() == (3, 3)

@@ -16,7 +16,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("iteration", "total_iterations", "policy_version", "state", "last_reward", "last_eval_reward", "trained_groups", "dropped_stale", "duplicates", "generation_servers", "replay_backlog", "uptime_s")
+    __slots__ = ("iteration", "total_iterations", "policy_version", "state", "last_reward", "last_eval_reward", "trained_groups", "dropped_stale", "duplicates", "generation_servers", "replay_backlog", "uptime_s", "reward_hacking_suspected")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class LearnerStatus(_message.Message):
     GENERATION_SERVERS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_BACKLOG_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    REWARD_HACKING_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     total_iterations: int
     policy_version: int
@@ -41,4 +42,5 @@ class LearnerStatus(_message.Message):
     generation_servers: int
     replay_backlog: int
     uptime_s: float
-    def __init__(self, iteration: _Optional[int] = ..., total_iterations: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_reward: _Optional[float] = ..., last_eval_reward: _Optional[float] = ..., trained_groups: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., duplicates: _Optional[int] = ..., generation_servers: _Optional[int] = ..., replay_backlog: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    reward_hacking_suspected: bool
+    def __init__(self, iteration: _Optional[int] = ..., total_iterations: _Optional[int] = ..., policy_version: _Optional[int] = ..., state: _Optional[str] = ..., last_reward: _Optional[float] = ..., last_eval_reward: _Optional[float] = ..., trained_groups: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., duplicates: _Optional[int] = ..., generation_servers: _Optional[int] = ..., replay_backlog: _Optional[int] = ..., uptime_s: _Optional[float] = ..., reward_hacking_suspected: _Optional[bool] = ...) -> None: ...

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rlhf/v1/reward.proto\x12\x07rlhf.v1\"e\n\x0cRewardSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x12\n\x05label\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x15\n\rmetadata_json\x18\x04 \x01(\tB\x08\n\x06_label\"6\n\x0cScoreRequest\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.rlhf.v1.RewardSample\"~\n\x05Score\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x32\n\ncomponents\x18\x02 \x03(\x0b\x32\x1e.rlhf.v1.Score.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"/\n\rScoreResponse\x12\x1e\n\x06scores\x18\x01 \x03(\x0b\x32\x0e.rlhf.v1.Score2@\n\x06Reward\x12\x36\n\x05Score\x12\x15.rlhf.v1.ScoreRequest\x1a\x16.rlhf.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14rlhf/v1/reward.proto\x12\x07rlhf.v1\"e\n\x0cRewardSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\t\x12\x12\n\x05label\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x15\n\rmetadata_json\x18\x04 \x01(\tB\x08\n\x06_label\"H\n\x0cScoreRequest\x12&\n\x07samples\x18\x01 \x03(\x0b\x32\x15.rlhf.v1.RewardSample\x12\x10\n\x08held_out\x18\x02 \x01(\x08\"~\n\x05Score\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x32\n\ncomponents\x18\x02 \x03(\x0b\x32\x1e.rlhf.v1.Score.ComponentsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"/\n\rScoreResponse\x12\x1e\n\x06scores\x18\x01 \x03(\x0b\x32\x0e.rlhf.v1.Score2@\n\x06Reward\x12\x36\n\x05Score\x12\x15.rlhf.v1.ScoreRequest\x1a\x16.rlhf.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDSAMPLE']._serialized_start=33
   _globals['_REWARDSAMPLE']._serialized_end=134
   _globals['_SCOREREQUEST']._serialized_start=136
-  _globals['_SCOREREQUEST']._serialized_end=190
-  _globals['_SCORE']._serialized_start=192
-  _globals['_SCORE']._serialized_end=318
-  _globals['_SCORE_COMPONENTSENTRY']._serialized_start=269
-  _globals['_SCORE_COMPONENTSENTRY']._serialized_end=318
-  _globals['_SCORERESPONSE']._serialized_start=320
-  _globals['_SCORERESPONSE']._serialized_end=367
-  _globals['_REWARD']._serialized_start=369
-  _globals['_REWARD']._serialized_end=433
+  _globals['_SCOREREQUEST']._serialized_end=208
+  _globals['_SCORE']._serialized_start=210
+  _globals['_SCORE']._serialized_end=336
+  _globals['_SCORE_COMPONENTSENTRY']._serialized_start=287
+  _globals['_SCORE_COMPONENTSENTRY']._serialized_end=336
+  _globals['_SCORERESPONSE']._serialized_start=338
+  _globals['_SCORERESPONSE']._serialized_end=385
+  _globals['_REWARD']._serialized_start=387
+  _globals['_REWARD']._serialized_end=451
 # @@protoc_insertion_point(module_scope)

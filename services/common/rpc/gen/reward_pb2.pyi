@@ -19,10 +19,12 @@ class RewardSample(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., response: _Optional[str] = ..., label: _Optional[str] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("samples",)
+    __slots__ = ("samples", "held_out")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    HELD_OUT_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[RewardSample]
-    def __init__(self, samples: _Optional[_Iterable[_Union[RewardSample, _Mapping]]] = ...) -> None: ...
+    held_out: bool
+    def __init__(self, samples: _Optional[_Iterable[_Union[RewardSample, _Mapping]]] = ..., held_out: _Optional[bool] = ...) -> None: ...
 
 class Score(_message.Message):
     __slots__ = ("reward", "components")

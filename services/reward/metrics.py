@@ -1,0 +1,87 @@
+"""The reward server's own Prometheus metrics, in its server's registry (the RPC and process
+metrics come with `RPCServer`). The families are always there; their samples appear with the
+first HTTP request, and with a scorer that calls a reward API:
+
+    rlhf_http_requests_total{service, path, code}   its OpenRLHF-style HTTP API, per path and status
+    rlhf_http_request_seconds{service, path}        ... and their latency
+    rlhf_reward_api_requests_total{service, outcome} each request to the user's reward API (HTTPScorer):
+                                                      ok, http_error, transport_error, bad_answer
+    rlhf_reward_api_seconds{service}                 ... and their latency
+
+`CountRequests` is the ASGI middleware that feeds the first two; paths outside the API's own are
+counted as "other" (a scanner cannot grow the label set).
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from ..common.rpc.server import LATENCY_BUCKETS
+
+API_PATHS = ("/score", "/get_reward", "/health")
+REWARD_API_OUTCOMES = ("ok", "http_error", "transport_error", "bad_answer")
+
+
+class HTTPMetrics:
+    def __init__(self, registry: CollectorRegistry, service: str = "reward"):
+        self.service = service
+        self.requests = Counter("rlhf_http_requests_total", "HTTP requests answered, by path and status code",
+                                ["service", "path", "code"], registry=registry)
+        self.seconds = Histogram("rlhf_http_request_seconds", "HTTP request latency, by path", ["service", "path"],
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+
+    def record(self, path: str, code: int, seconds: float) -> None:
+        self.requests.labels(self.service, path, str(code)).inc()
+        self.seconds.labels(self.service, path).observe(seconds)
+
+
+def path_label(path: str, known=API_PATHS) -> str:
+    """The `path` label of a request: its path when the API serves it, else "other"."""
+    return path if path in known else "other"
+
+
+class CountRequests:
+    """ASGI middleware: each HTTP request's path, status code and seconds into `metrics`. A
+    request whose handler raised counts as 500 (what the server answers)."""
+
+    def __init__(self, app, metrics: HTTPMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [500]
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.metrics.record(path_label(scope.get("path", "")), status[0], time.perf_counter() - t0)
+
+
+class RewardAPIMetrics:
+    """Requests to the user's reward API, one per attempt (a retried request counts each try).
+    The families are in every reward server's registry; their samples appear once a scorer that
+    calls an API is built (`expect_calls`): every outcome from 0, so a rate over it exists
+    before the first failure, and a server without an API shows none."""
+
+    def __init__(self, registry: CollectorRegistry, service: str = "reward"):
+        self.service = service
+        self.requests = Counter("rlhf_reward_api_requests_total", "requests to the reward API (reward.http_url), "
+                                "by outcome", ["service", "outcome"], registry=registry)
+        self.latency = Histogram("rlhf_reward_api_seconds", "reward API request latency", ["service"],
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+
+    def expect_calls(self) -> None:
+        """A scorer will call the API: its outcomes and latency start at 0."""
+        for outcome in REWARD_API_OUTCOMES:
+            self.requests.labels(self.service, outcome)
+        self.latency.labels(self.service)
+
+    def record(self, outcome: str, seconds: float) -> None:
+        self.requests.labels(self.service, outcome).inc()
+        self.latency.labels(self.service).observe(seconds)

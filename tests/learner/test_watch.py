@@ -1,0 +1,109 @@
+"""The reward-hacking watch on sequences of evaluations: it fires when the held-out reward falls
+while the train reward rises, by at least the threshold across a full window, and only then; it
+warns once per onset; its state survives a checkpoint."""
+import pytest
+
+from services.learner.watch import HackingWatch, judge, trend
+
+
+def _feed(watch, points, per_eval=2):
+    """points: (held-out reward, train reward) per evaluation, the train reward given on each of
+    `per_eval` iterations before it; the verdict after each evaluation."""
+    verdicts, it = [], 0
+    for eval_reward, train_reward in points:
+        for _ in range(per_eval):
+            it += 1
+            watch.train(train_reward)
+        verdicts.append(watch.evaluated(it, eval_reward))
+    return verdicts
+
+
+def test_trend_is_the_fitted_change_across_the_series():
+    assert trend([1.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert trend([3.0, 1.0, 2.0]) == pytest.approx(-1.0)  # the line through the points, not last - first
+    assert trend([0.5, 0.5, 0.5, 0.5]) == 0.0
+    assert trend([4.0]) == 0.0
+
+
+def test_fires_on_falling_eval_and_rising_train():
+    watch = HackingWatch(window=3, min_change=0.05)
+    verdicts = _feed(watch, [(0.9, 0.1), (0.8, 0.3), (0.6, 0.5)])
+    assert [v.suspected for v in verdicts] == [False, False, True]
+    v = verdicts[-1]
+    assert v.onset and v.iterations == [2, 4, 6]
+    assert v.eval_change == pytest.approx(-0.3) and v.train_change == pytest.approx(0.4)
+    msg = v.message()
+    assert "iterations 2..6" in msg and "fell by 0.300" in msg and "rose by 0.400" in msg
+    assert watch.status() == {"suspected": True, "iterations": [2, 4, 6], "eval_change": pytest.approx(-0.3),
+                              "train_change": pytest.approx(0.4), "since_iteration": 6}
+
+
+def test_not_when_both_rise_or_both_fall():
+    for points in ([(0.5, 0.1), (0.7, 0.3), (0.9, 0.5)], [(0.9, 0.5), (0.7, 0.3), (0.5, 0.1)],
+                   [(0.9, 0.5), (0.7, 0.5), (0.5, 0.5)]):  # eval falls, train flat: a bad run, not hacking
+        watch = HackingWatch(window=3, min_change=0.05)
+        assert not any(v.suspected for v in _feed(watch, points)), points
+        assert watch.status() is None
+
+
+def test_not_on_noise_below_the_threshold():
+    watch = HackingWatch(window=3, min_change=0.05)
+    verdicts = _feed(watch, [(0.80, 0.50), (0.79, 0.52), (0.78, 0.54)])  # eval -0.02, train +0.04
+    assert not any(v.suspected for v in verdicts)
+    watch = HackingWatch(window=3, min_change=0.01)  # the same numbers count under a lower threshold
+    assert _feed(watch, [(0.80, 0.50), (0.79, 0.52), (0.78, 0.54)])[-1].suspected
+
+
+def test_not_before_the_window_is_full():
+    watch = HackingWatch(window=4, min_change=0.05)
+    verdicts = _feed(watch, [(0.9, 0.1), (0.6, 0.4), (0.3, 0.7), (0.1, 0.9)])
+    assert [v.suspected for v in verdicts] == [False, False, False, True]
+
+
+def test_the_baseline_eval_before_any_training_is_not_a_point():
+    watch = HackingWatch(window=2, min_change=0.05)
+    assert not watch.evaluated(0, 5.0).suspected  # the baseline: no train reward yet
+    assert watch.points == []
+    assert [v.suspected for v in _feed(watch, [(0.9, 0.1), (0.5, 0.5)])] == [False, True]
+
+
+def test_train_reward_is_the_mean_since_the_last_eval_and_nan_is_ignored():
+    watch = HackingWatch(window=2, min_change=0.05)
+    for r in (0.2, float("nan"), 0.4):
+        watch.train(r)
+    watch.evaluated(3, 0.9)
+    assert watch.points == [(3, 0.9, pytest.approx(0.3))]
+
+
+def test_warns_once_per_onset_and_clears():
+    watch = HackingWatch(window=2, min_change=0.05)
+    warnings = []
+    rows = []
+    for it, (eval_reward, train_reward) in enumerate([(0.9, 0.1), (0.7, 0.3), (0.5, 0.5), (0.6, 0.5), (0.4, 0.7)],
+                                                     start=1):
+        watch.train(train_reward)
+        rows.append(judge(watch, it, {"eval/reward_mean": eval_reward}, warnings.append)[1])
+    assert [r["eval/hacking_suspected"] for r in rows] == [0, 1, 1, 0, 1]
+    assert len(warnings) == 2  # iterations 2 and 5: two onsets, not three suspected evaluations
+    assert "iterations 1..2" in warnings[0] and "iterations 4..5" in warnings[1]
+    assert watch.status()["since_iteration"] == 5
+
+
+def test_off_adds_nothing():
+    watch = HackingWatch(window=0)
+    watch.train(0.1)
+    verdict, row = judge(watch, 1, {"eval/reward_mean": 0.1}, pytest.fail)
+    assert not verdict.suspected and row == {} and not watch.enabled
+
+
+def test_state_survives_a_checkpoint():
+    a = HackingWatch(window=3, min_change=0.05)
+    _feed(a, [(0.9, 0.1), (0.8, 0.3)])
+    a.train(0.6)
+    b = HackingWatch(window=3, min_change=0.05)
+    b.load_state_dict(a.state_dict())
+    assert b.evaluated(5, 0.6).suspected and b.last.onset  # the window goes on where it was
+    c = HackingWatch(window=3, min_change=0.05)
+    c.load_state_dict(b.state_dict())
+    assert c.status()["iterations"] == [2, 4, 5] and not c.last.onset
+    HackingWatch().load_state_dict({})  # a checkpoint from before the watch
