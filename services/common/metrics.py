@@ -33,3 +33,11 @@ def register_process_metrics(registry: CollectorRegistry, service: str) -> None:
     with `service`, to `registry`."""
     for inner in (ProcessCollector(registry=None), PlatformCollector(registry=None)):
         registry.register(ServiceLabelled(inner, service))
+
+
+def labelled(metric_cls, registry: CollectorRegistry, service: str):
+    """A maker of `metric_cls` (Counter, Gauge, ...) metrics in `registry` whose one label is
+    `service`: make(name, doc, **kwargs) -> the child for this service."""
+    def make(name: str, doc: str, **kwargs):
+        return metric_cls(name, doc, ["service"], registry=registry, **kwargs).labels(service)
+    return make

@@ -12,6 +12,8 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge
 
+from ..common.metrics import labelled
+
 log = logging.getLogger(__name__)
 
 SERVICE = "learner"
@@ -38,11 +40,7 @@ class LearnerMetrics:
     def __init__(self, registry):
         self.registry = registry
 
-        def gauge(name: str, doc: str):
-            return Gauge(name, doc, ["service"], registry=registry).labels(SERVICE)
-
-        def counter(name: str, doc: str):
-            return Counter(name, doc, ["service"], registry=registry).labels(SERVICE)
+        gauge, counter = labelled(Gauge, registry, SERVICE), labelled(Counter, registry, SERVICE)
 
         self.iteration = gauge("rlhf_learner_iteration", "completed iterations")
         self.version = gauge("rlhf_learner_policy_version", "newest policy version")

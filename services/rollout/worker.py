@@ -27,7 +27,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..common.lifecycle import Service
-from ..common.metrics import register_process_metrics
+from ..common.metrics import labelled, register_process_metrics
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.replay.records import group_to_proto, task_record
@@ -61,8 +61,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r, service = self.registry, self.SERVICE
 
-        def counter(name: str, doc: str):
-            return Counter(name, doc, ["service"], registry=r).labels(service)
+        counter = labelled(Counter, r, service)
 
         self.claimed = counter("rlhf_rollout_prompts_claimed_total", "prompts claimed")
         self.reclaimed = counter("rlhf_rollout_prompts_reclaimed_total", "prompts taken over from a silent worker")
