@@ -13,7 +13,8 @@
 #   TORCH_INDEX_URL where torch comes from (cpu default: PyTorch's CPU wheel index)
 #   VLLM_SPEC       the vLLM of the gpu flavour (default vllm==0.32.0, the release this is tested with)
 #   Wheels put in docker/wheels/ (a local wheelhouse) are used where they match what the index
-#   offers; docker/ci-setup.sh fills it with torch's CPU wheel and every dependency.
+#   offers; docker/ci-setup.sh fills it with torch's CPU wheel (used by the cpu flavour only) and
+#   every dependency.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
@@ -31,7 +32,7 @@ RUN set -eu; \
       cpu) spec="${TORCH_SPEC:-torch==2.13.0}"; index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}";; \
       *) echo "FLAVOUR must be gpu or cpu, not $FLAVOUR" >&2; exit 2;; \
     esac; \
-    if ls /wheels/torch-*.whl >/dev/null 2>&1; then \
+    if [ "$FLAVOUR" = cpu ] && ls /wheels/torch-*.whl >/dev/null 2>&1; then \
       /opt/rlhf/bin/pip install /wheels/torch-*.whl; \
     elif [ -n "$spec" ]; then \
       /opt/rlhf/bin/pip install ${index:+--index-url "$index"} "$spec"; \

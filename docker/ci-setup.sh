@@ -12,14 +12,17 @@
 #   5. the CPU image $IMAGE (docker build; cached layers make a rebuild seconds)
 #
 # Environment: BASE_IMAGE (rlhf-base:bookworm), IMAGE (rlhf:cpu), PIP (the pip that builds the
-# wheelhouse: .venv/bin/pip), DEBIAN_MIRROR (apt's configured mirror), TORCH (torch==2.13.0).
+# wheelhouse: .venv/bin/pip), DEBIAN_MIRROR (apt's configured mirror), TORCH (torch==2.13.0+cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BASE_IMAGE=${BASE_IMAGE:-rlhf-base:bookworm}
 IMAGE=${IMAGE:-rlhf:cpu}
 PIP=${PIP:-.venv/bin/pip}
-TORCH=${TORCH:-torch==2.13.0}
+# the CPU build of torch, by its local version label: PyPI has only CUDA builds of that name, so
+# without a CPU wheel where pip looks (this machine's find-links; elsewhere set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) this fails at once instead of pulling GBs
+TORCH=${TORCH:-torch==2.13.0+cpu}
 DOCKERD_LOG=${DOCKERD_LOG:-/var/log/rlhf-dockerd.log}
 WHEELS=docker/wheels
 step() { printf '[docker setup %s] %s\n' "$(date +%T)" "$*"; }
@@ -59,14 +62,15 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   rm -rf "$root"
 fi
 
-# 4. the wheelhouse (rebuilt when pyproject.toml or this script changes)
+# 4. the wheelhouse (rebuilt when pyproject.toml, this script or $TORCH changes)
 stamp=$WHEELS/.built
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ] || [ "$(cat "$stamp")" != "$TORCH" ]; then
   step "building the wheelhouse in $WHEELS"
   mkdir -p "$WHEELS"
+  rm -f "$WHEELS"/*.whl
   "$PIP" wheel --quiet --wheel-dir "$WHEELS" "$TORCH" . pip "setuptools>=68" wheel 2> >(grep -v "is ignored" >&2)
   rm -f "$WHEELS"/rlhf_services-*.whl   # the project itself is built from source in the image
-  touch "$stamp"
+  echo "$TORCH" > "$stamp"
 fi
 
 # 5. the CPU image

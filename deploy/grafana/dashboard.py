@@ -11,6 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "rlhf.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
+JOBS = 'job=~"learner|generation|reward|critic|rollout"'  # this system's processes, not Prometheus's own
 
 # (row title, [(panel title, unit, [(expr, legend)])])
 ROWS = [
@@ -61,9 +62,9 @@ ROWS = [
             ("sum by (path, code) (rate(rlhf_http_requests_total{service=\"reward\"}[5m]))",
              "reward server HTTP {{path}} {{code}}")]),
         ("CPU per service (cores)", "none", [
-            ("sum by (job) (rate(process_cpu_seconds_total[1m]))", "{{job}}")]),
+            (f"sum by (job) (rate(process_cpu_seconds_total{{{JOBS}}}[1m]))", "{{job}}")]),
         ("Memory per service", "bytes", [
-            ("sum by (job) (process_resident_memory_bytes)", "{{job}}")]),
+            (f"sum by (job) (process_resident_memory_bytes{{{JOBS}}})", "{{job}}")]),
     ]),
 ]
 

@@ -84,7 +84,9 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """A Weights & Biases run named after the run directory, its id kept in DIR/wandb_id."""
+    """A Weights & Biases run named after the run directory, its id kept in DIR/wandb_id. Rows are
+    plotted against their `iteration` (a metric of its own, not W&B's step, which only goes up):
+    a resumed run's redone iterations are logged too, as in metrics.jsonl."""
 
     name = "wandb"
 
@@ -97,9 +99,11 @@ class WandbSink:
         self.run = wandb.init(project=rc.wandb_project, entity=rc.wandb_entity, mode=rc.wandb_mode,
                               dir=str(run_dir), name=Path(run_dir).resolve().name, id=id_file.read_text().strip(),
                               resume="allow", config=redacted(cfg.model_dump(mode="json")))
+        self.run.define_metric("iteration")
+        self.run.define_metric("*", step_metric="iteration")
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        self.run.log({**values, "iteration": step})
 
     def close(self) -> None:
         self.run.finish()
@@ -107,17 +111,25 @@ class WandbSink:
 
 def open_sinks(run_dir: str | Path, cfg, resume_from: int | None = None) -> list:
     """The trackers `cfg.run` asks for. W&B asked for but not installed is a ValueError (one
-    line, how to install it); TensorBoard's package missing is one warning (it is on by default)."""
+    line, how to install it); TensorBoard's package missing is one warning (it is on by default);
+    a tracker that fails to start (W&B without an API key or a network, say) is one warning and
+    the run goes on without it."""
     errors = tracking_errors(cfg)
     if errors:
         raise ValueError(errors[0])
-    sinks: list = []
+    makers = []
     if cfg.run.tensorboard:
         if not installed("tensorboard"):
             log.warning("run.tensorboard: the tensorboard package is not installed (`pip install tensorboard`); "
                         "no event files are written")
         else:
-            sinks.append(TensorBoardSink(Path(run_dir), resume_from))
+            makers.append(("tensorboard", lambda: TensorBoardSink(Path(run_dir), resume_from)))
     if cfg.run.wandb_project:
-        sinks.append(WandbSink(Path(run_dir), cfg))
+        makers.append(("wandb", lambda: WandbSink(Path(run_dir), cfg)))
+    sinks: list = []
+    for name, make in makers:
+        try:
+            sinks.append(make())
+        except Exception as e:  # noqa: BLE001 - tracking never stops training
+            log.warning("%s tracking could not start, the run goes on without it: %s: %s", name, type(e).__name__, e)
     return sinks

@@ -98,14 +98,16 @@ class LearnerMetrics:
             self.phases.labels(SERVICE, phase).set(secs)
         self.counted(service.counters)
 
-    def counted(self, counters: dict) -> None:
-        """Advance the counters to the service's running totals (restored ones included)."""
+    def counted(self, counters: dict, restored: bool = False) -> None:
+        """Advance the counters by what the service's running totals grew since the last call;
+        `restored` totals (from a checkpoint) are taken as the start, so the Prometheus counters
+        count this process's events only (a restart is a counter reset, not a jump)."""
         for key, metric in (("dropped_stale", self.dropped), ("duplicates", self.duplicates),
                             ("malformed", self.malformed), ("dead_letters", self.dead_letters)):
             now = int(counters.get(key, 0))
-            if now > self._seen[key]:
+            if not restored and now > self._seen[key]:
                 metric.inc(now - self._seen[key])
-                self._seen[key] = now
+            self._seen[key] = max(now, self._seen[key]) if not restored else now
 
     def suspected(self, flag: bool) -> None:
         self.hacking.set(1.0 if flag else 0.0)

@@ -159,6 +159,7 @@ class LearnerService:
         torch.set_rng_state(state["torch_rng"])
         self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
         self.intake.counters.update(state["counters"])
+        self.metrics.counted(self.counters, restored=True)  # Prometheus counts this process's events
         self.watch.load_state_dict(state.get("watch", {}))  # absent in checkpoints of older versions
         self.metrics.suspected(self.watch.last.suspected)
         # versions only go forward: the restored weights get a number above anything served
@@ -228,6 +229,7 @@ class LearnerService:
             self.baseline = base["eval/reward_mean"]
             runlog.log_eval(0, {**base, **self._watched(0, base)})
         self.last["eval"] = self.baseline
+        self.metrics.eval_reward.set(self.last["eval"])  # not 0 (a false fall) until the next eval
         if self.resumed_from is not None:
             self.intake.reread_pending()
         schedule = Schedule(cfg.run, self.t_start)

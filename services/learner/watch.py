@@ -16,7 +16,7 @@ trainer feed it and report what it says (log, status, metrics).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def trend(values: list[float]) -> float:
@@ -74,7 +74,7 @@ class HackingWatch:
         """A held-out evaluation at `iteration`. An evaluation with no training since the one
         before (the baseline) has no train reward to compare with and is not a point."""
         if not self.enabled or not self._train:
-            return self.last
+            return replace(self.last, onset=False)  # nothing new: no second warning for one onset
         self.points.append((iteration, float(eval_reward), sum(self._train) / len(self._train)))
         self.points = self.points[-self.window:]
         self._train = []

@@ -25,6 +25,11 @@ class RuleScorer:
             raise ValueError("RuleScorer needs at least one rule")
         self.rules = [(name, weight, kwargs, resolve_rule(name)) for name, weight, kwargs in rules]
 
+    @classmethod
+    def from_specs(cls, specs) -> "RuleScorer":
+        """From the config's rule entries (`reward.rules`, `reward.eval_rules`)."""
+        return cls([(r.name, r.weight, r.kwargs) for r in specs])
+
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         out = []
         for s in samples:
@@ -88,7 +93,7 @@ def build_scorer(reward_cfg, device: str = "cpu", api_metrics=None) -> Scorer:
     requests its HTTP reward API gets, if it has one."""
     parts: list[tuple[str, float, Scorer]] = []
     if reward_cfg.type in ("rules", "combined") and reward_cfg.rules:
-        parts.append(("rules", 1.0, RuleScorer([(r.name, r.weight, r.kwargs) for r in reward_cfg.rules])))
+        parts.append(("rules", 1.0, RuleScorer.from_specs(reward_cfg.rules)))
     if reward_cfg.type in ("model", "combined") and reward_cfg.model_path:
         parts.append(("model", reward_cfg.model_weight, ModelScorer(reward_cfg.model_path, device)))
     if reward_cfg.type in ("http", "combined") and reward_cfg.http_url:
@@ -109,4 +114,4 @@ def build_eval_scorer(reward_cfg) -> Scorer | None:
     policy is not trained on), or None when they are unset (the eval uses the training reward)."""
     if reward_cfg.eval_rules is None:
         return None
-    return RuleScorer([(r.name, r.weight, r.kwargs) for r in reward_cfg.eval_rules])
+    return RuleScorer.from_specs(reward_cfg.eval_rules)

@@ -345,7 +345,8 @@ class RolloutWorker:
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
         """/metrics on `port`, behind the bearer token unless rpc.open_metrics, and /healthz (open)."""
         from ..common.rpc.metrics_http import metrics_token, serve_metrics
-        _, bound = serve_metrics(self.metrics.registry, host, port, metrics_token(self.cfg.rpc), self.health)
+        self.metrics_httpd, bound = serve_metrics(self.metrics.registry, host, port, metrics_token(self.cfg.rpc),
+                                                  self.health)
         return bound
 
 

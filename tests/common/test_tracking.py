@@ -24,10 +24,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class FakeWandbRun:
     def __init__(self, **init):
-        self.init, self.logged, self.finished = init, [], False
+        self.init, self.logged, self.finished, self.metrics = init, [], False, {}
 
-    def log(self, values, step):
-        self.logged.append((step, dict(values)))
+    def define_metric(self, name, step_metric=None):
+        self.metrics[name] = step_metric
+
+    def log(self, values):
+        values = dict(values)
+        step = values.pop(self.metrics["*"])  # what W&B plots each value against
+        self.logged.append((step, values))
 
     def finish(self):
         self.finished = True
@@ -123,7 +128,7 @@ def test_a_failing_tracker_is_dropped_and_the_run_log_goes_on(tmp_path, monkeypa
     cfg = config_from_dict({"run": {"wandb_project": "p", "tensorboard": False}})
     log = RunLog(tmp_path, cfg, mode="local", stream=io.StringIO())
 
-    def broken(values, step):
+    def broken(values):
         raise ConnectionError("wandb is down")
     fake.runs[0].log = broken
     with caplog.at_level(logging.WARNING):
@@ -154,3 +159,33 @@ def test_a_resumed_run_hides_the_steps_it_redoes(tmp_path):
     again.close()
     assert [r["iteration"] for r in _rows(tmp_path)] == [1, 2]
     assert _tensorboard(tmp_path)["reward/score_mean"] == {1: 1.0, 2: 20.0}
+
+
+def test_a_tracker_that_cannot_start_is_dropped_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    fake = fake_wandb_module()
+
+    def no_key(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+    fake.init = no_key
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = config_from_dict({"run": {"wandb_project": "p", "tensorboard": False}})
+    with caplog.at_level(logging.WARNING):
+        log = RunLog(tmp_path, cfg, mode="local", stream=io.StringIO())
+    log.log_iteration(1, {"reward/score_mean": 0.5})
+    assert log.sinks == [] and [r["iteration"] for r in _rows(tmp_path)] == [1]
+    assert any("wandb tracking could not start" in r.message and "api_key" in r.message for r in caplog.records)
+
+
+def test_wandb_plots_by_iteration_so_a_resume_keeps_the_redone_iterations(tmp_path, monkeypatch):
+    fake = fake_wandb_module()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = config_from_dict({"run": {"wandb_project": "p", "tensorboard": False}})
+    first = RunLog(tmp_path, cfg, mode="local", stream=io.StringIO())
+    for it in (1, 2, 3):
+        first.log_iteration(it, {"reward/score_mean": it / 10})
+    again = RunLog(tmp_path, cfg, mode="local", stream=io.StringIO())  # resumed from iteration 2
+    again.log_iteration(3, {"reward/score_mean": 0.35})
+    assert fake.runs[0].metrics == {"iteration": None, "*": "iteration"} == fake.runs[1].metrics
+    assert fake.runs[1].init["id"] == fake.runs[0].init["id"]
+    (step, values), = fake.runs[1].logged
+    assert step == 3 and values["reward/score_mean"] == 0.35  # W&B keeps it, though step 3 was logged before

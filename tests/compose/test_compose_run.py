@@ -160,7 +160,8 @@ def test_killed_learner_is_restarted_and_resumes_from_its_checkpoint(resilient):
     r = resilient
     assert r["code"] == 0, r["learner_log"][-3000:]
     # checkpoints every 5 iterations: it resumed from the newest one written before the kill
-    assert r["resumed_from"] % 5 == 0 and r["killed_at"] - 5 <= r["resumed_from"] <= r["killed_at"]
+    # (killed_at is read just before the kill: a checkpoint may land in between)
+    assert r["resumed_from"] % 5 == 0 and r["killed_at"] - 5 <= r["resumed_from"] <= r["killed_at"] + 5
     # docker kill is a manual stop: exited 137 and left so until `up -d`, which resumed it
     k = r["after_docker_kill"]
     assert k["Status"] == "exited" and k["ExitCode"] == 137 and not k["Restarting"], k

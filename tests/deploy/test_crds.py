@@ -274,9 +274,8 @@ def test_servicemonitor_scrapes_every_metrics_port_with_the_token(variant, docs)
     # the job label is the component: the names the compose scrape config gives its jobs, which
     # the alert rules and the dashboard select on
     compose_prom = m.ROOT / "deploy" / "prometheus" / "prometheus.yml"
-    if compose_prom.exists():
-        jobs = {j["job_name"] for j in yaml.safe_load(compose_prom.read_text())["scrape_configs"]}
-        assert scraped == jobs
+    jobs = {j["job_name"] for j in yaml.safe_load(compose_prom.read_text())["scrape_configs"]}
+    assert scraped == jobs
 
 
 @pytest.mark.parametrize("variant", [v for v in m.VARIANTS if "hpa" in v])
@@ -297,14 +296,11 @@ def test_hpa_reads_the_metric_the_adapter_rule_serves(variant, docs):
 
 
 def test_the_learner_exports_the_hpa_metric():
-    """The learner's gauge the HPA scales on. It is being added to services/learner/metrics.py; until
-    it is there this test says so (skip) instead of failing everyone's build."""
+    """The learner exports the gauge the HPA scales on."""
     from prometheus_client import CollectorRegistry
 
     from services.learner.metrics import LearnerMetrics
     registry = CollectorRegistry()
     LearnerMetrics(registry)
     names = {mf.name for mf in registry.collect()}
-    if "rlhf_replay_prompts_waiting" not in names:
-        pytest.skip("rlhf_replay_prompts_waiting is not yet exported by services/learner/metrics.py")
     assert "rlhf_replay_prompts_waiting" in names

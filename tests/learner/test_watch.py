@@ -107,3 +107,12 @@ def test_state_survives_a_checkpoint():
     c.load_state_dict(b.state_dict())
     assert c.status()["iterations"] == [2, 4, 5] and not c.last.onset
     HackingWatch().load_state_dict({})  # a checkpoint from before the watch
+
+
+def test_an_evaluation_without_training_since_repeats_no_onset():
+    """Two evaluations in a row (no training between) must not warn twice for one onset."""
+    w = HackingWatch(window=3, min_change=0.05)
+    verdicts = _feed(w, [(0.9, 0.1), (0.8, 0.3), (0.6, 0.5)])
+    assert verdicts[-1].suspected and verdicts[-1].onset
+    again = w.evaluated(7, 0.5)  # no train reward since
+    assert again.suspected and not again.onset

@@ -41,7 +41,7 @@ class FlakyRewardAPI:
                     self.end_headers()
                     return
                 if mode == "stall":
-                    time.sleep(1.0)
+                    time.sleep(3.0)  # well past any client timeout below
                 rewards = [float(len(q)) for q in body["query"]]
                 if mode == "bad":
                     rewards = rewards[:-1]
@@ -86,14 +86,14 @@ def test_http_scorer_speaks_openrlhf_protocol(api):
 
 def test_http_scorer_retries_through_failures_and_stalls(api):
     api.script = ["fail", "stall", "ok"]
-    s = HTTPScorer(api.url, timeout_s=0.3, retries=3, backoff_s=0.05)
+    s = HTTPScorer(api.url, timeout_s=1.5, retries=3, backoff_s=0.05)
     assert [r.reward for r in s.score(SAMPLES)] == [7.0, 5.0]
     assert len(api.requests) == 3
 
 
 def test_http_scorer_gives_up_loudly_never_a_silent_zero(api):
     api.script = ["fail", "fail", "fail"]
-    s = HTTPScorer(api.url, timeout_s=0.3, retries=2, backoff_s=0.01)
+    s = HTTPScorer(api.url, timeout_s=1.5, retries=2, backoff_s=0.01)
     with pytest.raises(RewardUnavailable, match="after 3 attempts .*HTTP 503"):
         s.score(SAMPLES)
     api.script = ["bad"]
@@ -113,7 +113,7 @@ def test_http_scorer_batches_and_limits_concurrency(api):
 @pytest.fixture()
 def reward_server(cfg, api):
     scorer = CombinedScorer([("rules", 1.0, RuleScorer([("exact_match", 1.0, {}), ("edit_distance", 0.5, {})])),
-                             ("http", 0.1, HTTPScorer(api.url, timeout_s=0.3, retries=1, backoff_s=0.01))])
+                             ("http", 0.1, HTTPScorer(api.url, timeout_s=1.5, retries=1, backoff_s=0.01))])
     with serve(cfg, scorer, port=0, http_port=0, metrics_port=None) as svc:
         yield svc.server
 

@@ -326,15 +326,18 @@ def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, 
 def test_worker_healthz_follows_its_heartbeats_to_redis(make_cfg, redis_server):
     """/healthz (a container's or pod's liveness probe) is 200 while heartbeats reach Redis, and 503
     once none has for replay.heartbeat_ttl_s: a worker whose loop or Redis link died is restarted."""
-    cfg = make_cfg(replay={"heartbeat_ttl_s": 0.5})
+    cfg = make_cfg(replay={"heartbeat_ttl_s": 2.0})
     worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="probe")
     port = worker.serve_metrics(0)
     url = f"http://127.0.0.1:{port}/healthz"
-    worker.heartbeat()
-    assert httpx.get(url, timeout=5).status_code == 200
-    assert "probe" in worker.store.live("worker")
-    time.sleep(0.7)  # no heartbeat since
-    r = httpx.get(url, timeout=5)
-    assert r.status_code == 503 and "no heartbeat reached Redis" in r.text
-    worker.heartbeat()
-    assert httpx.get(url, timeout=5).status_code == 200
+    try:
+        worker.heartbeat()
+        assert httpx.get(url, timeout=5).status_code == 200
+        assert "probe" in worker.store.live("worker")
+        time.sleep(2.5)  # no heartbeat since
+        r = httpx.get(url, timeout=5)
+        assert r.status_code == 503 and "no heartbeat reached Redis" in r.text
+        worker.heartbeat()
+        assert httpx.get(url, timeout=5).status_code == 200
+    finally:
+        worker.metrics_httpd.stop()
