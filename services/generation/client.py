@@ -2,18 +2,23 @@
 `GenerationResult`, `update_weights` pushes a state dict as a versioned, checksummed stream."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from ..common.rpc.codec import weight_chunks
-from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
+from ..common.rpc.codec import encode_weights
+from ..common.rpc.gen import common_pb2, generation_pb2 as gpb, generation_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
 
 
 class GenerationClient(RPCClient):
     stub_class = generation_pb2_grpc.GenerationStub
+    _push_raw = None
+
+    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
+        super().__init__(address, rpc_cfg, timeout_s)
+        self.max_chunk_bytes = max(1, rpc_cfg.max_message_mb * (1 << 20) // 2)  # room for the piece's metadata
 
     @staticmethod
     def params_to_proto(p: SamplingParams) -> gpb.SamplingParams:
@@ -32,12 +37,21 @@ class GenerationClient(RPCClient):
                  for r in resp.results]
         return GenerationResult(comps, resp.policy_version, sum(len(c.token_ids) for cs in comps for c in cs), 0.0)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 4 << 20,
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 16 << 20,
                        run_id: str = "", epoch: int = 0):
         """Push `state_dict` as policy `version`; a server in a distributed run accepts it only
         from the run's learner: (run_id, epoch) as published in the replay registry."""
-        return self.stub.PushWeights(weight_chunks(state_dict, version, chunk_bytes, run_id=run_id, epoch=epoch),
-                                     timeout=self.timeout, metadata=self.metadata)
+        return self.push_encoded(encode_weights(state_dict, version, min(chunk_bytes, self.max_chunk_bytes),
+                                                run_id=run_id, epoch=epoch))
+
+    def push_encoded(self, chunks: Iterable[bytes]):
+        """PushWeights with a stream of already serialised `WeightChunk` messages (`encode_weights`):
+        the bytes go on the wire as they are, so one encoding can serve many servers."""
+        if self._push_raw is None:
+            self._push_raw = self.channel.stream_unary(
+                "/rlhf.v1.Generation/PushWeights", request_serializer=None,
+                response_deserializer=common_pb2.PushWeightsResponse.FromString)
+        return self._push_raw(iter(chunks), timeout=self.timeout, metadata=self.metadata)
 
     def info(self) -> gpb.GenerationInfo:
         return self.stub.GetInfo(gpb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)

@@ -14,7 +14,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-from ..common.rpc.codec import BadRequest, assemble_weights
+import grpc
+
+from ..common.rpc.codec import BadRequest, WeightChunkDecoder, assemble_weights
 from ..common.rpc.errors import ResourceExhausted
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
@@ -335,6 +337,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                   eos_token_id=self.backend.eos_token_id, pad_token_id=self.backend.pad_token_id)
 
 
+def add_generation_servicer(servicer, grpc_server) -> None:
+    """`add_GenerationServicer_to_server`, with PushWeights' chunks decoded by `WeightChunkDecoder`
+    (a piece's data reaches `assemble_weights` as a view of the received bytes, not a copy)."""
+    captured: dict = {}
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, service, handlers):
+            captured[service] = dict(handlers)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, _Capture())
+    for service, handlers in captured.items():
+        handlers["PushWeights"] = handlers["PushWeights"]._replace(
+            request_deserializer=WeightChunkDecoder().FromString)
+        grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        grpc_server.add_registered_method_handlers(service, handlers)
+
+
 def make_backend(cfg) -> GenerationBackend:
     """The sampling engine `generation.backend` names, loaded from `model.path`."""
     if cfg.generation.backend == "vllm":
@@ -360,7 +381,7 @@ def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None =
             from .registration import LearnerFence
             store = ReplayStore.from_config(cfg)
         servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None)
-        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
+        add_generation_servicer(servicer, server.grpc)
         server.start()
         closers = [servicer.batcher.close]
         if store is not None:

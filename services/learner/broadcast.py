@@ -9,10 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from ..common.rpc.codec import Fanout, encode_weights
 from ..common.rpc.retry import DependencyUnavailable
 from ..generation.client import GenerationClient
 
 log = logging.getLogger(__name__)
+
+PUSH_CHUNK_BYTES = 16 << 20  # per piece; well under rpc.max_message_mb
+PUSH_WINDOW_BYTES = 128 << 20  # encoded chunks held for the slowest server
 
 
 class WeightBroadcaster:
@@ -34,10 +38,10 @@ class WeightBroadcaster:
             self._clients[address] = GenerationClient(address, self.cfg.rpc)
         return self._clients[address]
 
-    def _push_one(self, address: str, state: dict, version: int) -> bool:
+    def _push_one(self, address: str, chunks, version: int) -> bool:
+        """Push one server the (already encoded) stream `chunks`."""
         try:
-            run_id, epoch = self.identity
-            self.client(address).update_weights(state, version, run_id=run_id, epoch=epoch)
+            self.client(address).push_encoded(chunks)
             self.store.heartbeat("generation", address, version=version)  # workers see it at once
             return True
         except grpc.RpcError as e:
@@ -47,15 +51,32 @@ class WeightBroadcaster:
                         version, address, e.code().name, e.details())
             return False
 
+    def chunk_bytes(self) -> int:
+        return max(1 << 20, min(PUSH_CHUNK_BYTES, self.cfg.rpc.max_message_mb * (1 << 20) // 2))
+
     def push(self, version: int, learner_address: str) -> dict:
-        """Push policy `version` to every live generation server, in parallel; then publish it."""
+        """Push policy `version` to every live generation server, in parallel; then publish it.
+        The version is serialised once, by one encoder thread, into a bounded window of chunks
+        that every server's stream reads (`Fanout`)."""
         t0 = time.perf_counter()
         state = self.take_snapshot(version)
         servers = list(self.store.live("generation"))
         failed = 0
         if servers:
+            run_id, epoch = self.identity
+            chunk = self.chunk_bytes()
+            fan = Fanout(encode_weights(state, version, chunk, run_id=run_id, epoch=epoch), len(servers),
+                         window=max(2, PUSH_WINDOW_BYTES // chunk))
+
+            def one(i_address):
+                i, address = i_address
+                try:
+                    return self._push_one(address, fan.reader(i), version)
+                finally:
+                    fan.detach(i)  # a failed stream no longer holds the others back
             with ThreadPoolExecutor(max_workers=min(len(servers), 16)) as pool:
-                failed = sum(not ok for ok in pool.map(lambda a: self._push_one(a, state, version), servers))
+                failed = sum(not ok for ok in pool.map(one, enumerate(servers)))
+            fan.join()
         self.store.publish_learner(learner_address, version, *self.identity)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         secs = time.perf_counter() - t0

@@ -1,0 +1,33 @@
+"""WeightBroadcaster.push: one encoding of a version streamed to every live server in parallel;
+a server that cannot be reached fails alone, the others serve the new version."""
+from types import SimpleNamespace
+
+import torch
+
+from services.generation.server import serve
+from services.learner.broadcast import WeightBroadcaster
+
+
+def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_model_dir):
+    from services.generation.backend import HFBackend
+    with serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None) as a, \
+            serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None) as b:
+        state = {k: v.clone() + 0.01 for k, v in a.servicer.backend.model.state_dict().items()}
+        servers = [f"127.0.0.1:{a.server.port}", "127.0.0.1:1", f"127.0.0.1:{b.server.port}"]
+        beats = []
+        store = SimpleNamespace(live=lambda kind: {s: {} for s in servers},
+                                heartbeat=lambda kind, addr, version: beats.append((addr, version)),
+                                publish_learner=lambda *a: None)
+        learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
+        bc = WeightBroadcaster(cfg, store, learner)
+        bc.cfg = cfg.model_copy(update={"rpc": cfg.rpc.model_copy(update={"timeout_s": 5})})
+        try:
+            out = bc.push(3, "learner:1")
+        finally:
+            bc.close()
+        assert out["push/servers"] == 3 and out["push/failed"] == 1
+        assert sorted(beats) == sorted([(servers[0], 3), (servers[2], 3)])
+        for svc in (a, b):
+            assert svc.servicer.backend.version == 3
+            got = svc.servicer.backend.model.state_dict()
+            assert all(torch.equal(got[k], state[k]) for k in state)
