@@ -82,7 +82,7 @@ def test_down_leaves_nothing(tiny):
 
 
 # ------------------------------------------------------------------------------------------------------
-ITERATIONS = 60
+ITERATIONS = 200  # long enough that the run is still going when the last step takes it down
 
 
 def _logs(container: str) -> str:
@@ -134,6 +134,7 @@ def resilient(tmp_path_factory):
         project.wait_for(lambda: project.iteration() >= resumed_after_kill["resumed_from"] + 8, 300,
                          "progress after docker kill")
         stopped_at = project.iteration()
+        assert stopped_at < ITERATIONS - 20, f"the run is too fast for the steps: at {stopped_at} of {ITERATIONS}"
         stats_before_down = _stats(project)
         project.down(volumes=False)
         project.up("--scale", "rollout=2", "--scale", "generation=2")
