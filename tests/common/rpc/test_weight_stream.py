@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from services.common.rpc.codec import (Fanout, WeightChunkDecoder, _all_finite, assemble_weights, encode_weights,
+from services.common.rpc.codec import (Fanout, WeightChunkDecoder, _all_finite, _varint, assemble_weights, encode_weights,
                                        weight_chunks)
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
@@ -42,15 +42,6 @@ def test_decoder_leaves_odd_layouts_to_protobuf():
     assert isinstance(out, pb.WeightChunk) and out.piece.name == "big" and out.piece.data == b"y" * n
     with pytest.raises(Exception):  # a length beyond the message: protobuf's own error
         WeightChunkDecoder().FromString(b"\x12\xff\xff\xff\xff\x0f" + b"\x00" * n)
-
-
-def _varint(n):
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def test_fanout_reads_one_encoding_in_every_stream_with_a_bounded_window():
