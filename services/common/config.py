@@ -337,6 +337,10 @@ class Config(_Strict):
     ref_mix_coef: float = Field(0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
     recompute_old_log_probs: bool = Field(True, description="recompute the sampled tokens' old log-probs with "
                                           "the training model; false = use the sampler's")
+    fuse_old_log_probs: bool = Field(True, description="skip the forward that recomputes old log-probs when it "
+                                     "provably equals the training forward (one epoch, one mini-batch, no KL in "
+                                     "the reward, reference 'sft', kl_penalty not 'full', no rollout_is, no "
+                                     "dropout) and take them from the training forward; false = always recompute")
     rollout_is: bool = Field(False, description="truncated importance sampling: weight each token's policy "
                              "loss by min(exp(old_log_prob - sampler's log_prob), rollout_is_threshold), "
                              "correcting for a sampler that differs from the learner (bf16 vLLM, staleness); "

@@ -33,7 +33,7 @@ from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, cl
 @dataclass
 class Experience:
     batch: TokenBatch
-    old_log_probs: torch.Tensor  # (B, T)
+    old_log_probs: torch.Tensor | None  # (B, T); None: taken from the training forward (`fuses_old_log_probs`)
     ref_log_probs: torch.Tensor | None  # (B, T), or (B, T, V) for kl_penalty 'full'
     advantages: torch.Tensor  # (B, T)
     returns: torch.Tensor  # (B, T)
@@ -46,6 +46,18 @@ def planned_updates(cfg) -> int:
     """Optimiser steps over the whole run (for the LR schedule)."""
     samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
     return cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a forward in train mode can differ from one in eval mode: a dropout module with
+    p > 0, or a dropout probability > 0 in the model's config (attention dropout is a functional
+    call in most transformers models, not a module)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+               for k, v in items)
 
 
 def ptx_examples_for(cfg, tokenizer, records) -> list | None:
@@ -90,6 +102,19 @@ class PPOLearner:
         self.rng = random.Random(cfg.run.seed)
         self.version = 0
         self.temperature = cfg.generation.temperature
+        # the old log-probs equal the training forward's (verl's on-policy shortcut) when the only
+        # optimiser step comes after every forward, and nothing before the update needs them
+        self._fusable = (cfg.fuse_old_log_probs and cfg.recompute_old_log_probs and cfg.ppo_epochs == 1
+                         and not cfg.add_token_level_kl and not cfg.rollout_is and cfg.kl_penalty != "full"
+                         and (cfg.ref_model == "sft" or not cfg.use_kl_loss) and not has_dropout(self.policy))
+        self.forwards_saved = 0
+
+    def fuses_old_log_probs(self, batch_size: int) -> bool:
+        """Whether a batch of `batch_size` takes its old log-probs from the training forward: true
+        with `fuse_old_log_probs` when the batch is one mini-batch of one epoch (its forwards all
+        run before the optimiser step), the reward has no KL term, the reference is the SFT model,
+        `kl_penalty` is not 'full', `rollout_is` is off and the model has no dropout."""
+        return self._fusable and batch_size <= self.cfg.ppo_mini_batch_size
 
     # ---------------------------------------------------------------- forward passes
     def _autocast(self):
@@ -111,15 +136,22 @@ class PPOLearner:
         batch = build_token_batch(rollout.prompt_ids, rollout.response_ids, self.pad_id).to(self.device)
         mask = batch.response_mask
         T = mask.shape[1]
+        fused = self.fuses_old_log_probs(mask.shape[0])
         self.policy.eval()
-        with torch.no_grad(), self._autocast():
-            cur = response_log_probs(self.policy, batch, self.temperature, with_entropy=True, full=full)
+        cur = None
+        if fused:
+            self.forwards_saved += 1
+        else:
+            with torch.no_grad(), self._autocast():
+                cur = response_log_probs(self.policy, batch, self.temperature, with_entropy=True, full=full)
         if cfg.rollout_is and rollout.gen_log_probs is None:
             raise ValueError("rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
                              "set rollout_is: false or have the generation backend return log-probs")
         gen_log_probs = pad_right(rollout.gen_log_probs, T).to(self.device) \
             if rollout.gen_log_probs is not None else None
-        if cfg.recompute_old_log_probs or gen_log_probs is None:
+        if fused:
+            old_log_probs = None  # the update takes them from its forward
+        elif cfg.recompute_old_log_probs or gen_log_probs is None:
             old_log_probs = cur["log_probs"]
         else:
             old_log_probs = gen_log_probs
@@ -127,7 +159,7 @@ class PPOLearner:
         if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
             rollout_is_weights, is_metrics = rollout_importance_weights(old_log_probs, gen_log_probs, mask,
                                                                         cfg.rollout_is_threshold)
-        old_for_ref = cur["full"] if full else old_log_probs
+        old_for_ref = cur["full"] if full and cur is not None else old_log_probs
         ref_log_probs = None
         if cfg.use_kl_loss or cfg.add_token_level_kl:
             sft = self._ref_forward(batch, full) if self.needs_ref else None
@@ -137,7 +169,8 @@ class PPOLearner:
         raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=self.device)
         scores = postprocess_rewards(raw_scores, cfg.reward_norm, cfg.reward_shift, cfg.reward_scale,
                                      cfg.reward_clip, rollout.index, self.reward_stats)
-        kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) if ref_log_probs is not None else None
+        kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) \
+            if ref_log_probs is not None and not fused else None
         token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None,
                                                self.kl_ctl.value)
         values = pad_right(rollout.values, T).to(self.device) if rollout.values is not None else None
@@ -157,7 +190,7 @@ class PPOLearner:
             "ppo/kl_ref": seq_kl, "ppo/kl_coef": self.kl_ctl.value,
             "ppo/advantages_mean": masked_mean(advantages, mask).item(),
             "ppo/returns_mean": masked_mean(returns, mask).item(),
-            "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item(),
+            "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item() if cur is not None else float("nan"),
             "rollout/response_length_mean": lengths.mean().item(),
             "rollout/samples": len(rollout.scores),
             **is_metrics,
@@ -166,7 +199,8 @@ class PPOLearner:
             metrics["critic/values_mean"] = masked_mean(values, mask).item()
         if rollout.versions:
             metrics["rollout/staleness_max"] = max(self.version - v for v in rollout.versions)
-        self.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
+        if not fused:  # else the update measures the KL and updates the controller
+            self.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
         return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics,
                           rollout_is_weights)
 
@@ -193,6 +227,10 @@ class PPOLearner:
             counts[k] = counts.get(k, 0) + 1
 
         policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
+        fused = exp.old_log_probs is None
+        if fused and (cfg.ppo_epochs != 1 or B > mb):
+            raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
+        rollout_stats = {"entropy": 0.0, "tokens": 0.0, "seq_kl": []}  # of the fused old log-probs
         critic_steps: list = []
         g = torch.Generator().manual_seed(self.rng.randrange(2 ** 31))
         self.policy.train()
@@ -208,8 +246,13 @@ class PPOLearner:
                     with self._autocast():
                         out = response_log_probs(self.policy, sub, self.temperature, with_entropy=True, full=full)
                     log_prob = out["log_probs"]
+                    if fused:
+                        old = log_prob.detach()
+                        self._rollout_stats(rollout_stats, out, old, exp, m, mask)
+                    else:
+                        old = exp.old_log_probs[m]
                     pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-                        exp.old_log_probs[m], log_prob, exp.advantages[m], mask,
+                        old, log_prob, exp.advantages[m], mask,
                         cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high,
                         clip_ratio_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
                         loss_agg_mode=cfg.loss_agg_mode,
@@ -253,7 +296,23 @@ class PPOLearner:
         self.version += 1
         metrics = {k: sums[k] / counts[k] for k in sums}
         metrics["ppo/lr"] = self.scheduler.get_last_lr()[0]
+        if fused:  # what make_experience measures on its own forward otherwise
+            seq_kl = torch.cat(rollout_stats["seq_kl"]).mean().item() if rollout_stats["seq_kl"] else 0.0
+            metrics["ppo/entropy_rollout"] = rollout_stats["entropy"] / max(rollout_stats["tokens"], 1.0)
+            metrics["ppo/kl_ref"] = seq_kl
+            self.kl_ctl.update(seq_kl, n_steps=B)
         return metrics
+
+    def _rollout_stats(self, stats: dict, out: dict, old: torch.Tensor, exp: Experience, m, mask) -> None:
+        """Accumulate the rollout's entropy and KL to the reference from the training forward of
+        micro-batch `m` (the fused old log-probs), as `make_experience` measures them."""
+        with torch.no_grad():
+            maskf = mask.to(out["entropy"].dtype)
+            stats["entropy"] += float((out["entropy"].detach().float() * maskf).sum())
+            stats["tokens"] += float(maskf.sum())
+            if exp.ref_log_probs is not None:
+                kl = kl_penalty(old, exp.ref_log_probs[m], self.cfg.kl_penalty)
+                stats["seq_kl"].append(masked_mean(kl, mask, dim=-1))
 
     def step(self, rollout: Rollout, critic=None) -> dict:
         exp = self.make_experience(rollout)

@@ -33,7 +33,7 @@ def _cfg(model_dir, **kw):
 
 def test_sampler_log_probs_match_recomputed_old_log_probs(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
-    learner = PPOLearner(_cfg(tiny_model_dir))
+    learner = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=False))
     ro = _rollout(backend)
     exp = learner.make_experience(ro)
     for i, lp in enumerate(ro.gen_log_probs):
@@ -111,7 +111,7 @@ def _shifted(ro, old_log_probs, shifts):
 def test_rollout_is_reports_the_ratio_between_sampler_and_learner(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
     ro = _rollout(backend)
-    old = PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).old_log_probs
+    old = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
     assert "ppo/is_ratio_mean" not in PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).metrics
     learner = PPOLearner(_cfg(tiny_model_dir, rollout_is=True, rollout_is_threshold=2.0))
     # even sequences: ratio exp(0.5) = 1.65, under the cap; odd ones: exp(1) = 2.72, truncated to 2
@@ -137,7 +137,7 @@ def test_rollout_is_reports_the_ratio_between_sampler_and_learner(tiny_model_dir
 def test_rollout_is_weights_scale_the_policy_loss(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
     ro = _rollout(backend)
-    old = PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).old_log_probs
+    old = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
     shifted = _shifted(ro, old, [0.25] * len(ro.response_ids))  # every weight exp(0.25), under the cap
     plain = PPOLearner(_cfg(tiny_model_dir)).step(shifted)
     weighted = PPOLearner(_cfg(tiny_model_dir, rollout_is=True)).step(shifted)
