@@ -224,9 +224,26 @@ def cmd_serve(args) -> int:
     cfg = _load(args, data=args.service == "learner")
     if args.run_dir:
         cfg.run.run_dir = args.run_dir
+    if args.nproc is not None and args.nproc >= 1:
+        cfg.model.nproc = args.nproc
+    if args.service == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        cfg.model.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
+    if args.service == "learner" and cfg.model.nproc > 1:
+        from .learner import distributed
+        if int(os.environ.get("RANK", "0")) > 0:  # a follower rank: no ports, no signals of its own
+            distributed.ignore_stop_signals()
+            from .learner.service import follower_main
+            return follower_main(cfg)
     problem = _serve_problem(cfg, args)
+    if args.nproc is not None and args.service != "learner":
+        problem = f"--nproc is the learner's (not the {args.service}'s)"
+    if args.nproc is not None and args.nproc < 1:
+        problem = f"--nproc {args.nproc}: needs 1 or more"
     if problem:
         return _error(problem)
+    if args.service == "learner" and cfg.model.nproc > 1:
+        from .learner.distributed import start_followers
+        start_followers(cfg.model.nproc, args.argv)
     try:
         return run_service(_service(cfg, args))
     except USER_ERRORS as e:
@@ -282,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0 = a free port, -1 = off)")
     p.add_argument("--run-dir", help="learner: where checkpoints, metrics and summary go")
     p.add_argument("--name", help="rollout: the worker's consumer name (default host-pid)")
+    p.add_argument("--nproc", type=int, help="learner: processes the actor is sharded across with FSDP2 "
+                   "(model.nproc; this process is rank 0 and starts the others)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("redis", help="run redis-server in the foreground for the replay buffer (containers)")
@@ -305,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.verbose:
         os.environ["RLHF_LOG_LEVEL"] = "DEBUG"  # services started by `rlhf up` inherit it
     level = os.environ.get("RLHF_LOG_LEVEL", "INFO").upper()

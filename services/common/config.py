@@ -46,6 +46,8 @@ class ModelConfig(_Strict):
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
                                          "memory, more compute")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
+    nproc: int = Field(1, ge=1, description="learner processes (one per GPU) the actor and its optimiser state "
+                       "are sharded across with FSDP2; `rlhf serve learner` starts them (gloo on the CPU)")
 
 
 class VLLMConfig(_Strict):

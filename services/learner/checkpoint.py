@@ -38,14 +38,17 @@ class Checkpointer:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, iteration: int, state: dict, uncommitted: list[tuple]) -> Path:
-        """Write `state` (plus the critic) for `iteration`, then acknowledge `uncommitted`."""
+    def save(self, iteration: int, state: dict, uncommitted: list[tuple], write_actor=None) -> Path:
+        """Write `state` (plus the critic, and `write_actor(dir)`'s sharded actor in `actor/`) for
+        `iteration`, then acknowledge `uncommitted`."""
         final = self.root / f"iter_{iteration:06d}"
         tmp = self.root / f".tmp_iter_{iteration:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if self.critic is not None:
             self.critic.save(self.critic_path(final))
+        if write_actor is not None:
+            write_actor(tmp / "actor")
         commit = [(e.decode() if isinstance(e, bytes) else e, u) for e, u in uncommitted]
         torch.save({**state, "commit": commit}, tmp / "learner.pt")
         if final.exists():  # the critic server created it

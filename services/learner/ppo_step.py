@@ -25,6 +25,7 @@ from ..common.data import sft_examples
 from ..common.modeling import TokenBatch, build_token_batch, load_causal_lm, response_log_probs, resolve_device
 from ..common.padding import pad_right
 from ..common.types import Rollout
+from .distributed import collective
 from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, clip_by_value, compute_advantages,
                    compute_sft_loss, kl_penalty, make_kl_controller, masked_mean, masked_whiten,
                    postprocess_rewards, reference_log_probs, rollout_importance_weights)
@@ -71,9 +72,15 @@ class PPOLearner:
     """Owns the actor, the reference model, the optimiser, the KL controller and the running
     reward statistics. `cfg` is the validated `Config`."""
 
-    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None):
+    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None, dist=None):
         self.cfg = cfg
+        self.dist = dist  # `distributed.Dist` when the actor is sharded across processes (FSDP2)
         self.device = resolve_device(cfg.model.device)
+        if dist is not None:
+            self.device = dist.device(self.device.type)
+            if cfg.model.lora.rank > 0:
+                raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
+                                 "fits one device train in one process (model.nproc: 1)")
         self.policy = load_causal_lm(cfg.model.path, self.device)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
@@ -90,6 +97,11 @@ class PPOLearner:
         self.ref = None
         if self.needs_ref and not self.lora:  # with LoRA the reference is the base with adapters off
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        if dist is not None:
+            from .distributed import shard
+            shard(self.policy)
+            if self.ref is not None:
+                shard(self.ref)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
                                            weight_decay=cfg.weight_decay)
@@ -129,6 +141,17 @@ class PPOLearner:
                     return response_log_probs(self.policy, batch, self.temperature, full=full)
             return response_log_probs(self.ref, batch, self.temperature, full=full)
 
+    def _by_rows(self, forward, batch: TokenBatch) -> dict:
+        """`forward(batch)` without gradients; with N processes each runs its share of the rows
+        and every process gets the whole result."""
+        with torch.no_grad(), self._autocast():
+            if self.dist is None:
+                return forward(batch)
+            n = batch.input_ids.shape[0]
+            start, end = self.dist.rows(n)
+            out = forward(batch.select(torch.arange(start, end)))
+            return {k: self.dist.gather_rows(v.contiguous(), n) for k, v in out.items() if torch.is_tensor(v)}
+
     # ---------------------------------------------------------------- experience
     def make_experience(self, rollout: Rollout) -> Experience:
         cfg = self.cfg
@@ -142,8 +165,8 @@ class PPOLearner:
         if fused:
             self.forwards_saved += 1
         else:
-            with torch.no_grad(), self._autocast():
-                cur = response_log_probs(self.policy, batch, self.temperature, with_entropy=True, full=full)
+            cur = self._by_rows(lambda b: response_log_probs(self.policy, b, self.temperature, with_entropy=True,
+                                                             full=full), batch)
         if cfg.rollout_is and rollout.gen_log_probs is None:
             raise ValueError("rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
                              "set rollout_is: false or have the generation backend return log-probs")
@@ -162,7 +185,7 @@ class PPOLearner:
         old_for_ref = cur["full"] if full and cur is not None else old_log_probs
         ref_log_probs = None
         if cfg.use_kl_loss or cfg.add_token_level_kl:
-            sft = self._ref_forward(batch, full) if self.needs_ref else None
+            sft = self._by_rows(lambda b: self._ref_forward(b, full), batch) if self.needs_ref else None
             sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
             ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)
 
@@ -205,13 +228,27 @@ class PPOLearner:
                           rollout_is_weights)
 
     # ---------------------------------------------------------------- update
-    def _ptx_loss(self, n: int) -> torch.Tensor | None:
-        if not self.cfg.ptx_coef or not self.ptx_examples:
+    def _ptx_loss(self, picks: list) -> torch.Tensor | None:
+        if not picks:
             return None
-        picks = [self.rng.choice(self.ptx_examples) for _ in range(n)]
         b = build_token_batch([p for p, _ in picks], [a for _, a in picks], self.pad_id).to(self.device)
         lp = response_log_probs(self.policy, b)["log_probs"]
         return compute_sft_loss(lp, b.response_mask)
+
+    def _micro_batches(self, idx: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(rows, positions in `idx`, real) of each micro-batch this process runs for mini-batch
+        `idx`. With N processes each takes its share of the rows; every process runs as many
+        micro-batches (a process short of rows runs a weightless one), so their collectives pair up."""
+        positions = torch.arange(len(idx))
+        if self.dist is None:
+            return [(idx[s:s + micro], positions[s:s + micro], True) for s in range(0, len(idx), micro)]
+        start, end = self.dist.rows(len(idx))
+        most = -(-len(idx) // self.dist.world)
+        out = []
+        for s in range(0, most, micro):
+            pos = positions[start + s:min(start + s + micro, end)]
+            out.append((idx[pos], pos, True) if len(pos) else (idx[:1], positions[:1], False))
+        return out
 
     def update(self, exp: Experience, critic=None) -> dict:
         cfg = self.cfg
@@ -219,18 +256,19 @@ class PPOLearner:
         B = exp.batch.input_ids.shape[0]
         mb = min(cfg.ppo_mini_batch_size, B)
         micro = min(cfg.micro_batch_size or mb, mb)
+        world = self.dist.world if self.dist is not None else 1
         sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        weights: dict[str, float] = {}
 
-        def add(k, v):
-            sums[k] = sums.get(k, 0.0) + float(v)
-            counts[k] = counts.get(k, 0) + 1
+        def add(k, v, w):  # a micro-batch's value, weighted by its rows
+            sums[k] = sums.get(k, 0.0) + float(v) * w
+            weights[k] = weights.get(k, 0.0) + w
 
         policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
         fused = exp.old_log_probs is None
         if fused and (cfg.ppo_epochs != 1 or B > mb):
             raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
-        rollout_stats = {"entropy": 0.0, "tokens": 0.0, "seq_kl": []}  # of the fused old log-probs
+        rollout_stats = [0.0, 0.0, 0.0, 0.0]  # entropy sum, tokens, sequence KL sum, sequences (fused)
         critic_steps: list = []
         g = torch.Generator().manual_seed(self.rng.randrange(2 ** 31))
         self.policy.train()
@@ -238,9 +276,11 @@ class PPOLearner:
             perm = torch.randperm(B, generator=g)
             for start in range(0, B, mb):
                 idx = perm[start:start + mb]
+                picks = [self.rng.choice(self.ptx_examples) for _ in range(len(idx))] \
+                    if cfg.ptx_coef and self.ptx_examples else []
                 self.optimizer.zero_grad(set_to_none=True)
-                for mstart in range(0, len(idx), micro):
-                    m = idx[mstart:mstart + micro]
+                for m, pos, real in self._micro_batches(idx, micro):
+                    w = len(m) if real else 0
                     sub = exp.batch.select(m)
                     mask = sub.response_mask
                     with self._autocast():
@@ -248,7 +288,8 @@ class PPOLearner:
                     log_prob = out["log_probs"]
                     if fused:
                         old = log_prob.detach()
-                        self._rollout_stats(rollout_stats, out, old, exp, m, mask)
+                        if real:
+                            self._rollout_stats(rollout_stats, out, old, exp, m, mask)
                     else:
                         old = exp.old_log_probs[m]
                     pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
@@ -266,23 +307,26 @@ class PPOLearner:
                         kl_loss = agg_loss(kl_penalty(cur, exp.ref_log_probs[m], cfg.kl_penalty), mask,
                                            cfg.loss_agg_mode)
                         loss = loss + cfg.kl_loss_coef * kl_loss
-                        add("ppo/kl_loss", kl_loss.item())
-                    ptx = self._ptx_loss(len(m))
+                        add("ppo/kl_loss", kl_loss.item(), w)
+                    ptx = self._ptx_loss([picks[i] for i in pos.tolist()] if picks else [])
                     if ptx is not None:
                         loss = loss + cfg.ptx_coef * ptx
-                        add("ppo/ptx_loss", ptx.item())
+                        add("ppo/ptx_loss", ptx.item(), w)
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"non-finite policy loss {loss.item()} at version {self.version}")
-                    (loss * len(m) / len(idx)).backward()
-                    add("ppo/pg_loss", pg_loss.item())
-                    add("ppo/pg_clipfrac", clipfrac.item())
-                    add("ppo/pg_clipfrac_lower", clipfrac_lower.item())
-                    add("ppo/approx_kl", ppo_kl.item())
-                    add("ppo/entropy_loss", entropy.item())  # as the loss aggregates it
-                    add("ppo/entropy", masked_mean(out["entropy"].detach(), mask).item())  # per token
+                    # FSDP averages the processes' gradients: each weighs its rows' share x N
+                    (loss * (w * world / len(idx))).backward()
+                    add("ppo/pg_loss", pg_loss.item(), w)
+                    add("ppo/pg_clipfrac", clipfrac.item(), w)
+                    add("ppo/pg_clipfrac_lower", clipfrac_lower.item(), w)
+                    add("ppo/approx_kl", ppo_kl.item(), w)
+                    add("ppo/entropy_loss", entropy.item(), w)  # as the loss aggregates it
+                    add("ppo/entropy", masked_mean(out["entropy"].detach(), mask).item(), w)  # per token
                 params = [p for p in self.policy.parameters() if p.requires_grad]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-                add("ppo/grad_norm", float(grad_norm))
+                if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard
+                    grad_norm = grad_norm.full_tensor()
+                add("ppo/grad_norm", float(grad_norm), len(idx) / world)
                 if math.isfinite(float(grad_norm)):
                     self.optimizer.step()
                 self.scheduler.step()
@@ -291,29 +335,38 @@ class PPOLearner:
                                                           exp.values[idx].cpu()))
         for step in critic_steps:  # a remote critic may return futures: it trains while the actor does
             for k, v in (step.result() if isinstance(step, Future) else step).items():
-                add(k, v)
+                add(k, v, 1.0)
         self.policy.eval()
         self.version += 1
-        metrics = {k: sums[k] / counts[k] for k in sums}
+        if self.dist is not None:  # the averages over every process's rows
+            keys = sorted(k for k in sums if not k.startswith("critic/"))
+            totals = self.dist.all_sum([sums[k] for k in keys] + [weights[k] for k in keys] + rollout_stats)
+            n = len(keys)
+            sums.update(zip(keys, totals[:n]))
+            weights.update(zip(keys, totals[n:2 * n]))
+            rollout_stats = totals[2 * n:]
+        metrics = {k: sums[k] / weights[k] for k in sums if weights[k]}
         metrics["ppo/lr"] = self.scheduler.get_last_lr()[0]
         if fused:  # what make_experience measures on its own forward otherwise
-            seq_kl = torch.cat(rollout_stats["seq_kl"]).mean().item() if rollout_stats["seq_kl"] else 0.0
-            metrics["ppo/entropy_rollout"] = rollout_stats["entropy"] / max(rollout_stats["tokens"], 1.0)
+            seq_kl = rollout_stats[2] / rollout_stats[3] if rollout_stats[3] else 0.0
+            metrics["ppo/entropy_rollout"] = rollout_stats[0] / max(rollout_stats[1], 1.0)
             metrics["ppo/kl_ref"] = seq_kl
             self.kl_ctl.update(seq_kl, n_steps=B)
         return metrics
 
-    def _rollout_stats(self, stats: dict, out: dict, old: torch.Tensor, exp: Experience, m, mask) -> None:
+    def _rollout_stats(self, stats: list, out: dict, old: torch.Tensor, exp: Experience, m, mask) -> None:
         """Accumulate the rollout's entropy and KL to the reference from the training forward of
         micro-batch `m` (the fused old log-probs), as `make_experience` measures them."""
         with torch.no_grad():
             maskf = mask.to(out["entropy"].dtype)
-            stats["entropy"] += float((out["entropy"].detach().float() * maskf).sum())
-            stats["tokens"] += float(maskf.sum())
+            stats[0] += float((out["entropy"].detach().float() * maskf).sum())
+            stats[1] += float(maskf.sum())
             if exp.ref_log_probs is not None:
-                kl = kl_penalty(old, exp.ref_log_probs[m], self.cfg.kl_penalty)
-                stats["seq_kl"].append(masked_mean(kl, mask, dim=-1))
+                kl = masked_mean(kl_penalty(old, exp.ref_log_probs[m], self.cfg.kl_penalty), mask, dim=-1)
+                stats[2] += float(kl.sum())
+                stats[3] += len(m)
 
+    @collective
     def step(self, rollout: Rollout, critic=None) -> dict:
         exp = self.make_experience(rollout)
         metrics = dict(exp.metrics)
@@ -321,8 +374,13 @@ class PPOLearner:
         return metrics
 
     # ---------------------------------------------------------------- weights and state
+    @collective
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full policy weights under the plain model's names (LoRA merged in), on the CPU."""
+        """Full policy weights under the plain model's names (LoRA merged in), on the CPU. Sharded:
+        gathered on rank 0 (the other ranks get {})."""
+        if self.dist is not None:
+            from .distributed import full_state_dict
+            return full_state_dict(self.policy)
         if not self.lora:
             return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
         from peft.tuners.lora import LoraLayer
@@ -337,24 +395,57 @@ class PPOLearner:
                         sd[key] = sd[key] + module.get_delta_weight(adapter).detach().cpu().to(sd[key].dtype)
         return sd
 
+    @collective
     def save_policy(self, path: str | Path, tokenizer=None) -> None:
         path = Path(path)
         model = self.policy
+        if self.dist is not None:  # the gathered weights, written by rank 0
+            from .distributed import full_state_dict
+            state = full_state_dict(self.policy)
+            if self.dist.main:
+                self.policy.save_pretrained(str(path), state_dict=state)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(path))
+            return
         if self.lora:
             model = copy.deepcopy(self.policy).merge_and_unload()
         model.save_pretrained(str(path))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
 
+    @property
+    def sharded(self) -> bool:
+        return self.dist is not None
+
     def state_dict(self) -> dict:
-        return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+        """The learner's state. A sharded learner leaves the actor and its optimiser state out:
+        `save_actor` writes them, each process its shards."""
+        actor = {} if self.sharded else {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {**actor, "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                 "reward_stats": self.reward_stats.state_dict(), "version": self.version,
                 "rng": self.rng.getstate()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    @collective
+    def save_actor(self, path: str | Path) -> None:
+        """The actor and its optimiser state as a torch.distributed.checkpoint directory (every
+        process writes its shards; any number of processes loads it)."""
+        from .distributed import save_sharded
+        save_sharded(self.policy, self.optimizer, Path(path))
+
+    @collective
+    def load_state_dict(self, state: dict, actor: str | Path | None = None) -> None:
+        """Restore `state_dict()`; the actor from `state` (a one-process checkpoint) or from the
+        directory `actor` (`save_actor`'s, written by any number of processes)."""
+        from .distributed import load_full, load_sharded
+        if "policy" not in state:
+            if actor is None or not Path(actor).is_dir():
+                raise FileNotFoundError(f"the checkpoint has no actor: {actor} is missing")
+            load_sharded(self.policy, self.optimizer, Path(actor))
+        elif self.sharded:
+            load_full(self.policy, self.optimizer, state)
+        else:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.reward_stats.load_state_dict(state["reward_stats"])

@@ -36,6 +36,7 @@ from ..critic.client import CriticClient, OverlappedCritic
 from ..reward.client import HeldOut, RewardClient
 from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
+from .distributed import follow, from_env, release_followers
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .metrics import LearnerMetrics, ReplayPoller
@@ -54,8 +55,25 @@ def run_identity(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def train_prompts(cfg, tokenizer) -> list:
+    d = cfg.data
+    return drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed),
+                         tokenizer, cfg.prompt_length, d.overlong)
+
+
+def follower_main(cfg) -> int:
+    """Ranks 1..N-1 of a sharded learner (model.nproc > 1): their shards of the actor, running
+    what rank 0 (the `LearnerService`) announces until it is done."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
+                         ptx_examples=ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer)),
+                         dist=from_env(cfg.model.device))
+    return follow(learner)
+
+
 class LearnerService:
     def __init__(self, cfg, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
+        """Rank 0 of a sharded learner (model.nproc > 1) or the only process."""
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.run.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,13 +83,13 @@ class LearnerService:
         self.store = ReplayStore.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         d = cfg.data
-        train = drop_overlong(load_prompts(d.train, "train", self.tokenizer, d.prompt_key, d.label_key,
-                                           seed=cfg.run.seed), self.tokenizer, cfg.prompt_length, d.overlong)
+        train = train_prompts(cfg, self.tokenizer)
         self.held_out = drop_overlong(load_prompts(d.eval, "eval", self.tokenizer, d.prompt_key, d.label_key,
                                                    limit=d.eval_size, seed=cfg.run.seed),
                                       self.tokenizer, cfg.prompt_length, d.overlong, what="held-out")
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
-                                  ptx_examples=ptx_examples_for(cfg, self.tokenizer, train))
+                                  ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),
+                                  dist=from_env(cfg.model.device) if cfg.model.nproc > 1 else None)
         self.critic = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
             self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")
@@ -133,7 +151,8 @@ class LearnerService:
 
     def save_checkpoint(self) -> Path:
         try:
-            path = self.checkpointer.save(self.iteration, self.state_dict(), self.intake.uncommitted)
+            path = self.checkpointer.save(self.iteration, self.state_dict(), self.intake.uncommitted,
+                                          write_actor=self.learner.save_actor if self.learner.sharded else None)
         except DependencyUnavailable as e:
             raise DependencyUnavailable(f"the checkpoint of iteration {self.iteration} was not written: {e}") from None
         self.intake.committed()
@@ -154,7 +173,7 @@ class LearnerService:
                 self.learner.version = self.store.next_version()
             return 0
         state = self.checkpointer.load(ckpt)
-        self.learner.load_state_dict(state["learner"])
+        self.learner.load_state_dict(state["learner"], ckpt / "actor")
         self.feeder.load_state_dict(state["feeder"])
         torch.set_rng_state(state["torch_rng"])
         self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
@@ -330,6 +349,7 @@ class LearnerService:
         self.stop_event.set()
 
     def close(self) -> None:
+        release_followers(self.learner)
         if self.poller is not None:
             self.poller.stop()
         if self.runlog is not None:

@@ -1,0 +1,251 @@
+"""The learner across N processes (GPUs): the actor and its reference sharded with FSDP2.
+
+    rlhf serve learner -c FILE --nproc 2            (or model.nproc: 2; or torchrun --nproc-per-node 2)
+
+Rank 0 is the learner service: it reads the replay buffer, owns the ledger, pushes weights,
+evaluates and serves gRPC. Ranks 1..N-1 are followers: they hold their shards of the model and
+of the optimiser state, and run the calls rank 0 announces (`collective` methods of
+`PPOLearner`: a step on a batch, a full state dict for a push, a sharded save or load) on a
+control channel (a gloo group that waits as long as rank 0 waits for data). Each rank computes
+its share of every batch's rows; FSDP2 averages the gradients, so an update equals the
+single-process one on the same batch.
+
+`rlhf serve learner --nproc N` starts the followers itself (each dies with rank 0: a crashed
+learner takes its followers down, and the supervisor restarts the whole group); under torchrun
+(multi-node) the usual RANK / WORLD_SIZE / MASTER_ADDR environment is used instead. CPU runs use
+the gloo backend, GPU runs NCCL with one GPU per process (LOCAL_RANK).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=30)  # followers wait on the control channel as long as rank 0 waits for data
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    control: object  # the gloo process group of the control channel and the metric reductions
+    following: bool = False  # a follower running an announced call: announce nothing
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, kind: str) -> torch.device:
+        return torch.device("cuda", self.local_rank) if kind == "cuda" else torch.device(kind)
+
+    def announce(self, name: str, args: tuple = (), kwargs: dict | None = None) -> None:
+        dist.broadcast_object_list([(name, args, kwargs or {})], src=0, group=self.control)
+
+    def receive(self) -> tuple[str, tuple, dict]:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the ranks (on the control group: CPU tensors on any backend)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.control)
+        return t.tolist()
+
+    def rows(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of `n` rows split as evenly as possible (earlier ranks take
+        one more when it does not divide)."""
+        base, extra = divmod(n, self.world)
+        start = self.rank * base + min(self.rank, extra)
+        return start, start + base + (self.rank < extra)
+
+    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        """The (n, ...) tensor whose rows each rank holds a share of (`rows(n)`), on every rank."""
+        most = -(-n // self.world)
+        pad = torch.zeros((most - local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        parts = [torch.empty_like(torch.cat([local, pad])) for _ in range(self.world)]
+        dist.all_gather(parts, torch.cat([local, pad]).contiguous())
+        out = []
+        for r, part in enumerate(parts):
+            base, extra = divmod(n, self.world)
+            out.append(part[:base + (r < extra)])
+        return torch.cat(out)
+
+
+def from_env(device: str) -> Dist | None:
+    """The process group this process belongs to, from torchrun's environment (WORLD_SIZE > 1);
+    None for a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    cuda = device == "cuda" or device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    log.info("learner rank %d of %d (%s)", rank, world, "nccl" if cuda else "gloo")
+    return Dist(rank, world, local_rank, control)
+
+
+def collective(method):
+    """A `PPOLearner` method every rank must run together: rank 0 announces it (its arguments
+    with it) before running it; followers run what they receive (`follow`). Arguments named in
+    `local_kwargs` stay on rank 0 (the critic client)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        d = self.dist
+        if d is not None and d.main:
+            shared = {k: v for k, v in kwargs.items() if k not in LOCAL_KWARGS}
+            d.announce(method.__name__, args, shared)
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
+LOCAL_KWARGS = ("critic", "tokenizer")
+STOP = "__stop__"
+
+
+def follow(learner) -> int:
+    """A follower's life: run every call rank 0 announces until it says stop."""
+    d = learner.dist
+    while True:
+        name, args, kwargs = d.receive()
+        if name == STOP:
+            log.info("rank %d: rank 0 is done", d.rank)
+            return 0
+        getattr(learner, name)(*args, **kwargs)
+
+
+def release_followers(learner, timeout_s: float = 10.0) -> None:
+    """Rank 0: tell the followers the run is over (they exit 0). A follower stuck elsewhere (rank
+    0 failed inside a collective) is not waited for: it dies with rank 0's process."""
+    d = getattr(learner, "dist", None)
+    if d is None or not d.main:
+        return
+    learner.dist = None  # once
+    import threading
+    t = threading.Thread(target=d.announce, args=(STOP,), daemon=True, name="release-followers")
+    t.start()
+    t.join(timeout_s)
+
+
+# ---------------------------------------------------------------------- sharding and state
+def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
+    """FSDP2: every block transformers says not to split (`_no_split_modules`: the decoder
+    layers) is a unit of its own, then the root (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU, on rank 0 (other ranks get {}); collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _quiet():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    return ctx
+
+
+def save_sharded(model, optimizer, path: Path) -> None:
+    """Model and optimiser state as a torch.distributed.checkpoint directory: each rank writes its
+    shards; any number of processes can load it (resharded)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    ctx = _quiet()
+    try:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def load_sharded(model, optimizer, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    ctx = _quiet()
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    finally:
+        ctx.__exit__(None, None, None)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def load_full(model, optimizer, state: dict) -> None:
+    """A single-process checkpoint (`policy`, `optimizer` state dicts) into a sharded learner:
+    rank 0's full tensors are distributed to the shards; the optimiser state is mapped by the
+    parameters' order."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, state["policy"], options=StateDictOptions(full_state_dict=True))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    saved = state["optimizer"]
+    osd = {"state": {names[int(i)]: s for i, s in saved["state"].items()},
+           "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]]}
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+
+
+# ---------------------------------------------------------------------- launching
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # preexec_fn: SIGKILL when rank 0's process is gone (Linux)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def start_followers(nproc: int, argv: list[str]) -> list[subprocess.Popen]:
+    """Make this process rank 0 of `nproc` and start ranks 1..nproc-1 running `rlhf` with the same
+    arguments. They ignore SIGINT/SIGTERM (rank 0 drains, checkpoints with them, then releases
+    them) and die with this process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return []  # under torchrun: the ranks exist already
+    port = free_port()
+    common = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "LOCAL_WORLD_SIZE": str(nproc)}
+    os.environ.update({**common, "RANK": "0", "LOCAL_RANK": "0"})
+    procs = []
+    for rank in range(1, nproc):
+        env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), "RLHF_FOLLOWER": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env,
+                                      preexec_fn=_die_with_parent))
+    log.info("started %d follower rank(s) of the learner (pids %s)", len(procs), [p.pid for p in procs])
+    return procs
+
+
+def ignore_stop_signals() -> None:
+    """A follower: rank 0 decides when the group stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
