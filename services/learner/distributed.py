@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import logging
 import os
 import signal
@@ -108,12 +109,15 @@ def collective(method):
     """A `PPOLearner` method every rank must run together: rank 0 announces it (its arguments
     with it) before running it; followers run what they receive (`follow`). Arguments named in
     `local_kwargs` stay on rank 0 (the critic client)."""
+    signature = inspect.signature(method)
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         d = self.dist
         if d is not None and d.main:
-            shared = {k: v for k, v in kwargs.items() if k not in LOCAL_KWARGS}
-            d.announce(method.__name__, args, shared)
+            bound = signature.bind(self, *args, **kwargs).arguments
+            shared = {k: v for k, v in list(bound.items())[1:] if k not in LOCAL_KWARGS}
+            d.announce(method.__name__, (), shared)
         return method(self, *args, **kwargs)
     return wrapper
 

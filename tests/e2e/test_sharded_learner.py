@@ -1,0 +1,91 @@
+"""`rlhf up` with the learner sharded across 2 processes (FSDP2, gloo) on the tiny model, beside the
+same run with 1 learner process: it learns like it. Mid-run the follower rank is killed with
+SIGKILL: the learner group goes down, `rlhf up` restarts it, it resumes from its sharded
+checkpoint, and every prompt is still trained exactly once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.support import run_iterations
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS, BATCH = 60, 64
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _up(tiny_model_dir, run_dir: Path, nproc: int, kill_follower_at: int | None = None) -> dict:
+    cmd = [sys.executable, "-m", "services.cli", "up", "-c", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
+           "--set", f"model.path={tiny_model_dir}", "--set", f"run.iterations={ITERATIONS}",
+           "--set", "run.checkpoint_interval=5", "--set", f"model.nproc={nproc}"]
+    log_path = run_dir.parent / f"up-{nproc}.log"
+    out: dict = {}
+    with log_path.open("w") as log:
+        up = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        if kill_follower_at is not None:
+            deadline = time.time() + 300
+            while run_iterations(run_dir) < kill_follower_at:
+                assert up.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+            learner = json.loads((run_dir / "services.json").read_text())["services"]["learner"]["pid"]
+            followers = _children(learner)
+            out["followers"] = len(followers)
+            out["killed_at"] = run_iterations(run_dir)
+            for pid in followers:
+                os.kill(pid, signal.SIGKILL)
+        assert up.wait(timeout=900) == 0, log_path.read_text()[-4000:]
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=120)
+    out["log"] = log_path.read_text()
+    out["summary"] = json.loads((run_dir / "summary.json").read_text())
+    out["ledger"] = [u for x in (run_dir / "trained.jsonl").read_text().splitlines() for u in json.loads(x)["uids"]]
+    out["learner_log"] = (run_dir / "logs" / "learner.log").read_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    one = _up(tiny_model_dir, root / "one", 1)
+    two = _up(tiny_model_dir, root / "two", 2, kill_follower_at=20)
+    return one, two
+
+
+def test_two_learner_processes_learn_like_one(runs):
+    one, two = runs
+    gains = [r["summary"]["final_eval_reward"] - r["summary"]["baseline_eval_reward"] for r in runs]
+    assert one["summary"]["baseline_eval_reward"] == pytest.approx(two["summary"]["baseline_eval_reward"])
+    print(f"held-out gain over {ITERATIONS} iterations: 1 learner process {gains[0]:+.3f}, 2 processes {gains[1]:+.3f}")
+    assert min(gains) >= 0.25, gains
+    assert abs(gains[0] - gains[1]) <= 0.25, gains
+    assert "learner rank 0 of 2 (gloo)" in two["learner_log"]
+
+
+def test_a_killed_follower_brings_the_group_back_from_the_sharded_checkpoint(runs):
+    _, two = runs
+    s = two["summary"]
+    assert two["followers"] == 1
+    assert s["iterations"] == ITERATIONS
+    assert s["resumed_from"] is not None and 5 <= s["resumed_from"] <= two["killed_at"], two["log"][-2000:]
+    assert "learner exited with code" in two["log"] and "restarting it" in two["log"]
+    assert len(two["ledger"]) == ITERATIONS * BATCH
+    assert len(set(two["ledger"])) == len(two["ledger"]), "a prompt was trained on twice"
