@@ -31,6 +31,9 @@ from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, cl
                    postprocess_rewards, reference_log_probs, rollout_importance_weights)
 
 
+ADAPTER_DIR = "adapter"  # with LoRA: the PEFT adapter beside the merged model in final/
+
+
 @dataclass
 class Experience:
     batch: TokenBatch
@@ -407,7 +410,8 @@ class PPOLearner:
                 if tokenizer is not None:
                     tokenizer.save_pretrained(str(path))
             return
-        if self.lora:
+        if self.lora:  # the merged model, and the adapter itself in adapter/ (what PEFT loads)
+            self.policy.save_pretrained(str(path / ADAPTER_DIR))
             model = copy.deepcopy(self.policy).merge_and_unload()
         model.save_pretrained(str(path))
         if tokenizer is not None:

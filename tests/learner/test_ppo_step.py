@@ -157,3 +157,26 @@ def test_rollout_is_without_sampler_log_probs_raises(tiny_model_dir):
     with pytest.raises(ValueError, match="rollout_is needs the sampler's log-probs"):
         learner.make_experience(no_lp)
     PPOLearner(_cfg(tiny_model_dir)).make_experience(no_lp)  # without rollout_is it is fine
+
+
+def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+                                                      "lora": {"rank": 4}}))
+    backend = HFBackend(tiny_model_dir, "cpu")
+    learner.step(_rollout(backend))
+    learner.save_policy(tmp_path / "final", backend.tokenizer)
+    assert (tmp_path / "final" / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert not any("lora_" in k for k in merged.state_dict())
+    # what a PEFT user does: the base model plus the run's adapter
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                        tmp_path / "final" / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
+    with torch.no_grad():
+        want = learner.policy(ids).logits
+        assert torch.allclose(merged(ids).logits, want, atol=1e-5)
+        assert torch.allclose(adapted(ids).logits, want, atol=1e-5)
+        assert not torch.allclose(base(ids).logits, want, atol=1e-4)  # the adapter is trained, not a no-op
