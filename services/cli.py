@@ -224,26 +224,26 @@ def cmd_serve(args) -> int:
     cfg = _load(args, data=args.service == "learner")
     if args.run_dir:
         cfg.run.run_dir = args.run_dir
-    if args.nproc is not None and args.nproc >= 1:
-        cfg.model.nproc = args.nproc
-    if args.service == "learner" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        cfg.model.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
-    if args.service == "learner" and cfg.model.nproc > 1:
-        from .learner import distributed
-        if int(os.environ.get("RANK", "0")) > 0:  # a follower rank: no ports, no signals of its own
-            distributed.ignore_stop_signals()
-            from .learner.service import follower_main
-            return follower_main(cfg)
+    sharded = {"learner": cfg.model, "critic": cfg.critic}.get(args.service)  # where its nproc is
+    if sharded is not None and args.nproc is not None and args.nproc >= 1:
+        sharded.nproc = args.nproc
+    if sharded is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sharded.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
+    if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
+        from .learner.distributed import ignore_stop_signals
+        ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
+        return import_module(f".{args.service}.{'service' if args.service == 'learner' else 'server'}",
+                             __package__).follower_main(cfg)
     problem = _serve_problem(cfg, args)
-    if args.nproc is not None and args.service != "learner":
-        problem = f"--nproc is the learner's (not the {args.service}'s)"
+    if args.nproc is not None and sharded is None:
+        problem = f"--nproc is for the learner and the critic (not the {args.service})"
     if args.nproc is not None and args.nproc < 1:
         problem = f"--nproc {args.nproc}: needs 1 or more"
     if problem:
         return _error(problem)
-    if args.service == "learner" and cfg.model.nproc > 1:
+    if sharded is not None and sharded.nproc > 1:
         from .learner.distributed import start_followers
-        start_followers(cfg.model.nproc, args.argv)
+        start_followers(sharded.nproc, args.argv)
     try:
         return run_service(_service(cfg, args))
     except USER_ERRORS as e:
@@ -299,8 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0 = a free port, -1 = off)")
     p.add_argument("--run-dir", help="learner: where checkpoints, metrics and summary go")
     p.add_argument("--name", help="rollout: the worker's consumer name (default host-pid)")
-    p.add_argument("--nproc", type=int, help="learner: processes the actor is sharded across with FSDP2 "
-                   "(model.nproc; this process is rank 0 and starts the others)")
+    p.add_argument("--nproc", type=int, help="learner, critic: processes the model is sharded across with "
+                   "FSDP2 (model.nproc, critic.nproc; this process is rank 0 and starts the others)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("redis", help="run redis-server in the foreground for the replay buffer (containers)")

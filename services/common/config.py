@@ -118,6 +118,8 @@ class CriticConfig(_Strict):
                                       "or hub id); null = model.path")
     lr: float = Field(1e-4, gt=0, description="critic learning rate")
     value_loss_coef: float = Field(1.0, gt=0, description="scales the value loss (c1 in PPO)")
+    nproc: int = Field(1, ge=1, description="critic server processes (one per GPU) the value model and its "
+                       "optimiser state are sharded across with FSDP2; `rlhf serve critic` starts them")
     overlap_training: bool = Field(True, description="learner service: the critic server trains on each "
                                    "mini-batch while the actor does (a win when they have their own devices)")
     max_abs_target: float = Field(1e6, gt=0, description="largest |return| or |old value| Train accepts; "

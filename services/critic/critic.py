@@ -16,6 +16,21 @@ from ..ppo import compute_value_loss, masked_mean
 CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
 
 
+def load_sharded_optimizer(model, optimizer, path: Path) -> None:
+    """Optimiser state that a sharded critic wrote (torch.distributed.checkpoint), in one process."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path.name}/ missing")
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
 class NonFiniteStep(ValueError):
     """A step whose loss or gradient norm is not finite; it was not taken."""
 
@@ -100,7 +115,10 @@ class Critic:
         optimizer = self._optimizer(model)
         try:
             state = torch.load(path / "critic_optim.pt", map_location=self.device, weights_only=True)
-            optimizer.load_state_dict(state["optimizer"])
+            if "sharded_optimizer" in state:  # written by a sharded critic (critic.nproc > 1)
+                load_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"])
+            else:
+                optimizer.load_state_dict(state["optimizer"])
             steps = int(state["steps"])
         except Exception as e:
             raise CheckpointError(f"critic_optim.pt: cannot be read ({type(e).__name__}: {e})") from None

@@ -119,6 +119,13 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         log.info("critic starts from its initial weights (no complete checkpoint in %s)", self.root)
 
 
+def follower_main(cfg) -> int:
+    """Ranks 1..N-1 of a sharded critic (critic.nproc > 1): their shards, running what rank 0 announces."""
+    from ..learner.distributed import follow, from_env
+    from .sharded import ShardedCritic
+    return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device)))
+
+
 def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1,
           root: str | Path | None = None) -> GrpcService:
     """The critic service: loads the value model `critic` describes (or uses `critic`), restores the
@@ -126,7 +133,11 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
     to `rpc.critic`'s (metrics_port None = off)."""
     def build():
         c = critic
-        if c is None:
+        if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
+            from ..learner.distributed import from_env
+            from .sharded import ShardedCritic
+            c = ShardedCritic.from_config(cfg, from_env(cfg.model.device))
+        elif c is None:
             from .critic import Critic
             c = Critic.from_config(cfg)
         ep = cfg.rpc.critic
@@ -137,5 +148,6 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
         critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)
         server.start()
         server.set_ready(True)
-        return server, servicer, [servicer.compute.close]
+        from ..learner.distributed import release_followers
+        return server, servicer, [servicer.compute.close, lambda: release_followers(c)]
     return GrpcService("critic", build)

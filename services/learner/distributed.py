@@ -68,6 +68,12 @@ class Dist:
         dist.all_reduce(t, group=self.control)
         return t.tolist()
 
+    def local_rows(self, n: int) -> tuple[torch.Tensor, int]:
+        """The row indices this rank runs of a batch of `n`, and how many of them count: a rank
+        with no share (n < N) runs row 0 and counts none, so every rank runs the same collectives."""
+        start, end = self.rows(n)
+        return (torch.arange(start, end), end - start) if end > start else (torch.arange(1), 0)
+
     def rows(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of `n` rows split as evenly as possible (earlier ranks take
         one more when it does not divide)."""
@@ -101,7 +107,7 @@ def from_env(device: str) -> Dist | None:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    log.info("learner rank %d of %d (%s)", rank, world, "nccl" if cuda else "gloo")
+    log.info("rank %d of %d (%s)", rank, world, "nccl" if cuda else "gloo")
     return Dist(rank, world, local_rank, control)
 
 
@@ -114,36 +120,62 @@ def collective(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         d = self.dist
-        if d is not None and d.main:
-            bound = signature.bind(self, *args, **kwargs).arguments
-            shared = {k: v for k, v in list(bound.items())[1:] if k not in LOCAL_KWARGS}
+        if d is None or not d.main:
+            return method(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs).arguments
+        shared = {k: v for k, v in list(bound.items())[1:] if k not in LOCAL_KWARGS}
+        try:
             d.announce(method.__name__, (), shared)
-        return method(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if group_broken(e):
+                log.critical("%s: a process of the group is gone (%s); exiting so that the whole group is "
+                             "restarted (it resumes from the newest checkpoint)", method.__name__, e)
+                logging.shutdown()
+                os._exit(EXIT_GROUP_BROKEN)
+            raise
     return wrapper
+
+
+EXIT_GROUP_BROKEN = 75
+
+
+def group_broken(e: BaseException) -> bool:
+    """Whether `e` says a peer process of the group died or hung (its collectives cannot go on)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "Connection closed by peer",
+                                                                   "Connection reset by peer"))
 
 
 LOCAL_KWARGS = ("critic", "tokenizer")
 STOP = "__stop__"
 
 
-def follow(learner) -> int:
-    """A follower's life: run every call rank 0 announces until it says stop."""
-    d = learner.dist
+def follow(owner) -> int:
+    """A follower's life: run every call rank 0 announces on `owner` (a learner or a critic) until
+    it says stop. A call that fails here fails on rank 0 too (the same checks on the same data:
+    a checkpoint that cannot be loaded, a refused step); rank 0 reports it, the follower goes on."""
+    d = owner.dist
     while True:
         name, args, kwargs = d.receive()
         if name == STOP:
             log.info("rank %d: rank 0 is done", d.rank)
             return 0
-        getattr(learner, name)(*args, **kwargs)
+        try:
+            getattr(owner, name)(*args, **kwargs)
+        except (ValueError, KeyError, OSError) as e:
+            log.info("rank %d: %s failed as on rank 0: %s", d.rank, name, e)
 
 
-def release_followers(learner, timeout_s: float = 10.0) -> None:
+def release_followers(owner, timeout_s: float = 10.0) -> None:
     """Rank 0: tell the followers the run is over (they exit 0). A follower stuck elsewhere (rank
     0 failed inside a collective) is not waited for: it dies with rank 0's process."""
-    d = getattr(learner, "dist", None)
+    d = getattr(owner, "dist", None)
     if d is None or not d.main:
         return
-    learner.dist = None  # once
+    owner.dist = None  # once
     import threading
     t = threading.Thread(target=d.announce, args=(STOP,), daemon=True, name="release-followers")
     t.start()
@@ -152,10 +184,11 @@ def release_followers(learner, timeout_s: float = 10.0) -> None:
 
 # ---------------------------------------------------------------------- sharding and state
 def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
-    """FSDP2: every block transformers says not to split (`_no_split_modules`: the decoder
-    layers) is a unit of its own, then the root (embeddings, final norm, head)."""
+    """FSDP2: every block transformers says not to split (`_no_split_modules` of the model or of a
+    backbone inside it: the decoder layers) is a unit of its own, then the root (embeddings, final
+    norm, heads)."""
     from torch.distributed.fsdp import fully_shard
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     for block in blocks:
         fully_shard(block, mesh=mesh)
@@ -204,12 +237,17 @@ def load_sharded(model, optimizer, path: Path) -> None:
 
 def load_full(model, optimizer, state: dict) -> None:
     """A single-process checkpoint (`policy`, `optimizer` state dicts) into a sharded learner:
-    rank 0's full tensors are distributed to the shards; the optimiser state is mapped by the
-    parameters' order."""
+    the full tensors (every rank reads them) go to the shards; the optimiser state is mapped by
+    the parameters' order."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     set_model_state_dict(model, state["policy"], options=StateDictOptions(full_state_dict=True))
+    load_full_optimizer(model, optimizer, state["optimizer"])
+
+
+def load_full_optimizer(model, optimizer, saved: dict) -> None:
+    """A one-process `optimizer.state_dict()` (keyed by parameter order) into a sharded one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    saved = state["optimizer"]
     osd = {"state": {names[int(i)]: s for i, s in saved["state"].items()},
            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]]}
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict

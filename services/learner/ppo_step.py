@@ -151,9 +151,9 @@ class PPOLearner:
             if self.dist is None:
                 return forward(batch)
             n = batch.input_ids.shape[0]
-            start, end = self.dist.rows(n)
-            out = forward(batch.select(torch.arange(start, end)))
-            return {k: self.dist.gather_rows(v.contiguous(), n) for k, v in out.items() if torch.is_tensor(v)}
+            rows, real = self.dist.local_rows(n)
+            out = forward(batch.select(rows))
+            return {k: self.dist.gather_rows(v[:real].contiguous(), n) for k, v in out.items() if torch.is_tensor(v)}
 
     # ---------------------------------------------------------------- experience
     def make_experience(self, rollout: Rollout) -> Experience:

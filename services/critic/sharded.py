@@ -1,0 +1,138 @@
+"""The critic's value model across N processes (GPUs), sharded with FSDP2 (critic.nproc, or
+`rlhf serve critic --nproc N`). Rank 0 serves gRPC; its calls (values, a train step, save, load)
+are announced to ranks 1..N-1, which run them on their shards (`services.learner.distributed`).
+Each rank computes its share of a batch's rows; a step equals the one-process step.
+
+A checkpoint holds the whole value model as the one-process critic writes it (config, backbone
+weights, value_head.safetensors), so any number of processes loads it, and the optimiser state
+sharded in `optim/` (torch.distributed.checkpoint); `critic_optim.pt` says so. A one-process
+checkpoint loads here too (its optimiser state mapped onto the shards).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..common.modeling import TokenBatch, ValueModel
+from ..learner.distributed import collective, full_state_dict, load_full_optimizer, shard
+from ..ppo import compute_value_loss
+from .critic import CHECKPOINT_FILES, CheckpointError, Critic, NonFiniteStep
+
+OPTIM_DIR = "optim"
+
+
+class ShardedCritic(Critic):
+    def __init__(self, *args, dist, **kwargs):
+        self.dist = dist
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def from_config(cls, cfg, dist=None) -> "ShardedCritic":
+        c = cfg.critic
+        return cls(c.model_path or cfg.model.path, lr=c.lr, value_clip=cfg.value_clip,
+                   loss_agg_mode=cfg.loss_agg_mode, max_grad_norm=cfg.max_grad_norm,
+                   value_loss_coef=c.value_loss_coef, device=cfg.model.device, weight_decay=cfg.weight_decay,
+                   dist=dist)
+
+    def _optimizer(self, model: ValueModel) -> torch.optim.Optimizer:
+        if not getattr(model, "_sharded", False):
+            model.to(self.dist.device(self.device.type))
+            shard(model)
+            model._sharded = True
+        return super()._optimizer(model)
+
+    @collective
+    @torch.no_grad()
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        self.model.eval()
+        n = batch.input_ids.shape[0]
+        rows, real = self.dist.local_rows(n)
+        local = self.model.response_values(batch.select(rows).to(self.model.value_head.weight.device))
+        return self.dist.gather_rows(local[:real].contiguous(), n).cpu()
+
+    @collective
+    def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
+        self.model.train()
+        n, world = batch.input_ids.shape[0], self.dist.world
+        rows, w = self.dist.local_rows(n)  # w = 0: a weightless row keeps the collectives paired
+        device = self.model.value_head.weight.device
+        sub = batch.select(rows).to(device)
+        vpreds = self.model.response_values(sub)
+        vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns[rows].to(device), old_values[rows].to(device),
+                                                  sub.response_mask, self.value_clip, self.loss_agg_mode)
+        self.optimizer.zero_grad(set_to_none=True)
+        (self.value_loss_coef * vf_loss * (w * world / n)).backward()  # FSDP averages over the ranks
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        mask = sub.response_mask.float()
+        sums = self.dist.all_sum([vf_loss.item() * w, vf_clipfrac.item() * w, w,
+                                  float((vpreds.detach() * mask).sum()) if w else 0.0, float(mask.sum()) if w else 0.0])
+        loss = sums[0] / n
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep(f"critic step skipped: loss {loss}, gradient norm {grad_norm}")
+        self.optimizer.step()
+        self.steps += 1
+        return {"critic/vf_loss": loss, "critic/vf_clipfrac": sums[1] / n,
+                "critic/vpred_mean": sums[3] / max(sums[4], 1.0), "critic/grad_norm": grad_norm}
+
+    @collective
+    def save(self, path: str | Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        path = Path(path)
+        state = full_state_dict(self.model)
+        if self.dist.main:
+            path.mkdir(parents=True, exist_ok=True)
+            from safetensors.torch import save_file
+            backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+            self.model.backbone.save_pretrained(str(path), state_dict=backbone)
+            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items()
+                    if k.startswith("value_head.")}
+            save_file(head, str(path / "value_head.safetensors"))
+        from ..learner.distributed import _quiet
+        ctx = _quiet()
+        try:
+            dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)},
+                     checkpoint_id=str(path / OPTIM_DIR))
+        finally:
+            ctx.__exit__(None, None, None)
+        if self.dist.main:
+            torch.save({"sharded_optimizer": OPTIM_DIR, "steps": self.steps}, path / "critic_optim.pt")
+
+    @collective
+    def load(self, path: str | Path) -> None:
+        """Weights (full, every rank reads them), optimiser state and step count from `path`; all
+        checks come first, so a checkpoint that fails them changes nothing (on every rank alike)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+        path = Path(path)
+        for name in CHECKPOINT_FILES:
+            if not (path / name).is_file():
+                raise CheckpointError(f"{name}: missing")
+        try:
+            loaded = ValueModel.from_pretrained(path)
+        except Exception as e:
+            raise CheckpointError(f"model files: cannot be read ({type(e).__name__}: {e})") from None
+        full = loaded.state_dict()
+        live = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}  # a DTensor's shape is the full one
+        if {k: tuple(v.shape) for k, v in full.items()} != live:
+            raise CheckpointError("model weights: names or shapes differ from this critic's model")
+        try:
+            meta = torch.load(path / "critic_optim.pt", map_location="cpu", weights_only=True)
+            steps = int(meta["steps"])
+        except Exception as e:
+            raise CheckpointError(f"critic_optim.pt: cannot be read ({type(e).__name__}: {e})") from None
+        if "sharded_optimizer" in meta and not (path / meta["sharded_optimizer"]).is_dir():
+            raise CheckpointError(f"{meta['sharded_optimizer']}/: missing")
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        if "sharded_optimizer" in meta:
+            import torch.distributed.checkpoint as dcp
+            state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(state, checkpoint_id=str(path / meta["sharded_optimizer"]))
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        else:
+            load_full_optimizer(self.model, self.optimizer, meta["optimizer"])
+        self.steps = steps
