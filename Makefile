@@ -84,6 +84,7 @@ bench: $(BIN)/.installed $(MODEL_DIR)/config.json
 	$(BIN)/python benchmarks/bench_services.py --model $(MODEL_DIR) --out runs/bench/services.json
 	$(BIN)/python benchmarks/bench_distributed.py --model $(MODEL_DIR) --out runs/bench/distributed.json
 	$(BIN)/python benchmarks/bench_push.py --out runs/bench/push.json
+	$(BIN)/python benchmarks/bench_sharded.py --out runs/bench/sharded.json
 	$(MAKE) $(VLLM_BIN)/.installed
 	$(VLLM_BIN)/python benchmarks/bench_vllm.py --model $(MODEL_DIR) --out runs/bench/vllm.json
 

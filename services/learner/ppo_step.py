@@ -84,7 +84,8 @@ class PPOLearner:
             if cfg.model.lora.rank > 0:
                 raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
                                  "fits one device train in one process (model.nproc: 1)")
-        self.policy = load_causal_lm(cfg.model.path, self.device)
+        # sharded: loaded on the CPU; sharding moves each process's shards to its device
+        self.policy = load_causal_lm(cfg.model.path, torch.device("cpu") if dist is not None else self.device)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
         if self.lora:
@@ -98,13 +99,13 @@ class PPOLearner:
                 self.policy.enable_input_require_grads()
         self.needs_ref = (cfg.use_kl_loss or cfg.add_token_level_kl) and cfg.ref_model != "policy"
         self.ref = None
-        if self.needs_ref and not self.lora:  # with LoRA the reference is the base with adapters off
+        if self.needs_ref and not self.lora and dist is None:  # with LoRA: the base with adapters off
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        if dist is not None:
+        if dist is not None:  # one full copy on the CPU at a time, then only shards
             from .distributed import shard
             shard(self.policy)
-            if self.ref is not None:
-                shard(self.ref)
+            if self.needs_ref:
+                self.ref = shard(load_causal_lm(cfg.model.path, torch.device("cpu")).eval().requires_grad_(False))
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
                                            weight_decay=cfg.weight_decay)
