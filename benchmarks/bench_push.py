@@ -1,6 +1,8 @@
-"""Benchmark: the learner's weight push over gRPC against a raw loopback TCP copy of the same bytes.
+"""Benchmark: the learner's weight push over gRPC and through shared memory, against a raw
+loopback TCP copy of the same bytes and a memory copy.
 
     .venv/bin/python benchmarks/bench_push.py            (writes runs/bench/push.json, prints a table)
+    .venv/bin/python benchmarks/bench_push.py --quick    (64 and 512 MiB, 2 repeats: about a minute)
 
 For each size (random float32 state dicts of 16 MiB tensors plus a few small ones) and each
 server count, in one run on one machine:
@@ -8,11 +10,16 @@ server count, in one run on one machine:
 - grpc: `WeightBroadcaster.push` (encode once, fan out to every server in parallel) to N
   in-process generation servers on loopback, end to end: until every server serves the new
   version (assembled, checked, swapped in by the backend);
+- shm: the same push to the same servers registered as co-located (`rpc.shm_dir` on a tmpfs,
+  /dev/shm): the learner writes the version once (checksummed as it is written), every server
+  maps it, checks it (structure, xxh3_64 of every piece, finiteness) and swaps it in; end to end
+  as for grpc. The learner's file is recycled from push to push, as in a run;
 - tcp: the same bytes sent raw over N loopback TCP connections in parallel, received into
   preallocated buffers (no framing, no checks);
 - memcpy: one copy of the state dict into preallocated tensors.
 
 MB/s counts the bytes delivered to all servers (size x N per second); ratios are from the same run.
+A case whose copies would not fit `--max-total-gb` is skipped for that method alone.
 
 Backend: a stand-in, not `HFBackend` itself, because the hf backend loads a real model from a
 model directory and cannot hold a random state dict of an arbitrary size. The stand-in *is* an
@@ -25,9 +32,12 @@ time; it is reported on its own (snapshot_s).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import shutil
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -123,86 +133,125 @@ def tcp_copy(payload: memoryview, receivers: int, chunk: int = 4 << 20) -> float
     return secs
 
 
+def timed_pushes(bc, services, repeats: int, version: int) -> tuple[list[float], int, dict]:
+    """Seconds of `repeats` pushes (after one warm-up), each until every server serves it."""
+    runs, out = [], {}
+    for r in range(repeats + 1):  # the first one warms up channels and pages
+        version += 1
+        t0 = time.perf_counter()
+        out = bc.push(version, "learner:0")
+        dt = time.perf_counter() - t0
+        assert out["push/failed"] == 0, out
+        assert all(s.servicer.backend.version == version for s in services)
+        if r:
+            runs.append(dt)
+    return runs, version, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", default="64,512,2048")
     ap.add_argument("--servers", default="1,3")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="64 and 512 MiB, 2 repeats")
     ap.add_argument("--max-total-gb", type=float, default=14.0,
-                    help="skip a (size, servers) case whose resident copies would exceed this")
+                    help="skip a method's (size, servers) case whose resident copies would exceed this")
+    ap.add_argument("--shm-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                    help="a tmpfs directory for the shm method (a fresh subdirectory is made in it)")
     ap.add_argument("--out", default="runs/bench/push.json")
     args = ap.parse_args()
+    if args.quick:
+        args.sizes_mb, args.repeats = "64,512", 2
     torch.set_num_threads(2)
 
     from services.common.config import config_from_dict
     from services.generation.server import serve
     from services.learner.broadcast import WeightBroadcaster
 
-    cfg = config_from_dict({"model": {"path": "unused", "device": "cpu"}})
+    shm_dir = tempfile.mkdtemp(prefix="rlhf-bench-", dir=args.shm_dir)
+    cfg = config_from_dict({"model": {"path": "unused", "device": "cpu"}, "rpc": {"shm_dir": shm_dir}})
+    limit = args.max_total_gb * (1 << 30) + 1
     rows = []
-    for size_mb in [int(s) for s in args.sizes_mb.split(",")]:
-        state = random_state(size_mb << 20)
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        flat = torch.cat([t.reshape(-1) for t in state.values()])
-        payload = memoryview(flat.view(torch.uint8).numpy())
-        dst = {k: torch.empty_like(t) for k, t in state.items()}
-        for k in state:
-            dst[k].copy_(state[k])  # touch the pages once
-        memcpy_s = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            for k in state:
-                dst[k].copy_(state[k])
-            memcpy_s.append(time.perf_counter() - t0)
-        del dst
-        t0 = time.perf_counter()
-        _ = {k: v.clone() for k, v in state.items()}
-        snapshot_s = time.perf_counter() - t0
-        del _
-        memcpy = nbytes / statistics.median(memcpy_s) / 1e6
-        for n in [int(s) for s in args.servers.split(",")]:
-            if (1 + 3 * n) * nbytes > args.max_total_gb * (1 << 30) + 1:  # sender + per server: model, staging, tcp buf
-                print(f"skip {size_mb} MB x {n} servers (memory)")
-                continue
-            services = [serve(cfg, backend=stand_in_backend(state), port=0, metrics_port=None).start()
-                        for _ in range(n)]
-            addresses = [f"127.0.0.1:{s.server.port}" for s in services]
-            store = SimpleNamespace(live=lambda kind: {a: {} for a in addresses},
-                                    heartbeat=lambda *a, **kw: None, publish_learner=lambda *a, **kw: None)
-            learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=True)
-            bc = WeightBroadcaster(cfg, store, learner)
-            grpc_s, version = [], 0
-            for r in range(args.repeats + 1):  # the first one warms up channels and pages
-                version += 1
-                t0 = time.perf_counter()
-                out = bc.push(version, "learner:0")
-                dt = time.perf_counter() - t0
-                assert out["push/failed"] == 0, out
-                assert all(s.servicer.backend.version == version for s in services)
-                if r:
-                    grpc_s.append(dt)
-            check = services[-1].servicer.backend.model.state_dict()
-            assert all(torch.equal(check[k], state[k]) for k in state)
-            bc.close()
-            for s in services:
-                s.stop()
-            del services, check
-            tcp_copy(payload, n)  # warm-up
-            tcp_s = statistics.median([tcp_copy(payload, n) for _ in range(args.repeats)])
-            g = statistics.median(grpc_s)
-            row = {"size_mb": round(nbytes / 2 ** 20), "servers": n, "bytes": nbytes,
-                   "grpc_s": g, "grpc_mb_s": nbytes * n / g / 1e6, "tcp_s": tcp_s,
-                   "tcp_mb_s": nbytes * n / tcp_s / 1e6, "memcpy_mb_s": memcpy,
-                   "grpc_vs_tcp": tcp_s / g, "grpc_vs_memcpy": nbytes * n / g / 1e6 / memcpy,
-                   "snapshot_s": snapshot_s, "grpc_runs_s": grpc_s}
-            rows.append(row)
-            print(f"{row['size_mb']:>6} MiB x{n}: grpc {row['grpc_mb_s']:8.0f} MB/s  tcp {row['tcp_mb_s']:8.0f} MB/s  "
-                  f"memcpy {memcpy:8.0f} MB/s  grpc/tcp {row['grpc_vs_tcp']:.2f}  (snapshot {snapshot_s:.2f}s)",
-                  flush=True)
-        del state, flat, payload
+    try:
+        for size_mb in [int(s) for s in args.sizes_mb.split(",")]:
+            rows += bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "cpus": torch.get_num_threads()}, indent=2))
     print(f"wrote {args.out}")
+
+
+def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit) -> list[dict]:  # noqa: N803
+    state = random_state(size_mb << 20)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    dst = {k: torch.empty_like(t) for k, t in state.items()}
+    for k in state:
+        dst[k].copy_(state[k])  # touch the pages once
+    memcpy_s = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        for k in state:
+            dst[k].copy_(state[k])
+        memcpy_s.append(time.perf_counter() - t0)
+    del dst
+    t0 = time.perf_counter()
+    _ = {k: v.clone() for k, v in state.items()}
+    snapshot_s = time.perf_counter() - t0
+    del _
+    memcpy = nbytes / statistics.median(memcpy_s) / 1e6
+    rows = []
+    for n in [int(s) for s in args.servers.split(",")]:
+        # resident copies: the sender's state, each server's model, and per method what it adds
+        fits = {"grpc": (1 + 2 * n) * nbytes <= limit, "shm": (2 + n) * nbytes <= limit,
+                "tcp": (2 + n) * nbytes <= limit}
+        row = {"size_mb": round(nbytes / 2 ** 20), "servers": n, "bytes": nbytes, "memcpy_mb_s": memcpy,
+               "snapshot_s": snapshot_s}
+        if fits["grpc"] or fits["shm"]:
+            services = [serve(cfg, backend=stand_in_backend(state), port=0, metrics_port=None).start()
+                        for _ in range(n)]
+            entries = {f"127.0.0.1:{s.server.port}": s.servicer.registry_info() for s in services}
+            learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=True)
+            version = 0
+            for method in ("grpc", "shm"):
+                if not fits[method]:
+                    print(f"skip {size_mb} MB x {n} servers {method} (memory)")
+                    continue
+                # grpc: the same servers, without the probe in their registry entry (so not co-located)
+                live = {a: {**e, "shm": e["shm"] if method == "shm" else ""} for a, e in entries.items()}
+                store = SimpleNamespace(live=lambda kind, live=live: live, heartbeat=lambda *a, **kw: None,
+                                        publish_learner=lambda *a, **kw: None)
+                bc = WeightBroadcaster(cfg, store, learner)
+                bc.identity = ("bench", 1)
+                runs, version, out = timed_pushes(bc, services, args.repeats, version)
+                assert out["push/shm"] == (n if method == "shm" else 0), out
+                check = services[-1].servicer.backend.model.state_dict()
+                assert all(torch.equal(check[k], state[k]) for k in state)
+                del check
+                bc.close()
+                s = statistics.median(runs)
+                row.update({f"{method}_s": s, f"{method}_mb_s": nbytes * n / s / 1e6, f"{method}_runs_s": runs})
+            for s in services:
+                s.stop()
+            del services, learner, bc, store
+            gc.collect()  # the stopped servers' models, before the next case allocates its own
+        if fits["tcp"]:
+            flat = torch.cat([t.reshape(-1) for t in state.values()])
+            payload = memoryview(flat.view(torch.uint8).numpy())
+            tcp_copy(payload, n)  # warm-up
+            tcp_s = statistics.median([tcp_copy(payload, n) for _ in range(args.repeats)])
+            row.update({"tcp_s": tcp_s, "tcp_mb_s": nbytes * n / tcp_s / 1e6})
+            del flat, payload
+        for method in ("grpc", "shm"):
+            if f"{method}_s" in row:
+                row[f"{method}_vs_memcpy"] = row[f"{method}_mb_s"] / memcpy
+                if "tcp_s" in row:
+                    row[f"{method}_vs_tcp"] = row["tcp_s"] / row[f"{method}_s"]
+        rows.append(row)
+        cell = lambda k: f"{row[k]:8.0f}" if k in row else "       -"  # noqa: E731
+        print(f"{row['size_mb']:>6} MiB x{n}: grpc {cell('grpc_mb_s')} MB/s  shm {cell('shm_mb_s')} MB/s  "
+              f"tcp {cell('tcp_mb_s')} MB/s  memcpy {memcpy:8.0f} MB/s  (snapshot {snapshot_s:.2f}s)", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

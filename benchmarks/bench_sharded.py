@@ -72,7 +72,7 @@ def _local_bytes(learner) -> int:
 def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, response: int) -> None:
     import torch
     from services.common.config import config_from_dict
-    from services.learner.distributed import follow, from_env, release_followers
+    from services.common.distributed import follow, from_env, release_followers
     from services.learner.ppo_step import PPOLearner
     cfg = config_from_dict({"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
                             "num_return_sequences_in_group": 2, "rollout_batch_size": sequences // 2,

@@ -230,7 +230,7 @@ def cmd_serve(args) -> int:
     if sharded is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sharded.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
-        from .learner.distributed import ignore_stop_signals
+        from .common.distributed import ignore_stop_signals
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
         return import_module(f".{args.service}.{'service' if args.service == 'learner' else 'server'}",
                              __package__).follower_main(cfg)
@@ -242,7 +242,7 @@ def cmd_serve(args) -> int:
     if problem:
         return _error(problem)
     if sharded is not None and sharded.nproc > 1:
-        from .learner.distributed import start_followers
+        from .common.distributed import start_followers
         start_followers(sharded.nproc, args.argv)
     try:
         return run_service(_service(cfg, args))

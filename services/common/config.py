@@ -235,6 +235,11 @@ class RPCConfig(_Strict):
     tls_key_file: Optional[str] = Field(None, description="PEM private key of tls_cert_file")
     tls_ca_file: Optional[str] = Field(None, description="clients: CA to trust (default the cert itself)")
     max_message_mb: int = Field(256, ge=1, le=2047, description="largest gRPC message, in MiB")
+    shm_dir: Optional[str] = Field(None, description="learner and generation servers: a directory on a tmpfs "
+                                   "they share when they run on one host (a compose tmpfs volume, a pod's "
+                                   "emptyDir with medium Memory); a co-located server then loads each version "
+                                   "from a file the learner writes there once, instead of the gRPC stream; "
+                                   "null = off (every push is streamed)")
     grace_s: float = Field(10.0, ge=0, description="shutdown: seconds in-flight calls may take")
     timeout_s: float = Field(120.0, gt=0, description="client deadline per call, in seconds")
     retry_backoff_s: float = Field(0.2, gt=0, description="clients: seconds before the first retry of a call "

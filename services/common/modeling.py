@@ -24,6 +24,18 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a forward in train mode can differ from one in eval mode: a dropout module with
+    p > 0, or a dropout probability > 0 in the model's config (attention dropout is a functional
+    call in most transformers models, not a module)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+               for k, v in items)
+
+
 # what a hub model is fetched with: config, tokenizer, chat template and safetensors weights
 HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 

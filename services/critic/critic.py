@@ -18,15 +18,14 @@ CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
 
 def load_sharded_optimizer(model, optimizer, path: Path) -> None:
     """Optimiser state that a sharded critic wrote (torch.distributed.checkpoint), in one process."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from ..common.distributed import quiet_single_process
     if not path.is_dir():
         raise FileNotFoundError(f"{path.name}/ missing")
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 

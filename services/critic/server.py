@@ -121,7 +121,7 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
 
 def follower_main(cfg) -> int:
     """Ranks 1..N-1 of a sharded critic (critic.nproc > 1): their shards, running what rank 0 announces."""
-    from ..learner.distributed import follow, from_env
+    from ..common.distributed import follow, from_env
     from .sharded import ShardedCritic
     return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device)))
 
@@ -134,7 +134,7 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
     def build():
         c = critic
         if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
-            from ..learner.distributed import from_env
+            from ..common.distributed import from_env
             from .sharded import ShardedCritic
             c = ShardedCritic.from_config(cfg, from_env(cfg.model.device))
         elif c is None:
@@ -148,6 +148,6 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
         critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)
         server.start()
         server.set_ready(True)
-        from ..learner.distributed import release_followers
+        from ..common.distributed import release_followers
         return server, servicer, [servicer.compute.close, lambda: release_followers(c)]
     return GrpcService("critic", build)

@@ -1,6 +1,6 @@
 """The critic's value model across N processes (GPUs), sharded with FSDP2 (critic.nproc, or
 `rlhf serve critic --nproc N`). Rank 0 serves gRPC; its calls (values, a train step, save, load)
-are announced to ranks 1..N-1, which run them on their shards (`services.learner.distributed`).
+are announced to ranks 1..N-1, which run them on their shards (`services.common.distributed`).
 Each rank computes its share of a batch's rows; a step equals the one-process step.
 
 A checkpoint holds the whole value model as the one-process critic writes it (config, backbone
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..common.modeling import TokenBatch, ValueModel
-from ..learner.distributed import collective, full_state_dict, load_full_optimizer, shard
+from ..common.distributed import collective, full_state_dict, load_full_optimizer, quiet_single_process, shard
 from ..ppo import compute_value_loss
 from .critic import CHECKPOINT_FILES, CheckpointError, Critic, NonFiniteStep
 
@@ -92,13 +92,9 @@ class ShardedCritic(Critic):
             head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items()
                     if k.startswith("value_head.")}
             save_file(head, str(path / "value_head.safetensors"))
-        from ..learner.distributed import _quiet
-        ctx = _quiet()
-        try:
+        with quiet_single_process():
             dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)},
                      checkpoint_id=str(path / OPTIM_DIR))
-        finally:
-            ctx.__exit__(None, None, None)
         if self.dist.main:
             torch.save({"sharded_optimizer": OPTIM_DIR, "steps": self.steps}, path / "critic_optim.pt")
 

@@ -1,12 +1,13 @@
 """A gRPC client of the generation server with the backend's own interface: `generate` returns a
-`GenerationResult`, `update_weights` pushes a state dict as a versioned, checksummed stream."""
+`GenerationResult`, `update_weights` pushes a state dict as a versioned, checksummed stream;
+`load_shared` points a co-located server at a version in shared memory."""
 from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from ..common.rpc.codec import encode_weights
+from ..common.rpc.weights import encode_weights
 from ..common.rpc.gen import common_pb2, generation_pb2 as gpb, generation_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
@@ -52,6 +53,11 @@ class GenerationClient(RPCClient):
                 "/rlhf.v1.Generation/PushWeights", request_serializer=None,
                 response_deserializer=common_pb2.PushWeightsResponse.FromString)
         return self._push_raw(iter(chunks), timeout=self.timeout, metadata=self.metadata)
+
+    def load_shared(self, request: gpb.SharedWeights, timeout: float | None = None):
+        """LoadSharedWeights: load a version the learner wrote into the shared-memory directory it
+        shares with this server (`services.common.rpc.shm`)."""
+        return self.stub.LoadSharedWeights(request, timeout=timeout or self.timeout, metadata=self.metadata)
 
     def info(self) -> gpb.GenerationInfo:
         return self.stub.GetInfo(gpb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)

@@ -12,7 +12,7 @@ import grpc
 import redis
 
 from ..common.replay import ReplayStore
-from ..common.rpc.codec import BadRequest
+from ..common.rpc.errors import BadRequest
 from ..common.rpc.errors import Unavailable
 from ..common.rpc.gen import common_pb2
 
@@ -80,7 +80,10 @@ class Registration:
             client.close()
 
     def heartbeat(self) -> None:
-        self.store.heartbeat("generation", self.address, version=self.backend.version)
+        """The registry entry: version, and what the learner plans each push by (`registry_info`:
+        the shared-memory probe, where the weights come from, partial pushes or not)."""
+        self.store.heartbeat("generation", self.address, version=self.backend.version,
+                             **self.servicer.registry_info())
 
     def start(self) -> "Registration":
         try:

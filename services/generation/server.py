@@ -1,10 +1,12 @@
 """The generation server: Generate (batched across concurrent callers), PushWeights (streamed,
-checksummed, applied atomically between batches), GetInfo.
+checksummed, applied atomically between batches), LoadSharedWeights (the same, the bytes read from
+a file the co-located learner wrote into shared memory), GetInfo.
 
     rlhf serve generation -c configs/tiny-cpu.yaml      (`serve(cfg)` below)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -16,13 +18,14 @@ from typing import Callable
 
 import grpc
 
-from ..common.rpc.codec import BadRequest, WeightChunkDecoder, assemble_weights
-from ..common.rpc.errors import ResourceExhausted
+from ..common.rpc.errors import BadRequest, ResourceExhausted
+from ..common.rpc.shm_read import Probe, open_shared_weights
+from ..common.rpc.weights_receive import WeightChunkDecoder, assemble_weights
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW
+from .backend import GREEDY_BELOW, check_newer
 from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
@@ -191,11 +194,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """`fence(header)`, when given, decides whether a weight push (or pull) comes from the run's
     writer: it raises `BadRequest` (refused) or `Unavailable` (cannot tell); it runs as soon as the
     header arrives and again right before the swap. Without it, any push newer than the serving
-    version is applied (a server outside a distributed run)."""
+    version is applied (a server outside a distributed run). `probe`, when given, is this server's
+    proof of its shared-memory directory (`rpc.shm_dir`): LoadSharedWeights reads from there.
+
+    `base` says where the weights outside a partial push come from, for the learner to decide
+    whether a partial push (LoRA targets only) leaves this server with the whole policy: the
+    model it loaded ("model:<model.path>") until a full version from a run replaces them
+    ("run:<run_id>"); partial versions do not change it."""
 
     def __init__(self, backend: GenerationBackend, cfg, server: RPCServer | None = None, model_name: str = "",
-                 fence: Callable[[common_pb2.WeightHeader], None] | None = None):
-        self.backend, self.cfg, self.server, self.fence = backend, cfg, server, fence
+                 fence: Callable[[common_pb2.WeightHeader], None] | None = None, probe: Probe | None = None):
+        self.backend, self.cfg, self.server, self.fence, self.probe = backend, cfg, server, fence, probe
+        self.base = f"model:{cfg.model.path}"
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
@@ -297,19 +307,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                text=self.tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]))
         return out
 
+    def registry_info(self) -> dict:
+        """What this server's registry entry says besides its version: the shared-memory probe's
+        nonce, where its weights come from (`base`), and whether its backend takes partial pushes."""
+        info = {"base": self.base, "partial": bool(getattr(self.backend, "partial_updates", True))}
+        if self.probe is not None:
+            info["shm"] = self.probe.nonce
+        return info
+
+    def _max_bytes(self) -> int:
+        return self.cfg.rpc.max_message_mb * 1024 * 1024 * 64
+
     def apply_chunks(self, chunks) -> tuple[int, int, float]:
         """Assemble a header/pieces/footer stream and apply it as one new policy version.
         Used by PushWeights (the learner pushes) and by registration (a late server pulls)."""
+        return self._apply(lambda: contextlib.nullcontext(assemble_weights(
+            chunks, self.backend.parameter_specs(), self._max_bytes(), on_header=self.fence)))
+
+    def apply_shared(self, request) -> tuple[int, int, float]:
+        """Check and apply a version the co-located learner wrote into shared memory."""
+        if self.probe is None:
+            raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
+        try:
+            check_newer(request.header.version, self.backend.version)  # before reading anything
+        except ValueError as e:
+            raise BadRequest(f"weights: {e}") from None
+        return self._apply(lambda: open_shared_weights(str(self.probe.dir), request, self.backend.parameter_specs(),
+                                                       self._max_bytes(), self.fence, self.probe.mappings),
+                           "shared memory")
+
+    def _apply(self, source, via: str = "stream") -> tuple[int, int, float]:
         t0 = time.perf_counter()
-        with self._push_lock:  # one update at a time; generation goes on until the swap
-            version, fmt, state, nbytes, header = assemble_weights(
-                chunks, self.backend.parameter_specs(), self.cfg.rpc.max_message_mb * 1024 * 1024 * 64,
-                on_header=self.fence)
+        with self._push_lock, source() as (version, fmt, state, nbytes, header):  # one update at a time
 
             def swap():
                 if self.fence is not None:
                     self.fence(header)  # again: another learner may have taken over while the pieces came
                 self.backend.update_weights(state, version)
+                if fmt == "full":
+                    self.base = f"run:{header.run_id}"
             if self.server:
                 self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
             try:
@@ -319,14 +355,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except (KeyError, ValueError) as e:
                 raise BadRequest(f"weights: {e}") from None
             finally:
+                state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
                 if self.server and not getattr(self.backend, "broken", None):
                     self.server.set_ready(True)  # a broken engine stays not ready (alive, for its logs)
         secs = time.perf_counter() - t0
-        log.info("policy version %d applied (%s, %.1f MB in %.2fs)", version, fmt, nbytes / 1e6, secs)
+        log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", version, fmt, nbytes / 1e6, secs, via)
         return version, nbytes, secs
 
     def PushWeights(self, request_iterator, context):
         version, nbytes, secs = self.apply_chunks(request_iterator)
+        return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
+
+    def LoadSharedWeights(self, request, context):
+        version, nbytes, secs = self.apply_shared(request)
         return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
 
     def GetInfo(self, request, context):
@@ -366,6 +407,18 @@ def make_backend(cfg) -> GenerationBackend:
     return HFBackend(cfg.model.path, cfg.model.device)
 
 
+def shm_probe(shm_dir: str | None) -> Probe | None:
+    """This server's probe in `rpc.shm_dir` (None when unset, or when the directory cannot be
+    written: then every version comes over the gRPC stream)."""
+    if not shm_dir:
+        return None
+    try:
+        return Probe(shm_dir)
+    except OSError as e:
+        log.warning("rpc.shm_dir %s cannot be used (%s): weights will come over gRPC only", shm_dir, e)
+        return None
+
+
 def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None = -1) -> GrpcService:
     """The generation service: loads the backend (or uses `backend`), serves gRPC, and in a
     distributed run (`replay.url` set) registers in Redis and pulls the current policy before it
@@ -380,10 +433,12 @@ def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None =
             from ..common.replay import ReplayStore
             from .registration import LearnerFence
             store = ReplayStore.from_config(cfg)
-        servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None)
+        probe = shm_probe(cfg.rpc.shm_dir)
+        servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None,
+                                      probe=probe)
         add_generation_servicer(servicer, server.grpc)
         server.start()
-        closers = [servicer.batcher.close]
+        closers = [servicer.batcher.close] + ([probe.close] if probe is not None else [])
         if store is not None:
             from ..common.rpc.server import advertised_address
             from .registration import Registration

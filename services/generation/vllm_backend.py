@@ -92,6 +92,7 @@ class VLLMBackend:
     once: the engine thread batches them continuously. `update_weights` (and `call`) run
     between requests: admission pauses, the engine drains, the call runs, admission resumes."""
     continuous_batching = True  # the server hands it calls as they come (no batching window)
+    partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
 
     def __init__(self, model_path: str, vcfg, bf16: bool = False, max_model_len: int | None = None):
         tp = vcfg.tensor_parallel_size

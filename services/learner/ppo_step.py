@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 
 from ..common.data import sft_examples
-from ..common.modeling import TokenBatch, build_token_batch, load_causal_lm, response_log_probs, resolve_device
+from ..common.distributed import collective
+from ..common.modeling import (TokenBatch, build_token_batch, has_dropout, load_causal_lm, response_log_probs,
+                               resolve_device)
 from ..common.padding import pad_right
 from ..common.types import Rollout
-from .distributed import collective
 from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, clip_by_value, compute_advantages,
                    compute_sft_loss, kl_penalty, make_kl_controller, masked_mean, masked_whiten,
                    postprocess_rewards, reference_log_probs, rollout_importance_weights)
+from .lora import merged_lora_weights, merged_state_dict
 
 
 ADAPTER_DIR = "adapter"  # with LoRA: the PEFT adapter beside the merged model in final/
@@ -50,18 +52,6 @@ def planned_updates(cfg) -> int:
     """Optimiser steps over the whole run (for the LR schedule)."""
     samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
     return cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Whether a forward in train mode can differ from one in eval mode: a dropout module with
-    p > 0, or a dropout probability > 0 in the model's config (attention dropout is a functional
-    call in most transformers models, not a module)."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
-        return True
-    config = getattr(model, "config", None)
-    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
-    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-               for k, v in items)
 
 
 def ptx_examples_for(cfg, tokenizer, records) -> list | None:
@@ -102,7 +92,7 @@ class PPOLearner:
         if self.needs_ref and not self.lora and dist is None:  # with LoRA: the base with adapters off
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         if dist is not None:  # one full copy on the CPU at a time, then only shards
-            from .distributed import shard
+            from ..common.distributed import shard
             shard(self.policy)
             if self.needs_ref:
                 self.ref = shard(load_causal_lm(cfg.model.path, torch.device("cpu")).eval().requires_grad_(False))
@@ -383,28 +373,24 @@ class PPOLearner:
         """Full policy weights under the plain model's names (LoRA merged in), on the CPU. Sharded:
         gathered on rank 0 (the other ranks get {})."""
         if self.dist is not None:
-            from .distributed import full_state_dict
+            from ..common.distributed import full_state_dict
             return full_state_dict(self.policy)
         if not self.lora:
             return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
-        from peft.tuners.lora import LoraLayer
-        base = self.policy.get_base_model()
-        with torch.no_grad():
-            sd = {k.replace(".base_layer", ""): v.detach().cpu().clone()
-                  for k, v in base.state_dict().items() if "lora_" not in k}
-            for name, module in base.named_modules():
-                if isinstance(module, LoraLayer):
-                    for adapter in module.active_adapters:
-                        key = f"{name}.weight"
-                        sd[key] = sd[key] + module.get_delta_weight(adapter).detach().cpu().to(sd[key].dtype)
-        return sd
+        return merged_state_dict(self.policy)
+
+    def policy_delta_state_dict(self) -> dict[str, torch.Tensor]:
+        """With LoRA, only the tensors training changes: each LoRA-targeted module's weight with the
+        adapters merged in, under the plain model's names, on the CPU (equal to those entries of
+        `policy_state_dict`); every other tensor is the frozen base. Without LoRA, the full state."""
+        return merged_lora_weights(self.policy) if self.lora else self.policy_state_dict()
 
     @collective
     def save_policy(self, path: str | Path, tokenizer=None) -> None:
         path = Path(path)
         model = self.policy
         if self.dist is not None:  # the gathered weights, written by rank 0
-            from .distributed import full_state_dict
+            from ..common.distributed import full_state_dict
             state = full_state_dict(self.policy)
             if self.dist.main:
                 self.policy.save_pretrained(str(path), state_dict=state)
@@ -434,14 +420,14 @@ class PPOLearner:
     def save_actor(self, path: str | Path) -> None:
         """The actor and its optimiser state as a torch.distributed.checkpoint directory (every
         process writes its shards; any number of processes loads it)."""
-        from .distributed import save_sharded
+        from ..common.distributed import save_sharded
         save_sharded(self.policy, self.optimizer, Path(path))
 
     @collective
     def load_state_dict(self, state: dict, actor: str | Path | None = None) -> None:
         """Restore `state_dict()`; the actor from `state` (a one-process checkpoint) or from the
         directory `actor` (`save_actor`'s, written by any number of processes)."""
-        from .distributed import load_full, load_sharded
+        from ..common.distributed import load_full, load_sharded
         if "policy" not in state:
             if actor is None or not Path(actor).is_dir():
                 raise FileNotFoundError(f"the checkpoint has no actor: {actor} is missing")

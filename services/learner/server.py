@@ -8,7 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..common.lifecycle import Service
-from ..common.rpc.codec import weight_chunks
+from ..common.rpc.weights import weight_chunks
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
 from .service import LearnerService

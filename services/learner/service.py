@@ -36,7 +36,7 @@ from ..critic.client import CriticClient, OverlappedCritic
 from ..reward.client import HeldOut, RewardClient
 from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
-from .distributed import follow, from_env, release_followers
+from ..common.distributed import follow, from_env, release_followers
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .metrics import LearnerMetrics, ReplayPoller

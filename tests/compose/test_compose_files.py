@@ -126,10 +126,25 @@ def test_monitoring_is_a_profile_wired_to_deploy(gpu):
 
 
 def test_state_lives_on_named_volumes(gpu):
-    assert set(gpu["volumes"]) == {"runs", "redis", "prometheus"}
+    assert set(gpu["volumes"]) == {"runs", "redis", "prometheus", "weights-shm"}
     for name in ("learner", "critic", "generation", "init"):
         assert "runs:/runs:rw" in gpu["services"][name]["volumes"], name
     assert gpu["services"]["redis"]["volumes"] == ["redis:/data:rw"]
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_learner_and_generation_share_a_tmpfs_for_weights(variant, gpu, cpu):
+    """Both mount the same tmpfs volume at the rpc.shm_dir every service is given, writable by the
+    image's user (uid 10001); nothing else mounts it."""
+    config = {"gpu": gpu, "cpu": cpu}[variant]
+    opts = config["volumes"]["weights-shm"]["driver_opts"]
+    assert opts["type"] == "tmpfs" and opts["device"] == "tmpfs"
+    assert set(opts["o"].split(",")) >= {"uid=10001", "gid=10001", "mode=0700"} and "size=8g" in opts["o"]
+    for name, service in config["services"].items():
+        mounted = [v for v in service.get("volumes", []) if str(v).startswith("weights-shm:")]
+        assert mounted == (["weights-shm:/shm:rw"] if name in ("learner", "generation") else []), name
+        if name in ("learner", "generation"):
+            assert "rpc.shm_dir=/shm" in service["environment"]["RLHF_SET"].split(), name
 
 
 def test_the_image_runs_rlhf_as_a_non_root_user():

@@ -15,7 +15,7 @@ from redis.retry import Retry
 
 from services.common.config import config_from_dict
 from services.common.replay import ReplayStore
-from services.common.rpc.codec import weight_chunks
+from services.common.rpc.weights import weight_chunks
 from services.common.rpc.gen import learner_pb2_grpc
 from services.common.rpc.server import RPCServer
 from services.generation.client import GenerationClient

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import config_from_dict
 from services.common.modeling import build_token_batch, load_causal_lm, response_log_probs
-from services.common.rpc.codec import weight_chunks
+from services.common.rpc.weights import weight_chunks
 from services.common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend

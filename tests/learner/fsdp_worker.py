@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from services.learner.distributed import follow, from_env, release_followers  # noqa: E402
+from services.common.distributed import follow, from_env, release_followers  # noqa: E402
 from services.learner.ppo_step import PPOLearner  # noqa: E402
 from tests.learner.fsdp_cases import batches, learner_config  # noqa: E402
 

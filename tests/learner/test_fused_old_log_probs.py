@@ -7,7 +7,8 @@ import torch
 from services.common.config import config_from_dict
 from services.common.types import Rollout, SamplingParams
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PPOLearner, has_dropout
+from services.common.modeling import has_dropout
+from services.learner.ppo_step import PPOLearner
 
 
 def _rollout(backend):

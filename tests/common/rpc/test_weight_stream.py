@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from services.common.rpc.codec import (Fanout, WeightChunkDecoder, _all_finite, _varint, assemble_weights, encode_weights,
-                                       weight_chunks)
+from services.common.rpc.weights import Fanout, _all_finite, _varint, encode_weights, weight_chunks
+from services.common.rpc.weights_receive import WeightChunkDecoder, assemble_weights
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
 

@@ -120,3 +120,19 @@ class GenerationInfo(_message.Message):
     dtype: str
     device: str
     def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., engine_version: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class SharedWeights(_message.Message):
+    __slots__ = ("file_name", "file_bytes", "header", "piece_bytes", "digest", "piece_digests")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PIECE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    file_bytes: int
+    header: _common_pb2.WeightHeader
+    piece_bytes: int
+    digest: str
+    piece_digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, file_name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., header: _Optional[_Union[_common_pb2.WeightHeader, _Mapping]] = ..., piece_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., piece_digests: _Optional[_Iterable[int]] = ...) -> None: ...

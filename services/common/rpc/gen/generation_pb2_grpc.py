@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=rlhf_dot_v1_dot_common__pb2.WeightChunk.SerializeToString,
                 response_deserializer=rlhf_dot_v1_dot_common__pb2.PushWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadSharedWeights = channel.unary_unary(
+                '/rlhf.v1.Generation/LoadSharedWeights',
+                request_serializer=rlhf_dot_v1_dot_generation__pb2.SharedWeights.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_common__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/rlhf.v1.Generation/GetInfo',
                 request_serializer=rlhf_dot_v1_dot_generation__pb2.InfoRequest.SerializeToString,
@@ -67,6 +72,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadSharedWeights(self, request, context):
+        """The same checks and swap as PushWeights, the bytes read from shared memory instead of the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -84,6 +96,11 @@ def add_GenerationServicer_to_server(servicer, server):
             'PushWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.PushWeights,
                     request_deserializer=rlhf_dot_v1_dot_common__pb2.WeightChunk.FromString,
+                    response_serializer=rlhf_dot_v1_dot_common__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'LoadSharedWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadSharedWeights,
+                    request_deserializer=rlhf_dot_v1_dot_generation__pb2.SharedWeights.FromString,
                     response_serializer=rlhf_dot_v1_dot_common__pb2.PushWeightsResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -145,6 +162,33 @@ class Generation:
             target,
             '/rlhf.v1.Generation/PushWeights',
             rlhf_dot_v1_dot_common__pb2.WeightChunk.SerializeToString,
+            rlhf_dot_v1_dot_common__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadSharedWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.Generation/LoadSharedWeights',
+            rlhf_dot_v1_dot_generation__pb2.SharedWeights.SerializeToString,
             rlhf_dot_v1_dot_common__pb2.PushWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -1,8 +1,10 @@
-"""The learner across N processes (GPUs): the actor and its reference sharded with FSDP2.
+"""A model trained across N processes (GPUs), sharded with FSDP2: the learner's actor and
+reference, and the critic server's value model (services/critic/sharded.py).
 
-    rlhf serve learner -c FILE --nproc 2            (or model.nproc: 2; or torchrun --nproc-per-node 2)
+    rlhf serve learner -c FILE --nproc 2      (or model.nproc: 2; or torchrun --nproc-per-node 2)
+    rlhf serve critic -c FILE --nproc 2       (or critic.nproc: 2)
 
-Rank 0 is the learner service: it reads the replay buffer, owns the ledger, pushes weights,
+For the learner, rank 0 is the learner service: it reads the replay buffer, owns the ledger, pushes weights,
 evaluates and serves gRPC. Ranks 1..N-1 are followers: they hold their shards of the model and
 of the optimiser state, and run the calls rank 0 announces (`collective` methods of
 `PPOLearner`: a step on a batch, a full state dict for a push, a sharded save or load) on a
@@ -17,6 +19,7 @@ the gloo backend, GPU runs NCCL with one GPU per process (LOCAL_RANK).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -202,11 +205,12 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _quiet():
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    return ctx
+@contextlib.contextmanager
+def quiet_single_process():
+    """torch.distributed.checkpoint in one process warns that it assumes one process: it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
 
 
 def save_sharded(model, optimizer, path: Path) -> None:
@@ -215,11 +219,8 @@ def save_sharded(model, optimizer, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, optimizer)
-    ctx = _quiet()
-    try:
+    with quiet_single_process():
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    finally:
-        ctx.__exit__(None, None, None)
 
 
 def load_sharded(model, optimizer, path: Path) -> None:
@@ -227,11 +228,8 @@ def load_sharded(model, optimizer, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
-    ctx = _quiet()
-    try:
+    with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    finally:
-        ctx.__exit__(None, None, None)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

@@ -1,0 +1,236 @@
+"""Weights through shared memory (the format, the learner's writer, the co-location check; the
+server's side is `shm_read.py`): the fast path from the learner to the generation servers on its
+host, beside the gRPC stream (`weights.py`), which stays the path to every other server.
+
+Both sides name a directory on a tmpfs they share (`rpc.shm_dir`: a compose tmpfs volume, a pod's
+emptyDir with medium Memory, a directory in /dev/shm).
+
+Co-location is proven, not assumed: a generation server writes a probe file whose name carries a
+random nonce (`Probe`) and advertises the nonce in its registry entry; the learner counts a server
+as co-located only if that file is in its own directory (`colocated`), i.e. the same volume.
+
+A version is written once for all co-located servers (`SharedWeightsWriter.write`), in the
+safetensors layout (8-byte header length, JSON header, tensors back to back; tensors ordered by
+element size, so every one is aligned for its dtype) with the version, run id, epoch and format in
+its metadata. It is written under a temporary name and renamed into place when complete, so a
+name only ever holds a whole file. The learner then sends each server a `SharedWeights` request
+(authenticated gRPC, like a push) with the file's name and size, the push's header (its fence)
+and a checksum of every piece of the file (xxh3_64, ~30 GB/s; crc32 where xxhash is missing).
+
+A server maps the file (no copy; `open_shared_weights`) and checks the fence, name, size, header
+structure (offsets cover the data exactly once), names/shapes/dtypes against its model and the
+request's header, every piece's checksum, and finiteness, before anything is loaded.
+
+Pages are recycled: writing a new version, the learner renames its previous file (every server has
+loaded that one or given up) to the temporary name and writes over it, since fresh tmpfs pages
+cost more than the copy. Locks keep this safe: the writer holds an exclusive flock while it
+writes; a reader holds a shared one from before its checks to the end of its swap; a file some
+reader still holds is not recycled (it is unlinked, the reader keeps its mapping) and a reader
+that finds a file locked refuses it. At most one file per format ("full", "partial") is kept.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import json
+import math
+import os
+import re
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .errors import BadRequest
+from .gen import common_pb2 as pb, generation_pb2 as gpb
+from .weights import _raw_view
+
+try:
+    import xxhash
+except ImportError:  # crc32 then: slower, same guarantees against torn or mixed files
+    xxhash = None
+
+PROBE_PREFIX, FILE_PREFIX = "rlhf-probe-", "rlhf-weights-"
+PIECE_BYTES = 16 << 20
+STEP = 2 << 20  # a piece is checked in steps this size: its checksum and finiteness read it from cache
+MIN_PIECE, MAX_PIECE = 1 << 16, 1 << 30
+MAX_HEADER = 100 << 20  # safetensors' own limit
+MADV_POPULATE_READ = 22  # Linux 5.14+: map the file's pages up front, read-only (copy on write)
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+def default_digest() -> str:
+    return "xxh3_64" if xxhash is not None else "crc32"
+
+
+class _Crc32:
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def _hasher(kind: str):
+    if kind == "xxh3_64" and xxhash is not None:
+        return xxhash.xxh3_64()
+    if kind == "crc32":
+        return _Crc32()
+    raise BadRequest(f"shm.digest: {kind!r} is not available here (xxh3_64 needs the xxhash package; crc32 always "
+                     f"works)")
+
+
+def _threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _safe(run_id: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_.]", "_", run_id)[:64] or "_"
+
+
+def weights_file_name(run_id: str, epoch: int, version: int, fmt: str) -> str:
+    return f"{FILE_PREFIX}{_safe(run_id)}-e{int(epoch)}-v{int(version)}-{fmt}.safetensors"
+
+
+# ------------------------------------------------------------------ co-location
+def colocated(shm_dir: str | None, nonce) -> bool:
+    """Does `shm_dir` hold the probe of the server that advertised `nonce` (the same volume)?"""
+    if not shm_dir or not isinstance(nonce, str) or not re.fullmatch(r"[0-9a-f]{32}", nonce):
+        return False
+    try:
+        return (Path(shm_dir) / f"{PROBE_PREFIX}{nonce}").read_text() == nonce
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ writing (the learner)
+def _layout(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -> tuple[bytes, list, int]:
+    """The header bytes (length prefix included), [(file offset, tensor)] and the file's size."""
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # stable: dtype alignment
+    entries, off, placed = {}, 0, []
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        placed.append((off, t))
+        off += n
+    body = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 64)  # the data starts 64-byte aligned
+    start = 8 + len(body)
+    return len(body).to_bytes(8, "little") + body, [(start + o, t) for o, t in placed], start + off
+
+
+def _pwrite_all(fd: int, data, offset: int, step: int = 64 << 20) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:done + step], offset + done)
+        if n <= 0:
+            raise OSError(f"short write at offset {offset + done}")
+        done += n
+
+
+def _piece_digests(segments: list, size: int, piece: int, kind: str, pool) -> list[int]:
+    """The checksum of every piece [i*piece, (i+1)*piece) of a file made of `segments`
+    ([(offset, bytes-like)], contiguous, sorted), computed from the segments' own memory."""
+    starts = [o for o, _ in segments]
+
+    def one(i: int) -> int:
+        lo, hi = i * piece, min(size, (i + 1) * piece)
+        h = _hasher(kind)
+        k = max(0, bisect.bisect_right(starts, lo) - 1)
+        while k < len(segments) and segments[k][0] < hi:
+            off, data = segments[k]
+            a, b = max(lo, off) - off, min(hi, off + len(data)) - off
+            if b > a:
+                h.update(data[a:b])
+            k += 1
+        return h.intdigest()
+    return list(pool.map(one, range(math.ceil(size / piece))))
+
+
+class SharedWeightsWriter:
+    """The learner's side: writes each version once into `shm_dir` and says where (`write`)."""
+
+    def __init__(self, shm_dir: str | os.PathLike, run_id: str, digest: str | None = None):
+        self.dir, self.run_id = Path(shm_dir), run_id
+        self.digest = digest or default_digest()
+        self._current: dict[str, str] = {}  # format -> our newest file's name (recycled next time)
+        self.recycled = 0
+
+    def cleanup(self) -> int:
+        """Remove every file of this run (any epoch, finished or not); how many."""
+        prefix, n = f"{FILE_PREFIX}{_safe(self.run_id)}-", 0
+        self._current.clear()
+        for p in self.dir.glob(f"{prefix}*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+        return n
+
+    def _claim(self, fmt: str, tmp: Path) -> int:
+        """An open, exclusively locked file at `tmp`: our previous file of this format when no
+        reader holds it (its pages are reused), else a new one."""
+        prev = self._current.pop(fmt, None)
+        if prev is not None:
+            try:
+                os.rename(self.dir / prev, tmp)
+            except FileNotFoundError:
+                pass
+            else:
+                fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self.recycled += 1
+                    return fd
+                except BlockingIOError:  # a server still reads it: it keeps its mapping, we take new pages
+                    os.close(fd)
+                    tmp.unlink()
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    def write(self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0,
+              fmt: str = "full") -> gpb.SharedWeights:
+        """Write `state` as policy `version` and return the request that tells a server to load it.
+        The checksums are computed from the tensors' memory while the file is written."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        bad = [k for k, t in tensors.items() if t.dtype not in ST_DTYPES]
+        if bad:
+            raise TypeError(f"dtype {tensors[bad[0]].dtype} of {bad[0]!r} cannot be shared")
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        meta = {"format": "pt", "rlhf.version": str(int(version)), "rlhf.run_id": self.run_id,
+                "rlhf.epoch": str(int(epoch)), "rlhf.format": fmt}
+        head, placed, size = _layout(tensors, meta)
+        segments = [(0, head)] + [(off, _raw_view(t)) for off, t in placed if t.numel()]
+        name = weights_file_name(self.run_id, epoch, version, fmt)
+        tmp = self.dir / f"{FILE_PREFIX}{_safe(self.run_id)}-e{int(epoch)}-{fmt}.writing"
+        fd = self._claim(fmt, tmp)
+        try:
+            os.ftruncate(fd, size)
+            with ThreadPoolExecutor(_threads()) as pool:
+                wrote = pool.submit(lambda: [_pwrite_all(fd, data, off) for off, data in segments])
+                digests = _piece_digests(segments, size, PIECE_BYTES, self.digest, pool)
+                wrote.result()
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # releases the lock; nobody opens a temporary name
+        os.rename(tmp, self.dir / name)
+        self._current[fmt] = name
+        header = pb.WeightHeader(version=int(version), format=fmt, num_tensors=len(tensors), total_bytes=total,
+                                 run_id=self.run_id, epoch=int(epoch))
+        return gpb.SharedWeights(file_name=name, file_bytes=size, header=header, piece_bytes=PIECE_BYTES,
+                                 digest=self.digest, piece_digests=digests)
+
+    def files(self) -> list[str]:
+        return sorted(self._current.values())

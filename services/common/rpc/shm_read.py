@@ -1,0 +1,269 @@
+"""Weights through shared memory, the generation server's side (`shm.py` has the format, the
+learner's writer and the co-location check): `Probe` proves the server's directory, `Mappings`
+keeps its mappings of the learner's file from version to version, `open_shared_weights` checks a
+version and hands its tensors to the swap."""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import json
+import math
+import mmap
+import os
+import secrets
+import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import BadRequest
+from .gen import common_pb2 as pb, generation_pb2 as gpb
+from .shm import (MADV_POPULATE_READ, MAX_HEADER, MAX_PIECE, MIN_PIECE, PROBE_PREFIX, ST_NAMES, STEP, _hasher,
+                  _threads, weights_file_name)
+from .weights import _all_finite, _check_header
+
+
+class Mappings:
+    """A server's mappings of the learner's files, kept from version to version: the learner
+    writes each version over its previous file (same inode, same size), so the pages stay mapped
+    and the next load neither maps nor unmaps them (both cost about as much as reading them). One
+    per format; a different file replaces it; `close` releases all."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple[tuple, mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, fmt: str, path: str, st: os.stat_result) -> mmap.mmap:
+        key = (st.st_dev, st.st_ino, st.st_size)
+        with self._lock:
+            old = self._maps.pop(fmt, None)
+            if old is not None and old[0] == key:
+                self._maps[fmt] = old
+                return old[1]
+            if old is not None:
+                _release([old[1]])
+                old = None
+            mm = _map(path, st)
+            self._maps[fmt] = (key, mm)
+            return mm
+
+    def drop(self, fmt: str) -> None:
+        with self._lock:
+            old = self._maps.pop(fmt, None)
+        if old is not None:
+            _release([old[1]])
+
+    def close(self) -> None:
+        for fmt in list(self._maps):
+            self.drop(fmt)
+
+
+class Probe:
+    """A generation server's proof of its shared-memory directory: a file named by a random nonce
+    (advertised in its registry entry), removed when the server stops; and its `Mappings`."""
+
+    def __init__(self, shm_dir: str | os.PathLike):
+        self.mappings = Mappings()
+        self.dir = Path(shm_dir)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.nonce = secrets.token_hex(16)
+        self.path = self.dir / f"{PROBE_PREFIX}{self.nonce}"
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.nonce)
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.mappings.close()
+
+
+def _parse(mm, size: int, where: str) -> tuple[list, dict, int]:
+    """[(begin, end, name, dtype, shape)] sorted by offset, the metadata and the data's start."""
+    n = int.from_bytes(mm[:8], "little") if size >= 8 else -1
+    if not 0 < n <= min(size - 8, MAX_HEADER):
+        raise BadRequest(f"{where}: header length {n} does not fit the file's {size} bytes")
+    try:
+        header = json.loads(bytes(mm[8:8 + n]))
+    except ValueError:
+        raise BadRequest(f"{where}: the header is not JSON (not a safetensors file, or corrupt)") from None
+    if not isinstance(header, dict):
+        raise BadRequest(f"{where}: the header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadRequest(f"{where}: __metadata__ must map names to strings")
+    entries = []
+    for name, e in header.items():
+        ok = isinstance(e, dict) and e.get("dtype") in ST_NAMES and isinstance(e.get("shape"), list) and \
+            isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 and \
+            all(isinstance(x, int) and x >= 0 for x in e["shape"] + e["data_offsets"])
+        if not ok:
+            raise BadRequest(f"{where}: tensor {name!r}: bad entry {str(e)[:200]}")
+        dtype, (b, end) = ST_NAMES[e["dtype"]], e["data_offsets"]
+        if end - b != math.prod(e["shape"]) * dtype.itemsize:
+            raise BadRequest(f"{where}: tensor {name!r}: offsets [{b}, {end}) do not fit shape {e['shape']} of "
+                             f"{e['dtype']}")
+        entries.append((b, end, name, dtype, tuple(e["shape"])))
+    entries.sort(key=lambda x: (x[0], x[1]))
+    pos, start = 0, 8 + n
+    for b, end, name, _, _ in entries:
+        if b != pos:
+            raise BadRequest(f"{where}: tensor {name!r} starts at {b}, expected {pos} (a hole or an overlap)")
+        pos = end
+    if start + pos != size:
+        raise BadRequest(f"{where}: the tensors end at byte {start + pos} of a {size}-byte file")
+    return entries, meta, start
+
+
+def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -> None:
+    want = {"rlhf.version": str(h.version), "rlhf.run_id": h.run_id, "rlhf.epoch": str(h.epoch),
+            "rlhf.format": h.format}
+    wrong = {k: meta.get(k) for k, v in want.items() if meta.get(k) != v}
+    if wrong:
+        raise BadRequest(f"{where}: metadata {wrong} disagree with the request ({want}): another version's file")
+    if len(entries) != h.num_tensors:
+        raise BadRequest(f"{where}: {len(entries)} tensors, the request announced {h.num_tensors}")
+    total = sum(end - b for b, end, *_ in entries)
+    if total != h.total_bytes:
+        raise BadRequest(f"{where}: {total} bytes of tensors, the request announced total_bytes={h.total_bytes}")
+    if specs is None:
+        return
+    for _, _, name, dtype, shape in entries:
+        if name not in specs:
+            raise BadRequest(f"{where}: unknown tensor {name!r}")
+        if shape != tuple(specs[name][0]):
+            raise BadRequest(f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(specs[name][0])}")
+        if dtype != specs[name][1]:
+            raise BadRequest(f"{where}: tensor {name!r} has dtype {dtype}, expected {specs[name][1]}")
+    if h.format == "full":
+        names = {e[2] for e in entries}
+        missing = [k for k in specs if k not in names]
+        if missing:
+            raise BadRequest(f"{where}: a full version without {len(missing)} of the model's tensors: "
+                             f"{', '.join(missing[:5])}")
+
+
+@contextlib.contextmanager
+def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_bytes: int | None = None,
+                        on_header: Callable[[pb.WeightHeader], None] | None = None, mappings: Mappings | None = None,
+                        ) -> Iterator[tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]]:
+    """Check a version the learner wrote into `shm_dir` and yield (version, format, state dict,
+    bytes, header), as `assemble_weights` returns them. The tensors view the file's mapping: use
+    them (load them) inside the `with` block only, and drop them there; the file stays locked
+    against rewriting until it ends. Anything wrong raises `BadRequest` before a tensor is
+    yielded. With `mappings`, the mapping is kept for the next version (see `Mappings`)."""
+    h = req.header
+    _check_header(h, specs, max_bytes)
+    if on_header is not None:
+        on_header(h)  # the fence: the run's learner, before the file is even opened
+    expected = weights_file_name(h.run_id, h.epoch, h.version, h.format)
+    where = f"shm[{expected}]"
+    if req.file_name != expected:
+        raise BadRequest(f"shm.file_name: {req.file_name!r}, expected {expected!r} for this header")
+    size, piece = int(req.file_bytes), int(req.piece_bytes)
+    if not MIN_PIECE <= piece <= MAX_PIECE:
+        raise BadRequest(f"shm.piece_bytes: {piece} outside [{MIN_PIECE}, {MAX_PIECE}]")
+    if size < 8 or len(req.piece_digests) != math.ceil(size / piece):
+        raise BadRequest(f"shm: {len(req.piece_digests)} piece checksums for {size} bytes in pieces of {piece}")
+    _hasher(req.digest)
+    path = os.path.join(shm_dir, expected)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the lock's: closed at the end, unlocking
+    except OSError as e:
+        raise BadRequest(f"{where}: cannot open it in {shm_dir}: {e.strerror}") from None
+    mm = None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadRequest(f"{where}: not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadRequest(f"{where}: being rewritten by the learner (a newer version)") from None
+        st = os.fstat(fd)  # locked: its size cannot change under the mapping from here on
+        if st.st_size != size:
+            raise BadRequest(f"{where}: {st.st_size} bytes, the learner wrote {size} (truncated or replaced)")
+        mm = mappings.get(h.format, path, st) if mappings is not None else _map(path, st)
+        entries, meta, start = _parse(mm, size, where)
+        _check_entries(entries, meta, h, specs, where)
+        state = {name: (torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=start + b).reshape(shape)
+                        if end > b else torch.empty(shape, dtype=dtype)) for b, end, name, dtype, shape in entries}
+        view = memoryview(mm)
+        try:
+            checked = _check_pieces(view, req, entries, start, state)
+        finally:
+            view.release()
+        bad = [i for i, (ok, _) in enumerate(checked) if not ok]
+        if bad:
+            raise BadRequest(f"{where}: {req.digest} mismatch in {len(bad)} piece(s), first bytes "
+                             f"[{bad[0] * piece}, {min(size, (bad[0] + 1) * piece)}): not the file the learner wrote")
+        nonfinite = [name for _, names in checked for name in names]
+        if nonfinite:
+            raise BadRequest(f"{where}: tensor {nonfinite[0]!r} contains NaN or infinity")
+        yield int(h.version), h.format, state, int(h.total_bytes), h
+    except BaseException:
+        if mappings is not None:  # whatever went wrong, the next version maps afresh
+            mappings.drop(h.format)
+            mm = None
+        raise
+    finally:
+        state = None
+        os.close(fd)  # releases the shared lock
+        if mm is not None and mappings is None:
+            holder, mm = [mm], None
+            _release(holder)
+
+
+def _map(path: str, st: os.stat_result) -> mmap.mmap:
+    """The file at `path` (the one `st` describes) mapped copy-on-write, its pages mapped up front.
+    Through an open file of its own: the mapping keeps that open, and with it any lock taken
+    through it, so the reader's lock is taken through another (closed when the load ends)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        again = os.fstat(fd)
+        if (again.st_dev, again.st_ino, again.st_size) != (st.st_dev, st.st_ino, st.st_size):
+            raise BadRequest(f"shm[{os.path.basename(path)}]: replaced while it was opened")
+        mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        mm.madvise(MADV_POPULATE_READ)
+    return mm
+
+
+def _release(holder: list) -> None:
+    """Let go of a mapping (`holder` holds the caller's last reference) on a background thread:
+    unmapping takes a while, and not on the caller's time. It is never closed explicitly: tensors
+    made from it (`torch.frombuffer` keeps the object, not a buffer export) keep it mapped until
+    the last of them goes."""
+    threading.Thread(target=holder.clear, name="shm-unmap", daemon=True).start()
+
+
+def _check_pieces(view, req: gpb.SharedWeights, entries, start: int, state) -> list[tuple[bool, list[str]]]:
+    """For every piece of the file, in parallel: (its checksum matches, the floating tensors with a
+    NaN or infinity in it). Each piece is read once, in steps that stay in cache for both checks."""
+    size, piece = len(view), int(req.piece_bytes)
+    flat = {name: state[name].reshape(-1) for _, _, name, dtype, _ in entries if dtype.is_floating_point}
+    spans = [(start + b, start + end, name, dtype.itemsize) for b, end, name, dtype, _ in entries if name in flat]
+    begins = [s[0] for s in spans]
+
+    def one(i: int) -> tuple[bool, list[str]]:
+        lo, hi = i * piece, min(size, (i + 1) * piece)
+        h, bad = _hasher(req.digest), []
+        k = max(0, bisect.bisect_right(begins, lo) - 1)
+        for a in range(lo, hi, STEP):
+            z = min(hi, a + STEP)
+            h.update(view[a:z])
+            while k < len(spans) and spans[k][0] < z:
+                b, e, name, item = spans[k]
+                x, y = max(a, b), min(z, e)
+                if y > x and name not in bad and not _all_finite(flat[name][(x - b) // item:(y - b) // item]):
+                    bad.append(name)
+                if e > z:
+                    break
+                k += 1
+        return h.intdigest() == req.piece_digests[i], bad
+    with ThreadPoolExecutor(_threads()) as pool:
+        return list(pool.map(one, range(len(req.piece_digests))))
