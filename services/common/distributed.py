@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +41,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=30)  # followers wait on the control channel as long as rank 0 waits for data
+# the collectives of a step, a push or a checkpoint: followers may wait in one while rank 0 waits
+# for its critic server (rpc.dependency_wait_s); a dead process is noticed by the watchdog
+# (`start_followers`) or by the backend, not by this timeout
+DATA_TIMEOUT = timedelta(hours=2)
 
 
 @dataclass
@@ -48,7 +53,16 @@ class Dist:
     world: int
     local_rank: int
     control: object  # the gloo process group of the control channel and the metric reductions
-    following: bool = False  # a follower running an announced call: announce nothing
+    device_type: str = "cpu"
+    _mesh: object = None
+
+    def mesh(self):
+        """The 1-D device mesh FSDP shards over: this group on `device_type` (FSDP's default
+        would take any accelerator present, even for a CPU run)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            self._mesh = init_device_mesh(self.device_type, (self.world,))
+        return self._mesh
 
     @property
     def main(self) -> bool:
@@ -97,21 +111,25 @@ class Dist:
         return torch.cat(out)
 
 
-def from_env(device: str) -> Dist | None:
+def from_env(device: str, nproc: int | None = None) -> Dist | None:
     """The process group this process belongs to, from torchrun's environment (WORLD_SIZE > 1);
-    None for a single process."""
+    None for a single process. `nproc` > 1 without that environment is an error that says how to
+    start the ranks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
+        if nproc is not None and nproc > 1:
+            raise ValueError(f"nproc {nproc} needs {nproc} processes: start the service with `rlhf serve` (it "
+                             f"starts them) or under torchrun --nproc-per-node {nproc}")
         return None
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = device == "cuda" or device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=DATA_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     log.info("rank %d of %d (%s)", rank, world, "nccl" if cuda else "gloo")
-    return Dist(rank, world, local_rank, control)
+    return Dist(rank, world, local_rank, control, device_type="cuda" if cuda else "cpu")
 
 
 def collective(method):
@@ -165,10 +183,11 @@ def follow(owner) -> int:
         name, args, kwargs = d.receive()
         if name == STOP:
             log.info("rank %d: rank 0 is done", d.rank)
+            _leave(d)
             return 0
         try:
             getattr(owner, name)(*args, **kwargs)
-        except (ValueError, KeyError, OSError) as e:
+        except (ValueError, KeyError, OSError, ArithmeticError) as e:  # checks every rank makes alike
             log.info("rank %d: %s failed as on rank 0: %s", d.rank, name, e)
 
 
@@ -179,20 +198,33 @@ def release_followers(owner, timeout_s: float = 10.0) -> None:
     if d is None or not d.main:
         return
     owner.dist = None  # once
-    import threading
-    t = threading.Thread(target=d.announce, args=(STOP,), daemon=True, name="release-followers")
+    _released.set()  # the followers' exits that follow are expected
+    def release():
+        d.announce(STOP)
+        _leave(d)
+    t = threading.Thread(target=release, daemon=True, name="release-followers")
     t.start()
     t.join(timeout_s)
+
+
+def _leave(d: Dist) -> None:
+    """Every rank leaves the group together (a barrier, then the process groups are destroyed), so
+    no rank tears its connections down while another still uses them."""
+    dist.barrier(group=d.control)
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- sharding and state
 def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     """FSDP2: every block transformers says not to split (`_no_split_modules` of the model or of a
     backbone inside it: the decoder layers) is a unit of its own, then the root (embeddings, final
-    norm, heads)."""
+    norm, heads). Parameters on the CPU move to the mesh's device shard by shard."""
     from torch.distributed.fsdp import fully_shard
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        log.warning("%s names no blocks to shard (_no_split_modules): the whole model is one FSDP unit, "
+                    "gathered whole in every forward", type(model).__name__)
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -281,8 +313,25 @@ def start_followers(nproc: int, argv: list[str]) -> list[subprocess.Popen]:
         env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), "RLHF_FOLLOWER": "1"}
         procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env,
                                       preexec_fn=_die_with_parent))
-    log.info("started %d follower rank(s) of the learner (pids %s)", len(procs), [p.pid for p in procs])
+    log.info("started %d follower rank(s) (pids %s)", len(procs), [p.pid for p in procs])
+    threading.Thread(target=_watch_followers, args=(procs,), daemon=True, name="followers-watchdog").start()
     return procs
+
+
+_released = threading.Event()
+
+
+def _watch_followers(procs: list[subprocess.Popen]) -> None:
+    """Rank 0: a follower that exits before rank 0 releases it leaves the group broken (rank 0
+    would wait in its next collective): exit 75 at once, so the supervisor restarts the group."""
+    while not _released.is_set():
+        for p in procs:
+            if p.poll() is not None and not _released.is_set():
+                log.critical("follower rank (pid %d) exited with code %s; exiting so that the whole group is "
+                             "restarted (it resumes from the newest checkpoint)", p.pid, p.returncode)
+                logging.shutdown()
+                os._exit(EXIT_GROUP_BROKEN)
+        _released.wait(0.5)
 
 
 def ignore_stop_signals() -> None:

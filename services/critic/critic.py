@@ -25,8 +25,13 @@ def load_sharded_optimizer(model, optimizer, path: Path) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"{path.name}/ missing")
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
-    with quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
+    try:
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path))
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is not an Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ValueError(f"{path.name}/: cannot be read ({type(e).__name__})") from None
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
@@ -44,11 +49,16 @@ class Critic:
                  value_loss_coef: float = 1.0, device: str = "auto", weight_decay: float = 0.0):
         self.device = resolve_device(device)
         self.lr, self.weight_decay = lr, weight_decay
-        self.model = ValueModel.from_pretrained(model_path).to(self.device)
+        self.model = ValueModel.from_pretrained(model_path).to(self.load_device)
         self.optimizer = self._optimizer(self.model)
         self.value_clip, self.loss_agg_mode = value_clip, loss_agg_mode
         self.max_grad_norm, self.value_loss_coef = max_grad_norm, value_loss_coef
         self.steps = 0
+
+    @property
+    def load_device(self) -> torch.device:
+        """Where the model is loaded (a sharded critic loads on the CPU and moves only its shards)."""
+        return self.device
 
     @classmethod
     def from_config(cls, cfg) -> "Critic":

@@ -123,7 +123,7 @@ def follower_main(cfg) -> int:
     """Ranks 1..N-1 of a sharded critic (critic.nproc > 1): their shards, running what rank 0 announces."""
     from ..common.distributed import follow, from_env
     from .sharded import ShardedCritic
-    return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device)))
+    return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc)))
 
 
 def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1,
@@ -136,7 +136,7 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
         if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
             from ..common.distributed import from_env
             from .sharded import ShardedCritic
-            c = ShardedCritic.from_config(cfg, from_env(cfg.model.device))
+            c = ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc))
         elif c is None:
             from .critic import Critic
             c = Critic.from_config(cfg)

@@ -25,6 +25,9 @@ OPTIM_DIR = "optim"
 
 class ShardedCritic(Critic):
     def __init__(self, *args, dist, **kwargs):
+        import warnings
+        # the value model returns a slice of its head's output; nothing writes into it in place
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         self.dist = dist
         super().__init__(*args, **kwargs)
 
@@ -36,10 +39,13 @@ class ShardedCritic(Critic):
                    value_loss_coef=c.value_loss_coef, device=cfg.model.device, weight_decay=cfg.weight_decay,
                    dist=dist)
 
+    @property
+    def load_device(self) -> torch.device:
+        return torch.device("cpu")  # sharding moves each process's shards to its device
+
     def _optimizer(self, model: ValueModel) -> torch.optim.Optimizer:
         if not getattr(model, "_sharded", False):
-            model.to(self.dist.device(self.device.type))
-            shard(model)
+            shard(model, self.dist.mesh())
             model._sharded = True
         return super()._optimizer(model)
 
@@ -80,23 +86,37 @@ class ShardedCritic(Critic):
 
     @collective
     def save(self, path: str | Path) -> None:
+        """Rank 0 writes the gathered model; every rank its optimiser shards. A failure on any
+        rank (a path that cannot be a directory, a full disk) is raised on every rank before the
+        next collective, so the group stays in step."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         path = Path(path)
-        state = full_state_dict(self.model)
-        if self.dist.main:
+        failed: OSError | None = None
+        try:
             path.mkdir(parents=True, exist_ok=True)
-            from safetensors.torch import save_file
-            backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-            self.model.backbone.save_pretrained(str(path), state_dict=backbone)
-            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items()
-                    if k.startswith("value_head.")}
-            save_file(head, str(path / "value_head.safetensors"))
+        except OSError as e:
+            failed = e
+        state = full_state_dict(self.model)
+        if self.dist.main and failed is None:
+            try:
+                self._write_model(path, state)
+            except OSError as e:
+                failed = e
+        if self.dist.all_sum([failed is not None])[0]:
+            raise failed or OSError(f"another process could not write {path}")
         with quiet_single_process():
             dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)},
                      checkpoint_id=str(path / OPTIM_DIR))
         if self.dist.main:
             torch.save({"sharded_optimizer": OPTIM_DIR, "steps": self.steps}, path / "critic_optim.pt")
+
+    def _write_model(self, path: Path, state: dict) -> None:
+        from safetensors.torch import save_file
+        backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        self.model.backbone.save_pretrained(str(path), state_dict=backbone)
+        head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+        save_file(head, str(path / "value_head.safetensors"))
 
     @collective
     def load(self, path: str | Path) -> None:
@@ -121,14 +141,24 @@ class ShardedCritic(Critic):
             steps = int(meta["steps"])
         except Exception as e:
             raise CheckpointError(f"critic_optim.pt: cannot be read ({type(e).__name__}: {e})") from None
-        if "sharded_optimizer" in meta and not (path / meta["sharded_optimizer"]).is_dir():
-            raise CheckpointError(f"{meta['sharded_optimizer']}/: missing")
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
-        if "sharded_optimizer" in meta:
+        if "sharded_optimizer" not in meta and "optimizer" not in meta:
+            raise CheckpointError("critic_optim.pt: holds no optimiser state")
+        optim = None
+        if "sharded_optimizer" in meta:  # read before anything changes
             import torch.distributed.checkpoint as dcp
-            state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.load(state, checkpoint_id=str(path / meta["sharded_optimizer"]))
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+            if not (path / meta["sharded_optimizer"]).is_dir():
+                raise CheckpointError(f"{meta['sharded_optimizer']}/: missing")
+            optim = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            try:
+                with quiet_single_process():
+                    dcp.load(optim, checkpoint_id=str(path / meta["sharded_optimizer"]))
+            except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(f"{meta['sharded_optimizer']}/: cannot be read ({type(e).__name__})") from None
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        if optim is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, optim["optim"])
         else:
             load_full_optimizer(self.model, self.optimizer, meta["optimizer"])
         self.steps = steps

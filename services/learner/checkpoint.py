@@ -69,7 +69,7 @@ class Checkpointer:
     def load(self, path: Path) -> dict:
         """The learner state saved in `path`; loads the critic's too, and acknowledges the
         checkpoint's trajectories in case the crash came between writing it and committing."""
-        state = torch.load(path / "learner.pt", weights_only=True)
+        state = torch.load(path / "learner.pt", map_location="cpu", weights_only=True)  # never N copies on one GPU
         self.store.commit([(e, u) for e, u in state["commit"]])
         if self.critic is not None and (path / "critic").exists():
             self.critic.load(self.critic_path(path))

@@ -93,9 +93,10 @@ class PPOLearner:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
         if dist is not None:  # one full copy on the CPU at a time, then only shards
             from ..common.distributed import shard
-            shard(self.policy)
+            shard(self.policy, dist.mesh())
             if self.needs_ref:
-                self.ref = shard(load_causal_lm(cfg.model.path, torch.device("cpu")).eval().requires_grad_(False))
+                self.ref = shard(load_causal_lm(cfg.model.path, torch.device("cpu")).eval().requires_grad_(False),
+                                 dist.mesh())
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
                                            weight_decay=cfg.weight_decay)
@@ -273,6 +274,7 @@ class PPOLearner:
                 picks = [self.rng.choice(self.ptx_examples) for _ in range(len(idx))] \
                     if cfg.ptx_coef and self.ptx_examples else []
                 self.optimizer.zero_grad(set_to_none=True)
+                bad_loss = None  # a non-finite loss on any process's rows stops every process alike
                 for m, pos, real in self._micro_batches(idx, micro):
                     w = len(m) if real else 0
                     sub = exp.batch.select(m)
@@ -306,8 +308,8 @@ class PPOLearner:
                     if ptx is not None:
                         loss = loss + cfg.ptx_coef * ptx
                         add("ppo/ptx_loss", ptx.item(), w)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite policy loss {loss.item()} at version {self.version}")
+                    if real and not torch.isfinite(loss):
+                        bad_loss = loss.item()
                     # FSDP averages the processes' gradients: each weighs its rows' share x N
                     (loss * (w * world / len(idx))).backward()
                     add("ppo/pg_loss", pg_loss.item(), w)
@@ -316,6 +318,11 @@ class PPOLearner:
                     add("ppo/approx_kl", ppo_kl.item(), w)
                     add("ppo/entropy_loss", entropy.item(), w)  # as the loss aggregates it
                     add("ppo/entropy", masked_mean(out["entropy"].detach(), mask).item(), w)  # per token
+                if self.dist is not None:
+                    bad_loss = float("nan") if self.dist.all_sum([bad_loss is not None])[0] else None
+                if bad_loss is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {self.version}")
                 params = [p for p in self.policy.parameters() if p.requires_grad]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
                 if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard

@@ -67,7 +67,7 @@ def follower_main(cfg) -> int:
     tokenizer = load_tokenizer(cfg.model.path)
     learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                          ptx_examples=ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer)),
-                         dist=from_env(cfg.model.device))
+                         dist=from_env(cfg.model.device, cfg.model.nproc))
     return follow(learner)
 
 
@@ -89,7 +89,7 @@ class LearnerService:
                                       self.tokenizer, cfg.prompt_length, d.overlong, what="held-out")
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),
-                                  dist=from_env(cfg.model.device) if cfg.model.nproc > 1 else None)
+                                  dist=from_env(cfg.model.device, cfg.model.nproc) if cfg.model.nproc > 1 else None)
         self.critic = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
             self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")

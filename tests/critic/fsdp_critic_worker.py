@@ -30,6 +30,12 @@ def main(model_dir: str, out: str, one_process_ckpt: str = "") -> None:
         critic.load(one_process_ckpt)
         results["loaded_step"] = critic.steps
     (b1, r1, v1), (b2, r2, v2), (b3, r3, v3) = steps()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "a-file").write_text("")
+    try:  # a save rank 0 cannot write: refused on every rank, the group stays in step
+        critic.save(out / "a-file" / "ckpt")
+    except OSError as e:
+        results["bad_save"] = type(e).__name__
     results["values"] = critic.values(b1)
     results["values_one_row"] = critic.values(b1.select([2]))  # fewer rows than processes
     results["train"] = [critic.train_step(b1, r1, v1), critic.train_step(b2, r2, v2)]

@@ -26,7 +26,10 @@ def _two_processes(model_dir: str, out: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "tests" / "learner" / "fsdp_worker.py"), model_dir, str(out), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if proc.returncode != 0:  # the lines that say why, wherever they are in the ranks' output
+        why = [x for x in proc.stderr.splitlines() if any(w in x for w in ("Error", "error", "terminate", "abort",
+                                                                          "exitcode", "Traceback"))]
+        raise AssertionError("\n".join(why[-60:]) + "\n" + proc.stderr[-2000:])
     return torch.load(out / "results.pt", weights_only=False)
 
 
