@@ -17,11 +17,17 @@ def expect_code(fn, code, fragment=""):
 
 
 def restream(chunks):
-    """Weight-push `chunks` (a list) with the footer's sha256 recomputed, so that only the tampering
-    under test is wrong; returns the list."""
+    """Weight-push `chunks` (a list) with its checks recomputed (each piece's xxh3 when the pieces
+    carry it, else the footer's sha256), so that only the tampering under test is wrong; returns
+    the list."""
+    import xxhash
+    pieces = [c.piece for c in chunks if c.WhichOneof("payload") == "piece"]
+    if pieces and pieces[0].HasField("xxh3"):
+        for p in pieces:
+            p.xxh3 = xxhash.xxh3_64_intdigest(p.data)
+        return chunks
     digest = hashlib.sha256()
-    for c in chunks:
-        if c.WhichOneof("payload") == "piece":
-            digest.update(c.piece.data)
+    for p in pieces:
+        digest.update(p.data)
     chunks[-1].footer.sha256 = digest.hexdigest()
     return chunks

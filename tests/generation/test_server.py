@@ -169,11 +169,11 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
 
     def corrupt(chunks):
         chunks[2].piece.data = bytes(len(chunks[2].piece.data))
-    expect_code(lambda: push(_chunks_of(noisy, v + 1, corrupt)), grpc.StatusCode.INVALID_ARGUMENT, "crc32")
+    expect_code(lambda: push(_chunks_of(noisy, v + 1, corrupt)), grpc.StatusCode.INVALID_ARGUMENT, "xxh3 mismatch")
 
     def truncate(chunks):
         del chunks[3]
-    expect_code(lambda: push(_chunks_of(noisy, v + 1, truncate)), grpc.StatusCode.INVALID_ARGUMENT, "checksum")
+    expect_code(lambda: push(_chunks_of(noisy, v + 1, truncate)), grpc.StatusCode.INVALID_ARGUMENT, "missing")
     expect_code(lambda: push(_chunks_of({"lm_head.bias": torch.zeros(3)}, v + 1)), grpc.StatusCode.INVALID_ARGUMENT,
                 "unknown tensor 'lm_head.bias'")
     name = "model.norm.weight"

@@ -14,6 +14,11 @@ import numpy as np
 import torch
 
 from .codec import DTYPE_NAMES
+
+try:
+    import xxhash
+except ImportError:  # crc32 per piece and sha256 of the stream then (slower, as safe against corruption)
+    xxhash = None
 from .errors import BadRequest
 from .gen import common_pb2 as pb
 
@@ -77,8 +82,10 @@ class _InOrder:
 def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 16 << 20,
                    fmt: str = "full", run_id: str = "", epoch: int = 0) -> Iterator[bytes]:
     """A state dict as a push stream of serialised `WeightChunk` messages: header (with the
-    writer's run id and epoch, the fencing token), pieces of at most `chunk_bytes` (each with the
-    crc32 of its data), footer (sha256 of every piece's data in stream order).
+    writer's run id and epoch, the fencing token), pieces of at most `chunk_bytes`, each with the
+    xxh3_64 of its data (~30 GB/s; with the receiver's exact coverage of every tensor, the whole
+    stream is checked), then the footer. Without the xxhash package: crc32 per piece and the
+    footer's sha256 of every piece's data in stream order.
 
     Serialised once, the stream can go to any number of servers unchanged (`Fanout`). Each piece
     is the protobuf encoding of its metadata followed by the data field, written straight from the
@@ -100,9 +107,13 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_b
             size = len(raw)
             for off in range(0, max(size, 1), chunk_bytes):
                 data = memoryview(raw[off:off + chunk_bytes])
-                hasher.submit(lambda d=data: digest.update(d))
+                if xxhash is not None:
+                    check = {"xxh3": xxhash.xxh3_64_intdigest(data)}
+                else:
+                    hasher.submit(lambda d=data: digest.update(d))
+                    check = {"crc32": zlib.crc32(data)}
                 meta = pb.TensorPiece(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=off,
-                                      total_bytes=size, crc32=zlib.crc32(data)).SerializeToString()
+                                      total_bytes=size, **check).SerializeToString()
                 n = len(data)
                 field = _DATA_TAG + _varint(n) if n else b""
                 yield b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
@@ -110,7 +121,8 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_b
         hasher.abandon()
         raise
     hasher.finish()
-    yield pb.WeightChunk(footer=pb.WeightFooter(sha256=digest.hexdigest())).SerializeToString()
+    footer = pb.WeightFooter(sha256="" if xxhash is not None else digest.hexdigest())
+    yield pb.WeightChunk(footer=footer).SerializeToString()
 
 
 def weight_chunks(state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 4 << 20,

@@ -13,7 +13,7 @@ import torch
 from .codec import DTYPE_NAMES, DTYPES
 from .errors import BadRequest
 from .gen import common_pb2 as pb
-from .weights import _InOrder, _all_finite, _check_header, _nbytes, _raw_view
+from .weights import _InOrder, _all_finite, _check_header, _nbytes, _raw_view, xxhash
 
 def _read_varint(buf, i: int, end: int) -> tuple[int, int]:
     shift = value = 0
@@ -151,7 +151,8 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                      ) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
     """Collect a push stream into (version, format, state_dict, bytes, header).
 
-    Checks every piece's crc32 and the running sha256; names/shapes/dtypes against `specs` (the
+    Checks every piece's xxh3_64 (or, from a writer without xxhash, every piece's crc32 and the
+    footer's sha256 of them all: one kind per push); names/shapes/dtypes against `specs` (the
     model's state dict) and each declared size against them before allocating anything; that
     every byte of every tensor arrives exactly once (overlaps and holes are refused) and all
     pieces of a tensor agree; that format "full" covers every tensor of `specs` ("partial" may
@@ -161,7 +162,7 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
     Each tensor is allocated once, when its first piece arrives, and every piece is copied
     straight into it: the pushed bytes plus a few pieces in flight is all the memory it takes.
     sha256 and the finiteness checks run on a worker thread, in stream order, overlapping the
-    receiving, crc32 checks and copies."""
+    receiving, piece checks and copies."""
     header = None
     buffers: dict[str, torch.Tensor] = {}  # destination tensors, allocated once from the checked specs
     views: dict[str, np.ndarray] = {}  # their raw bytes (uint8 views, no copy)
@@ -172,6 +173,7 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
     nonfinite: set[str] = set()
     received = allocated = 0
     footer = None
+    xxh3 = None  # whether this push's pieces carry xxh3 (decided by its first piece)
     worker = _InOrder(depth=4)  # holds at most a few pieces' data
 
     def check_finite(name: str) -> None:
@@ -196,7 +198,17 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                 p = chunk.piece
                 data = p.data  # read once: every read of a bytes field is a new copy
                 n = len(data)
-                if zlib.crc32(data) != p.crc32:
+                has_xxh3 = p.HasField("xxh3")
+                if xxh3 is None:
+                    xxh3 = has_xxh3
+                    if xxh3 and xxhash is None:
+                        raise BadRequest("weights.piece.xxh3: this server cannot check xxh3_64 (install xxhash)")
+                elif has_xxh3 != xxh3:
+                    raise BadRequest(f"weights.piece[{p.name}]: xxh3 on some pieces of a push and not on others")
+                if xxh3:
+                    if xxhash.xxh3_64_intdigest(data) != p.xxh3:
+                        raise BadRequest(f"weights.piece[{p.name}]: xxh3 mismatch at offset {p.offset}")
+                elif zlib.crc32(data) != p.crc32:
                     raise BadRequest(f"weights.piece[{p.name}]: crc32 mismatch at offset {p.offset}")
                 name = p.name
                 if name in meta:
@@ -226,7 +238,8 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                 if n:
                     views[name][p.offset:p.offset + n] = np.frombuffer(data, dtype=np.uint8)
                 filled[name] += n
-                worker.submit(lambda d=data: digest.update(d))
+                if not xxh3:
+                    worker.submit(lambda d=data: digest.update(d))
                 if filled[name] == p.total_bytes:  # complete (coverage is exact): check it meanwhile
                     worker.submit(lambda k=name: check_finite(k))
                 received += n
@@ -244,7 +257,10 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
     worker.finish()
     if header is None or footer is None:
         raise BadRequest("weights: the push ended without " + ("a header" if header is None else "a footer"))
-    if footer.sha256 != digest.hexdigest():
+    if xxh3:
+        if footer.sha256:
+            raise BadRequest("weights.footer.sha256: set in a push whose pieces carry xxh3")
+    elif footer.sha256 != digest.hexdigest() and not (xxh3 is None and not footer.sha256):  # None: no piece
         raise BadRequest("weights.footer.sha256: checksum mismatch; the push is incomplete or corrupt")
     if len(buffers) != header.num_tensors:
         raise BadRequest(f"weights: {len(buffers)} tensors received, header announced {header.num_tensors}")

@@ -34,7 +34,7 @@ def test_the_header_callback_runs_before_any_piece():
         seen.append(h.version)
         raise BadRequest("refused")
     chunks = list(weight_chunks(STATE, 3))
-    chunks[1].piece.crc32 ^= 1  # would be refused if read
+    chunks[1].piece.xxh3 ^= 1  # would be refused if read
     with pytest.raises(BadRequest, match="refused"):
         assemble_weights(iter(chunks), SPECS, on_header=on_header)
     assert seen == [3]
@@ -80,3 +80,46 @@ def test_non_finite_weights_are_refused(bad):
     state["a"][1, 2] = bad
     with pytest.raises(BadRequest, match=r"weights.piece\[a\]: contains NaN or infinity"):
         assemble_weights(weight_chunks(state, 1), SPECS)
+
+
+def _legacy(chunks):
+    """`chunks` as a writer without xxhash sends them: crc32 per piece, sha256 in the footer."""
+    import hashlib
+    import zlib
+    digest = hashlib.sha256()
+    for c in chunks:
+        if c.WhichOneof("payload") == "piece":
+            c.piece.ClearField("xxh3")
+            c.piece.crc32 = zlib.crc32(c.piece.data)
+            digest.update(c.piece.data)
+    chunks[-1].footer.sha256 = digest.hexdigest()
+    return chunks
+
+
+def test_pieces_carry_xxh3_and_a_corrupt_piece_is_refused():
+    chunks = list(weight_chunks(STATE, 3, chunk_bytes=8))
+    pieces = [c.piece for c in chunks if c.WhichOneof("payload") == "piece"]
+    assert all(p.HasField("xxh3") for p in pieces) and not chunks[-1].footer.sha256
+    pieces[1].data = bytes(len(pieces[1].data))
+    with pytest.raises(BadRequest, match="xxh3 mismatch"):
+        assemble_weights(iter(chunks), SPECS)
+
+
+def test_a_writer_without_xxhash_is_still_understood_and_checked():
+    version, _, state, _, _ = assemble_weights(iter(_legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))), SPECS)
+    assert version == 3 and all(torch.equal(state[k], STATE[k]) for k in STATE)
+    bad = _legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))
+    bad[-1].footer.sha256 = "0" * 64
+    with pytest.raises(BadRequest, match="sha256: checksum mismatch"):
+        assemble_weights(iter(bad), SPECS)
+
+
+def test_one_kind_of_check_per_push():
+    mixed = list(weight_chunks(STATE, 3, chunk_bytes=8))
+    mixed[2].piece.ClearField("xxh3")  # this piece would be checked by crc32 only
+    with pytest.raises(BadRequest, match="xxh3 on some pieces"):
+        assemble_weights(iter(mixed), SPECS)
+    signed = list(weight_chunks(STATE, 3, chunk_bytes=8))
+    signed[-1].footer.sha256 = "0" * 64
+    with pytest.raises(BadRequest, match="set in a push whose pieces carry xxh3"):
+        assemble_weights(iter(signed), SPECS)

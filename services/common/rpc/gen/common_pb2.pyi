@@ -57,7 +57,7 @@ class WeightHeader(_message.Message):
     def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32")
+    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32", "xxh3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class TensorPiece(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -72,7 +73,8 @@ class TensorPiece(_message.Message):
     total_bytes: int
     data: bytes
     crc32: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    xxh3: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
 
 class WeightFooter(_message.Message):
     __slots__ = ("sha256",)
