@@ -18,8 +18,8 @@ from .common.sampling import evaluate, sample_groups
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
-from .learner.ppo_step import PPOLearner, planned_updates, ptx_examples_for
-from .learner.schedule import Schedule
+from .learner.ppo_step import PPOLearner, ptx_examples_for
+from .learner.schedule import Schedule, planned_updates
 from .learner.watch import HackingWatch, judge
 from .reward.scorer import build_eval_scorer, build_scorer
 

@@ -48,12 +48,6 @@ class Experience:
     rollout_is_weights: torch.Tensor | None = None  # (B, T) truncated pi_old / sampler weights (rollout_is)
 
 
-def planned_updates(cfg) -> int:
-    """Optimiser steps over the whole run (for the LR schedule)."""
-    samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
-    return cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)
-
-
 def ptx_examples_for(cfg, tokenizer, records) -> list | None:
     """(prompt ids, answer ids) pairs for the PTX/SFT loss: the labelled training prompts."""
     if not cfg.ptx_coef:

@@ -2,6 +2,7 @@
 learner service."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -26,3 +27,9 @@ class Schedule:
         return Tick(last, out_of_time,
                     evaluate=last or bool(c.eval_interval and iteration % c.eval_interval == 0),
                     checkpoint=last or bool(c.checkpoint_interval and iteration % c.checkpoint_interval == 0))
+
+
+def planned_updates(cfg) -> int:
+    """Optimiser steps over the whole run (for the LR schedule)."""
+    samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
+    return cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)

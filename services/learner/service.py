@@ -40,8 +40,8 @@ from ..common.distributed import follow, from_env, release_followers
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .metrics import LearnerMetrics, ReplayPoller
-from .ppo_step import PPOLearner, planned_updates, ptx_examples_for
-from .schedule import Schedule
+from .ppo_step import PPOLearner, ptx_examples_for
+from .schedule import Schedule, planned_updates
 from .watch import HackingWatch, judge
 
 log = logging.getLogger(__name__)

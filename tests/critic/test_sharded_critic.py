@@ -1,8 +1,6 @@
 """The critic's value model sharded with FSDP2 across 2 CPU processes (gloo), against the
 one-process critic on the same batches: the same values, losses and steps; a checkpoint that
 resumes to the same state; checkpoints that load across 1 and 2 processes both ways."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,18 +8,13 @@ import torch
 
 from services.critic.critic import Critic
 from tests.critic.critic_cases import critic_kwargs, steps
+from tests.distributed_helpers import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _two_processes(model_dir: str, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "critic" / "fsdp_critic_worker.py"), model_dir, str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:  # the lines that say why, wherever they are in the ranks' output
-        why = [x for x in proc.stderr.splitlines() if any(w in x for w in ("Error", "error", "terminate", "abort",
-                                                                          "exitcode", "Traceback"))]
-        raise AssertionError("\n".join(why[-60:]) + "\n" + proc.stderr[-2000:])
+    torchrun(ROOT / "tests" / "critic" / "fsdp_critic_worker.py", model_dir, str(out), *extra)
     return torch.load(out / "results.pt", weights_only=False)
 
 

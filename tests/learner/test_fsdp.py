@@ -2,8 +2,6 @@
 batches: the same losses and updated weights, the same full state dict for a push, a sharded
 checkpoint that resumes to the same state (in 2 processes, and in 1: resharded), and a final
 model that is the trained one."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.learner.ppo_step import PPOLearner
+from tests.distributed_helpers import torchrun
 from tests.learner.fsdp_cases import batches, learner_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,13 +22,7 @@ CASES = {"two-minibatches": ["ppo_mini_batch_size=8"], "fused-micro": ["ppo_mini
 
 
 def _two_processes(model_dir: str, out: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "learner" / "fsdp_worker.py"), model_dir, str(out), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:  # the lines that say why, wherever they are in the ranks' output
-        why = [x for x in proc.stderr.splitlines() if any(w in x for w in ("Error", "error", "terminate", "abort",
-                                                                          "exitcode", "Traceback"))]
-        raise AssertionError("\n".join(why[-60:]) + "\n" + proc.stderr[-2000:])
+    torchrun(ROOT / "tests" / "learner" / "fsdp_worker.py", model_dir, str(out), *overrides)
     return torch.load(out / "results.pt", weights_only=False)
 
 

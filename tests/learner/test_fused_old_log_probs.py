@@ -5,23 +5,10 @@ import pytest
 import torch
 
 from services.common.config import config_from_dict
-from services.common.types import Rollout, SamplingParams
-from services.generation.backend import HFBackend
 from services.common.modeling import has_dropout
+from services.generation.backend import HFBackend
 from services.learner.ppo_step import PPOLearner
-
-
-def _rollout(backend):
-    prompts = [backend.tokenizer(s)["input_ids"] for s in ["abc=", "hgfe=", "dada=", "bbcah="]]
-    gen = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=1))
-    p, r, lp, idx = [], [], [], []
-    for i, (prompt, comps) in enumerate(zip(prompts, gen.completions)):
-        for c in comps:
-            p.append(prompt)
-            r.append(c.token_ids)
-            lp.append(c.log_probs)
-            idx.append(i)
-    return Rollout(p, r, [float(len(x) % 3) for x in r], idx, lp, None, [0] * len(r))
+from tests.learner.test_ppo_step import _rollout
 
 
 def _cfg(model_dir, **kw):
@@ -39,7 +26,7 @@ def _forwards(learner) -> list:
 
 @pytest.fixture(scope="module")
 def rollout(tiny_model_dir):
-    return _rollout(HFBackend(tiny_model_dir, "cpu"))
+    return _rollout(HFBackend(tiny_model_dir, "cpu"), seed=1)
 
 
 @pytest.mark.parametrize("micro", [None, 3])

@@ -11,9 +11,9 @@ from services.generation.backend import HFBackend
 from services.learner.ppo_step import PPOLearner
 
 
-def _rollout(backend, n=8):
+def _rollout(backend, n=8, seed=0):
     prompts = [backend.tokenizer(s)["input_ids"] for s in ["abc=", "hgfe=", "dada=", "bbcah="]]
-    gen = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    gen = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=seed))
     p, r, lp, idx = [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, gen.completions)):
         for c in comps:
