@@ -65,7 +65,8 @@ class WeightBroadcaster:
             self._snap = (version, self.learner.policy_delta_state_dict(), True)
             return self.snapshot[1]
         state = self.learner.policy_state_dict()
-        if self.learner.device.type == "cpu" and not self.learner.lora:  # views of the live parameters
+        if self.learner.device.type == "cpu" and not self.learner.lora and not getattr(self.learner, "sharded", False):
+            # views of the live parameters (a sharded learner's gathered state is a copy already)
             state = {k: v.clone() for k, v in state.items()}
         self._snap = (version, state, False)
         return state
