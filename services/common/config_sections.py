@@ -1,0 +1,270 @@
+"""The sections of the configuration (model, generation, reward, critic, data, run, replay,
+rollout, rpc): typed, validated, each key with its default and description. `Config`
+(services/common/config.py) holds them beside the top-level PPO keys."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model (with LoRA the KL reference is "
+                      "the base model, adapters off)")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability on the adapters' input")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="names of the linear layers that get adapters")
+
+
+class ModelConfig(_Strict):
+    path: str = Field("runs/tiny-model", description="the policy: a local directory with config, weights and "
+                      "tokenizer, or a Hugging Face hub id (org/name)")
+    device: str = Field("auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...")
+    bf16: bool = Field(False, description="train and sample in bfloat16 instead of float32")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
+                                         "memory, more compute")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
+    nproc: int = Field(1, ge=1, description="learner processes (one per GPU) the actor and its optimiser state "
+                       "are sharded across with FSDP2; `rlhf serve learner` starts them (gloo on the CPU)")
+
+
+class VLLMConfig(_Strict):
+    """Options of vLLM's engine (generation.backend: vllm). The defaults suit one GPU; on the CPU
+    build, dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="engine dtype: auto = bfloat16 with model.bf16, else float32")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of the GPU's memory vLLM takes "
+                                          "(weights + KV cache)")
+    max_model_len: Optional[int] = Field(None, gt=0, description="longest sequence the engine serves; null = "
+                                         "prompt_length + response_length")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across")
+    enforce_eager: bool = Field(False, description="no CUDA graphs (slower decoding, faster start, less memory)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes (reset "
+                                        "at every weight swap)")
+    cpu_kvcache_space_gb: float = Field(1.0, gt=0, description="KV cache GiB of the CPU build "
+                                        "(VLLM_CPU_KVCACHE_SPACE); unused on a GPU")
+    seed: int = Field(0, description="engine seed (requests with their own seed use theirs)")
+
+
+class GenerationConfig(_Strict):
+    backend: Literal["hf", "vllm"] = Field("hf", description="sampling engine: transformers (CPU or GPU) or vLLM "
+                                           "(its continuous batching; GPU, or its CPU build)")
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of training rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample from the most likely tokens "
+                         "holding this much probability; 1 = off")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens; 0 = off")
+    eval_temperature: float = Field(0.0, ge=0, le=10, description="sampling temperature of the held-out eval; "
+                                    "0 = greedy")
+    max_batch_size: int = Field(256, ge=1, description="most prompts a generation server decodes in one batch")
+    batch_window_ms: float = Field(5.0, ge=0, description="milliseconds a generation server waits to batch "
+                                   "concurrent calls together (hf; vLLM batches continuously)")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
+
+
+class RuleSpec(_Strict):
+    name: str = Field(..., description="a registered rule (exact_match, verifiable_answer, edit_distance, "
+                      "repetition, length, regex_format) or 'module.path:function'")
+    weight: float = Field(1.0, description="weight of this rule's score in the reward")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the rule")
+
+
+class RewardConfig(_Strict):
+    type: Literal["rules", "model", "http", "combined"] = Field(
+        "rules", description="reward source: rule verifiers, a reward model, an HTTP reward API, or the weighted "
+        "sum of those configured")
+    rules: list[RuleSpec] = Field(default_factory=lambda: [RuleSpec(name="exact_match")],
+                                  description="rule scorers, each {name, weight, kwargs}; their weighted sum")
+    model_path: Optional[str] = Field(None, description="reward model directory "
+                                      "(AutoModelForSequenceClassification); null = none")
+    model_weight: float = Field(1.0, description="weight of the reward model's score in 'combined'")
+    http_url: Optional[str] = Field(None, description="reward API URL (OpenRLHF protocol: POST {query, prompts, "
+                                    "labels} -> {rewards}); null = none")
+    http_weight: float = Field(1.0, description="weight of the HTTP reward in 'combined'")
+    http_timeout_s: float = Field(30.0, gt=0, description="seconds one HTTP reward request may take")
+    http_retries: int = Field(3, ge=0, description="retries of a failed HTTP reward request, with exponential backoff")
+    http_concurrency: int = Field(8, ge=1, description="most HTTP reward requests in flight at once")
+    max_text_chars: int = Field(100_000, ge=1, description="longest prompt, response or label one sample may "
+                                "carry (characters); a longer one is refused with INVALID_ARGUMENT")
+    eval_rules: Optional[list[RuleSpec]] = Field(None, description="rule scorers of the held-out evaluation "
+                                                 "only, each {name, weight, kwargs} as in reward.rules: a gold "
+                                                 "reward the policy is not trained on (the reward-hacking watch "
+                                                 "compares it with the train reward); null = the training reward")
+
+
+class CriticConfig(_Strict):
+    model_path: Optional[str] = Field(None, description="value model backbone to start from (a local directory "
+                                      "or hub id); null = model.path")
+    lr: float = Field(1e-4, gt=0, description="critic learning rate")
+    value_loss_coef: float = Field(1.0, gt=0, description="scales the value loss (c1 in PPO)")
+    nproc: int = Field(1, ge=1, description="critic server processes (one per GPU) the value model and its "
+                       "optimiser state are sharded across with FSDP2; `rlhf serve critic` starts them")
+    overlap_training: bool = Field(True, description="learner service: the critic server trains on each "
+                                   "mini-batch while the actor does (a win when they have their own devices)")
+    max_abs_target: float = Field(1e6, gt=0, description="largest |return| or |old value| Train accepts; "
+                                  "beyond it (or non-finite) the step is refused with INVALID_ARGUMENT")
+
+
+class DataConfig(_Strict):
+    train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK, a .jsonl, .parquet, "
+                       ".csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local directory)")
+    eval: str = Field("synthetic:reverse", description="held-out prompts, in the forms of data.train; an hf: "
+                      "source without @split reads its eval, test or validation split")
+    eval_size: int = Field(128, ge=1, description="held-out prompts evaluated (the first N)")
+    prompt_key: str = Field("prompt", description="record field with the prompt text (records with 'messages' go "
+                            "through the chat template)")
+    label_key: str = Field("label", description="record field with the reference answer (else 'solution')")
+    overlong: Literal["filter", "error"] = Field("filter", description="prompts longer than prompt_length tokens: "
+                                                 "'filter' drops them with a warning, 'error' stops the run")
+
+
+
+class RunConfig(_Strict):
+    run_dir: str = Field("runs/default", description="directory for metrics, checkpoints, logs and the final model")
+    iterations: int = Field(100, ge=1, description="PPO iterations: one rollout batch and its updates each")
+    eval_interval: int = Field(10, ge=0, description="evaluate every N iterations; 0 = only first/last")
+    checkpoint_interval: int = Field(10, ge=0, description="checkpoint every N iterations (and at the end and "
+                                     "on SIGTERM); the learner service acknowledges trained trajectories "
+                                     "at each checkpoint; 0 = only at the end")
+    seed: int = Field(0, description="random seed of sampling, data order and initialisation")
+    log_every: int = Field(1, ge=1, description="print a progress line every N iterations (and at each eval)")
+    max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds; null = no limit")
+    hacking_window: int = Field(3, ge=0, description="reward-hacking watch: held-out evaluations compared (>= 2); "
+                                "it warns while across them the held-out reward falls and the train reward rises; "
+                                "0 = off")
+    hacking_min_change: float = Field(0.05, ge=0, description="reward-hacking watch: least fall of the held-out "
+                                      "reward and least rise of the train reward across the window (their "
+                                      "least-squares trends, in reward units) that count")
+    tensorboard: bool = Field(True, description="write every metric of metrics.jsonl as TensorBoard scalars "
+                              "into DIR/tensorboard (when the tensorboard package is installed)")
+    wandb_project: Optional[str] = Field(None, description="log every metric of metrics.jsonl to this Weights & "
+                                         "Biases project (needs `pip install wandb`); null = off")
+    wandb_entity: Optional[str] = Field(None, description="W&B entity (user or team); null = your default")
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = Field(
+        None, description="W&B mode; null = wandb's default ($WANDB_MODE, else online)")
+
+    @field_validator("hacking_window")
+    @classmethod
+    def _window(cls, v: int) -> int:
+        if v == 1:
+            raise ValueError("1 evaluation shows no trend; use 0 (off) or >= 2")
+        return v
+
+
+class ReplayConfig(_Strict):
+    url: Optional[str] = Field(None, description="redis://[:password@]host:port/db; null = an embedded "
+                               "redis-server that `rlhf up` starts in the run directory")
+    password: Optional[str] = Field(None, description="Redis password; null = read password_env")
+    password_env: str = Field("RLHF_REDIS_PASSWORD", description="env var read when password is null")
+    namespace: str = Field("rlhf", min_length=1, description="key prefix; one namespace per run")
+    max_backlog: Optional[int] = Field(None, gt=0, description="trajectory groups not yet read by the learner "
+                                       "at which rollout workers pause; default (max_staleness + 1) x "
+                                       "rollout_batch_size")
+    claim_idle_s: float = Field(30.0, gt=0, description="a prompt pending this long at a silent worker is "
+                                "reclaimed (XAUTOCLAIM) by another")
+    heartbeat_s: float = Field(2.0, gt=0, description="generation servers and workers report this often")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a server silent this long is taken off the registry")
+    block_ms: int = Field(500, ge=1, description="longest blocking read on a stream, in milliseconds")
+    appendfsync: Literal["everysec", "always", "no"] = Field(
+        "everysec", description="embedded Redis AOF fsync policy: everysec survives a crash of Redis itself "
+        "with nothing acknowledged lost (at most ~1 s of writes on a crash of the machine); always fsyncs "
+        "every write (nothing acknowledged lost even then; slower)")
+
+    def resolved_password(self) -> Optional[str]:
+        import os
+        return self.password or os.environ.get(self.password_env) or None
+
+
+class RolloutConfig(_Strict):
+    prompts_per_request: int = Field(32, ge=1, description="prompts a worker claims and sends in one Generate")
+    concurrency: int = Field(2, ge=1, description="batches each worker keeps in flight")
+    retries: int = Field(6, ge=0, description="retries of a failing batch (a service unavailable or "
+                         "restarting) before it is left pending for later")
+    retry_backoff_s: float = Field(0.5, gt=0, description="seconds before the first retry; doubles with each "
+                                   "retry up to rpc.retry_max_backoff_s")
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of each worker's Prometheus "
+                                        "/metrics; null = off")
+
+
+class Endpoint(_Strict):
+    host: str = Field("127.0.0.1", description="address this server binds and clients dial (0.0.0.0 binds all, "
+                      "dialled on loopback)")
+    port: int = Field(..., ge=0, le=65535, description="gRPC port; 0 picks a free port")
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of Prometheus /metrics; null = off")
+
+
+class RewardEndpoint(Endpoint):
+    http_port: Optional[int] = Field(8052, ge=0, le=65535, description="port of the OpenRLHF-style HTTP reward "
+                                     "API; null = off")
+
+
+class LearnerEndpoint(Endpoint):
+    http_port: Optional[int] = Field(8054, ge=0, le=65535, description="port of the JSON status page (/status); "
+                                     "null = off")
+
+
+class RPCConfig(_Strict):
+    host: str = Field("127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
+    advertise_host: Optional[str] = Field(None, description="address other services reach this one at (the "
+                                          "pod IP in Kubernetes); default the bind host")
+    auth_token: Optional[str] = Field(None, description="bearer token every call must carry")
+    auth_token_env: str = Field("RLHF_AUTH_TOKEN", description="env var read when auth_token is null")
+    tls_cert_file: Optional[str] = Field(None, description="PEM certificate servers present; with tls_key_file, "
+                                         "servers speak TLS; null = plaintext")
+    tls_key_file: Optional[str] = Field(None, description="PEM private key of tls_cert_file")
+    tls_ca_file: Optional[str] = Field(None, description="clients: CA to trust (default the cert itself)")
+    max_message_mb: int = Field(256, ge=1, le=2047, description="largest gRPC message, in MiB")
+    shm_dir: Optional[str] = Field(None, description="learner and generation servers: a directory on a tmpfs "
+                                   "they share when they run on one host (a compose tmpfs volume, a pod's "
+                                   "emptyDir with medium Memory); a co-located server then loads each version "
+                                   "from a file the learner writes there once, instead of the gRPC stream; "
+                                   "null = off (every push is streamed)")
+    grace_s: float = Field(10.0, ge=0, description="shutdown: seconds in-flight calls may take")
+    timeout_s: float = Field(120.0, gt=0, description="client deadline per call, in seconds")
+    retry_backoff_s: float = Field(0.2, gt=0, description="clients: seconds before the first retry of a call "
+                                   "that found its service unavailable; doubles with each retry")
+    retry_max_backoff_s: float = Field(5.0, gt=0, description="clients: longest wait between retries")
+    dependency_wait_s: Optional[float] = Field(600.0, gt=0, description="learner: how long it waits for an "
+                                               "unavailable critic, reward or generation server (saying so in "
+                                               "its status) before it fails; null = forever")
+    max_request_tokens: int = Field(4_194_304, ge=1, description="most token positions one Generate may cost "
+                                    "(prompts x n x (prompt tokens + max_new_tokens)); beyond it "
+                                    "RESOURCE_EXHAUSTED")
+    open_metrics: bool = Field(False, description="serve /metrics without the bearer token (what a default "
+                               "Prometheus scrape sends); false = scrapers send 'Authorization: Bearer <token>' "
+                               "when rpc auth is on")
+    max_samples_per_prompt: int = Field(64, ge=1, description="limit on Generate's n")
+    max_prompts_per_request: int = Field(4096, ge=1, description="limit on the prompts of one Generate")
+    generation: Endpoint = Field(default_factory=lambda: Endpoint(port=50051, metrics_port=9101),
+                                 description="the generation server")
+    reward: RewardEndpoint = Field(default_factory=lambda: RewardEndpoint(port=50052, metrics_port=9102),
+                                   description="the reward server")
+    critic: Endpoint = Field(default_factory=lambda: Endpoint(port=50053, metrics_port=9103),
+                             description="the critic server")
+    learner: LearnerEndpoint = Field(default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104),
+                                     description="the learner service")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _endpoint_defaults(cls, data):
+        """`rpc.critic.host=critic` alone keeps the critic's default ports (an endpoint given in part
+        is completed from its defaults instead of losing them)."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), dict) and field.default_factory is not None:
+                    data = {**data, name: {**field.default_factory().model_dump(), **data[name]}}
+        return data
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "RPCConfig":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("rpc.tls_cert_file and rpc.tls_key_file must be set together")
+        return self
+
+    def resolved_auth_token(self) -> Optional[str]:
+        import os
+        return self.auth_token or os.environ.get(self.auth_token_env) or None
