@@ -68,13 +68,15 @@ class Dist:
     def main(self) -> bool:
         return self.rank == 0
 
-    def device(self, kind: str) -> torch.device:
-        return torch.device("cuda", self.local_rank) if kind == "cuda" else torch.device(kind)
+    @property
+    def device(self) -> torch.device:
+        """This process's device: its GPU (LOCAL_RANK) or the CPU."""
+        return torch.device("cuda", self.local_rank) if self.device_type == "cuda" else torch.device("cpu")
 
-    def announce(self, name: str, args: tuple = (), kwargs: dict | None = None) -> None:
-        dist.broadcast_object_list([(name, args, kwargs or {})], src=0, group=self.control)
+    def announce(self, name: str, kwargs: dict | None = None) -> None:
+        dist.broadcast_object_list([(name, kwargs or {})], src=0, group=self.control)
 
-    def receive(self) -> tuple[str, tuple, dict]:
+    def receive(self) -> tuple[str, dict]:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
@@ -100,15 +102,12 @@ class Dist:
 
     def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
         """The (n, ...) tensor whose rows each rank holds a share of (`rows(n)`), on every rank."""
-        most = -(-n // self.world)
-        pad = torch.zeros((most - local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-        parts = [torch.empty_like(torch.cat([local, pad])) for _ in range(self.world)]
-        dist.all_gather(parts, torch.cat([local, pad]).contiguous())
-        out = []
-        for r, part in enumerate(parts):
-            base, extra = divmod(n, self.world)
-            out.append(part[:base + (r < extra)])
-        return torch.cat(out)
+        base, extra = divmod(n, self.world)
+        padded = torch.zeros((base + (extra > 0), *local.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[:local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[:base + (r < extra)] for r, part in enumerate(parts)])
 
 
 def from_env(device: str, nproc: int | None = None) -> Dist | None:
@@ -146,7 +145,7 @@ def collective(method):
         bound = signature.bind(self, *args, **kwargs).arguments
         shared = {k: v for k, v in list(bound.items())[1:] if k not in LOCAL_KWARGS}
         try:
-            d.announce(method.__name__, (), shared)
+            d.announce(method.__name__, shared)
             return method(self, *args, **kwargs)
         except Exception as e:
             if group_broken(e):
@@ -180,13 +179,13 @@ def follow(owner) -> int:
     a checkpoint that cannot be loaded, a refused step); rank 0 reports it, the follower goes on."""
     d = owner.dist
     while True:
-        name, args, kwargs = d.receive()
+        name, kwargs = d.receive()
         if name == STOP:
             log.info("rank %d: rank 0 is done", d.rank)
             _leave(d)
             return 0
         try:
-            getattr(owner, name)(*args, **kwargs)
+            getattr(owner, name)(**kwargs)
         except (ValueError, KeyError, OSError, ArithmeticError) as e:  # checks every rank makes alike
             log.info("rank %d: %s failed as on rank 0: %s", d.rank, name, e)
 
@@ -263,6 +262,25 @@ def load_sharded(model, optimizer, path: Path) -> None:
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def read_sharded_optimizer(model, optimizer, path: Path) -> dict:
+    """The optimiser state saved sharded in the directory `path` (torch.distributed.checkpoint),
+    read for `optimizer` (this process's shards, or all of it in one process) without applying it;
+    `set_optimizer_state_dict` applies it. A missing or unreadable directory is a ValueError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    if not path.is_dir():
+        raise ValueError(f"{path.name}/: missing")
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}
+    try:
+        with quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path))
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is not an Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ValueError(f"{path.name}/: cannot be read ({type(e).__name__})") from None
+    return state["optim"]
 
 
 def load_full(model, optimizer, state: dict) -> None:

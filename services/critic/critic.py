@@ -16,25 +16,6 @@ from ..ppo import compute_value_loss, masked_mean
 CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
 
 
-def load_sharded_optimizer(model, optimizer, path: Path) -> None:
-    """Optimiser state that a sharded critic wrote (torch.distributed.checkpoint), in one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from ..common.distributed import quiet_single_process
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path.name}/ missing")
-    state = {"optim": get_optimizer_state_dict(model, optimizer)}
-    try:
-        with quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path))
-    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is not an Exception
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ValueError(f"{path.name}/: cannot be read ({type(e).__name__})") from None
-    set_optimizer_state_dict(model, optimizer, state["optim"])
-
-
 class NonFiniteStep(ValueError):
     """A step whose loss or gradient norm is not finite; it was not taken."""
 
@@ -125,7 +106,11 @@ class Critic:
         try:
             state = torch.load(path / "critic_optim.pt", map_location=self.device, weights_only=True)
             if "sharded_optimizer" in state:  # written by a sharded critic (critic.nproc > 1)
-                load_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"])
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+                from ..common.distributed import read_sharded_optimizer
+                set_optimizer_state_dict(model, optimizer,  # written by a sharded critic (critic.nproc > 1)
+                                         read_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"]))
             else:
                 optimizer.load_state_dict(state["optimizer"])
             steps = int(state["steps"])

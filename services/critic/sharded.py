@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..common.modeling import TokenBatch, ValueModel
-from ..common.distributed import collective, full_state_dict, load_full_optimizer, quiet_single_process, shard
+from ..common.distributed import (collective, full_state_dict, load_full_optimizer, quiet_single_process,
+                                  read_sharded_optimizer, shard)
 from ..ppo import compute_value_loss
 from .critic import CHECKPOINT_FILES, CheckpointError, Critic, NonFiniteStep
 
@@ -122,8 +123,8 @@ class ShardedCritic(Critic):
     def load(self, path: str | Path) -> None:
         """Weights (full, every rank reads them), optimiser state and step count from `path`; all
         checks come first, so a checkpoint that fails them changes nothing (on every rank alike)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
         path = Path(path)
         for name in CHECKPOINT_FILES:
             if not (path / name).is_file():
@@ -145,20 +146,13 @@ class ShardedCritic(Critic):
             raise CheckpointError("critic_optim.pt: holds no optimiser state")
         optim = None
         if "sharded_optimizer" in meta:  # read before anything changes
-            import torch.distributed.checkpoint as dcp
-            if not (path / meta["sharded_optimizer"]).is_dir():
-                raise CheckpointError(f"{meta['sharded_optimizer']}/: missing")
-            optim = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
             try:
-                with quiet_single_process():
-                    dcp.load(optim, checkpoint_id=str(path / meta["sharded_optimizer"]))
-            except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                raise CheckpointError(f"{meta['sharded_optimizer']}/: cannot be read ({type(e).__name__})") from None
+                optim = read_sharded_optimizer(self.model, self.optimizer, path / meta["sharded_optimizer"])
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
         if optim is not None:
-            set_optimizer_state_dict(self.model, self.optimizer, optim["optim"])
+            set_optimizer_state_dict(self.model, self.optimizer, optim)
         else:
             load_full_optimizer(self.model, self.optimizer, meta["optimizer"])
         self.steps = steps

@@ -64,7 +64,7 @@ class PPOLearner:
         self.dist = dist  # `distributed.Dist` when the actor is sharded across processes (FSDP2)
         self.device = resolve_device(cfg.model.device)
         if dist is not None:
-            self.device = dist.device(self.device.type)
+            self.device = dist.device
             if cfg.model.lora.rank > 0:
                 raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
                                  "fits one device train in one process (model.nproc: 1)")

@@ -64,9 +64,11 @@ def train_prompts(cfg, tokenizer) -> list:
 def follower_main(cfg) -> int:
     """Ranks 1..N-1 of a sharded learner (model.nproc > 1): their shards of the actor, running
     what rank 0 (the `LearnerService`) announces until it is done."""
-    tokenizer = load_tokenizer(cfg.model.path)
-    learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
-                         ptx_examples=ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer)),
+    ptx = None
+    if cfg.ptx_coef:  # the PTX examples are the labelled training prompts, as on rank 0
+        tokenizer = load_tokenizer(cfg.model.path)
+        ptx = ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer))
+    learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx,
                          dist=from_env(cfg.model.device, cfg.model.nproc))
     return follow(learner)
 
