@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -48,12 +49,14 @@ import torch
 TENSOR = 4 << 20  # float32 elements per big tensor (16 MiB)
 
 
-def random_state(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+def random_state(nbytes: int, seed: int = 0, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    per = TENSOR * 4 // torch.empty((), dtype=dtype).element_size()  # elements of a 16 MiB tensor
     n_big = max(1, nbytes // (TENSOR * 4))
-    state = {f"layers.{i}.weight": torch.randn(TENSOR, generator=g).reshape(2048, -1) for i in range(n_big)}
+    state = {f"layers.{i}.weight": torch.randn(per, generator=g, device=device, dtype=dtype).reshape(2048, -1)
+             for i in range(n_big)}
     for i in range(4):
-        state[f"layers.{i}.bias"] = torch.randn(2048, generator=g)
+        state[f"layers.{i}.bias"] = torch.randn(2048, generator=g, device=device, dtype=dtype)
     return state
 
 
@@ -75,11 +78,11 @@ class _Holder(torch.nn.Module):
                 getattr(self, f"t{index[k]}").copy_(v)
 
 
-def stand_in_backend(state):
+def stand_in_backend(state, device="cpu"):
     from services.generation.backend import HFBackend
     b = HFBackend.__new__(HFBackend)
-    b.device = torch.device("cpu")
-    b.model = _Holder(state)
+    b.device = torch.device(device)
+    b.model = _Holder(state).to(device)
     b.tokenizer = None
     b.vocab_size = 16
     b.eos_token_id = b.pad_token_id = 0
@@ -133,6 +136,22 @@ def tcp_copy(payload: memoryview, receivers: int, chunk: int = 4 << 20) -> float
     return secs
 
 
+def copy_seconds(state: dict[str, torch.Tensor], device: str, repeats: int) -> float:
+    """Median seconds to copy `state` into preallocated tensors on `device` (after one copy that
+    touches the pages)."""
+    dst = {k: torch.empty(t.shape, dtype=t.dtype, device=device) for k, t in state.items()}
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for k in state:
+            dst[k].copy_(state[k])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def timed_pushes(bc, services, repeats: int, version: int) -> tuple[list[float], int, dict]:
     """Seconds of `repeats` pushes (after one warm-up), each until every server serves it."""
     runs, out = [], {}
@@ -158,13 +177,16 @@ def main() -> None:
                     help="skip a method's (size, servers) case whose resident copies would exceed this")
     ap.add_argument("--shm-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                     help="a tmpfs directory for the shm method (a fresh subdirectory is made in it)")
+    ap.add_argument("--device", default="cpu", help="where the learner's and the servers' tensors live (cuda: "
+                    "the push includes the learner's copy to the host and each server's copy to its GPU)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--out", default="runs/bench/push.json")
     args = ap.parse_args()
     if args.quick:
         args.sizes_mb, args.repeats = "64,512", 2
-    torch.set_num_threads(2)
 
     from services.common.config import config_from_dict
+    from services.common.hostcopy import to_host
     from services.generation.server import serve
     from services.learner.broadcast import WeightBroadcaster
 
@@ -174,44 +196,44 @@ def main() -> None:
     rows = []
     try:
         for size_mb in [int(s) for s in args.sizes_mb.split(",")]:
-            rows += bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit)
+            rows += bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host)
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "cpus": torch.get_num_threads()}, indent=2))
+    Path(args.out).write_text(json.dumps({"rows": rows, "cpus": os.cpu_count(), "device": args.device,
+                                          "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                                          "dtype": args.dtype}, indent=2))
     print(f"wrote {args.out}")
 
 
-def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit) -> list[dict]:  # noqa: N803
-    state = random_state(size_mb << 20)
+def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> list[dict]:  # noqa: N803
+    state = random_state(size_mb << 20, dtype=getattr(torch, args.dtype), device=args.device)
+    host = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    dst = {k: torch.empty_like(t) for k, t in state.items()}
-    for k in state:
-        dst[k].copy_(state[k])  # touch the pages once
-    memcpy_s = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        for k in state:
-            dst[k].copy_(state[k])
-        memcpy_s.append(time.perf_counter() - t0)
-    del dst
+    memcpy = nbytes / copy_seconds(host, "cpu", args.repeats) / 1e6  # host memory to host memory
+    gpu = {}
+    if args.device != "cpu":  # the learner's copy to the host, a server's copy to its GPU
+        gpu = {"d2h_mb_s": nbytes / copy_seconds(state, "cpu", args.repeats) / 1e6,
+               "h2d_mb_s": nbytes / copy_seconds(host, args.device, args.repeats) / 1e6}
+    to_host(state)  # warms torch's page-locked host cache (a learner's first push)
     t0 = time.perf_counter()
-    _ = {k: v.clone() for k, v in state.items()}
+    _ = {k: v.clone() for k, v in state.items()} if args.device == "cpu" else to_host(state)
     snapshot_s = time.perf_counter() - t0
     del _
-    memcpy = nbytes / statistics.median(memcpy_s) / 1e6
     rows = []
     for n in [int(s) for s in args.servers.split(",")]:
         # resident copies: the sender's state, each server's model, and per method what it adds
         fits = {"grpc": (1 + 2 * n) * nbytes <= limit, "shm": (2 + n) * nbytes <= limit,
                 "tcp": (2 + n) * nbytes <= limit}
         row = {"size_mb": round(nbytes / 2 ** 20), "servers": n, "bytes": nbytes, "memcpy_mb_s": memcpy,
-               "snapshot_s": snapshot_s}
+               "snapshot_s": snapshot_s, **gpu}
         if fits["grpc"] or fits["shm"]:
-            services = [serve(cfg, backend=stand_in_backend(state), port=0, metrics_port=None).start()
+            services = [serve(cfg, backend=stand_in_backend(state, args.device), port=0, metrics_port=None).start()
                         for _ in range(n)]
             entries = {f"127.0.0.1:{s.server.port}": s.servicer.registry_info() for s in services}
-            learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=True)
+            # as PPOLearner.policy_state_dict: the weights on the host (from a GPU through page-locked memory)
+            learner = SimpleNamespace(policy_state_dict=lambda: to_host(state),
+                                      device=torch.device(args.device), lora=True)
             version = 0
             for method in ("grpc", "shm"):
                 if not fits[method]:
@@ -236,7 +258,7 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit) -> list[dict
             del services, learner, bc, store
             gc.collect()  # the stopped servers' models, before the next case allocates its own
         if fits["tcp"]:
-            flat = torch.cat([t.reshape(-1) for t in state.values()])
+            flat = torch.cat([t.reshape(-1) for t in host.values()])
             payload = memoryview(flat.view(torch.uint8).numpy())
             tcp_copy(payload, n)  # warm-up
             tcp_s = statistics.median([tcp_copy(payload, n) for _ in range(args.repeats)])
@@ -250,7 +272,8 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit) -> list[dict
         rows.append(row)
         cell = lambda k: f"{row[k]:8.0f}" if k in row else "       -"  # noqa: E731
         print(f"{row['size_mb']:>6} MiB x{n}: grpc {cell('grpc_mb_s')} MB/s  shm {cell('shm_mb_s')} MB/s  "
-              f"tcp {cell('tcp_mb_s')} MB/s  memcpy {memcpy:8.0f} MB/s  (snapshot {snapshot_s:.2f}s)", flush=True)
+              f"tcp {cell('tcp_mb_s')} MB/s  memcpy {memcpy:8.0f} MB/s  (snapshot {snapshot_s:.2f}s)"
+              + (f"  d2h {gpu['d2h_mb_s']:8.0f} MB/s  h2d {gpu['h2d_mb_s']:8.0f} MB/s" if gpu else ""), flush=True)
     return rows
 
 

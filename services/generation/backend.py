@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..common.hostcopy import copy_to_device
 from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
 from ..common.padding import pad_left
 from ..common.types import Completion, GenerationResult, SamplingParams
@@ -69,7 +70,11 @@ class HFBackend:
         check_weights(state_dict, self.parameter_specs())
         with self._lock:
             check_newer(version, self.version)
-            self.model.load_state_dict(dict(state_dict), strict=False)
+            if self.device.type == "cuda":  # through page-locked buffers (hostcopy)
+                own = self.model.state_dict()
+                copy_to_device((own[k], v) for k, v in state_dict.items())
+            else:
+                self.model.load_state_dict(dict(state_dict), strict=False)
             self.version = version
 
     @torch.no_grad()

@@ -23,6 +23,7 @@ import torch
 
 from ..common.data import sft_examples
 from ..common.distributed import collective
+from ..common.hostcopy import to_host
 from ..common.modeling import (TokenBatch, build_token_batch, has_dropout, load_causal_lm, response_log_probs,
                                resolve_device)
 from ..common.padding import pad_right
@@ -377,7 +378,7 @@ class PPOLearner:
             from ..common.distributed import full_state_dict
             return full_state_dict(self.policy)
         if not self.lora:
-            return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+            return to_host(self.policy.state_dict())  # from a GPU through page-locked memory
         return merged_state_dict(self.policy)
 
     def policy_delta_state_dict(self) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ import contextlib
 import fcntl
 import json
 import math
+import mmap
 import os
 import re
 import zlib
@@ -42,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from .errors import BadRequest
@@ -59,6 +61,7 @@ STEP = 2 << 20  # a piece is checked in steps this size: its checksum and finite
 MIN_PIECE, MAX_PIECE = 1 << 16, 1 << 30
 MAX_HEADER = 100 << 20  # safetensors' own limit
 MADV_POPULATE_READ = 22  # Linux 5.14+: map the file's pages up front, read-only (copy on write)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: the same, writable (the writer's mapping)
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
@@ -128,20 +131,11 @@ def _layout(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -> tuple[
     return len(body).to_bytes(8, "little") + body, [(start + o, t) for o, t in placed], start + off
 
 
-def _pwrite_all(fd: int, data, offset: int, step: int = 64 << 20) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:done + step], offset + done)
-        if n <= 0:
-            raise OSError(f"short write at offset {offset + done}")
-        done += n
-
-
-def _piece_digests(segments: list, size: int, piece: int, kind: str, pool) -> list[int]:
-    """The checksum of every piece [i*piece, (i+1)*piece) of a file made of `segments`
-    ([(offset, bytes-like)], contiguous, sorted), computed from the segments' own memory."""
-    starts = [o for o, _ in segments]
+def _fill(out: np.ndarray, segments: list, piece: int, kind: str, pool) -> list[int]:
+    """Copy the file made of `segments` ([(offset, uint8 array)], contiguous, sorted) into `out`
+    (the file's mapping), every piece [i*piece, (i+1)*piece) on a thread of `pool`, in steps whose
+    checksum is taken from the copy while it is in cache; the pieces' checksums."""
+    starts, size = [o for o, _ in segments], len(out)
 
     def one(i: int) -> int:
         lo, hi = i * piece, min(size, (i + 1) * piece)
@@ -149,9 +143,10 @@ def _piece_digests(segments: list, size: int, piece: int, kind: str, pool) -> li
         k = max(0, bisect.bisect_right(starts, lo) - 1)
         while k < len(segments) and segments[k][0] < hi:
             off, data = segments[k]
-            a, b = max(lo, off) - off, min(hi, off + len(data)) - off
-            if b > a:
-                h.update(data[a:b])
+            for a in range(max(lo, off), min(hi, off + len(data)), STEP):
+                z = min(hi, off + len(data), a + STEP)
+                out[a:z] = data[a - off:z - off]
+                h.update(out[a:z])
             k += 1
         return h.intdigest()
     return list(pool.map(one, range(math.ceil(size / piece))))
@@ -164,12 +159,15 @@ class SharedWeightsWriter:
         self.dir, self.run_id = Path(shm_dir), run_id
         self.digest = digest or default_digest()
         self._current: dict[str, str] = {}  # format -> our newest file's name (recycled next time)
+        self._maps: dict[str, tuple[tuple, mmap.mmap]] = {}  # format -> (file identity, our mapping of it)
         self.recycled = 0
 
     def cleanup(self) -> int:
         """Remove every file of this run (any epoch, finished or not); how many."""
         prefix, n = f"{FILE_PREFIX}{_safe(self.run_id)}-", 0
         self._current.clear()
+        for fmt in list(self._maps):
+            self._unmap(fmt)
         for p in self.dir.glob(f"{prefix}*"):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
@@ -198,6 +196,36 @@ class SharedWeightsWriter:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
 
+    def _unmap(self, fmt: str) -> None:
+        old = self._maps.pop(fmt, None)
+        if old is not None:
+            old[1].close()
+
+    def _mapping(self, fmt: str, fd: int, path: Path, size: int) -> mmap.mmap:
+        """Our writable mapping of the claimed file `fd` (at `path`), resized to `size`: the one
+        kept from the last version when the file is the same (recycled, same size), so its pages
+        need no mapping again; else a new one, its pages mapped up front. Mapped through an open
+        file of its own: a mapping keeps its file open, and the lock taken through `fd` must go
+        when `fd` is closed."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, size)
+        old = self._maps.get(fmt)
+        if old is not None and old[0] == key and st.st_size == size:
+            return old[1]
+        self._unmap(fmt)
+        os.ftruncate(fd, size)
+        own = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            if os.fstat(own).st_ino != st.st_ino:
+                raise OSError(f"{path} was replaced while it was written")
+            mm = mmap.mmap(own, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(own)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            mm.madvise(MADV_POPULATE_WRITE)
+        self._maps[fmt] = (key, mm)
+        return mm
+
     def write(self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0,
               fmt: str = "full") -> gpb.SharedWeights:
         """Write `state` as policy `version` and return the request that tells a server to load it.
@@ -210,18 +238,20 @@ class SharedWeightsWriter:
         meta = {"format": "pt", "rlhf.version": str(int(version)), "rlhf.run_id": self.run_id,
                 "rlhf.epoch": str(int(epoch)), "rlhf.format": fmt}
         head, placed, size = _layout(tensors, meta)
-        segments = [(0, head)] + [(off, _raw_view(t)) for off, t in placed if t.numel()]
+        segments = [(0, np.frombuffer(head, dtype=np.uint8))] + [(off, _raw_view(t)) for off, t in placed if t.numel()]
         name = weights_file_name(self.run_id, epoch, version, fmt)
         tmp = self.dir / f"{FILE_PREFIX}{_safe(self.run_id)}-e{int(epoch)}-{fmt}.writing"
         fd = self._claim(fmt, tmp)
         try:
-            os.ftruncate(fd, size)
-            with ThreadPoolExecutor(_threads()) as pool:
-                wrote = pool.submit(lambda: [_pwrite_all(fd, data, off) for off, data in segments])
-                digests = _piece_digests(segments, size, PIECE_BYTES, self.digest, pool)
-                wrote.result()
+            out = np.frombuffer(self._mapping(fmt, fd, tmp, size), dtype=np.uint8)
+            try:
+                with ThreadPoolExecutor(_threads()) as pool:
+                    digests = _fill(out, segments, PIECE_BYTES, self.digest, pool)
+            finally:
+                del out  # the mapping's only export: it can be closed (cleanup, a new file) from here on
         except BaseException:
             os.close(fd)
+            self._unmap(fmt)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)  # releases the lock; nobody opens a temporary name

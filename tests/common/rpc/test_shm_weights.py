@@ -119,6 +119,7 @@ def test_a_file_being_rewritten_is_refused_and_one_being_read_is_not_recycled(tm
         before = state["big"].clone()
         req2 = writer.write({k: (v + 1 if v.is_floating_point() else v) for k, v in STATE.items()}, 2)
         assert writer.recycled == 0  # held by this reader: a new file, the old one unlinked
+        assert writer._maps["full"][0][1] == os.stat(tmp_path / req2.file_name).st_ino  # mapped anew
         assert torch.equal(state["big"], before)  # the reader's mapping is untouched
         assert sorted(os.listdir(tmp_path)) == [req2.file_name]
     fd = os.open(tmp_path / req2.file_name, os.O_RDONLY)
@@ -131,7 +132,7 @@ def test_a_file_being_rewritten_is_refused_and_one_being_read_is_not_recycled(tm
     assert torch.equal(_load(tmp_path, req2)[2]["big"], STATE["big"] + 1)
     writer.write(STATE, 3, fmt="partial")
     assert len(os.listdir(tmp_path)) == 2  # one file per format at most
-    assert writer.cleanup() == 2 and os.listdir(tmp_path) == []
+    assert writer.cleanup() == 2 and os.listdir(tmp_path) == [] and writer._maps == {}
 
 
 def test_cleanup_removes_only_this_runs_files(tmp_path):
@@ -155,19 +156,21 @@ def test_colocation_needs_the_servers_probe_in_the_same_directory(tmp_path):
 
 
 def test_a_servers_mapping_is_kept_from_version_to_version(tmp_path, writer):
-    """The learner writes every version over the same file: a server's kept mapping sees each new
-    version (checked against its checksums), and a different file replaces it."""
+    """The learner writes every version over the same file through the mapping it keeps; a
+    server's kept mapping sees each new version (checked against its checksums), and a different
+    file replaces it."""
     mappings = shm_read.Mappings()
-    seen = []
+    seen, written = [], set()
     for version in range(1, 5):
         state = {k: (v + version if v.is_floating_point() else v) for k, v in STATE.items()}
         req = writer.write(state, version)
+        written.add(id(writer._maps["full"][1]))
         with shm_read.open_shared_weights(str(tmp_path), req, SPECS, mappings=mappings) as (_, _, got, _, _):
             assert all(torch.equal(got[k], state[k]) for k in STATE)
             if not any(m is mappings._maps["full"][1] for m in seen):
                 seen.append(mappings._maps["full"][1])
             del got
-    assert writer.recycled == 3 and len(seen) == 1
+    assert writer.recycled == 3 and len(seen) == 1 and len(written) == 1
     req = shm.SharedWeightsWriter(tmp_path, "run-b").write(STATE, 9)  # another file: mapped anew
     assert torch.equal(_load(tmp_path, req, mappings=mappings)[2]["big"], STATE["big"])
     assert mappings._maps["full"][1] is not seen[0]
