@@ -21,13 +21,19 @@ server count, in one run on one machine:
 MB/s counts the bytes delivered to all servers (size x N per second); ratios are from the same run.
 A case whose copies would not fit `--max-total-gb` is skipped for that method alone.
 
+`--device cuda` (with `--dtype bfloat16`, say) keeps the learner's state dict and the servers'
+models on the GPU: a push then starts with the learner's copy to the host (`hostcopy.to_host`, as
+`PPOLearner.policy_state_dict` does) and ends with each server's copy to its GPU; the row adds
+plain device-to-host and host-to-device copy rates (pageable memory), and tcp and memcpy copy
+the same bytes on the host.
+
 Backend: a stand-in, not `HFBackend` itself, because the hf backend loads a real model from a
 model directory and cannot hold a random state dict of an arbitrary size. The stand-in *is* an
 `HFBackend` object whose `model` is a plain `torch.nn.Module` holding tensors of the bench's
 shapes, so the push goes through the real `parameter_specs` / `update_weights` (name, shape and
 dtype checks, versions only forward, `load_state_dict` copy under the backend lock).
-The learner's snapshot copy (`take_snapshot` clones CPU parameters) is not part of the grpc
-time; it is reported on its own (snapshot_s).
+On the CPU the learner's snapshot copy (`take_snapshot` clones CPU parameters) is not part of the
+push time; it is reported on its own (snapshot_s), as is the copy to the host on cuda.
 """
 from __future__ import annotations
 

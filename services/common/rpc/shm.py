@@ -229,7 +229,8 @@ class SharedWeightsWriter:
     def write(self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0,
               fmt: str = "full") -> gpb.SharedWeights:
         """Write `state` as policy `version` and return the request that tells a server to load it.
-        The checksums are computed from the tensors' memory while the file is written."""
+        The tensors are copied into our mapping of the file in parallel, each piece checksummed
+        from the copy."""
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         bad = [k for k, t in tensors.items() if t.dtype not in ST_DTYPES]
         if bad:
