@@ -230,10 +230,24 @@ def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     return model
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on the CPU, on rank 0 (other ranks get {}); collective."""
+def full_state_dict(model: torch.nn.Module, pinned: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU, on rank 0 (other ranks get {}); collective. With
+    `pinned` (a push), GPU tensors come to the host through page-locked memory (`hostcopy`), one
+    gathered tensor at a time, as torch's own gather does into pageable memory (4-5x slower)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not pinned:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.tensor import DTensor
+    from .hostcopy import to_host
+    main, out = dist.get_rank() == 0, {}
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            t = t.full_tensor()  # on every rank
+        elif main:
+            t = t.detach().clone()  # not a view of the live model
+        if main:
+            out.update(to_host({name: t}))
+    return out
 
 
 @contextlib.contextmanager

@@ -376,7 +376,7 @@ class PPOLearner:
         gathered on rank 0 (the other ranks get {})."""
         if self.dist is not None:
             from ..common.distributed import full_state_dict
-            return full_state_dict(self.policy)
+            return full_state_dict(self.policy, pinned=True)
         if not self.lora:
             return to_host(self.policy.state_dict())  # from a GPU through page-locked memory
         return merged_state_dict(self.policy)

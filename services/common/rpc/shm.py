@@ -204,9 +204,10 @@ class SharedWeightsWriter:
     def _mapping(self, fmt: str, fd: int, path: Path, size: int) -> mmap.mmap:
         """Our writable mapping of the claimed file `fd` (at `path`), resized to `size`: the one
         kept from the last version when the file is the same (recycled, same size), so its pages
-        need no mapping again; else a new one, its pages mapped up front. Mapped through an open
-        file of its own: a mapping keeps its file open, and the lock taken through `fd` must go
-        when `fd` is closed."""
+        need no mapping again; else a new one, its pages mapped up front. The file's pages are
+        allocated first: a full tmpfs is an OSError here (the push streams instead), never a
+        SIGBUS on a write through the mapping. Mapped through an open file of its own: a mapping
+        keeps its file open, and the lock taken through `fd` must go when `fd` is closed."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, size)
         old = self._maps.get(fmt)
@@ -214,6 +215,7 @@ class SharedWeightsWriter:
             return old[1]
         self._unmap(fmt)
         os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         own = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             if os.fstat(own).st_ino != st.st_ino:

@@ -135,6 +135,22 @@ def test_a_file_being_rewritten_is_refused_and_one_being_read_is_not_recycled(tm
     assert writer.cleanup() == 2 and os.listdir(tmp_path) == [] and writer._maps == {}
 
 
+def test_a_full_volume_is_an_os_error_and_leaves_no_file(tmp_path, writer, monkeypatch):
+    """The writer allocates the file's pages before it writes through its mapping: no room is an
+    OSError the push falls back from (a write into an unbacked page would be a SIGBUS)."""
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        writer.write(STATE, 1)
+    assert os.listdir(tmp_path) == [] and writer._maps == {}
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    req = writer.write(STATE, 2)
+    assert torch.equal(_load(tmp_path, req)[2]["big"], STATE["big"])
+
+
 def test_cleanup_removes_only_this_runs_files(tmp_path):
     a, b = shm.SharedWeightsWriter(tmp_path, "run-a"), shm.SharedWeightsWriter(tmp_path, "run-b")
     a.write(STATE, 1, epoch=1)
