@@ -53,6 +53,11 @@ def _rollout(n: int, prompt: int, response: int, vocab: int):
     return Rollout(prompts, responses, scores, [i // 2 for i in range(n)], None, None, [0] * n)
 
 
+def _rss_mb() -> float:
+    return next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmRSS:")) / 1024
+
+
 def _local_bytes(learner) -> int:
     """Parameters, gradients and optimiser state this process holds (its shards when sharded)."""
     import torch
@@ -95,6 +100,7 @@ def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, re
     if fsdp and dist is None:
         dist = one_process_group(device)
     learner = PPOLearner(cfg, total_updates=steps + 1, dist=dist)
+    loaded = {"peak_rss_after_load_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": _rss_mb()}
     rank = dist.rank if dist else 0
     if dist is not None and not dist.main:
         follow(learner)  # the steps and the gathers of the state dict
@@ -120,10 +126,8 @@ def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, re
         release_followers(learner)
         Path(out, "times.json").write_text(json.dumps({"steps": times, "state_dict_s": state_dict_s,
                                                        "state_dict_tensors": len(pushed)}))
-    rss = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
     Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_mb": rss / 1024,
+        **loaded, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_mb": _rss_mb(),
         "actor_state_mb": _local_bytes(learner) / 1e6, "threads": torch.get_num_threads(),
         "gpu_peak_mb": torch.cuda.max_memory_allocated() / 1e6 if device == "cuda" else None}))
 
@@ -146,6 +150,8 @@ def run(nproc: int, model_dir: Path, args, fsdp: bool = False) -> dict:
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     return {"nproc": nproc, "fsdp": fsdp or nproc > 1, "step_s": statistics.median(times), "step_s_all": times,
             "state_dict_s": timing["state_dict_s"], "gpu_peak_mb": [r["gpu_peak_mb"] for r in ranks],
+            "peak_rss_after_load_mb": [round(r["peak_rss_after_load_mb"]) for r in ranks],
+            "rss_after_load_mb": [round(r["rss_after_load_mb"]) for r in ranks],
             "peak_rss_mb": [round(r["peak_rss_mb"]) for r in ranks],
             "rss_after_steps_mb": [round(r["rss_after_mb"]) for r in ranks],
             "actor_state_mb_per_process": [round(r["actor_state_mb"]) for r in ranks],
@@ -190,13 +196,14 @@ def main() -> None:
                                                 / one["actor_state_mb_per_process"][0])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"{'processes':>10} {'fsdp':>5} {'step s':>8} {'actor state MB/process':>24} {'peak RSS MB/process':>22} "
-          f"{'RSS after steps MB':>20} {'GPU peak MB':>12} {'state dict s (1st, 2nd, 3rd)':>36}")
+    print(f"{'processes':>10} {'fsdp':>5} {'step s':>8} {'actor state MB/process':>24} "
+          f"{'peak RSS MB/process: load, run':>32} {'RSS after steps MB':>20} {'GPU peak MB':>12} "
+          f"{'state dict s (1st, 2nd, 3rd)':>36}")
     for r in results:
         gpu = max(r["gpu_peak_mb"]) if r["gpu_peak_mb"][0] is not None else float("nan")
         print(f"{r['nproc']:>10} {str(r['fsdp']):>5} {r['step_s']:>8.2f} {str(r['actor_state_mb_per_process']):>24} "
-              f"{str(r['peak_rss_mb']):>22} {str(r['rss_after_steps_mb']):>20} {gpu:>12.0f} "
-              + "".join(f"{x:>12.2f}" for x in r["state_dict_s"]))
+              f"{str(r['peak_rss_after_load_mb']) + ' ' + str(r['peak_rss_mb']):>32} "
+              f"{str(r['rss_after_steps_mb']):>20} {gpu:>12.0f} " + "".join(f"{x:>12.2f}" for x in r["state_dict_s"]))
     if "step_time_ratio_2_over_1" in report:
         print(f"{results[1]['nproc']} vs {results[0]['nproc']} process: step time "
               f"x{report['step_time_ratio_2_over_1']:.2f}, actor state per process "

@@ -230,6 +230,31 @@ def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     return model
 
 
+def load_and_shard(load, build_empty, d: "Dist") -> torch.nn.Module:
+    """A model sharded across the group with one full copy on the host in all: rank 0 loads it on
+    the CPU (`load()`), every other rank builds it on the meta device (`build_empty()`: the same
+    architecture, no memory); all shard it; the others allocate their shards on their device;
+    then rank 0's weights are broadcast into every rank's shards, and its buffers (the
+    non-persistent ones too, such as rotary frequencies) into every rank's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    if d.main:
+        model = load()
+        full = dict(model.state_dict())  # keeps the loaded weights alive through sharding
+    else:
+        with torch.device("meta"):
+            model = build_empty()
+        full = {}
+    shard(model, d.mesh())
+    if not d.main:
+        model.to_empty(device=d.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    with torch.no_grad():
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+    return model
+
+
 def full_state_dict(model: torch.nn.Module, pinned: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's weights on the CPU, on rank 0 (other ranks get {}); collective. With
     `pinned` (a push), GPU tensors come to the host through page-locked memory (`hostcopy`), one

@@ -102,6 +102,14 @@ def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: 
     return model.to(device)
 
 
+def empty_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The architecture `load_causal_lm` loads, without its weights: built under the caller's
+    default device (the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(str(check_model_dir(path)))
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 @dataclass
 class TokenBatch:
     """Prompt + response tokens of `B` sequences, padded into one rectangle.

@@ -69,8 +69,10 @@ class PPOLearner:
             if cfg.model.lora.rank > 0:
                 raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
                                  "fits one device train in one process (model.nproc: 1)")
-        # sharded: loaded on the CPU; sharding moves each process's shards to its device
-        self.policy = load_causal_lm(cfg.model.path, torch.device("cpu") if dist is not None else self.device)
+        if dist is None:
+            self.policy = load_causal_lm(cfg.model.path, self.device)
+        else:  # loaded by rank 0 on the CPU, broadcast into every process's shards on its device
+            self.policy = self._load_sharded()
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
         if self.lora:
@@ -86,12 +88,8 @@ class PPOLearner:
         self.ref = None
         if self.needs_ref and not self.lora and dist is None:  # with LoRA: the base with adapters off
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        if dist is not None:  # one full copy on the CPU at a time, then only shards
-            from ..common.distributed import shard
-            shard(self.policy, dist.mesh())
-            if self.needs_ref:
-                self.ref = shard(load_causal_lm(cfg.model.path, torch.device("cpu")).eval().requires_grad_(False),
-                                 dist.mesh())
+        if dist is not None and self.needs_ref:  # after the policy: one full copy on the host at a time
+            self.ref = self._load_sharded().eval().requires_grad_(False)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
                                            weight_decay=cfg.weight_decay)
@@ -110,6 +108,12 @@ class PPOLearner:
                          and not cfg.add_token_level_kl and not cfg.rollout_is and cfg.kl_penalty != "full"
                          and (cfg.ref_model == "sft" or not cfg.use_kl_loss) and not has_dropout(self.policy))
         self.forwards_saved = 0
+
+    def _load_sharded(self):
+        from ..common.distributed import load_and_shard
+        from ..common.modeling import empty_causal_lm
+        path = self.cfg.model.path
+        return load_and_shard(lambda: load_causal_lm(path, "cpu"), lambda: empty_causal_lm(path), self.dist)
 
     def fuses_old_log_probs(self, batch_size: int) -> bool:
         """Whether a batch of `batch_size` takes its old log-probs from the training forward: true
