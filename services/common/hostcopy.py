@@ -68,6 +68,15 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _staged_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(dst's bytes, src's bytes) when the copy goes through the page-locked buffers: a pageable
+    host `src` into a CUDA `dst` of the same dtype, both contiguous; else None."""
+    if not dst.is_cuda or src.is_cuda or src.is_pinned() or dst.dtype != src.dtype:
+        return None
+    a, b = _flat_bytes(dst), _flat_bytes(src)
+    return (a, b) if a is not None and b is not None and a.numel() == b.numel() else None
+
+
 class _Stager:
     """Two page-locked buffers per device, taken in turn: the host copies a chunk into one while
     the GPU copies the other's last chunk out."""
@@ -101,25 +110,21 @@ def copy_to_device(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """`dst.copy_(src)` for every (dst, src), done when it returns. A host `src` going into a
     CUDA `dst` of the same dtype is staged through page-locked buffers; anything else (pinned
     or CUDA sources, host destinations, other dtypes, strided tensors) is a plain copy."""
-    stagers: dict[torch.device, _Stager] = {}
+    stagers: dict[torch.device, _Stager | None] = {}
     try:
         for dst, src in pairs:
-            a, b = (_flat_bytes(dst), _flat_bytes(src)) if (dst.is_cuda and not src.is_cuda and not src.is_pinned()
-                                                              and dst.dtype == src.dtype) else (None, None)
-            if a is None or b is None or a.numel() != b.numel():
-                dst.copy_(src)
-                continue
-            if dst.device not in stagers:
+            pair = _staged_pair(dst, src)
+            if pair is not None and dst.device not in stagers:
                 try:
                     stagers[dst.device] = _Stager(dst.device)
                 except RuntimeError as e:
                     _once("stage", "weights to the GPU from pageable memory (no page-locked memory: %s)", e)
                     stagers[dst.device] = None
-            stager = stagers[dst.device]
+            stager = stagers.get(dst.device) if pair is not None else None
             if stager is None:
                 dst.copy_(src)
             else:
-                stager.copy(a, b)
+                stager.copy(*pair)
     finally:
         for stager in stagers.values():
             if stager is not None:
