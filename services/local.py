@@ -35,10 +35,13 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     scorer = build_scorer(cfg.reward, device="cpu")
     eval_scorer = build_eval_scorer(cfg.reward) or scorer  # reward.eval_rules: a gold reward apart
     d = cfg.data
-    train = drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed),
+    train = drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed,
+                                       chat_template=d.chat_template, system_prompt=d.system_prompt),
                           tokenizer, cfg.prompt_length, d.overlong)
     held_out = drop_overlong(load_prompts(d.eval, "eval", tokenizer, d.prompt_key, d.label_key, limit=d.eval_size,
-                                          seed=cfg.run.seed), tokenizer, cfg.prompt_length, d.overlong, what="held-out")
+                                          seed=cfg.run.seed, chat_template=d.chat_template,
+                                          system_prompt=d.system_prompt),
+                             tokenizer, cfg.prompt_length, d.overlong, what="held-out")
     sampler = EpochSampler(train, cfg.run.seed)
     learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None

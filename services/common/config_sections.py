@@ -67,8 +67,8 @@ class GenerationConfig(_Strict):
 
 
 class RuleSpec(_Strict):
-    name: str = Field(..., description="a registered rule (exact_match, verifiable_answer, edit_distance, "
-                      "repetition, length, regex_format) or 'module.path:function'")
+    name: str = Field(..., description="a registered rule (exact_match, verifiable_answer, math_answer, "
+                      "edit_distance, repetition, length, regex_format) or 'module.path:function'")
     weight: float = Field(1.0, description="weight of this rule's score in the reward")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the rule")
 
@@ -110,16 +110,30 @@ class CriticConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK, a .jsonl, .parquet, "
-                       ".csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local directory)")
+    train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK (reverse, arithmetic), a "
+                       ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
+                       "directory)")
     eval: str = Field("synthetic:reverse", description="held-out prompts, in the forms of data.train; an hf: "
                       "source without @split reads its eval, test or validation split")
     eval_size: int = Field(128, ge=1, description="held-out prompts evaluated (the first N)")
-    prompt_key: str = Field("prompt", description="record field with the prompt text (records with 'messages' go "
-                            "through the chat template)")
-    label_key: str = Field("label", description="record field with the reference answer (else 'solution')")
+    prompt_key: str = Field("prompt", description="record field with the prompt: a string, or a list of chat "
+                            "messages (verl) rendered through the chat template, as are records with 'messages'; "
+                            "GSM8K rows without it (question, answer) use 'question'")
+    label_key: str = Field("label", description="record field with the reference answer (else verl's "
+                           "reward_model.ground_truth, else 'solution'; GSM8K rows: the number after '####')")
+    chat_template: bool = Field(False, description="wrap each string prompt as one user message and render it "
+                                "through the tokenizer's chat template; records whose prompt is a list of "
+                                "messages always use it")
+    system_prompt: Optional[str] = Field(None, description="with chat_template: a system message put before each "
+                                         "string prompt's user message; null = none")
     overlong: Literal["filter", "error"] = Field("filter", description="prompts longer than prompt_length tokens: "
                                                  "'filter' drops them with a warning, 'error' stops the run")
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_template(self) -> "DataConfig":
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("data.system_prompt is only used with data.chat_template: true")
+        return self
 
 
 

@@ -1,16 +1,22 @@
 """Prompt datasets: JSON lines files, Hugging Face `datasets` sources, or a synthetic task built
 offline.
 
-A record is `{"prompt": str}` or `{"messages": [{"role", "content"}, ...]}` (rendered through
-the tokenizer's chat template), with an optional label (the reference answer a rule reward
-checks against). `synthetic:reverse` is the tiny default task: reverse a short string of
-letters; train and held-out prompts are disjoint.
+A record is `{"prompt": str}`, `{"prompt": [{"role", "content"}, ...]}` (verl's parquet) or
+`{"messages": [...]}` (`prompt` stands for `prompt_key`), with an optional label, the reference
+answer a rule reward checks against: the `label_key` field, else verl's
+`reward_model.ground_truth`, else `solution`. GSM8K's own rows (`question`, `answer` ending in
+`#### N`) give the question as prompt and N as label. Chat messages always go through the
+tokenizer's chat template; string prompts do when `chat_template` is on. `synthetic:reverse` is
+the tiny default task: reverse a short string of letters; `synthetic:arithmetic` asks for the sum
+of two 2-digit numbers. Train and held-out prompts of a synthetic task are disjoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -44,7 +50,25 @@ def reverse_task(split: str, n: int | None = None, seed: int = 0) -> list[Prompt
     return out
 
 
-SYNTHETIC_TASKS = {"reverse": reverse_task}
+def _pair_held_out(a: int, b: int) -> bool:
+    # a fixed, seed-independent split of unordered pairs (a + b and b + a fall on the same side):
+    # about one pair in five is held out
+    return zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 5 == 0
+
+
+def arithmetic_task(split: str, n: int | None = None, seed: int = 0) -> list[PromptRecord]:
+    """The synthetic `arithmetic` task: prompt "What is 52 + 97? Answer with the number only."
+    -> answer "149", for a and b in 10..99. `split` is train or eval; n = None takes every pair of
+    the split. Train prompts come in an order shuffled by `seed`; the eval order ignores it, so
+    every run holds out the same prompts."""
+    held_out = split == "eval"
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if _pair_held_out(a, b) == held_out]
+    random.Random("arithmetic-eval" if held_out else f"arithmetic-train-{seed}").shuffle(pairs)
+    return [PromptRecord(id=f"arithmetic-{split}-{a}+{b}", prompt=f"What is {a} + {b}? Answer with the number only.",
+                         label=str(a + b)) for a, b in pairs[:n]]
+
+
+SYNTHETIC_TASKS = {"reverse": reverse_task, "arithmetic": arithmetic_task}
 DATASETS_FILE_TYPES = (".parquet", ".csv", ".json")
 # the dataset splits `hf:` sources fall back to, in order, when the wanted split is missing
 SPLIT_CHOICES = {"train": ("train",), "eval": ("eval", "test", "validation", "valid")}
@@ -78,27 +102,43 @@ def _local_dataset_dir(name: str) -> Path | None:
     return path if name.startswith(("/", "./", "../", "~")) or path.is_dir() else None
 
 
-def render_prompt(record: dict, tokenizer, prompt_key: str = "prompt") -> str:
-    if "messages" in record:
-        return tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-    if prompt_key not in record:
-        raise ValueError(f"record has neither {prompt_key!r} nor 'messages': {sorted(record)}")
-    return str(record[prompt_key])
+def render_prompt(prompt: str | list, tokenizer, chat_template: bool = False, system_prompt: str | None = None) -> str:
+    """The prompt text: a list of chat messages rendered through the tokenizer's chat template
+    (with the generation prompt); a string as is, or, when `chat_template`, wrapped as one user
+    message after an optional `system_prompt` message and rendered the same way."""
+    if isinstance(prompt, str):
+        if not chat_template:
+            return prompt
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        prompt = system + [{"role": "user", "content": prompt}]
+    if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        raise ValueError(f"a list prompt must be chat messages, each {{'role', 'content'}}; got {prompt[:2]!r}")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat messages need a tokenizer with a chat template to render them; "
+                         + ("none was given" if tokenizer is None else "this tokenizer has none"))
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "prompt", label_key: str = "label",
-                 limit: int | None = None, seed: int = 0) -> list[PromptRecord]:
+                 limit: int | None = None, seed: int = 0, chat_template: bool = False,
+                 system_prompt: str | None = None) -> list[PromptRecord]:
     """Load prompt records from `synthetic:<task>`, a JSON lines file, or a Hugging Face `datasets`
     source: `hf:<name>[:<config>][@<split>]` (a hub dataset or a local dataset directory) or a
     `.parquet`, `.csv` or `.json` file. The default split is the `split` argument; an `hf:` source
-    without one takes the first of SPLIT_CHOICES[split] it has (eval: eval, test, validation, valid)."""
+    without one takes the first of SPLIT_CHOICES[split] it has (eval: eval, test, validation, valid).
+    `chat_template` and `system_prompt` apply to string prompts as in `render_prompt`."""
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
         if task not in SYNTHETIC_TASKS:
             raise ValueError(f"unknown synthetic task {task!r}; valid: {', '.join(SYNTHETIC_TASKS)}")
-        return SYNTHETIC_TASKS[task](split, limit, seed)
+        records = SYNTHETIC_TASKS[task](split, limit, seed)
+        if not chat_template:
+            return records
+        return [dataclasses.replace(r, prompt=render_prompt(r.prompt, tokenizer, True, system_prompt)) for r in records]
+    options = dict(tokenizer=tokenizer, prompt_key=prompt_key, label_key=label_key, chat_template=chat_template,
+                  system_prompt=system_prompt)
     if source.startswith("hf:") or source.endswith(DATASETS_FILE_TYPES):
-        return _from_datasets(source, split, tokenizer, prompt_key, label_key, limit)
+        return _from_datasets(source, split, limit, options)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist")
@@ -111,22 +151,49 @@ def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "pro
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-            out.append(_record(record, f"{path.name}:{lineno}", tokenizer, prompt_key, label_key))
+            out.append(_record(record, f"{path.name}:{lineno}", **options))
             if limit is not None and len(out) >= limit:
                 break
     return out
 
 
-def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key: str) -> PromptRecord:
-    label = record.get(label_key, record.get("solution"))
-    return PromptRecord(id=str(record.get("id", default_id)), prompt=render_prompt(record, tokenizer, prompt_key),
+def gsm8k_label(answer: str) -> str:
+    """The final answer of a GSM8K solution: the number after its `####`, commas removed
+    ("... #### 1,234" -> "1234"); the whole answer, stripped, when it has no `####`."""
+    _, mark, final = str(answer).rpartition("####")
+    return (final if mark else str(answer)).strip().replace(",", "")
+
+
+def _fields(record: dict, prompt_key: str, label_key: str) -> tuple[object, object, set[str]]:
+    """(prompt, label, the keys consumed) of a row in any of the formats of the module docstring."""
+    messages = record.get("messages")
+    if messages is None and prompt_key not in record:
+        if "question" in record and "answer" in record:
+            return record["question"], gsm8k_label(record["answer"]), {"question", "answer"}
+        raise ValueError(f"record has neither {prompt_key!r} nor 'messages' (nor GSM8K's 'question' and 'answer'): "
+                         f"{sorted(record)}")
+    reward_model = record.get("reward_model")
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    label = next((v for v in (record.get(label_key), truth, record.get("solution")) if v is not None), None)
+    used = {"messages", prompt_key, label_key, "solution"} | ({"reward_model"} if truth is not None else set())
+    return (record[prompt_key] if messages is None else messages), label, used
+
+
+def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key: str, chat_template: bool,
+            system_prompt: str | None) -> PromptRecord:
+    """A row as a PromptRecord: its rendered prompt, its label, and its other fields (verl's
+    `data_source` among them) as metadata."""
+    prompt, label, used = _fields(record, prompt_key, label_key)
+    rid = str(record.get("id", default_id))
+    if prompt is None:
+        raise ValueError(f"record {rid}: its prompt is null")
+    return PromptRecord(id=rid, prompt=render_prompt(prompt if isinstance(prompt, list) else str(prompt), tokenizer,
+                                                     chat_template, system_prompt),
                         label=None if label is None else str(label),
-                        metadata={k: v for k, v in record.items()
-                                  if k not in (prompt_key, "messages", label_key, "solution", "id")})
+                        metadata={k: v for k, v in record.items() if k not in used | {"id"}})
 
 
-def _from_datasets(source: str, split: str, tokenizer, prompt_key: str, label_key: str,
-                   limit: int | None) -> list[PromptRecord]:
+def _from_datasets(source: str, split: str, limit: int | None, options: dict) -> list[PromptRecord]:
     try:
         import datasets
     except ImportError:
@@ -151,7 +218,7 @@ def _from_datasets(source: str, split: str, tokenizer, prompt_key: str, label_ke
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     label = Path(name).name
-    return [_record(dict(row), f"{label}:{i}", tokenizer, prompt_key, label_key) for i, row in enumerate(ds)]
+    return [_record(dict(row), f"{label}:{i}", **options) for i, row in enumerate(ds)]
 
 
 def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) -> str:

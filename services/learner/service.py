@@ -57,7 +57,8 @@ def run_identity(run_dir: Path) -> str:
 
 def train_prompts(cfg, tokenizer) -> list:
     d = cfg.data
-    return drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed),
+    return drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed,
+                                      chat_template=d.chat_template, system_prompt=d.system_prompt),
                          tokenizer, cfg.prompt_length, d.overlong)
 
 
@@ -87,7 +88,8 @@ class LearnerService:
         d = cfg.data
         train = train_prompts(cfg, self.tokenizer)
         self.held_out = drop_overlong(load_prompts(d.eval, "eval", self.tokenizer, d.prompt_key, d.label_key,
-                                                   limit=d.eval_size, seed=cfg.run.seed),
+                                                   limit=d.eval_size, seed=cfg.run.seed, chat_template=d.chat_template,
+                                                   system_prompt=d.system_prompt),
                                       self.tokenizer, cfg.prompt_length, d.overlong, what="held-out")
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),

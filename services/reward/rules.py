@@ -6,6 +6,7 @@ path (`name: "my_pkg.rewards:score"`) with the same signature.
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from typing import Callable, Protocol
 
@@ -115,3 +116,76 @@ def regex_format(prompt, response, label, metadata, pattern: str = ".*", fullmat
     """1.0 when the response matches `pattern` (whole response when `fullmatch`), else 0.0."""
     fn = re.fullmatch if fullmatch else re.search
     return float(fn(pattern, response, flags=re.DOTALL) is not None)
+
+
+# GSM8K's final-answer marker (lm-eval's strict-match) and lm-eval's flexible-extract number pattern
+STRICT_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+ANY_NUMBER = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+ANSWER_MODES = ("strict", "flexible", "boxed", "auto")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text`, nested braces included; None when there is
+    none or it is not closed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{"):i]
+    return None
+
+
+def normalise_answer(answer: str) -> str:
+    """An answer as compared: without `$` (or `\\$`), commas, surrounding whitespace and trailing
+    periods ("$1,234." -> "1234")."""
+    return answer.replace("\\$", "").replace("$", "").replace(",", "").strip().rstrip(".").strip()
+
+
+def extract_answer(text: str, mode: str = "flexible") -> str | None:
+    """The final answer of a response, normalised (normalise_answer); None when there is none.
+    strict: the number after the last `#### `; flexible: the last number (lm-eval's flexible-extract,
+    skipping matches without a digit such as "..."); boxed: the content of the last `\\boxed{...}`;
+    auto: boxed when there is one, else strict when there is a `#### ` number, else flexible."""
+    if mode not in ANSWER_MODES:
+        raise ValueError(f"unknown answer mode {mode!r}; valid: {', '.join(ANSWER_MODES)}")
+    boxed, strict = last_boxed(text), STRICT_ANSWER.findall(text)
+    if mode == "auto":
+        mode = "boxed" if boxed is not None else "strict" if strict else "flexible"
+    if mode == "boxed":
+        found = boxed
+    elif mode == "strict":
+        found = strict[-1] if strict else None
+    else:
+        numbers = [m.group() for m in ANY_NUMBER.finditer(text) if any(c.isdigit() for c in m.group())]
+        found = numbers[-1] if numbers else None
+    return (normalise_answer(found) or None) if found is not None else None
+
+
+def _as_number(s: str) -> float | None:
+    try:
+        x = float(s)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def answers_match(a: str, b: str) -> bool:
+    """Two normalised answers are equal: numerically when both parse as numbers ("-5" == "-5.0",
+    "3.50" == "3.5"), else as strings."""
+    x, y = _as_number(a), _as_number(b)
+    return x == y if x is not None and y is not None else a == b
+
+
+@register_rule("math_answer")
+def math_answer(prompt, response, label, metadata, mode: str = "flexible", format_score: float = 0.0) -> float:
+    """GSM8K-style answer check: the response's answer (extract_answer in `mode`: strict, flexible,
+    boxed or auto) against the label, both normalised ("1,234" == "1234"). 1.0 correct,
+    `format_score` when an answer was found but is wrong, 0.0 when none was found."""
+    label = _need_label(label, "math_answer")
+    answer = extract_answer(response, mode)
+    if answer is None:
+        return 0.0
+    return 1.0 if answers_match(answer, normalise_answer(label)) else float(format_score)

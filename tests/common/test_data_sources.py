@@ -21,7 +21,8 @@ def test_missing_data_sources_are_config_errors_naming_the_key(tmp_path, monkeyp
         "data.train: no such file missing.jsonl", "data.eval: no such dataset directory /no/such/dir"]
     assert _errors({"train": "p.parquet"}) == ["data.train: no such file p.parquet"]
     assert _errors({"eval": "hf:./dsdir@test"}) == ["data.eval: no such dataset directory dsdir"]
-    assert _errors({"train": "synthetic:sort"}) == ["data.train: unknown synthetic task 'sort'; valid: reverse"]
+    assert _errors({"train": "synthetic:sort"}) == [
+        "data.train: unknown synthetic task 'sort'; valid: reverse, arithmetic"]
 
 
 def test_existing_relative_sources_and_hub_names_validate(tmp_path, monkeypatch):
@@ -30,6 +31,7 @@ def test_existing_relative_sources_and_hub_names_validate(tmp_path, monkeypatch)
     (tmp_path / "dsdir").mkdir()
     assert _errors({"train": "p.jsonl", "eval": "hf:./dsdir@test"}) == []
     assert _errors({"train": "hf:dsdir", "eval": "hf:openai/gsm8k:main@test"}) == []
+    assert _errors({"train": "synthetic:arithmetic", "eval": "hf:openai/gsm8k:main"}) == []
 
 
 def test_cli_validate_rejects_a_missing_data_file():
