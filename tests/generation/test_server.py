@@ -300,13 +300,16 @@ def test_tiny_temperatures_sample_greedily(client, temperature):
     prompts = [gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30])), gpb.Prompt(text="abc=")]
     resp = client.stub.Generate(gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(
         n=2, temperature=temperature, max_new_tokens=6)), metadata=client.metadata)
+    # the greedy reference with the same n: the same batch (hf decodes prompts x n rows), so the same
+    # float32 reductions; with n=1 the batch has other rows and log-probs move by ~1e-6 (float noise)
     greedy = client.stub.Generate(gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(
-        n=1, temperature=0, max_new_tokens=6)), metadata=client.metadata)
+        n=2, temperature=0, max_new_tokens=6)), metadata=client.metadata)
     for r, g in zip(resp.results, greedy.results):
-        for c in r.completions:
+        assert len(r.completions) == len(g.completions) == 2
+        for c, ref in zip(r.completions, g.completions):
             assert c.log_probs and all(math.isfinite(lp) and lp <= 0 for lp in c.log_probs)
-            assert list(c.token_ids) == list(g.completions[0].token_ids)
-            assert list(c.log_probs) == pytest.approx(list(g.completions[0].log_probs), abs=1e-6)
+            assert list(c.token_ids) == list(ref.token_ids)
+            assert list(c.log_probs) == pytest.approx(list(ref.log_probs), abs=1e-6)
 
 
 def test_prompt_errors_start_with_the_prompt_and_request_errors_do_not(client):

@@ -97,8 +97,11 @@ def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
     learner.step(_rollout(backend))
     backend.update_weights(learner.policy_state_dict(), learner.version)
     ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
+    # merged weights (W + s*B@A, rounded to float32) against the unmerged adapter (W@x + s*B@(A@x)):
+    # another order of float32 operations; 3e-6 measured on logits of magnitude ~8, while the
+    # adapter moves them by ~0.2, so 1e-4 still tells the adapted policy from the base one
     with torch.no_grad():
-        assert torch.allclose(backend.model(ids).logits, learner.policy(ids).logits, atol=1e-5)
+        assert torch.allclose(backend.model(ids).logits, learner.policy(ids).logits, atol=1e-4)
 
 
 def _shifted(ro, old_log_probs, shifts):
@@ -177,6 +180,8 @@ def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, 
     ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
     with torch.no_grad():
         want = learner.policy(ids).logits
-        assert torch.allclose(merged(ids).logits, want, atol=1e-5)
+        # merged vs unmerged: another order of float32 operations (see the merged-push test above)
+        assert torch.allclose(merged(ids).logits, want, atol=1e-4)
+        # the same unmerged PEFT forward on the same weights and input: equal but for float noise
         assert torch.allclose(adapted(ids).logits, want, atol=1e-5)
         assert not torch.allclose(base(ids).logits, want, atol=1e-4)  # the adapter is trained, not a no-op
