@@ -200,6 +200,12 @@ class RolloutConfig(_Strict):
                          "restarting) before it is left pending for later")
     retry_backoff_s: float = Field(0.5, gt=0, description="seconds before the first retry; doubles with each "
                                    "retry up to rpc.retry_max_backoff_s")
+    generate_timeout_s: Optional[float] = Field(None, gt=0, description="deadline of a worker's Generate call "
+                                                "before the per-token part, in seconds; null = rpc.timeout_s")
+    generate_timeout_per_token_s: float = Field(0.05, ge=0, description="seconds a Generate call's deadline "
+                                                "grows per token it asks for (prompts x n x max_new_tokens): a "
+                                                "slow server (a CPU, a busy machine) gets time in proportion to "
+                                                "the work; a retry after a passed deadline gets twice the last")
     metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of each worker's Prometheus "
                                         "/metrics; null = off")
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..common.hostcopy import copy_to_device
 from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
@@ -20,6 +21,22 @@ from ..common.types import Completion, GenerationResult, SamplingParams
 # Temperatures below this sample greedily, exactly as temperature 0 does (log-probs then are of the
 # unscaled distribution): dividing logits by a tiny or denormal temperature overflows to inf/NaN.
 GREEDY_BELOW = 1e-5
+
+
+class GenerationStopped(Exception):
+    """A batch given up before its end because `stop()` said nobody waits for it any more (every
+    caller of the generation server left: deadline passed or call cancelled)."""
+
+
+class _StopWhen(StoppingCriteria):
+    """Ends `generate` after the current decoding step, every row at once, once `stop()` is True."""
+
+    def __init__(self, stop: Callable[[], bool]):
+        self.stop, self.fired = stop, False
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.fired = self.fired or self.stop()
+        return torch.full((input_ids.shape[0],), self.fired, device=input_ids.device, dtype=torch.bool)
 
 
 def check_weights(state_dict: Mapping[str, torch.Tensor], specs: Mapping[str, tuple[tuple, torch.dtype]]) -> None:
@@ -78,7 +95,10 @@ class HFBackend:
             self.version = version
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 stop: Callable[[], bool] | None = None) -> GenerationResult:
+        """`stop`, when given, is asked after every decoding step; once it says True the batch ends
+        there and `GenerationStopped` is raised (its partial samples are nobody's)."""
         if not prompts:
             return GenerationResult([], self.version, 0, 0.0)
         t0 = time.perf_counter()
@@ -90,11 +110,17 @@ class HFBackend:
                       pad_token_id=self.pad_token_id, output_scores=True, return_dict_in_generate=True)
         if not greedy:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        stopper = _StopWhen(stop) if stop is not None else None
+        if stopper is not None:
+            kwargs.update(stopping_criteria=StoppingCriteriaList([stopper]))
         with self._lock:
             version = self.version
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        if stopper is not None and stopper.fired:
+            raise GenerationStopped(f"stopped after {out.sequences.shape[1] - P} of {params.max_new_tokens} tokens: "
+                                    "nobody waits for this batch any more")
         sequences = out.sequences[:, P:].cpu()
         scores = torch.stack(out.scores, dim=1).float().cpu()  # (N, steps, V) sampling-distribution logits
         logps = F.log_softmax(scores, dim=-1).gather(-1, sequences.unsqueeze(-1)).squeeze(-1)

@@ -12,6 +12,9 @@ from ..common.rpc.gen import common_pb2, generation_pb2 as gpb, generation_pb2_g
 from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
 
+# gRPC metadata of a Generate call: the caller's idempotency key (the same on its retries)
+IDEMPOTENCY_KEY = "x-idempotency-key"
+
 
 class GenerationClient(RPCClient):
     stub_class = generation_pb2_grpc.GenerationStub
@@ -29,11 +32,16 @@ class GenerationClient(RPCClient):
             m.seed = p.seed
         return m
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams) -> GenerationResult:
+    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams, timeout: float | None = None,
+                 key: str | None = None) -> GenerationResult:
+        """`timeout`: this call's deadline in seconds (default the client's). `key`: an idempotency
+        key; a retry that sends the same request with the same key while the server still works on
+        the first call waits for that work instead of starting a second copy."""
         req = gpb.GenerateRequest(params=self.params_to_proto(params))
         for p in prompts:
             req.prompts.append(gpb.Prompt(text=p) if isinstance(p, str) else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p))))
-        resp = self.stub.Generate(req, timeout=self.timeout, metadata=self.metadata)
+        metadata = self.metadata + ((IDEMPOTENCY_KEY, key),) if key else self.metadata
+        resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
         comps = [[Completion(list(c.token_ids), list(c.log_probs), c.finish_reason) for c in r.completions]
                  for r in resp.results]
         return GenerationResult(comps, resp.policy_version, sum(len(c.token_ids) for cs in comps for c in cs), 0.0)

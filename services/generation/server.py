@@ -2,11 +2,19 @@
 checksummed, applied atomically between batches), LoadSharedWeights (the same, the bytes read from
 a file the co-located learner wrote into shared memory), GetInfo.
 
+A Generate whose caller has gone (its deadline passed, or it cancelled the call) stops costing
+anything: queued, it never runs; running, its batch ends at the next decoding step once nobody
+waits for any of the batch (hf; a batch shared with live calls runs on, the gone caller's rows
+are discarded), or its requests are aborted in the engine (vllm). A retry carries the first
+call's idempotency key (metadata `x-idempotency-key`, `GenerationClient.generate(key=...)`): while
+that work is still running the retry waits for it instead of starting a second copy (`InFlight`).
+
     rlhf serve generation -c configs/tiny-cpu.yaml      (`serve(cfg)` below)
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import queue
@@ -18,17 +26,22 @@ from typing import Callable
 
 import grpc
 
-from ..common.rpc.errors import BadRequest, ResourceExhausted
+from ..common.rpc.errors import BadRequest, DeadlineExceeded, ResourceExhausted
 from ..common.rpc.shm_read import Probe, open_shared_weights
 from ..common.rpc.weights_receive import WeightChunkDecoder, assemble_weights
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW, check_newer
+from .backend import GREEDY_BELOW, GenerationStopped, check_newer
+from .client import IDEMPOTENCY_KEY
 from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
+
+
+def _never() -> bool:
+    return False
 
 
 @dataclass
@@ -36,6 +49,7 @@ class _Job:
     prompts: list[list[int]]
     params: SamplingParams
     future: Future
+    stopped: Callable[[], bool] = _never  # True once nobody waits for this job (sticky)
 
 
 @dataclass
@@ -54,6 +68,10 @@ class Batcher:
     servicer from the moment a request arrives): a lone caller runs at once, and calls that
     queued while a batch was running join the next batch without waiting.
 
+    A job whose `stopped()` is True when its turn comes is dropped; a running batch is given
+    `stop`: True once every job in it is stopped, which ends it at the next decoding step. Jobs
+    dropped or stopped raise `GenerationStopped`.
+
     The batcher's own thread is the server's one compute thread (the reason is in
     `services/common/compute.py`): weight swaps run on it too (`call`), between batches."""
 
@@ -66,10 +84,15 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="generation-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
+    def start(self, prompts: list[list[int]], params: SamplingParams,
+              stopped: Callable[[], bool] = _never) -> Future:
+        """Queue a job; its future's result is its `GenerationResult`."""
         fut: Future = Future()
-        self.q.put(_Job(prompts, params, fut))
-        return fut.result()
+        self.q.put(_Job(prompts, params, fut, stopped))
+        return fut
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
+        return self.start(prompts, params).result()
 
     def close(self) -> None:
         self.q.put(None)
@@ -135,9 +158,20 @@ class Batcher:
                 self._run_call(c)
 
     def _run(self, group: list[_Job]) -> None:
+        for j in group:
+            if j.stopped():
+                j.future.set_exception(GenerationStopped("nobody waits for this request any more; not run"))
+        group = [j for j in group if not j.future.done()]
+        if not group:
+            return
         prompts = [p for j in group for p in j.prompts]
         try:
-            res = self.backend.generate(prompts, group[0].params)
+            res = self.backend.generate(prompts, group[0].params, stop=lambda: all(j.stopped() for j in group))
+        except GenerationStopped as e:
+            log.info("a batch of %d prompts was stopped: every caller left (%s)", len(prompts), e)
+            for j in group:
+                j.future.set_exception(e)
+            return
         except Exception as e:  # every caller of the batch sees the error
             for j in group:
                 j.future.set_exception(e)
@@ -148,9 +182,12 @@ class Batcher:
         for j in group:
             n = len(j.prompts)
             share = res.completions[start:start + n]
+            start += n
+            if j.stopped():  # its caller left while the others' rows were decoded: its rows are nobody's
+                j.future.set_exception(GenerationStopped("nobody waits for this request any more"))
+                continue
             j.future.set_result(GenerationResult(share, res.policy_version,
                                                  sum(len(c.token_ids) for cs in share for c in cs), res.seconds))
-            start += n
 
 
 def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: GenerationResult) -> None:
@@ -160,7 +197,8 @@ def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: Generat
 
 class ContinuousBatcher:
     """The `Batcher` of a backend that batches by itself (vLLM's continuous batching): the same
-    `submit`/`call`/`close`/`enter`/`exit`, each call handed to the backend as it comes."""
+    `start`/`submit`/`call`/`close`/`enter`/`exit`, each call handed to the backend as it comes
+    (the backend aborts a job once its `stopped()` is True)."""
 
     def __init__(self, backend, metrics=None):
         self.backend, self.metrics = backend, metrics
@@ -168,12 +206,20 @@ class ContinuousBatcher:
         self.active = 0
         self._lock = threading.Lock()
 
+    def start(self, prompts: list[list[int]], params: SamplingParams,
+              stopped: Callable[[], bool] = _never) -> Future:
+        fut = self.backend.submit(prompts, params, stopped)
+
+        def done(f: Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                with self._lock:
+                    self.batches += 1
+                record_batch(self.metrics, len(prompts), f.result())
+        fut.add_done_callback(done)
+        return fut
+
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
-        res = self.backend.generate(prompts, params)
-        with self._lock:
-            self.batches += 1
-        record_batch(self.metrics, len(prompts), res)
-        return res
+        return self.start(prompts, params).result()
 
     def call(self, fn, *args):
         return self.backend.call(fn, *args)
@@ -188,6 +234,70 @@ class ContinuousBatcher:
     def exit(self) -> None:
         with self._lock:
             self.active -= 1
+
+
+class _Work:
+    """One Generate's computation and the calls waiting for it (several when retries attached)."""
+
+    def __init__(self, key: str | None):
+        self.key = key
+        self.contexts: list = []
+        self.future: Future | None = None
+        self.abandoned = False
+
+
+class InFlight:
+    """Generate calls by idempotency key: a call whose key (with the same request) names work
+    still running waits for that work instead of starting another copy. Work is abandoned (its
+    `stopped()` turns True, for good) once none of its callers' gRPC contexts is active; an
+    abandoned work leaves the table in the same step, under the same lock as attaching, so a
+    retry either attaches to work that will deliver or starts anew, never joins work that is
+    stopping. Work without a key is the same, with its one caller."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_key: dict[str, _Work] = {}
+
+    def run(self, key: str | None, context, start: Callable[[Callable[[], bool]], Future]) -> GenerationResult:
+        """The result of the work under `key`: running work's, or `start(stopped)`'s (a future)."""
+        with self._lock:
+            work = self._by_key.get(key) if key is not None else None
+            new = work is None
+            if new:
+                work = _Work(key)
+                if key is not None:
+                    self._by_key[key] = work
+                # start only queues the work (it calls nothing back before returning)
+                work.future = start(lambda: self._stopped(work))
+            work.contexts.append(context)
+        if new and key is not None:
+            work.future.add_done_callback(lambda _: self._forget(work))
+        elif not new:
+            log.info("Generate %s: a retry of work still running; it waits for that work", key)
+        try:
+            return work.future.result()
+        except GenerationStopped:
+            raise DeadlineExceeded("request: its caller left (deadline passed or call cancelled), so its "
+                                   "generation was stopped") from None
+
+    def _stopped(self, work: _Work) -> bool:
+        with self._lock:
+            if not work.abandoned and not any(c is None or c.is_active() for c in work.contexts):
+                work.abandoned = True
+                self._forget_locked(work)
+            return work.abandoned
+
+    def _forget(self, work: _Work) -> None:
+        with self._lock:
+            self._forget_locked(work)
+
+    def _forget_locked(self, work: _Work) -> None:
+        if work.key is not None and self._by_key.get(work.key) is work:
+            del self._by_key[work.key]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_key)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -212,6 +322,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         metrics = GenerationMetrics(server.metrics) if server else None
         self.batcher = ContinuousBatcher(backend, metrics) if getattr(backend, "continuous_batching", False) else \
             Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
+        self.in_flight = InFlight()
         self._push_lock = threading.Lock()
 
     # ------------------------------------------------------------ decode + check
@@ -269,7 +380,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Generate(self, request, context):
         self.batcher.enter()
         try:
-            return self._generate(request)
+            return self._generate(request, context)
         finally:
             self.batcher.exit()
 
@@ -284,9 +395,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"+ max_new_tokens={params.max_new_tokens}) = {cost} token positions, more than "
                 f"rpc.max_request_tokens={limit}; send fewer prompts or samples per request")
 
-    def _generate(self, request):
+    @staticmethod
+    def _work_key(request, context) -> str | None:
+        """The caller's idempotency key with a digest of the request: the same key on another
+        request (a caller's bug) never gets the first one's answer."""
+        key = dict(context.invocation_metadata()).get(IDEMPOTENCY_KEY) if context is not None else None
+        if not key:
+            return None
+        return f"{key}:{hashlib.blake2b(request.SerializeToString(deterministic=True), digest_size=16).hexdigest()}"
+
+    def _generate(self, request, context=None):
         """Request-level errors come first and never start with "prompts["; an error about one
-        prompt starts with "prompts[i]" (rollout workers tell the two apart by that prefix)."""
+        prompt starts with "prompts[i]" (rollout workers tell the two apart by that prefix).
+        Without a `context` (an in-process call) the work is never abandoned."""
         if not request.prompts:
             raise BadRequest("prompts: empty batch (0 prompts)")
         if len(request.prompts) > self.cfg.rpc.max_prompts_per_request:
@@ -299,7 +420,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                          exact=len(known) == len(request.prompts) and width == max(known))
         prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
         self._check_cost(len(prompts), max(len(p) for p in prompts), params, exact=True)
-        res = self.batcher.submit(prompts, params)
+        res = self.in_flight.run(self._work_key(request, context), context,
+                                 lambda stopped: self.batcher.start(prompts, params, stopped))
         out = gpb.GenerateResponse(policy_version=res.policy_version)
         for ids, comps in zip(prompts, res.completions):
             out.results.append(gpb.PromptResult(prompt_token_ids=ids, completions=[

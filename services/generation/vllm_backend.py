@@ -29,14 +29,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW, check_newer, check_weights
+from .backend import GREEDY_BELOW, GenerationStopped, check_newer, check_weights
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class _Job:
     outputs: list = field(default_factory=list)
     left: int = 0
     t0: float = 0.0
+    stopped: Callable[[], bool] | None = None  # True once nobody waits for it: its requests are aborted
 
 
 @dataclass
@@ -150,14 +151,17 @@ class VLLMBackend:
         return self._specs
 
     # ------------------------------------------------------------------ callers' side
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future:
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               stopped: Callable[[], bool] | None = None) -> Future:
+        """`stopped()`, when given, is asked before each engine step: once True, the job's
+        requests are aborted and its future raises `GenerationStopped`."""
         fut: Future = Future()
         if self.broken:
             fut.set_exception(Unavailable(self.broken))
         elif self._closed:
             fut.set_exception(Unavailable("the vLLM engine is stopping"))
         else:
-            self._q.put(_Job([list(p) for p in prompts], params, fut))
+            self._q.put(_Job([list(p) for p in prompts], params, fut, stopped=stopped))
         return fut
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
@@ -234,6 +238,7 @@ class VLLMBackend:
                 break
             if self._calls and not self.engine.has_unfinished_requests():
                 self._run_calls()
+            self._abort_stopped()
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
@@ -278,6 +283,9 @@ class VLLMBackend:
         if self.broken:
             job.future.set_exception(Unavailable(self.broken))
             return
+        if job.stopped is not None and job.stopped():
+            job.future.set_exception(GenerationStopped("nobody waits for this request any more; not run"))
+            return
         p = job.params
         greedy = p.temperature < GREEDY_BELOW
         job.version, job.t0, job.left = self.version, time.perf_counter(), len(job.prompts)
@@ -321,6 +329,27 @@ class VLLMBackend:
         if job.left == 0 and not job.future.done():
             tokens = sum(len(c.token_ids) for cs in job.outputs for c in cs)
             job.future.set_result(GenerationResult(job.outputs, job.version, tokens, time.perf_counter() - job.t0))
+
+    _stops_checked_at = 0.0
+    STOP_CHECK_S = 0.1  # how often (seconds) `_abort_stopped` looks: it walks every request in flight
+
+    def _abort_stopped(self) -> None:
+        """Abort the requests of the jobs nobody waits for any more (their `stopped()`)."""
+        now = time.monotonic()
+        if now - self._stops_checked_at < self.STOP_CHECK_S:
+            return
+        self._stops_checked_at = now
+        jobs = {id(j): j for j, _ in self._inflight.values() if j.stopped is not None}
+        gone = {k for k, j in jobs.items() if j.stopped()}
+        if not gone:
+            return
+        rids = [rid for rid, (j, _) in self._inflight.items() if id(j) in gone]
+        for rid in rids:
+            del self._inflight[rid]
+        self.engine.abort_request(rids)
+        for k in gone:
+            if not jobs[k].future.done():
+                jobs[k].future.set_exception(GenerationStopped("nobody waits for this request any more"))
 
     def _fail_inflight(self, e: Exception) -> None:
         rids = list(self._inflight)

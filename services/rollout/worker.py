@@ -4,10 +4,17 @@ stop them at any time. A worker killed mid-batch leaves its prompts pending; ano
 reclaims them after `replay.claim_idle_s`. A live worker renews its claim while it works, so a
 slow batch (or one waiting for a restarting service) is never taken over.
 
+A Generate call's deadline grows with the work it asks for: `rollout.generate_timeout_s` (default
+`rpc.timeout_s`) plus `rollout.generate_timeout_per_token_s` x prompts x n x max_new_tokens. Every
+attempt of one batch carries the same idempotency key, so a retry that reaches a server still
+working on the batch waits for that work instead of starting it again (the server stops work whose
+callers have all left).
+
 Failures, by where they come from:
     a generation server unavailable, or refusing the request as a whole (its limits differ)
         -> another server is tried (that one avoided for a while); after `rollout.retries`
            the batch is left pending and picked up again later
+    a Generate past its deadline -> retried like the above, with twice the deadline
     the reward or critic server unavailable -> wait for it (it restarts), as the learner does
     one prompt refused (INVALID_ARGUMENT about prompts[i], a reward rule's complaint)
         -> the batch is split to find it; that prompt alone goes to the dead-letter stream
@@ -22,6 +29,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -104,6 +112,17 @@ class _Tagged:
         return call
 
 
+class _OneBatch:
+    """A generation client as `sample_groups` calls it, for the attempts at one batch: each call
+    with the batch's deadline and idempotency key."""
+
+    def __init__(self, client: GenerationClient, key: str, timeout_s: float):
+        self.client, self.key, self.timeout_s = client, key, timeout_s
+
+    def generate(self, prompts, params: SamplingParams):
+        return self.client.generate(prompts, params, timeout=self.timeout_s, key=self.key)
+
+
 class _ClaimRenewal:
     """While a batch is worked on, re-claim its prompts every claim_idle_s / 3 (their idle time
     restarts), so other workers see a live owner and leave them alone."""
@@ -184,6 +203,12 @@ class RolloutWorker:
             self._servers_at = 0.0  # re-read the registry next time
 
     # ------------------------------------------------------------------ one batch
+    def generate_timeout(self, n_prompts: int, params: SamplingParams) -> float:
+        """The deadline of a Generate call: a base and a budget per token asked for."""
+        rc = self.cfg.rollout
+        base = rc.generate_timeout_s if rc.generate_timeout_s is not None else self.cfg.rpc.timeout_s
+        return base + rc.generate_timeout_per_token_s * n_prompts * params.n * params.max_new_tokens
+
     def _sample(self, entries: list) -> list | None:
         """Groups for `entries` (one Generate call), retrying transient failures; None = give up
         (the prompts stay pending and are reclaimed later)."""
@@ -191,6 +216,7 @@ class RolloutWorker:
         min_version = max(t.min_version for t in tasks)
         params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
         rc = self.cfg.rollout
+        key, timeout = uuid.uuid4().hex, self.generate_timeout(len(tasks), params)
         for attempt in range(rc.retries + 1):
             delay = min(rc.retry_backoff_s * 2 ** attempt, self.cfg.rpc.retry_max_backoff_s)
             if self.stop_event.is_set() and attempt:
@@ -202,9 +228,9 @@ class RolloutWorker:
                 self.stop_event.wait(delay)
                 continue
             try:
-                groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks],
-                                          _Tagged(self._clients[address], "generation"), self.reward, self.tokenizer,
-                                          params, self.critic, self.cfg.prompt_length)
+                generation = _Tagged(_OneBatch(self._clients[address], key, timeout), "generation")
+                groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks], generation,
+                                          self.reward, self.tokenizer, params, self.critic, self.cfg.prompt_length)
             except DependencyUnavailable as e:  # reward or critic gone for longer than we wait
                 self.metrics.error("dependency").inc()
                 log.error("batch of %d prompts left pending: %s", len(tasks), e)
@@ -228,6 +254,8 @@ class RolloutWorker:
                     log.warning("batch of %d prompts failed on %s (%s: %s); retry %d/%d", len(tasks), address,
                                 e.code().name, e.details(), attempt + 1, rc.retries)
                     self._avoid(address, delay)
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        timeout *= 2  # the server was slower than the budget: the same deadline would fail again
                 self.stop_event.wait(delay)
                 continue
             if groups and groups[0].version < min_version:  # the server missed a push; it will catch up

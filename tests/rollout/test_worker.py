@@ -6,6 +6,7 @@ that answer with an older policy than a prompt needs."""
 import itertools
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -14,7 +15,7 @@ from services.common.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import make_task
 from services.common.replay.store import WORKERS_GROUP
-from services.common.types import PromptRecord
+from services.common.types import PromptRecord, SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
@@ -192,6 +193,61 @@ def test_no_generation_server_gives_up_and_leaves_prompts_pending(make_cfg):
     assert reclaimed == 3
     assert sorted(t.uid for _, t in taken) == sorted(uids)
     assert _pending(store, "w2") == 3 and _pending(store, "w1") == 0
+
+
+def test_generate_deadline_grows_with_the_work_asked_for(make_cfg):
+    cfg = make_cfg()  # rollout.generate_timeout_s null: rpc.timeout_s
+    worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+    params = SamplingParams(n=4, max_new_tokens=48)
+    per_token = cfg.rollout.generate_timeout_per_token_s
+    assert worker.generate_timeout(32, params) == pytest.approx(cfg.rpc.timeout_s + per_token * 32 * 4 * 48)
+    cfg = make_cfg(rollout={"generate_timeout_s": 10, "generate_timeout_per_token_s": 0.01})
+    worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+    assert worker.generate_timeout(32, params) == pytest.approx(10 + 0.01 * 32 * 4 * 48)
+
+
+class _Expired(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+def test_a_generate_past_its_deadline_is_retried_with_the_same_key_and_twice_the_deadline(make_cfg):
+    """The retry carries the first attempt's idempotency key (a server still working on the batch
+    lets it wait for that work) and twice the deadline (the same one would pass again)."""
+    cfg = make_cfg(rollout={"retries": 4, "retry_backoff_s": 0.05, "generate_timeout_s": 30,
+                            "generate_timeout_per_token_s": 0.5})
+    store = ReplayStore.from_config(cfg)
+    with _generation(cfg) as g:
+        worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+        real = GenerationClient(_addr(g), cfg.rpc)
+        calls = []
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def generate(self, prompts, params, timeout=None, key=None):
+                calls.append((len(prompts), timeout, key))
+                if len(calls) == 1:
+                    raise _Expired()
+                return real.generate(prompts, params, timeout=timeout, key=key)
+        worker._clients[_addr(g)] = Spy()
+        _feed(store, reverse_task("train", 3))
+        entries, _ = store.claim_prompts("w1", 10, block_ms=50)
+        assert worker.process(entries) == 3
+        first = 30 + 0.5 * 3 * GROUP * cfg.response_length
+        assert [(n, t) for n, t, _ in calls] == [(3, first), (3, 2 * first)]
+        assert calls[0][2] and calls[0][2] == calls[1][2]
+        assert _errors(worker, "deadline_exceeded") == 1
+        # another batch: another key
+        _feed(store, reverse_task("train", 5)[3:])
+        entries, _ = store.claim_prompts("w1", 10, block_ms=50)
+        assert worker.process(entries) == 2
+        assert calls[-1][1] == 30 + 0.5 * 2 * GROUP * cfg.response_length and calls[-1][2] != calls[0][2]
+        real.close()
 
 
 # ---------------------------------------------------------------------------------------------- dead letters
