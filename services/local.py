@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .common.data import EpochSampler, drop_overlong, load_prompts
+from .common.data import EpochSampler, config_prompts
 from .common.runlog import RunLog
 from .common.sampling import evaluate, sample_groups
 from .common.types import Rollout, SamplingParams
@@ -34,14 +34,8 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     tokenizer = backend.tokenizer
     scorer = build_scorer(cfg.reward, device="cpu")
     eval_scorer = build_eval_scorer(cfg.reward) or scorer  # reward.eval_rules: a gold reward apart
-    d = cfg.data
-    train = drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed,
-                                       chat_template=d.chat_template, system_prompt=d.system_prompt),
-                          tokenizer, cfg.prompt_length, d.overlong)
-    held_out = drop_overlong(load_prompts(d.eval, "eval", tokenizer, d.prompt_key, d.label_key, limit=d.eval_size,
-                                          seed=cfg.run.seed, chat_template=d.chat_template,
-                                          system_prompt=d.system_prompt),
-                             tokenizer, cfg.prompt_length, d.overlong, what="held-out")
+    train = config_prompts(cfg, "train", tokenizer)
+    held_out = config_prompts(cfg, "eval", tokenizer)
     sampler = EpochSampler(train, cfg.run.seed)
     learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None

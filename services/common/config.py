@@ -109,7 +109,11 @@ class Config(_Strict):
                                            "null = off")
     ppo_mini_batch_size: int = Field(64, gt=0, description="sequences per optimiser step")
     micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward and backward "
-                                            "(gradient accumulation); null = ppo_mini_batch_size")
+                                            "(gradient accumulation, exact in every loss_agg_mode); "
+                                            "null = ppo_mini_batch_size")
+    log_prob_micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward of the "
+                                                     "passes without gradients (old log-probs, reference, "
+                                                     "values); null = micro_batch_size")
     # --- sections ------------------------------------------------------------------------------
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling")

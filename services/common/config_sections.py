@@ -107,6 +107,9 @@ class CriticConfig(_Strict):
                                    "mini-batch while the actor does (a win when they have their own devices)")
     max_abs_target: float = Field(1e6, gt=0, description="largest |return| or |old value| Train accepts; "
                                   "beyond it (or non-finite) the step is refused with INVALID_ARGUMENT")
+    micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward and backward of a "
+                                            "critic step (gradient accumulation, exact) and per values "
+                                            "forward; null = the top-level micro_batch_size")
 
 
 class DataConfig(_Strict):
@@ -126,6 +129,9 @@ class DataConfig(_Strict):
                                 "messages always use it")
     system_prompt: Optional[str] = Field(None, description="with chat_template: a system message put before each "
                                          "string prompt's user message; null = none")
+    instruction: Optional[str] = Field(None, description="text appended (after a space) to each string prompt, "
+                                       "before the chat template: e.g. GSM8K's 'Let\'s think step by step and "
+                                       "output the final answer after \"####\".'; null = none")
     overlong: Literal["filter", "error"] = Field("filter", description="prompts longer than prompt_length tokens: "
                                                  "'filter' drops them with a warning, 'error' stops the run")
 

@@ -102,11 +102,15 @@ def _local_dataset_dir(name: str) -> Path | None:
     return path if name.startswith(("/", "./", "../", "~")) or path.is_dir() else None
 
 
-def render_prompt(prompt: str | list, tokenizer, chat_template: bool = False, system_prompt: str | None = None) -> str:
+def render_prompt(prompt: str | list, tokenizer, chat_template: bool = False, system_prompt: str | None = None,
+                  instruction: str | None = None) -> str:
     """The prompt text: a list of chat messages rendered through the tokenizer's chat template
-    (with the generation prompt); a string as is, or, when `chat_template`, wrapped as one user
-    message after an optional `system_prompt` message and rendered the same way."""
+    (with the generation prompt); a string (followed by `instruction`, after a space) as is, or,
+    when `chat_template`, wrapped as one user message after an optional `system_prompt` message
+    and rendered the same way."""
     if isinstance(prompt, str):
+        if instruction:
+            prompt = f"{prompt} {instruction}"
         if not chat_template:
             return prompt
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -121,22 +125,23 @@ def render_prompt(prompt: str | list, tokenizer, chat_template: bool = False, sy
 
 def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "prompt", label_key: str = "label",
                  limit: int | None = None, seed: int = 0, chat_template: bool = False,
-                 system_prompt: str | None = None) -> list[PromptRecord]:
+                 system_prompt: str | None = None, instruction: str | None = None) -> list[PromptRecord]:
     """Load prompt records from `synthetic:<task>`, a JSON lines file, or a Hugging Face `datasets`
     source: `hf:<name>[:<config>][@<split>]` (a hub dataset or a local dataset directory) or a
     `.parquet`, `.csv` or `.json` file. The default split is the `split` argument; an `hf:` source
     without one takes the first of SPLIT_CHOICES[split] it has (eval: eval, test, validation, valid).
-    `chat_template` and `system_prompt` apply to string prompts as in `render_prompt`."""
+    `chat_template`, `system_prompt` and `instruction` apply to string prompts as in `render_prompt`."""
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
         if task not in SYNTHETIC_TASKS:
             raise ValueError(f"unknown synthetic task {task!r}; valid: {', '.join(SYNTHETIC_TASKS)}")
         records = SYNTHETIC_TASKS[task](split, limit, seed)
-        if not chat_template:
+        if not chat_template and not instruction:
             return records
-        return [dataclasses.replace(r, prompt=render_prompt(r.prompt, tokenizer, True, system_prompt)) for r in records]
+        return [dataclasses.replace(r, prompt=render_prompt(r.prompt, tokenizer, chat_template, system_prompt,
+                                                            instruction)) for r in records]
     options = dict(tokenizer=tokenizer, prompt_key=prompt_key, label_key=label_key, chat_template=chat_template,
-                  system_prompt=system_prompt)
+                   system_prompt=system_prompt, instruction=instruction)
     if source.startswith("hf:") or source.endswith(DATASETS_FILE_TYPES):
         return _from_datasets(source, split, limit, options)
     path = Path(source)
@@ -180,7 +185,7 @@ def _fields(record: dict, prompt_key: str, label_key: str) -> tuple[object, obje
 
 
 def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key: str, chat_template: bool,
-            system_prompt: str | None) -> PromptRecord:
+            system_prompt: str | None, instruction: str | None = None) -> PromptRecord:
     """A row as a PromptRecord: its rendered prompt, its label, and its other fields (verl's
     `data_source` among them) as metadata."""
     prompt, label, used = _fields(record, prompt_key, label_key)
@@ -188,7 +193,7 @@ def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key
     if prompt is None:
         raise ValueError(f"record {rid}: its prompt is null")
     return PromptRecord(id=rid, prompt=render_prompt(prompt if isinstance(prompt, list) else str(prompt), tokenizer,
-                                                     chat_template, system_prompt),
+                                                     chat_template, system_prompt, instruction),
                         label=None if label is None else str(label),
                         metadata={k: v for k, v in record.items() if k not in used | {"id"}})
 
@@ -229,6 +234,17 @@ def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) 
     base = source.partition("@")[0]
     raise ValueError(f"{source} has no {'/'.join(candidates)} split (it has {', '.join(available)}); "
                      f"choose one with {base}@<split>, e.g. {base}@{available[0]}")
+
+
+def config_prompts(cfg, split: str, tokenizer) -> list[PromptRecord]:
+    """The run's training (`split` "train") or held-out ("eval") prompts as its `data` section
+    says, those longer than `prompt_length` tokens dropped (or an error: `data.overlong`)."""
+    d = cfg.data
+    held_out = split == "eval"
+    records = load_prompts(d.eval if held_out else d.train, split, tokenizer, d.prompt_key, d.label_key,
+                           limit=d.eval_size if held_out else None, seed=cfg.run.seed, chat_template=d.chat_template,
+                           system_prompt=d.system_prompt, instruction=d.instruction)
+    return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
 
 
 def drop_overlong(records: list[PromptRecord], tokenizer, prompt_length: int, mode: str = "filter",

@@ -131,6 +131,22 @@ def from_env(device: str, nproc: int | None = None) -> Dist | None:
     return Dist(rank, world, local_rank, control, device_type="cuda" if cuda else "cpu")
 
 
+def micro_batches(n: int, micro: int, d: "Dist | None" = None) -> list[tuple[torch.Tensor, bool]]:
+    """The row positions (of a batch of `n`) of each micro-batch of at most `micro` rows this
+    process runs, and whether it counts. With N processes each runs its share (`Dist.rows`), and
+    every process runs as many micro-batches; one short of rows runs row 0 and counts it not, so
+    the processes' collectives pair up."""
+    if d is None:
+        return [(torch.arange(s, min(s + micro, n)), True) for s in range(0, n, micro)]
+    start, end = d.rows(n)
+    most = -(-n // d.world)
+    out = []
+    for s in range(0, most, micro):
+        a, b = start + s, min(start + s + micro, end)
+        out.append((torch.arange(a, b), True) if b > a else (torch.arange(1), False))
+    return out
+
+
 def collective(method):
     """A `PPOLearner` method every rank must run together: rank 0 announces it (its arguments
     with it) before running it; followers run what they receive (`follow`). Arguments named in

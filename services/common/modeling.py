@@ -6,12 +6,14 @@ A batch holds `B` sequences laid out as `[left-padded prompt | right-padded resp
 """
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..ppo.losses import entropy_from_logits, logprobs_from_logits
@@ -135,6 +137,28 @@ class TokenBatch:
         return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
                           self.response_mask[idx], self.prompt_width)
 
+    def trimmed(self) -> "TokenBatch":
+        """The same sequences without the columns that are padding in every row: leading prompt
+        columns and trailing response columns (at least one of each stays). Positions are kept,
+        so every forward gives the same numbers; outputs are (B, T') with T' <= T, the first T'
+        response columns of the untrimmed batch."""
+        P = self.prompt_width
+        used = self.attention_mask[:, :P].any(0).nonzero()
+        first = min(int(used[0]) if len(used) else P - 1, P - 1)
+        answered = self.response_mask.any(0).nonzero()
+        T = int(answered[-1]) + 1 if len(answered) else 1
+        end = P + T
+        return TokenBatch(self.input_ids[:, first:end], self.attention_mask[:, first:end],
+                          self.position_ids[:, first:end], self.response_mask[:, :T], P - first)
+
+
+def widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A (B, T', ...) result of a `TokenBatch.trimmed` batch zero-padded back to (B, width, ...)."""
+    if t.shape[1] == width:
+        return t
+    pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+    return torch.nn.functional.pad(t, pad)
+
 
 def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
                       response_width: int | None = None) -> TokenBatch:
@@ -156,25 +180,104 @@ def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequ
 
 
 def response_logits(model: nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Logits (B, T, V) predicting each response token, divided by the sampling temperature."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, use_cache=False)
-    P = batch.prompt_width
-    logits = out.logits[:, P - 1:-1, :].float()
+    """Logits (B, T, V) in float32 predicting each response token, divided by the sampling
+    temperature: the whole vocabulary at every response position (what kl_penalty 'full' needs).
+    Only the response positions go through the output layer."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False, **_keep_kwargs(model, batch))
+    logits = out.logits[:, -(batch.response_mask.shape[1] + 1):-1, :].float()
     return logits / temperature if temperature not in (0, 1.0) else logits
+
+
+# float32 logits one chunk of the output layer holds at most (elements): 64 Mi = 256 MB
+LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
 def response_log_probs(model: nn.Module, batch: TokenBatch, temperature: float = 1.0,
                        with_entropy: bool = False, full: bool = False):
     """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position and
-    the full log-probability tensor (B, T, V). Returns a dict with keys log_probs/entropy/full."""
-    logits = response_logits(model, batch, temperature)
-    out = {"log_probs": logprobs_from_logits(logits, batch.responses)}
+    the full log-probability tensor (B, T, V). Returns a dict with keys log_probs/entropy/full.
+
+    Memory does not grow with the vocabulary times the batch: the output layer runs inside the
+    model's forward on the response positions only, a chunk of positions at a time (at most
+    `LOGIT_CHUNK_ELEMENTS` float32 logits), and with gradients each chunk's logits are recomputed
+    in the backward pass instead of kept. Only `full` (kl_penalty 'full') materialises (B, T, V).
+    """
+    if full or not _head_is_plain(model):
+        logits = response_logits(model, batch, temperature)
+        out = {"log_probs": logprobs_from_logits(logits, batch.responses)}
+        if with_entropy:
+            out["entropy"] = entropy_from_logits(logits)
+        if full:
+            out["full"] = torch.log_softmax(logits, dim=-1)
+        return out
+    head = model.get_output_embeddings()
+    T = batch.response_mask.shape[1]
+    targets = batch.responses
+
+    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
+        # hidden (B, L, H), the last L positions; the response is predicted from [-(T+1), -1)
+        h = hidden[:, -(T + 1):-1, :]
+        B, _, H = h.shape
+        flat_h, flat_t = h.reshape(B * T, H), targets.reshape(B * T)
+        step = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+        pieces = []
+        for s in range(0, B * T, step):
+            args = (flat_h[s:s + step], flat_t[s:s + step], head.weight, head.bias, temperature, with_entropy)
+            if torch.is_grad_enabled():
+                pieces.append(torch.utils.checkpoint.checkpoint(_token_stats, *args, use_reentrant=False))
+            else:
+                pieces.append(_token_stats(*args))
+        stats = torch.cat(pieces).reshape(B, T, -1)
+        # returned as the model's "logits" so that the result leaves through the model's forward
+        # (FSDP2's backward hooks hang on the root module's outputs)
+        return torch.nn.functional.pad(stats, (0, 0, 0, 1))
+
+    head.forward = chunked_head
+    try:
+        stats = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, use_cache=False, **_keep_kwargs(model, batch)).logits
+    finally:
+        del head.forward
+    stats = stats[:, -(T + 1):-1]
+    out = {"log_probs": stats[..., 0]}
     if with_entropy:
-        out["entropy"] = entropy_from_logits(logits)
-    if full:
-        out["full"] = torch.log_softmax(logits, dim=-1)
+        out["entropy"] = stats[..., 1]
     return out
+
+
+def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy: bool) -> torch.Tensor:
+    """(N, 1 or 2): the log-prob of each target (and the entropy) under the output layer."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature not in (0, 1.0):
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    cols = [log_probs.gather(-1, targets.unsqueeze(-1))]
+    if with_entropy:
+        cols.append(-(log_probs.exp() * log_probs).sum(-1, keepdim=True))
+    return torch.cat(cols, dim=-1)
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+
+
+def _keep_kwargs(model: nn.Module, batch: TokenBatch) -> dict:
+    """`logits_to_keep`: only the last T + 1 positions reach the output layer, where the model
+    takes it (transformers' causal LMs do)."""
+    params = inspect.signature(type(_base_model(model)).forward).parameters
+    return {"logits_to_keep": batch.response_mask.shape[1] + 1} if "logits_to_keep" in params else {}
+
+
+def _head_is_plain(model: nn.Module) -> bool:
+    """Whether the model's logits are its output layer's plain output (a Linear), so that the
+    layer can be replaced for the forward by the chunked log-prob computation: not with logit
+    soft-capping (Gemma 2) or a scaled or non-linear head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(_base_model(model), "config", None)
+    scaled = any(getattr(config, k, None) not in (None, 1.0, 1) for k in
+                 ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))
+    return isinstance(head, nn.Linear) and not scaled
 
 
 class ValueModel(nn.Module):
@@ -213,7 +316,8 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)
+        with torch.autocast(hidden.device.type, enabled=False):  # the head in float32 under bf16 autocast
+            return self.value_head(hidden.float()).squeeze(-1)
 
     def response_values(self, batch: TokenBatch) -> torch.Tensor:
         """V(s_t) for each response position t (B, T): the value of the state before token t."""

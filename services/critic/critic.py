@@ -4,14 +4,16 @@ trainer both host this object.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from ..common.modeling import TokenBatch, ValueModel, resolve_device
-from ..ppo import compute_value_loss, masked_mean
+from ..common.distributed import micro_batches
+from ..common.modeling import TokenBatch, ValueModel, resolve_device, widen
+from ..ppo import AggNorm, compute_value_loss
 
 CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
 
@@ -27,13 +29,16 @@ class CheckpointError(ValueError):
 class Critic:
     def __init__(self, model_path: str, lr: float = 1e-4, value_clip: float | None = None,
                  loss_agg_mode: str = "token-mean", max_grad_norm: float | None = 1.0,
-                 value_loss_coef: float = 1.0, device: str = "auto", weight_decay: float = 0.0):
+                 value_loss_coef: float = 1.0, device: str = "auto", weight_decay: float = 0.0,
+                 micro_batch_size: int | None = None, bf16: bool = False, gradient_checkpointing: bool = False):
         self.device = resolve_device(device)
         self.lr, self.weight_decay = lr, weight_decay
-        self.model = ValueModel.from_pretrained(model_path).to(self.load_device)
+        self.bf16, self.gradient_checkpointing = bf16, gradient_checkpointing
+        self.model = self._prepare(ValueModel.from_pretrained(model_path).to(self.load_device))
         self.optimizer = self._optimizer(self.model)
         self.value_clip, self.loss_agg_mode = value_clip, loss_agg_mode
         self.max_grad_norm, self.value_loss_coef = max_grad_norm, value_loss_coef
+        self.micro_batch_size = micro_batch_size  # rows per forward (and backward); None: the whole batch
         self.steps = 0
 
     @property
@@ -42,42 +47,91 @@ class Critic:
         return self.device
 
     @classmethod
-    def from_config(cls, cfg) -> "Critic":
+    def from_config(cls, cfg, **kwargs) -> "Critic":
         return cls(cfg.critic.model_path or cfg.model.path, lr=cfg.critic.lr, value_clip=cfg.value_clip,
                    loss_agg_mode=cfg.loss_agg_mode, max_grad_norm=cfg.max_grad_norm,
                    value_loss_coef=cfg.critic.value_loss_coef, device=cfg.model.device,
-                   weight_decay=cfg.weight_decay)
+                   weight_decay=cfg.weight_decay, micro_batch_size=cfg.critic.micro_batch_size or cfg.micro_batch_size,
+                   bf16=cfg.model.bf16, gradient_checkpointing=cfg.model.gradient_checkpointing, **kwargs)
+
+    def _prepare(self, model: ValueModel) -> ValueModel:
+        if self.gradient_checkpointing:
+            model.backbone.gradient_checkpointing_enable()
+        return model
+
+    def _autocast(self):
+        if self.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # one process: every row here; the sharded critic overrides these three
+    world = 1
+
+    def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, bool]]:
+        return micro_batches(n, self.micro_batch_size or n)
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        return values
+
+    @property
+    def _param_device(self) -> torch.device:
+        return self.model.value_head.weight.device
 
     def _optimizer(self, model: ValueModel) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
     @torch.no_grad()
     def values(self, batch: TokenBatch) -> torch.Tensor:
-        """V(s_t) per response position: (B, T), 0 where `response_mask` is 0."""
+        """V(s_t) per response position: (B, T), 0 where `response_mask` is 0; in micro-batches."""
         self.model.eval()
-        return self.model.response_values(batch.to(self.device)).cpu()
+        n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
+        parts = []
+        with self._autocast():
+            for rows, real in self._micro_batches(n):
+                v = self.model.response_values(batch.select(rows).trimmed().to(self._param_device)).float()
+                parts.append(widen(v, width)[:None if real else 0])
+        return self._gather(torch.cat(parts), n).cpu()
+
+    def _gather(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        return local
 
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
-        """One optimiser step on a mini-batch. returns, old_values: (B, T). A non-finite loss or
-        gradient norm raises `NonFiniteStep` and leaves weights, optimiser and step count as they were."""
+        """One optimiser step on a mini-batch, its gradient accumulated over micro-batches (each
+        loss weighted by its share of the mini-batch in `loss_agg_mode`: equal to one pass).
+        returns, old_values: (B, T). A non-finite loss or gradient norm raises `NonFiniteStep`
+        and leaves weights, optimiser and step count as they were."""
         self.model.train()
-        batch = batch.to(self.device)
-        returns, old_values = returns.to(self.device), old_values.to(self.device)
-        vpreds = self.model.response_values(batch)
-        vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns, old_values, batch.response_mask,
-                                                  self.value_clip, self.loss_agg_mode)
+        n, device = batch.input_ids.shape[0], self._param_device
+        norm = AggNorm(batch.response_mask)
         self.optimizer.zero_grad(set_to_none=True)
-        (self.value_loss_coef * vf_loss).backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf")))
-        loss = vf_loss.item()
+        loss = clipfrac = vpred_sum = tokens = 0.0
+        for rows, real in self._micro_batches(n):
+            sub = batch.select(rows).trimmed().to(device)
+            t = sub.response_mask.shape[1]
+            with self._autocast():
+                vpreds = self.model.response_values(sub)
+            vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns[rows, :t].to(device),
+                                                      old_values[rows, :t].to(device), sub.response_mask,
+                                                      self.value_clip, self.loss_agg_mode)
+            scale = norm.scale(sub.response_mask, self.loss_agg_mode) if real else 0.0
+            # FSDP averages the processes' gradients: each process's share is scaled up by N
+            (self.value_loss_coef * vf_loss * scale * self.world).backward()
+            if real:
+                mask = sub.response_mask.float()
+                loss += vf_loss.item() * scale
+                clipfrac += vf_clipfrac.item() * float(mask.sum())
+                vpred_sum += float((vpreds.detach().float() * mask).sum())
+                tokens += float(mask.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        loss, clipfrac, vpred_sum, tokens = self._all_sum([loss, clipfrac, vpred_sum, tokens])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteStep(f"critic step skipped: loss {loss}, gradient norm {grad_norm}")
         self.optimizer.step()
         self.steps += 1
-        return {"critic/vf_loss": loss, "critic/vf_clipfrac": vf_clipfrac.item(),
-                "critic/vpred_mean": masked_mean(vpreds.detach(), batch.response_mask).item(),
-                "critic/grad_norm": grad_norm}
+        return {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac / max(tokens, 1.0),
+                "critic/vpred_mean": vpred_sum / max(tokens, 1.0), "critic/grad_norm": grad_norm}
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -96,7 +150,7 @@ class Critic:
         except Exception as e:
             raise CheckpointError(f"value_head.safetensors: cannot be read ({type(e).__name__}: {e})") from None
         try:
-            model = ValueModel.from_pretrained(path).to(self.device)
+            model = self._prepare(ValueModel.from_pretrained(path).to(self.device))
         except Exception as e:
             raise CheckpointError(f"backbone model files: cannot be read ({type(e).__name__}: {e})") from None
         live = {k: (v.shape, v.dtype) for k, v in self.model.state_dict().items()}

@@ -10,16 +10,14 @@ checkpoint loads here too (its optimiser state mapped onto the shards).
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 from ..common.modeling import TokenBatch, ValueModel
-from ..common.distributed import (collective, full_state_dict, load_full_optimizer, quiet_single_process,
-                                  read_sharded_optimizer, shard)
-from ..ppo import compute_value_loss
-from .critic import CHECKPOINT_FILES, CheckpointError, Critic, NonFiniteStep
+from ..common.distributed import (collective, full_state_dict, load_full_optimizer, micro_batches,
+                                  quiet_single_process, read_sharded_optimizer, shard)
+from .critic import CHECKPOINT_FILES, CheckpointError, Critic
 
 OPTIM_DIR = "optim"
 
@@ -34,11 +32,7 @@ class ShardedCritic(Critic):
 
     @classmethod
     def from_config(cls, cfg, dist=None) -> "ShardedCritic":
-        c = cfg.critic
-        return cls(c.model_path or cfg.model.path, lr=c.lr, value_clip=cfg.value_clip,
-                   loss_agg_mode=cfg.loss_agg_mode, max_grad_norm=cfg.max_grad_norm,
-                   value_loss_coef=c.value_loss_coef, device=cfg.model.device, weight_decay=cfg.weight_decay,
-                   dist=dist)
+        return super().from_config(cfg, dist=dist)
 
     @property
     def load_device(self) -> torch.device:
@@ -50,40 +44,27 @@ class ShardedCritic(Critic):
             model._sharded = True
         return super()._optimizer(model)
 
+    # each rank runs its share of a batch's rows; a step equals the one-process step
+    @property
+    def world(self) -> int:
+        return self.dist.world
+
+    def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, bool]]:
+        return micro_batches(n, self.micro_batch_size or n, self.dist)
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        return self.dist.all_sum(values)
+
+    def _gather(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        return self.dist.gather_rows(local.contiguous(), n)
+
     @collective
-    @torch.no_grad()
     def values(self, batch: TokenBatch) -> torch.Tensor:
-        self.model.eval()
-        n = batch.input_ids.shape[0]
-        rows, real = self.dist.local_rows(n)
-        local = self.model.response_values(batch.select(rows).to(self.model.value_head.weight.device))
-        return self.dist.gather_rows(local[:real].contiguous(), n).cpu()
+        return super().values(batch)
 
     @collective
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
-        self.model.train()
-        n, world = batch.input_ids.shape[0], self.dist.world
-        rows, w = self.dist.local_rows(n)  # w = 0: a weightless row keeps the collectives paired
-        device = self.model.value_head.weight.device
-        sub = batch.select(rows).to(device)
-        vpreds = self.model.response_values(sub)
-        vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns[rows].to(device), old_values[rows].to(device),
-                                                  sub.response_mask, self.value_clip, self.loss_agg_mode)
-        self.optimizer.zero_grad(set_to_none=True)
-        (self.value_loss_coef * vf_loss * (w * world / n)).backward()  # FSDP averages over the ranks
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        mask = sub.response_mask.float()
-        sums = self.dist.all_sum([vf_loss.item() * w, vf_clipfrac.item() * w, w,
-                                  float((vpreds.detach() * mask).sum()) if w else 0.0, float(mask.sum()) if w else 0.0])
-        loss = sums[0] / n
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteStep(f"critic step skipped: loss {loss}, gradient norm {grad_norm}")
-        self.optimizer.step()
-        self.steps += 1
-        return {"critic/vf_loss": loss, "critic/vf_clipfrac": sums[1] / n,
-                "critic/vpred_mean": sums[3] / max(sums[4], 1.0), "critic/grad_norm": grad_norm}
+        return super().train_step(batch, returns, old_values)
 
     @collective
     def save(self, path: str | Path) -> None:

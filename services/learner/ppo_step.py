@@ -4,6 +4,9 @@
             --update-----------> ppo_epochs x mini-batches of (policy loss + KL loss - entropy
                                  + PTX loss), each followed by a critic step on the same rows
 
+`PPOLearner` owns the models, the optimiser and the learner's state; making experience is
+`experience.py`, the update loop `update.py` and the objective `ppo/objective.py`.
+
 The in-process trainer and the learner service both call `PPOLearner.step`; the critic is any
 object with `train_step` (the in-process `Critic`, a gRPC client, or `OverlappedCritic`, whose
 steps are futures so the critic server trains while the actor does; `update` waits for all of
@@ -13,10 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import random
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,29 +24,16 @@ import torch
 from ..common.data import sft_examples
 from ..common.distributed import collective
 from ..common.hostcopy import to_host
-from ..common.modeling import (TokenBatch, build_token_batch, has_dropout, load_causal_lm, response_log_probs,
-                               resolve_device)
-from ..common.padding import pad_right
+from ..common.modeling import TokenBatch, has_dropout, load_causal_lm, response_log_probs, resolve_device
 from ..common.types import Rollout
-from ..ppo import (POLICY_LOSSES, RunningMeanStd, agg_loss, apply_kl_penalty, clip_by_value, compute_advantages,
-                   compute_sft_loss, kl_penalty, make_kl_controller, masked_mean, masked_whiten,
-                   postprocess_rewards, reference_log_probs, rollout_importance_weights)
+from ..ppo import RunningMeanStd, make_kl_controller
+from ..ppo.objective import ObjectiveSettings
+from .experience import Experience, make_experience
 from .lora import merged_lora_weights, merged_state_dict
+from .update import run_update
 
 
 ADAPTER_DIR = "adapter"  # with LoRA: the PEFT adapter beside the merged model in final/
-
-
-@dataclass
-class Experience:
-    batch: TokenBatch
-    old_log_probs: torch.Tensor | None  # (B, T); None: taken from the training forward (`fuses_old_log_probs`)
-    ref_log_probs: torch.Tensor | None  # (B, T), or (B, T, V) for kl_penalty 'full'
-    advantages: torch.Tensor  # (B, T)
-    returns: torch.Tensor  # (B, T)
-    values: torch.Tensor | None  # (B, T)
-    metrics: dict
-    rollout_is_weights: torch.Tensor | None = None  # (B, T) truncated pi_old / sampler weights (rollout_is)
 
 
 def ptx_examples_for(cfg, tokenizer, records) -> list | None:
@@ -108,6 +95,9 @@ class PPOLearner:
                          and not cfg.add_token_level_kl and not cfg.rollout_is and cfg.kl_penalty != "full"
                          and (cfg.ref_model == "sft" or not cfg.use_kl_loss) and not has_dropout(self.policy))
         self.forwards_saved = 0
+        self.objective = ObjectiveSettings.from_config(cfg)
+        micro = cfg.micro_batch_size or cfg.ppo_mini_batch_size
+        self.log_prob_micro = cfg.log_prob_micro_batch_size or micro  # rows per no-grad forward
 
     def _load_sharded(self):
         from ..common.distributed import load_and_shard
@@ -123,248 +113,24 @@ class PPOLearner:
         return self._fusable and batch_size <= self.cfg.ppo_mini_batch_size
 
     # ---------------------------------------------------------------- forward passes
-    def _autocast(self):
+    def autocast(self):
         if self.cfg.model.bf16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _ref_forward(self, batch: TokenBatch, full: bool):
-        with torch.no_grad(), self._autocast():
+    def ref_forward(self, batch: TokenBatch, full: bool):
+        """Log-probs of the reference (the frozen SFT model; with LoRA the base, adapters off)."""
+        with torch.no_grad(), self.autocast():
             if self.lora:
                 with self.policy.disable_adapter():
                     return response_log_probs(self.policy, batch, self.temperature, full=full)
             return response_log_probs(self.ref, batch, self.temperature, full=full)
 
-    def _by_rows(self, forward, batch: TokenBatch) -> dict:
-        """`forward(batch)` without gradients; with N processes each runs its share of the rows
-        and every process gets the whole result."""
-        with torch.no_grad(), self._autocast():
-            if self.dist is None:
-                return forward(batch)
-            n = batch.input_ids.shape[0]
-            rows, real = self.dist.local_rows(n)
-            out = forward(batch.select(rows))
-            return {k: self.dist.gather_rows(v[:real].contiguous(), n) for k, v in out.items() if torch.is_tensor(v)}
-
-    # ---------------------------------------------------------------- experience
     def make_experience(self, rollout: Rollout) -> Experience:
-        cfg = self.cfg
-        full = cfg.kl_penalty == "full"
-        batch = build_token_batch(rollout.prompt_ids, rollout.response_ids, self.pad_id).to(self.device)
-        mask = batch.response_mask
-        T = mask.shape[1]
-        fused = self.fuses_old_log_probs(mask.shape[0])
-        self.policy.eval()
-        cur = None
-        if fused:
-            self.forwards_saved += 1
-        else:
-            cur = self._by_rows(lambda b: response_log_probs(self.policy, b, self.temperature, with_entropy=True,
-                                                             full=full), batch)
-        if cfg.rollout_is and rollout.gen_log_probs is None:
-            raise ValueError("rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
-                             "set rollout_is: false or have the generation backend return log-probs")
-        gen_log_probs = pad_right(rollout.gen_log_probs, T).to(self.device) \
-            if rollout.gen_log_probs is not None else None
-        if fused:
-            old_log_probs = None  # the update takes them from its forward
-        elif cfg.recompute_old_log_probs or gen_log_probs is None:
-            old_log_probs = cur["log_probs"]
-        else:
-            old_log_probs = gen_log_probs
-        rollout_is_weights, is_metrics = None, {}
-        if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
-            rollout_is_weights, is_metrics = rollout_importance_weights(old_log_probs, gen_log_probs, mask,
-                                                                        cfg.rollout_is_threshold)
-        old_for_ref = cur["full"] if full and cur is not None else old_log_probs
-        ref_log_probs = None
-        if cfg.use_kl_loss or cfg.add_token_level_kl:
-            sft = self._by_rows(lambda b: self._ref_forward(b, full), batch) if self.needs_ref else None
-            sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
-            ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)
-
-        raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=self.device)
-        scores = postprocess_rewards(raw_scores, cfg.reward_norm, cfg.reward_shift, cfg.reward_scale,
-                                     cfg.reward_clip, rollout.index, self.reward_stats)
-        kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) \
-            if ref_log_probs is not None and not fused else None
-        token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None,
-                                               self.kl_ctl.value)
-        values = pad_right(rollout.values, T).to(self.device) if rollout.values is not None else None
-        advantages, returns = compute_advantages(cfg.adv_estimator, token_level_rewards, mask, values,
-                                                 rollout.index, cfg.gamma, cfg.lambd)
-        if cfg.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
-        advantages = clip_by_value(advantages, cfg.advantage_clip)
-
-        seq_kl = masked_mean(kl, mask, dim=-1).mean().item() if kl is not None else 0.0
-        lengths = mask.sum(-1)
-        metrics = {
-            "reward/score_mean": raw_scores.mean().item(), "reward/score_std": raw_scores.std().item()
-            if len(raw_scores) > 1 else 0.0, "reward/score_min": raw_scores.min().item(),
-            "reward/score_max": raw_scores.max().item(), "reward/normalized_mean": scores.mean().item(),
-            "reward/token_level_sum_mean": token_level_rewards.sum(-1).mean().item(),
-            "ppo/kl_ref": seq_kl, "ppo/kl_coef": self.kl_ctl.value,
-            "ppo/advantages_mean": masked_mean(advantages, mask).item(),
-            "ppo/returns_mean": masked_mean(returns, mask).item(),
-            "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item() if cur is not None else float("nan"),
-            "rollout/response_length_mean": lengths.mean().item(),
-            "rollout/samples": len(rollout.scores),
-            **is_metrics,
-        }
-        if values is not None:
-            metrics["critic/values_mean"] = masked_mean(values, mask).item()
-        if rollout.versions:
-            metrics["rollout/staleness_max"] = max(self.version - v for v in rollout.versions)
-        if not fused:  # else the update measures the KL and updates the controller
-            self.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
-        return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics,
-                          rollout_is_weights)
-
-    # ---------------------------------------------------------------- update
-    def _ptx_loss(self, picks: list) -> torch.Tensor | None:
-        if not picks:
-            return None
-        b = build_token_batch([p for p, _ in picks], [a for _, a in picks], self.pad_id).to(self.device)
-        lp = response_log_probs(self.policy, b)["log_probs"]
-        return compute_sft_loss(lp, b.response_mask)
-
-    def _micro_batches(self, idx: torch.Tensor, micro: int) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        """(rows, positions in `idx`, real) of each micro-batch this process runs for mini-batch
-        `idx`. With N processes each takes its share of the rows; every process runs as many
-        micro-batches (a process short of rows runs a weightless one), so their collectives pair up."""
-        positions = torch.arange(len(idx))
-        if self.dist is None:
-            return [(idx[s:s + micro], positions[s:s + micro], True) for s in range(0, len(idx), micro)]
-        start, end = self.dist.rows(len(idx))
-        most = -(-len(idx) // self.dist.world)
-        out = []
-        for s in range(0, most, micro):
-            pos = positions[start + s:min(start + s + micro, end)]
-            out.append((idx[pos], pos, True) if len(pos) else (idx[:1], positions[:1], False))
-        return out
+        return make_experience(self, rollout)
 
     def update(self, exp: Experience, critic=None) -> dict:
-        cfg = self.cfg
-        full = cfg.kl_penalty == "full"
-        B = exp.batch.input_ids.shape[0]
-        mb = min(cfg.ppo_mini_batch_size, B)
-        micro = min(cfg.micro_batch_size or mb, mb)
-        world = self.dist.world if self.dist is not None else 1
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-
-        def add(k, v, w):  # a micro-batch's value, weighted by its rows
-            sums[k] = sums.get(k, 0.0) + float(v) * w
-            weights[k] = weights.get(k, 0.0) + w
-
-        policy_loss = POLICY_LOSSES.get(cfg.policy_loss)
-        fused = exp.old_log_probs is None
-        if fused and (cfg.ppo_epochs != 1 or B > mb):
-            raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
-        rollout_stats = [0.0, 0.0, 0.0, 0.0]  # entropy sum, tokens, sequence KL sum, sequences (fused)
-        critic_steps: list = []
-        g = torch.Generator().manual_seed(self.rng.randrange(2 ** 31))
-        self.policy.train()
-        for _ in range(cfg.ppo_epochs):
-            perm = torch.randperm(B, generator=g)
-            for start in range(0, B, mb):
-                idx = perm[start:start + mb]
-                picks = [self.rng.choice(self.ptx_examples) for _ in range(len(idx))] \
-                    if cfg.ptx_coef and self.ptx_examples else []
-                self.optimizer.zero_grad(set_to_none=True)
-                bad_loss = None  # a non-finite loss on any process's rows stops every process alike
-                for m, pos, real in self._micro_batches(idx, micro):
-                    w = len(m) if real else 0
-                    sub = exp.batch.select(m)
-                    mask = sub.response_mask
-                    with self._autocast():
-                        out = response_log_probs(self.policy, sub, self.temperature, with_entropy=True, full=full)
-                    log_prob = out["log_probs"]
-                    if fused:
-                        old = log_prob.detach()
-                        if real:
-                            self._rollout_stats(rollout_stats, out, old, exp, m, mask)
-                    else:
-                        old = exp.old_log_probs[m]
-                    pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-                        old, log_prob, exp.advantages[m], mask,
-                        cliprange_low=cfg.clip_low, cliprange_high=cfg.clip_high,
-                        clip_ratio_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
-                        loss_agg_mode=cfg.loss_agg_mode,
-                        rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[m])
-                    loss = pg_loss
-                    entropy = agg_loss(out["entropy"], mask, cfg.loss_agg_mode)
-                    if cfg.entropy_coef:
-                        loss = loss - cfg.entropy_coef * entropy
-                    if cfg.use_kl_loss and exp.ref_log_probs is not None:
-                        cur = out["full"] if full else log_prob
-                        kl_loss = agg_loss(kl_penalty(cur, exp.ref_log_probs[m], cfg.kl_penalty), mask,
-                                           cfg.loss_agg_mode)
-                        loss = loss + cfg.kl_loss_coef * kl_loss
-                        add("ppo/kl_loss", kl_loss.item(), w)
-                    ptx = self._ptx_loss([picks[i] for i in pos.tolist()] if picks else [])
-                    if ptx is not None:
-                        loss = loss + cfg.ptx_coef * ptx
-                        add("ppo/ptx_loss", ptx.item(), w)
-                    if real and not torch.isfinite(loss):
-                        bad_loss = loss.item()
-                    # FSDP averages the processes' gradients: each weighs its rows' share x N
-                    (loss * (w * world / len(idx))).backward()
-                    add("ppo/pg_loss", pg_loss.item(), w)
-                    add("ppo/pg_clipfrac", clipfrac.item(), w)
-                    add("ppo/pg_clipfrac_lower", clipfrac_lower.item(), w)
-                    add("ppo/approx_kl", ppo_kl.item(), w)
-                    add("ppo/entropy_loss", entropy.item(), w)  # as the loss aggregates it
-                    add("ppo/entropy", masked_mean(out["entropy"].detach(), mask).item(), w)  # per token
-                if self.dist is not None:
-                    bad_loss = float("nan") if self.dist.all_sum([bad_loss is not None])[0] else None
-                if bad_loss is not None:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {self.version}")
-                params = [p for p in self.policy.parameters() if p.requires_grad]
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-                if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard
-                    grad_norm = grad_norm.full_tensor()
-                add("ppo/grad_norm", float(grad_norm), len(idx) / world)
-                if math.isfinite(float(grad_norm)):
-                    self.optimizer.step()
-                self.scheduler.step()
-                if critic is not None and exp.values is not None:
-                    critic_steps.append(critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
-                                                          exp.values[idx].cpu()))
-        for step in critic_steps:  # a remote critic may return futures: it trains while the actor does
-            for k, v in (step.result() if isinstance(step, Future) else step).items():
-                add(k, v, 1.0)
-        self.policy.eval()
-        self.version += 1
-        if self.dist is not None:  # the averages over every process's rows
-            keys = sorted(k for k in sums if not k.startswith("critic/"))
-            totals = self.dist.all_sum([sums[k] for k in keys] + [weights[k] for k in keys] + rollout_stats)
-            n = len(keys)
-            sums.update(zip(keys, totals[:n]))
-            weights.update(zip(keys, totals[n:2 * n]))
-            rollout_stats = totals[2 * n:]
-        metrics = {k: sums[k] / weights[k] for k in sums if weights[k]}
-        metrics["ppo/lr"] = self.scheduler.get_last_lr()[0]
-        if fused:  # what make_experience measures on its own forward otherwise
-            seq_kl = rollout_stats[2] / rollout_stats[3] if rollout_stats[3] else 0.0
-            metrics["ppo/entropy_rollout"] = rollout_stats[0] / max(rollout_stats[1], 1.0)
-            metrics["ppo/kl_ref"] = seq_kl
-            self.kl_ctl.update(seq_kl, n_steps=B)
-        return metrics
-
-    def _rollout_stats(self, stats: list, out: dict, old: torch.Tensor, exp: Experience, m, mask) -> None:
-        """Accumulate the rollout's entropy and KL to the reference from the training forward of
-        micro-batch `m` (the fused old log-probs), as `make_experience` measures them."""
-        with torch.no_grad():
-            maskf = mask.to(out["entropy"].dtype)
-            stats[0] += float((out["entropy"].detach().float() * maskf).sum())
-            stats[1] += float(maskf.sum())
-            if exp.ref_log_probs is not None:
-                kl = masked_mean(kl_penalty(old, exp.ref_log_probs[m], self.cfg.kl_penalty), mask, dim=-1)
-                stats[2] += float(kl.sum())
-                stats[3] += len(m)
+        return run_update(self, exp, critic)
 
     @collective
     def step(self, rollout: Rollout, critic=None) -> dict:

@@ -24,7 +24,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from ..common.data import drop_overlong, load_prompts
+from ..common.data import config_prompts
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.runlog import RunLog
@@ -56,10 +56,7 @@ def run_identity(run_dir: Path) -> str:
 
 
 def train_prompts(cfg, tokenizer) -> list:
-    d = cfg.data
-    return drop_overlong(load_prompts(d.train, "train", tokenizer, d.prompt_key, d.label_key, seed=cfg.run.seed,
-                                      chat_template=d.chat_template, system_prompt=d.system_prompt),
-                         tokenizer, cfg.prompt_length, d.overlong)
+    return config_prompts(cfg, "train", tokenizer)
 
 
 def follower_main(cfg) -> int:
@@ -85,12 +82,8 @@ class LearnerService:
         self.waiting_for: str | None = None  # the dependency the loop waits for, if any
         self.store = ReplayStore.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        d = cfg.data
         train = train_prompts(cfg, self.tokenizer)
-        self.held_out = drop_overlong(load_prompts(d.eval, "eval", self.tokenizer, d.prompt_key, d.label_key,
-                                                   limit=d.eval_size, seed=cfg.run.seed, chat_template=d.chat_template,
-                                                   system_prompt=d.system_prompt),
-                                      self.tokenizer, cfg.prompt_length, d.overlong, what="held-out")
+        self.held_out = config_prompts(cfg, "eval", self.tokenizer)
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),
                                   dist=from_env(cfg.model.device, cfg.model.nproc) if cfg.model.nproc > 1 else None)

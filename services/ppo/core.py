@@ -78,3 +78,25 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
 def clip_by_value(x: torch.Tensor, limit: float | None) -> torch.Tensor:
     """Clamp to [-limit, limit]; `None` leaves `x` unchanged (advantage_clip, reward_clip)."""
     return x if limit is None else x.clamp(-limit, limit)
+
+
+class AggNorm:
+    """What `agg_loss` divides by over a whole mini-batch: its unmasked tokens, its sequences with
+    at least one token, and its padded response width. mask: (B, T)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.tokens = float(mask.sum())
+        self.sequences = float((mask.sum(-1) > 0).sum())
+        self.width = mask.shape[-1]
+
+    def scale(self, mask: torch.Tensor, loss_agg_mode: str) -> float:
+        """The weight of a micro-batch's `agg_loss` (its rows' `mask`, any width up to the
+        mini-batch's) such that the weighted sum over the micro-batches is `agg_loss` over the
+        whole mini-batch, in every mode: gradient accumulation that equals one pass."""
+        if loss_agg_mode == "token-mean":
+            return float(mask.sum()) / max(self.tokens, 1.0)
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            return mask.shape[-1] / self.width
+        if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+            return float((mask.sum(-1) > 0).sum()) / max(self.sequences, 1.0)
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")

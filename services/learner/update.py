@@ -1,0 +1,154 @@
+"""The PPO update: `ppo_epochs` passes over the experience in shuffled mini-batches; each
+mini-batch is one optimiser step of the objective (`ppo.objective`) accumulated over
+micro-batches of `micro_batch_size` rows (padding columns trimmed), followed by a critic step
+on the same rows. Accumulation is exact: each micro-batch's loss is weighted by its share of
+the mini-batch in the `loss_agg_mode`, so the step equals one pass over the whole mini-batch.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+
+import torch
+
+from ..common.distributed import micro_batches
+from ..common.modeling import build_token_batch, response_log_probs
+from ..ppo import AggNorm, compute_sft_loss, kl_penalty, masked_mean
+from ..ppo.objective import ppo_objective
+from .experience import Experience
+
+
+class Metrics:
+    """Each mini-batch's value of a metric (the sum over its micro-batches of value x share of the
+    mini-batch), averaged over the mini-batches."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._open: dict[str, float] = {}
+
+    def add(self, key: str, value: float, share: float) -> None:
+        self._open[key] = self._open.get(key, 0.0) + float(value) * share
+
+    def close(self) -> None:
+        """The end of a mini-batch."""
+        for k, v in self._open.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+            self.counts[k] = self.counts.get(k, 0) + 1
+        self._open = {}
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+
+def ptx_loss(learner, picks: list) -> torch.Tensor | None:
+    """The PTX/SFT loss of (prompt ids, answer ids) pairs under the policy (None for none)."""
+    if not picks:
+        return None
+    b = build_token_batch([p for p, _ in picks], [a for _, a in picks], learner.pad_id).to(learner.device)
+    lp = response_log_probs(learner.policy, b)["log_probs"]
+    return compute_sft_loss(lp, b.response_mask)
+
+
+def run_update(learner, exp: Experience, critic=None) -> dict:
+    """Train the policy (and the critic) on `exp`; returns the update's metrics."""
+    cfg = learner.cfg
+    full = cfg.kl_penalty == "full"
+    B = exp.batch.input_ids.shape[0]
+    mb = min(cfg.ppo_mini_batch_size, B)
+    micro = min(cfg.micro_batch_size or mb, mb)
+    dist = learner.dist
+    world = dist.world if dist is not None else 1
+    metrics = Metrics()
+    fused = exp.old_log_probs is None
+    if fused and (cfg.ppo_epochs != 1 or B > mb):
+        raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
+    rollout_stats = [0.0, 0.0, 0.0, 0.0]  # entropy sum, tokens, sequence KL sum, sequences (fused)
+    critic_steps: list = []
+    g = torch.Generator().manual_seed(learner.rng.randrange(2 ** 31))
+    learner.policy.train()
+    for _ in range(cfg.ppo_epochs):
+        perm = torch.randperm(B, generator=g)
+        for start in range(0, B, mb):
+            idx = perm[start:start + mb]
+            norm = AggNorm(exp.batch.response_mask[idx])
+            picks = [learner.rng.choice(learner.ptx_examples) for _ in range(len(idx))] \
+                if cfg.ptx_coef and learner.ptx_examples else []
+            learner.optimizer.zero_grad(set_to_none=True)
+            bad_loss = None  # a non-finite loss on any process's rows stops every process alike
+            for pos, real in micro_batches(len(idx), micro, dist):
+                m = idx[pos]
+                sub = exp.batch.select(m).trimmed()
+                t = sub.response_mask.shape[1]
+                with learner.autocast():
+                    out = response_log_probs(learner.policy, sub, learner.temperature, with_entropy=True, full=full)
+                log_prob = out["log_probs"]
+                if fused:
+                    old = log_prob.detach()
+                    if real:
+                        _rollout_stats(cfg, rollout_stats, out, old, exp, m, sub.response_mask, t)
+                else:
+                    old = exp.old_log_probs[m, :t]
+                ptx = ptx_loss(learner, [picks[i] for i in pos.tolist()] if picks else [])
+                loss, terms = ppo_objective(
+                    learner.objective, log_prob, out["entropy"], old, exp.advantages[m, :t], sub.response_mask,
+                    norm, ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[m, :t],
+                    kl_input=out.get("full"),
+                    rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[m, :t],
+                    ptx_loss=ptx, ptx_share=len(m) / len(idx))
+                if real and not torch.isfinite(loss):
+                    bad_loss = loss.item()
+                # FSDP averages the processes' gradients: each process's share is scaled up by N
+                (loss * (world if real else 0.0)).backward()
+                if real:
+                    for k, (v, w) in terms.items():
+                        metrics.add(k, v, w)
+            if dist is not None:
+                bad_loss = float("nan") if dist.all_sum([bad_loss is not None])[0] else None
+            if bad_loss is not None:
+                learner.optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {learner.version}")
+            params = [p for p in learner.policy.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+            if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard
+                grad_norm = grad_norm.full_tensor()
+            metrics.add("ppo/grad_norm", float(grad_norm), 1.0 / world)  # the same on every process
+            metrics.close()
+            if math.isfinite(float(grad_norm)):
+                learner.optimizer.step()
+            learner.scheduler.step()
+            if critic is not None and exp.values is not None:
+                critic_steps.append(critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
+                                                      exp.values[idx].cpu()))
+    for step in critic_steps:  # a remote critic may return futures: it trains while the actor does
+        for k, v in (step.result() if isinstance(step, Future) else step).items():
+            metrics.add(k, v, 1.0)  # rank 0 alone runs the critic steps
+        metrics.close()
+    learner.policy.eval()
+    learner.version += 1
+    if dist is not None:  # the averages over every process's rows
+        keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
+        totals = dist.all_sum([metrics.sums[k] for k in keys] + rollout_stats)
+        metrics.sums.update(zip(keys, totals[:len(keys)]))
+        rollout_stats = totals[len(keys):]
+    out = metrics.means()
+    out["ppo/lr"] = learner.scheduler.get_last_lr()[0]
+    if fused:  # what make_experience measures on its own forward otherwise
+        seq_kl = rollout_stats[2] / rollout_stats[3] if rollout_stats[3] else 0.0
+        out["ppo/entropy_rollout"] = rollout_stats[0] / max(rollout_stats[1], 1.0)
+        out["ppo/kl_ref"] = seq_kl
+        learner.kl_ctl.update(seq_kl, n_steps=B)
+    return out
+
+
+def _rollout_stats(cfg, stats: list, out: dict, old: torch.Tensor, exp: Experience, m, mask, t: int) -> None:
+    """Accumulate the rollout's entropy and KL to the reference from the training forward of
+    micro-batch `m` (the fused old log-probs), as `make_experience` measures them."""
+    with torch.no_grad():
+        maskf = mask.to(out["entropy"].dtype)
+        stats[0] += float((out["entropy"].detach().float() * maskf).sum())
+        stats[1] += float(maskf.sum())
+        if exp.ref_log_probs is not None:
+            kl = masked_mean(kl_penalty(old, exp.ref_log_probs[m, :t], cfg.kl_penalty), mask, dim=-1)
+            stats[2] += float(kl.sum())
+            stats[3] += len(m)
