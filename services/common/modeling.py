@@ -6,6 +6,8 @@ A batch holds `B` sequences laid out as `[left-padded prompt | right-padded resp
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -18,6 +20,11 @@ from torch import nn
 
 from ..ppo.losses import entropy_from_logits, logprobs_from_logits
 from .padding import pad_left, pad_right
+
+
+def bf16_autocast(device: torch.device, bf16: bool):
+    """bfloat16 autocast on `device` when `bf16` (model.bf16), else no context."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -265,8 +272,13 @@ def _base_model(model: nn.Module) -> nn.Module:
 def _keep_kwargs(model: nn.Module, batch: TokenBatch) -> dict:
     """`logits_to_keep`: only the last T + 1 positions reach the output layer, where the model
     takes it (transformers' causal LMs do)."""
-    params = inspect.signature(type(_base_model(model)).forward).parameters
-    return {"logits_to_keep": batch.response_mask.shape[1] + 1} if "logits_to_keep" in params else {}
+    keeps = _takes_logits_to_keep(type(_base_model(model)))
+    return {"logits_to_keep": batch.response_mask.shape[1] + 1} if keeps else {}
+
+
+@functools.cache
+def _takes_logits_to_keep(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def _head_is_plain(model: nn.Module) -> bool:

@@ -4,7 +4,6 @@ trainer both host this object.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..common.distributed import micro_batches
-from ..common.modeling import TokenBatch, ValueModel, resolve_device, widen
+from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
 from ..ppo import AggNorm, compute_value_loss
 
 CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
@@ -59,11 +58,6 @@ class Critic:
             model.backbone.gradient_checkpointing_enable()
         return model
 
-    def _autocast(self):
-        if self.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     # one process: every row here; the sharded critic overrides these three
     world = 1
 
@@ -86,7 +80,7 @@ class Critic:
         self.model.eval()
         n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
         parts = []
-        with self._autocast():
+        with bf16_autocast(self.device, self.bf16):
             for rows, real in self._micro_batches(n):
                 v = self.model.response_values(batch.select(rows).trimmed().to(self._param_device)).float()
                 parts.append(widen(v, width)[:None if real else 0])
@@ -108,7 +102,7 @@ class Critic:
         for rows, real in self._micro_batches(n):
             sub = batch.select(rows).trimmed().to(device)
             t = sub.response_mask.shape[1]
-            with self._autocast():
+            with bf16_autocast(self.device, self.bf16):
                 vpreds = self.model.response_values(sub)
             vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns[rows, :t].to(device),
                                                       old_values[rows, :t].to(device), sub.response_mask,

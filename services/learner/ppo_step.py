@@ -14,7 +14,6 @@ them before it returns).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 from pathlib import Path
@@ -24,7 +23,8 @@ import torch
 from ..common.data import sft_examples
 from ..common.distributed import collective
 from ..common.hostcopy import to_host
-from ..common.modeling import TokenBatch, has_dropout, load_causal_lm, response_log_probs, resolve_device
+from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
+                               resolve_device)
 from ..common.types import Rollout
 from ..ppo import RunningMeanStd, make_kl_controller
 from ..ppo.objective import ObjectiveSettings
@@ -114,9 +114,7 @@ class PPOLearner:
 
     # ---------------------------------------------------------------- forward passes
     def autocast(self):
-        if self.cfg.model.bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return bf16_autocast(self.device, self.cfg.model.bf16)
 
     def ref_forward(self, batch: TokenBatch, full: bool):
         """Log-probs of the reference (the frozen SFT model; with LoRA the base, adapters off)."""
