@@ -27,11 +27,13 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         self.critic, self.cfg, self.batch_size = critic, cfg, batch_size
         self.root = Path(cfg.run.run_dir if root is None else root).resolve()
         self.vocab_size = critic.model.backbone.config.vocab_size
+        self.max_bytes = cfg.rpc.max_message_mb << 20  # no tensor of a request spans more than its message
         self.compute = ComputeThread("critic")  # one step at a time, in order; values wait for it
         self.loaded_from, self.incarnation, self.started_at = "", uuid.uuid4().hex, time.time()
 
     def _batch(self, msg):
-        b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length)
+        b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length,
+                             max_bytes=self.max_bytes)
         if self.batch_size is not None:
             self.batch_size.observe(b.input_ids.shape[0])
         return b
@@ -44,8 +46,8 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
     def Train(self, request, context):
         batch = self._batch(request.batch)
         shape = tuple(batch.response_mask.shape)
-        returns = tensor_from_proto(request.returns, "returns", ndim=2).float()
-        old = tensor_from_proto(request.old_values, "old_values", ndim=2).float()
+        returns = tensor_from_proto(request.returns, "returns", ndim=2, max_bytes=self.max_bytes).float()
+        old = tensor_from_proto(request.old_values, "old_values", ndim=2, max_bytes=self.max_bytes).float()
         limit = self.cfg.critic.max_abs_target
         for name, t in (("returns", returns), ("old_values", old)):
             if tuple(t.shape) != shape:

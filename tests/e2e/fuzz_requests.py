@@ -386,6 +386,97 @@ class Fuzz:
         # what == 15: valid (a new version of the same weights)
         return chunks
 
+    # ---- declared shapes whose product overflows (int64 numel, strides, C multiplication)
+    OVERFLOW_DIMS = (2**31, 2**32, 2**33, 2**40, 2**61, 2**62, 2**63 - 1)
+
+    def overflow_shape(self, ndim=None):
+        """A shape whose product (or whose non-zero dimensions' product, for an empty tensor)
+        overflows 64 bits, or wraps to a small number in 64-bit arithmetic."""
+        rng = self.rng
+        big = lambda: rng.choice(self.OVERFLOW_DIMS)  # noqa: E731
+        kind = rng.randrange(6)
+        if kind == 0:  # empty, the other dimensions overflow together (strides, numel)
+            shape = [0, big(), big()]
+        elif kind == 1:  # the product overflows int64
+            shape = [big(), big()]
+        elif kind == 2:  # wraps to 0 modulo 2**64: [2**32, 2**32], [2**62, 4], [2**61, 8]
+            shape = rng.choice([[2**32, 2**32], [2**62, 4], [2**61, 8], [2**33, 2**31], [4, 2**62]])
+        elif kind == 3:  # one huge dimension beside an empty one
+            shape = rng.choice([[2**63 - 1, 0], [0, 2**63 - 1], [0, 2**63 - 1, 2], [2**62, 0, 2**62]])
+        elif kind == 4:  # many large dimensions
+            shape = [rng.choice([2**16, 2**20, 2**31]) for _ in range(rng.randint(3, 6))]
+        else:  # small dimensions, too many of them, one of them huge
+            shape = [rng.randint(1, 3) for _ in range(rng.randint(2, 12))]
+            shape[rng.randrange(len(shape))] = big()
+        if ndim is not None:
+            shape = (shape + [1] * ndim)[:ndim] if len(shape) != ndim else shape
+            if ndim == 2 and math.prod(shape) < 2**63 and 0 not in shape:
+                shape = [big(), big()]
+        return shape
+
+    def wrapped_size(self, shape, itemsize):
+        """The byte count 64-bit arithmetic gets for `shape` (the product wrapped modulo 2**64),
+        when small enough to send: data that a check done in C integers would accept."""
+        n = (math.prod(shape) * itemsize) % 2**64
+        return n if n <= 1 << 16 else 0
+
+    def overflow_tensor(self, ndim=None):
+        rng = self.rng
+        dtype = rng.choice(["float32", "int64", "int32", "int8", "bfloat16", "bool"])
+        shape = self.overflow_shape(ndim)
+        n = rng.choice([self.wrapped_size(shape, DTYPES[dtype]), 0, rng.randint(1, 64)])
+        return self.pb["common"].Tensor(dtype=dtype, shape=shape, data=rng.randbytes(n))
+
+    def overflow_critic(self, desc):
+        """A Values or Train request, valid but for one tensor whose declared shape overflows."""
+        msg = self.valid(desc)
+        fields = ["batch.input_ids", "batch.attention_mask", "batch.position_ids", "batch.response_mask"]
+        if desc.full_name == "rlhf.v1.TrainRequest":
+            fields += ["returns", "old_values"] * 2
+        for name in self.rng.sample(fields, self.rng.choice([1, 1, 2])):
+            owner = msg
+            *path, last = name.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            getattr(owner, last).CopyFrom(self.overflow_tensor(ndim=2 if self.rng.random() < 0.8 else None))
+        return msg
+
+    def overflow_generate(self):
+        """A Generate whose sizes multiply past 64 bits: n, max_new_tokens, prompt lengths."""
+        rng, gpb = self.rng, self.pb["generation"]
+        req = self.valid(gpb.GenerateRequest.DESCRIPTOR)
+        p = req.params
+        for field, values in (("n", [2**31 - 1, -2**31, 2**30]), ("max_new_tokens", [2**31 - 1, -1, 2**30]),
+                              ("top_k", [2**31 - 1, -2**31])):
+            if rng.random() < 0.6:
+                setattr(p, field, rng.choice(values))
+        if p.n <= 8 and 0 < p.max_new_tokens <= self.response_len:  # still valid: a prompt too long, or n too big
+            if rng.random() < 0.5:
+                req.prompts[0].tokens.ids[:] = [5] * rng.choice([self.prompt_len + 1, 4096, 65536])
+            else:
+                p.n = rng.choice([2**31 - 1, 2**20, 9])
+        return req
+
+    def overflow_push(self):
+        """A weight push, valid but for one piece whose declared shape overflows (and whose
+        total_bytes is the wrapped product, or 0, or the real size), checksums made right."""
+        rng = self.rng
+        names = list(self.state)
+        state = {k: (self.state[k], "float32") for k in names}
+        chunks = self.chunks(state, self.version + 1, "full")
+        pieces = [c.piece for c in chunks if c.WhichOneof("payload") == "piece"]
+        for p in rng.sample(pieces, rng.choice([1, 1, 2])):
+            shape = self.overflow_shape()
+            p.shape[:] = shape
+            p.total_bytes = rng.choice([self.wrapped_size(shape, 4), 0, p.total_bytes, 2**63 - 1])
+            if rng.random() < 0.3:
+                p.data = b""
+            if rng.random() < 0.3:
+                p.name = "not-a-tensor-of-the-model"
+        if rng.random() < 0.3:
+            chunks[0].header.total_bytes = rng.choice([2**63 - 1, 2**62, 0])
+        return self.reseal(chunks)
+
     # ---- valid requests, and valid ones with exactly one field replaced or cleared
     def short_text(self, lo=1, hi=8):
         return "".join(self.rng.choice("abcdefgh=") for _ in range(self.rng.randint(lo, hi)))

@@ -5,7 +5,10 @@ The request messages are built from descriptors compiled from proto/rlhf/v1/*.pr
 (grpc_tools.protoc into a temporary directory), not from the committed stubs, and sent as raw
 bytes: random field values (extreme, negative, NaN/inf, non-UTF-8 bytes, long strings, deeply
 nested JSON), near-valid token batches, tensors, prompts and weight pushes with one thing wrong,
-and bytes that are not a message at all. About 2,300 requests from a seeded random.Random.
+and bytes that are not a message at all. About 2,300 requests from a seeded random.Random, and
+600 more whose declared tensor shapes overflow 64 bits (an empty tensor beside huge dimensions, a
+product that wraps to 0, ...) for Critic Train/Values and PushWeights, and Generate requests whose
+sizes do: each of those must be refused with INVALID_ARGUMENT (Generate: or RESOURCE_EXHAUSTED).
 
 Every answer must be OK or a deliberate status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...):
 INTERNAL, UNKNOWN, UNAVAILABLE or DATA_LOSS, and an OK Values answer with non-finite values,
@@ -44,6 +47,12 @@ COUNTS = {"Generation/Generate": 500, "Generation/GetInfo": 40, "Generation/Push
           "Critic/Info": 40, "Learner/Status": 40, "Learner/PullWeights": 60}
 DEFAULT_COUNT = 60
 GARBAGE_SHARE = 0.1
+# requests whose declared tensor shapes (or Generate's sizes) overflow 64-bit arithmetic, on top:
+# each must be refused with one of the codes listed, never INTERNAL (torch's "Stride calculation
+# overflowed", "numel: integer multiplication overflow") nor OK
+OVERFLOW_COUNTS = {"Critic/Train": 200, "Critic/Values": 150, "Generation/PushWeights": 150,
+                   "Generation/Generate": 100}
+OVERFLOW_CODES = {"Generation/Generate": {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}}
 
 
 # ------------------------------------------------------------------ protos, compiled here
@@ -140,9 +149,10 @@ def test_fuzz_every_rpc(servers, pb, cfg):
     for mod, svc, m in _methods(pb):
         if svc == "Learner" and m.name not in ("Status", "PullWeights"):
             continue
-        plan += [(mod, svc, m)] * COUNTS.get(f"{svc}/{m.name}", DEFAULT_COUNT)
+        plan += [(mod, svc, m, False)] * COUNTS.get(f"{svc}/{m.name}", DEFAULT_COUNT)
+        plan += [(mod, svc, m, True)] * OVERFLOW_COUNTS.get(f"{svc}/{m.name}", 0)
     rng.shuffle(plan)
-    assert {f"{s}/{m.name}" for _, s, m in plan} >= {"Generation/Generate", "Generation/PushWeights",
+    assert {f"{s}/{m.name}" for _, s, m, _ in plan} >= {"Generation/Generate", "Generation/PushWeights",
                                                        "Generation/GetInfo", "Reward/Score", "Critic/Values",
                                                        "Critic/Train", "Critic/Save", "Critic/Load", "Critic/Info",
                                                        "Learner/Status", "Learner/PullWeights"}
@@ -151,10 +161,16 @@ def test_fuzz_every_rpc(servers, pb, cfg):
     codes = defaultdict(lambda: defaultdict(int))
     reasons = defaultdict(lambda: defaultdict(int))  # method -> refusal (numbers as N) -> count
     t0 = time.perf_counter()
-    for mod, svc, m in plan:
+    overflow_codes = defaultdict(lambda: defaultdict(int))  # method -> code -> count, overflowing shapes only
+    for mod, svc, m, overflow in plan:
         path = f"/rlhf.v1.{svc}/{m.name}"
-        garbage = rng.random() < GARBAGE_SHARE
-        if m.client_streaming:
+        garbage = not overflow and rng.random() < GARBAGE_SHARE
+        if overflow:
+            payload = (fuzz.overflow_push() if m.client_streaming else fuzz.overflow_generate()
+                       if svc == "Generation" else fuzz.overflow_critic(m.input_type))
+            wire = ([p.SerializeToString() for p in payload] if m.client_streaming
+                    else payload.SerializeToString())
+        elif m.client_streaming:
             payload = ([fuzz.garbage(m.input_type) for _ in range(rng.randint(1, 3))] if garbage else fuzz.push())
             wire = [p if isinstance(p, bytes) else p.SerializeToString() for p in payload]
         else:
@@ -172,6 +188,10 @@ def test_fuzz_every_rpc(servers, pb, cfg):
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
         codes[path][code.name] += 1
+        if overflow:
+            overflow_codes[path][code.name] += 1
+            if code.name not in OVERFLOW_CODES.get(f"{svc}/{m.name}", {"INVALID_ARGUMENT"}):
+                failures[(path, f"{code.name} (overflowing shape)", details[:160])].append(summary(payload))
         if code != grpc.StatusCode.OK:
             reasons[path][re.sub(r"-?\d+", "N", details)[:70]] += 1
         if code in FAILING:
@@ -188,6 +208,10 @@ def test_fuzz_every_rpc(servers, pb, cfg):
         print(f"  {path}: " + ", ".join(f"{c}={n}" for c, n in sorted(by_code.items())))
         for why, n in sorted(reasons[path].items(), key=lambda kv: -kv[1])[:3]:
             print(f"      {n:4d} x {why}")
+    print("overflowing shapes:")
+    for path, by_code in sorted(overflow_codes.items()):
+        print(f"  {path}: {sum(by_code.values())} sent: " + ", ".join(f"{c}={n}" for c, n in sorted(by_code.items())))
+    assert set(overflow_codes) == {f"/rlhf.v1.{k}" for k in OVERFLOW_COUNTS}
 
     # every server is still alive and ready, and answers a known-good request correctly
     for kind, port in servers["ports"].items():

@@ -17,6 +17,37 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+MAX_NDIM = 8  # more dimensions than any tensor of the system has (batches 2, weights at most 4)
+# a tensor on the wire lies inside one gRPC message, and rpc.max_message_mb is at most 2047
+MAX_WIRE_TENSOR_BYTES = 2047 << 20
+
+
+def checked_shape(shape, itemsize: int, field: str, nbytes: int | None = None, max_bytes: int | None = None,
+                  dtype_name: str | None = None) -> tuple[list[int], int]:
+    """A declared shape checked before anything (torch, numpy) is built from it: at most
+    `MAX_NDIM` dimensions, none negative, and the bytes the shape spans, with every dimension
+    counted as at least 1, at most `max_bytes` (default `MAX_WIRE_TENSOR_BYTES`): so an empty
+    tensor cannot declare dimensions whose product overflows torch's int64 numel or strides.
+    All in Python integers; with `nbytes` (the payload's or the declared size) the shape's
+    bytes must equal it. Returns (the dimensions as ints, the tensor's bytes)."""
+    dims = [int(s) for s in shape]
+    of = dtype_name or f"{itemsize}-byte elements"
+    if len(dims) > MAX_NDIM:
+        raise BadRequest(f"{field}.shape: {len(dims)} dimensions, more than {MAX_NDIM}")
+    if any(d < 0 for d in dims):
+        raise BadRequest(f"{field}.shape: negative dimension in {dims}")
+    limit = MAX_WIRE_TENSOR_BYTES if max_bytes is None else max_bytes
+    span = itemsize
+    for d in dims:
+        span *= max(d, 1)
+        if span > limit:
+            raise BadRequest(f"{field}.shape: {dims} of {of} spans more than {limit} bytes "
+                             f"(every dimension counted as at least 1)")
+    size = math.prod(dims) * itemsize
+    if nbytes is not None and nbytes != size:
+        raise BadRequest(f"{field}: {nbytes} bytes do not fit shape {dims} of {of} ({size} bytes)")
+    return dims, size
+
 
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
     t = t.detach().cpu().contiguous()
@@ -26,17 +57,17 @@ def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes())
 
 
-def bytes_to_tensor(data: bytes, dtype_name: str, shape, field: str) -> torch.Tensor:
+def bytes_to_tensor(data: bytes, dtype_name: str, shape, field: str, ndim: int | None = None,
+                    max_bytes: int | None = None) -> torch.Tensor:
+    """A tensor from raw bytes; dtype, the number of dimensions (`ndim`, when given) and the
+    shape (`checked_shape`) are checked before anything is built."""
     if dtype_name not in DTYPES:
         raise BadRequest(f"{field}.dtype: {dtype_name!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[dtype_name]
-    shape = [int(s) for s in shape]
-    if any(s < 0 for s in shape):
-        raise BadRequest(f"{field}.shape: negative dimension in {shape}")
+    if ndim is not None and len(shape) != ndim:
+        raise BadRequest(f"{field}: expected {ndim} dimensions, got shape {[int(s) for s in shape][:MAX_NDIM + 1]}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
-    if len(data) != expected:
-        raise BadRequest(f"{field}: {len(data)} bytes do not fit shape {shape} of {dtype_name} ({expected} bytes)")
+    shape, _ = checked_shape(shape, itemsize, field, nbytes=len(data), max_bytes=max_bytes, dtype_name=dtype_name)
     if dtype == torch.bfloat16:
         arr = np.frombuffer(data, dtype=np.int16).copy()
         return torch.from_numpy(arr).view(torch.bfloat16).reshape(shape)
@@ -45,12 +76,11 @@ def bytes_to_tensor(data: bytes, dtype_name: str, shape, field: str) -> torch.Te
 
 
 def tensor_from_proto(msg: pb.Tensor, field: str, dtype: torch.dtype | None = None, ndim: int | None = None,
-                      finite: bool = True) -> torch.Tensor:
+                      finite: bool = True, max_bytes: int | None = None) -> torch.Tensor:
+    """`max_bytes`: the most a tensor may span (a server passes its rpc.max_message_mb)."""
     if not msg.dtype:
         raise BadRequest(f"{field}: missing")
-    t = bytes_to_tensor(msg.data, msg.dtype, msg.shape, field)
-    if ndim is not None and t.dim() != ndim:
-        raise BadRequest(f"{field}: expected {ndim} dimensions, got shape {list(t.shape)}")
+    t = bytes_to_tensor(msg.data, msg.dtype, msg.shape, field, ndim=ndim, max_bytes=max_bytes)
     if finite and t.is_floating_point() and not torch.isfinite(t).all():
         raise BadRequest(f"{field}: contains NaN or infinity")
     return t.to(dtype) if dtype is not None else t
@@ -65,12 +95,12 @@ def batch_to_proto(b: TokenBatch) -> pb.TokenBatch:
 
 
 def batch_from_proto(msg: pb.TokenBatch, vocab_size: int, max_prompt: int, max_response: int,
-                     max_batch: int = 1 << 16) -> TokenBatch:
+                     max_batch: int = 1 << 16, max_bytes: int | None = None) -> TokenBatch:
     """Decode and check a token batch: shapes agree, ids inside the vocabulary, lengths in limits."""
-    ids = tensor_from_proto(msg.input_ids, "batch.input_ids", torch.long, ndim=2)
-    attn = tensor_from_proto(msg.attention_mask, "batch.attention_mask", torch.long, ndim=2)
-    pos = tensor_from_proto(msg.position_ids, "batch.position_ids", torch.long, ndim=2)
-    rmask = tensor_from_proto(msg.response_mask, "batch.response_mask", torch.float32, ndim=2)
+    ids = tensor_from_proto(msg.input_ids, "batch.input_ids", torch.long, ndim=2, max_bytes=max_bytes)
+    attn = tensor_from_proto(msg.attention_mask, "batch.attention_mask", torch.long, ndim=2, max_bytes=max_bytes)
+    pos = tensor_from_proto(msg.position_ids, "batch.position_ids", torch.long, ndim=2, max_bytes=max_bytes)
+    rmask = tensor_from_proto(msg.response_mask, "batch.response_mask", torch.float32, ndim=2, max_bytes=max_bytes)
     B, L = ids.shape
     P = int(msg.prompt_width)
     if B == 0:

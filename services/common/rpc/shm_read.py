@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .codec import checked_shape
 from .errors import BadRequest
 from .gen import common_pb2 as pb, generation_pb2 as gpb
 from .shm import (MADV_POPULATE_READ, MAX_HEADER, MAX_PIECE, MIN_PIECE, PROBE_PREFIX, ST_NAMES, STEP, _hasher,
@@ -103,6 +104,9 @@ def _parse(mm, size: int, where: str) -> tuple[list, dict, int]:
         if not ok:
             raise BadRequest(f"{where}: tensor {name!r}: bad entry {str(e)[:200]}")
         dtype, (b, end) = ST_NAMES[e["dtype"]], e["data_offsets"]
+        # no more than the file spans, and nothing whose product overflows torch's sizes
+        checked_shape(e["shape"], dtype.itemsize, f"{where}: tensor {name!r}", max_bytes=max(size, 1 << 30),
+                      dtype_name=e["dtype"])
         if end - b != math.prod(e["shape"]) * dtype.itemsize:
             raise BadRequest(f"{where}: tensor {name!r}: offsets [{b}, {end}) do not fit shape {e['shape']} of "
                              f"{e['dtype']}")

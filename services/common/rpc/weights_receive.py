@@ -10,10 +10,10 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from .codec import DTYPE_NAMES, DTYPES
+from .codec import DTYPE_NAMES, DTYPES, checked_shape
 from .errors import BadRequest
 from .gen import common_pb2 as pb
-from .weights import _InOrder, _all_finite, _check_header, _nbytes, _raw_view, xxhash
+from .weights import _InOrder, _all_finite, _check_header, _raw_view, xxhash
 
 def _read_varint(buf, i: int, end: int) -> tuple[int, int]:
     shift = value = 0
@@ -105,7 +105,10 @@ class WeightChunkDecoder:
         return _PieceView(_PieceMeta(meta, mv[data[1]:data[2]]))
 
 
-def _check_piece(p: pb.TensorPiece, specs, header: pb.WeightHeader) -> None:
+MAX_EMPTY_SPAN = 1 << 30  # what an empty tensor's other dimensions may span however small the push
+
+
+def _check_piece(p: pb.TensorPiece, specs, header: pb.WeightHeader, max_bytes: int | None = None) -> None:
     """A piece's name, dtype, shape and declared sizes, before anything is allocated for it."""
     if specs is not None:
         if p.name not in specs:
@@ -117,9 +120,11 @@ def _check_piece(p: pb.TensorPiece, specs, header: pb.WeightHeader) -> None:
             raise BadRequest(f"weights.piece[{p.name}].dtype: {p.dtype}, expected {DTYPE_NAMES.get(want_dtype)}")
     if p.dtype not in DTYPES:
         raise BadRequest(f"weights.piece[{p.name}].dtype: {p.dtype!r} unknown")
-    if any(s < 0 for s in p.shape):
-        raise BadRequest(f"weights.piece[{p.name}].shape: negative dimension in {list(p.shape)}")
-    size = _nbytes(p.shape, DTYPES[p.dtype])
+    # before torch.empty: no negative dimension, nothing whose product overflows (Python integers);
+    # the tensor at most the header's total and the push's limit (an empty one may span a little more)
+    limit = header.total_bytes if max_bytes is None else min(header.total_bytes, max_bytes)
+    _, size = checked_shape(p.shape, DTYPES[p.dtype].itemsize, f"weights.piece[{p.name}]",
+                            max_bytes=max(limit, MAX_EMPTY_SPAN), dtype_name=p.dtype)
     if p.total_bytes != size:
         raise BadRequest(f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, but shape {list(p.shape)} of "
                          f"{p.dtype} is {size} bytes")
@@ -218,7 +223,7 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                                          f"{p.total_bytes} disagree with the tensor's earlier pieces ({dtype}, "
                                          f"{list(shape)}, {total})")
                 else:
-                    _check_piece(p, specs, header)
+                    _check_piece(p, specs, header, max_bytes)
                     if len(buffers) >= header.num_tensors:
                         raise BadRequest(f"weights: more than the {header.num_tensors} tensors the header announced")
                     allocated += p.total_bytes
