@@ -250,7 +250,10 @@ class Launcher:
         self.write_manifest()
 
     def _supervise_redis(self) -> int | None:
-        """Restart a crashed embedded Redis on its port (its AOF brings the streams back)."""
+        """Restart a crashed embedded Redis on its port (its AOF brings the streams back); never
+        once the shutdown began (a Redis that exits then was told to, or went with the run)."""
+        if self.stopping.is_set():
+            return None
         if self.redis is None or self.redis.proc is None or self.redis.proc.poll() is None:
             return None
         code = self.redis.proc.returncode
@@ -291,6 +294,8 @@ class Launcher:
         learner = self.children["learner"]
         while not self.stopping.is_set():
             time.sleep(0.3)
+            if self.stopping.is_set():  # a stop during the sleep: what exited since is not restarted
+                break
             failed = self._supervise_redis()
             if failed is not None:
                 return failed

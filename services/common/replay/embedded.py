@@ -80,7 +80,10 @@ class EmbeddedRedis:
         for _ in range(1 if fixed else 5):  # a probed free port can be taken before redis binds it
             port = self.port if fixed else free_port(self.host)
             args = [redis_server_binary(), str(self._write_conf(port))]
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # a session of its own: Ctrl-C in the terminal reaches the launcher only, which stops
+            # Redis last (after the learner's final checkpoint, which needs it)
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)
             deadline = time.time() + timeout_s
             while time.time() < deadline and self.proc.poll() is None:
                 try:
