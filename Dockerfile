@@ -17,6 +17,22 @@
 #   every dependency.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
+# The system part of the runtime (first, so `--target runtime-base` builds nothing else). The gpu
+# flavour needs a C compiler and Python's headers: vLLM's compiled path (torch.compile -> Triton)
+# builds Triton's CUDA launcher, a C extension, with `cc` at the first model load, and a slim
+# image has neither ("Failed to find C compiler").
+FROM ${BASE_IMAGE} AS runtime-base
+ARG FLAVOUR=gpu
+RUN set -eu; \
+    if [ "$FLAVOUR" = gpu ]; then \
+      headers=$(python3 -c 'import os, sysconfig; print("" if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")'); \
+      apt-get update -qq; \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev $headers >/dev/null; \
+      rm -rf /var/lib/apt/lists/*; \
+    fi
+RUN (id rlhf >/dev/null 2>&1 || useradd --uid 10001 --create-home --shell /usr/sbin/nologin rlhf) \
+    && mkdir -p /runs /data /workspace && chown rlhf /runs /data
+
 FROM ${BASE_IMAGE} AS build
 ARG FLAVOUR=gpu
 ARG TORCH_SPEC=""
@@ -49,13 +65,12 @@ COPY README.md ./
 COPY services/ services/
 RUN /opt/rlhf/bin/pip install --no-deps . && rm -rf build
 
-FROM ${BASE_IMAGE} AS runtime
-RUN (id rlhf >/dev/null 2>&1 || useradd --uid 10001 --create-home --shell /usr/sbin/nologin rlhf) \
-    && mkdir -p /runs /data && chown rlhf /runs /data
+FROM runtime-base AS runtime
 COPY --from=build /opt/rlhf /opt/rlhf
 COPY configs/ /app/configs/
-# models named by hub id download into $HF_HOME (compose puts it on the runs volume)
-ENV PATH=/opt/rlhf/bin:$PATH PYTHONUNBUFFERED=1
+# models named by hub id download into $HF_HOME (compose puts it on the runs volume); a config is
+# a path or a name looked up in the user's workspace (compose mounts it at /workspace) first
+ENV PATH=/opt/rlhf/bin:$PATH PYTHONUNBUFFERED=1 RLHF_CONFIG_PATH=/workspace/configs:/app/configs
 WORKDIR /app
 USER rlhf
 ENTRYPOINT ["rlhf"]

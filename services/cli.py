@@ -43,7 +43,8 @@ def _error(e) -> int:
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     env = os.environ.get("RLHF_CONFIG")
     p.add_argument("-c", "--config", required=required and not env, default=env,
-                   help="YAML config file (default $RLHF_CONFIG)")
+                   help="YAML config file (default $RLHF_CONFIG): a path, or a file name looked up in the "
+                   "directories of $RLHF_CONFIG_PATH")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted path for sections), repeatable")
 
@@ -54,9 +55,26 @@ def env_overrides() -> list[str]:
     return [o for o in os.environ.get("RLHF_SET", "").split() if o]
 
 
+def find_config(name: str, search_path: str | None = None) -> str:
+    """`name` itself when it is a file; else the first DIR/name of the directories of
+    `search_path` ($RLHF_CONFIG_PATH, colon-separated) that is one: how a container finds a config
+    in the user's mounted workspace (/workspace/configs) before the image's copy (/app/configs).
+    A name found nowhere is returned as it is (the loader then says it does not exist)."""
+    search_path = os.environ.get("RLHF_CONFIG_PATH", "") if search_path is None else search_path
+    if Path(name).is_file() or Path(name).is_absolute():
+        return name
+    for d in filter(None, search_path.split(os.pathsep)):
+        candidate = Path(d) / name
+        if candidate.is_file():
+            return str(candidate)
+    return name
+
+
 def _load(args, data: bool = False):
     """The validated config; with `data`, its data sources must exist too, and its trackers be
     installed (the commands that read the data: the ones that train)."""
+    if args.config:
+        args.config = find_config(args.config)
     try:
         cfg = load_config(args.config, env_overrides() + list(args.overrides))
         errors = data_source_errors(cfg) + tracking_errors(cfg) if data else []
@@ -148,8 +166,11 @@ def cmd_redis(args) -> int:
     $RLHF_REDIS_PASSWORD, the config file readable by its owner only): Compose's Redis."""
     from .common.replay.embedded import EmbeddedRedis
     password = os.environ.get("RLHF_REDIS_PASSWORD") or None
-    if password is None and args.host not in ("127.0.0.1", "localhost"):
+    if password is None and args.host not in LOOPBACK:
         return _error(f"rlhf redis: set RLHF_REDIS_PASSWORD before listening on {args.host}")
+    problem = secret_problem("RLHF_REDIS_PASSWORD", password, args.host)
+    if problem:
+        return _error(f"rlhf redis: {problem}")
     EmbeddedRedis(args.dir, port=args.port, host=args.host, password=password, appendfsync=args.appendfsync,
                   logfile="").exec()
     return 0
@@ -187,9 +208,32 @@ def _port(value: int | None, current):
     return None if value < 0 else value
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MIN_SECRET_CHARS = 16
+
+
+def secret_problem(name: str, value: str | None, host: str) -> str | None:
+    """Why the secret `name` (an environment variable) cannot guard a server listening on `host`:
+    a placeholder left from an example file (change-me...), or shorter than MIN_SECRET_CHARS. A
+    server on the loopback only may run with any secret, or none."""
+    if host in LOOPBACK or value is None:
+        return None
+    hint = "any long random string, e.g. from `python3 -c \"import secrets; print(secrets.token_urlsafe(32))\"`"
+    if value.strip().lower().replace("_", "-").startswith(("change-me", "changeme")):
+        return f"{name} is still the placeholder of the example file; set it to {hint}"
+    if len(value) < MIN_SECRET_CHARS:
+        return f"{name} has {len(value)} characters (fewer than {MIN_SECRET_CHARS}); set it to {hint}"
+    return None
+
+
 def _serve_problem(cfg, args) -> str | None:
-    """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, an
-    unusable run directory (learner)."""
+    """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, a
+    placeholder or short secret on a non-loopback address, an unusable run directory (learner)."""
+    token_host = args.host or (cfg.rpc.host if args.service == "rollout" else getattr(cfg.rpc, args.service).host)
+    problem = secret_problem("rpc.auth_token" if cfg.rpc.auth_token else cfg.rpc.auth_token_env,
+                             cfg.rpc.resolved_auth_token(), token_host)
+    if problem:
+        return problem
     flags = [("--port", args.port, False), ("--metrics-port", args.metrics_port, True),
              ("--http-port", args.http_port, True)]
     for flag, value, off in flags:
@@ -255,6 +299,12 @@ def cmd_serve(args) -> int:
     if sharded is not None and sharded.nproc > 1:
         from .common.distributed import start_followers
         start_followers(sharded.nproc, args.argv)
+    if args.service == "generation" and os.environ.get("RLHF_GPU_SLOTS_DIR"):
+        from .generation.gpu_slot import claim_gpu
+        try:
+            claim_gpu(os.environ["RLHF_GPU_SLOTS_DIR"])
+        except (OSError, RuntimeError) as e:
+            return _error(e)
     try:
         return run_service(_service(cfg, args))
     except USER_ERRORS as e:

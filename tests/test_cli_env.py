@@ -78,3 +78,45 @@ def test_rlhf_redis_serves_with_the_password_and_keeps_an_aof(tmp_path):
     p = subprocess.run([sys.executable, "-m", "services.cli", "redis", "--dir", str(tmp_path), "--port", str(port)],
                        env=no_pw, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "RLHF_REDIS_PASSWORD" in p.stderr
+
+
+def test_a_config_name_is_looked_up_in_rlhf_config_path_in_order(tmp_path):
+    """Compose's RLHF_CONFIG_PATH=/workspace/configs:/app/configs: the user's workspace copy of a
+    config wins over the image's, a name only the image has still loads, a path is a path."""
+    workspace, image = tmp_path / "workspace", tmp_path / "image"
+    (workspace / "configs").mkdir(parents=True)
+    image.mkdir()
+    (image / "tiny.yaml").write_text((ROOT / "configs/tiny-cpu.yaml").read_text())
+    (image / "only-here.yaml").write_text("prompt_length: 13\n")
+    (workspace / "configs" / "tiny.yaml").write_text("prompt_length: 21\n")
+    search = f"{workspace / 'configs'}:{image}"
+    for name, want in (("tiny.yaml", 21), ("only-here.yaml", 13)):
+        out = _validate(name, env={"RLHF_CONFIG_PATH": search})
+        assert out.returncode == 0, out.stderr
+        assert yaml.safe_load(out.stdout)["prompt_length"] == want, name
+    assert yaml.safe_load(_validate(str(image / "tiny.yaml"), env={"RLHF_CONFIG_PATH": search}).stdout)[
+        "prompt_length"] == 16
+    missing = _validate("nowhere.yaml", env={"RLHF_CONFIG_PATH": search})
+    assert missing.returncode == 2 and "nowhere.yaml" in missing.stderr
+
+
+@pytest.mark.parametrize("token, refused", [("change-me", "placeholder"), ("Change_Me_Too", "placeholder"),
+                                            ("s3cret", "6 characters"), ("x" * 16, None)])
+def test_a_server_beyond_loopback_refuses_placeholder_and_short_secrets(token, refused, tmp_path):
+    from services.cli import secret_problem
+    problem = secret_problem("RLHF_AUTH_TOKEN", token, "0.0.0.0")
+    if refused is None:
+        assert problem is None
+        return
+    assert refused in problem and "RLHF_AUTH_TOKEN" in problem and token not in problem.replace("RLHF_AUTH_TOKEN", "")
+    # on the loopback any secret goes (the embedded default, tests)
+    assert secret_problem("RLHF_AUTH_TOKEN", token, "127.0.0.1") is None
+    # the real command stops before it loads anything, with one line
+    p = subprocess.run([sys.executable, "-m", "services.cli", "serve", "reward", "-c", "configs/tiny-cpu.yaml",
+                        "--host", "0.0.0.0", "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "RLHF_AUTH_TOKEN": token})
+    assert p.returncode == 2 and p.stderr.startswith("error: RLHF_AUTH_TOKEN") and refused in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "services.cli", "redis", "--dir", str(tmp_path), "--port", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "RLHF_REDIS_PASSWORD": token})
+    assert p.returncode == 2 and "RLHF_REDIS_PASSWORD" in p.stderr and refused in p.stderr, p.stderr

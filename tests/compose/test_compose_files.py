@@ -1,7 +1,10 @@
 """The compose files as Compose itself reads them (`docker-compose config`): the GPU box's file
-and the CPU variant validate, with the values .env.example documents; GPUs are reserved for
-generation, learner and critic; every long-running service has a healthcheck and the learner
-waits for its dependencies to be healthy; the secrets must be set."""
+and the CPU variant validate, with the values .env.example documents; GPUs come from .env for
+generation, learner, critic and reward (one GPU by default, several as .env.example shows); the
+user's workspace and the repo's configs are mounted; HF_TOKEN reaches every service that loads a
+model; every long-running service has a healthcheck (with a start period where it loads a model)
+and the learner waits for its dependencies to be healthy; the secrets must be set, and the image
+refuses placeholders; the GPU image's runtime can build a C extension (Triton's launcher)."""
 import json
 import os
 import subprocess
@@ -15,9 +18,13 @@ from tests.compose.support import CPU_FILES, GPU_FILES, ROOT, compose_binary
 
 pytestmark = pytest.mark.docker
 
-ENV = {"RLHF_AUTH_TOKEN": "t0ken", "RLHF_REDIS_PASSWORD": "pw", "RLHF_GENERATION_GPUS": "0",
-       "RLHF_LEARNER_GPUS": "1", "RLHF_CRITIC_GPUS": "2"}
+ENV = {"RLHF_AUTH_TOKEN": "compose-files-test-token", "RLHF_REDIS_PASSWORD": "compose-files-test-password",
+       "HF_TOKEN": "hf_compose_test_token"}
+SEVERAL_GPUS = {"RLHF_GENERATION_GPUS": "0,1", "RLHF_LEARNER_GPUS": "2", "RLHF_CRITIC_GPUS": "3",
+                "RLHF_REWARD_GPUS": "3", "RLHF_CONFIG": "gpu.yaml"}
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
+LOADS_A_MODEL = {"reward", "critic", "generation", "learner"}
+RLHF_SERVICES = LONG_RUNNING | {"init"}
 MONITORING = {"prometheus", "grafana"}
 
 
@@ -58,29 +65,88 @@ def test_config_quiet_passes(files):
 
 @pytest.mark.parametrize("compose_file", ["docker-compose.yml:docker-compose.gpu.yml",
                                           "docker-compose.yml:docker-compose.cpu.yml"])
-def test_env_example_is_a_working_env_file(compose_file, tmp_path):
-    """.env.example as a user copies it, with either COMPOSE_FILE it documents."""
+def test_env_example_needs_only_the_secrets(compose_file, tmp_path):
+    """.env.example as a user copies it, with either COMPOSE_FILE it documents: refused until the
+    two secrets are set, with a message that names them; valid once they are."""
     lines = [x for x in (ROOT / ".env.example").read_text().splitlines() if not x.startswith("COMPOSE_FILE=")]
     env_file = tmp_path / ".env"
     env_file.write_text("\n".join(lines + [f"COMPOSE_FILE={compose_file}"]) + "\n")
+    proc = _compose(["config", "-q"], {}, env_file)
+    assert proc.returncode != 0 and "set RLHF_AUTH_TOKEN in .env" in proc.stderr, proc.stderr
+    filled = [f"{x}{ENV[x[:-1]]}" if x[:-1] in ("RLHF_AUTH_TOKEN", "RLHF_REDIS_PASSWORD") else x for x in lines]
+    env_file.write_text("\n".join(filled + [f"COMPOSE_FILE={compose_file}"]) + "\n")
     proc = _compose(["config", "-q"], {}, env_file)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_the_secrets_must_be_set():
-    proc = _config(GPU_FILES, {"RLHF_REDIS_PASSWORD": "pw"}, "-q")
+    proc = _config(GPU_FILES, {"RLHF_REDIS_PASSWORD": "compose-files-test-password"}, "-q")
     assert proc.returncode != 0 and "set RLHF_AUTH_TOKEN in .env" in proc.stderr
 
 
-def test_gpu_file_reserves_gpus_for_the_services_that_compute(gpu):
-    want = {"generation": "0", "learner": "1", "critic": "2"}
-    for service, ids in want.items():
-        devices = gpu["services"][service]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "capabilities": ["gpu"], "device_ids": [ids]}], devices
-    for service in set(gpu["services"]) - set(want):
+def _gpus(config: dict, service: str) -> list[str]:
+    devices = config["services"][service]["deploy"]["resources"]["reservations"]["devices"]
+    assert len(devices) == 1 and devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"], devices
+    return devices[0]["device_ids"]
+
+
+def test_by_default_every_gpu_service_shares_gpu_0_with_the_one_gpu_config(gpu):
+    for service in ("generation", "learner", "critic", "reward"):
+        assert _gpus(gpu, service) == ["0"], service
+    for service in set(gpu["services"]) - {"generation", "learner", "critic", "reward"}:
         assert "deploy" not in gpu["services"][service], service
-    # and the GPU preset with vLLM
-    assert gpu["services"]["generation"]["environment"]["RLHF_CONFIG"] == "/app/configs/gpu.yaml"
+    for service in RLHF_SERVICES:
+        assert gpu["services"][service]["environment"]["RLHF_CONFIG"] == "gpu-1x80gb.yaml"
+    assert (ROOT / "configs/gpu-1x80gb.yaml").is_file()
+
+
+def test_several_gpus_come_from_the_env_file():
+    proc = _config(GPU_FILES, {**ENV, **SEVERAL_GPUS})
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(proc.stdout)
+    # the generation service gets the whole list: Docker puts it in NVIDIA_VISIBLE_DEVICES and each
+    # replica of `--scale generation=2` takes one of them (tests/generation/test_gpu_slot.py)
+    assert _gpus(config, "generation") == ["0,1"]
+    assert (_gpus(config, "learner"), _gpus(config, "critic"), _gpus(config, "reward")) == (["2"], ["3"], ["3"])
+    assert config["services"]["generation"]["environment"]["RLHF_GPU_SLOTS_DIR"].startswith("/runs/")
+    assert config["services"]["learner"]["environment"]["RLHF_CONFIG"] == "gpu.yaml"
+
+
+def test_hf_token_and_hf_home_reach_every_service_that_loads_a_model(gpu, cpu):
+    for config in (gpu, cpu):
+        for service in LOADS_A_MODEL | {"init"}:
+            env = config["services"][service]["environment"]
+            assert env["HF_TOKEN"] == ENV["HF_TOKEN"], service
+            assert env["HF_HOME"].startswith("/runs/"), service
+
+
+def test_the_workspace_and_the_configs_are_mounted_read_only(gpu, cpu, tmp_path):
+    for config in (gpu, cpu):
+        for service in RLHF_SERVICES - {"redis"}:  # Redis keeps its own volume only
+            s = config["services"][service]
+            assert f"{ROOT / 'workspace'}:/workspace:ro" in s["volumes"], service
+            assert f"{ROOT / 'configs'}:/app/configs:ro" in s["volumes"], service
+            assert s["working_dir"] == "/workspace" and s["environment"]["PYTHONPATH"] == "/workspace"
+            assert s["environment"]["RLHF_CONFIG_PATH"] == "/workspace/configs:/app/configs"
+    elsewhere = yaml.safe_load(_config(CPU_FILES, {**ENV, "RLHF_WORKSPACE": str(tmp_path)}).stdout)
+    assert f"{tmp_path}:/workspace:ro" in elsewhere["services"]["learner"]["volumes"]
+
+
+def test_a_reward_api_on_the_host_is_reachable_with_its_key(gpu):
+    reward = gpu["services"]["reward"]
+    assert reward["extra_hosts"] == {"host.docker.internal": "host-gateway"} or \
+        reward["extra_hosts"] == ["host.docker.internal:host-gateway"], reward["extra_hosts"]
+    proc = _config(GPU_FILES, {**ENV, "RLHF_REWARD_API_KEY": "api-key-of-the-user"})
+    config = yaml.safe_load(proc.stdout)
+    assert config["services"]["reward"]["environment"]["RLHF_REWARD_API_KEY"] == "api-key-of-the-user"
+    # the key goes to the reward service only
+    for service in RLHF_SERVICES - {"reward"}:
+        assert "RLHF_REWARD_API_KEY" not in config["services"][service]["environment"], service
+
+
+def test_the_learner_status_is_published_on_the_loopback_only(gpu):
+    assert gpu["services"]["learner"]["ports"] == ["127.0.0.1:8054:8054/tcp"] or \
+        gpu["services"]["learner"]["ports"][0]["host_ip"] == "127.0.0.1"
 
 
 def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
@@ -89,7 +155,7 @@ def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
             continue
         assert "deploy" not in service, name
         assert service["image"] == "rlhf:cpu"
-        assert service["environment"]["RLHF_CONFIG"] == "/app/configs/tiny-cpu.yaml"
+        assert service["environment"]["RLHF_CONFIG"] == "tiny-cpu.yaml"
 
 
 @pytest.mark.parametrize("variant", ["gpu", "cpu"])
@@ -100,6 +166,9 @@ def test_every_long_running_service_has_a_healthcheck_and_a_restart_policy(varia
         check = services[name].get("healthcheck", {}).get("test")
         assert check and check[0] == "CMD", (name, check)
         assert services[name]["restart"] == "on-failure"
+        # a first start may download a model and compile vLLM's graphs: failures count after an hour
+        if name in LOADS_A_MODEL:
+            assert services[name]["healthcheck"]["start_period"] == "1h", name
     assert services["init"]["restart"] == "no"
 
 
@@ -127,7 +196,7 @@ def test_monitoring_is_a_profile_wired_to_deploy(gpu):
 
 def test_state_lives_on_named_volumes(gpu):
     assert set(gpu["volumes"]) == {"runs", "redis", "prometheus", "weights-shm"}
-    for name in ("learner", "critic", "generation", "init"):
+    for name in ("learner", "critic", "generation", "init", "reward"):
         assert "runs:/runs:rw" in gpu["services"][name]["volumes"], name
     assert gpu["services"]["redis"]["volumes"] == ["redis:/data:rw"]
 
@@ -157,3 +226,45 @@ def test_the_image_runs_rlhf_as_a_non_root_user():
     probe = docker("run", "--rm", "--entrypoint", "python3", IMAGE, "-m", "services.common.rpc.health",
                    "127.0.0.1:50051", check=False)
     assert probe.returncode == 1 and "Traceback" not in probe.stderr, probe.stderr
+    # a placeholder secret left from an example file stops a service at once, saying which
+    refused = docker("run", "--rm", "-e", "RLHF_AUTH_TOKEN=change-me", IMAGE, "serve", "reward", "-c",
+                     "tiny-cpu.yaml", "--host", "0.0.0.0", check=False)
+    assert refused.returncode == 2 and "RLHF_AUTH_TOKEN is still the placeholder" in refused.stderr, refused.stderr
+
+
+# Triton's launcher, as vLLM's compiled path builds it at the first model load: a C extension
+# compiled with `cc` against Python's headers, then imported
+TRITON_LIKE_BUILD = r"""
+set -eu
+cd "$(mktemp -d)"
+cat > probe.c <<'C'
+#include <Python.h>
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "probe", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&def); }
+C
+include=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+cc probe.c -O3 -shared -fPIC -I"$include" -o "probe$suffix"
+python3 -c 'import probe; print("built and imported", probe.__name__)'
+"""
+
+
+def test_the_gpu_runtime_can_build_tritons_launcher():
+    """The runtime stage of the gpu flavour (everything but the multi-GB vLLM/CUDA layer, which
+    cannot be pulled here) has the C compiler and headers Triton needs; the cpu flavour's has none
+    (it is not needed there, and the image stays small)."""
+    from tests.compose.support import docker, require_docker
+    require_docker()
+    base = os.environ.get("RLHF_TEST_BASE_IMAGE", "rlhf-base:bookworm")
+    sizes = {}
+    for flavour in ("gpu", "cpu"):
+        tag = f"rlhf:runtime-base-{flavour}"
+        docker("build", "--quiet", "--target", "runtime-base", "--build-arg", f"FLAVOUR={flavour}",
+               "--build-arg", f"BASE_IMAGE={base}", "-t", tag, str(ROOT), timeout=900)
+        sizes[flavour] = int(docker("image", "inspect", "-f", "{{.Size}}", tag).stdout)
+        built = docker("run", "--rm", "--user", "rlhf", "--entrypoint", "sh", tag, "-c", TRITON_LIKE_BUILD, check=False)
+        if flavour == "gpu":
+            assert built.returncode == 0 and "built and imported probe" in built.stdout, built.stderr
+        else:
+            assert built.returncode != 0
+    print(f"runtime-base sizes: gpu {sizes['gpu'] / 1e6:.0f} MB, cpu {sizes['cpu'] / 1e6:.0f} MB")
