@@ -85,9 +85,40 @@ class RewardConfig(_Strict):
     http_url: Optional[str] = Field(None, description="reward API URL (OpenRLHF protocol: POST {query, prompts, "
                                     "labels} -> {rewards}); null = none")
     http_weight: float = Field(1.0, description="weight of the HTTP reward in 'combined'")
-    http_timeout_s: float = Field(30.0, gt=0, description="seconds one HTTP reward request may take")
-    http_retries: int = Field(3, ge=0, description="retries of a failed HTTP reward request, with exponential backoff")
-    http_concurrency: int = Field(8, ge=1, description="most HTTP reward requests in flight at once")
+    http_timeout_s: float = Field(30.0, gt=0, description="seconds one HTTP reward request may take (connect, "
+                                  "send, and each wait for the answer); keep (http_retries + 1) x this below "
+                                  "rpc.timeout_s")
+    http_retries: int = Field(3, ge=0, description="retries of an HTTP reward request that timed out, lost its "
+                              "connection or got 5xx or 429 (never another 4xx), after a backoff with jitter or "
+                              "the answer's Retry-After")
+    http_backoff_s: float = Field(0.5, gt=0, description="least wait before a retry; each wait is drawn between "
+                                  "this and 3x the last (decorrelated jitter)")
+    http_max_backoff_s: float = Field(10.0, gt=0, description="longest wait before a retry, without Retry-After")
+    http_retry_after_max_s: float = Field(60.0, ge=0, description="longest Retry-After (of a 429 or 503, in "
+                                          "seconds or an HTTP date) honoured; a longer one waits this long")
+    http_concurrency: int = Field(8, ge=1, description="most HTTP reward requests in flight at once, across all "
+                                  "the Score calls a reward server runs")
+    http_auth_env: Optional[str] = Field("RLHF_REWARD_API_KEY", description="environment variable holding the "
+                                         "reward API's token; when it is set and not empty, every request "
+                                         "carries it in http_auth_header (it is never logged); null = none")
+    http_auth_header: str = Field("Authorization", min_length=1, description="header the token goes in")
+    http_auth_scheme: str = Field("Bearer", description="word before the token in the header ('Bearer "
+                                  "<token>'); empty = the bare token (e.g. for X-API-Key)")
+    http_breaker_failures: int = Field(5, ge=0, description="failed reward API requests in a row (timeouts, "
+                                       "lost connections, 5xx, 429, 401/403/404, answers that are not rewards; "
+                                       "the retries of one request count once when the failure may be its "
+                                       "input's) that open its circuit breaker: calls then fail at once without "
+                                       "reaching it, and callers wait; 0 = no breaker")
+    http_breaker_cooldown_s: float = Field(30.0, gt=0, description="seconds the breaker stays open before one "
+                                           "probe request goes through; its success closes the breaker")
+    group_retries: int = Field(2, ge=0, description="rollout workers: times a batch is scored again (not "
+                                "generated again) when the reward API failed it after its own HTTP retries; "
+                                "then each prompt is tried alone once, and a group the API still fails while "
+                                "it scores others is dropped (dead-lettered, counted in "
+                                "rlhf_rollout_groups_dropped_total; the learner feeds a replacement); never a "
+                                "default reward")
+    group_retry_wait_s: float = Field(10.0, ge=0, description="rollout workers: seconds before a batch is "
+                                      "scored again after the reward API failed it")
     max_text_chars: int = Field(100_000, ge=1, description="longest prompt, response or label one sample may "
                                 "carry (characters); a longer one is refused with INVALID_ARGUMENT")
     eval_rules: Optional[list[RuleSpec]] = Field(None, description="rule scorers of the held-out evaluation "

@@ -1,13 +1,21 @@
 """gRPC client of the reward server with the `Scorer` interface; `HeldOut(client)` is the same
-server as the held-out evaluation's scorer (`reward.eval_rules` on the server, when set)."""
+server as the held-out evaluation's scorer (`reward.eval_rules` on the server, when set);
+`APIFailures(client)` tells a batch the user's reward API failed (`RewardAPIFailure`) from a
+reward server that is unavailable itself."""
 from __future__ import annotations
 
 import json
 from typing import Sequence
 
+import grpc
+
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import RewardSample, ScoreResult
+
+# the start of the details of an UNAVAILABLE that says the user's reward API failed the batch
+# (`http_scorer.RewardAPIFailed`), as opposed to an API that is down or a server restarting
+API_FAILED = "reward API failed"
 
 
 class RewardClient(RPCClient):
@@ -35,3 +43,29 @@ class HeldOut:
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         return self.client.score(samples, held_out=True)
+
+
+class RewardAPIFailure(RuntimeError):
+    """The reward server's scorer could not get this batch's rewards from the user's reward API
+    (after its retries), while the API was not known to be down: scoring the batch again later
+    may work. Not a gRPC error, so `Retrying` leaves it to its caller."""
+
+
+class APIFailures:
+    """A `RewardClient` whose `score` raises `RewardAPIFailure` for an UNAVAILABLE that says the
+    reward API failed the batch (details starting `API_FAILED`); every other error is the
+    client's. Wrap it in `Retrying` (which then waits only for the server and an API that is down)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def score(self, samples: Sequence[RewardSample], held_out: bool = False) -> list[ScoreResult]:
+        try:
+            return self.client.score(samples, held_out=held_out)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith(API_FAILED):
+                raise RewardAPIFailure(e.details()) from None
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)

@@ -7,6 +7,9 @@ first HTTP request, and with a scorer that calls a reward API:
     rlhf_reward_api_requests_total{service, outcome} each request to the user's reward API (HTTPScorer):
                                                       ok, http_error, transport_error, bad_answer
     rlhf_reward_api_seconds{service}                 ... and their latency
+    rlhf_reward_api_breaker_state{service}           its circuit breaker: 0 closed, 1 half-open, 2 open
+    rlhf_reward_api_breaker_opened_total{service}    times it opened
+    rlhf_reward_api_short_circuited_total{service}   requests not sent because it was open
 
 `CountRequests` is the ASGI middleware that feeds the first two; paths outside the API's own are
 counted as "other" (a scanner cannot grow the label set).
@@ -15,11 +18,11 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..common.rpc.server import LATENCY_BUCKETS
 
-API_PATHS = ("/score", "/get_reward", "/health")
+API_PATHS = ("/score", "/get_reward", "/health", "/status")
 REWARD_API_OUTCOMES = ("ok", "http_error", "transport_error", "bad_answer")
 
 
@@ -75,13 +78,33 @@ class RewardAPIMetrics:
                                 "by outcome", ["service", "outcome"], registry=registry)
         self.latency = Histogram("rlhf_reward_api_seconds", "reward API request latency", ["service"],
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        self.breaker_state = Gauge("rlhf_reward_api_breaker_state", "the reward API's circuit breaker: 0 closed, "
+                                   "1 half-open (one probe out), 2 open (calls fail without reaching it)",
+                                   ["service"], registry=registry)
+        self.breaker_opened = Counter("rlhf_reward_api_breaker_opened_total", "times the reward API's circuit "
+                                      "breaker opened", ["service"], registry=registry)
+        self.short_circuited = Counter("rlhf_reward_api_short_circuited_total", "reward API requests not sent "
+                                       "because its circuit breaker was open", ["service"], registry=registry)
 
     def expect_calls(self) -> None:
         """A scorer will call the API: its outcomes and latency start at 0."""
         for outcome in REWARD_API_OUTCOMES:
             self.requests.labels(self.service, outcome)
         self.latency.labels(self.service)
+        self.breaker_state.labels(self.service).set(0)
+        self.breaker_opened.labels(self.service)
+        self.short_circuited.labels(self.service)
 
     def record(self, outcome: str, seconds: float) -> None:
         self.requests.labels(self.service, outcome).inc()
         self.latency.labels(self.service).observe(seconds)
+
+    def breaker(self, state: str, opened: bool = False) -> None:
+        """The breaker is now `state` (closed, half_open, open); `opened`: it just opened."""
+        self.breaker_state.labels(self.service).set({"closed": 0, "half_open": 1, "open": 2}[state])
+        if opened:
+            self.breaker_opened.labels(self.service).inc()
+
+    def refused(self) -> None:
+        """A request was not sent: the breaker is open."""
+        self.short_circuited.labels(self.service).inc()

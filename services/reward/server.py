@@ -1,5 +1,6 @@
 """The reward server: gRPC `Score`, and the same scorer over HTTP in OpenRLHF's remote reward
-protocol (`POST /score` or `/get_reward`), so other frameworks can use it as their reward model.
+protocol (`POST /score` or `/get_reward`), so other frameworks can use it as their reward model;
+`GET /status` there shows the user's reward API and its circuit breaker (`http_scorer.py`).
 Score requests marked `held_out` (the learner's held-out evaluation) are scored by
 `reward.eval_rules` when they are set, a gold reward the policy is not trained on.
 
@@ -19,10 +20,11 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 
 from ..common.lifecycle import GrpcService
 from ..common.modeling import load_tokenizer
-from ..common.rpc.errors import BadRequest, DeadlineExceeded
+from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCServer, batch_size_histogram
 from ..common.types import RewardSample
+from .http_scorer import api_scorers
 from .metrics import CountRequests, HTTPMetrics, RewardAPIMetrics
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,11 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return rpb.ScoreResponse(scores=[rpb.Score(reward=r.reward, components=r.components) for r in results])
 
 
+def reward_status(scorer) -> dict:
+    """{"reward_api": the status of each reward API `scorer` calls ([] for none)}."""
+    return {"service": "reward", "reward_api": [s.status() for s in api_scorers(scorer)]}
+
+
 def special_token_strings(model_path) -> list[str]:
     """The non-empty BOS, EOS and pad token strings of the tokenizer at `model_path`, each once."""
     tok = load_tokenizer(model_path)
@@ -190,6 +197,8 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
             results = scorer.score(samples)
         except ValueError as e:
             raise HTTPException(422, str(e))
+        except Unavailable as e:  # the reward API behind this server failed or is down
+            raise HTTPException(503, str(e))
         _check_scores(results)
         rewards = [r.reward for r in results]
         return {"rewards": rewards, "scores": rewards, "extra_logs": {
@@ -212,6 +221,14 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
     @app.get("/health")
     def healthz():
         return {"status": "ok"}
+
+    @app.get("/status")
+    def status(authorization: str | None = Header(None)):
+        """The reward API this server calls (its URL without credentials) and its circuit breaker:
+        closed, half_open or open, failures in a row, the last error."""
+        if token is not None and authorization != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong bearer token")
+        return reward_status(scorer)
 
     return app
 

@@ -15,8 +15,18 @@ Failures, by where they come from:
         -> another server is tried (that one avoided for a while); after `rollout.retries`
            the batch is left pending and picked up again later
     a Generate past its deadline -> retried like the above, with twice the deadline
-    the reward or critic server unavailable -> wait for it (it restarts), as the learner does
-    one prompt refused (INVALID_ARGUMENT about prompts[i], a reward rule's complaint)
+    the reward or critic server unavailable -> wait for it (it restarts), as the learner does;
+        so too while the user's reward API is down (its circuit breaker open) or refuses the
+        token or URL: nothing is scored, nothing dropped
+    the reward API failed this batch (its requests' retries spent, the breaker closed)
+        -> the batch's scoring alone is repeated `reward.group_retries` times, then the batch is
+           split and each prompt sampled and scored once more; a group that still gets no reward
+           while the API scores others is dropped: dead-lettered (the learner feeds a
+           replacement) and counted (`rlhf_rollout_groups_dropped_total`); when it scores none,
+           the prompts stay pending (an outage, not an input). A batch of one prompt is dropped
+           after its retries. No group is ever appended with a partial or a default reward.
+    one prompt refused (INVALID_ARGUMENT about prompts[i], a reward rule's complaint, a 4xx the
+        reward API answered about the input)
         -> the batch is split to find it; that prompt alone goes to the dead-letter stream
 
     rlhf serve rollout -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
@@ -45,7 +55,7 @@ from ..common.sampling import sample_groups
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient
-from ..reward.client import RewardClient
+from ..reward.client import APIFailures, RewardAPIFailure, RewardClient
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +65,11 @@ FAULT_STALL_S = float(os.environ.get(FAULT_STALL_ENV, "0") or 0)
 
 
 # kinds of rlhf_rollout_errors_total: waiting for the reward or critic server, no generation server
-# registered, a dependency gone longer than the worker waits, an error in the claim loop, and the
+# registered, a dependency gone longer than the worker waits, an error in the claim loop, a batch
+# the reward API failed on every try and prompt by prompt (left pending), and the
 # gRPC status codes (lower case) of failed calls, the common ones listed (any other may appear)
-ERROR_KINDS = ("waiting", "no_generation_server", "dependency", "loop", "unavailable", "deadline_exceeded")
+ERROR_KINDS = ("waiting", "no_generation_server", "dependency", "loop", "reward_api", "unavailable",
+               "deadline_exceeded")
 
 
 class WorkerMetrics:
@@ -76,6 +88,10 @@ class WorkerMetrics:
         self.produced = counter("rlhf_rollout_groups_produced_total", "trajectory groups appended")
         self.duplicates = counter("rlhf_rollout_duplicates_total", "prompt attempts that already had trajectories")
         self.dead = counter("rlhf_rollout_dead_letters_total", "prompts no worker can process")
+        self.score_retries = counter("rlhf_rollout_score_retries_total", "batches scored again after the reward "
+                                     "API failed them")
+        self.dropped = counter("rlhf_rollout_groups_dropped_total", "groups dropped (dead-lettered) because the "
+                               "reward API could not score them")
         self.errors = Counter("rlhf_rollout_errors_total", "failed service calls", ["service", "kind"], registry=r)
         for kind in ERROR_KINDS:  # from 0, so an alert's rate exists before the first error
             self.error(kind)
@@ -123,6 +139,36 @@ class _OneBatch:
         return self.client.generate(prompts, params, timeout=self.timeout_s, key=self.key)
 
 
+class ScoringFailed(RuntimeError):
+    """The reward API failed a batch on every try: its groups have no reward."""
+
+
+class _Scoring:
+    """The reward server as `sample_groups` calls it in a worker: a batch the reward API failed
+    (`RewardAPIFailure`) is scored again `retries` times, `wait_s` apart (the samples are kept:
+    nothing is generated again), then `ScoringFailed`. A stopping worker raises
+    `DependencyUnavailable` instead (the batch stays pending)."""
+
+    def __init__(self, reward, retries: int, wait_s: float, stop_event: threading.Event, metrics: WorkerMetrics):
+        self.reward, self.retries, self.wait_s = reward, retries, wait_s
+        self.stop_event, self.metrics = stop_event, metrics
+
+    def score(self, samples):
+        for attempt in range(self.retries + 1):
+            try:
+                return self.reward.score(samples)
+            except RewardAPIFailure as e:
+                error = e
+            if self.stop_event.is_set():
+                raise DependencyUnavailable(f"stopping; the reward API failed the batch: {error}")
+            if attempt < self.retries:
+                self.metrics.score_retries.inc()
+                log.warning("the reward API failed a batch of %d samples (%s); scoring it again in %.1fs (%d/%d)",
+                            len(samples), error, self.wait_s, attempt + 1, self.retries)
+                self.stop_event.wait(self.wait_s)
+        raise ScoringFailed(str(error))
+
+
 class _ClaimRenewal:
     """While a batch is worked on, re-claim its prompts every claim_idle_s / 3 (their idle time
     restarts), so other workers see a live owner and leave them alone."""
@@ -156,8 +202,9 @@ class RolloutWorker:
         self.stop_event = threading.Event()
         self.metrics = WorkerMetrics()
         # the reward and critic servers are waited for while they restart (the claim is renewed)
-        self.reward = _Tagged(Retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server",
-                                       cfg.rpc, self.stop_event, on_wait=self._waiting), "reward")
+        # (and while the reward API is down; a batch the API failed is scored again, then dropped)
+        self.reward = _Tagged(Retrying(APIFailures(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)),
+                                       "reward server", cfg.rpc, self.stop_event, on_wait=self._waiting), "reward")
         self.critic = None
         if cfg.needs_critic:
             self.critic = _Tagged(Retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server",
@@ -209,14 +256,17 @@ class RolloutWorker:
         base = rc.generate_timeout_s if rc.generate_timeout_s is not None else self.cfg.rpc.timeout_s
         return base + rc.generate_timeout_per_token_s * n_prompts * params.n * params.max_new_tokens
 
-    def _sample(self, entries: list) -> list | None:
+    def _sample(self, entries: list, score_retries: int | None = None) -> list | None:
         """Groups for `entries` (one Generate call), retrying transient failures; None = give up
-        (the prompts stay pending and are reclaimed later)."""
+        (the prompts stay pending and are reclaimed later). `ScoringFailed` when the reward API
+        failed the batch `score_retries` + 1 times (default `reward.group_retries` + 1)."""
         tasks = [t for _, t in entries]
         min_version = max(t.min_version for t in tasks)
         params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
         rc = self.cfg.rollout
         key, timeout = uuid.uuid4().hex, self.generate_timeout(len(tasks), params)
+        retries = self.cfg.reward.group_retries if score_retries is None else score_retries
+        scoring = _Scoring(self.reward, retries, self.cfg.reward.group_retry_wait_s, self.stop_event, self.metrics)
         for attempt in range(rc.retries + 1):
             delay = min(rc.retry_backoff_s * 2 ** attempt, self.cfg.rpc.retry_max_backoff_s)
             if self.stop_event.is_set() and attempt:
@@ -230,7 +280,7 @@ class RolloutWorker:
             try:
                 generation = _Tagged(_OneBatch(self._clients[address], key, timeout), "generation")
                 groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks], generation,
-                                          self.reward, self.tokenizer, params, self.critic, self.cfg.prompt_length)
+                                          scoring, self.tokenizer, params, self.critic, self.cfg.prompt_length)
             except DependencyUnavailable as e:  # reward or critic gone for longer than we wait
                 self.metrics.error("dependency").inc()
                 log.error("batch of %d prompts left pending: %s", len(tasks), e)
@@ -270,21 +320,40 @@ class RolloutWorker:
 
     def process(self, entries: list) -> int:
         """Sample, append and acknowledge one claimed batch. Returns groups appended."""
+        return self._process(entries)[0]
+
+    def _process(self, entries: list, score_retries: int | None = None, drop: bool = True) -> tuple[int, str]:
+        """`process` with `score_retries` (None: reward.group_retries). Returns the groups appended
+        and what happened: "scored" (appended, or already there), "rejected" (dead-lettered: a
+        server refused a prompt), "unscored" (the reward API failed it; left pending: not `drop`),
+        "dropped" (that, dead-lettered) or "pending" (given up on for now)."""
         t0 = time.perf_counter()
         try:
-            result = self._sample(entries)
+            result = self._sample(entries, score_retries)
         except ValueError as e:  # the request itself is bad: isolate the prompts that cause it
             if len(entries) > 1:
-                return sum(self.process([e1]) for e1 in entries)
+                return sum(self._process([e1], score_retries)[0] for e1 in entries), "scored"
             entry_id, task = entries[0]
             log.error("prompt %s cannot be processed, moved to the dead-letter stream: %s", task.uid, e)
             self.store.dead_letter(entry_id, task, str(e), self.name)
             self.metrics.dead.inc()
-            return 0
+            return 0, "rejected"
+        except ScoringFailed as e:  # the reward API failed it on every try
+            if len(entries) > 1:
+                return self._isolate(entries, e), "scored"
+            entry_id, task = entries[0]
+            if not drop:
+                return 0, "unscored"
+            log.error("prompt %s: the reward API gave its group no reward on every try; the group is dropped "
+                      "(moved to the dead-letter stream, the learner feeds a replacement): %s", task.uid, e)
+            self.store.dead_letter(entry_id, task, f"reward API: {e}", self.name)
+            self.metrics.dead.inc()
+            self.metrics.dropped.inc()
+            return 0, "dropped"
         if result is None:
             log.error("giving up on a batch of %d prompts for now; they stay pending and will be reclaimed",
                       len(entries))
-            return 0
+            return 0, "pending"
         secs = time.perf_counter() - t0
         added = self.store.produce([(entry_id, group_to_proto(group, task, self.name, address, m["time/generate_s"],
                                                               int(m["rollout/tokens"])))
@@ -296,6 +365,34 @@ class RolloutWorker:
         log.debug("batch of %d appended in %.3fs (sampling %.3fs)", len(entries), time.perf_counter() - t0, secs)
         with self._lock:
             self.produced += appended
+        return appended, "scored"
+
+    def _isolate(self, entries: list, error: ScoringFailed) -> int:
+        """After the reward API failed a batch on every try: each prompt alone, sampled and scored
+        once more. A prompt whose group it still fails is dropped only once the API has scored
+        another of these prompts (then the failure is that input's; one that failed before gets one
+        more try first); if it scores none, it fails everything (an outage, not an input), and the
+        prompts stay pending for a later try. Returns groups appended."""
+        log.error("the reward API failed a batch of %d prompts on every try (%s); trying each prompt alone",
+                  len(entries), error)
+        appended, waiting, works = 0, [], False
+        for i, entry in enumerate(entries):
+            n, what = self._process([entry], 0, drop=works)
+            appended += n
+            if what == "unscored":
+                waiting.append(entry)
+            elif what in ("scored", "rejected") and not works:
+                works = True  # the API answers: the prompts that failed before get one more try
+                appended += sum(self._process([w], 0, drop=True)[0] for w in waiting)
+                waiting = []
+            elif what == "pending":  # the reward server or its API down (breaker open) past the wait
+                log.error("the reward API is down: the %d prompts not tried alone yet stay pending",
+                          len(entries) - i - 1)
+                break
+        if waiting:
+            self.metrics.error("reward_api").inc()
+            log.error("the reward API scored none of %d prompts alone either: it fails every request, not one "
+                      "input; they stay pending and are tried again later", len(waiting))
         return appended
 
     # ------------------------------------------------------------------ loops

@@ -1,9 +1,11 @@
 """The compose file run for real under Docker Engine: the CPU variant (docker-compose.yml +
 docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` builds.
 
-- "tiny": `up --scale rollout=2` to the end of the run: the held-out reward rises by at least
-  0.25, every service the learner depends on is healthy before the learner starts, and `down -v`
-  leaves no container, network or volume behind.
+- "tiny": `up --scale rollout=2` to the end of the run, from a user's workspace (RLHF_WORKSPACE):
+  its config (RLHF_CONFIG names it; found in workspace/configs/) and its datasets (relative paths
+  in that config) are the ones the run uses; the held-out reward rises by at least 0.25, every
+  service the learner depends on is healthy before the learner starts, and `down -v` leaves no
+  container, network or volume behind.
 - "resilient": the reward service calls a user's reward API (its own container, OpenRLHF
   protocol); the learner's process is killed (a crash: Docker's restart policy brings it back),
   then its container is `docker kill`ed (a manual stop, which Docker leaves stopped: `up -d`
@@ -13,22 +15,49 @@ docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` b
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.compose.support import CPU_FILES, Project, docker, require_docker
+from services.common.data import reverse_task
+from tests.compose.support import CPU_FILES, ROOT, Project, docker, require_docker
 
 pytestmark = pytest.mark.docker
 
 BATCH = 64  # rollout_batch_size of configs/tiny-cpu.yaml
 
 
+def _workspace() -> Path:
+    """A user's workspace: configs/my-tiny.yaml (the tiny preset reading the data below, under a
+    seed of its own) and data/*.jsonl (the reverse task, ids "ws-..."), readable by the image's
+    user (uid 10001) as a user's files are."""
+    ws = Path(tempfile.mkdtemp(prefix="rlhf-workspace-"))
+    (ws / "configs").mkdir()
+    (ws / "data").mkdir()
+    cfg = yaml.safe_load((ROOT / "configs/tiny-cpu.yaml").read_text())
+    cfg["data"].update(train="data/reverse-train.jsonl", eval="data/reverse-eval.jsonl")
+    cfg["run"]["seed"] = 7
+    (ws / "configs/my-tiny.yaml").write_text(yaml.safe_dump(cfg))
+    for split, n in (("train", 4000), ("eval", 256)):
+        rows = [{"id": f"ws-{split}-{i}", "prompt": r.prompt, "label": r.label}
+                for i, r in enumerate(reverse_task(split, n, seed=3))]
+        (ws / f"data/reverse-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for path in (ws, *ws.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return ws
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     require_docker()
+    workspace = _workspace()
     project = Project(f"rlhftiny{os.getpid()}", tmp_path_factory.mktemp("compose-tiny"), CPU_FILES,
-                      {"RLHF_OVERRIDES": "run.iterations=60 run.eval_interval=30 run.checkpoint_interval=0"})
+                      {"RLHF_OVERRIDES": "run.iterations=60 run.eval_interval=30 run.checkpoint_interval=0",
+                       "RLHF_WORKSPACE": str(workspace), "RLHF_CONFIG": "my-tiny.yaml"})
     project.watch_events()
     try:
         t0 = time.time()
@@ -39,6 +68,8 @@ def tiny(tmp_path_factory):
         code = project.wait_learner_done(600)
         t_done = time.time() - t0
         out = {"code": code, "summary": json.loads(project.read("/runs/run/summary.json")),
+               "config": yaml.safe_load(project.read("/runs/run/config.yaml")),
+               "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
                "rollout_health": [project.state("rollout", i)["State"].get("Health", {}).get("Status")
                                   for i in (1, 2)],
                "learner_log": project.logs("learner")}
@@ -51,6 +82,15 @@ def tiny(tmp_path_factory):
         yield out
     finally:
         project.close()
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
+def test_the_run_uses_the_config_and_data_of_the_users_workspace(tiny):
+    cfg = tiny["config"]
+    assert cfg["run"]["seed"] == 7  # the workspace's config, not the image's tiny-cpu.yaml
+    assert (cfg["data"]["train"], cfg["data"]["eval"]) == ("data/reverse-train.jsonl", "data/reverse-eval.jsonl")
+    uids = [u for row in tiny["ledger"] for u in row["uids"]]
+    assert uids and all(u.split(":", 1)[1].startswith("ws-train-") for u in uids), uids[:5]
 
 
 def test_compose_cpu_variant_learns_the_tiny_task(tiny):
