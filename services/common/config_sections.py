@@ -184,6 +184,11 @@ class RunConfig(_Strict):
     seed: int = Field(0, description="random seed of sampling, data order and initialisation")
     log_every: int = Field(1, ge=1, description="print a progress line every N iterations (and at each eval)")
     max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds; null = no limit")
+    liveness_s: Optional[float] = Field(None, gt=0, description="learner service: its liveness (/healthz, gRPC "
+                                        "health '') fails once the training loop has not advanced (a phase, a "
+                                        "wait's tick, a call answered, an update step) for this many seconds; "
+                                        "null = max(600, 3 x rpc.timeout_s, the longest Redis command with its "
+                                        "retries)")
     hacking_window: int = Field(3, ge=0, description="reward-hacking watch: held-out evaluations compared (>= 2); "
                                 "it warns while across them the held-out reward falls and the train reward rises; "
                                 "0 = off")

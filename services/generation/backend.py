@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -26,6 +27,24 @@ GREEDY_BELOW = 1e-5
 class GenerationStopped(Exception):
     """A batch given up before its end because `stop()` said nobody waits for it any more (every
     caller of the generation server left: deadline passed or call cancelled)."""
+
+
+class CallNotStarted(TimeoutError):
+    """A call for the compute thread (a weight swap) that had not started when its wait's deadline
+    passed (the running batch was still decoding): it was withdrawn, nothing changed."""
+
+
+def wait_for_call(fut: Future, timeout: float | None):
+    """The result of a call queued for the compute thread: waiting up to `timeout` seconds for it
+    to start (None = as long as it takes); one still queued then is withdrawn (`CallNotStarted`);
+    one that has started is waited for to the end (it holds what it was given)."""
+    try:
+        return fut.result(timeout)
+    except FutureTimeout:
+        if fut.cancel():
+            raise CallNotStarted(f"it waited {timeout:.0f} s for the running batch to finish and never ran") \
+                from None
+        return fut.result()
 
 
 class _StopWhen(StoppingCriteria):

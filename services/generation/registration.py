@@ -7,14 +7,16 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 import grpc
 import redis
 
 from ..common.replay import ReplayStore
-from ..common.rpc.errors import BadRequest
+from ..common.rpc.errors import BadRequest, DeadlineExceeded
 from ..common.rpc.errors import Unavailable
 from ..common.rpc.gen import common_pb2
+from ..common.rpc.waits import Counted, wait_failed
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +60,35 @@ class Registration:
         self._behind_since: int | None = None  # learner version we first saw ourselves behind
 
     def sync(self) -> bool:
-        """Pull the learner's policy if it is newer than ours. True if weights were applied."""
+        """Pull the learner's policy if it is newer than ours. True if weights were applied. The
+        pull's stream has the learner client's deadline (rpc.timeout_s), the apply its own; one
+        that passes (or a learner gone) is logged with its phase and the learner's address."""
         info = self.store.learner_info()
         if not info or int(info.get("version", 0)) <= self.backend.version:
             return False
         from ..learner.client import LearnerClient
-        client = LearnerClient(info["address"], self.cfg.rpc)
+        address = info["address"]
+        client = LearnerClient(address, self.cfg.rpc)
+        t0 = time.monotonic()
+        stream = Counted(())
         try:
-            stream = iter(client.pull_weights(self.backend.version))
+            stream = Counted(client.pull_weights(self.backend.version))
             first = next(stream, None)
             if first is None:
                 return False
-            version, nbytes, secs = self.servicer.apply_chunks(itertools.chain([first], stream))
-            log.info("pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, info["address"],
+            version, nbytes, secs = self.servicer.apply_chunks(itertools.chain([first], stream), origin=address)
+            log.info("pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, address,
                      nbytes / 1e6, secs)
             return True
+        except DeadlineExceeded:  # the apply's wait (logged with its phase where it passed)
+            return False
         except BadRequest as e:  # a push of the same version won the race, or the fence refused it
             log.info("pull skipped: %s", e)
+            return False
+        except grpc.RpcError as e:
+            log.warning("%s (it pulls again when it finds itself behind)", wait_failed(
+                f"weight pull v{info.get('version')} from the learner at", address, stream.phase("stream", "apply"),
+                e, time.monotonic() - t0, client.timeout))
             return False
         finally:
             client.close()

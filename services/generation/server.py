@@ -27,13 +27,14 @@ from typing import Callable
 import grpc
 
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, ResourceExhausted
+from ..common.rpc.waits import wait_failed
 from ..common.rpc.shm_read import Probe, open_shared_weights
 from ..common.rpc.weights_receive import WeightChunkDecoder, assemble_weights
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW, GenerationStopped, check_newer
+from .backend import GREEDY_BELOW, CallNotStarted, GenerationStopped, check_newer, wait_for_call
 from .client import IDEMPOTENCY_KEY
 from .metrics import GenerationMetrics
 
@@ -81,8 +82,15 @@ class Batcher:
         self.batches = 0
         self.active = 0  # Generate calls inside the server (decoding, queued or running)
         self._active_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="generation-batcher", daemon=True)
         self._thread.start()
+
+    def dead(self) -> str | None:
+        """Why nothing can run any more (the server's liveness fails then), or None."""
+        if not self._closed and not self._thread.is_alive():
+            return "the generation-batcher thread has exited; nothing is decoded or swapped any more"
+        return None
 
     def start(self, prompts: list[list[int]], params: SamplingParams,
               stopped: Callable[[], bool] = _never) -> Future:
@@ -95,16 +103,21 @@ class Batcher:
         return self.start(prompts, params).result()
 
     def close(self) -> None:
+        self._closed = True
         self.q.put(None)
 
-    def call(self, fn, *args):
-        """Run fn(*args) on the batcher's thread between batches; its result or exception."""
+    def call(self, fn, *args, timeout: float | None = None):
+        """Run fn(*args) on the batcher's thread between batches; its result or exception. With a
+        `timeout`: not started within it (the running batch still decoding), it is withdrawn and
+        `CallNotStarted` raised (`wait_for_call`)."""
         fut: Future = Future()
         self.q.put(_Call(lambda: fn(*args), fut))
-        return fut.result()
+        return wait_for_call(fut, timeout)
 
     @staticmethod
     def _run_call(c: _Call) -> None:
+        if not c.future.set_running_or_notify_cancel():
+            return  # withdrawn by its caller, whose wait ran out
         try:
             c.future.set_result(c.fn())
         except BaseException as e:  # the caller sees it
@@ -221,11 +234,15 @@ class ContinuousBatcher:
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         return self.start(prompts, params).result()
 
-    def call(self, fn, *args):
-        return self.backend.call(fn, *args)
+    def call(self, fn, *args, timeout: float | None = None):
+        return self.backend.call(fn, *args, timeout=timeout)
 
     def close(self) -> None:
         self.backend.close()
+
+    def dead(self) -> str | None:
+        dead = getattr(self.backend, "dead", None)
+        return dead() if dead is not None else None
 
     def enter(self) -> None:
         with self._lock:
@@ -429,6 +446,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                text=self.tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]))
         return out
 
+    def liveness(self) -> str | None:
+        """Why this server can no longer make progress, or None (the health service's "", which
+        Kubernetes' liveness probe asks: a restart is what helps then): its backend marked broken
+        (a vLLM reload failed midway, so the engine holds half a policy; its engine core died), or
+        the thread that runs every batch and weight swap has exited. Readiness is another matter:
+        it also goes off for a moment during each weight swap."""
+        broken = getattr(self.backend, "broken", None)
+        if broken:
+            return f"generation backend broken: {broken}"
+        return self.batcher.dead()
+
     def registry_info(self) -> dict:
         """What this server's registry entry says besides its version: the shared-memory probe's
         nonce, where its weights come from (`base`), and whether its backend takes partial pushes."""
@@ -440,13 +468,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _max_bytes(self) -> int:
         return self.cfg.rpc.max_message_mb * 1024 * 1024 * 64
 
-    def apply_chunks(self, chunks) -> tuple[int, int, float]:
+    def apply_chunks(self, chunks, context=None, origin: str = "") -> tuple[int, int, float]:
         """Assemble a header/pieces/footer stream and apply it as one new policy version.
-        Used by PushWeights (the learner pushes) and by registration (a late server pulls)."""
+        Used by PushWeights (the learner pushes) and by registration (a late server pulls).
+        Its waits end with the call's deadline (`context`; without one, rpc.timeout_s)."""
         return self._apply(lambda: contextlib.nullcontext(assemble_weights(
-            chunks, self.backend.parameter_specs(), self._max_bytes(), on_header=self.fence)))
+            chunks, self.backend.parameter_specs(), self._max_bytes(), on_header=self.fence)),
+            context=context, origin=origin)
 
-    def apply_shared(self, request) -> tuple[int, int, float]:
+    def apply_shared(self, request, context=None) -> tuple[int, int, float]:
         """Check and apply a version the co-located learner wrote into shared memory."""
         if self.probe is None:
             raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
@@ -456,40 +486,78 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise BadRequest(f"weights: {e}") from None
         return self._apply(lambda: open_shared_weights(str(self.probe.dir), request, self.backend.parameter_specs(),
                                                        self._max_bytes(), self.fence, self.probe.mappings),
-                           "shared memory")
+                           "shared memory", context=context)
 
-    def _apply(self, source, via: str = "stream") -> tuple[int, int, float]:
-        t0 = time.perf_counter()
-        with self._push_lock, source() as (version, fmt, state, nbytes, header):  # one update at a time
+    NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
 
-            def swap():
-                if self.fence is not None:
-                    self.fence(header)  # again: another learner may have taken over while the pieces came
-                self.backend.update_weights(state, version)
-                if fmt == "full":
-                    self.base = f"run:{header.run_id}"
-            if self.server:
-                self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
-            try:
-                self.batcher.call(swap)
-            except BadRequest:
-                raise
-            except (KeyError, ValueError) as e:
-                raise BadRequest(f"weights: {e}") from None
-            finally:
-                state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
-                if self.server and not getattr(self.backend, "broken", None):
-                    self.server.set_ready(True)  # a broken engine stays not ready (alive, for its logs)
+    def _budget(self, context) -> float:
+        """Seconds a weight update may wait: the call's remaining deadline; rpc.timeout_s for a
+        pull (no call) or a call without a deadline."""
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is None or remaining > self.NO_DEADLINE_S:
+            return self.cfg.rpc.timeout_s
+        return max(float(remaining), 0.0)
+
+    @staticmethod
+    def _timed_out(what: str, peer: str, phase: str, t0: float, budget: float, why: str) -> DeadlineExceeded:
+        msg = wait_failed(what, peer, phase, DeadlineExceeded(why), time.monotonic() - t0, budget)
+        log.warning("%s", msg)
+        return DeadlineExceeded(msg)
+
+    def _apply(self, source, via: str = "stream", context=None, origin: str = "") -> tuple[int, int, float]:
+        """One update at a time. Each wait ends with the call's deadline (`_budget`), naming its
+        phase and the peer: for an earlier update to finish ('wait-for-previous-update'), the
+        stream itself (gRPC ends it at the deadline), for the running batch before the swap
+        ('swap'; a swap that has not started by then is withdrawn, nothing changes)."""
+        t0, t_mono = time.perf_counter(), time.monotonic()
+        budget = self._budget(context)
+        peer = origin or (context.peer() if context is not None else "?")
+        if not self._push_lock.acquire(timeout=budget):
+            raise self._timed_out(f"weight update ({via}) from", peer, "wait-for-previous-update", t_mono, budget,
+                                  "another weight update held this server for the whole deadline")
+        try:
+            with source() as (version, fmt, state, nbytes, header):
+
+                def swap():
+                    if self.fence is not None:
+                        self.fence(header)  # again: another learner may have taken over while the pieces came
+                    self.backend.update_weights(state, version)
+                    if fmt == "full":
+                        self.base = f"run:{header.run_id}"
+                if self.server:
+                    self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
+                try:
+                    self.batcher.call(swap, timeout=max(budget - (time.monotonic() - t_mono), 0.0))
+                except CallNotStarted as e:
+                    raise self._timed_out(f"weight update v{version} ({via}) from", peer, "swap", t_mono, budget,
+                                          f"not applied: {e}") from None
+                except BadRequest:
+                    raise
+                except (KeyError, ValueError) as e:
+                    raise BadRequest(f"weights: {e}") from None
+                finally:
+                    state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
+                    if self.server and not getattr(self.backend, "broken", None):
+                        self.server.set_ready(True)  # a broken engine stays not ready, and fails liveness
+                    elif self.server:
+                        self.server.liveness()  # says why now, not at the next probe
+        except grpc.RpcError:  # reading the pushed stream: gRPC ended the call (its deadline, a cancel)
+            if context is not None and not context.is_active():
+                raise self._timed_out(f"weight update ({via}) from", peer, "stream", t_mono, budget,
+                                      "the call ended before the whole stream came") from None
+            raise
+        finally:
+            self._push_lock.release()
         secs = time.perf_counter() - t0
         log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", version, fmt, nbytes / 1e6, secs, via)
         return version, nbytes, secs
 
     def PushWeights(self, request_iterator, context):
-        version, nbytes, secs = self.apply_chunks(request_iterator)
+        version, nbytes, secs = self.apply_chunks(request_iterator, context)
         return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
 
     def LoadSharedWeights(self, request, context):
-        version, nbytes, secs = self.apply_shared(request)
+        version, nbytes, secs = self.apply_shared(request, context)
         return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
 
     def GetInfo(self, request, context):
@@ -559,6 +627,7 @@ def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None =
         servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None,
                                       probe=probe)
         add_generation_servicer(servicer, server.grpc)
+        server.set_liveness(servicer.liveness)
         server.start()
         closers = [servicer.batcher.close] + ([probe.close] if probe is not None else [])
         if store is not None:

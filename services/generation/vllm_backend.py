@@ -36,7 +36,7 @@ import torch
 from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW, GenerationStopped, check_newer, check_weights
+from .backend import GREEDY_BELOW, GenerationStopped, check_newer, check_weights, wait_for_call
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,10 @@ class VLLMBackend:
         self.dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         log.info("vLLM engine up in %.1fs (%s, %s, %s)", time.perf_counter() - t0, self.engine_version, self.dtype,
                  self.device)
+        self._run_engine()
+
+    def _run_engine(self) -> None:
+        """Start the thread that owns `self.engine` (tests drive a fake engine through this)."""
         self.version = 0
         self.swap_seconds = 0.0
         self.broken: str | None = None  # why the engine must not serve (a reload failed midway)
@@ -150,6 +154,16 @@ class VLLMBackend:
         names and shapes in float32 (the engine casts to its own dtype and layout as it loads)."""
         return self._specs
 
+    def dead(self) -> str | None:
+        """Why this backend can no longer make progress (the server's liveness fails then), or None:
+        marked broken (a reload failed midway, or vLLM's engine core died), or the engine thread
+        gone while the backend is not closing."""
+        if self.broken:
+            return self.broken
+        if not self._closed and not self._thread.is_alive():
+            return "the vLLM engine thread has exited; nothing is decoded or swapped any more"
+        return None
+
     # ------------------------------------------------------------------ callers' side
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                stopped: Callable[[], bool] | None = None) -> Future:
@@ -169,13 +183,15 @@ class VLLMBackend:
             return GenerationResult([], self.version, 0, 0.0)
         return self.submit(prompts, params).result()
 
-    def call(self, fn, *args):
-        """Run fn(*args) on the engine thread with nothing in flight (pause, drain, run, resume)."""
+    def call(self, fn, *args, timeout: float | None = None):
+        """Run fn(*args) on the engine thread with nothing in flight (pause, drain, run, resume).
+        With a `timeout`: not started within it (the requests in flight still decoding), it is
+        withdrawn and `CallNotStarted` raised (`wait_for_call`)."""
         if threading.current_thread() is self._thread:
             return fn(*args)
         fut: Future = Future()
         self._q.put(_Call(lambda: fn(*args), fut))
-        return fut.result()
+        return wait_for_call(fut, timeout)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a full state dict (transformers names, see `parameter_specs`) as policy `version`.
@@ -244,6 +260,10 @@ class VLLMBackend:
                     outputs = self.engine.step()
                 except Exception as e:  # the engine failed: every request in flight sees it
                     log.exception("vLLM engine step failed")
+                    if type(e).__name__ == "EngineDeadError":  # vLLM's engine core is gone: nothing recovers it
+                        self.broken = (f"the vLLM engine core died ({e}); it serves nothing until this server is "
+                                       f"restarted")
+                        log.critical("%s", self.broken)
                     self._fail_inflight(e)
                     continue
                 for out in outputs:
@@ -271,6 +291,8 @@ class VLLMBackend:
     def _run_calls(self) -> None:
         calls, self._calls = self._calls, []
         for c in calls:
+            if not c.future.set_running_or_notify_cancel():
+                continue  # withdrawn by its caller, whose wait ran out
             try:
                 c.future.set_result(c.fn())
             except BaseException as e:  # the caller sees it
@@ -366,16 +388,15 @@ class VLLMBackend:
 
     def _fail_all(self, e: Exception) -> None:
         self._fail_inflight(e)
-        for job in self._held:
-            job.future.set_exception(e)
-        for c in self._calls:
-            c.future.set_exception(e)
+        for item in [*self._held, *self._calls]:
+            if not item.future.done():  # a withdrawn call is done (cancelled)
+                item.future.set_exception(e)
         while True:
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not None and not item.future.done():
                 item.future.set_exception(e)
 
 

@@ -18,9 +18,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import redis
 
 from ..common.rpc import shm
 from ..common.rpc.retry import DependencyUnavailable
+from ..common.rpc.waits import Counted, wait_failed
 from ..common.rpc.weights import Fanout, encode_weights
 from ..generation.client import GenerationClient
 
@@ -35,7 +37,13 @@ def _nbytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def _nothing() -> None:
+    pass
+
+
 class WeightBroadcaster:
+    on_progress = staticmethod(_nothing)  # each server's push answered, each tick of a wait (the learner's heartbeat)
+
     def __init__(self, cfg, store, learner):
         self.cfg, self.store, self.learner = cfg, store, learner
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
@@ -102,43 +110,59 @@ class WeightBroadcaster:
     # ------------------------------------------------------------------ delivery
     def _registered(self, address: str, info: dict, version: int, kind: str) -> None:
         """The server's registry entry after it took `version`: workers see the version at once,
-        and the next push plans with what this one changed."""
+        and the next push plans with what this one changed. A registry that does not answer (its
+        socket timeout) is logged: the server took the version, and its own heartbeat says so."""
         fields = {k: v for k, v in info.items() if k not in ("ts", "proof")}
         fields["version"] = version
         if kind == "full" and "base" in info:
             fields["base"] = f"run:{self.identity[0]}"
-        self.store.heartbeat("generation", address, **fields)
+        t0 = time.monotonic()
+        try:
+            self.store.heartbeat("generation", address, **fields)
+        except (redis.RedisError, OSError) as e:
+            log.warning("%s (the server took it; its own heartbeat registers it)", wait_failed(
+                f"weight push v{version} to", address, "register", e, time.monotonic() - t0))
 
     def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> bool:
         """Push one server the (already encoded) stream `chunks`."""
+        sent, t0 = Counted(chunks), time.monotonic()
+        client = self.client(address)
         try:
-            self.client(address).push_encoded(chunks)
-            self._registered(address, info, version, kind)
-            return True
+            client.push_encoded(sent)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in (e.details() or ""):
                 return True  # it pulled this version itself a moment ago
-            log.warning("push of version %d to %s failed: %s %s (it will pull when it sees it is behind)",
-                        version, address, e.code().name, e.details())
+            # all chunks out: the deadline passed while the server checked or swapped them in
+            log.warning("%s (it will pull when it sees it is behind)", wait_failed(
+                f"weight push v{version} to", address, sent.phase("stream", "apply"), e, time.monotonic() - t0,
+                client.timeout))
             return False
+        finally:
+            self.on_progress()
+        self._registered(address, info, version, kind)
+        return True
 
     def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> str:
         """Point one co-located server at the shared file: "ok", "failed", or "stream" (retry over gRPC)."""
+        t0 = time.monotonic()
+        client = self.client(address)
         try:
-            self.client(address).load_shared(request)
-            self._registered(address, info, version, kind)
-            return "ok"
+            client.load_shared(request)
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
             if code == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in details:
                 return "ok"
             if code in UNREACHABLE:
-                log.warning("shared-memory load of version %d on %s failed: %s %s (it will pull when it sees it is "
-                            "behind)", version, address, code.name, details)
+                log.warning("%s (it will pull when it sees it is behind)", wait_failed(
+                    f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout))
                 return "failed"
             self._tell((address, "stream"), "shared-memory load of version %d refused by %s (%s: %s); streaming "
                        "over gRPC instead", version, address, code.name, details, level=logging.WARNING)
             return "stream"
+        finally:
+            self.on_progress()
+        self._registered(address, info, version, kind)
+        return "ok"
 
     def chunk_bytes(self) -> int:
         return max(1 << 20, min(PUSH_CHUNK_BYTES, self.cfg.rpc.max_message_mb * (1 << 20) // 2))
@@ -244,6 +268,7 @@ class WeightBroadcaster:
                 return self.client(sorted(live)[0])
             if (deadline is not None and time.time() > deadline) or stop_event.is_set():
                 raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
+            self.on_progress()  # a wait's tick: waiting for a server, not stuck
             stop_event.wait(0.2)
 
     def close(self) -> None:

@@ -40,9 +40,11 @@ def forward_in_micro_batches(learner, forward, batch: TokenBatch) -> dict[str, t
     n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
     dist = learner.dist
     parts: dict[str, list[torch.Tensor]] = {}
+    progress = getattr(learner, "on_progress", None) or (lambda: None)
     with torch.no_grad(), learner.autocast():
         for rows, real in micro_batches(n, learner.log_prob_micro, dist):
             out = forward(batch.select(rows).trimmed())
+            progress()
             for k, v in out.items():
                 v = widen(v, width)
                 parts.setdefault(k, []).append(v if real else v[:0])

@@ -32,6 +32,7 @@ class TrajectoryIntake:
         self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "malformed": 0}
         self.stale_streak = 0  # groups dropped as stale in a row, since the last fresh one
         self._streak_reported = 0
+        self.on_progress = lambda: None  # each tick of `collect`'s wait (the learner's heartbeat)
 
     def _enqueue(self, entries: list) -> None:
         """Queue read entries with whether their prompt is already trained (one round trip)."""
@@ -55,6 +56,7 @@ class TrajectoryIntake:
         self.gen_rates = []
         t0 = last_report = time.time()
         while len(batch) < want:
+            self.on_progress()
             if stop_event.is_set():
                 return None
             if not self._queue:
@@ -107,7 +109,7 @@ class TrajectoryIntake:
             self._streak_reported = self.stale_streak
             why = ("it is AHEAD of the learner: some server serves weights this learner never pushed"
                    if msg.policy_version > version else
-                   "the generation servers do not get the learner's pushes (see 'push of version' warnings)")
+                   "the generation servers do not get the learner's pushes (see 'weight push v' warnings)")
             log.error("stalled: %d trajectory groups in a row dropped as stale, none fresh (newest from policy "
                       "version %d, learner at %d, max_staleness %d): %s", self.stale_streak, msg.policy_version,
                       version, self.cfg.max_staleness, why)

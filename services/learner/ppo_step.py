@@ -47,6 +47,8 @@ class PPOLearner:
     """Owns the actor, the reference model, the optimiser, the KL controller and the running
     reward statistics. `cfg` is the validated `Config`."""
 
+    on_progress = None  # called at each micro-batch forward and optimiser step (the learner service's heartbeat)
+
     def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None, dist=None):
         self.cfg = cfg
         self.dist = dist  # `distributed.Dist` when the actor is sharded across processes (FSDP2)

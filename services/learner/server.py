@@ -31,7 +31,9 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
 
 def status_http(service, host: str, port: int, token: str | None = None) -> ThreadingHTTPServer:
     """JSON `/status` (and `/`) of `service`; with a `token`, only for requests that carry
-    `Authorization: Bearer <token>` (401 otherwise). `/healthz` stays open for liveness probes."""
+    `Authorization: Bearer <token>` (401 otherwise). `/healthz` stays open for liveness probes:
+    200 while the training loop advances, 503 with the reason once it has not for the liveness
+    bound (`service.liveness()`, see liveness.py)."""
     expected = f"Bearer {token}".encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
@@ -42,8 +44,11 @@ def status_http(service, host: str, port: int, token: str | None = None) -> Thre
                     body, code = b'{"error": "missing or wrong bearer token (Authorization: Bearer ...)"}', 401
                 else:
                     body, code = json.dumps(service.status(), default=str).encode(), 200
-            elif self.path == "/healthz":
-                body, code = b'{"ok": true}', 200
+            elif self.path.split("?")[0] == "/healthz":
+                check = getattr(service, "liveness", None)
+                reason = check() if check is not None else None
+                body, code = ((json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason
+                              else (b'{"ok": true}', 200))
             else:
                 body, code = b'{"error": "not found; try /status"}', 404
             self.send_response(code)
@@ -83,6 +88,7 @@ class LearnerProcess(Service):
                                 ep.metrics_port if self._metrics_port == -1 else self._metrics_port, host=ep.host)
         self.service = LearnerService(cfg, self.run_dir, registry=self.server.metrics.registry)
         self.service.address = advertised_address(cfg.rpc, ep.host, self.server.port)
+        self.server.set_liveness(self.service.liveness)  # gRPC health "" says what /healthz says
         learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self.service), self.server.grpc)
         self.server.start()
         hp = ep.http_port if self._http_port == -1 else self._http_port

@@ -39,6 +39,7 @@ from .checkpoint import Checkpointer, finished_run
 from ..common.distributed import follow, from_env, release_followers
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
+from .liveness import Beating, Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PPOLearner, ptx_examples_for
 from .schedule import Schedule, planned_updates
@@ -75,6 +76,8 @@ class LearnerService:
     def __init__(self, cfg, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
         """Rank 0 of a sharded learner (model.nproc > 1) or the only process."""
         self.cfg = cfg
+        # touched by every phase, wait tick, answered call and update step (see liveness.py)
+        self.heartbeat = Heartbeat(liveness_bound_s(cfg))
         self.run_dir = Path(run_dir or cfg.run.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id, self.epoch = run_identity(self.run_dir), 0
@@ -87,16 +90,21 @@ class LearnerService:
         self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),
                                   dist=from_env(cfg.model.device, cfg.model.nproc) if cfg.model.nproc > 1 else None)
+        self.learner.on_progress = self.heartbeat  # each micro-batch forward and optimiser step
         self.critic = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
             self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")
             if cfg.critic.overlap_training:
                 self.critic = OverlappedCritic(self.critic)
+            self.critic = Beating(self.critic, self.heartbeat)
         self.critic_state: dict = {}
-        self.reward = self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server")
+        self.reward = Beating(self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server"),
+                              self.heartbeat)
         self.feeder = PromptFeeder(cfg, self.store, train)
         self.intake = TrajectoryIntake(cfg, self.store, self.feeder)
+        self.intake.on_progress = self.heartbeat  # each tick of the wait for trajectories
         self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner)
+        self.broadcaster.on_progress = self.heartbeat  # each server's push answered, each tick of a wait
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
         self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
@@ -116,6 +124,21 @@ class LearnerService:
 
     def _waiting(self, msg: str | None) -> None:
         self.waiting_for = msg
+        self.heartbeat.beat()  # a retry's tick: waiting for a dependency, not stuck
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        """Each phase the loop enters is a sign of life."""
+        self._state = value
+        self.heartbeat.beat(value)
+
+    def liveness(self) -> str | None:
+        """None while the training loop advances (or has ended); else why its liveness fails."""
+        return self.heartbeat.stuck()
 
     # ------------------------------------------------------------------ status
     @property
@@ -131,6 +154,7 @@ class LearnerService:
                 "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from,
                 "waiting_for": self.waiting_for, "stale_streak": self.intake.stale_streak,
                 "critic": self.critic_state, "run_id": self.run_id, "epoch": self.epoch,
+                "liveness": {**self.heartbeat.status(), "stuck": self.liveness()},
                 "reward_hacking_suspected": self.watch.last.suspected, "reward_hacking": self.watch.status()}
 
     @staticmethod
@@ -208,6 +232,7 @@ class LearnerService:
         done = finished_run(self.run_dir, self.cfg.run.iterations)
         if done is not None:
             self.state = "done"
+            self.heartbeat.ended()
             self.ready.set()
             log.info("run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
                      self.run_dir, done.get("iterations"))
@@ -222,10 +247,13 @@ class LearnerService:
                       "stopped without a final checkpoint" if self.stop_event.is_set() else "the run cannot go on",
                       e, last.name if last else "none (a restart starts over)")
             raise
+        finally:
+            self.heartbeat.ended()  # nothing left to watch: the process ends
 
     def _run(self) -> dict:
         cfg = self.cfg
         start_it = self.resume()
+        self.heartbeat.beat("resumed")
         self.epoch = self.store.new_learner_epoch()
         self.broadcaster.identity = (self.run_id, self.epoch)
         self._check_critic()

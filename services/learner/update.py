@@ -41,6 +41,10 @@ class Metrics:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
+def _nothing() -> None:
+    pass
+
+
 def ptx_loss(learner, picks: list) -> torch.Tensor | None:
     """The PTX/SFT loss of (prompt ids, answer ids) pairs under the policy (None for none)."""
     if not picks:
@@ -65,6 +69,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
         raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
     rollout_stats = [0.0, 0.0, 0.0, 0.0]  # entropy sum, tokens, sequence KL sum, sequences (fused)
     critic_steps: list = []
+    progress = getattr(learner, "on_progress", None) or _nothing  # the learner service's heartbeat
     g = torch.Generator().manual_seed(learner.rng.randrange(2 ** 31))
     learner.policy.train()
     for _ in range(cfg.ppo_epochs):
@@ -103,6 +108,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
                 if real:
                     for k, (v, w) in terms.items():
                         metrics.add(k, v, w)
+                progress()
             if dist is not None:
                 bad_loss = float("nan") if dist.all_sum([bad_loss is not None])[0] else None
             if bad_loss is not None:
@@ -117,6 +123,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
             if math.isfinite(float(grad_norm)):
                 learner.optimizer.step()
             learner.scheduler.step()
+            progress()
             if critic is not None and exp.values is not None:
                 critic_steps.append(critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
                                                       exp.values[idx].cpu()))
@@ -124,6 +131,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
         for k, v in (step.result() if isinstance(step, Future) else step).items():
             metrics.add(k, v, 1.0)  # rank 0 alone runs the critic steps
         metrics.close()
+        progress()
     learner.policy.eval()
     learner.version += 1
     if dist is not None:  # the averages over every process's rows

@@ -2,6 +2,11 @@
 metrics and error mapping in one interceptor; the standard health service (liveness on "",
 readiness on the service's own name); optional TLS; message-size limits; graceful shutdown.
 
+Readiness says whether to send work now (not while a weight swap waits for the batch); liveness
+whether the process can still make progress at all: "" answers NOT_SERVING while the check given
+to `set_liveness` names a reason (a vLLM engine broken by a failed reload, a learner's training
+loop that stopped advancing), so that a supervisor (Kubernetes' liveness probe) restarts it.
+
     server = RPCServer("generation", rpc_cfg, port=50051, metrics_port=9101)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
     server.start(); server.set_ready(True); server.wait()
@@ -214,6 +219,46 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
+class _Health(health.HealthServicer):
+    """The standard health service, with liveness ("") asked of a check at each probe: NOT_SERVING
+    while `liveness()` returns a reason (logged when it appears and when it clears)."""
+
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+        self.liveness = None  # () -> str | None: why this process can no longer make progress
+        self._reason: str | None = None
+        self._stopping = False
+
+    def live(self) -> str | None:
+        """None while alive; else the reason."""
+        check = self.liveness
+        try:
+            reason = check() if check is not None else None
+        except Exception as e:  # a check that fails says nothing about the process: alive, and logged
+            log.warning("%s: the liveness check failed (%s: %s); answering alive", self.service, type(e).__name__, e)
+            reason = None
+        if reason != self._reason:
+            if reason:
+                log.critical("%s: liveness fails (a restart is what helps): %s", self.service, reason)
+            else:
+                log.warning("%s: alive again (the liveness check passes)", self.service)
+            self._reason = reason
+            if not self._stopping:  # Watch subscribers hear it too
+                self.set("", health_pb2.HealthCheckResponse.NOT_SERVING if reason
+                         else health_pb2.HealthCheckResponse.SERVING)
+        return reason
+
+    def Check(self, request, context):  # noqa: N802 (gRPC's name)
+        if request.service == "" and not self._stopping and self.liveness is not None and self.live():
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return super().Check(request, context)
+
+    def enter_graceful_shutdown(self):
+        self._stopping = True
+        super().enter_graceful_shutdown()
+
+
 class RPCServer:
     def __init__(self, service: str, rpc_cfg, port: int, metrics_port: int | None = None, host: str | None = None,
                  max_workers: int = 16, registry: CollectorRegistry | None = None):
@@ -223,7 +268,7 @@ class RPCServer:
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                                 interceptors=[_ServerInterceptor(service, token, self.metrics)],
                                 options=channel_options(rpc_cfg.max_message_mb))
-        self.health = health.HealthServicer()
+        self.health = _Health(service)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{host or rpc_cfg.host}:{port}"
         self.host = host or rpc_cfg.host
@@ -273,6 +318,15 @@ class RPCServer:
 
     def is_ready(self) -> bool:
         return self._ready
+
+    def set_liveness(self, check) -> None:
+        """Liveness (health service "") from now on asks `check()`: None while this process can
+        still make progress, else why not (then "" answers NOT_SERVING, and the reason is logged)."""
+        self.health.liveness = check
+
+    def liveness(self) -> str | None:
+        """None while alive, else why not (what the health service's "" answers)."""
+        return self.health.live()
 
     def wait(self) -> None:
         self.grpc.wait_for_termination()

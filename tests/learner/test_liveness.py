@@ -1,0 +1,170 @@
+"""The learner's liveness means "the training loop is running": /healthz (Kubernetes' liveness
+probe, deploy/k8s/base/learner.yaml) and the gRPC health service's "" answer 200 / SERVING while
+the loop advances, waiting for rollouts that do not come included (its wait ticks), and 503 /
+NOT_SERVING with the reason once it has not advanced for the liveness bound: a loop blocked
+inside one call forever. The bound is run.liveness_s, else derived from the configuration."""
+import threading
+import time
+
+import httpx
+import pytest
+
+from services.common.config import config_from_dict
+from services.common.replay.store import redis_worst_s
+from services.common.rpc import health
+from services.generation.server import serve as serve_generation
+from services.learner.liveness import LIVENESS_FLOOR_S, Beating, Heartbeat, liveness_bound_s
+from services.learner.server import serve as serve_learner, status_http
+from services.reward.server import serve as serve_reward
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_heartbeat_fails_after_the_bound_without_a_beat_and_not_once_the_loop_ended():
+    clock = Clock()
+    hb = Heartbeat(30.0, clock=clock)
+    hb.beat("waiting")
+    clock.t += 29
+    assert hb.stuck() is None
+    clock.t += 2
+    reason = hb.stuck()
+    assert reason and "not advanced for 31s (bound 30s" in reason and "phase 'waiting'" in reason
+    hb()  # a callback's beat (Retrying's on_wait, a learner's on_progress)
+    assert hb.stuck() is None and hb.status() == {"phase": "waiting", "since_beat_s": 0.0, "bound_s": 30.0}
+    clock.t += 1000
+    hb.ended()
+    assert hb.stuck() is None
+
+
+def test_a_client_beats_with_every_answer_and_every_error():
+    clock = Clock()
+    hb = Heartbeat(10.0, clock=clock)
+
+    class Client:
+        address = "x:1"
+
+        def ok(self):
+            clock.t += 8
+            return 1
+
+        def fails(self):
+            clock.t += 8
+            raise RuntimeError("no")
+    c = Beating(Client(), hb)
+    assert c.ok() == 1 and c.address == "x:1"
+    clock.t += 5
+    assert hb.stuck() is None  # 5 s since the answer, not 13 since the call began
+    with pytest.raises(RuntimeError):
+        c.fails()
+    assert hb.age_s() == 0
+
+
+def test_the_bound_is_configured_or_derived_from_the_waits_the_loop_makes():
+    cfg = config_from_dict({})
+    assert liveness_bound_s(cfg) == max(LIVENESS_FLOOR_S, 3 * cfg.rpc.timeout_s, redis_worst_s(cfg.replay))
+    assert liveness_bound_s(cfg) == LIVENESS_FLOOR_S  # the defaults: 3 x 120 s and ~9 min of Redis retries
+    assert redis_worst_s(cfg.replay) < LIVENESS_FLOOR_S
+    assert liveness_bound_s(config_from_dict({"rpc": {"timeout_s": 400}})) == 1200
+    assert liveness_bound_s(config_from_dict({"run": {"liveness_s": 5}})) == 5
+
+
+def test_healthz_answers_503_with_the_reason():
+    class Service:
+        reason = None
+
+        def liveness(self):
+            return self.reason
+
+        def status(self):
+            return {}
+    service = Service()
+    httpd = status_http(service, "127.0.0.1", 0, "tok")
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/healthz"
+        assert httpx.get(url, timeout=10).json() == {"ok": True}
+        service.reason = "the training loop has not advanced for 700s"
+        r = httpx.get(url, timeout=10)
+        assert r.status_code == 503 and r.json() == {"ok": False, "reason": service.reason}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+BOUND_S = 3.0
+
+
+@pytest.fixture
+def cfg(tiny_model_dir, redis_server, tmp_path):
+    return config_from_dict({
+        "model": {"path": tiny_model_dir, "device": "cpu"}, "adv_estimator": "grpo",
+        "num_return_sequences_in_group": 2, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
+        "ppo_mini_batch_size": 8, "data": {"eval_size": 4},
+        "replay": {"url": redis_server.url, "namespace": "liveness", "block_ms": 50, "heartbeat_s": 0.2},
+        "run": {"iterations": 3, "run_dir": str(tmp_path / "run"), "liveness_s": BOUND_S},
+        "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": 0}}})
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_a_waiting_learner_is_alive_and_a_frozen_one_fails_liveness_within_the_bound(cfg):
+    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as reward:
+        cfg.rpc.reward.port = reward.server.port
+        with serve_generation(cfg, port=0, metrics_port=None), serve_learner(cfg) as learner:
+            healthz = f"http://127.0.0.1:{learner.endpoints()['http_port']}/healthz"
+            address = f"127.0.0.1:{learner.server.port}"
+            service = learner.service
+            result = {}
+            loop = threading.Thread(target=lambda: result.setdefault("code", learner.run()))
+            loop.start()
+            frozen, release = threading.Event(), threading.Event()
+            try:
+                # no worker runs: the learner waits for trajectories that never come, ticking
+                assert _wait_for(lambda: service.state == "waiting", 120), service.state
+                for _ in range(int(3 * BOUND_S / 0.5)):  # three bounds long: alive throughout
+                    r = httpx.get(healthz, timeout=10)
+                    assert r.status_code == 200, r.text
+                    time.sleep(0.5)
+                assert health.check(address, "")
+
+                # the test hook: the next Redis read never returns (a loop blocked inside one call)
+                real_read = service.store.read_trajectories
+
+                def blocked(*args, **kwargs):
+                    frozen.set()
+                    release.wait(120)
+                    return real_read(*args, **kwargs)
+                service.store.read_trajectories = blocked
+                assert frozen.wait(30)
+                t_frozen = time.monotonic()
+                assert _wait_for(lambda: httpx.get(healthz, timeout=10).status_code == 503, BOUND_S + 5)
+                took = time.monotonic() - t_frozen
+                assert BOUND_S - 1 <= took <= BOUND_S + 5, took
+                body = httpx.get(healthz, timeout=10).json()
+                assert body["ok"] is False and "has not advanced" in body["reason"], body
+                assert "phase 'waiting'" in body["reason"]
+                assert not health.check(address, "")  # gRPC liveness says the same
+                assert health.check(address, "rlhf.v1.Learner")  # readiness is another matter
+
+                # unblocked, the loop ticks again: alive again
+                service.store.read_trajectories = real_read
+                release.set()
+                assert _wait_for(lambda: httpx.get(healthz, timeout=10).status_code == 200, 10)
+                assert health.check(address, "")
+            finally:
+                release.set()
+                learner.drain()
+                loop.join(timeout=120)
+            assert result == {"code": 0} and service.state == "stopped"
