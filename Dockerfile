@@ -42,7 +42,10 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_FIND_LINKS=/wheels
 COPY docker/wheels/ /wheels/
 # a current pip: the base's may be old enough to backtrack through vLLM releases for minutes
 RUN python3 -m venv /opt/rlhf && /opt/rlhf/bin/pip install --upgrade pip
+# the gpu flavour never takes a CPU build of torch from the wheelhouse (`make test-docker` puts one
+# there, and it satisfies vLLM's torch pin by version: the image would have no CUDA)
 RUN set -eu; \
+    [ "$FLAVOUR" != gpu ] || rm -f /wheels/torch-*+cpu*.whl; \
     case "$FLAVOUR" in \
       gpu) spec="${TORCH_SPEC:-}"; index="${TORCH_INDEX_URL:-}";; \
       cpu) spec="${TORCH_SPEC:-torch==2.13.0}"; index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}";; \
