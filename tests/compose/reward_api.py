@@ -8,7 +8,8 @@ standard library only.
 
 The reward for the tiny reverse task: 1 for the exact answer plus the character similarity to it
 (difflib), the same shape as the built-in exact_match + edit_distance rules, so a run learns;
-plus $REWARD_OFFSET (default 0), which makes its rewards recognisable in a run's metrics."""
+plus $REWARD_OFFSET (default 0), which makes its rewards recognisable in a run's metrics. With
+$API_KEY set, a POST without `Authorization: Bearer $API_KEY` gets 401 (counted in /stats)."""
 import difflib
 import json
 import os
@@ -16,8 +17,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 lock = threading.Lock()
-stats = {"calls": 0, "samples": 0}
+stats = {"calls": 0, "samples": 0, "unauthorized": 0}
 OFFSET = float(os.environ.get("REWARD_OFFSET", "0"))
+API_KEY = os.environ.get("API_KEY", "")
 
 
 def reward(prompt: str, query: str, label: str) -> float:
@@ -30,6 +32,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         if self.path != "/get_reward":
             return self.reply(404, {"error": "POST /get_reward"})
+        if API_KEY and self.headers.get("Authorization") != f"Bearer {API_KEY}":
+            with lock:
+                stats["unauthorized"] += 1
+            return self.reply(401, {"error": "a bearer token is required"})
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         queries, prompts, labels = body["query"], body["prompts"], body["labels"]
         rewards = [reward(p, q, lab or "") for q, p, lab in zip(queries, prompts, labels)]

@@ -7,7 +7,7 @@ docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` b
   service the learner depends on is healthy before the learner starts, and `down -v` leaves no
   container, network or volume behind.
 - "resilient": the reward service calls a user's reward API (its own container, OpenRLHF
-  protocol); the learner's process is killed (a crash: Docker's restart policy brings it back),
+  protocol, the key of RLHF_REWARD_API_KEY required); the learner's process is killed (a crash: Docker's restart policy brings it back),
   then its container is `docker kill`ed (a manual stop, which Docker leaves stopped: `up -d`
   brings it back), then the whole system goes `down` and `up` again (keeping its volumes); the
   run resumes from its checkpoints each time, finishes, and its ledger shows every prompt of the
@@ -142,6 +142,7 @@ def resilient(tmp_path_factory):
     project = Project(f"rlhfres{os.getpid()}", tmp_path_factory.mktemp("compose-res"),
                       (*CPU_FILES, "tests/compose/reward-api.yml"),
                       {"RLHF_REWARD_URL": "http://reward-api:8000/get_reward",
+                       "RLHF_REWARD_API_KEY": "compose-test-reward-api-key",
                        "RLHF_OVERRIDES": f"run.iterations={ITERATIONS} run.eval_interval=20 "
                                          "run.checkpoint_interval=5 data.eval_size=64"})
     try:
@@ -234,4 +235,6 @@ def test_rewards_come_from_the_users_reward_api(resilient):
     # and it counted them: calls before the down and after the up (a new container, a new count)
     before, after = resilient["reward_api"]
     assert before["calls"] > 0 and after["calls"] > 0
+    # with the key of .env's RLHF_REWARD_API_KEY on every request (the API answers 401 without it)
+    assert before["unauthorized"] == 0 and after["unauthorized"] == 0
     assert before["samples"] >= resilient["stopped_at"] * BATCH
