@@ -192,7 +192,7 @@ def main() -> None:
         args.sizes_mb, args.repeats = "64,512", 2
 
     from services.common.config import config_from_dict
-    from services.common.hostcopy import to_host
+    from services.weights.hostcopy import to_host
     from services.generation.server import serve
     from services.learner.broadcast import WeightBroadcaster
 

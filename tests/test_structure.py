@@ -1,8 +1,10 @@
 """The package structure the architecture promises, checked on the source (ast, every import,
 also those inside functions):
 - `services.common` imports no service; `services.ppo` imports nothing else of the project;
+- `services.weights` (weight transfer) imports only `services.common`;
 - a service imports another service only through its `client` module, and client modules
   import no service internals;
+- no module imports another module's privates (`from x import _name`);
 - no import cycles between modules;
 - the data contracts (`services.common.types`) and the gRPC plumbing load without torch."""
 import ast
@@ -81,7 +83,30 @@ def test_services_meet_only_through_clients():
 def test_client_modules_import_only_common():
     clients = [m for m in GRAPH if m.endswith(".client") and _service_of(m)]
     assert len(clients) == 4  # generation, reward, critic, learner
-    bad = [(m, d) for m in clients for d in GRAPH[m] if not d.startswith(("services.common", "services.ppo"))]
+    bad = [(m, d) for m in clients for d in GRAPH[m]
+           if not d.startswith(("services.common", "services.ppo", "services.weights"))]
+    assert not bad, bad
+
+
+def test_weights_imports_only_common():
+    mods = [m for m in GRAPH if m.startswith("services.weights")]
+    assert "services.weights.stream" in mods and "services.weights.receiver" in mods
+    bad = [(m, d) for m in mods for d in GRAPH[m] if not d.startswith(("services.common", "services.weights"))]
+    assert not bad, f"services.weights imports beyond services.common: {bad}"
+
+
+def test_no_module_imports_another_modules_privates():
+    """`from x import _name` between project modules (relative or absolute): a private shared
+    across files is an interface in hiding; make it public or keep it in one module."""
+    bad = []
+    for path in (ROOT / "services").rglob("*.py"):
+        if "/gen/" in str(path):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "services"):
+                names = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if names:
+                    bad.append((_module_name(path), "." * node.level + (node.module or ""), names))
     assert not bad, bad
 
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig, DataConfig, Endpoint, GenerationConfig, LearnerEndpoint, LoraConfig, ModelConfig, ReplayConfig,
-    RewardConfig, RewardEndpoint, RolloutConfig, RPCConfig, RuleSpec, RunConfig, VLLMConfig, _Strict)
+    RewardConfig, RewardEndpoint, RolloutConfig, RPCConfig, RuleSpec, RunConfig, VLLMConfig, Strict)
 from .data import source_problem
 
 # the algorithm's choices come from its registries: one list of names, not two
@@ -28,7 +28,7 @@ KL_PENALTY_NAMES = KL_ESTIMATORS.choices()
 POLICY_LOSS_NAMES = POLICY_LOSSES.names()
 
 
-class Config(_Strict):
+class Config(Strict):
     # --- ppo related (names and defaults of ROLL's PPO table) ---------------------------------
     rollout_batch_size: int = Field(512, gt=0, description="prompts sampled per iteration")
     prompt_length: int = Field(2048, gt=0, description="most tokens of a prompt")

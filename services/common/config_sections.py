@@ -8,11 +8,11 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class LoraConfig(_Strict):
+class LoraConfig(Strict):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model (with LoRA the KL reference is "
                       "the base model, adapters off)")
     alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
@@ -21,7 +21,7 @@ class LoraConfig(_Strict):
                                       description="names of the linear layers that get adapters")
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     path: str = Field("runs/tiny-model", description="the policy: a local directory with config, weights and "
                       "tokenizer, or a Hugging Face hub id (org/name)")
     device: str = Field("auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...")
@@ -33,7 +33,7 @@ class ModelConfig(_Strict):
                        "are sharded across with FSDP2; `rlhf serve learner` starts them (gloo on the CPU)")
 
 
-class VLLMConfig(_Strict):
+class VLLMConfig(Strict):
     """Options of vLLM's engine (generation.backend: vllm). The defaults suit one GPU; on the CPU
     build, dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -51,7 +51,7 @@ class VLLMConfig(_Strict):
     seed: int = Field(0, description="engine seed (requests with their own seed use theirs)")
 
 
-class GenerationConfig(_Strict):
+class GenerationConfig(Strict):
     backend: Literal["hf", "vllm"] = Field("hf", description="sampling engine: transformers (CPU or GPU) or vLLM "
                                            "(its continuous batching; GPU, or its CPU build)")
     temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of training rollouts")
@@ -66,14 +66,14 @@ class GenerationConfig(_Strict):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
 
 
-class RuleSpec(_Strict):
+class RuleSpec(Strict):
     name: str = Field(..., description="a registered rule (exact_match, verifiable_answer, math_answer, "
                       "edit_distance, repetition, length, regex_format) or 'module.path:function'")
     weight: float = Field(1.0, description="weight of this rule's score in the reward")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the rule")
 
 
-class RewardConfig(_Strict):
+class RewardConfig(Strict):
     type: Literal["rules", "model", "http", "combined"] = Field(
         "rules", description="reward source: rule verifiers, a reward model, an HTTP reward API, or the weighted "
         "sum of those configured")
@@ -127,7 +127,7 @@ class RewardConfig(_Strict):
                                                  "compares it with the train reward); null = the training reward")
 
 
-class CriticConfig(_Strict):
+class CriticConfig(Strict):
     model_path: Optional[str] = Field(None, description="value model backbone to start from (a local directory "
                                       "or hub id); null = model.path")
     lr: float = Field(1e-4, gt=0, description="critic learning rate")
@@ -143,7 +143,7 @@ class CriticConfig(_Strict):
                                             "forward; null = the top-level micro_batch_size")
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK (reverse, arithmetic), a "
                        ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
                        "directory)")
@@ -174,7 +174,7 @@ class DataConfig(_Strict):
 
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     run_dir: str = Field("runs/default", description="directory for metrics, checkpoints, logs and the final model")
     iterations: int = Field(100, ge=1, description="PPO iterations: one rollout batch and its updates each")
     eval_interval: int = Field(10, ge=0, description="evaluate every N iterations; 0 = only first/last")
@@ -211,7 +211,7 @@ class RunConfig(_Strict):
         return v
 
 
-class ReplayConfig(_Strict):
+class ReplayConfig(Strict):
     url: Optional[str] = Field(None, description="redis://[:password@]host:port/db; null = an embedded "
                                "redis-server that `rlhf up` starts in the run directory")
     password: Optional[str] = Field(None, description="Redis password; null = read password_env")
@@ -235,7 +235,7 @@ class ReplayConfig(_Strict):
         return self.password or os.environ.get(self.password_env) or None
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(Strict):
     prompts_per_request: int = Field(32, ge=1, description="prompts a worker claims and sends in one Generate")
     concurrency: int = Field(2, ge=1, description="batches each worker keeps in flight")
     retries: int = Field(6, ge=0, description="retries of a failing batch (a service unavailable or "
@@ -252,7 +252,7 @@ class RolloutConfig(_Strict):
                                         "/metrics; null = off")
 
 
-class Endpoint(_Strict):
+class Endpoint(Strict):
     host: str = Field("127.0.0.1", description="address this server binds and clients dial (0.0.0.0 binds all, "
                       "dialled on loopback)")
     port: int = Field(..., ge=0, le=65535, description="gRPC port; 0 picks a free port")
@@ -269,7 +269,7 @@ class LearnerEndpoint(Endpoint):
                                      "null = off")
 
 
-class RPCConfig(_Strict):
+class RPCConfig(Strict):
     host: str = Field("127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
     advertise_host: Optional[str] = Field(None, description="address other services reach this one at (the "
                                           "pod IP in Kubernetes); default the bind host")

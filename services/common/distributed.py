@@ -279,7 +279,7 @@ def full_state_dict(model: torch.nn.Module, pinned: bool = False) -> dict[str, t
     if not pinned:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     from torch.distributed.tensor import DTensor
-    from .hostcopy import to_host
+    from ..weights.hostcopy import to_host
     main, out = dist.get_rank() == 0, {}
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):

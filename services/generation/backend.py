@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..common.hostcopy import copy_to_device
 from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
 from ..common.padding import pad_left
 from ..common.types import Completion, GenerationResult, SamplingParams
+from ..weights.check import check_newer, check_version
+from ..weights.hostcopy import copy_to_device
 
 # Temperatures below this sample greedily, exactly as temperature 0 does (log-probs then are of the
 # unscaled distribution): dividing logits by a tiny or denormal temperature overflows to inf/NaN.
@@ -58,24 +59,6 @@ class _StopWhen(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.fired, device=input_ids.device, dtype=torch.bool)
 
 
-def check_weights(state_dict: Mapping[str, torch.Tensor], specs: Mapping[str, tuple[tuple, torch.dtype]]) -> None:
-    """Every tensor's name, shape and dtype against the model's (`parameter_specs`); raises
-    KeyError / ValueError at the first mismatch, before anything is loaded."""
-    for name, t in state_dict.items():
-        if name not in specs:
-            raise KeyError(f"unknown tensor {name!r}")
-        if tuple(t.shape) != tuple(specs[name][0]):
-            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(specs[name][0])}")
-        if t.dtype != specs[name][1]:
-            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected {specs[name][1]}")
-
-
-def check_newer(version: int, serving: int) -> None:
-    """Versions only move forward."""
-    if version <= serving:
-        raise ValueError(f"weight version {version} is not newer than the serving version {serving}")
-
-
 class HFBackend:
     """transformers `generate` behind a lock: a batch runs start to end on one set of weights,
     and `update_weights` waits for it, so no sample mixes two policy versions."""
@@ -102,8 +85,8 @@ class HFBackend:
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a full or partial state dict as policy `version`. Checks every name, shape and
-        dtype first; on any mismatch nothing changes. Versions only move forward."""
-        check_weights(state_dict, self.parameter_specs())
+        dtype first (`weights.check`); on any mismatch nothing changes. Versions only move forward."""
+        check_version(state_dict, self.parameter_specs())
         with self._lock:
             check_newer(version, self.version)
             if self.device.type == "cuda":  # through page-locked buffers (hostcopy)

@@ -7,10 +7,11 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from ..common.rpc.weights import encode_weights
 from ..common.rpc.gen import common_pb2, generation_pb2 as gpb, generation_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
+from ..weights.protocol import CHUNK_BYTES
+from ..weights.stream import encode_weights
 
 # gRPC metadata of a Generate call: the caller's idempotency key (the same on its retries)
 IDEMPOTENCY_KEY = "x-idempotency-key"
@@ -39,14 +40,15 @@ class GenerationClient(RPCClient):
         the first call waits for that work instead of starting a second copy."""
         req = gpb.GenerateRequest(params=self.params_to_proto(params))
         for p in prompts:
-            req.prompts.append(gpb.Prompt(text=p) if isinstance(p, str) else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p))))
+            req.prompts.append(gpb.Prompt(text=p) if isinstance(p, str)
+                               else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p))))
         metadata = self.metadata + ((IDEMPOTENCY_KEY, key),) if key else self.metadata
         resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
         comps = [[Completion(list(c.token_ids), list(c.log_probs), c.finish_reason) for c in r.completions]
                  for r in resp.results]
         return GenerationResult(comps, resp.policy_version, sum(len(c.token_ids) for cs in comps for c in cs), 0.0)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = 16 << 20,
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = CHUNK_BYTES,
                        run_id: str = "", epoch: int = 0):
         """Push `state_dict` as policy `version`; a server in a distributed run accepts it only
         from the run's learner: (run_id, epoch) as published in the replay registry."""
@@ -64,7 +66,7 @@ class GenerationClient(RPCClient):
 
     def load_shared(self, request: gpb.SharedWeights, timeout: float | None = None):
         """LoadSharedWeights: load a version the learner wrote into the shared-memory directory it
-        shares with this server (`services.common.rpc.shm`)."""
+        shares with this server (`services.weights.shm`)."""
         return self.stub.LoadSharedWeights(request, timeout=timeout or self.timeout, metadata=self.metadata)
 
     def info(self) -> gpb.GenerationInfo:

@@ -13,7 +13,6 @@ that work is still running the retry waits for it instead of starting a second c
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -27,14 +26,14 @@ from typing import Callable
 import grpc
 
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, ResourceExhausted
-from ..common.rpc.waits import wait_failed
-from ..common.rpc.shm_read import Probe, open_shared_weights
-from ..common.rpc.weights_receive import WeightChunkDecoder, assemble_weights
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW, CallNotStarted, GenerationStopped, check_newer, wait_for_call
+from ..weights.receiver import WeightReceiver, shm_probe
+from ..weights.shm import Probe
+from ..weights.stream import WeightChunkDecoder
+from .backend import GREEDY_BELOW, GenerationStopped, wait_for_call
 from .client import IDEMPOTENCY_KEY
 from .metrics import GenerationMetrics
 
@@ -318,21 +317,15 @@ class InFlight:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """`fence(header)`, when given, decides whether a weight push (or pull) comes from the run's
-    writer: it raises `BadRequest` (refused) or `Unavailable` (cannot tell); it runs as soon as the
-    header arrives and again right before the swap. Without it, any push newer than the serving
-    version is applied (a server outside a distributed run). `probe`, when given, is this server's
-    proof of its shared-memory directory (`rpc.shm_dir`): LoadSharedWeights reads from there.
-
-    `base` says where the weights outside a partial push come from, for the learner to decide
-    whether a partial push (LoRA targets only) leaves this server with the whole policy: the
-    model it loaded ("model:<model.path>") until a full version from a run replaces them
-    ("run:<run_id>"); partial versions do not change it."""
+    """Weight updates (PushWeights, LoadSharedWeights, a late server's pull) go to `receiver`
+    (`services/weights/receiver.py`: the fence, shared memory, the checks and the atomic swap on
+    the batcher's thread between batches): `fence(header)`, when given, decides whether a version
+    comes from the run's writer; `probe`, when given, is this server's proof of its shared-memory
+    directory (`rpc.shm_dir`)."""
 
     def __init__(self, backend: GenerationBackend, cfg, server: RPCServer | None = None, model_name: str = "",
                  fence: Callable[[common_pb2.WeightHeader], None] | None = None, probe: Probe | None = None):
-        self.backend, self.cfg, self.server, self.fence, self.probe = backend, cfg, server, fence, probe
-        self.base = f"model:{cfg.model.path}"
+        self.backend, self.cfg, self.server = backend, cfg, server
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
@@ -340,7 +333,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.batcher = ContinuousBatcher(backend, metrics) if getattr(backend, "continuous_batching", False) else \
             Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
         self.in_flight = InFlight()
-        self._push_lock = threading.Lock()
+        self.receiver = WeightReceiver(backend, self.batcher.call, cfg, fence=fence, probe=probe, readiness=server)
+
+    @property
+    def fence(self):
+        return self.receiver.fence
+
+    @fence.setter
+    def fence(self, fence) -> None:
+        self.receiver.fence = fence
+
+    @property
+    def probe(self) -> Probe | None:
+        return self.receiver.probe
+
+    @property
+    def base(self) -> str:
+        return self.receiver.base
 
     # ------------------------------------------------------------ decode + check
     def _prompt_ids(self, i: int, p: gpb.Prompt) -> list[int]:
@@ -386,7 +395,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise BadRequest(f"params.top_k: {m.top_k} is negative (0 turns top-k off)")
         max_new = m.max_new_tokens or self.cfg.response_length
         if not 1 <= max_new <= self.cfg.response_length:
-            raise BadRequest(f"params.max_new_tokens: {max_new} outside [1, response_length={self.cfg.response_length}]")
+            raise BadRequest(f"params.max_new_tokens: {max_new} outside [1, "
+                             f"response_length={self.cfg.response_length}]")
         bad = [t for t in m.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequest(f"params.stop_token_ids: {bad[0]} outside the vocabulary [0, {self.vocab_size})")
@@ -428,7 +438,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not request.prompts:
             raise BadRequest("prompts: empty batch (0 prompts)")
         if len(request.prompts) > self.cfg.rpc.max_prompts_per_request:
-            raise BadRequest(f"prompts: {len(request.prompts)} prompts, more than {self.cfg.rpc.max_prompts_per_request}")
+            raise BadRequest(f"prompts: {len(request.prompts)} prompts, more than "
+                             f"{self.cfg.rpc.max_prompts_per_request}")
         params = self._params(request.params)
         # a cheap lower bound before tokenizing anything: token prompts' lengths, 1 for text and chat
         known = [len(p.tokens.ids) for p in request.prompts if p.WhichOneof("input") == "tokens"]
@@ -465,92 +476,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             info["shm"] = self.probe.nonce
         return info
 
-    def _max_bytes(self) -> int:
-        return self.cfg.rpc.max_message_mb * 1024 * 1024 * 64
-
     def apply_chunks(self, chunks, context=None, origin: str = "") -> tuple[int, int, float]:
-        """Assemble a header/pieces/footer stream and apply it as one new policy version.
-        Used by PushWeights (the learner pushes) and by registration (a late server pulls).
-        Its waits end with the call's deadline (`context`; without one, rpc.timeout_s)."""
-        return self._apply(lambda: contextlib.nullcontext(assemble_weights(
-            chunks, self.backend.parameter_specs(), self._max_bytes(), on_header=self.fence)),
-            context=context, origin=origin)
+        """A pushed (or pulled) stream applied as one new policy version (`WeightReceiver.apply_chunks`)."""
+        return self.receiver.apply_chunks(chunks, context, origin)
 
     def apply_shared(self, request, context=None) -> tuple[int, int, float]:
-        """Check and apply a version the co-located learner wrote into shared memory."""
-        if self.probe is None:
-            raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
-        try:
-            check_newer(request.header.version, self.backend.version)  # before reading anything
-        except ValueError as e:
-            raise BadRequest(f"weights: {e}") from None
-        return self._apply(lambda: open_shared_weights(str(self.probe.dir), request, self.backend.parameter_specs(),
-                                                       self._max_bytes(), self.fence, self.probe.mappings),
-                           "shared memory", context=context)
-
-    NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
-
-    def _budget(self, context) -> float:
-        """Seconds a weight update may wait: the call's remaining deadline; rpc.timeout_s for a
-        pull (no call) or a call without a deadline."""
-        remaining = context.time_remaining() if context is not None else None
-        if remaining is None or remaining > self.NO_DEADLINE_S:
-            return self.cfg.rpc.timeout_s
-        return max(float(remaining), 0.0)
-
-    @staticmethod
-    def _timed_out(what: str, peer: str, phase: str, t0: float, budget: float, why: str) -> DeadlineExceeded:
-        msg = wait_failed(what, peer, phase, DeadlineExceeded(why), time.monotonic() - t0, budget)
-        log.warning("%s", msg)
-        return DeadlineExceeded(msg)
-
-    def _apply(self, source, via: str = "stream", context=None, origin: str = "") -> tuple[int, int, float]:
-        """One update at a time. Each wait ends with the call's deadline (`_budget`), naming its
-        phase and the peer: for an earlier update to finish ('wait-for-previous-update'), the
-        stream itself (gRPC ends it at the deadline), for the running batch before the swap
-        ('swap'; a swap that has not started by then is withdrawn, nothing changes)."""
-        t0, t_mono = time.perf_counter(), time.monotonic()
-        budget = self._budget(context)
-        peer = origin or (context.peer() if context is not None else "?")
-        if not self._push_lock.acquire(timeout=budget):
-            raise self._timed_out(f"weight update ({via}) from", peer, "wait-for-previous-update", t_mono, budget,
-                                  "another weight update held this server for the whole deadline")
-        try:
-            with source() as (version, fmt, state, nbytes, header):
-
-                def swap():
-                    if self.fence is not None:
-                        self.fence(header)  # again: another learner may have taken over while the pieces came
-                    self.backend.update_weights(state, version)
-                    if fmt == "full":
-                        self.base = f"run:{header.run_id}"
-                if self.server:
-                    self.server.set_ready(False)  # alive, not ready, while the swap waits for the batch
-                try:
-                    self.batcher.call(swap, timeout=max(budget - (time.monotonic() - t_mono), 0.0))
-                except CallNotStarted as e:
-                    raise self._timed_out(f"weight update v{version} ({via}) from", peer, "swap", t_mono, budget,
-                                          f"not applied: {e}") from None
-                except BadRequest:
-                    raise
-                except (KeyError, ValueError) as e:
-                    raise BadRequest(f"weights: {e}") from None
-                finally:
-                    state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
-                    if self.server and not getattr(self.backend, "broken", None):
-                        self.server.set_ready(True)  # a broken engine stays not ready, and fails liveness
-                    elif self.server:
-                        self.server.liveness()  # says why now, not at the next probe
-        except grpc.RpcError:  # reading the pushed stream: gRPC ended the call (its deadline, a cancel)
-            if context is not None and not context.is_active():
-                raise self._timed_out(f"weight update ({via}) from", peer, "stream", t_mono, budget,
-                                      "the call ended before the whole stream came") from None
-            raise
-        finally:
-            self._push_lock.release()
-        secs = time.perf_counter() - t0
-        log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", version, fmt, nbytes / 1e6, secs, via)
-        return version, nbytes, secs
+        """A version the co-located learner wrote into shared memory (`WeightReceiver.apply_shared`)."""
+        return self.receiver.apply_shared(request, context)
 
     def PushWeights(self, request_iterator, context):
         version, nbytes, secs = self.apply_chunks(request_iterator, context)
@@ -563,7 +495,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def GetInfo(self, request, context):
         info = self.backend.info()
         return gpb.GenerationInfo(model=self.model_name, backend=info["backend"], engine_version=info["engine_version"],
-                                  dtype=info["dtype"], device=info["device"], policy_version=self.backend.version, vocab_size=self.vocab_size,
+                                  dtype=info["dtype"], device=info["device"], policy_version=self.backend.version,
+                                  vocab_size=self.vocab_size,
                                   prompt_length=self.cfg.prompt_length, response_length=self.cfg.response_length,
                                   eos_token_id=self.backend.eos_token_id, pad_token_id=self.backend.pad_token_id)
 
@@ -597,18 +530,6 @@ def make_backend(cfg) -> GenerationBackend:
     return HFBackend(cfg.model.path, cfg.model.device)
 
 
-def shm_probe(shm_dir: str | None) -> Probe | None:
-    """This server's probe in `rpc.shm_dir` (None when unset, or when the directory cannot be
-    written: then every version comes over the gRPC stream)."""
-    if not shm_dir:
-        return None
-    try:
-        return Probe(shm_dir)
-    except OSError as e:
-        log.warning("rpc.shm_dir %s cannot be used (%s): weights will come over gRPC only", shm_dir, e)
-        return None
-
-
 def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None = -1) -> GrpcService:
     """The generation service: loads the backend (or uses `backend`), serves gRPC, and in a
     distributed run (`replay.url` set) registers in Redis and pulls the current policy before it
@@ -621,7 +542,7 @@ def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None =
         store = None
         if cfg.replay.url:  # weights only from the learner the registry names (LearnerFence)
             from ..common.replay import ReplayStore
-            from .registration import LearnerFence
+            from ..weights.fence import LearnerFence
             store = ReplayStore.from_config(cfg)
         probe = shm_probe(cfg.rpc.shm_dir)
         servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None,

@@ -36,7 +36,8 @@ import torch
 from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
-from .backend import GREEDY_BELOW, GenerationStopped, check_newer, check_weights, wait_for_call
+from ..weights.check import check_newer, check_version
+from .backend import GREEDY_BELOW, GenerationStopped, wait_for_call
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class VLLMBackend:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a full state dict (transformers names, see `parameter_specs`) as policy `version`.
         Names, shapes and dtypes are checked first; on a mismatch nothing changes."""
-        check_weights(state_dict, self._specs)
+        check_version(state_dict, self._specs)
         missing = set(self._specs) - set(state_dict)
         if missing:  # vLLM fuses q/k/v and gate/up: a layer loaded from part of its tensors is corrupt
             raise ValueError(f"the vllm backend loads whole policies only: {len(missing)} tensors missing "
@@ -317,7 +318,8 @@ class VLLMBackend:
         try:
             for i, ids in enumerate(job.prompts):
                 sp = self._sampling_params(  # greedy samples are all alike: one is decoded, n are returned
-                    n=1 if greedy else p.n, temperature=0.0 if greedy else p.temperature, top_p=1.0 if greedy else p.top_p,
+                    n=1 if greedy else p.n, temperature=0.0 if greedy else p.temperature,
+                    top_p=1.0 if greedy else p.top_p,
                     top_k=0 if greedy or not p.top_k else p.top_k, max_tokens=p.max_new_tokens,
                     stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}), logprobs=0, detokenize=False,
                     seed=None if p.seed is None else p.seed + i * p.n, output_kind=self._final_only)

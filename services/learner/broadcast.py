@@ -8,50 +8,55 @@ Each push is planned per server, from its registry entry:
   (the base) and has had only partial versions since, or it holds a full version of this run; and
   its backend takes partial versions (vLLM's does not: it gets full ones);
 - how: from shared memory (`rpc.shm_dir`, written once for every server on this host, proven by
-  the server's probe file; `services/common/rpc/shm.py`), else the gRPC stream (encoded once per
-  payload, fanned out). A shared-memory load that fails (other than an unreachable server) is
-  retried over gRPC in the same push."""
+  the server's probe file), else the gRPC stream (encoded once per payload, fanned out). A
+  shared-memory load that fails (other than an unreachable server) is retried over gRPC in the
+  same push. The delivery itself is `services/weights/publisher.py`'s."""
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import redis
 
-from ..common.rpc import shm
 from ..common.rpc.retry import DependencyUnavailable
-from ..common.rpc.waits import Counted, wait_failed
-from ..common.rpc.weights import Fanout, encode_weights
+from ..common.rpc.waits import wait_failed
 from ..generation.client import GenerationClient
+from ..weights.protocol import nbytes
+from ..weights.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
-PUSH_CHUNK_BYTES = 16 << 20  # per piece; well under rpc.max_message_mb
-PUSH_WINDOW_BYTES = 128 << 20  # encoded chunks held for the slowest server
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _nbytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def _nothing() -> None:
-    pass
-
 
 class WeightBroadcaster:
-    on_progress = staticmethod(_nothing)  # each server's push answered, each tick of a wait (the learner's heartbeat)
-
     def __init__(self, cfg, store, learner):
         self.cfg, self.store, self.learner = cfg, store, learner
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
         self._clients: dict[str, GenerationClient] = {}
-        self.identity: tuple[str, int] = ("", 0)  # (run id, epoch): the fence every push carries
-        self.shm: shm.SharedWeightsWriter | None = None
-        self._told: set = set()
+        self.publisher = Publisher(cfg, self.client, self._registered)
+
+    @property
+    def identity(self) -> tuple[str, int]:
+        """(run id, epoch): the fence every push carries."""
+        return self.publisher.identity
+
+    @identity.setter
+    def identity(self, value: tuple[str, int]) -> None:
+        self.publisher.identity = value
+
+    @property
+    def on_progress(self):
+        """Runs as each server's push is answered, and each tick of a wait (the learner's heartbeat)."""
+        return self.publisher.on_progress
+
+    @on_progress.setter
+    def on_progress(self, fn) -> None:
+        self.publisher.on_progress = fn
+
+    @property
+    def shm(self):
+        """The shared-memory writer (None until a version was written)."""
+        return self.publisher.shared.writer
 
     # ------------------------------------------------------------------ the snapshot
     @property
@@ -84,12 +89,6 @@ class WeightBroadcaster:
             self._clients[address] = GenerationClient(address, self.cfg.rpc)
         return self._clients[address]
 
-    def _tell(self, key, msg: str, *args, level=logging.INFO) -> None:
-        """Log `msg` once per `key` (a server's fallback, a plan's reason)."""
-        if key not in self._told:
-            self._told.add(key)
-            log.log(level, msg, *args)
-
     # ------------------------------------------------------------------ planning
     def plan(self, address: str, info: dict, partial: bool) -> tuple[str, str]:
         """(payload, transport) for one server: ("full" | "partial", "shm" | "grpc")."""
@@ -98,14 +97,14 @@ class WeightBroadcaster:
         if partial:
             base = info.get("base", "")
             if not info.get("partial", False):
-                self._tell((address, "whole"), "%s gets full versions: its backend loads whole policies only", address)
+                self.publisher.tell((address, "whole"), "%s gets full versions: its backend loads whole policies "
+                                    "only", address)
             elif base not in (f"run:{run_id}", f"model:{self.cfg.model.path}"):
-                self._tell((address, base), "%s gets a full version: its weights come from %s, not this run's base "
-                           "(%s)", address, base or "an unknown source", self.cfg.model.path)
+                self.publisher.tell((address, base), "%s gets a full version: its weights come from %s, not this "
+                                    "run's base (%s)", address, base or "an unknown source", self.cfg.model.path)
             else:
                 kind = "partial"
-        via = "shm" if shm.colocated(self.cfg.rpc.shm_dir, info.get("shm")) else "grpc"
-        return kind, via
+        return kind, self.publisher.via(info)
 
     # ------------------------------------------------------------------ delivery
     def _registered(self, address: str, info: dict, version: int, kind: str) -> None:
@@ -123,115 +122,6 @@ class WeightBroadcaster:
             log.warning("%s (the server took it; its own heartbeat registers it)", wait_failed(
                 f"weight push v{version} to", address, "register", e, time.monotonic() - t0))
 
-    def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> bool:
-        """Push one server the (already encoded) stream `chunks`."""
-        sent, t0 = Counted(chunks), time.monotonic()
-        client = self.client(address)
-        try:
-            client.push_encoded(sent)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in (e.details() or ""):
-                return True  # it pulled this version itself a moment ago
-            # all chunks out: the deadline passed while the server checked or swapped them in
-            log.warning("%s (it will pull when it sees it is behind)", wait_failed(
-                f"weight push v{version} to", address, sent.phase("stream", "apply"), e, time.monotonic() - t0,
-                client.timeout))
-            return False
-        finally:
-            self.on_progress()
-        self._registered(address, info, version, kind)
-        return True
-
-    def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> str:
-        """Point one co-located server at the shared file: "ok", "failed", or "stream" (retry over gRPC)."""
-        t0 = time.monotonic()
-        client = self.client(address)
-        try:
-            client.load_shared(request)
-        except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ""
-            if code == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in details:
-                return "ok"
-            if code in UNREACHABLE:
-                log.warning("%s (it will pull when it sees it is behind)", wait_failed(
-                    f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout))
-                return "failed"
-            self._tell((address, "stream"), "shared-memory load of version %d refused by %s (%s: %s); streaming "
-                       "over gRPC instead", version, address, code.name, details, level=logging.WARNING)
-            return "stream"
-        finally:
-            self.on_progress()
-        self._registered(address, info, version, kind)
-        return "ok"
-
-    def chunk_bytes(self) -> int:
-        return max(1 << 20, min(PUSH_CHUNK_BYTES, self.cfg.rpc.max_message_mb * (1 << 20) // 2))
-
-    def _stream(self, pool, targets: list, state: dict, kind: str, version: int, fans: list) -> dict:
-        """Stream `state` to every (address, info) of `targets`, one encoding read by all: {address: future}."""
-        run_id, epoch = self.identity
-        chunk = self.chunk_bytes()
-        fan = Fanout(encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch), len(targets),
-                     window=max(2, PUSH_WINDOW_BYTES // chunk))
-        fans.append(fan)
-
-        def one(i, address, info):
-            try:
-                return self._push_one(address, fan.reader(i), version, info, kind)
-            finally:
-                fan.detach(i)  # a failed stream no longer holds the others back
-        return {a: pool.submit(one, i, a, info) for i, (a, info) in enumerate(targets)}
-
-    def _write_shared(self, state: dict, version: int, kind: str):
-        """The version written into shared memory (the request that points a server at it); None
-        when it cannot be written (then its servers get the stream)."""
-        run_id, epoch = self.identity
-        try:
-            if self.shm is None or self.shm.run_id != run_id:
-                self.shm = shm.SharedWeightsWriter(self.cfg.rpc.shm_dir, run_id)
-                self.shm.cleanup()  # what an earlier learner process of this run left
-            return self.shm.write(state, version, epoch, kind)
-        except (OSError, TypeError) as e:
-            self._tell(("shm-write", type(e)), "cannot write version %d into rpc.shm_dir %s (%s); streaming over gRPC",
-                       version, self.cfg.rpc.shm_dir, e, level=logging.WARNING)
-            return None
-
-    def _deliver(self, servers: dict, plan: dict, payloads: dict, version: int) -> dict[str, tuple[bool, str]]:
-        """Every server's push as planned: {address: (took it, "shm" | "grpc")}."""
-        groups: dict[tuple[str, str], list] = {}
-        for a, (kind, via) in plan.items():
-            groups.setdefault((kind, via), []).append((a, servers[a]))
-        fans: list = []
-        ok: dict[str, tuple[bool, str]] = {}
-        # every server's stream or load runs at once (a Fanout needs all its readers reading)
-        with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
-            futures = {}
-            for (kind, via), targets in groups.items():
-                if via == "grpc":
-                    futures.update(self._stream(pool, targets, payloads[kind], kind, version, fans))
-            shared = set()
-            for (kind, via), targets in groups.items():
-                if via == "shm":
-                    request = self._write_shared(payloads[kind], version, kind)
-                    if request is None:
-                        futures.update(self._stream(pool, targets, payloads[kind], kind, version, fans))
-                    else:
-                        shared.update(a for a, _ in targets)
-                        futures.update({a: pool.submit(self._load_one, a, request, version, info, kind)
-                                        for a, info in targets})
-            retry: dict[str, list] = {}
-            for a, f in futures.items():
-                result = f.result()
-                if result == "stream":
-                    retry.setdefault(plan[a][0], []).append((a, servers[a]))
-                ok[a] = (result in (True, "ok"), "shm" if a in shared else "grpc")
-            for kind, targets in retry.items():
-                ok.update({a: (f.result(), "grpc") for a, f in self._stream(pool, targets, payloads[kind], kind,
-                                                                           version, fans).items()})
-        for fan in fans:
-            fan.join()
-        return ok
-
     def push(self, version: int, learner_address: str) -> dict:
         """Push policy `version` to every live generation server, in parallel; then publish it."""
         t0 = time.perf_counter()
@@ -241,9 +131,9 @@ class WeightBroadcaster:
             payloads["partial"] = self._snap[1]
         servers = dict(self.store.live("generation"))
         plan = {a: self.plan(a, info, "partial" in payloads) for a, info in servers.items()}
-        ok = self._deliver(servers, plan, payloads, version) if servers else {}
+        ok = self.publisher.deliver(servers, plan, payloads, version) if servers else {}
         self.store.publish_learner(learner_address, version, *self.identity)
-        sizes = {k: _nbytes(s) for k, s in payloads.items()}
+        sizes = {k: nbytes(s) for k, s in payloads.items()}
         sent = sum(sizes[kind] for kind, _ in plan.values()) if servers else sizes["full"]
         secs = time.perf_counter() - t0
         return {"time/push_s": secs, "push/servers": len(servers), "push/failed": sum(not v for v, _ in ok.values()),
@@ -274,5 +164,4 @@ class WeightBroadcaster:
     def close(self) -> None:
         for c in self._clients.values():
             c.close()
-        if self.shm is not None:
-            self.shm.cleanup()
+        self.publisher.close()

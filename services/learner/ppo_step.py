@@ -22,7 +22,7 @@ import torch
 
 from ..common.data import sft_examples
 from ..common.distributed import collective
-from ..common.hostcopy import to_host
+from ..weights.hostcopy import to_host
 from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
                                resolve_device)
 from ..common.types import Rollout

@@ -8,9 +8,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ..common.lifecycle import Service
-from ..common.rpc.weights import weight_chunks
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
+from ..weights.protocol import chunk_bytes
+from ..weights.stream import weight_chunks
 from .service import LearnerService
 
 
@@ -22,7 +23,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         version, state = self.service.broadcaster.snapshot
         if not state or request.have_version >= version:
             return
-        yield from weight_chunks(state, version, run_id=self.service.run_id, epoch=self.service.epoch)
+        yield from weight_chunks(state, version, chunk_bytes(self.service.cfg.rpc.max_message_mb),
+                                 run_id=self.service.run_id, epoch=self.service.epoch)
 
     def Status(self, request, context):
         s = self.service.status()

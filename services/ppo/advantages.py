@@ -45,7 +45,7 @@ def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torc
     return advantages, returns
 
 
-def _group_stats(scores: torch.Tensor, index: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_stats(scores: torch.Tensor, index: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample mean, std (unbiased) and size of the sample's group. scores: (B,)."""
     groups: dict = defaultdict(list)
     for i, g in enumerate(index):
@@ -75,7 +75,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     A group of one has mean 0 and std 1. Returns (advantages, returns), equal, (B, T).
     """
     scores = (token_level_rewards * response_mask).sum(dim=-1)
-    mean, std, _ = _group_stats(scores, index)
+    mean, std, _ = group_stats(scores, index)
     adv = scores - mean
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
@@ -91,7 +91,7 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     no baseline. Returns (advantages, returns), equal, (B, T).
     """
     scores = (token_level_rewards * response_mask).sum(dim=-1)
-    mean, _, size = _group_stats(scores, index)
+    mean, _, size = group_stats(scores, index)
     factor = torch.where(size > 1, size / (size - 1).clamp(min=1), torch.ones_like(size))
     adv = (scores - mean) * factor
     advantages = adv.unsqueeze(-1) * response_mask

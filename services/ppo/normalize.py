@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .advantages import _group_stats
+from .advantages import group_stats
 from .core import clip_by_value
 
 REWARD_NORMS = ("batch", "group", "running")
@@ -64,7 +64,7 @@ def normalize_rewards(scores: torch.Tensor, reward_norm: str | None, reward_shif
     elif reward_norm == "group":
         if index is None:
             raise ValueError("reward_norm 'group' needs a group index per sample")
-        mean, std, _ = _group_stats(scores, index)
+        mean, std, _ = group_stats(scores, index)
     elif reward_norm == "running":
         if running is None:
             raise ValueError("reward_norm 'running' needs a RunningMeanStd")

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import config_from_dict
 from services.common.modeling import build_token_batch, load_causal_lm, response_log_probs
-from services.common.rpc.weights import weight_chunks
 from services.common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
+from services.weights.stream import weight_chunks
 from services.generation.server import serve
 
 from tests.grpc_helpers import TOKEN, expect_code, restream
@@ -82,7 +82,8 @@ def push(client, served, state, version, **kw):
 def test_generate_tokens_text_and_chat(client, server):
     stub, md = client.stub, client.metadata
     req = gpb.GenerateRequest(prompts=[gpb.Prompt(text="abc="), gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30])),
-                                       gpb.Prompt(chat=gpb.Chat(messages=[gpb.ChatMessage(role="user", content="ab")]))],
+                                       gpb.Prompt(chat=gpb.Chat(
+                                           messages=[gpb.ChatMessage(role="user", content="ab")]))],
                               params=gpb.SamplingParams(n=2, max_new_tokens=5, seed=3))
     resp = stub.Generate(req, metadata=md)
     assert len(resp.results) == 3 and all(len(r.completions) == 2 for r in resp.results)
@@ -115,10 +116,12 @@ def test_auth_refused_without_token(server, cfg):
 
 @pytest.mark.parametrize("req,fragment", [
     (gpb.GenerateRequest(), "prompts: empty batch"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))]), "prompts[0].tokens: token id 99999"),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))]),
+     "prompts[0].tokens: token id 99999"),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, -3]))]), "token id -3"),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(text="a" * 40)]), "more than prompt_length=32"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=9)), "params.n: 9 outside [1, 8]"),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=9)),
+     "params.n: 9 outside [1, 8]"),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=-1)), "params.n"),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(temperature=float("nan"))),
      "params.temperature: nan"),

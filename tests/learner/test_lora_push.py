@@ -15,7 +15,7 @@ from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
 from services.learner.ppo_step import PPOLearner
 
-from tests.learner.test_shm_push import Registry, _serves, with_shm
+from tests.weights.test_publisher import Registry, _serves, with_shm
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Tensors and token batches on the wire: raw little-endian bytes in protobuf, checked on the way
-in. Anything wrong raises `BadRequest` naming the field and the limit. Weights have modules of
-their own: `weights` (encoding a push, its fan-out, the checks both paths share),
-`weights_receive` (decoding and assembling a push) and `shm` (the co-located shared-memory path)."""
+in. Anything wrong raises `BadRequest` naming the field and the limit. Weights have a package of
+their own, `services/weights/` (the push stream, shared memory, the checks of a version)."""
 from __future__ import annotations
 
 import math

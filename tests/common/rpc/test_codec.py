@@ -3,9 +3,8 @@ always pass specs; tests/generation/test_server.py pushes the same cases over gR
 import pytest
 import torch
 
-from services.common.rpc.weights import weight_chunks
-from services.common.rpc.weights_receive import assemble_weights
 from services.common.rpc.errors import BadRequest
+from services.weights.stream import assemble_weights, weight_chunks
 
 from tests.grpc_helpers import restream
 

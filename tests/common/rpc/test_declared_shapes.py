@@ -9,12 +9,11 @@ import math
 import pytest
 import torch
 
-from services.common.rpc import shm_read
 from services.common.rpc.codec import MAX_NDIM, bytes_to_tensor, checked_shape, tensor_from_proto
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
-from services.common.rpc.weights import weight_chunks
-from services.common.rpc.weights_receive import assemble_weights
+from services.weights import shm
+from services.weights.stream import assemble_weights, weight_chunks
 
 from tests.grpc_helpers import restream
 
@@ -97,4 +96,4 @@ def test_a_shared_memory_file_with_an_overflowing_shape_is_refused(shape):
                                                    "data_offsets": [0, wrapped]}}).encode()
     buf = len(header).to_bytes(8, "little") + header + bytes(wrapped)
     with pytest.raises(BadRequest, match=r"shm\[f\]: tensor 'e'"):
-        shm_read._parse(buf, len(buf), "shm[f]")
+        shm._parse(buf, len(buf), "shm[f]")

@@ -75,12 +75,12 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
     finally:
         bc.close()
     assert out["push/servers"] == 1 and out["push/failed"] == 1 and beats == []
-    learner_side = [r.getMessage() for r in caplog.records if r.name == "services.learner.broadcast"]
+    learner_side = [r.getMessage() for r in caplog.records if r.name == "services.weights.publisher"]
     assert any(m.startswith(f"weight push v3 to {address}: phase=apply timed out after") and
                f"(deadline {DEADLINE_S:g} s)" in m and "DEADLINE_EXCEEDED" in m for m in learner_side), learner_side
 
     def server_said():  # the server's own wait ends with the same deadline, a moment apart
-        return [m for m in (r.getMessage() for r in caplog.records if r.name == "services.generation.server")
+        return [m for m in (r.getMessage() for r in caplog.records if r.name == "services.weights.receiver")
                 if "weight update v3 (stream) from ipv4:127.0.0.1:" in m and "phase=swap timed out after" in m
                 and "not applied" in m]
     deadline = time.monotonic() + 10
@@ -105,10 +105,10 @@ def test_a_push_waiting_for_an_earlier_update_names_that_phase(short_cfg, busy_s
     caplog.set_level(logging.WARNING)
 
     def server_said():
-        return [m for m in (r.getMessage() for r in caplog.records if r.name == "services.generation.server")
+        return [m for m in (r.getMessage() for r in caplog.records if r.name == "services.weights.receiver")
                 if "weight update (stream) from ipv4:127.0.0.1:" in m and "phase=wait-for-previous-update timed "
                 "out" in m]
-    svc.servicer._push_lock.acquire()  # an earlier update holds the server (until the server gave up)
+    svc.servicer.receiver.lock.acquire()  # an earlier update holds the server (until the server gave up)
     try:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", short_cfg.rpc)
         expect_code(lambda: client.update_weights(state, 5), grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -117,7 +117,7 @@ def test_a_push_waiting_for_an_earlier_update_names_that_phase(short_cfg, busy_s
         while not server_said() and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        svc.servicer._push_lock.release()
+        svc.servicer.receiver.lock.release()
     assert server_said(), [r.getMessage() for r in caplog.records]
     assert backend.version == 0
 

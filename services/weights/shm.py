@@ -1,7 +1,33 @@
-"""Weights through shared memory, the generation server's side (`shm.py` has the format, the
-learner's writer and the co-location check): `Probe` proves the server's directory, `Mappings`
-keeps its mappings of the learner's file from version to version, `open_shared_weights` checks a
-version and hands its tensors to the swap."""
+"""Weights through shared memory, both ends (the learner's writer, the co-location check, the
+server's probe, mappings and checked read): the fast path from the learner to the generation
+servers on its host, beside the gRPC stream (`stream.py`), which stays the path to every other server.
+
+Both sides name a directory on a tmpfs they share (`rpc.shm_dir`: a compose tmpfs volume, a pod's
+emptyDir with medium Memory, a directory in /dev/shm).
+
+Co-location is proven, not assumed: a generation server writes a probe file whose name carries a
+random nonce (`Probe`) and advertises the nonce in its registry entry; the learner counts a server
+as co-located only if that file is in its own directory (`colocated`), i.e. the same volume.
+
+A version is written once for all co-located servers (`SharedWeightsWriter.write`), in the
+safetensors layout (8-byte header length, JSON header, tensors back to back; tensors ordered by
+element size, so every one is aligned for its dtype) with the version, run id, epoch and format in
+its metadata. It is written under a temporary name and renamed into place when complete, so a
+name only ever holds a whole file. The learner then sends each server a `SharedWeights` request
+(authenticated gRPC, like a push) with the file's name and size, the push's header (its fence)
+and a checksum of every piece of the file (xxh3_64, ~30 GB/s; crc32 where xxhash is missing).
+
+A server maps the file (no copy; `open_shared_weights`) and checks the fence, name, size, header
+structure (offsets cover the data exactly once), names/shapes/dtypes against its model and the
+request's header, every piece's checksum, and finiteness, before anything is loaded.
+
+Pages are recycled: writing a new version, the learner renames its previous file (every server has
+loaded that one or given up) to the temporary name and writes over it, since fresh tmpfs pages
+cost more than the copy. Locks keep this safe: the writer holds an exclusive flock while it
+writes; a reader holds a shared one from before its checks to the end of its swap; a file some
+reader still holds is not recycled (it is unlinked, the reader keeps its mapping) and a reader
+that finds a file locked refuses it. At most one file per format ("full", "partial") is kept.
+"""
 from __future__ import annotations
 
 import bisect
@@ -11,23 +37,195 @@ import json
 import math
 import mmap
 import os
+import re
 import secrets
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
+import numpy as np
 import torch
 
-from .codec import checked_shape
-from .errors import BadRequest
-from .gen import common_pb2 as pb, generation_pb2 as gpb
-from .shm import (MADV_POPULATE_READ, MAX_HEADER, MAX_PIECE, MIN_PIECE, PROBE_PREFIX, ST_NAMES, STEP, _hasher,
-                  _threads, weights_file_name)
-from .weights import _all_finite, _check_header
+from ..common.rpc.codec import checked_shape
+from ..common.rpc.errors import BadRequest
+from ..common.rpc.gen import common_pb2 as pb, generation_pb2 as gpb
+from .check import all_finite, check_coverage, check_header, check_tensor
+from .protocol import (CHUNK_BYTES, FILE_PREFIX, MAX_HEADER, MAX_PIECE, MIN_PIECE, PROBE_PREFIX, ST_DTYPES, ST_NAMES,
+                       STEP, default_digest, hasher, raw_view, safe_run_id, threads, weights_file_name)
+
+MADV_POPULATE_READ = 22  # Linux 5.14+: map the file's pages up front, read-only (copy on write)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: the same, writable (the writer's mapping)
 
 
+# ------------------------------------------------------------------ co-location
+def colocated(shm_dir: str | None, nonce) -> bool:
+    """Does `shm_dir` hold the probe of the server that advertised `nonce` (the same volume)?"""
+    if not shm_dir or not isinstance(nonce, str) or not re.fullmatch(r"[0-9a-f]{32}", nonce):
+        return False
+    try:
+        return (Path(shm_dir) / f"{PROBE_PREFIX}{nonce}").read_text() == nonce
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ writing (the learner)
+def _layout(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -> tuple[bytes, list, int]:
+    """The header bytes (length prefix included), [(file offset, tensor)] and the file's size."""
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # stable: dtype alignment
+    entries, off, placed = {}, 0, []
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        placed.append((off, t))
+        off += n
+    body = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 64)  # the data starts 64-byte aligned
+    start = 8 + len(body)
+    return len(body).to_bytes(8, "little") + body, [(start + o, t) for o, t in placed], start + off
+
+
+def _fill(out: np.ndarray, segments: list, piece: int, kind: str, pool) -> list[int]:
+    """Copy the file made of `segments` ([(offset, uint8 array)], contiguous, sorted) into `out`
+    (the file's mapping), every piece [i*piece, (i+1)*piece) on a thread of `pool`, in steps whose
+    checksum is taken from the copy while it is in cache; the pieces' checksums."""
+    starts, size = [o for o, _ in segments], len(out)
+
+    def one(i: int) -> int:
+        lo, hi = i * piece, min(size, (i + 1) * piece)
+        h = hasher(kind)
+        k = max(0, bisect.bisect_right(starts, lo) - 1)
+        while k < len(segments) and segments[k][0] < hi:
+            off, data = segments[k]
+            for a in range(max(lo, off), min(hi, off + len(data)), STEP):
+                z = min(hi, off + len(data), a + STEP)
+                out[a:z] = data[a - off:z - off]
+                h.update(out[a:z])
+            k += 1
+        return h.intdigest()
+    return list(pool.map(one, range(math.ceil(size / piece))))
+
+
+class SharedWeightsWriter:
+    """The learner's side: writes each version once into `shm_dir` and says where (`write`)."""
+
+    def __init__(self, shm_dir: str | os.PathLike, run_id: str, digest: str | None = None):
+        self.dir, self.run_id = Path(shm_dir), run_id
+        self.digest = digest or default_digest()
+        self._current: dict[str, str] = {}  # format -> our newest file's name (recycled next time)
+        self._maps: dict[str, tuple[tuple, mmap.mmap]] = {}  # format -> (file identity, our mapping of it)
+        self.recycled = 0
+
+    def cleanup(self) -> int:
+        """Remove every file of this run (any epoch, finished or not); how many."""
+        prefix, n = f"{FILE_PREFIX}{safe_run_id(self.run_id)}-", 0
+        self._current.clear()
+        for fmt in list(self._maps):
+            self._unmap(fmt)
+        for p in self.dir.glob(f"{prefix}*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+        return n
+
+    def _claim(self, fmt: str, tmp: Path) -> int:
+        """An open, exclusively locked file at `tmp`: our previous file of this format when no
+        reader holds it (its pages are reused), else a new one."""
+        prev = self._current.pop(fmt, None)
+        if prev is not None:
+            try:
+                os.rename(self.dir / prev, tmp)
+            except FileNotFoundError:
+                pass
+            else:
+                fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self.recycled += 1
+                    return fd
+                except BlockingIOError:  # a server still reads it: it keeps its mapping, we take new pages
+                    os.close(fd)
+                    tmp.unlink()
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    def _unmap(self, fmt: str) -> None:
+        old = self._maps.pop(fmt, None)
+        if old is not None:
+            old[1].close()
+
+    def _mapping(self, fmt: str, fd: int, path: Path, size: int) -> mmap.mmap:
+        """Our writable mapping of the claimed file `fd` (at `path`), resized to `size`: the one
+        kept from the last version when the file is the same (recycled, same size), so its pages
+        need no mapping again; else a new one, its pages mapped up front. The file's pages are
+        allocated first: a full tmpfs is an OSError here (the push streams instead), never a
+        SIGBUS on a write through the mapping. Mapped through an open file of its own: a mapping
+        keeps its file open, and the lock taken through `fd` must go when `fd` is closed."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, size)
+        old = self._maps.get(fmt)
+        if old is not None and old[0] == key and st.st_size == size:
+            return old[1]
+        self._unmap(fmt)
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        own = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            if os.fstat(own).st_ino != st.st_ino:
+                raise OSError(f"{path} was replaced while it was written")
+            mm = mmap.mmap(own, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(own)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            mm.madvise(MADV_POPULATE_WRITE)
+        self._maps[fmt] = (key, mm)
+        return mm
+
+    def write(self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0,
+              fmt: str = "full") -> gpb.SharedWeights:
+        """Write `state` as policy `version` and return the request that tells a server to load it.
+        The tensors are copied into our mapping of the file in parallel, each piece checksummed
+        from the copy."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        bad = [k for k, t in tensors.items() if t.dtype not in ST_DTYPES]
+        if bad:
+            raise TypeError(f"dtype {tensors[bad[0]].dtype} of {bad[0]!r} cannot be shared")
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        meta = {"format": "pt", "rlhf.version": str(int(version)), "rlhf.run_id": self.run_id,
+                "rlhf.epoch": str(int(epoch)), "rlhf.format": fmt}
+        head, placed, size = _layout(tensors, meta)
+        segments = [(0, np.frombuffer(head, dtype=np.uint8))] + [(off, raw_view(t)) for off, t in placed if t.numel()]
+        name = weights_file_name(self.run_id, epoch, version, fmt)
+        tmp = self.dir / f"{FILE_PREFIX}{safe_run_id(self.run_id)}-e{int(epoch)}-{fmt}.writing"
+        fd = self._claim(fmt, tmp)
+        try:
+            out = np.frombuffer(self._mapping(fmt, fd, tmp, size), dtype=np.uint8)
+            try:
+                with ThreadPoolExecutor(threads()) as pool:
+                    digests = _fill(out, segments, CHUNK_BYTES, self.digest, pool)
+            finally:
+                del out  # the mapping's only export: it can be closed (cleanup, a new file) from here on
+        except BaseException:
+            os.close(fd)
+            self._unmap(fmt)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # releases the lock; nobody opens a temporary name
+        os.rename(tmp, self.dir / name)
+        self._current[fmt] = name
+        header = pb.WeightHeader(version=int(version), format=fmt, num_tensors=len(tensors), total_bytes=total,
+                                 run_id=self.run_id, epoch=int(epoch))
+        return gpb.SharedWeights(file_name=name, file_bytes=size, header=header, piece_bytes=CHUNK_BYTES,
+                                 digest=self.digest, piece_digests=digests)
+
+    def files(self) -> list[str]:
+        return sorted(self._current.values())
+
+
+# ------------------------------------------------------------------ reading (the generation server)
 class Mappings:
     """A server's mappings of the learner's files, kept from version to version: the learner
     writes each version over its previous file (same inode, same size), so the pages stay mapped
@@ -136,18 +334,8 @@ def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -
     if specs is None:
         return
     for _, _, name, dtype, shape in entries:
-        if name not in specs:
-            raise BadRequest(f"{where}: unknown tensor {name!r}")
-        if shape != tuple(specs[name][0]):
-            raise BadRequest(f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(specs[name][0])}")
-        if dtype != specs[name][1]:
-            raise BadRequest(f"{where}: tensor {name!r} has dtype {dtype}, expected {specs[name][1]}")
-    if h.format == "full":
-        names = {e[2] for e in entries}
-        missing = [k for k in specs if k not in names]
-        if missing:
-            raise BadRequest(f"{where}: a full version without {len(missing)} of the model's tensors: "
-                             f"{', '.join(missing[:5])}")
+        check_tensor(name, shape, dtype, specs, where)
+    check_coverage((e[2] for e in entries), specs, h.format, where)
 
 
 @contextlib.contextmanager
@@ -160,7 +348,7 @@ def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_by
     against rewriting until it ends. Anything wrong raises `BadRequest` before a tensor is
     yielded. With `mappings`, the mapping is kept for the next version (see `Mappings`)."""
     h = req.header
-    _check_header(h, specs, max_bytes)
+    check_header(h, specs, max_bytes)
     if on_header is not None:
         on_header(h)  # the fence: the run's learner, before the file is even opened
     expected = weights_file_name(h.run_id, h.epoch, h.version, h.format)
@@ -172,7 +360,7 @@ def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_by
         raise BadRequest(f"shm.piece_bytes: {piece} outside [{MIN_PIECE}, {MAX_PIECE}]")
     if size < 8 or len(req.piece_digests) != math.ceil(size / piece):
         raise BadRequest(f"shm: {len(req.piece_digests)} piece checksums for {size} bytes in pieces of {piece}")
-    _hasher(req.digest)
+    hasher(req.digest)
     path = os.path.join(shm_dir, expected)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the lock's: closed at the end, unlocking
@@ -255,7 +443,7 @@ def _check_pieces(view, req: gpb.SharedWeights, entries, start: int, state) -> l
 
     def one(i: int) -> tuple[bool, list[str]]:
         lo, hi = i * piece, min(size, (i + 1) * piece)
-        h, bad = _hasher(req.digest), []
+        h, bad = hasher(req.digest), []
         k = max(0, bisect.bisect_right(begins, lo) - 1)
         for a in range(lo, hi, STEP):
             z = min(hi, a + STEP)
@@ -263,11 +451,11 @@ def _check_pieces(view, req: gpb.SharedWeights, entries, start: int, state) -> l
             while k < len(spans) and spans[k][0] < z:
                 b, e, name, item = spans[k]
                 x, y = max(a, b), min(z, e)
-                if y > x and name not in bad and not _all_finite(flat[name][(x - b) // item:(y - b) // item]):
+                if y > x and name not in bad and not all_finite(flat[name][(x - b) // item:(y - b) // item]):
                     bad.append(name)
                 if e > z:
                     break
                 k += 1
         return h.intdigest() == req.piece_digests[i], bad
-    with ThreadPoolExecutor(_threads()) as pool:
+    with ThreadPoolExecutor(threads()) as pool:
         return list(pool.map(one, range(len(req.piece_digests))))

@@ -15,11 +15,12 @@ from redis.retry import Retry
 
 from services.common.config import config_from_dict
 from services.common.replay import ReplayStore
-from services.common.rpc.weights import weight_chunks
 from services.common.rpc.gen import learner_pb2_grpc
 from services.common.rpc.server import RPCServer
 from services.generation.client import GenerationClient
-from services.generation.registration import LearnerFence, Registration
+from services.generation.registration import Registration
+from services.weights.fence import LearnerFence
+from services.weights.stream import weight_chunks
 from services.generation.server import serve
 
 from tests.grpc_helpers import expect_code

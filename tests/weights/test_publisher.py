@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.rpc import shm
+from services.weights import shm
 from services.common.rpc.errors import BadRequest
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient

@@ -1,4 +1,4 @@
-"""Weight copies between a GPU and the host (services/common/hostcopy.py). The CPU cases run
+"""Weight copies between a GPU and the host (services/weights/hostcopy.py). The CPU cases run
 everywhere; the CUDA cases need a GPU (CI has none: they ran on a lent H100, see the README's
 GPU measurements)."""
 import mmap
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from services.common import hostcopy
-from services.common.hostcopy import copy_to_device, to_host
+from services.weights import hostcopy
+from services.weights.hostcopy import copy_to_device, to_host
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

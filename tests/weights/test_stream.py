@@ -6,8 +6,9 @@ import threading
 import pytest
 import torch
 
-from services.common.rpc.weights import Fanout, _all_finite, _varint, encode_weights, weight_chunks
-from services.common.rpc.weights_receive import WeightChunkDecoder, assemble_weights
+from services.weights.check import all_finite
+from services.weights.stream import (Fanout, WeightChunkDecoder, _varint, assemble_weights, encode_weights,
+                                      weight_chunks)
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
 
@@ -91,12 +92,12 @@ def test_an_encoder_error_reaches_every_reader():
 def test_finiteness_check(dtype, bad):
     for n in (1, 17, 4099, 1 << 16):
         t = torch.randn(n).to(dtype)
-        assert _all_finite(t)
+        assert all_finite(t)
         for pos in (0, n // 2, n - 1):
             u = t.clone()
             u[pos] = bad
-            assert not _all_finite(u)
-    assert _all_finite(torch.zeros(0, dtype=dtype)) and not _all_finite(torch.tensor(bad, dtype=dtype))
+            assert not all_finite(u)
+    assert all_finite(torch.zeros(0, dtype=dtype)) and not all_finite(torch.tensor(bad, dtype=dtype))
 
 
 def test_non_finite_found_in_a_large_piece_is_refused():

@@ -1,4 +1,4 @@
-"""Shared-memory weight files (`services.common.rpc.shm`) on real files: what the learner writes
+"""Shared-memory weight files (`services.weights.shm`) on real files: what the learner writes
 reads back exactly (and is a safetensors file any reader takes); a file that is truncated,
 corrupt, of another version, of the wrong shapes or dtypes, not finite, or being rewritten is
 refused before a tensor is handed out; pages are recycled only when no reader holds the file;
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from services.common.rpc import shm, shm_read
+from services.weights import shm
 from services.common.rpc.errors import BadRequest
 
 STATE = {"big": torch.randn(300, 400), "half": torch.randn(70_001).to(torch.bfloat16),
@@ -26,7 +26,7 @@ def writer(tmp_path):
 
 
 def _load(tmp_path, req, specs=SPECS, **kw):
-    with shm_read.open_shared_weights(str(tmp_path), req, specs, **kw) as (version, fmt, state, nbytes, header):
+    with shm.open_shared_weights(str(tmp_path), req, specs, **kw) as (version, fmt, state, nbytes, header):
         return version, fmt, {k: v.clone() for k, v in state.items()}, nbytes, header
 
 
@@ -115,7 +115,7 @@ def test_another_versions_file_and_the_fence(tmp_path, writer):
 
 def test_a_file_being_rewritten_is_refused_and_one_being_read_is_not_recycled(tmp_path, writer):
     req1 = writer.write(STATE, 1)
-    with shm_read.open_shared_weights(str(tmp_path), req1, SPECS) as (_, _, state, _, _):
+    with shm.open_shared_weights(str(tmp_path), req1, SPECS) as (_, _, state, _, _):
         before = state["big"].clone()
         req2 = writer.write({k: (v + 1 if v.is_floating_point() else v) for k, v in STATE.items()}, 2)
         assert writer.recycled == 0  # held by this reader: a new file, the old one unlinked
@@ -161,7 +161,7 @@ def test_cleanup_removes_only_this_runs_files(tmp_path):
 
 
 def test_colocation_needs_the_servers_probe_in_the_same_directory(tmp_path):
-    probe = shm_read.Probe(tmp_path / "shared")
+    probe = shm.Probe(tmp_path / "shared")
     assert shm.colocated(str(tmp_path / "shared"), probe.nonce)
     assert not shm.colocated(str(tmp_path / "elsewhere"), probe.nonce)
     assert not shm.colocated(str(tmp_path / "shared"), "0" * 32)
@@ -175,13 +175,13 @@ def test_a_servers_mapping_is_kept_from_version_to_version(tmp_path, writer):
     """The learner writes every version over the same file through the mapping it keeps; a
     server's kept mapping sees each new version (checked against its checksums), and a different
     file replaces it."""
-    mappings = shm_read.Mappings()
+    mappings = shm.Mappings()
     seen, written = [], set()
     for version in range(1, 5):
         state = {k: (v + version if v.is_floating_point() else v) for k, v in STATE.items()}
         req = writer.write(state, version)
         written.add(id(writer._maps["full"][1]))
-        with shm_read.open_shared_weights(str(tmp_path), req, SPECS, mappings=mappings) as (_, _, got, _, _):
+        with shm.open_shared_weights(str(tmp_path), req, SPECS, mappings=mappings) as (_, _, got, _, _):
             assert all(torch.equal(got[k], state[k]) for k in STATE)
             if not any(m is mappings._maps["full"][1] for m in seen):
                 seen.append(mappings._maps["full"][1])

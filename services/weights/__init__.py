@@ -1,0 +1,13 @@
+"""Weight transfer: a policy version from the learner to the generation servers. It imports only
+`services.common`; the learner calls the publisher, the generation server is an adapter over the
+receiver.
+
+    protocol.py   what both ends agree on: formats, the chunk size, dtype tables, checksums, file names
+    check.py      the one check of a version: header, names/shapes/dtypes, coverage, finiteness
+    stream.py     the gRPC push stream, both ends: encode, fan out, decode, assemble
+    shm.py        shared memory on one host, both ends: writer, co-location probe, checked read
+    hostcopy.py   GPU <-> host copies through page-locked memory
+    fence.py      a version is taken only from the run's learner (the replay registry says which)
+    publisher.py  the learner's side: one version to many servers, transports as strategies
+    receiver.py   the server's side: receive by any transport, check, swap atomically on a backend
+"""

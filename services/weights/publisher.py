@@ -1,0 +1,214 @@
+"""The learner's side of a weight push: one version delivered to many servers at once, each by the
+transport its plan names, the transports being strategies with one interface (`start`: a future
+per server of the targets; `finish`):
+- `StreamTransport`: the gRPC stream, encoded once per payload and read by all its servers
+  (`stream.Fanout`);
+- `SharedMemoryTransport`: one file in `rpc.shm_dir` for every server proven to share the
+  directory (`shm.colocated`), each told where it is by a `SharedWeights` request. A load a
+  server refuses (other than by being unreachable) is streamed to it in the same push; a file
+  that cannot be written sends its servers the stream.
+
+What a push sends (the snapshot, full or partial, the plan per server) is the learner's
+(`learner/broadcast.py`); this module moves bytes. A server is reached through `client(address)`
+(`push_encoded(chunks)`, `load_shared(request)`, `timeout`), and `registered(address, info,
+version, kind)` runs once a server took a version."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import grpc
+
+from ..common.rpc.waits import Counted, wait_failed
+from . import shm
+from .protocol import chunk_bytes
+from .stream import Fanout, encode_weights
+
+log = logging.getLogger(__name__)
+
+PUSH_WINDOW_BYTES = 128 << 20  # encoded chunks held for the slowest server
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _newer_already(e: grpc.RpcError) -> bool:
+    """The server refused the version as not newer: it pulled it itself a moment ago."""
+    return e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in (e.details() or "")
+
+
+class StreamTransport:
+    """The gRPC stream: one encoding of a payload read by every server of the targets."""
+    name = "grpc"
+
+    def __init__(self, publisher: "Publisher"):
+        self.pub = publisher
+        self._fans: list[Fanout] = []
+
+    def chunk_bytes(self) -> int:
+        return chunk_bytes(self.pub.cfg.rpc.max_message_mb)
+
+    def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict:
+        """Stream `state` to every (address, info) of `targets`: {address: future of True | False}."""
+        run_id, epoch = self.pub.identity
+        chunk = self.chunk_bytes()
+        fan = Fanout(encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch), len(targets),
+                     window=max(2, PUSH_WINDOW_BYTES // chunk))
+        self._fans.append(fan)
+
+        def one(i, address, info):
+            try:
+                return self._push_one(address, fan.reader(i), version, info, kind)
+            finally:
+                fan.detach(i)  # a failed stream no longer holds the others back
+        return {a: pool.submit(one, i, a, info) for i, (a, info) in enumerate(targets)}
+
+    def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> bool:
+        """Push one server the (already encoded) stream `chunks`."""
+        sent, t0 = Counted(chunks), time.monotonic()
+        client = self.pub.client(address)
+        try:
+            client.push_encoded(sent)
+        except grpc.RpcError as e:
+            if _newer_already(e):
+                return True
+            # all chunks out: the deadline passed while the server checked or swapped them in
+            log.warning("%s (it will pull when it sees it is behind)", wait_failed(
+                f"weight push v{version} to", address, sent.phase("stream", "apply"), e, time.monotonic() - t0,
+                client.timeout))
+            return False
+        finally:
+            self.pub.on_progress()
+        self.pub.registered(address, info, version, kind)
+        return True
+
+    def finish(self) -> None:
+        for fan in self._fans:
+            fan.join()
+        self._fans.clear()
+
+
+class SharedMemoryTransport:
+    """One file in `rpc.shm_dir` per payload, loaded by every co-located server of the targets."""
+    name = "shm"
+
+    def __init__(self, publisher: "Publisher"):
+        self.pub = publisher
+        self.writer: shm.SharedWeightsWriter | None = None
+
+    def colocated(self, info: dict) -> bool:
+        return shm.colocated(self.pub.cfg.rpc.shm_dir, info.get("shm"))
+
+    def _write(self, state: dict, version: int, kind: str):
+        """The version written into shared memory (the request that points a server at it); None
+        when it cannot be written (then its servers get the stream)."""
+        run_id, epoch = self.pub.identity
+        try:
+            if self.writer is None or self.writer.run_id != run_id:
+                self.writer = shm.SharedWeightsWriter(self.pub.cfg.rpc.shm_dir, run_id)
+                self.writer.cleanup()  # what an earlier learner process of this run left
+            return self.writer.write(state, version, epoch, kind)
+        except (OSError, TypeError) as e:
+            self.pub.tell(("shm-write", type(e)), "cannot write version %d into rpc.shm_dir %s (%s); streaming "
+                          "over gRPC", version, self.pub.cfg.rpc.shm_dir, e, level=logging.WARNING)
+            return None
+
+    def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict | None:
+        """{address: future of "ok" | "failed" | "stream" (retry over gRPC)}; None when the file
+        cannot be written."""
+        request = self._write(state, version, kind)
+        if request is None:
+            return None
+        return {a: pool.submit(self._load_one, a, request, version, info, kind) for a, info in targets}
+
+    def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> str:
+        """Point one co-located server at the shared file."""
+        t0 = time.monotonic()
+        client = self.pub.client(address)
+        try:
+            client.load_shared(request)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            if _newer_already(e):
+                return "ok"
+            if code in UNREACHABLE:
+                log.warning("%s (it will pull when it sees it is behind)", wait_failed(
+                    f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout))
+                return "failed"
+            self.pub.tell((address, "stream"), "shared-memory load of version %d refused by %s (%s: %s); streaming "
+                          "over gRPC instead", version, address, code.name, details, level=logging.WARNING)
+            return "stream"
+        finally:
+            self.pub.on_progress()
+        self.pub.registered(address, info, version, kind)
+        return "ok"
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.cleanup()
+
+
+class Publisher:
+    """Delivers versions: `via(info)` says which transport reaches a server, `deliver` sends a
+    version to every planned server at once. `identity` (run id, epoch) is the fence every
+    version carries; `on_progress` runs as each server answers (the learner's heartbeat)."""
+    on_progress = staticmethod(_nothing)
+
+    def __init__(self, cfg, client: Callable, registered: Callable[[str, dict, int, str], None]):
+        self.cfg, self.client, self.registered = cfg, client, registered
+        self.identity: tuple[str, int] = ("", 0)
+        self.stream = StreamTransport(self)
+        self.shared = SharedMemoryTransport(self)
+        self._told: set = set()
+
+    def tell(self, key, msg: str, *args, level=logging.INFO) -> None:
+        """Log `msg` once per `key` (a server's fallback, a plan's reason)."""
+        if key not in self._told:
+            self._told.add(key)
+            log.log(level, msg, *args)
+
+    def via(self, info: dict) -> str:
+        """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
+        return self.shared.name if self.shared.colocated(info) else self.stream.name
+
+    def deliver(self, servers: dict, plan: dict, payloads: dict, version: int) -> dict[str, tuple[bool, str]]:
+        """Every server's push as `plan` says ({address: (kind, via)}): {address: (took it, "shm" | "grpc")}."""
+        groups: dict[tuple[str, str], list] = {}
+        for a, (kind, via) in plan.items():
+            groups.setdefault((kind, via), []).append((a, servers[a]))
+        ok: dict[str, tuple[bool, str]] = {}
+        # every server's stream or load runs at once (a Fanout needs all its readers reading)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
+                futures = {}
+                for (kind, via), targets in groups.items():
+                    if via == self.stream.name:
+                        futures.update(self.stream.start(pool, targets, payloads[kind], kind, version))
+                shared = set()
+                for (kind, via), targets in groups.items():
+                    if via == self.shared.name:
+                        loads = self.shared.start(pool, targets, payloads[kind], kind, version)
+                        if loads is None:
+                            futures.update(self.stream.start(pool, targets, payloads[kind], kind, version))
+                        else:
+                            shared.update(loads)
+                            futures.update(loads)
+                retry: dict[str, list] = {}
+                for a, f in futures.items():
+                    result = f.result()
+                    if result == "stream":
+                        retry.setdefault(plan[a][0], []).append((a, servers[a]))
+                    ok[a] = (result in (True, "ok"), "shm" if a in shared else "grpc")
+                for kind, targets in retry.items():
+                    ok.update({a: (f.result(), "grpc") for a, f in self.stream.start(pool, targets, payloads[kind],
+                                                                                    kind, version).items()})
+        finally:
+            self.stream.finish()
+        return ok
+
+    def close(self) -> None:
+        self.shared.close()

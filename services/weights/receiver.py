@@ -1,0 +1,146 @@
+"""The server's side of a weight push, whatever the transport: a version received (the gRPC
+stream, `apply_chunks`; a file in shared memory, `apply_shared`), checked, and swapped into the
+backend atomically between batches, one update at a time, each wait bounded by the call's deadline.
+
+The generation server is a thin adapter over `WeightReceiver`: its RPCs call it, and it hands the
+receiver its backend, its compute thread (`run(fn, timeout=)`: fn runs between batches; a run that
+has not started within `timeout` is withdrawn and raises a TimeoutError) and its readiness."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Callable
+
+import grpc
+
+from ..common.rpc.errors import BadRequest, DeadlineExceeded
+from ..common.rpc.gen import common_pb2
+from ..common.rpc.waits import wait_failed
+from .check import check_newer
+from .shm import Probe, open_shared_weights
+from .stream import assemble_weights
+
+log = logging.getLogger(__name__)
+
+Fence = Callable[[common_pb2.WeightHeader], None]
+
+
+def shm_probe(shm_dir: str | None) -> Probe | None:
+    """A server's probe in `rpc.shm_dir` (None when unset, or when the directory cannot be
+    written: then every version comes over the gRPC stream)."""
+    if not shm_dir:
+        return None
+    try:
+        return Probe(shm_dir)
+    except OSError as e:
+        log.warning("rpc.shm_dir %s cannot be used (%s): weights will come over gRPC only", shm_dir, e)
+        return None
+
+
+class WeightReceiver:
+    """`fence(header)`, when given, decides whether a version comes from the run's writer: it
+    raises `BadRequest` (refused) or `Unavailable` (cannot tell); it runs as soon as the header
+    arrives and again right before the swap. Without it, any version newer than the serving one
+    is applied. `probe` is the server's proof of its shared-memory directory (`apply_shared` reads
+    from there). `base` says where the weights outside a partial version come from: the model it
+    loaded ("model:<model.path>") until a full version from a run replaces them ("run:<run_id>")."""
+    NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
+
+    def __init__(self, backend, run: Callable, cfg, fence: Fence | None = None, probe: Probe | None = None,
+                 readiness=None):
+        self.backend, self.run, self.cfg, self.fence, self.probe = backend, run, cfg, fence, probe
+        self.readiness = readiness  # the RPC server (set_ready, liveness), or None
+        self.base = f"model:{cfg.model.path}"
+        self.lock = threading.Lock()  # one update at a time
+
+    def max_bytes(self) -> int:
+        return self.cfg.rpc.max_message_mb * 1024 * 1024 * 64
+
+    def apply_chunks(self, chunks, context=None, origin: str = "") -> tuple[int, int, float]:
+        """Assemble a header/pieces/footer stream and apply it as one new policy version (a push,
+        or a late server's pull). Its waits end with the call's deadline (`context`; without one,
+        rpc.timeout_s)."""
+        return self._apply(lambda: contextlib.nullcontext(assemble_weights(
+            chunks, self.backend.parameter_specs(), self.max_bytes(), on_header=self.fence)),
+            context=context, origin=origin)
+
+    def apply_shared(self, request, context=None) -> tuple[int, int, float]:
+        """Check and apply a version the co-located learner wrote into shared memory."""
+        if self.probe is None:
+            raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
+        try:
+            check_newer(request.header.version, self.backend.version)  # before reading anything
+        except ValueError as e:
+            raise BadRequest(f"weights: {e}") from None
+        return self._apply(lambda: open_shared_weights(str(self.probe.dir), request, self.backend.parameter_specs(),
+                                                       self.max_bytes(), self.fence, self.probe.mappings),
+                           "shared memory", context=context)
+
+    def budget(self, context) -> float:
+        """Seconds a weight update may wait: the call's remaining deadline; rpc.timeout_s for a
+        pull (no call) or a call without a deadline."""
+        remaining = context.time_remaining() if context is not None else None
+        if remaining is None or remaining > self.NO_DEADLINE_S:
+            return self.cfg.rpc.timeout_s
+        return max(float(remaining), 0.0)
+
+    @staticmethod
+    def _timed_out(what: str, peer: str, phase: str, t0: float, budget: float, why: str) -> DeadlineExceeded:
+        msg = wait_failed(what, peer, phase, DeadlineExceeded(why), time.monotonic() - t0, budget)
+        log.warning("%s", msg)
+        return DeadlineExceeded(msg)
+
+    def _apply(self, source, via: str = "stream", context=None, origin: str = "") -> tuple[int, int, float]:
+        """One update at a time. Each wait ends with the call's deadline (`budget`), naming its
+        phase and the peer: for an earlier update to finish ('wait-for-previous-update'), the
+        stream itself (gRPC ends it at the deadline), for the running batch before the swap
+        ('swap'; a swap that has not started by then is withdrawn, nothing changes)."""
+        t0, t_mono = time.perf_counter(), time.monotonic()
+        budget = self.budget(context)
+        peer = origin or (context.peer() if context is not None else "?")
+        server = self.readiness
+        if not self.lock.acquire(timeout=budget):
+            raise self._timed_out(f"weight update ({via}) from", peer, "wait-for-previous-update", t_mono, budget,
+                                  "another weight update held this server for the whole deadline")
+        try:
+            with source() as (version, fmt, state, nbytes, header):
+                started = []
+
+                def swap():
+                    started.append(True)
+                    if self.fence is not None:
+                        self.fence(header)  # again: another learner may have taken over while the pieces came
+                    self.backend.update_weights(state, version)
+                    if fmt == "full":
+                        self.base = f"run:{header.run_id}"
+                if server:
+                    server.set_ready(False)  # alive, not ready, while the swap waits for the batch
+                try:
+                    self.run(swap, timeout=max(budget - (time.monotonic() - t_mono), 0.0))
+                except TimeoutError as e:
+                    if started:
+                        raise
+                    raise self._timed_out(f"weight update v{version} ({via}) from", peer, "swap", t_mono, budget,
+                                          f"not applied: {e}") from None
+                except BadRequest:
+                    raise
+                except (KeyError, ValueError) as e:
+                    raise BadRequest(f"weights: {e}") from None
+                finally:
+                    state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
+                    if server and not getattr(self.backend, "broken", None):
+                        server.set_ready(True)  # a broken engine stays not ready, and fails liveness
+                    elif server:
+                        server.liveness()  # says why now, not at the next probe
+        except grpc.RpcError:  # reading the pushed stream: gRPC ended the call (its deadline, a cancel)
+            if context is not None and not context.is_active():
+                raise self._timed_out(f"weight update ({via}) from", peer, "stream", t_mono, budget,
+                                      "the call ended before the whole stream came") from None
+            raise
+        finally:
+            self.lock.release()
+        secs = time.perf_counter() - t0
+        log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", version, fmt, nbytes / 1e6, secs, via)
+        return version, nbytes, secs
