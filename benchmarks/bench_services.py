@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from services.common.config import config_from_dict
-    from services.common.data import reverse_task
+    from services.training.data import reverse_task
     from services.common.types import SamplingParams
     from services.generation.backend import HFBackend
     from services.generation.client import GenerationClient

@@ -103,7 +103,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams as VSamplingParams
 
-    from services.common.data import reverse_task
+    from services.training.data import reverse_task
     from services.common.modeling import load_tokenizer
     from services.common.types import SamplingParams
     from services.generation.client import GenerationClient

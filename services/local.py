@@ -1,29 +1,63 @@
 """The in-process trainer: the whole PPO loop in one process, with the same domain objects the
 services host (generation backend, reward scorer, critic, learner step), wired directly; the
-reference the distributed run is measured against.
+reference the distributed run is measured against. The loop is the learner service's
+(`services.training.loop`), with an in-process rollout source and the backend as weight sink.
 
     rlhf train --local -c configs/tiny-cpu.yaml --run-dir runs/local
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 import torch
 
-from .common.data import EpochSampler, config_prompts
-from .common.runlog import RunLog
-from .common.sampling import evaluate, sample_groups
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
 from .learner.ppo_step import PPOLearner, ptx_examples_for
-from .learner.schedule import Schedule, planned_updates
-from .learner.watch import HackingWatch, judge
 from .reward.scorer import build_eval_scorer, build_scorer
+from .rollout.step import sample_groups
+from .training.data import EpochSampler, config_prompts
+from .training.evaluate import evaluate
+from .training.loop import Batch, TrainingLoop
+from .training.runlog import RunLog
+from .training.schedule import Schedule, planned_updates
 
-log = logging.getLogger(__name__)
+
+class InProcessSource:
+    """Batches sampled, scored and valued here, by the rollout workers' step (`sample_groups`)."""
+    wait_metric = "time/rollout_s"
+
+    def __init__(self, cfg, sampler: EpochSampler, backend, scorer, tokenizer, critic):
+        self.cfg, self.sampler, self.backend, self.scorer = cfg, sampler, backend, scorer
+        self.tokenizer, self.critic = tokenizer, critic
+        self.params = SamplingParams.for_training(cfg)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def collect(self, iteration: int, version: int) -> Batch:
+        picked = self.sampler.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
+        groups, metrics = sample_groups([r for _, r in picked], [f"{e}:{r.id}" for e, r in picked], self.backend,
+                                        self.scorer, self.tokenizer, self.params, self.critic, self.cfg.prompt_length)
+        return Batch(Rollout.from_groups(groups), version, metrics)
+
+    def trained(self, batch: Batch, iteration: int) -> dict:
+        return {}
+
+
+class BackendSink:
+    """The new policy goes straight into the in-process generation backend."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def publish(self, learner) -> dict:
+        t0 = time.perf_counter()
+        self.backend.update_weights(learner.policy_state_dict(), learner.version)
+        return {"time/push_s": time.perf_counter() - t0}
 
 
 def run_local(cfg, run_dir: str | Path | None = None) -> dict:
@@ -39,40 +73,10 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     sampler = EpochSampler(train, cfg.run.seed)
     learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
-    params, eval_params = SamplingParams.for_training(cfg), SamplingParams.for_eval(cfg)
-    watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
-    runlog = RunLog(run_dir, cfg, mode="local")
-    baseline = evaluate(held_out, backend, eval_scorer, tokenizer, eval_params)
-    runlog.log_eval(0, {**baseline, **judge(watch, 0, baseline, log.warning)[1]})
-    last_eval = baseline
-    it = 0
-    for it in range(1, cfg.run.iterations + 1):
-        t0 = time.perf_counter()
-        picked = sampler.take_with_epochs(cfg.rollout_batch_size)  # a batch may cross an epoch boundary
-        groups, metrics = sample_groups([r for _, r in picked], [f"{e}:{r.id}" for e, r in picked], backend,
-                                        scorer, tokenizer, params, critic, cfg.prompt_length)
-        t1 = time.perf_counter()
-        metrics.update(learner.step(Rollout.from_groups(groups), critic))
-        t2 = time.perf_counter()
-        backend.update_weights(learner.policy_state_dict(), learner.version)
-        t3 = time.perf_counter()
-        metrics.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/push_s": t3 - t2,
-                        "time/iteration_s": t3 - t0, "data/epoch": sampler.epoch,
-                        "policy/version": learner.version})
-        watch.train(metrics.get("reward/score_mean", float("nan")))
-        tick = schedule.at(it)
-        if tick.evaluate:
-            last_eval = evaluate(held_out, backend, eval_scorer, tokenizer, eval_params)
-            metrics.update(last_eval)
-            metrics.update(judge(watch, it, last_eval, log.warning)[1])
-        if tick.checkpoint and not tick.last:  # the last one is `final/`
-            learner.save_policy(run_dir / "checkpoints" / f"iter_{it:06d}", tokenizer)
-        runlog.log_iteration(it, metrics)
-        if tick.out_of_time:
-            log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
-            break
-    learner.save_policy(run_dir / "final", tokenizer)
-    if critic is not None:
-        critic.save(run_dir / "final_critic")
-    return runlog.finish(baseline=baseline["eval/reward_mean"], final=last_eval["eval/reward_mean"],
-                         iterations=it, wall_s=time.time() - schedule.t_start)
+    eval_params = SamplingParams.for_eval(cfg)
+    loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, InProcessSource(cfg, sampler, backend, scorer,
+                                                                                  tokenizer, critic),
+                        BackendSink(backend), lambda: evaluate(held_out, backend, eval_scorer, tokenizer, eval_params))
+    loop.begin(RunLog(run_dir, cfg, mode="local"))
+    it, _ = loop.iterate(schedule)
+    return loop.finish(it, time.time() - schedule.t_start, run_dir / "final_critic")

@@ -9,7 +9,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny default policy, built offline once per test session (a few seconds)."""
-    from services.common.tiny import init_tiny_model
+    from services.cli.tiny import init_tiny_model
     return str(init_tiny_model(tmp_path_factory.mktemp("tiny-model"), warm_start_steps=100, seed=0))
 
 

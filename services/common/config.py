@@ -20,7 +20,6 @@ from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, 
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig, DataConfig, Endpoint, GenerationConfig, LearnerEndpoint, LoraConfig, ModelConfig, ReplayConfig,
     RewardConfig, RewardEndpoint, RolloutConfig, RPCConfig, RuleSpec, RunConfig, VLLMConfig, Strict)
-from .data import source_problem
 
 # the algorithm's choices come from its registries: one list of names, not two
 ADV_ESTIMATOR_NAMES = ADV_ESTIMATORS.names()
@@ -148,18 +147,6 @@ class Config(Strict):
     @property
     def clip_high(self) -> float:
         return self.pg_clip_high if self.pg_clip_high is not None else self.pg_clip
-
-
-def data_source_errors(cfg: "Config") -> list[str]:
-    """Data sources that cannot be read here (a missing file or dataset directory, an unknown
-    synthetic task). Checked by the commands that read the data (`config validate`, `train`,
-    `up`, `serve learner`), not by every service: a generation server needs no prompt files."""
-    errors = []
-    for key in ("train", "eval"):
-        problem = source_problem(getattr(cfg.data, key))
-        if problem:
-            errors.append(f"data.{key}: {problem}")
-    return errors
 
 
 class ConfigError(Exception):

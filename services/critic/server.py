@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..common.compute import ComputeThread
+from .compute import ComputeThread
 from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
 from ..common.lifecycle import GrpcService
@@ -74,7 +74,8 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
             raise BadRequest(f"path: {path!r} must be relative to the checkpoint root, without '..'")
         long = [p for p in rel.parts if len(p.encode()) > 255]
         if long:
-            raise BadRequest(f"path: a component of {len(long[0].encode())} bytes, more than a file name may have (255)")
+            raise BadRequest(f"path: a component of {len(long[0].encode())} bytes, more than a file name may "
+                             "have (255)")
         full = (self.root / rel).resolve()
         if full == self.root or not full.is_relative_to(self.root):
             raise BadRequest(f"path: {path!r} does not lead to a directory inside the checkpoint root")

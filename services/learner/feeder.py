@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..common.data import EpochSampler
+from ..training.data import EpochSampler
 from ..common.replay.records import make_task
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.data import sft_examples
+from ..training.data import sft_examples
 from ..common.distributed import collective
 from ..weights.hostcopy import to_host
 from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
@@ -67,7 +67,8 @@ class PPOLearner:
         if self.lora:
             from peft import LoraConfig, get_peft_model
             lc = cfg.model.lora
-            self.policy = get_peft_model(self.policy, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+            self.policy = get_peft_model(self.policy, LoraConfig(r=lc.rank, lora_alpha=lc.alpha,
+                                                                 lora_dropout=lc.dropout,
                                                                  target_modules=list(lc.target_modules)))
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()

@@ -4,12 +4,14 @@ evaluates and reports status.
 
     rlhf serve learner -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
 
-The loop, one iteration (each part has a file of its own):
+The loop is the in-process trainer's (services/training/loop.py), with the replay buffer as its
+rollout source and the generation servers as its weight sink. One iteration (each part has a
+file of its own):
     feeder.feed                   keep prompts max_staleness batches ahead      (feeder.py)
     intake.collect                rollout_batch_size fresh, unique groups        (intake.py)
     learner.step                  the PPO update; the critic trains over gRPC    (ppo_step.py)
     broadcaster.push              version N+1 to every live generation server    (broadcast.py)
-    evaluate / checkpoint         on the schedule shared with the in-process trainer (schedule.py)
+    evaluate / checkpoint         on the schedule shared with the in-process trainer (training/schedule.py)
     checkpointer.save             then acknowledge the trajectories it includes  (checkpoint.py)
 """
 from __future__ import annotations
@@ -24,13 +26,13 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from ..common.data import config_prompts
+from ..training.data import config_prompts
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
-from ..common.runlog import RunLog
+from ..training.runlog import RunLog
 from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
-from ..common.sampling import evaluate
+from ..training.evaluate import evaluate
 from ..common.types import Rollout, SamplingParams
 from ..critic.client import CriticClient, OverlappedCritic
 from ..reward.client import HeldOut, RewardClient
@@ -42,8 +44,9 @@ from .intake import TrajectoryIntake
 from .liveness import Beating, Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PPOLearner, ptx_examples_for
-from .schedule import Schedule, planned_updates
-from .watch import HackingWatch, judge
+from ..training.loop import Batch, TrainingLoop
+from ..training.schedule import Schedule, Tick, planned_updates
+from ..training.watch import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,56 @@ def follower_main(cfg) -> int:
     return follow(learner)
 
 
-class LearnerService:
+class ReplaySource:
+    """The rollout source of the learner service: fresh, unique trajectory groups the rollout
+    workers left in the replay buffer, for prompts the feeder keeps queued ahead."""
+    wait_metric = "time/wait_s"
+
+    def __init__(self, service: "LearnerService"):
+        self.service = service
+
+    @property
+    def epoch(self) -> int:
+        return self.service.feeder.epoch
+
+    def collect(self, iteration: int, version: int) -> Batch | None:
+        s = self.service
+        s._check_critic()
+        s.feeder.feed(iteration, version)
+        s.state = "waiting"
+        batch = s.intake.collect(version, s.stop_event)
+        if batch is None:
+            return None
+        return Batch(Rollout.from_groups([g for _, g in batch]), version, items=batch)
+
+    def trained(self, batch: Batch, iteration: int) -> dict:
+        s = self.service
+        s.intake.trained(batch.items)
+        rollout = batch.rollout
+        staleness = [batch.version - v for v in rollout.versions]
+        return {"rollout/tokens": sum(len(r) for r in rollout.response_ids),
+                "rollout/tokens_per_s": s.intake.tokens_per_s(),
+                "replay/staleness_mean": sum(staleness) / len(staleness),
+                "replay/backlog": s._quietly(s.store.backlog, -1),
+                "replay/dropped_stale": s.intake.counters["dropped_stale"],
+                "replay/duplicates": s.intake.counters["duplicates"]}
+
+
+class PushSink:
+    """The weight sink of the learner service: the new policy gets the next version number of the
+    replay store's counter and is pushed to every live generation server."""
+
+    def __init__(self, service: "LearnerService"):
+        self.service = service
+
+    def publish(self, learner) -> dict:
+        learner.version = self.service.store.next_version()
+        return self.service.broadcaster.push(learner.version, self.service.address)
+
+
+class LearnerService(TrainingLoop):
+    time_eval = True
+
     def __init__(self, cfg, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
         """Rank 0 of a sharded learner (model.nproc > 1) or the only process."""
         self.cfg = cfg
@@ -97,6 +149,8 @@ class LearnerService:
             if cfg.critic.overlap_training:
                 self.critic = OverlappedCritic(self.critic)
             self.critic = Beating(self.critic, self.heartbeat)
+        TrainingLoop.__init__(self, cfg, self.run_dir, self.learner, self.critic, self.tokenizer, ReplaySource(self),
+                              PushSink(self))
         self.critic_state: dict = {}
         self.reward = Beating(self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server"),
                               self.heartbeat)
@@ -107,15 +161,11 @@ class LearnerService:
         self.broadcaster.on_progress = self.heartbeat  # each server's push answered, each tick of a wait
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
-        self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
         self.poller: ReplayPoller | None = None  # the prompt queue's gauges, from start to close
-        self.runlog: RunLog | None = None
         self.address = ""  # where generation servers pull from: set by the server before run()
         self.ready = threading.Event()  # resumed and the current policy published
         self.state = "starting"
-        self.iteration = 0
-        self.baseline: float | None = None
-        self.last = {"reward": float("nan"), "eval": float("nan")}
+        self.eval_params = SamplingParams.for_eval(cfg)
         self.resumed_from: int | None = None
         self.t_start = time.time()
 
@@ -265,68 +315,12 @@ class LearnerService:
             self.broadcaster.publish_initial(self.address)
         self.ready.set()
         self.poller = ReplayPoller(self.store.prompt_queue, self.metrics.queue, cfg.replay.heartbeat_s).start()
-        runlog = self.runlog = RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
-                                      resume_from=start_it if self.resumed_from is not None else None)
-        eval_params = SamplingParams.for_eval(cfg)
-        if self.baseline is None:
-            base = self._evaluate(eval_params)
-            self.baseline = base["eval/reward_mean"]
-            runlog.log_eval(0, {**base, **self._watched(0, base)})
-        self.last["eval"] = self.baseline
+        self.begin(RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
+                          resume_from=start_it if self.resumed_from is not None else None))
         self.metrics.eval_reward.set(self.last["eval"])  # not 0 (a false fall) until the next eval
         if self.resumed_from is not None:
             self.intake.reread_pending()
-        schedule = Schedule(cfg.run, self.t_start)
-        it, stopped = start_it, False
-        for it in range(start_it + 1, cfg.run.iterations + 1):
-            t0 = time.perf_counter()
-            self._check_critic()
-            self.feeder.feed(it, self.learner.version)
-            self.state = "waiting"
-            batch = self.intake.collect(self.learner.version, self.stop_event)
-            if batch is None:
-                stopped, it = True, it - 1
-                break
-            t1 = time.perf_counter()
-            self.state = "training"
-            rollout = Rollout.from_groups([g for _, g in batch])
-            staleness = [self.learner.version - v for v in rollout.versions]
-            metrics = self.learner.step(rollout, self.critic)
-            self.learner.version = self.store.next_version()
-            t2 = time.perf_counter()
-            self.state = "pushing"
-            metrics.update(self.broadcaster.push(self.learner.version, self.address))
-            self.iteration = it
-            self.intake.trained(batch)
-            metrics.update({"time/wait_s": t1 - t0, "time/train_s": t2 - t1,
-                            "rollout/tokens": sum(len(r) for r in rollout.response_ids),
-                            "rollout/tokens_per_s": self.intake.tokens_per_s(),
-                            "replay/staleness_mean": sum(staleness) / len(staleness),
-                            "replay/backlog": self._quietly(self.store.backlog, -1),
-                            "replay/dropped_stale": self.intake.counters["dropped_stale"],
-                            "replay/duplicates": self.intake.counters["duplicates"], "data/epoch": self.feeder.epoch,
-                            "policy/version": self.learner.version})
-            self.watch.train(metrics.get("reward/score_mean", float("nan")))
-            tick = schedule.at(it)
-            if tick.evaluate:
-                t3 = time.perf_counter()
-                metrics.update(self._evaluate(eval_params))
-                metrics["time/eval_s"] = time.perf_counter() - t3
-                metrics.update(self._watched(it, metrics))
-                self.last["eval"] = metrics["eval/reward_mean"]
-            self.last["reward"] = metrics.get("reward/score_mean", float("nan"))
-            metrics["time/iteration_s"] = time.perf_counter() - t0
-            self.metrics.observe(self, metrics)
-            if tick.checkpoint:
-                self.state = "checkpointing"
-                self.save_checkpoint()
-            runlog.log_iteration(it, metrics)
-            if tick.out_of_time:
-                log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
-                break
-            if self.stop_event.is_set():
-                stopped = True
-                break
+        it, stopped = self.iterate(Schedule(cfg.run, self.t_start), start_it)
         if self.intake.uncommitted or stopped:
             self.state = "checkpointing"
             self.save_checkpoint()
@@ -335,22 +329,22 @@ class LearnerService:
             log.info("stopped at iteration %d; `rlhf serve learner` (or `rlhf up`) with this run "
                      "directory resumes from the checkpoint", self.iteration)
             return {"stopped_at": self.iteration}
-        self.learner.save_policy(self.run_dir / "final", self.tokenizer)
-        if self.critic is not None:
-            self.critic.save("final_critic")  # relative to the run directory, the critic server's root
-        self.state = "done"
-        return runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=it,
-                             wall_s=time.time() - runlog.t0, resumed_from=self.resumed_from,
-                             policy_version=self.learner.version, **self.counters)
+        # the critic's is relative to the run directory, the critic server's root
+        return self.finish(it, time.time() - self.runlog.t0, "final_critic", resumed_from=self.resumed_from,
+                           policy_version=self.learner.version, **self.counters)
 
-    def _watched(self, iteration: int, evaluated: dict) -> dict:
-        """The reward-hacking watch's verdict on an evaluation (a warning at its onset, the gauge);
-        what it adds to the metrics row."""
-        verdict, row = judge(self.watch, iteration, evaluated, log.warning)
-        self.metrics.suspected(verdict.suspected)
-        return row
+    # ------------------------------------------------------------------ the loop's hooks
+    def judged(self, verdict: Verdict) -> None:
+        self.metrics.suspected(verdict.suspected)  # the gauge
 
-    def _evaluate(self, params: SamplingParams) -> dict:
+    def observe(self, metrics: dict) -> None:
+        self.metrics.observe(self, metrics)
+
+    def checkpoint(self, iteration: int, tick: Tick) -> None:
+        self.state = "checkpointing"
+        self.save_checkpoint()
+
+    def evaluate(self) -> dict:
         """Held-out eval through a generation server that serves the current version; one that
         fails is skipped for a while and another (or the same, restarted) one is used."""
         state, self.state = self.state, "evaluating"
@@ -359,7 +353,7 @@ class LearnerService:
             target = self.broadcaster.serving(self.learner.version, self.cfg.rpc.dependency_wait_s, self.stop_event,
                                               avoid=skip)
             try:
-                out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, params)
+                out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, self.eval_params)
                 break
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -51,7 +51,7 @@ from ..common.replay import ReplayStore
 from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
-from ..common.sampling import sample_groups
+from .step import sample_groups
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient

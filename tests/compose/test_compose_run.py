@@ -7,7 +7,8 @@ docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` b
   service the learner depends on is healthy before the learner starts, and `down -v` leaves no
   container, network or volume behind.
 - "resilient": the reward service calls a user's reward API (its own container, OpenRLHF
-  protocol, the key of RLHF_REWARD_API_KEY required); the learner's process is killed (a crash: Docker's restart policy brings it back),
+  protocol, the key of RLHF_REWARD_API_KEY required); the learner's process is killed (a crash:
+  Docker's restart policy brings it back),
   then its container is `docker kill`ed (a manual stop, which Docker leaves stopped: `up -d`
   brings it back), then the whole system goes `down` and `up` again (keeping its volumes); the
   run resumes from its checkpoints each time, finishes, and its ledger shows every prompt of the
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.data import reverse_task
+from services.training.data import reverse_task
 from tests.compose.support import CPU_FILES, ROOT, Project, docker, require_docker
 
 pytestmark = pytest.mark.docker
@@ -185,7 +186,8 @@ def resilient(tmp_path_factory):
         stats_after = _stats(project)
         rows = [json.loads(x) for x in project.read("/runs/run/metrics.jsonl").splitlines() if x.strip()]
         out = {"rows": rows, "code": code, "killed_at": killed_at, "resumed_from": resumed["resumed_from"],
-               "pulled": (int(pulled.group(1)), pulled.group(2)), "after_docker_kill": after_kill, "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
+               "pulled": (int(pulled.group(1)), pulled.group(2)), "after_docker_kill": after_kill,
+               "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
                "stopped_at": stopped_at, "resumed_again_from": resumed_again["resumed_from"],
                "summary": json.loads(project.read("/runs/run/summary.json")),
                "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],

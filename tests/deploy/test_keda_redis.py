@@ -151,7 +151,7 @@ class Keda:
 def setup(objs, redis7, tmp_path):
     """(store, feeder, worker config, Keda reader) on a fresh replay namespace of the Redis above,
     with the configs the rendered learner and rollout containers resolve."""
-    from services.common.data import load_prompts
+    from services.training.data import load_prompts
     from services.common.replay.store import ReplayStore
     from services.learner.feeder import PromptFeeder
 

@@ -35,7 +35,7 @@ REWARDS = [7.0, 5.0]  # len(prompt + response): what FaultAPI answers
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny model untrained (a second): the reward server only reads its tokenizer."""
-    from services.common.tiny import init_tiny_model
+    from services.cli.tiny import init_tiny_model
     return str(init_tiny_model(tmp_path_factory.mktemp("reward-model"), warm_start_steps=0, seed=0))
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from services.common.config import config_from_dict
-from services.common.data import reverse_task
+from services.training.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import group_from_proto, make_task
 from services.common.replay.store import WORKERS_GROUP
@@ -36,7 +36,7 @@ REWARD = {"http_timeout_s": 0.5, "http_retries": 1, "http_backoff_s": 0.01, "htt
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from services.common.tiny import init_tiny_model
+    from services.cli.tiny import init_tiny_model
     return str(init_tiny_model(tmp_path_factory.mktemp("rollout-model"), warm_start_steps=0, seed=0))
 
 

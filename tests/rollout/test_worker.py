@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from services.common.config import config_from_dict
-from services.common.data import reverse_task
+from services.training.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import make_task
 from services.common.replay.store import WORKERS_GROUP
@@ -29,7 +29,7 @@ _ns = itertools.count()
 def model_dir(tmp_path_factory):
     """The tiny policy without its SFT warm start (a second, not a minute): what the worker does
     with a server does not depend on how good the samples are."""
-    from services.common.tiny import init_tiny_model
+    from services.cli.tiny import init_tiny_model
     return str(init_tiny_model(tmp_path_factory.mktemp("rollout-model"), warm_start_steps=0, seed=0))
 
 
@@ -340,7 +340,7 @@ def test_server_that_missed_a_push_is_avoided_by_its_answer(make_cfg):
         assert store.prompt_backlog() == 0 and store.read_dead() == []
 
 
-# ---------------------------------------------------------------------------------------------- where a failure comes from
+# ------------------------------------------------------------------------------ where a failure comes from
 def test_a_request_the_server_refuses_as_a_whole_dead_letters_nothing(make_cfg):
     """The worker asks for more new tokens than the server's response_length: that is the
     request (a config mismatch), not any prompt; the prompts stay pending for a server that fits."""

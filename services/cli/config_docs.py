@@ -1,8 +1,8 @@
 """The configuration described for people: every key with its default, options and meaning
 (`rlhf config describe`), and the README's configuration table generated from it.
 
-    python -m services.common.config_docs            print the table
-    python -m services.common.config_docs --readme   rewrite README.md's table
+    python -m services.cli.config_docs            print the table
+    python -m services.cli.config_docs --readme   rewrite README.md's table
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
-from .config import Config
+from ..common.config import Config
 
 
 def describe_config(fmt: str = "markdown") -> str:
@@ -95,7 +95,7 @@ def readme_with_config_table(text: str) -> str:
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m services.common.config_docs",
+    parser = argparse.ArgumentParser(prog="python -m services.cli.config_docs",
                                      description="print every configuration key, or rewrite README.md's table")
     parser.add_argument("--readme", action="store_true", help=f"rewrite the configuration table in {README}")
     if parser.parse_args().readme:

@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from .types import PromptRecord
+from ..common.types import PromptRecord
 
 ALPHABET = "abcdefgh"
 MIN_LEN, MAX_LEN = 3, 5
@@ -321,3 +321,15 @@ def sft_examples(tokenizer, records: list[PromptRecord]) -> list[tuple[list[int]
         a = tokenizer(r.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append((p, a))
     return out
+
+
+def data_source_errors(cfg) -> list[str]:
+    """Data sources that cannot be read here (a missing file or dataset directory, an unknown
+    synthetic task). Checked by the commands that read the data (`config validate`, `train`,
+    `up`, `serve learner`), not by every service: a generation server needs no prompt files."""
+    errors = []
+    for key in ("train", "eval"):
+        problem = source_problem(getattr(cfg.data, key))
+        if problem:
+            errors.append(f"data.{key}: {problem}")
+    return errors

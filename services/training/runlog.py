@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import dump_config
+from ..common.config import dump_config
 from .tracking import open_sinks, scalars
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from services.common.config import config_from_dict
-from services.common.data import arithmetic_task, gsm8k_label, load_prompts, render_prompt, source_problem
-from services.common.tiny import build_tokenizer
+from services.training.data import arithmetic_task, gsm8k_label, load_prompts, render_prompt, source_problem
+from services.cli.tiny import build_tokenizer
 
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many in all?"
 

@@ -4,12 +4,12 @@ from typing import Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from services.common import config_docs
+from services.cli import config_docs
 from services.common.config import Config
-from services.common.config_docs import TABLE_END, TABLE_START, describe_config, readme_with_config_table
+from services.cli.config_docs import TABLE_END, TABLE_START, describe_config, readme_with_config_table
 
 ROOT = Path(__file__).resolve().parents[2]
-REGENERATE = "run `.venv/bin/python -m services.common.config_docs --readme` to regenerate it"
+REGENERATE = "run `.venv/bin/python -m services.cli.config_docs --readme` to regenerate it"
 
 
 def _models(model: type[BaseModel]) -> list[type[BaseModel]]:
@@ -47,7 +47,8 @@ def test_every_config_field_has_a_description():
     models = _models(Config)
     names = {m.__name__ for m in models}
     assert {"ModelConfig", "LoraConfig", "RuleSpec", "RewardEndpoint", "LearnerEndpoint", "RPCConfig"} <= names
-    missing = [f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items() if not (f.description or "").strip()]
+    missing = [f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items()
+               if not (f.description or "").strip()]
     assert not missing, f"fields without a description: {missing}"
 
 
@@ -95,7 +96,8 @@ def test_text_format_is_an_aligned_table():
 
 def test_readme_table_is_the_generated_one():
     text = (ROOT / "README.md").read_text()
-    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1, f"README.md lacks the table markers; {REGENERATE}"
+    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1, \
+        f"README.md lacks the table markers; {REGENERATE}"
     block = text.split(TABLE_START)[1].split(TABLE_END)[0]
     assert block == "\n" + describe_config("markdown"), f"README.md's configuration table is out of date; {REGENERATE}"
     assert config_docs.README == ROOT / "README.md"

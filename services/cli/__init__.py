@@ -19,8 +19,9 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
-from .common.config import ConfigError, data_source_errors, dump_config, load_config
-from .common.tracking import tracking_errors
+from ..common.config import ConfigError, dump_config, load_config
+from ..training.data import data_source_errors
+from ..training.tracking import tracking_errors
 
 EXIT_CONFIG = 2
 # what a user's machine or config causes (a port in use, an unwritable directory, a missing model
@@ -143,7 +144,7 @@ def cmd_config_validate(args) -> int:
 
 def cmd_init_model(args) -> int:
     if args.from_gguf:
-        from .common.gguf_import import import_gguf
+        from .gguf_import import import_gguf
         try:
             import_gguf(args.from_gguf, args.out)
         except FileNotFoundError as e:
@@ -152,7 +153,7 @@ def cmd_init_model(args) -> int:
             return _error(f"cannot write the model to {args.out}: {e.strerror or e}")
         print(f"{args.from_gguf} written to {args.out} as a Hugging Face model directory")
         return 0
-    from .common.tiny import init_tiny_model
+    from .tiny import init_tiny_model
     try:
         init_tiny_model(args.out, warm_start_steps=args.warm_start_steps, seed=args.seed)
     except OSError as e:
@@ -164,7 +165,7 @@ def cmd_init_model(args) -> int:
 def cmd_redis(args) -> int:
     """redis-server in the foreground with the replay buffer's settings (AOF on, the password from
     $RLHF_REDIS_PASSWORD, the config file readable by its owner only): Compose's Redis."""
-    from .common.replay.embedded import EmbeddedRedis
+    from ..common.replay.embedded import EmbeddedRedis
     password = os.environ.get("RLHF_REDIS_PASSWORD") or None
     if password is None and args.host not in LOOPBACK:
         return _error(f"rlhf redis: set RLHF_REDIS_PASSWORD before listening on {args.host}")
@@ -177,7 +178,7 @@ def cmd_redis(args) -> int:
 
 
 def cmd_config_describe(args) -> int:
-    from .common.config_docs import describe_config
+    from .config_docs import describe_config
     sys.stdout.write(describe_config("markdown" if args.markdown else "text"))
     return 0
 
@@ -193,7 +194,7 @@ def cmd_train(args) -> int:
     problem = _run_dir_problem(cfg.run.run_dir)
     if problem:
         return _error(problem)
-    from .local import run_local
+    from ..local import run_local
     try:
         run_local(cfg, cfg.run.run_dir)
     except USER_ERRORS as e:
@@ -260,7 +261,7 @@ def _serve_problem(cfg, args) -> str | None:
 def _service(cfg, args):
     """The `serve(cfg)` handle of the service `args.service` names, with the CLI's overrides."""
     if args.service == "rollout":
-        from .rollout.worker import serve
+        from ..rollout.worker import serve
         return serve(cfg, name=args.name, metrics_port=_port(args.metrics_port, cfg.rollout.metrics_port),
                      host=args.host)
     ep = getattr(cfg.rpc, args.service)
@@ -269,13 +270,13 @@ def _service(cfg, args):
     ep.metrics_port = _port(args.metrics_port, ep.metrics_port)
     if args.service in ("reward", "learner"):
         ep.http_port = _port(args.http_port, ep.http_port)
-    module = import_module(f".{args.service}.server", __package__)
+    module = import_module(f"..{args.service}.server", __package__)
     return module.serve(cfg)
 
 
 def cmd_serve(args) -> int:
     """Run one service in the foreground until SIGTERM/SIGINT (graceful shutdown)."""
-    from .common.lifecycle import run_service
+    from ..common.lifecycle import run_service
     cfg = _load(args, data=args.service == "learner")
     if args.run_dir:
         cfg.run.run_dir = args.run_dir
@@ -285,9 +286,9 @@ def cmd_serve(args) -> int:
     if sharded is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sharded.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
-        from .common.distributed import ignore_stop_signals
+        from ..common.distributed import ignore_stop_signals
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
-        return import_module(f".{args.service}.{'service' if args.service == 'learner' else 'server'}",
+        return import_module(f"..{args.service}.{'service' if args.service == 'learner' else 'server'}",
                              __package__).follower_main(cfg)
     problem = _serve_problem(cfg, args)
     if args.nproc is not None and sharded is None:
@@ -297,10 +298,10 @@ def cmd_serve(args) -> int:
     if problem:
         return _error(problem)
     if sharded is not None and sharded.nproc > 1:
-        from .common.distributed import start_followers
+        from ..common.distributed import start_followers
         start_followers(sharded.nproc, args.argv)
     if args.service == "generation" and os.environ.get("RLHF_GPU_SLOTS_DIR"):
-        from .generation.gpu_slot import claim_gpu
+        from ..generation.gpu_slot import claim_gpu
         try:
             claim_gpu(os.environ["RLHF_GPU_SLOTS_DIR"])
         except (OSError, RuntimeError) as e:
@@ -316,7 +317,7 @@ def cmd_up(args) -> int:
     problem = _run_dir_problem(args.run_dir or cfg.run.run_dir)
     if problem:
         return _error(problem)
-    from .launcher import run_up
+    from ..launcher import run_up
     try:
         return run_up(cfg, args)
     except USER_ERRORS as e:
@@ -398,6 +399,3 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return int(args.func(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

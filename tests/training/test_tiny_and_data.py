@@ -1,4 +1,4 @@
-from services.common.data import EpochSampler, load_prompts, reverse_task
+from services.training.data import EpochSampler, load_prompts, reverse_task
 from services.common.modeling import load_tokenizer
 
 
@@ -21,7 +21,8 @@ def test_train_and_held_out_prompts_are_disjoint():
 def test_jsonl_prompts_with_messages_and_labels(tiny_model_dir, tmp_path):
     tok = load_tokenizer(tiny_model_dir)
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "abc=", "label": "cba"}\n\n{"messages": [{"role": "user", "content": "x"}], "solution": 4}\n')
+    f.write_text('{"prompt": "abc=", "label": "cba"}\n\n'
+                 '{"messages": [{"role": "user", "content": "x"}], "solution": 4}\n')
     recs = load_prompts(str(f), "train", tok)
     assert [r.prompt for r in recs] == ["abc=", "user: x\nassistant: "] and [r.label for r in recs] == ["cba", "4"]
 

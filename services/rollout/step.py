@@ -1,5 +1,6 @@
 """One rollout step, shared by the in-process trainer and the rollout workers: sample a group of
-responses per prompt, score them and value them (GAE); and the held-out eval the learner runs.
+responses per prompt, score them and value them (GAE). (The held-out eval is
+`services.training.evaluate`.)
 
 `backend`, `scorer` and `critic` are the domain objects in-process and gRPC clients in a worker
 or the learner; both satisfy the same interfaces (`GenerationBackend.generate`, `Scorer.score`,
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from .modeling import build_token_batch
-from .types import PromptRecord, RewardSample, SampleGroup, SamplingParams
+from ..common.modeling import build_token_batch
+from ..common.types import PromptRecord, RewardSample, SampleGroup, SamplingParams
 
 
 def sample_groups(records: list[PromptRecord], uids: list[str], backend, scorer, tokenizer, params: SamplingParams,
@@ -53,15 +54,3 @@ def sample_groups(records: list[PromptRecord], uids: list[str], backend, scorer,
                **{f"reward/{name}": v for name, v in comp_means.items()}}
     return groups, metrics
 
-
-def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams) -> dict:
-    """Held-out reward: `params.n` = 1 sample per prompt (greedy at eval_temperature 0), scored."""
-    prompt_ids = [tokenizer(r.prompt)["input_ids"] for r in records]
-    gen = backend.generate(prompt_ids, params)
-    samples = [RewardSample(r.prompt, tokenizer.decode(c[0].token_ids, skip_special_tokens=True), r.label,
-                            r.metadata) for r, c in zip(records, gen.completions)]
-    scored = scorer.score(samples)
-    out = {"eval/reward_mean": sum(s.reward for s in scored) / len(scored)}
-    for k in scored[0].components if scored else []:
-        out[f"eval/{k}"] = sum(s.components[k] for s in scored) / len(scored)
-    return out

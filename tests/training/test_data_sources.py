@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import config_from_dict, data_source_errors
-from services.common.data import PromptRecord, drop_overlong, load_prompts
+from services.common.config import config_from_dict
+from services.training.data import data_source_errors
+from services.training.data import PromptRecord, drop_overlong, load_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +84,7 @@ def _records(*prompts):
 
 def test_drop_overlong_filters_with_one_warning(caplog):
     recs = _records("abc", "abcdefgh", "ab", "abcdefghij", "abcdefg", "abcdefghijk")
-    with caplog.at_level(logging.WARNING, logger="services.common.data"):
+    with caplog.at_level(logging.WARNING, logger="services.training.data"):
         kept = drop_overlong(recs, CharTokenizer(), 5, "filter")
     assert [r.id for r in kept] == ["r0", "r2"]
     assert len(caplog.records) == 1

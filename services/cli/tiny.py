@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .data import reverse_task, sft_examples
-from .modeling import ModelCard
+from ..training.data import reverse_task, sft_examples
+from ..common.modeling import ModelCard
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def build_model(vocab_size: int, seed: int = 0):
 def sft_train(model, tokenizer, examples, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
               progress_every: int = 50) -> list[float]:
     """Plain next-token training on the answers (prompt tokens are not targets)."""
-    from .modeling import build_token_batch, response_log_probs
+    from ..common.modeling import build_token_batch, response_log_probs
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.gguf_import import find_gguf, import_gguf, load_gguf
+from services.cli.gguf_import import find_gguf, import_gguf, load_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ while the train reward rises, by at least the threshold across a full window, an
 warns once per onset; its state survives a checkpoint."""
 import pytest
 
-from services.learner.watch import HackingWatch, judge, trend
+from services.training.watch import HackingWatch, judge, trend
 
 
 def _feed(watch, points, per_eval=2):

@@ -1,0 +1,167 @@
+"""The training loop, one for `rlhf train --local` (services/local.py) and the learner service
+(services/learner/service.py). What differs between them is plugged in:
+
+    source.collect(iteration, version)  a batch to train on: sampled and scored in-process, or the
+                                        trajectories rollout workers left in Redis (None: a stop was
+                                        asked while it waited)
+    source.trained(batch, iteration)    the update on it is done and published: its metrics
+    source.wait_metric, source.epoch    what the time to get a batch is called; the data epoch
+    sink.publish(learner)               number the new policy and hand it to whoever samples: the
+                                        in-process backend, or every live generation server
+    evaluate()                          the held-out eval (in-process, or through a generation server)
+
+and the hooks a subclass overrides (the learner service does): `checkpoint`, `observe` (each
+iteration's metrics), `judged` (each verdict of the reward-hacking watch), `state` (the phase).
+
+One iteration: collect, the PPO step (`learner.step`; the critic trains in it), publish, feed the
+reward-hacking watch (watch.py), then on the schedule (schedule.py) the held-out eval and a
+checkpoint, and one row of metrics.jsonl (runlog.py). `begin` evaluates the baseline (row 0),
+`finish` saves `final/` (and the critic's `final_critic`) and writes summary.json.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from ..common.types import Rollout
+from .runlog import RunLog
+from .schedule import Schedule, Tick
+from .watch import HackingWatch, Verdict, judge
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    rollout: Rollout
+    version: int  # the policy version when it was collected
+    metrics: dict = field(default_factory=dict)  # what producing it measured
+    items: Any = None  # the source's own record of it (the learner's trajectory entries)
+
+
+class RolloutSource(Protocol):
+    wait_metric: str  # the metric of the time `collect` took ("time/rollout_s", "time/wait_s")
+
+    @property
+    def epoch(self) -> int: ...  # passes over the training prompts so far (`data/epoch`)
+
+    def collect(self, iteration: int, version: int) -> Batch | None: ...
+
+    def trained(self, batch: Batch, iteration: int) -> dict: ...
+
+
+class WeightSink(Protocol):
+    def publish(self, learner) -> dict: ...  # sets learner.version if the sink numbers versions
+
+
+class TrainingLoop:
+    """The loop's state (iteration, baseline, the last train and eval rewards, the watch) and the
+    loop. `time_eval`: the eval's time is reported (`time/eval_s`) and counted in
+    `time/iteration_s` (the learner service); otherwise `time/iteration_s` ends before the eval."""
+    time_eval = False
+    stop_event = None  # a threading.Event that ends the loop after the iteration it is in
+
+    def __init__(self, cfg, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
+                 evaluate: Callable[[], dict] | None = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.learner, self.critic, self.tokenizer = learner, critic, tokenizer
+        self.source, self.sink = source, sink
+        if evaluate is not None:
+            self.evaluate = evaluate
+        self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
+        self.iteration = 0
+        self.baseline: float | None = None
+        self.last = {"reward": float("nan"), "eval": float("nan")}
+        self.runlog: RunLog | None = None
+
+    # ------------------------------------------------------------------ plug-in points
+    def evaluate(self) -> dict:
+        raise NotImplementedError
+
+    def checkpoint(self, iteration: int, tick: Tick) -> None:
+        """The policy alone, under checkpoints/ (the last one is `final/`)."""
+        if not tick.last:
+            self.learner.save_policy(self.run_dir / "checkpoints" / f"iter_{iteration:06d}", self.tokenizer)
+
+    def observe(self, metrics: dict) -> None:
+        pass
+
+    def judged(self, verdict: Verdict) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the loop
+    def _watched(self, iteration: int, evaluated: dict) -> dict:
+        """The reward-hacking watch's verdict on an evaluation (a warning at its onset); what it
+        adds to the metrics row."""
+        verdict, row = judge(self.watch, iteration, evaluated, log.warning)
+        self.judged(verdict)
+        return row
+
+    def begin(self, runlog: RunLog) -> None:
+        """The baseline eval (row 0 of metrics.jsonl), unless a resumed run has it already."""
+        self.runlog = runlog
+        if self.baseline is None:
+            base = self.evaluate()
+            self.baseline = base["eval/reward_mean"]
+            runlog.log_eval(0, {**base, **self._watched(0, base)})
+        self.last["eval"] = self.baseline
+
+    def iterate(self, schedule: Schedule, start_it: int = 0) -> tuple[int, bool]:
+        """Iterations start_it + 1 .. run.iterations (fewer when out of time or stopped).
+        Returns (the last iteration done, whether a stop ended it)."""
+        cfg, runlog, nan = self.cfg, self.runlog, float("nan")
+        it, stopped = start_it, False
+        for it in range(start_it + 1, cfg.run.iterations + 1):
+            t0 = time.perf_counter()
+            batch = self.source.collect(it, self.learner.version)
+            if batch is None:
+                stopped, it = True, it - 1
+                break
+            t1 = time.perf_counter()
+            self.state = "training"
+            metrics = dict(batch.metrics)
+            metrics.update(self.learner.step(batch.rollout, self.critic))
+            t2 = time.perf_counter()
+            self.state = "pushing"
+            metrics.update(self.sink.publish(self.learner))
+            self.iteration = it
+            metrics.update({self.source.wait_metric: t1 - t0, "time/train_s": t2 - t1})
+            metrics.update(self.source.trained(batch, it))
+            metrics.update({"data/epoch": self.source.epoch, "policy/version": self.learner.version})
+            if not self.time_eval:
+                metrics["time/iteration_s"] = time.perf_counter() - t0
+            self.watch.train(metrics.get("reward/score_mean", nan))
+            tick = schedule.at(it)
+            if tick.evaluate:
+                t3 = time.perf_counter()
+                metrics.update(self.evaluate())
+                if self.time_eval:
+                    metrics["time/eval_s"] = time.perf_counter() - t3
+                metrics.update(self._watched(it, metrics))
+                self.last["eval"] = metrics["eval/reward_mean"]
+            self.last["reward"] = metrics.get("reward/score_mean", nan)
+            if self.time_eval:
+                metrics["time/iteration_s"] = time.perf_counter() - t0
+            self.observe(metrics)
+            if tick.checkpoint:
+                self.checkpoint(it, tick)
+            runlog.log_iteration(it, metrics)
+            if tick.out_of_time:
+                log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
+                break
+            if self.stop_event is not None and self.stop_event.is_set():
+                stopped = True
+                break
+        return it, stopped
+
+    def finish(self, iterations: int, wall_s: float, critic_dir: str | Path, **extra) -> dict:
+        """The final policy (`final/`), the critic's (`critic_dir`), summary.json; the summary."""
+        self.learner.save_policy(self.run_dir / "final", self.tokenizer)
+        if self.critic is not None:
+            self.critic.save(critic_dir)
+        self.state = "done"
+        return self.runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=iterations,
+                                  wall_s=wall_s, **extra)
