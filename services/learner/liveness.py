@@ -15,7 +15,7 @@ the loop legitimately does without a beat:
   which may take two of them (the shared-memory load refused, then the stream) plus the
   snapshot: 3 x rpc.timeout_s leaves a margin;
 - a Redis command, with the client's own retries of a connection that timed out: REDIS_RETRIES
-  x (socket timeout + the longest backoff) (`services.common.replay.store.redis_worst_s`);
+  x (socket timeout + the longest backoff) (`services.common.replay.connection.redis_worst_s`);
 - one micro-batch forward or one optimiser step, a checkpoint written to disk: no configuration
   bounds these, hence the floor of 10 minutes (as long as Kubernetes waits for a start).
 """
@@ -32,7 +32,7 @@ def liveness_bound_s(cfg) -> float:
     max(LIVENESS_FLOOR_S, 3 x rpc.timeout_s, the worst Redis command with its retries)."""
     if cfg.run.liveness_s is not None:
         return float(cfg.run.liveness_s)
-    from ..common.replay.store import redis_worst_s
+    from ..common.replay.connection import redis_worst_s
     return max(LIVENESS_FLOOR_S, 3 * cfg.rpc.timeout_s, redis_worst_s(cfg.replay))
 
 

@@ -194,7 +194,8 @@ class _NoRedis:
 
 @pytest.mark.parametrize("overlay", m.OVERLAYS)
 def test_keda_reads_the_stream_and_group_the_workers_use(overlay, docs, tmp_path):
-    from services.common.replay.store import WORKERS_GROUP, ReplayStore
+    from services.common.replay import ReplayStore
+    from services.common.replay.streams import WORKERS_GROUP
 
     objs = docs[f"{overlay}+keda"]
     rollout = m.one(objs, "Deployment", "rollout")

@@ -185,7 +185,7 @@ def _produce(store, entries):
 
 
 def test_lag_grows_as_prompts_are_fed_and_falls_to_zero_as_workers_consume_them(setup, objs):
-    from services.common.replay.store import WORKERS_GROUP
+    from services.common.replay.streams import WORKERS_GROUP
     store, feeder, cfg, keda = setup
     meta = keda.triggers["prompts-waiting"]
     assert (meta["stream"], meta["consumerGroup"]) == (store.prompts, WORKERS_GROUP)

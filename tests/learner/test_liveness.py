@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from services.common.config import config_from_dict
-from services.common.replay.store import redis_worst_s
+from services.common.replay.connection import redis_worst_s
 from services.common.rpc import health
 from services.generation.server import serve as serve_generation
 from services.learner.liveness import LIVENESS_FLOOR_S, Beating, Heartbeat, liveness_bound_s

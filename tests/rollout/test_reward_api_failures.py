@@ -21,7 +21,7 @@ from services.common.config import config_from_dict
 from services.training.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import group_from_proto, make_task
-from services.common.replay.store import WORKERS_GROUP
+from services.common.replay.streams import WORKERS_GROUP
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker

@@ -14,7 +14,7 @@ from services.common.config import config_from_dict
 from services.training.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import make_task
-from services.common.replay.store import WORKERS_GROUP
+from services.common.replay.streams import WORKERS_GROUP
 from services.common.types import PromptRecord, SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation

@@ -1,2 +1,7 @@
-"""The Redis replay buffer shared by the learner, rollout workers and generation servers."""
-from .store import ReplayStore, connect  # noqa: F401
+"""The Redis replay buffer shared by the learner, rollout workers and generation servers: its
+streams, the registry of live services and the version fence (store.py says which is where)."""
+from .connection import connect  # noqa: F401
+from .fence import VersionFence  # noqa: F401
+from .registry import Registry  # noqa: F401
+from .store import ReplayStore  # noqa: F401
+from .streams import ReplayStreams  # noqa: F401

@@ -12,7 +12,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.common.config import config_from_dict
-from services.common.replay import ReplayStore, store as store_mod
+from services.common.replay import ReplayStore, connection as store_mod
 
 
 @pytest.fixture
