@@ -6,7 +6,15 @@ also those inside functions):
   import no service internals;
 - no module imports another module's privates (`from x import _name`);
 - no import cycles between modules;
-- the data contracts (`services.common.types`) and the gRPC plumbing load without torch."""
+- the data contracts (`services.common.types`) and the gRPC plumbing load without torch;
+- `services.training` (the training loop and what it needs) imports only `services.common`;
+- `services.common` holds only what is shared: each of its top-level parts (a module, or a
+  sub-package taken whole: `replay/`, `rpc/`) is used by 3 or more packages. A *package* here is
+  a top-level package under services/ other than `common` (generation, reward, critic, learner,
+  rollout, ppo, training, weights, cli, ...) or a composition root module (`launcher`, `local`);
+  it *uses* a part when one of its modules imports a module of the part, directly or through
+  other `common` modules (`config_sections` is used by whoever imports `config`). The
+  exceptions, `SHARED_BY_CONTRACT`, say why."""
 import ast
 import subprocess
 import sys
@@ -17,6 +25,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("generation", "reward", "critic", "learner", "rollout")
 ROOTS = ("services.cli", "services.launcher", "services.local")  # composition roots: wire everything
+# common parts shared through the objects every service is handed rather than through imports
+SHARED_BY_CONTRACT = {
+    "config": "every service is built from a Config (`serve(cfg)`) and reads its sections; the roots load it",
+    "config_sections": "the sections of that Config (config.py re-exports them)",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -68,7 +81,7 @@ def test_the_graph_sees_the_project():
 
 def test_common_and_ppo_import_no_service():
     bad = [(m, d) for m, deps in GRAPH.items() if m.startswith(("services.common", "services.ppo"))
-           for d in deps if _service_of(d) or d in ROOTS]
+           for d in deps if _service_of(d) or d.startswith(ROOTS)]
     assert not bad, bad
     assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("services.ppo")
                 for d in deps if not d.startswith("services.ppo")]
@@ -135,3 +148,54 @@ def test_contracts_and_rpc_plumbing_load_without_torch():
             "services.common.lifecycle; assert 'torch' not in sys.modules, 'torch was imported'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_training_imports_only_common():
+    bad = [(m, d) for m, deps in GRAPH.items() if m.startswith("services.training.") or m == "services.training"
+           for d in deps if not d.startswith(("services.common", "services.training"))]
+    assert not bad, bad
+
+
+def _package_of(mod: str) -> str:
+    """The importing package a module belongs to: services.<top>... -> <top>."""
+    return mod.split(".")[1]
+
+
+def _common_part(mod: str) -> str | None:
+    """services.common.replay.store -> replay; services.common.config -> config; None outside."""
+    parts = mod.split(".")
+    return parts[2] if parts[:2] == ["services", "common"] and len(parts) > 2 else None
+
+
+def common_users() -> dict[str, set[str]]:
+    """common part -> the packages that use it (see the module docstring)."""
+    importers: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        for d in deps:
+            importers.setdefault(d, set()).add(m)
+
+    def users(mod: str, seen: set[str]) -> set[str]:
+        out = set()
+        for m in importers.get(mod, ()):
+            if m.startswith("services.common."):
+                if m not in seen:
+                    seen.add(m)
+                    out |= users(m, seen)
+            elif m.startswith("services."):
+                out.add(_package_of(m))
+        return out
+
+    out: dict[str, set[str]] = {}
+    for mod in GRAPH:
+        part = _common_part(mod)
+        if part is not None and not mod.endswith(".build_protos"):  # a build script, run by hand
+            out.setdefault(part, set()).update(users(mod, {mod}))
+    return out
+
+
+def test_common_holds_only_what_three_packages_use():
+    used = common_users()
+    assert {"types", "replay", "rpc", "config"} <= set(used)
+    few = {part: sorted(pkgs) for part, pkgs in used.items() if len(pkgs) < 3 and part not in SHARED_BY_CONTRACT}
+    assert not few, f"common parts used by fewer than 3 packages (give them an owner): {few}"
+    assert all(used[part] for part in SHARED_BY_CONTRACT), "a part shared by contract that no package imports"
