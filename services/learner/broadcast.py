@@ -27,13 +27,19 @@ from ..weights.publisher import Publisher
 log = logging.getLogger(__name__)
 
 
+def _nothing() -> None:
+    pass
+
+
 class WeightBroadcaster:
+    on_progress = staticmethod(_nothing)  # each server's push answered, each tick of a wait (the learner's heartbeat)
+
     def __init__(self, cfg, store, learner):
         self.cfg, self.store, self.learner = cfg, store, learner
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
         self._clients: dict[str, GenerationClient] = {}
-        self.publisher = Publisher(cfg, self.client, self._registered)
+        self.publisher = Publisher(cfg, self.client, self._registered, on_progress=lambda: self.on_progress())
 
     @property
     def identity(self) -> tuple[str, int]:
@@ -43,15 +49,6 @@ class WeightBroadcaster:
     @identity.setter
     def identity(self, value: tuple[str, int]) -> None:
         self.publisher.identity = value
-
-    @property
-    def on_progress(self):
-        """Runs as each server's push is answered, and each tick of a wait (the learner's heartbeat)."""
-        return self.publisher.on_progress
-
-    @on_progress.setter
-    def on_progress(self, fn) -> None:
-        self.publisher.on_progress = fn
 
     @property
     def shm(self):

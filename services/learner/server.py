@@ -10,21 +10,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ..common.lifecycle import Service
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
-from ..weights.protocol import chunk_bytes
+from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import weight_chunks
 from .service import LearnerService
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, service, chunk_bytes: int = CHUNK_BYTES):
+        self.service, self.chunk_bytes = service, chunk_bytes  # PullWeights' pieces
 
     def PullWeights(self, request, context):
         version, state = self.service.broadcaster.snapshot
         if not state or request.have_version >= version:
             return
-        yield from weight_chunks(state, version, chunk_bytes(self.service.cfg.rpc.max_message_mb),
-                                 run_id=self.service.run_id, epoch=self.service.epoch)
+        yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.service.run_id,
+                                 epoch=self.service.epoch)
 
     def Status(self, request, context):
         s = self.service.status()
@@ -91,7 +91,8 @@ class LearnerProcess(Service):
         self.service = LearnerService(cfg, self.run_dir, registry=self.server.metrics.registry)
         self.service.address = advertised_address(cfg.rpc, ep.host, self.server.port)
         self.server.set_liveness(self.service.liveness)  # gRPC health "" says what /healthz says
-        learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self.service), self.server.grpc)
+        learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(
+            self.service, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc)
         self.server.start()
         hp = ep.http_port if self._http_port == -1 else self._http_port
         if hp is not None:

@@ -156,10 +156,10 @@ class Publisher:
     """Delivers versions: `via(info)` says which transport reaches a server, `deliver` sends a
     version to every planned server at once. `identity` (run id, epoch) is the fence every
     version carries; `on_progress` runs as each server answers (the learner's heartbeat)."""
-    on_progress = staticmethod(_nothing)
 
-    def __init__(self, cfg, client: Callable, registered: Callable[[str, dict, int, str], None]):
-        self.cfg, self.client, self.registered = cfg, client, registered
+    def __init__(self, cfg, client: Callable, registered: Callable[[str, dict, int, str], None],
+                 on_progress: Callable[[], None] = _nothing):
+        self.cfg, self.client, self.registered, self.on_progress = cfg, client, registered, on_progress
         self.identity: tuple[str, int] = ("", 0)
         self.stream = StreamTransport(self)
         self.shared = SharedMemoryTransport(self)
