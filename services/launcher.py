@@ -54,7 +54,8 @@ class Child:
         env = {**self.env, **os.environ, "PYTHONUNBUFFERED": "1"}
         nice = self.nice
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)  # Ctrl-C reaches us only; we stop children in order
+                                     # Ctrl-C reaches us only; we stop the children in order
+                                     start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
         threading.Thread(target=self._pump, args=(self.proc, self.listening), daemon=True).start()
         return self
 
@@ -212,7 +213,8 @@ class Launcher:
     def _start_redis(self) -> None:
         from .common.replay.embedded import EmbeddedRedis
         port = self.redis.port if self.redis is not None else None
-        self.redis = EmbeddedRedis(self.run_dir / "redis", port=port, password=self.env.get(self.cfg.replay.password_env),
+        self.redis = EmbeddedRedis(self.run_dir / "redis", port=port,
+                                   password=self.env.get(self.cfg.replay.password_env),
                                    appendfsync=self.cfg.replay.appendfsync).start()
         self.url = self.redis.public_url
 

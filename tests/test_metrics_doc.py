@@ -8,7 +8,6 @@ API exports exactly the table's "always" metrics."""
 import json
 import re
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 

@@ -181,18 +181,18 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
         if len(prompts) != n or len(labels) != n:
             raise HTTPException(422, f"query, prompts and labels must have one entry per sample ({n})")
         samples = []
-        for i, (q, p, l) in enumerate(zip(req.query, prompts, labels)):
+        for i, (q, p, lab) in enumerate(zip(req.query, prompts, labels)):
             if len(q) > 2 * max_text_chars:
                 raise HTTPException(422, f"query[{i}]: {len(q)} characters, more than a prompt and a response "
                                          f"of reward.max_text_chars={max_text_chars} each")
             q, p = _strip_runs(_strip_runs(q, tokens, True), tokens, False), _strip_runs(p, tokens, True)
             response = q[len(p):] if p and q.startswith(p) else q
             try:
-                _check_lengths({f"prompts[{i}]": p, f"labels[{i}]": l, f"query[{i}]'s response": response},
+                _check_lengths({f"prompts[{i}]": p, f"labels[{i}]": lab, f"query[{i}]'s response": response},
                                max_text_chars)
             except BadRequest as e:
                 raise HTTPException(422, str(e)) from None
-            samples.append(RewardSample(p, response, l))
+            samples.append(RewardSample(p, response, lab))
         try:
             results = scorer.score(samples)
         except ValueError as e:

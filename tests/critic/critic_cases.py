@@ -19,5 +19,6 @@ def steps(n: int = 7, vocab: int = 32) -> list:
                      for _ in range(n)]
         batch = build_token_batch(prompts, responses, 0)
         mask = batch.response_mask.float()
-        out.append((batch, torch.randn(mask.shape, generator=g) * mask, 0.1 * torch.randn(mask.shape, generator=g) * mask))
+        out.append((batch, torch.randn(mask.shape, generator=g) * mask,
+                    0.1 * torch.randn(mask.shape, generator=g) * mask))
     return out

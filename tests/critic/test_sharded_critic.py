@@ -22,7 +22,8 @@ def _one_process(model_dir: str, out: Path) -> tuple[Critic, dict]:
     torch.manual_seed(0)
     critic = Critic(model_dir, **critic_kwargs())
     (b1, r1, v1), (b2, r2, v2), (b3, r3, v3) = steps()
-    results = {"values": critic.values(b1), "values_one_row": critic.values(b1.select([2])), "train": [critic.train_step(b1, r1, v1), critic.train_step(b2, r2, v2)]}
+    results = {"values": critic.values(b1), "values_one_row": critic.values(b1.select([2])),
+               "train": [critic.train_step(b1, r1, v1), critic.train_step(b2, r2, v2)]}
     critic.save(out / "ckpt")
     results["third"] = critic.train_step(b3, r3, v3)
     results["values_third"] = critic.values(b1)

@@ -168,7 +168,8 @@ class Fuzz:
         n = rng.choice([expected, expected, expected + 1, expected - 1, 0, rng.randint(0, 64)])
         n = n if 0 <= n <= 1 << 16 else rng.randint(0, 64)
         if dtype.startswith("float") and rng.random() < 0.5 and n % 4 == 0:  # non-finite values on purpose
-            data = struct.pack(f"<{n // 4}f", *[rng.choice([math.nan, math.inf, -math.inf, 1.0]) for _ in range(n // 4)])
+            data = struct.pack(f"<{n // 4}f",
+                               *[rng.choice([math.nan, math.inf, -math.inf, 1.0]) for _ in range(n // 4)])
         else:
             data = rng.randbytes(n)
         return self.pb["common"].Tensor(dtype=dtype, shape=shape, data=data)
@@ -221,8 +222,9 @@ class Fuzz:
         for name, a in arrays.items():
             if rng.random() < 0.03:
                 continue  # missing
-            getattr(msg, name).CopyFrom(self.raw_tensor(np.ascontiguousarray(a), dtypes.get(name)) if rng.random() > 0.05
-                                        else self.tensor())
+            tensor = (self.raw_tensor(np.ascontiguousarray(a), dtypes.get(name)) if rng.random() > 0.05
+                      else self.tensor())
+            getattr(msg, name).CopyFrom(tensor)
         if rng.random() < 0.15:
             msg.prompt_width = rng.choice([0, -1, P - 1, P + 1, ids.shape[1], 2**31 - 1, -2**31])
         return msg
@@ -494,8 +496,8 @@ class Fuzz:
                 elif kind == "text":
                     prompts.append(gpb.Prompt(text=self.short_text()))
                 else:
-                    prompts.append(gpb.Prompt(chat=gpb.Chat(messages=[gpb.ChatMessage(role="user", content=self.short_text(
-                        1, 4))])))
+                    message = gpb.ChatMessage(role="user", content=self.short_text(1, 4))
+                    prompts.append(gpb.Prompt(chat=gpb.Chat(messages=[message])))
             params = gpb.SamplingParams(n=rng.randint(1, 4), max_new_tokens=rng.randint(1, self.response_len),
                                         top_k=rng.choice([0, 0, 5]))
             for field, values in (("temperature", [0.0, 0.7, 1.0]), ("top_p", [0.5, 0.9, 1.0]), ("seed", [1, 2**40])):

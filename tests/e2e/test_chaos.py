@@ -64,7 +64,8 @@ def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, m
     log = root / "up.log"
     with log.open("w") as f:
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
-                               "--workers", "1", "--generation-servers", str(gen_servers), "--max-restarts", str(max_restarts)],
+                               "--workers", "1", "--generation-servers", str(gen_servers),
+                               "--max-restarts", str(max_restarts)],
                               stdout=f, stderr=subprocess.STDOUT)
     return up, run_dir, log, records
 

@@ -4,7 +4,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from services.common.config import load_config
 from services.local import run_local
@@ -45,7 +44,8 @@ def test_run_directory_contents(tiny_model_dir, tmp_path):
     assert saved["iterations"] == 4 and saved["final_eval_reward"] == rows[-1]["eval/reward_mean"]
     png = (tmp_path / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "final_critic" / "value_head.safetensors").exists()
+    assert (tmp_path / "final" / "config.json").exists()
+    assert (tmp_path / "final_critic" / "value_head.safetensors").exists()
 
 
 @pytest.mark.parametrize("overrides", [

@@ -47,7 +47,6 @@ def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_mo
     learner.step(ro)
     assert learner.version == 1
     prompts = [backend.tokenizer("abcd=")["input_ids"]]
-    before = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).completions[0][0]
     backend.update_weights(learner.policy_state_dict(), learner.version)
     after = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
     assert after.policy_version == 1

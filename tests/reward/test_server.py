@@ -148,7 +148,8 @@ def test_reward_server_speaks_openrlhf_http(reward_server):
     rewards = r.json()["rewards"]
     assert rewards[0] == pytest.approx(1.5 + 0.7) and rewards[1] == pytest.approx(0.5 * 0.0 + 0.5)
     assert httpx.post(f"{url}/score", json=body).status_code == 401
-    assert httpx.post(f"{url}/score", json={"query": []}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
+    assert httpx.post(f"{url}/score", json={"query": []},
+                      headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
     # our own http scorer can use our own reward server as its external API
     own = HTTPScorer(f"{url}/score", headers={"Authorization": f"Bearer {TOKEN}"})
     assert [x.reward for x in own.score([RewardSample("abc=", "cba", "cba")])] == pytest.approx([2.2])

@@ -138,7 +138,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler  # health stays open for probes (kubelet sends no token)
         method = details.method.rsplit("/", 1)[-1]
-        authorized = self.token is None or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}"
+        authorized = (self.token is None
+                      or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}")
 
         def wrap_unary(fn, decode):
             def inner(request_or_iterator, context):
@@ -337,7 +338,8 @@ def client_channel(address: str, rpc_cfg) -> grpc.Channel:
     # gRPC's default reconnect backoff (which grows to 120 s); the callers' own retries pace the calls
     reconnect_ms = int(min(rpc_cfg.retry_max_backoff_s, 2.0) * 1000)
     opts = channel_options(rpc_cfg.max_message_mb) + [
-        ("grpc.initial_reconnect_backoff_ms", min(200, reconnect_ms)), ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
+        ("grpc.initial_reconnect_backoff_ms", min(200, reconnect_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms)]
     if rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file:
         ca = Path(rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file).read_bytes()
