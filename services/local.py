@@ -7,6 +7,7 @@ reference the distributed run is measured against. The loop is the learner servi
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from .training.evaluate import evaluate
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
 from .training.schedule import Schedule, planned_updates
+
+log = logging.getLogger(__name__)
 
 
 class InProcessSource:
@@ -76,7 +79,8 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     eval_params = SamplingParams.for_eval(cfg)
     loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, InProcessSource(cfg, sampler, backend, scorer,
                                                                                   tokenizer, critic),
-                        BackendSink(backend), lambda: evaluate(held_out, backend, eval_scorer, tokenizer, eval_params))
+                        BackendSink(backend), lambda: evaluate(held_out, backend, eval_scorer, tokenizer, eval_params),
+                        logger=log)
     loop.begin(RunLog(run_dir, cfg, mode="local"))
     it, _ = loop.iterate(schedule)
     return loop.finish(it, time.time() - schedule.t_start, run_dir / "final_critic")

@@ -150,7 +150,7 @@ class LearnerService(TrainingLoop):
                 self.critic = OverlappedCritic(self.critic)
             self.critic = Beating(self.critic, self.heartbeat)
         TrainingLoop.__init__(self, cfg, self.run_dir, self.learner, self.critic, self.tokenizer, ReplaySource(self),
-                              PushSink(self))
+                              PushSink(self), logger=log)
         self.critic_state: dict = {}
         self.reward = Beating(self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server"),
                               self.heartbeat)

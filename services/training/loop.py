@@ -65,8 +65,10 @@ class TrainingLoop:
     stop_event = None  # a threading.Event that ends the loop after the iteration it is in
 
     def __init__(self, cfg, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
-                 evaluate: Callable[[], dict] | None = None):
+                 evaluate: Callable[[], dict] | None = None, logger: logging.Logger | None = None):
+        """`logger`: where the loop's warnings go (the entry point's, so its lines name it)."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.log = logger or log
         self.learner, self.critic, self.tokenizer = learner, critic, tokenizer
         self.source, self.sink = source, sink
         if evaluate is not None:
@@ -96,7 +98,7 @@ class TrainingLoop:
     def _watched(self, iteration: int, evaluated: dict) -> dict:
         """The reward-hacking watch's verdict on an evaluation (a warning at its onset); what it
         adds to the metrics row."""
-        verdict, row = judge(self.watch, iteration, evaluated, log.warning)
+        verdict, row = judge(self.watch, iteration, evaluated, self.log.warning)
         self.judged(verdict)
         return row
 
@@ -150,7 +152,7 @@ class TrainingLoop:
                 self.checkpoint(it, tick)
             runlog.log_iteration(it, metrics)
             if tick.out_of_time:
-                log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
+                self.log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
                 break
             if self.stop_event is not None and self.stop_event.is_set():
                 stopped = True
