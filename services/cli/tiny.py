@@ -6,7 +6,6 @@ starting policy is imperfect but not random. No model hub is involved.
 """
 from __future__ import annotations
 
-import json
 import logging
 import string
 import time
@@ -97,6 +96,3 @@ def init_tiny_model(out: str | Path, warm_start_steps: int = 100, seed: int = 0)
     return out
 
 
-def read_model_card(path: str | Path) -> dict:
-    p = Path(path) / "model_card.json"
-    return json.loads(p.read_text()) if p.exists() else {}

@@ -105,7 +105,7 @@ class RewardConfig(Strict):
     http_auth_scheme: str = Field("Bearer", description="word before the token in the header ('Bearer "
                                   "<token>'); empty = the bare token (e.g. for X-API-Key)")
     http_breaker_failures: int = Field(5, ge=0, description="failed reward API requests in a row (timeouts, "
-                                       "lost connections, 5xx, 429, 401/403/404, answers that are not rewards; "
+                                       "lost connections, 5xx, 429, 401/403/404/405/407, answers that are not rewards; "
                                        "the retries of one request count once when the failure may be its "
                                        "input's) that open its circuit breaker: calls then fail at once without "
                                        "reaching it, and callers wait; 0 = no breaker")

@@ -10,7 +10,7 @@ import torch
 from ..common.rpc.gen import common_pb2, generation_pb2 as gpb, generation_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
-from ..weights.protocol import CHUNK_BYTES
+from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import encode_weights
 
 # gRPC metadata of a Generate call: the caller's idempotency key (the same on its retries)
@@ -23,7 +23,7 @@ class GenerationClient(RPCClient):
 
     def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
         super().__init__(address, rpc_cfg, timeout_s)
-        self.max_chunk_bytes = max(1, rpc_cfg.max_message_mb * (1 << 20) // 2)  # room for the piece's metadata
+        self.max_chunk_bytes = chunk_bytes(rpc_cfg.max_message_mb)  # room for the piece's metadata
 
     @staticmethod
     def params_to_proto(p: SamplingParams) -> gpb.SamplingParams:

@@ -12,8 +12,7 @@ import time
 import grpc
 
 from ..common.replay import ReplayStore
-from ..common.rpc.errors import BadRequest, DeadlineExceeded
-from ..common.rpc.errors import Unavailable
+from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
 from ..common.rpc.waits import Counted, wait_failed
 
 log = logging.getLogger(__name__)

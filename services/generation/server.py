@@ -73,7 +73,7 @@ class Batcher:
     dropped or stopped raise `GenerationStopped`.
 
     The batcher's own thread is the server's one compute thread (the reason is in
-    `services/common/compute.py`): weight swaps run on it too (`call`), between batches."""
+    `services/critic/compute.py`): weight swaps run on it too (`call`), between batches."""
 
     def __init__(self, backend: GenerationBackend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics

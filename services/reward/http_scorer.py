@@ -148,7 +148,7 @@ class CircuitBreaker:
         with self._lock:
             if self.state == CLOSED:
                 return
-            wait = self.opened_at + self.cooldown_s - time.monotonic()
+            wait = self._until_probe()
             if self.state == OPEN and wait <= 0:
                 self._set(HALF_OPEN)
             now = time.monotonic()
@@ -163,8 +163,11 @@ class CircuitBreaker:
         with self._lock:
             if self.state == CLOSED:
                 return None
-            wait = self.opened_at + self.cooldown_s - time.monotonic()
-            return RewardUnavailable(self._open_message(wait))
+            return RewardUnavailable(self._open_message(self._until_probe()))
+
+    def _until_probe(self) -> float:
+        """Seconds until an open circuit lets a probe through (negative: it may now)."""
+        return self.opened_at + self.cooldown_s - time.monotonic()
 
     def _open_message(self, wait: float) -> str:
         return (f"{self.name}: circuit open after {self.consecutive} failed requests in a row (last: "
@@ -218,7 +221,7 @@ class CircuitBreaker:
                    "last_error": self.last_error or None}
             if self.state != CLOSED:
                 out["open_for_s"] = round(time.monotonic() - self.down_since, 3)
-                out["next_probe_in_s"] = round(max(0.0, self.opened_at + self.cooldown_s - time.monotonic()), 3)
+                out["next_probe_in_s"] = round(max(0.0, self._until_probe()), 3)
             return out
 
 
@@ -397,7 +400,7 @@ class HTTPScorer:
 def auth_headers(reward_cfg) -> dict:
     """{`reward.http_auth_header`: "`http_auth_scheme` token"} when the environment variable
     `reward.http_auth_env` holds a token; {} otherwise."""
-    token = os.environ.get(reward_cfg.http_auth_env or "", "").strip() if reward_cfg.http_auth_env else ""
+    token = os.environ.get(reward_cfg.http_auth_env, "").strip() if reward_cfg.http_auth_env else ""
     if not token:
         return {}
     scheme = (reward_cfg.http_auth_scheme or "").strip()

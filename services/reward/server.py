@@ -8,6 +8,7 @@ Score requests marked `held_out` (the learner's held-out evaluation) are scored 
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
@@ -204,9 +205,12 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
         return {"rewards": rewards, "scores": rewards, "extra_logs": {
             k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})}}
 
-    async def answer(request: Request, authorization: str | None):
-        if token is not None and authorization != f"Bearer {token}":
+    def check_auth(authorization: str | None) -> None:
+        if token is not None and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
             raise HTTPException(401, "missing or wrong bearer token")
+
+    async def answer(request: Request, authorization: str | None):
+        check_auth(authorization)
         req = parse_reward_request(await request.body())
         return await run_in_threadpool(score, req)
 
@@ -226,8 +230,7 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
     def status(authorization: str | None = Header(None)):
         """The reward API this server calls (its URL without credentials) and its circuit breaker:
         closed, half_open or open, failures in a row, the last error."""
-        if token is not None and authorization != f"Bearer {token}":
-            raise HTTPException(401, "missing or wrong bearer token")
+        check_auth(authorization)
         return reward_status(scorer)
 
     return app

@@ -20,12 +20,11 @@ except ImportError:  # crc32 per piece (and the stream's sha256): slower, the sa
 
 WEIGHT_FORMATS = ("full", "partial")
 CHUNK_BYTES = 16 << 20  # a stream's piece and a shared file's checksummed piece; well under rpc.max_message_mb
-MIN_CHUNK_BYTES = 1 << 20
 
 
 def chunk_bytes(max_message_mb: int) -> int:
     """The piece size of a push stream under `rpc.max_message_mb` (half a message: room for metadata)."""
-    return max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, max_message_mb * (1 << 20) // 2))
+    return min(CHUNK_BYTES, max_message_mb << 19)
 
 
 def raw_view(t: torch.Tensor) -> np.ndarray:

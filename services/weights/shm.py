@@ -221,9 +221,6 @@ class SharedWeightsWriter:
         return gpb.SharedWeights(file_name=name, file_bytes=size, header=header, piece_bytes=CHUNK_BYTES,
                                  digest=self.digest, piece_digests=digests)
 
-    def files(self) -> list[str]:
-        return sorted(self._current.values())
-
 
 # ------------------------------------------------------------------ reading (the generation server)
 class Mappings:

@@ -106,3 +106,10 @@ def test_non_finite_found_in_a_large_piece_is_refused():
     decoded = [WeightChunkDecoder().FromString(b) for b in encode_weights(state, 1, 1 << 20)]
     with pytest.raises(BadRequest, match=r"weights.piece\[big\]: contains NaN or infinity"):
         assemble_weights(iter(decoded), SPECS)
+
+
+def test_the_piece_size_leaves_room_for_metadata_under_any_message_limit():
+    from services.weights.protocol import CHUNK_BYTES, chunk_bytes
+    for mb in (1, 2, 8, 31, 32, 33, 256, 2047):
+        assert chunk_bytes(mb) <= mb * (1 << 20) // 2 and chunk_bytes(mb) <= CHUNK_BYTES
+    assert chunk_bytes(256) == CHUNK_BYTES

@@ -40,8 +40,11 @@ class Registry(RedisPart):
         self.generation_key, self.workers_key = f"{self.ns}:generation", f"{self.ns}:workers"
         self.heartbeat_ttl_s = heartbeat_ttl_s
 
+    def _key(self, kind: str) -> str:
+        return self.generation_key if kind == "generation" else self.workers_key
+
     def heartbeat(self, kind: str, name: str, **info) -> None:
-        key = self.generation_key if kind == "generation" else self.workers_key
+        key = self._key(kind)
         if self.secret:
             info["proof"] = registration_proof(self.secret, kind, name)
         self.r.hset(key, name, json.dumps({**info, "ts": self.now()}))
@@ -57,11 +60,11 @@ class Registry(RedisPart):
         return ok
 
     def deregister(self, kind: str, name: str) -> None:
-        self.r.hdel(self.generation_key if kind == "generation" else self.workers_key, name)
+        self.r.hdel(self._key(kind), name)
 
     def live(self, kind: str) -> dict[str, dict]:
         """Registered services whose last heartbeat is within heartbeat_ttl_s; stale entries are removed."""
-        key = self.generation_key if kind == "generation" else self.workers_key
+        key = self._key(kind)
         now = self.now()
         out, stale = {}, []
         for name, raw in self.r.hgetall(key).items():

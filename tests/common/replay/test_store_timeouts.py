@@ -74,3 +74,15 @@ def test_a_store_call_that_times_out_names_the_operation_and_the_redis(silent_re
     assert time.monotonic() - t0 < 10
     assert str(e.value).startswith(f"replay store ensure_groups on redis 127.0.0.1:{silent_redis}: Timeout reading")
     assert str(e.value).endswith("(socket timeout 0.3 s)")
+
+
+def test_a_method_calling_another_says_where_once(silent_redis):
+    """heartbeat reads the server's clock first (`now`, itself wrapped): the error names one
+    operation and one Redis, not a prefix per wrapped call."""
+    from services.common.replay.registry import Registry
+    client = redis.Redis(host="127.0.0.1", port=silent_redis, socket_timeout=0.3, socket_connect_timeout=1,
+                         retry=Retry(NoBackoff(), 1), retry_on_error=[redis.exceptions.TimeoutError])
+    with pytest.raises(redis.exceptions.TimeoutError) as e:
+        Registry(client, namespace="silent").heartbeat("generation", "gen-1")
+    assert str(e.value).count("replay store ") == 1 and str(e.value).count("(socket timeout") == 1, str(e.value)
+    assert f"on redis 127.0.0.1:{silent_redis}" in str(e.value)
