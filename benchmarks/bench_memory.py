@@ -46,13 +46,13 @@ def measure(model: str, batch: int, prompt: int, response: int, micro: int, voca
     from services.common.config import config_from_dict
     from services.common.types import Rollout
     from services.critic.critic import Critic
-    from services.learner.ppo_step import PPOLearner
+    from services.learner.ppo_step import PolicyTrainer
     cfg = config_from_dict({
         "model": {"path": model, "device": "cpu"}, "adv_estimator": "gae", "rollout_batch_size": batch,
         "ppo_mini_batch_size": batch, "micro_batch_size": micro, "prompt_length": prompt,
         "response_length": response, "use_kl_loss": True, "kl_loss_coef": 0.01, "entropy_coef": 0.001,
         "fuse_old_log_probs": False})
-    learner = PPOLearner(cfg)
+    learner = PolicyTrainer(cfg)
     critic = Critic.from_config(cfg)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (batch, prompt), generator=g).tolist()

@@ -23,7 +23,7 @@ A case whose copies would not fit `--max-total-gb` is skipped for that method al
 
 `--device cuda` (with `--dtype bfloat16`, say) keeps the learner's state dict and the servers'
 models on the GPU: a push then starts with the learner's copy to the host (`hostcopy.to_host`, as
-`PPOLearner.policy_state_dict` does) and ends with each server's copy to its GPU; the row adds
+`PolicyTrainer.policy_state_dict` does) and ends with each server's copy to its GPU; the row adds
 plain device-to-host and host-to-device copy rates (pageable memory), and tcp and memcpy copy
 the same bytes on the host.
 
@@ -237,7 +237,7 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
             services = [serve(cfg, backend=stand_in_backend(state, args.device), port=0, metrics_port=None).start()
                         for _ in range(n)]
             entries = {f"127.0.0.1:{s.server.port}": s.servicer.registry_info() for s in services}
-            # as PPOLearner.policy_state_dict: the weights on the host (from a GPU through page-locked memory)
+            # as PolicyTrainer.policy_state_dict: the weights on the host (from a GPU through page-locked memory)
             learner = SimpleNamespace(policy_state_dict=lambda: to_host(state),
                                       device=torch.device(args.device), lora=True)
             version = 0

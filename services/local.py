@@ -16,7 +16,7 @@ import torch
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
-from .learner.ppo_step import PPOLearner, ptx_examples_for
+from .learner.ppo_step import PolicyTrainer, ptx_examples_for
 from .reward.scorer import build_eval_scorer, build_scorer
 from .rollout.step import sample_groups
 from .training.data import EpochSampler, config_prompts
@@ -38,7 +38,7 @@ class InProcessSource:
         self.params = SamplingParams.for_training(cfg)
 
     @property
-    def epoch(self) -> int:
+    def data_epoch(self) -> int:
         return self.sampler.epoch
 
     def collect(self, iteration: int, version: int) -> Batch:
@@ -74,7 +74,8 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     train = config_prompts(cfg, "train", tokenizer)
     held_out = config_prompts(cfg, "eval", tokenizer)
     sampler = EpochSampler(train, cfg.run.seed)
-    learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train))
+    learner = PolicyTrainer(cfg, total_updates=planned_updates(cfg),
+                            ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
     eval_params = SamplingParams.for_eval(cfg)
     loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, InProcessSource(cfg, sampler, backend, scorer,

@@ -149,7 +149,7 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                 loop.join(timeout=240)
                 worker.drain()
                 work.join(timeout=30)
-                assert done == {"code": 0}, learner.service.state
+                assert done == {"code": 0}, learner.loop.state
                 LearnerClient(f"127.0.0.1:{learner.server.port}", cfg.rpc).status()
                 yield {"generation": scrape(generation.server.metrics_port),
                        "reward": scrape(reward.server.metrics_port), "critic": scrape(critic.server.metrics_port),

@@ -288,7 +288,7 @@ def cmd_serve(args) -> int:
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
         from ..common.distributed import ignore_stop_signals
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
-        return import_module(f"..{args.service}.{'service' if args.service == 'learner' else 'server'}",
+        return import_module(f"..{args.service}.{'loop' if args.service == 'learner' else 'server'}",
                              __package__).follower_main(cfg)
     problem = _serve_problem(cfg, args)
     if args.nproc is not None and sharded is None:

@@ -7,7 +7,7 @@ reference, and the critic server's value model (services/critic/sharded.py).
 For the learner, rank 0 is the learner service: it reads the replay buffer, owns the ledger, pushes weights,
 evaluates and serves gRPC. Ranks 1..N-1 are followers: they hold their shards of the model and
 of the optimiser state, and run the calls rank 0 announces (`collective` methods of
-`PPOLearner`: a step on a batch, a full state dict for a push, a sharded save or load) on a
+`PolicyTrainer`: a step on a batch, a full state dict for a push, a sharded save or load) on a
 control channel (a gloo group that waits as long as rank 0 waits for data). Each rank computes
 its share of every batch's rows; FSDP2 averages the gradients, so an update equals the
 single-process one on the same batch.
@@ -148,7 +148,7 @@ def micro_batches(n: int, micro: int, d: "Dist | None" = None) -> list[tuple[tor
 
 
 def collective(method):
-    """A `PPOLearner` method every rank must run together: rank 0 announces it (its arguments
+    """A `PolicyTrainer` method every rank must run together: rank 0 announces it (its arguments
     with it) before running it; followers run what they receive (`follow`). Arguments named in
     `local_kwargs` stay on rank 0 (the critic client)."""
     signature = inspect.signature(method)

@@ -56,7 +56,7 @@ def forward_in_micro_batches(learner, forward, batch: TokenBatch) -> dict[str, t
 
 def make_experience(learner, rollout: Rollout) -> Experience:
     """Old and reference log-probs, rewards, advantages and returns of `rollout` (see the module
-    docstring); `learner` is the `PPOLearner` whose models run the forwards."""
+    docstring); `learner` is the `PolicyTrainer` whose models run the forwards."""
     cfg = learner.cfg
     full = cfg.kl_penalty == "full"
     batch = build_token_batch(rollout.prompt_ids, rollout.response_ids, learner.pad_id).to(learner.device)

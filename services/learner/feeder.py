@@ -42,7 +42,7 @@ class PromptFeeder:
         return len(dead)
 
     @property
-    def epoch(self) -> int:
+    def data_epoch(self) -> int:
         return self.sampler.epoch
 
     def state_dict(self) -> dict:

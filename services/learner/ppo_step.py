@@ -4,10 +4,10 @@
             --update-----------> ppo_epochs x mini-batches of (policy loss + KL loss - entropy
                                  + PTX loss), each followed by a critic step on the same rows
 
-`PPOLearner` owns the models, the optimiser and the learner's state; making experience is
+`PolicyTrainer` owns the models, the optimiser and the learner's state; making experience is
 `experience.py`, the update loop `update.py` and the objective `ppo/objective.py`.
 
-The in-process trainer and the learner service both call `PPOLearner.step`; the critic is any
+The in-process trainer and the learner service both call `PolicyTrainer.step`; the critic is any
 object with `train_step` (the in-process `Critic`, a gRPC client, or `OverlappedCritic`, whose
 steps are futures so the critic server trains while the actor does; `update` waits for all of
 them before it returns).
@@ -43,7 +43,7 @@ def ptx_examples_for(cfg, tokenizer, records) -> list | None:
     return sft_examples(tokenizer, records)
 
 
-class PPOLearner:
+class PolicyTrainer:
     """Owns the actor, the reference model, the optimiser, the KL controller and the running
     reward statistics. `cfg` is the validated `Config`."""
 

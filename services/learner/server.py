@@ -12,22 +12,22 @@ from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import weight_chunks
-from .service import LearnerService
+from .loop import LearnerLoop
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
-    def __init__(self, service, chunk_bytes: int = CHUNK_BYTES):
-        self.service, self.chunk_bytes = service, chunk_bytes  # PullWeights' pieces
+    def __init__(self, loop, chunk_bytes: int = CHUNK_BYTES):
+        self.loop, self.chunk_bytes = loop, chunk_bytes  # PullWeights' pieces
 
     def PullWeights(self, request, context):
-        version, state = self.service.broadcaster.snapshot
+        version, state = self.loop.broadcaster.snapshot
         if not state or request.have_version >= version:
             return
-        yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.service.run_id,
-                                 epoch=self.service.epoch)
+        yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.loop.run_id,
+                                 epoch=self.loop.fence_epoch)
 
     def Status(self, request, context):
-        s = self.service.status()
+        s = self.loop.status()
         return lpb.LearnerStatus(**{k: v for k, v in s.items() if k in lpb.LearnerStatus.DESCRIPTOR.fields_by_name})
 
 
@@ -69,7 +69,7 @@ def status_http(service, host: str, port: int, token: str | None = None) -> Thre
 
 
 
-class LearnerProcess(Service):
+class LearnerService(Service):
     """`serve(cfg)`'s handle: start() builds the learner and serves gRPC (and HTTP status); it is
     ready once it has resumed and published the current policy; run() is the training loop."""
 
@@ -79,29 +79,29 @@ class LearnerProcess(Service):
                  http_port: int | None = -1):
         self.cfg, self.run_dir = cfg, run_dir
         self._port, self._metrics_port, self._http_port = port, metrics_port, http_port
-        self.service: LearnerService | None = None
+        self.loop: LearnerLoop | None = None
         self.server: RPCServer | None = None
         self.http: ThreadingHTTPServer | None = None
         self._stopped = False
 
-    def start(self) -> "LearnerProcess":
+    def start(self) -> "LearnerService":
         cfg, ep = self.cfg, self.cfg.rpc.learner
         self.server = RPCServer("learner", cfg.rpc, ep.port if self._port is None else self._port,
                                 ep.metrics_port if self._metrics_port == -1 else self._metrics_port, host=ep.host)
-        self.service = LearnerService(cfg, self.run_dir, registry=self.server.metrics.registry)
-        self.service.address = advertised_address(cfg.rpc, ep.host, self.server.port)
-        self.server.set_liveness(self.service.liveness)  # gRPC health "" says what /healthz says
+        self.loop = LearnerLoop(cfg, self.run_dir, registry=self.server.metrics.registry)
+        self.loop.address = advertised_address(cfg.rpc, ep.host, self.server.port)
+        self.server.set_liveness(self.loop.liveness)  # gRPC health "" says what /healthz says
         learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(
-            self.service, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc)
+            self.loop, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc)
         self.server.start()
         hp = ep.http_port if self._http_port == -1 else self._http_port
         if hp is not None:
-            self.http = status_http(self.service, ep.host, hp, cfg.rpc.resolved_auth_token())
+            self.http = status_http(self.loop, ep.host, hp, cfg.rpc.resolved_auth_token())
         threading.Thread(target=self._report_ready, name="learner-ready", daemon=True).start()
         return self
 
     def _report_ready(self) -> None:
-        self.service.ready.wait()
+        self.loop.ready.wait()
         self.server.set_ready(True)
 
     @property
@@ -115,30 +115,30 @@ class LearnerProcess(Service):
     def run(self) -> int:
         from ..common.rpc.retry import DependencyUnavailable
         try:
-            self.service.run()
+            self.loop.run()
         except DependencyUnavailable:
             return 1  # the service logged what is missing and what a restart does
         return 0
 
     def drain(self) -> None:
-        if self.service is not None:
-            self.service.stop()  # the loop checkpoints and returns
+        if self.loop is not None:
+            self.loop.stop()  # the loop checkpoints and returns
 
     def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        if self.service is not None:
-            self.service.ready.set()  # releases the readiness thread
+        if self.loop is not None:
+            self.loop.ready.set()  # releases the readiness thread
         if self.http is not None:
             self.http.shutdown()
         if self.server is not None:
             self.server.stop(grace=2)
-        if self.service is not None:
-            self.service.close()
+        if self.loop is not None:
+            self.loop.close()
 
 
 def serve(cfg, run_dir=None, port: int | None = None, metrics_port: int | None = -1,
-          http_port: int | None = -1) -> LearnerProcess:
+          http_port: int | None = -1) -> LearnerService:
     """The learner service. Ports default to `rpc.learner`'s (None = off for metrics and HTTP)."""
-    return LearnerProcess(cfg, run_dir, port, metrics_port, http_port)
+    return LearnerService(cfg, run_dir, port, metrics_port, http_port)

@@ -475,7 +475,7 @@ class RolloutWorker:
         return bound
 
 
-class WorkerProcess(Service):
+class RolloutService(Service):
     """`serve(cfg)`'s handle: start() connects to Redis and registers the worker (its first
     heartbeat), which is when it is ready; run() is the worker's loop until drained."""
 
@@ -486,7 +486,7 @@ class WorkerProcess(Service):
         self.worker: RolloutWorker | None = None
         self.metrics_port: int | None = None
 
-    def start(self) -> "WorkerProcess":
+    def start(self) -> "RolloutService":
         self.worker = RolloutWorker(self.cfg, ReplayStore.from_config(self.cfg), name=self._name)
         mp = self.cfg.rollout.metrics_port if self._metrics_port == -1 else self._metrics_port
         if mp is not None:
@@ -513,7 +513,7 @@ class WorkerProcess(Service):
         self.drain()
 
 
-def serve(cfg, name: str | None = None, metrics_port: int | None = -1, host: str | None = None) -> WorkerProcess:
+def serve(cfg, name: str | None = None, metrics_port: int | None = -1, host: str | None = None) -> RolloutService:
     """A rollout worker (`replay.url` must be set). `name` is its consumer name (default
     host-pid); `metrics_port` defaults to `rollout.metrics_port` (None = off)."""
-    return WorkerProcess(cfg, name, metrics_port, host)
+    return RolloutService(cfg, name, metrics_port, host)

@@ -1,11 +1,11 @@
 """The training loop, one for `rlhf train --local` (services/local.py) and the learner service
-(services/learner/service.py). What differs between them is plugged in:
+(services/learner/loop.py). What differs between them is plugged in:
 
     source.collect(iteration, version)  a batch to train on: sampled and scored in-process, or the
                                         trajectories rollout workers left in Redis (None: a stop was
                                         asked while it waited)
     source.trained(batch, iteration)    the update on it is done and published: its metrics
-    source.wait_metric, source.epoch    what the time to get a batch is called; the data epoch
+    source.wait_metric, source.data_epoch what the time to get a batch is called; the data epoch
     sink.publish(learner)               number the new policy and hand it to whoever samples: the
                                         in-process backend, or every live generation server
     evaluate()                          the held-out eval (in-process, or through a generation server)
@@ -46,7 +46,7 @@ class RolloutSource(Protocol):
     wait_metric: str  # the metric of the time `collect` took ("time/rollout_s", "time/wait_s")
 
     @property
-    def epoch(self) -> int: ...  # passes over the training prompts so far (`data/epoch`)
+    def data_epoch(self) -> int: ...  # passes over the training prompts so far (`data/epoch`)
 
     def collect(self, iteration: int, version: int) -> Batch | None: ...
 
@@ -132,7 +132,7 @@ class TrainingLoop:
             self.iteration = it
             metrics.update({self.source.wait_metric: t1 - t0, "time/train_s": t2 - t1})
             metrics.update(self.source.trained(batch, it))
-            metrics.update({"data/epoch": self.source.epoch, "policy/version": self.learner.version})
+            metrics.update({"data/epoch": self.source.data_epoch, "policy/version": self.learner.version})
             if not self.time_eval:
                 metrics["time/iteration_s"] = time.perf_counter() - t0
             self.watch.train(metrics.get("reward/score_mean", nan))

@@ -7,7 +7,7 @@ from services.common.config import config_from_dict
 from services.common.modeling import build_token_batch, response_log_probs
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PPOLearner
+from services.learner.ppo_step import PolicyTrainer
 
 from tests.generation.test_server import VLLM_CPU
 
@@ -36,7 +36,7 @@ def test_lora_merged_policy_loads_and_serves_the_adapted_model(vllm_backend, tin
     cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
                             "adv_estimator": "grpo", "num_return_sequences_in_group": 2, "actor_lr": 1e-2,
                             "response_length": 8, "prompt_length": 16})
-    learner = PPOLearner(cfg)
+    learner = PolicyTrainer(cfg)
     learner.step(_rollout(vllm_backend))
     sd = learner.policy_state_dict()
     specs = vllm_backend.parameter_specs()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.learner.ppo_step import PPOLearner
+from services.learner.ppo_step import PolicyTrainer
 from tests.distributed_helpers import torchrun
 from tests.learner.fsdp_cases import batches, learner_config
 
@@ -26,10 +26,10 @@ def _two_processes(model_dir: str, out: Path, overrides: list[str]) -> dict:
     return torch.load(out / "results.pt", weights_only=False)
 
 
-def _one_process(model_dir: str, overrides: list[str]) -> tuple[PPOLearner, dict]:
+def _one_process(model_dir: str, overrides: list[str]) -> tuple[PolicyTrainer, dict]:
     cfg = learner_config(model_dir, overrides)
     torch.manual_seed(0)
-    learner = PPOLearner(cfg, total_updates=10)
+    learner = PolicyTrainer(cfg, total_updates=10)
     a, b = batches(learner.pad_id)
     results = {"step_a": learner.step(a)}
     results["weights_a"] = {k: v.clone() for k, v in learner.policy_state_dict().items()}  # not views
@@ -86,7 +86,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tiny_model_dir, tmp_pat
     overrides = CASES["two-minibatches"]
     two = _two_processes(tiny_model_dir, tmp_path, overrides)
     cfg = learner_config(tiny_model_dir, overrides)
-    learner = PPOLearner(cfg, total_updates=10)
+    learner = PolicyTrainer(cfg, total_updates=10)
     before = {k: v.clone() for k, v in learner.policy_state_dict().items()}
     learner.load_state_dict(torch.load(tmp_path / "learner.pt", weights_only=False), tmp_path / "actor")
     for k, w in two["weights_a"].items():  # the shards, put back together
@@ -99,7 +99,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tiny_model_dir, tmp_pat
 
 
 def test_a_one_process_checkpoint_loads_into_a_missing_actor_error(tiny_model_dir, tmp_path):
-    learner = PPOLearner(learner_config(tiny_model_dir), total_updates=10)
+    learner = PolicyTrainer(learner_config(tiny_model_dir), total_updates=10)
     state = learner.state_dict()
     del state["policy"], state["optimizer"]
     with pytest.raises(FileNotFoundError, match="has no actor"):

@@ -7,7 +7,7 @@ import torch
 from services.common.config import config_from_dict
 from services.common.modeling import has_dropout
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PPOLearner
+from services.learner.ppo_step import PolicyTrainer
 from tests.learner.test_ppo_step import _rollout
 
 
@@ -34,7 +34,7 @@ def test_fused_step_equals_the_recomputing_step(tiny_model_dir, rollout, micro):
     runs = {}
     for fuse in (True, False):
         torch.manual_seed(0)
-        learner = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=fuse, micro_batch_size=micro))
+        learner = PolicyTrainer(_cfg(tiny_model_dir, fuse_old_log_probs=fuse, micro_batch_size=micro))
         # a first step moves the policy away from the reference, so the KL terms are not zero
         learner.step(rollout)
         calls = _forwards(learner)
@@ -71,7 +71,7 @@ def test_the_recomputing_forward_stays_when_it_could_differ(tiny_model_dir, roll
     cfg = _cfg(tiny_model_dir, **overrides)
     if "model" in overrides:
         cfg = _cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu", **overrides["model"]})
-    learner = PPOLearner(cfg)
+    learner = PolicyTrainer(cfg)
     exp = learner.make_experience(rollout)
     if overrides.get("recompute_old_log_probs") is False:
         assert torch.allclose(exp.old_log_probs[0, :len(rollout.gen_log_probs[0])],
@@ -81,7 +81,7 @@ def test_the_recomputing_forward_stays_when_it_could_differ(tiny_model_dir, roll
 
 
 def test_lora_without_dropout_fuses(tiny_model_dir, rollout):
-    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
                                                      "lora": {"rank": 4, "dropout": 0.0}}))
     assert learner.make_experience(rollout).old_log_probs is None
     assert learner.forwards_saved == 1

@@ -47,9 +47,9 @@ def test_learner_reports_ready_serves_pulls_and_drains(cfg):
             assert samples("rlhf_rpc_requests_total", {"service": "learner", "method": "PullWeights",
                                                        "code": "OK"}) == 2
             # no worker runs: the learner waits for trajectories until drained, then checkpoints
-            while learner.service.state != "waiting" and time.time() < deadline:
+            while learner.loop.state != "waiting" and time.time() < deadline:
                 time.sleep(0.1)
             learner.drain()
             loop.join(timeout=60)
-            assert result == {"code": 0} and learner.service.state == "stopped"
-            assert learner.service.checkpointer.latest() is not None
+            assert result == {"code": 0} and learner.loop.state == "stopped"
+            assert learner.loop.checkpointer.latest() is not None

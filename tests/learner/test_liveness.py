@@ -125,7 +125,7 @@ def test_a_waiting_learner_is_alive_and_a_frozen_one_fails_liveness_within_the_b
         with serve_generation(cfg, port=0, metrics_port=None), serve_learner(cfg) as learner:
             healthz = f"http://127.0.0.1:{learner.endpoints()['http_port']}/healthz"
             address = f"127.0.0.1:{learner.server.port}"
-            service = learner.service
+            service = learner.loop
             result = {}
             loop = threading.Thread(target=lambda: result.setdefault("code", learner.run()))
             loop.start()

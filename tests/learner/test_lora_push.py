@@ -13,7 +13,7 @@ from services.common.config import config_from_dict
 from services.generation.backend import HFBackend
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
-from services.learner.ppo_step import PPOLearner
+from services.learner.ppo_step import PolicyTrainer
 
 from tests.weights.test_publisher import Registry, _serves, with_shm
 
@@ -22,7 +22,7 @@ from tests.weights.test_publisher import Registry, _serves, with_shm
 def learner(tiny_model_dir):
     cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
                             "adv_estimator": "grpo", "num_return_sequences_in_group": 2})
-    return PPOLearner(cfg)
+    return PolicyTrainer(cfg)
 
 
 def _train(learner, seed):

@@ -10,7 +10,7 @@ from services.common import modeling
 from services.common.modeling import build_token_batch, response_log_probs, response_logits
 from services.critic.critic import Critic
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PPOLearner
+from services.learner.ppo_step import PolicyTrainer
 from services.ppo import LOSS_AGG_MODES, AggNorm, agg_loss, entropy_from_logits, logprobs_from_logits
 from tests.learner.test_ppo_step import _cfg, _rollout
 
@@ -31,7 +31,7 @@ def _batch(model, rollout):
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_chunked_head_equals_full_logits(tiny_model_dir, rollout, monkeypatch, grad):
-    learner = PPOLearner(_cfg(tiny_model_dir))
+    learner = PolicyTrainer(_cfg(tiny_model_dir))
     model, batch = learner.policy, _batch(learner.policy, rollout)
     weights = torch.randn(batch.response_mask.shape)
 
@@ -59,7 +59,7 @@ def test_chunked_head_equals_full_logits(tiny_model_dir, rollout, monkeypatch, g
 
 
 def test_trimmed_batch_gives_the_same_log_probs(tiny_model_dir, rollout):
-    learner = PPOLearner(_cfg(tiny_model_dir))
+    learner = PolicyTrainer(_cfg(tiny_model_dir))
     batch = _batch(learner.policy, rollout)
     sub = batch.select([1, 3])  # rows of a short prompt and short responses: padding to trim
     trimmed = sub.trimmed()
@@ -109,11 +109,11 @@ def test_micro_batched_learner_step_equals_one_pass(tiny_model_dir, rollout, mod
         return _cfg(tiny_model_dir, loss_agg_mode=mode, micro_batch_size=micro, log_prob_micro_batch_size=micro,
                     fuse_old_log_probs=False, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1)
     torch.manual_seed(0)
-    first = PPOLearner(cfg(None))
+    first = PolicyTrainer(cfg(None))
     first.step(rollout)  # away from the reference: the KL terms are not zero
     results = []
     for micro in (None, 3):  # 8 rows: micro-batches of 3, 3 and 2
-        learner = PPOLearner(cfg(micro))
+        learner = PolicyTrainer(cfg(micro))
         learner.policy.load_state_dict(first.policy.state_dict())
         grads = _gradients_at_each_step(learner.optimizer, learner.policy)
         exp = learner.make_experience(rollout)

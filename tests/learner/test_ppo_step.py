@@ -8,7 +8,7 @@ import torch
 from services.common.config import config_from_dict
 from services.common.types import Rollout, SamplingParams
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PPOLearner
+from services.learner.ppo_step import PolicyTrainer
 
 
 def _rollout(backend, n=8, seed=0):
@@ -33,7 +33,7 @@ def _cfg(model_dir, **kw):
 
 def test_sampler_log_probs_match_recomputed_old_log_probs(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
-    learner = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=False))
+    learner = PolicyTrainer(_cfg(tiny_model_dir, fuse_old_log_probs=False))
     ro = _rollout(backend)
     exp = learner.make_experience(ro)
     for i, lp in enumerate(ro.gen_log_probs):
@@ -42,7 +42,7 @@ def test_sampler_log_probs_match_recomputed_old_log_probs(tiny_model_dir):
 
 def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
-    learner = PPOLearner(_cfg(tiny_model_dir))
+    learner = PolicyTrainer(_cfg(tiny_model_dir))
     ro = _rollout(backend)
     learner.step(ro)
     assert learner.version == 1
@@ -59,7 +59,7 @@ def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_mo
 
 
 def test_lora_trains_only_adapters_and_pushes_merged_weights(tiny_model_dir):
-    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
                                                       "lora": {"rank": 4}}, use_kl_loss=True))
     backend = HFBackend(tiny_model_dir, "cpu")
     base = {k: v.clone() for k, v in backend.model.state_dict().items()}
@@ -90,7 +90,7 @@ def test_update_with_an_unknown_tensor_changes_nothing(tiny_model_dir):
 
 
 def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
-    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
                                                       "lora": {"rank": 4}}))
     backend = HFBackend(tiny_model_dir, "cpu")
     learner.step(_rollout(backend))
@@ -113,9 +113,9 @@ def _shifted(ro, old_log_probs, shifts):
 def test_rollout_is_reports_the_ratio_between_sampler_and_learner(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
     ro = _rollout(backend)
-    old = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
-    assert "ppo/is_ratio_mean" not in PPOLearner(_cfg(tiny_model_dir)).make_experience(ro).metrics
-    learner = PPOLearner(_cfg(tiny_model_dir, rollout_is=True, rollout_is_threshold=2.0))
+    old = PolicyTrainer(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
+    assert "ppo/is_ratio_mean" not in PolicyTrainer(_cfg(tiny_model_dir)).make_experience(ro).metrics
+    learner = PolicyTrainer(_cfg(tiny_model_dir, rollout_is=True, rollout_is_threshold=2.0))
     # even sequences: ratio exp(0.5) = 1.65, under the cap; odd ones: exp(1) = 2.72, truncated to 2
     shifts = [0.5 if i % 2 == 0 else 1.0 for i in range(len(ro.response_ids))]
     exp = learner.make_experience(_shifted(ro, old, shifts))
@@ -139,15 +139,15 @@ def test_rollout_is_reports_the_ratio_between_sampler_and_learner(tiny_model_dir
 def test_rollout_is_weights_scale_the_policy_loss(tiny_model_dir):
     backend = HFBackend(tiny_model_dir, "cpu")
     ro = _rollout(backend)
-    old = PPOLearner(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
+    old = PolicyTrainer(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
     shifted = _shifted(ro, old, [0.25] * len(ro.response_ids))  # every weight exp(0.25), under the cap
-    plain = PPOLearner(_cfg(tiny_model_dir)).step(shifted)
-    weighted = PPOLearner(_cfg(tiny_model_dir, rollout_is=True)).step(shifted)
+    plain = PolicyTrainer(_cfg(tiny_model_dir)).step(shifted)
+    weighted = PolicyTrainer(_cfg(tiny_model_dir, rollout_is=True)).step(shifted)
     assert abs(plain["ppo/pg_loss"]) > 1e-4
     assert weighted["ppo/pg_loss"] == pytest.approx(math.exp(0.25) * plain["ppo/pg_loss"], rel=1e-3)
     assert weighted["ppo/is_clipped_frac"] == 0.0
     # with the sampler's log-probs as the old ones, the weights are all 1
-    same = PPOLearner(_cfg(tiny_model_dir, rollout_is=True, recompute_old_log_probs=False)).make_experience(shifted)
+    same = PolicyTrainer(_cfg(tiny_model_dir, rollout_is=True, recompute_old_log_probs=False)).make_experience(shifted)
     assert torch.equal(same.rollout_is_weights, same.batch.response_mask.float())
     assert same.metrics["ppo/is_ratio_mean"] == 1.0
 
@@ -155,16 +155,16 @@ def test_rollout_is_weights_scale_the_policy_loss(tiny_model_dir):
 def test_rollout_is_without_sampler_log_probs_raises(tiny_model_dir):
     ro = _rollout(HFBackend(tiny_model_dir, "cpu"))
     no_lp = Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, None, None, ro.versions)
-    learner = PPOLearner(_cfg(tiny_model_dir, rollout_is=True))
+    learner = PolicyTrainer(_cfg(tiny_model_dir, rollout_is=True))
     with pytest.raises(ValueError, match="rollout_is needs the sampler's log-probs"):
         learner.make_experience(no_lp)
-    PPOLearner(_cfg(tiny_model_dir)).make_experience(no_lp)  # without rollout_is it is fine
+    PolicyTrainer(_cfg(tiny_model_dir)).make_experience(no_lp)  # without rollout_is it is fine
 
 
 def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    learner = PPOLearner(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
+    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
                                                       "lora": {"rank": 4}}))
     backend = HFBackend(tiny_model_dir, "cpu")
     learner.step(_rollout(backend))

@@ -43,7 +43,7 @@ from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .liveness import Beating, Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
-from .ppo_step import PPOLearner, ptx_examples_for
+from .ppo_step import PolicyTrainer, ptx_examples_for
 from ..training.loop import Batch, TrainingLoop
 from ..training.schedule import Schedule, Tick, planned_updates
 from ..training.watch import Verdict
@@ -65,12 +65,12 @@ def train_prompts(cfg, tokenizer) -> list:
 
 def follower_main(cfg) -> int:
     """Ranks 1..N-1 of a sharded learner (model.nproc > 1): their shards of the actor, running
-    what rank 0 (the `LearnerService`) announces until it is done."""
+    what rank 0 (the `LearnerLoop`) announces until it is done."""
     ptx = None
     if cfg.ptx_coef:  # the PTX examples are the labelled training prompts, as on rank 0
         tokenizer = load_tokenizer(cfg.model.path)
         ptx = ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer))
-    learner = PPOLearner(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx,
+    learner = PolicyTrainer(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx,
                          dist=from_env(cfg.model.device, cfg.model.nproc))
     return follow(learner)
 
@@ -80,15 +80,15 @@ class ReplaySource:
     workers left in the replay buffer, for prompts the feeder keeps queued ahead."""
     wait_metric = "time/wait_s"
 
-    def __init__(self, service: "LearnerService"):
-        self.service = service
+    def __init__(self, loop: "LearnerLoop"):
+        self.loop = loop
 
     @property
-    def epoch(self) -> int:
-        return self.service.feeder.epoch
+    def data_epoch(self) -> int:
+        return self.loop.feeder.data_epoch
 
     def collect(self, iteration: int, version: int) -> Batch | None:
-        s = self.service
+        s = self.loop
         s._check_critic()
         s.feeder.feed(iteration, version)
         s.state = "waiting"
@@ -98,7 +98,7 @@ class ReplaySource:
         return Batch(Rollout.from_groups([g for _, g in batch]), version, items=batch)
 
     def trained(self, batch: Batch, iteration: int) -> dict:
-        s = self.service
+        s = self.loop
         s.intake.trained(batch.items)
         rollout = batch.rollout
         staleness = [batch.version - v for v in rollout.versions]
@@ -114,15 +114,15 @@ class PushSink:
     """The weight sink of the learner service: the new policy gets the next version number of the
     replay store's counter and is pushed to every live generation server."""
 
-    def __init__(self, service: "LearnerService"):
-        self.service = service
+    def __init__(self, loop: "LearnerLoop"):
+        self.loop = loop
 
     def publish(self, learner) -> dict:
-        learner.version = self.service.store.next_version()
-        return self.service.broadcaster.push(learner.version, self.service.address)
+        learner.version = self.loop.store.next_version()
+        return self.loop.broadcaster.push(learner.version, self.loop.address)
 
 
-class LearnerService(TrainingLoop):
+class LearnerLoop(TrainingLoop):
     time_eval = True
 
     def __init__(self, cfg, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
@@ -132,14 +132,14 @@ class LearnerService(TrainingLoop):
         self.heartbeat = Heartbeat(liveness_bound_s(cfg))
         self.run_dir = Path(run_dir or cfg.run.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_id, self.epoch = run_identity(self.run_dir), 0
+        self.run_id, self.fence_epoch = run_identity(self.run_dir), 0
         self.stop_event = threading.Event()
         self.waiting_for: str | None = None  # the dependency the loop waits for, if any
         self.store = ReplayStore.from_config(cfg)
         self.tokenizer = load_tokenizer(cfg.model.path)
         train = train_prompts(cfg, self.tokenizer)
         self.held_out = config_prompts(cfg, "eval", self.tokenizer)
-        self.learner = PPOLearner(cfg, total_updates=planned_updates(cfg),
+        self.learner = PolicyTrainer(cfg, total_updates=planned_updates(cfg),
                                   ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),
                                   dist=from_env(cfg.model.device, cfg.model.nproc) if cfg.model.nproc > 1 else None)
         self.learner.on_progress = self.heartbeat  # each micro-batch forward and optimiser step
@@ -203,7 +203,7 @@ class LearnerService(TrainingLoop):
                 "replay_backlog": self._quietly(self.store.backlog, -1),
                 "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from,
                 "waiting_for": self.waiting_for, "stale_streak": self.intake.stale_streak,
-                "critic": self.critic_state, "run_id": self.run_id, "epoch": self.epoch,
+                "critic": self.critic_state, "run_id": self.run_id, "fence_epoch": self.fence_epoch,
                 "liveness": {**self.heartbeat.status(), "stuck": self.liveness()},
                 "reward_hacking_suspected": self.watch.last.suspected, "reward_hacking": self.watch.status()}
 
@@ -304,12 +304,12 @@ class LearnerService(TrainingLoop):
         cfg = self.cfg
         start_it = self.resume()
         self.heartbeat.beat("resumed")
-        self.epoch = self.store.new_learner_epoch()
-        self.broadcaster.identity = (self.run_id, self.epoch)
+        self.fence_epoch = self.store.new_learner_epoch()
+        self.broadcaster.identity = (self.run_id, self.fence_epoch)
         self._check_critic()
         self.state = "pushing"
         if self.learner.version > 0:
-            self.store.publish_learner(self.address, self.learner.version, self.run_id, self.epoch)
+            self.store.publish_learner(self.address, self.learner.version, self.run_id, self.fence_epoch)
             self.broadcaster.push(self.learner.version, self.address)
         else:
             self.broadcaster.publish_initial(self.address)

@@ -9,7 +9,7 @@ import pytest
 from services.common.config import config_from_dict
 from services.common.replay.records import group_to_proto
 from services.common.types import Completion, SampleGroup, ScoreResult
-from services.learner.service import LearnerService
+from services.learner.loop import LearnerLoop
 
 
 def _cfg(model_dir, url, **over):
@@ -23,7 +23,7 @@ def _cfg(model_dir, url, **over):
 
 @pytest.fixture
 def service(tiny_model_dir, redis_server, tmp_path):
-    svc = LearnerService(_cfg(tiny_model_dir, redis_server.url, max_staleness=1), tmp_path / "run")
+    svc = LearnerLoop(_cfg(tiny_model_dir, redis_server.url, max_staleness=1), tmp_path / "run")
     svc.resume()
     yield svc
     svc.close()
@@ -93,7 +93,7 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
 def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, redis_server, tmp_path):
     cfg = _cfg(tiny_model_dir, redis_server.url, max_staleness=0)
     cfg.replay.namespace = "resume"
-    a = LearnerService(cfg, tmp_path / "run")
+    a = LearnerLoop(cfg, tmp_path / "run")
     a.resume()
     a.feeder.feed(1, 0)
     a.feeder.feed(2, 0)
@@ -104,7 +104,7 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     next_a = [r.id for r in a.feeder.sampler.take(4)]
     a.close()
     assert a.checkpointer.latest().name == "iter_000002"
-    b = LearnerService(cfg, tmp_path / "run")
+    b = LearnerLoop(cfg, tmp_path / "run")
     assert b.resume() == 2 and b.feeder.fed_batches == 2
     assert b.learner.kl_ctl.value == pytest.approx(0.123)
     assert b.learner.version > a.learner.version  # versions only go forward across restarts
