@@ -197,7 +197,8 @@ def main() -> None:
     from services.learner.broadcast import WeightBroadcaster
 
     shm_dir = tempfile.mkdtemp(prefix="rlhf-bench-", dir=args.shm_dir)
-    cfg = config_from_dict({"model": {"path": "unused", "device": "cpu"}, "rpc": {"shm_dir": shm_dir}})
+    cfg = config_from_dict({"model": {"path": "unused", "device": "cpu"},
+                            "rpc": {"shm_dir": shm_dir, "generation": {"port": 0, "metrics_port": None}}})
     limit = args.max_total_gb * (1 << 30) + 1
     rows = []
     try:
@@ -234,7 +235,7 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
         row = {"size_mb": round(nbytes / 2 ** 20), "servers": n, "bytes": nbytes, "memcpy_mb_s": memcpy,
                "snapshot_s": snapshot_s, **gpu}
         if fits["grpc"] or fits["shm"]:
-            services = [serve(cfg, backend=stand_in_backend(state, args.device), port=0, metrics_port=None).start()
+            services = [serve(cfg, backend=stand_in_backend(state, args.device)).start()
                         for _ in range(n)]
             entries = {f"127.0.0.1:{s.server.port}": s.servicer.registry_info() for s in services}
             # as PolicyTrainer.policy_state_dict: the weights on the host (from a GPU through page-locked memory)

@@ -37,11 +37,12 @@ def main() -> None:
     from services.generation.server import serve
 
     cfg = config_from_dict({"model": {"path": args.model, "device": "cpu"}, "prompt_length": 32,
-                            "response_length": args.max_new_tokens, "generation": {"batch_window_ms": 1}})
+                            "response_length": args.max_new_tokens, "generation": {"batch_window_ms": 1},
+                            "rpc": {"generation": {"port": 0, "metrics_port": None}}})
     backend = HFBackend(args.model, "cpu")
     prompts = [backend.tokenizer(r.prompt)["input_ids"] for r in reverse_task("eval", args.prompts)]
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
-    service = serve(cfg, backend=backend, port=0, metrics_port=None).start()
+    service = serve(cfg, backend=backend).start()
     server = service.server
     client = GenerationClient(f"127.0.0.1:{server.port}", cfg.rpc)
 

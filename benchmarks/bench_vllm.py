@@ -46,7 +46,7 @@ def server_cfg(model, backend, max_new_tokens):
     from services.common.config import config_from_dict
     return config_from_dict({
         "model": {"path": str(model), "device": "cpu"}, "prompt_length": 32, "response_length": max_new_tokens,
-        "rpc": {"max_samples_per_prompt": 16},
+        "rpc": {"max_samples_per_prompt": 16, "generation": {"port": 0, "metrics_port": None}},
         "generation": {"backend": backend, "batch_window_ms": 1,
                        "vllm": {"dtype": "float32", "enforce_eager": True, "cpu_kvcache_space_gb": 2}}})
 
@@ -74,7 +74,7 @@ def swap_times(model_dir: Path, repeats: int) -> dict:
     state = load_causal_lm(model_dir).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     cfg = server_cfg(model_dir, "vllm", 8)
-    with serve(cfg, port=0, metrics_port=None) as svc:
+    with serve(cfg) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         push, reload = [], []
         for v in range(1, min(repeats, 3) + 1):
@@ -127,7 +127,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         for backend in ("vllm", "hf"):
             cfg = server_cfg(args.model, backend, args.max_new_tokens)
-            svc = stack.enter_context(serve(cfg, port=0, metrics_port=None))
+            svc = stack.enter_context(serve(cfg))
             client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
             stack.callback(client.close)
             fns[f"server_{backend}"] = lambda client=client: client.generate(prompts, params).tokens
@@ -149,7 +149,7 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             for backend in ("vllm", "hf"):
                 cfg = server_cfg(d, backend, args.max_new_tokens)
-                svc = stack.enter_context(serve(cfg, port=0, metrics_port=None))
+                svc = stack.enter_context(serve(cfg))
                 client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
                 stack.callback(client.close)
                 fns[f"server_{backend}_100m"] = lambda client=client: client.generate(prompts[:16], params).tokens

@@ -156,7 +156,7 @@ def split_url_password(url: str | None) -> tuple[str | None, str | None]:
 class Launcher:
     def __init__(self, cfg, args):
         self.cfg, self.args = cfg, args
-        self.run_dir = Path(args.run_dir or cfg.run.run_dir).resolve()
+        self.run_dir = Path(cfg.run.run_dir).resolve()
         self.log_dir = self.run_dir / "logs"
         self.children: dict[str, Child] = {}
         self.redis = None
@@ -346,7 +346,7 @@ def run_up(cfg, args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     from .learner.checkpoint import finished_run
-    run_dir = Path(args.run_dir or cfg.run.run_dir).resolve()
+    run_dir = Path(cfg.run.run_dir).resolve()
     done = finished_run(run_dir, cfg.run.iterations)
     if done is not None:
         print(f"run {run_dir} already finished at iteration {done.get('iterations')} (summary.json); "

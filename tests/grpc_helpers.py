@@ -31,3 +31,14 @@ def restream(chunks):
         digest.update(p.data)
     chunks[-1].footer.sha256 = digest.hexdigest()
     return chunks
+
+
+def on_free_ports(cfg, service: str, metrics: bool = False, http: bool = False):
+    """A copy of `cfg` whose `rpc.<service>` binds a free gRPC port, and a free /metrics port with
+    `metrics` and HTTP port (reward, learner) with `http`, else none: how a test starts a server."""
+    out = cfg.model_copy(deep=True)
+    ep = getattr(out.rpc, service)
+    ep.port, ep.metrics_port = 0, 0 if metrics else None
+    if hasattr(ep, "http_port"):
+        ep.http_port = 0 if http else None
+    return out

@@ -1,5 +1,6 @@
 """What containers rely on: the config file and overrides from the environment ($RLHF_CONFIG,
 $RLHF_SET, applied before --set), and `rlhf redis`, the replay buffer's Redis in the foreground."""
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,31 @@ def _serve_config(env):
             "print(c.rpc.critic.host, c.replay.url, c.rollout_batch_size, c.model.path)")
     return subprocess.run([sys.executable, "-c", code, "serve", "critic", "--set", "rollout_batch_size=7"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_flags_are_overrides_of_config_keys_applied_last(monkeypatch):
+    """Each flag of `rlhf serve` sets one key before validation, after $RLHF_SET and --set; -1
+    turns a port off (null); the config validate of the same keys prints the same config."""
+    from services.cli import _load, build_parser, flag_overrides
+    from services.common.config import dump_config, load_config
+    monkeypatch.setenv("RLHF_SET", "rpc.reward.port=7000 run.run_dir=/from-env")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = build_parser().parse_args(["serve", "reward", "-c", "configs/tiny-cpu.yaml", "--set", "rpc.reward.port=7001",
+                                      "--port", "7002", "--metrics-port", "-1", "--http-port", "0",
+                                      "--host", "0.0.0.0", "--run-dir", "/from-flag"])
+    cfg = _load(args)
+    ep = cfg.rpc.reward
+    assert (ep.port, ep.metrics_port, ep.http_port, ep.host) == (7002, None, 0, "0.0.0.0")
+    assert cfg.run.run_dir == "/from-flag" and cfg.rpc.critic.host == "127.0.0.1"
+    sets = ["rpc.reward.port=7000", "run.run_dir=/from-env", "rpc.reward.port=7001",
+            *(f"{k}={json.dumps(v)}" for k, v in flag_overrides(args))]
+    same = load_config("configs/tiny-cpu.yaml", sets)
+    assert dump_config(same) == dump_config(cfg)
+    worker = _load(build_parser().parse_args(["serve", "rollout", "-c", "configs/tiny-cpu.yaml", "--metrics-port",
+                                              "9105", "--host", "0.0.0.0"]))
+    assert (worker.rollout.metrics_port, worker.rpc.host) == (9105, "0.0.0.0")
+    learner = _load(build_parser().parse_args(["serve", "learner", "-c", "configs/tiny-cpu.yaml", "--nproc", "2"]))
+    assert learner.model.nproc == 2 and learner.critic.nproc == 1
 
 
 def test_rlhf_set_and_rlhf_config_come_from_the_environment():

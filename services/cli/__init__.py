@@ -71,13 +71,38 @@ def find_config(name: str, search_path: str | None = None) -> str:
     return name
 
 
+def flag_overrides(args) -> list[tuple[str, object]]:
+    """The command line's flags as the config keys they set (each flag is a shorthand for one
+    `--set`; README "Setting a value"), applied after $RLHF_SET and --set, before validation."""
+    out: list[tuple[str, object]] = []
+    if getattr(args, "run_dir", None):
+        out.append(("run.run_dir", args.run_dir))
+    service = getattr(args, "service", None)
+    if service is None:
+        return out
+    sharded = {"learner": "model.nproc", "critic": "critic.nproc"}.get(service)
+    if sharded and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        out.append((sharded, int(os.environ["WORLD_SIZE"])))  # under torchrun
+    elif sharded and args.nproc is not None:
+        out.append((sharded, args.nproc))
+    section = "rpc" if service == "rollout" else f"rpc.{service}"  # a worker binds only its metrics
+    if args.host:
+        out.append((f"{section}.host", args.host))
+    ports = {"port": args.port, "metrics_port": args.metrics_port, "http_port": args.http_port}
+    for key, value in ports.items():
+        if value is not None:
+            owner = "rollout" if service == "rollout" else section
+            out.append((f"{owner}.{key}", None if value == -1 else value))  # -1: off (null)
+    return out
+
+
 def _load(args, data: bool = False):
-    """The validated config; with `data`, its data sources must exist too, and its trackers be
-    installed (the commands that read the data: the ones that train)."""
+    """The validated config: the file, then $RLHF_SET, then --set, then the flags; with `data`, its
+    data sources must exist too, and its trackers be installed (the commands that train)."""
     if args.config:
         args.config = find_config(args.config)
     try:
-        cfg = load_config(args.config, env_overrides() + list(args.overrides))
+        cfg = load_config(args.config, [*env_overrides(), *args.overrides, *flag_overrides(args)])
         errors = data_source_errors(cfg) + tracking_errors(cfg) if data else []
         if errors:
             raise ConfigError(errors)
@@ -185,8 +210,6 @@ def cmd_config_describe(args) -> int:
 
 def cmd_train(args) -> int:
     cfg = _load(args, data=True)
-    if args.run_dir:
-        cfg.run.run_dir = args.run_dir
     if not args.local:
         print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer",
               file=sys.stderr)
@@ -200,13 +223,6 @@ def cmd_train(args) -> int:
     except USER_ERRORS as e:
         return _error(e)
     return 0
-
-
-def _port(value: int | None, current):
-    """--port/--metrics-port/--http-port: None keeps the config's; -1 turns it off."""
-    if value is None:
-        return current
-    return None if value < 0 else value
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -230,27 +246,19 @@ def secret_problem(name: str, value: str | None, host: str) -> str | None:
 def _serve_problem(cfg, args) -> str | None:
     """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, a
     placeholder or short secret on a non-loopback address, an unusable run directory (learner)."""
-    token_host = args.host or (cfg.rpc.host if args.service == "rollout" else getattr(cfg.rpc, args.service).host)
+    host = cfg.rpc.host if args.service == "rollout" else getattr(cfg.rpc, args.service).host
     problem = secret_problem("rpc.auth_token" if cfg.rpc.auth_token else cfg.rpc.auth_token_env,
-                             cfg.rpc.resolved_auth_token(), token_host)
+                             cfg.rpc.resolved_auth_token(), host)
     if problem:
         return problem
-    flags = [("--port", args.port, False), ("--metrics-port", args.metrics_port, True),
-             ("--http-port", args.http_port, True)]
-    for flag, value, off in flags:
-        problem = _port_problem(flag, value, off)
-        if problem:
-            return problem
     if args.service == "rollout":
-        ports = [("metrics", "--metrics-port, rollout.metrics_port", args.host or cfg.rpc.host,
-                  _port(args.metrics_port, cfg.rollout.metrics_port))]
+        ports = [("metrics", "--metrics-port, rollout.metrics_port", host, cfg.rollout.metrics_port)]
     else:
         ep, key = getattr(cfg.rpc, args.service), f"rpc.{args.service}"
-        host = args.host or ep.host
-        ports = [("gRPC", f"--port, {key}.port", host, ep.port if args.port is None else args.port),
-                 ("metrics", f"--metrics-port, {key}.metrics_port", host, _port(args.metrics_port, ep.metrics_port))]
+        ports = [("gRPC", f"--port, {key}.port", host, ep.port),
+                 ("metrics", f"--metrics-port, {key}.metrics_port", host, ep.metrics_port)]
         if args.service in ("reward", "learner"):
-            ports.append(("HTTP", f"--http-port, {key}.http_port", host, _port(args.http_port, ep.http_port)))
+            ports.append(("HTTP", f"--http-port, {key}.http_port", host, ep.http_port))
     for what, keys, host, port in ports:
         problem = _bind_problem(what, keys, host, port)
         if problem:
@@ -259,42 +267,41 @@ def _serve_problem(cfg, args) -> str | None:
 
 
 def _service(cfg, args):
-    """The `serve(cfg)` handle of the service `args.service` names, with the CLI's overrides."""
+    """The `serve(cfg)` handle of the service `args.service` names."""
     if args.service == "rollout":
         from ..rollout.worker import serve
-        return serve(cfg, name=args.name, metrics_port=_port(args.metrics_port, cfg.rollout.metrics_port),
-                     host=args.host)
-    ep = getattr(cfg.rpc, args.service)
-    ep.host = args.host or ep.host
-    ep.port = ep.port if args.port is None else args.port
-    ep.metrics_port = _port(args.metrics_port, ep.metrics_port)
-    if args.service in ("reward", "learner"):
-        ep.http_port = _port(args.http_port, ep.http_port)
-    module = import_module(f"..{args.service}.server", __package__)
-    return module.serve(cfg)
+        return serve(cfg, name=args.name)
+    return import_module(f"..{args.service}.server", __package__).serve(cfg)
+
+
+def _flag_problem(args) -> str | None:
+    """A --port, --metrics-port, --http-port or --nproc out of range, in the flag's own words."""
+    for flag, value, off in [("--port", args.port, False), ("--metrics-port", args.metrics_port, True),
+                             ("--http-port", args.http_port, True)]:
+        problem = _port_problem(flag, value, off)
+        if problem:
+            return problem
+    if args.nproc is not None and args.service not in ("learner", "critic"):
+        return f"--nproc is for the learner and the critic (not the {args.service})"
+    if args.nproc is not None and args.nproc < 1:
+        return f"--nproc {args.nproc}: needs 1 or more"
+    return None
 
 
 def cmd_serve(args) -> int:
     """Run one service in the foreground until SIGTERM/SIGINT (graceful shutdown)."""
     from ..common.lifecycle import run_service
+    problem = _flag_problem(args)
+    if problem:
+        return _error(problem)
     cfg = _load(args, data=args.service == "learner")
-    if args.run_dir:
-        cfg.run.run_dir = args.run_dir
     sharded = {"learner": cfg.model, "critic": cfg.critic}.get(args.service)  # where its nproc is
-    if sharded is not None and args.nproc is not None and args.nproc >= 1:
-        sharded.nproc = args.nproc
-    if sharded is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sharded.nproc = int(os.environ["WORLD_SIZE"])  # under torchrun
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
         from ..common.distributed import ignore_stop_signals
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
         return import_module(f"..{args.service}.{'loop' if args.service == 'learner' else 'server'}",
                              __package__).follower_main(cfg)
     problem = _serve_problem(cfg, args)
-    if args.nproc is not None and sharded is None:
-        problem = f"--nproc is for the learner and the critic (not the {args.service})"
-    if args.nproc is not None and args.nproc < 1:
-        problem = f"--nproc {args.nproc}: needs 1 or more"
     if problem:
         return _error(problem)
     if sharded is not None and sharded.nproc > 1:
@@ -314,7 +321,7 @@ def cmd_serve(args) -> int:
 
 def cmd_up(args) -> int:
     cfg = _load(args, data=True)
-    problem = _run_dir_problem(args.run_dir or cfg.run.run_dir)
+    problem = _run_dir_problem(cfg.run.run_dir)
     if problem:
         return _error(problem)
     from ..launcher import run_up

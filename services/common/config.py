@@ -198,9 +198,13 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+def parse_overrides(overrides: list | None) -> list[tuple[str, Any]]:
+    """`KEY=VALUE` strings (the value is YAML), or (key, value) pairs already typed (the CLI's flags)."""
     out = []
     for item in overrides or []:
+        if isinstance(item, tuple):
+            out.append(item)
+            continue
         if "=" not in item:
             raise ConfigError([f"--set {item!r}: expected key=value"])
         key, raw = item.split("=", 1)
@@ -211,7 +215,7 @@ def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     return out
 
 
-def config_from_dict(data: dict | None, overrides: list[str] | None = None) -> Config:
+def config_from_dict(data: dict | None, overrides: list | None = None) -> Config:
     data = dict(data or {})
     for key, value in parse_overrides(overrides):
         _set_path(data, key, value)
@@ -251,7 +255,7 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError([f"{p}: not valid YAML: {_yaml_error(e)}"]) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list | None = None) -> Config:
     data: dict = {}
     if path is not None:
         p = Path(path)

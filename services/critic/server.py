@@ -129,11 +129,10 @@ def follower_main(cfg) -> int:
     return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc)))
 
 
-def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = -1,
-          root: str | Path | None = None) -> GrpcService:
+def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
     """The critic service: loads the value model `critic` describes (or uses `critic`), restores the
-    newest complete checkpoint under `root` (default: `run.run_dir`) and serves gRPC. Ports default
-    to `rpc.critic`'s (metrics_port None = off)."""
+    newest complete checkpoint under `root` (default: `run.run_dir`), then binds `rpc.critic`'s
+    ports and serves gRPC."""
     def build():
         c = critic
         if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
@@ -144,8 +143,7 @@ def serve(cfg, critic=None, port: int | None = None, metrics_port: int | None = 
             from .critic import Critic
             c = Critic.from_config(cfg)
         ep = cfg.rpc.critic
-        server = RPCServer("critic", cfg.rpc, ep.port if port is None else port,
-                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+        server = RPCServer("critic", cfg.rpc, ep.port, ep.metrics_port, host=ep.host)
         servicer = CriticServicer(c, cfg, batch_size_histogram(server.metrics, "sequences"), root=root)
         servicer.restore_latest()
         critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)

@@ -530,15 +530,14 @@ def make_backend(cfg) -> GenerationBackend:
     return HFBackend(cfg.model.path, cfg.model.device)
 
 
-def serve(cfg, backend=None, port: int | None = None, metrics_port: int | None = -1) -> GrpcService:
-    """The generation service: loads the backend (or uses `backend`), serves gRPC, and in a
-    distributed run (`replay.url` set) registers in Redis and pulls the current policy before it
-    reports ready. `port`/`metrics_port` default to `rpc.generation`'s (None = metrics off)."""
+def serve(cfg, backend=None) -> GrpcService:
+    """The generation service: loads the backend (or uses `backend`), then binds `rpc.generation`'s
+    ports and serves gRPC; in a distributed run (`replay.url` set) it registers in Redis and pulls
+    the current policy before it reports ready."""
     def build():
         b = backend if backend is not None else make_backend(cfg)
         ep = cfg.rpc.generation
-        server = RPCServer("generation", cfg.rpc, ep.port if port is None else port,
-                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host)
+        server = RPCServer("generation", cfg.rpc, ep.port, ep.metrics_port, host=ep.host)
         store = None
         if cfg.replay.url:  # weights only from the learner the registry names (LearnerFence)
             from ..common.replay import ReplayStore

@@ -7,6 +7,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prometheus_client import CollectorRegistry
+
 from ..common.lifecycle import Service
 from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
@@ -67,18 +69,15 @@ def status_http(service, host: str, port: int, token: str | None = None) -> Thre
     return httpd
 
 
-
-
 class LearnerService(Service):
-    """`serve(cfg)`'s handle: start() builds the learner and serves gRPC (and HTTP status); it is
+    """`serve(cfg)`'s handle: start() builds the learner (loads the policy, the reference, the
+    optimiser), then binds its ports and serves gRPC (and HTTP status), like every service; it is
     ready once it has resumed and published the current policy; run() is the training loop."""
 
     name = "learner"
 
-    def __init__(self, cfg, run_dir=None, port: int | None = None, metrics_port: int | None = -1,
-                 http_port: int | None = -1):
+    def __init__(self, cfg, run_dir=None):
         self.cfg, self.run_dir = cfg, run_dir
-        self._port, self._metrics_port, self._http_port = port, metrics_port, http_port
         self.loop: LearnerLoop | None = None
         self.server: RPCServer | None = None
         self.http: ThreadingHTTPServer | None = None
@@ -86,17 +85,16 @@ class LearnerService(Service):
 
     def start(self) -> "LearnerService":
         cfg, ep = self.cfg, self.cfg.rpc.learner
-        self.server = RPCServer("learner", cfg.rpc, ep.port if self._port is None else self._port,
-                                ep.metrics_port if self._metrics_port == -1 else self._metrics_port, host=ep.host)
-        self.loop = LearnerLoop(cfg, self.run_dir, registry=self.server.metrics.registry)
+        registry = CollectorRegistry()  # the loop's metrics and the server's on one /metrics
+        self.loop = LearnerLoop(cfg, self.run_dir, registry=registry)
+        self.server = RPCServer("learner", cfg.rpc, ep.port, ep.metrics_port, host=ep.host, registry=registry)
         self.loop.address = advertised_address(cfg.rpc, ep.host, self.server.port)
         self.server.set_liveness(self.loop.liveness)  # gRPC health "" says what /healthz says
         learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(
             self.loop, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc)
         self.server.start()
-        hp = ep.http_port if self._http_port == -1 else self._http_port
-        if hp is not None:
-            self.http = status_http(self.loop, ep.host, hp, cfg.rpc.resolved_auth_token())
+        if ep.http_port is not None:
+            self.http = status_http(self.loop, ep.host, ep.http_port, cfg.rpc.resolved_auth_token())
         threading.Thread(target=self._report_ready, name="learner-ready", daemon=True).start()
         return self
 
@@ -138,7 +136,6 @@ class LearnerService(Service):
             self.loop.close()
 
 
-def serve(cfg, run_dir=None, port: int | None = None, metrics_port: int | None = -1,
-          http_port: int | None = -1) -> LearnerService:
-    """The learner service. Ports default to `rpc.learner`'s (None = off for metrics and HTTP)."""
-    return LearnerService(cfg, run_dir, port, metrics_port, http_port)
+def serve(cfg, run_dir=None) -> LearnerService:
+    """The learner service on `rpc.learner`'s ports (metrics and HTTP: null = off)."""
+    return LearnerService(cfg, run_dir)

@@ -259,10 +259,10 @@ class HTTPServerThread:
         self.thread.join(timeout=10)
 
 
-def serve(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
-          metrics_port: int | None = -1) -> GrpcService:
-    """The reward service: builds the scorer `reward` describes (or uses `scorer`), serves gRPC
-    and, unless the HTTP port is None, OpenRLHF's HTTP protocol. Ports default to `rpc.reward`'s."""
+def serve(cfg, scorer=None) -> GrpcService:
+    """The reward service: builds the scorer `reward` describes (or uses `scorer`), then binds
+    `rpc.reward`'s ports and serves gRPC and, unless `rpc.reward.http_port` is null, OpenRLHF's
+    HTTP protocol."""
     def build():
         from .scorer import build_eval_scorer
         registry = CollectorRegistry()
@@ -274,18 +274,16 @@ def serve(cfg, scorer=None, port: int | None = None, http_port: int | None = -1,
                               api_metrics=api_metrics)
         eval_scorer = build_eval_scorer(cfg.reward)  # before any port is bound: a bad rule name fails here
         ep = cfg.rpc.reward
-        server = RPCServer("reward", cfg.rpc, ep.port if port is None else port,
-                           ep.metrics_port if metrics_port == -1 else metrics_port, host=ep.host, registry=registry)
+        server = RPCServer("reward", cfg.rpc, ep.port, ep.metrics_port, host=ep.host, registry=registry)
         servicer = RewardServicer(sc, batch_size_histogram(server.metrics, "samples"), cfg.reward.max_text_chars,
                                   eval_scorer=eval_scorer)
         reward_pb2_grpc.add_RewardServicer_to_server(servicer, server.grpc)
         server.start()
         closers = []
-        hp = ep.http_port if http_port == -1 else http_port
-        if hp is not None:
+        if ep.http_port is not None:
             app = build_http_app(sc, cfg.rpc.resolved_auth_token(), strip_tokens=special_token_strings(cfg.model.path),
                                  max_text_chars=cfg.reward.max_text_chars, metrics=http_metrics)
-            http = HTTPServerThread(app, ep.host, hp)
+            http = HTTPServerThread(app, ep.host, ep.http_port)
             server.http_port = http.start()
             closers.append(http.stop)
         server.set_ready(True)

@@ -481,16 +481,15 @@ class RolloutService(Service):
 
     name = "rollout"
 
-    def __init__(self, cfg, name: str | None = None, metrics_port: int | None = -1, host: str | None = None):
-        self.cfg, self._name, self._metrics_port, self._host = cfg, name, metrics_port, host
+    def __init__(self, cfg, name: str | None = None):
+        self.cfg, self._name = cfg, name
         self.worker: RolloutWorker | None = None
         self.metrics_port: int | None = None
 
     def start(self) -> "RolloutService":
         self.worker = RolloutWorker(self.cfg, ReplayStore.from_config(self.cfg), name=self._name)
-        mp = self.cfg.rollout.metrics_port if self._metrics_port == -1 else self._metrics_port
-        if mp is not None:
-            self.metrics_port = self.worker.serve_metrics(mp, self._host or self.cfg.rpc.host)
+        if self.cfg.rollout.metrics_port is not None:
+            self.metrics_port = self.worker.serve_metrics(self.cfg.rollout.metrics_port, self.cfg.rpc.host)
         self.worker.heartbeat()
         return self
 
@@ -513,7 +512,7 @@ class RolloutService(Service):
         self.drain()
 
 
-def serve(cfg, name: str | None = None, metrics_port: int | None = -1, host: str | None = None) -> RolloutService:
+def serve(cfg, name: str | None = None) -> RolloutService:
     """A rollout worker (`replay.url` must be set). `name` is its consumer name (default
-    host-pid); `metrics_port` defaults to `rollout.metrics_port` (None = off)."""
-    return RolloutService(cfg, name, metrics_port, host)
+    host-pid); its /metrics is on `rollout.metrics_port` (null = off) at `rpc.host`."""
+    return RolloutService(cfg, name)

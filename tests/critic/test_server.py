@@ -12,7 +12,7 @@ from services.critic.client import CriticClient
 from services.critic.critic import Critic
 from services.critic.server import serve
 
-from tests.grpc_helpers import expect_code
+from tests.grpc_helpers import expect_code, on_free_ports
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +22,14 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cfg, root):
-    with serve(cfg, port=0, metrics_port=None, root=root) as svc:
+    with serve(on_free_ports(cfg, "critic"), root=root) as svc:
         yield svc.server
 
 
 @pytest.fixture()
 def fresh(cfg, tmp_path):
     """A critic server of its own on an empty checkpoint root (tmp_path/'run'); yields a client."""
-    with serve(cfg, port=0, metrics_port=None, root=tmp_path / "run") as svc:
+    with serve(on_free_ports(cfg, "critic"), root=tmp_path / "run") as svc:
         c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         yield c
         c.close()
@@ -101,7 +101,7 @@ def test_huge_targets_are_refused_and_the_critic_stays_finite(fresh):
 def test_a_non_finite_step_is_refused_not_taken(cfg, tmp_path):
     """With the bound lifted, the loss overflows to inf: the step is refused, not taken."""
     loose = cfg.model_copy(update={"critic": cfg.critic.model_copy(update={"max_abs_target": 1e39})})
-    with serve(loose, port=0, metrics_port=None, root=tmp_path) as svc:
+    with serve(on_free_ports(loose, "critic"), root=tmp_path) as svc:
         c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         b = _batch()
         before = c.values(b)
@@ -174,7 +174,7 @@ def test_info_names_the_incarnation_and_the_loaded_checkpoint(fresh):
 def test_a_restarted_critic_resumes_from_the_newest_complete_checkpoint(cfg, tmp_path):
     b = _batch()
     run = tmp_path / "run"
-    with serve(cfg, port=0, metrics_port=None, root=run) as svc:
+    with serve(on_free_ports(cfg, "critic"), root=run) as svc:
         c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         first = c.info().incarnation
         for it in (1, 2, 3):
@@ -185,12 +185,12 @@ def test_a_restarted_critic_resumes_from_the_newest_complete_checkpoint(cfg, tmp
                 expected = c.values(b)
         (run / "checkpoints" / "iter_000004").mkdir()
         (run / "checkpoints" / "iter_000004" / "learner.pt").write_bytes(b"")  # no critic/
-    with serve(cfg, port=0, metrics_port=None, root=run) as svc:
+    with serve(on_free_ports(cfg, "critic"), root=run) as svc:
         c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         info = c.info()
         assert (info.step, info.loaded_from) == (2, "checkpoints/iter_000002/critic")
         assert info.incarnation != first
         assert torch.equal(c.values(b), expected)
-    with serve(cfg, port=0, metrics_port=None, root=tmp_path / "empty") as svc:
+    with serve(on_free_ports(cfg, "critic"), root=tmp_path / "empty") as svc:
         info = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).info()
         assert (info.step, info.loaded_from) == (0, "")

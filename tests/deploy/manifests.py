@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -314,14 +315,14 @@ def resolve(workload: dict, container: dict, docs, tmp_path: Path) -> list[Resol
             capsys.readouterr()
             try:
                 cfg = cli._load(args, data=args.service == "learner")
-                rc = cli.main(["config", "validate", str(local), *[a for o in args.overrides for a in ("--set", o)]])
+                # each flag is a shorthand for one --set: `config validate` with them as --set agrees
+                sets = [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in cli.flag_overrides(args))]
+                rc = cli.main(["config", "validate", str(local), *[a for o in sets for a in ("--set", o)]])
             except SystemExit as e:
                 raise AssertionError(f"{argv}: config rejected (exit {e.code}):\n{capsys.readouterr().err}") from None
             printed = capsys.readouterr().out
             assert rc == 0 and printed == dump_config(cfg)
-            for flag, value, off in (("--port", args.port, False), ("--metrics-port", args.metrics_port, True),
-                                     ("--http-port", args.http_port, True)):
-                assert cli._port_problem(flag, value, off) is None
+            assert cli._flag_problem(args) is None
             out.append(Resolved(workload, container, env, argv, args, cfg, yaml.safe_load(printed)))
     return out
 

@@ -52,18 +52,16 @@ def test_every_rlhf_container_parses_and_validates(overlay, resolved):
 
 @pytest.mark.parametrize("overlay", m.OVERLAYS)
 def test_ports_bound_are_the_ports_probed_and_served(overlay, resolved, docs):
-    from services.cli import _port
     objs = docs[overlay]
     for name, r in _serving(resolved, overlay).items():
         ports = {p["name"]: p["containerPort"] for p in r.container["ports"]}
         if name == "rollout":
-            assert ports == {"metrics": _port(r.args.metrics_port, r.cfg.rollout.metrics_port)}
+            assert ports == {"metrics": r.cfg.rollout.metrics_port}
             continue
-        ep = getattr(r.cfg.rpc, name)
-        bound = {"grpc": ep.port if r.args.port is None else r.args.port,
-                 "metrics": _port(r.args.metrics_port, ep.metrics_port)}
+        ep = getattr(r.cfg.rpc, name)  # the flags (--port, --metrics-port...) are in the config
+        bound = {"grpc": ep.port, "metrics": ep.metrics_port}
         if name in ("reward", "learner"):
-            bound["http"] = _port(r.args.http_port, ep.http_port)
+            bound["http"] = ep.http_port
         assert ports == bound, name
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             p = r.container[probe]
@@ -92,8 +90,8 @@ def test_services_agree_and_dial_what_exists(overlay, resolved, docs):
         assert url.port in [p["port"] for p in redis_svc["spec"]["ports"]] and url.path == "/0"
         assert url.password is None  # the password comes from the Secret, not the URL
         assert m.component(redis_svc) == "redis"
-        # the servers the workers and the learner dial by name
-        for dep in ("reward", "critic"):
+        # the servers the workers and the learner dial by name (a server's own host is the one it binds)
+        for dep in {"reward", "critic"} - {name}:
             ep = getattr(r.cfg.rpc, dep)
             assert ep.port in [p["port"] for p in m.one(objs, "Service", ep.host)["spec"]["ports"]], (name, dep)
     assert serving["learner"].cfg.needs_critic

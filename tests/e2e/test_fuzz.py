@@ -33,7 +33,7 @@ from services.common.rpc import health
 from services.common.rpc.server import RPCServer
 
 from tests.e2e.fuzz_requests import Fuzz, summary
-from tests.grpc_helpers import TOKEN
+from tests.grpc_helpers import TOKEN, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 20250101
@@ -87,7 +87,7 @@ def pb(tmp_path_factory):
 class FakeLearner:
     """What LearnerServicer needs of the learner: a status and the latest weights snapshot."""
 
-    run_id, epoch = "fuzz-run", 1
+    run_id, fence_epoch = "fuzz-run", 1
 
     def __init__(self, state):
         self.broadcaster = type("Broadcaster", (), {"snapshot": (3, state)})()
@@ -111,9 +111,9 @@ def servers(cfg, tmp_path_factory):
     (work / "a-file").write_text("not a directory\n")
     with pytest.MonkeyPatch.context() as mp, contextlib.ExitStack() as stack:
         mp.chdir(work)
-        gen = stack.enter_context(serve_generation(cfg, port=0, metrics_port=None))
-        rew = stack.enter_context(serve_reward(cfg, port=0, http_port=None, metrics_port=None))
-        cri = stack.enter_context(serve_critic(cfg, port=0, metrics_port=None))
+        gen = stack.enter_context(serve_generation(on_free_ports(cfg, "generation")))
+        rew = stack.enter_context(serve_reward(on_free_ports(cfg, "reward")))
+        cri = stack.enter_context(serve_critic(on_free_ports(cfg, "critic")))
         state = {k: v.clone() for k, v in gen.servicer.backend.model.state_dict().items()}
         learner = RPCServer("learner", cfg.rpc, port=0, host="127.0.0.1")
         learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(FakeLearner(state)), learner.grpc)

@@ -9,6 +9,7 @@ import pytest
 from services.common.config import config_from_dict
 from services.generation.client import GenerationClient
 from services.generation.server import make_backend, serve
+from tests.grpc_helpers import on_free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ def test_vllm_not_installed_is_a_one_line_error_saying_how_to_install(tiny_model
 
 def test_get_info_reports_the_engine_that_serves(tiny_model_dir):
     cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}})
-    with serve(cfg, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "generation")) as svc:
         info = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).info()
     assert info.backend == "hf" and info.engine_version.startswith("transformers ")
     assert info.dtype == "float32" and info.device == "cpu"

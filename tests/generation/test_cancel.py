@@ -16,7 +16,7 @@ from services.generation.backend import GenerationStopped
 from services.generation.client import IDEMPOTENCY_KEY, GenerationClient
 from services.generation.server import InFlight, serve
 
-from tests.grpc_helpers import TOKEN
+from tests.grpc_helpers import TOKEN, on_free_ports
 
 MAX_NEW = 64
 # temperature 10 samples nearly uniformly: among 512 rows some never draw EOS, so the uncancelled
@@ -90,7 +90,7 @@ class Calls:
 
 @pytest.fixture(scope="module")
 def served(cfg):
-    with serve(cfg, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "generation")) as svc:
         c = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         calls = Calls(svc.servicer.backend)
         yield svc.servicer, c, calls

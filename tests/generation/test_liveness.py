@@ -21,7 +21,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.generation.vllm_backend import VLLMBackend
 
-from tests.grpc_helpers import expect_code
+from tests.grpc_helpers import expect_code, on_free_ports
 
 
 class FakeEngine:
@@ -87,7 +87,7 @@ def fake_vllm_backend(model_dir: str) -> VLLMBackend:
 @pytest.fixture
 def served(cfg, tiny_model_dir):
     backend = fake_vllm_backend(tiny_model_dir)
-    with serve(cfg, backend=backend, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "generation"), backend=backend) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         yield svc, backend, client
         client.close()
@@ -161,7 +161,7 @@ def test_readiness_goes_off_during_a_swap_while_liveness_stays_on(cfg):
         release.wait(30)
         return real(*a, **kw)
     backend.generate = slow_generate
-    with serve(cfg, backend=backend, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "generation"), backend=backend) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         try:
             t = threading.Thread(target=client.generate, args=([[1, 4, 5]], SamplingParams(max_new_tokens=2)))

@@ -20,7 +20,7 @@ from services.generation.client import GenerationClient
 from services.weights.stream import weight_chunks
 from services.generation.server import serve
 
-from tests.grpc_helpers import TOKEN, expect_code, restream
+from tests.grpc_helpers import TOKEN, expect_code, restream, on_free_ports
 
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 # vLLM's CPU build: float32 (the learner's dtype), no graph capture, a small KV cache
@@ -56,7 +56,7 @@ class Served:
 @pytest.fixture(scope="module", params=BACKENDS)
 def server(request, cfg, tiny_model_dir):
     state = {k: v.clone() for k, v in load_causal_lm(tiny_model_dir).state_dict().items()}
-    with serve(backend_cfg(cfg, request.param), port=0, metrics_port=0) as svc:
+    with serve(on_free_ports(backend_cfg(cfg, request.param), "generation", metrics=True)) as svc:
         yield Served(svc.server, svc.servicer, state)
 
 
@@ -392,8 +392,9 @@ def test_a_seed_repeats_its_samples_and_n_samples_differ(client):
 @pytest.fixture(scope="module")
 def small_server(cfg):
     """A server that allows 200 token positions per request."""
-    with serve(config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "max_request_tokens": 200}}),
-               port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(),
+                                                                           "max_request_tokens": 200}}),
+                             "generation")) as svc:
         c = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         yield svc.servicer, c
         c.close()
@@ -476,8 +477,8 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
 
 def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
     """The hf backend's window: calls that arrive together share a backend batch."""
-    with serve(config_from_dict({**cfg.model_dump(), "generation": {
-            "batch_window_ms": 200, "max_batch_size": 64}}), port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(config_from_dict({**cfg.model_dump(), "generation": {
+            "batch_window_ms": 200, "max_batch_size": 64}}), "generation")) as svc:
         srv, servicer = svc.server, svc.servicer
         c = GenerationClient(f"127.0.0.1:{srv.port}", cfg.rpc)
         before = servicer.batcher.batches

@@ -12,6 +12,7 @@ from services.generation.server import serve as serve_generation
 from services.learner.client import LearnerClient
 from services.learner.server import serve as serve_learner
 from services.reward.server import serve as serve_reward
+from tests.grpc_helpers import on_free_ports
 
 
 @pytest.fixture
@@ -26,9 +27,9 @@ def cfg(tiny_model_dir, redis_server, tmp_path):
 
 
 def test_learner_reports_ready_serves_pulls_and_drains(cfg):
-    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as reward:
+    with serve_reward(on_free_ports(cfg, "reward")) as reward:
         cfg.rpc.reward.port = reward.server.port
-        with serve_generation(cfg, port=0, metrics_port=None), serve_learner(cfg) as learner:
+        with serve_generation(on_free_ports(cfg, "generation")), serve_learner(cfg) as learner:
             address = f"127.0.0.1:{learner.server.port}"
             assert health.check(address, "")  # alive
             assert not health.check(address, "rlhf.v1.Learner")  # not ready before it has resumed

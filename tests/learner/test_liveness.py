@@ -16,6 +16,7 @@ from services.generation.server import serve as serve_generation
 from services.learner.liveness import LIVENESS_FLOOR_S, Beating, Heartbeat, liveness_bound_s
 from services.learner.server import serve as serve_learner, status_http
 from services.reward.server import serve as serve_reward
+from tests.grpc_helpers import on_free_ports
 
 
 class Clock:
@@ -120,9 +121,9 @@ def _wait_for(predicate, timeout_s: float) -> bool:
 
 
 def test_a_waiting_learner_is_alive_and_a_frozen_one_fails_liveness_within_the_bound(cfg):
-    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as reward:
+    with serve_reward(on_free_ports(cfg, "reward")) as reward:
         cfg.rpc.reward.port = reward.server.port
-        with serve_generation(cfg, port=0, metrics_port=None), serve_learner(cfg) as learner:
+        with serve_generation(on_free_ports(cfg, "generation")), serve_learner(cfg) as learner:
             healthz = f"http://127.0.0.1:{learner.endpoints()['http_port']}/healthz"
             address = f"127.0.0.1:{learner.server.port}"
             service = learner.loop

@@ -16,6 +16,7 @@ from services.learner.broadcast import WeightBroadcaster
 from services.learner.ppo_step import PolicyTrainer
 
 from tests.weights.test_publisher import Registry, _serves, with_shm
+from tests.grpc_helpers import on_free_ports
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ class _Registry(Registry):
 
 def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner, tiny_model_dir, tmp_path):
     local, remote = with_shm(cfg, tmp_path / "shm"), with_shm(cfg, tmp_path / "elsewhere")
-    servers = [serve(c, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None).start()
+    servers = [serve(on_free_ports(c, "generation"), backend=HFBackend(tiny_model_dir, "cpu")).start()
                for c in (local, remote, remote, remote)]
     # 0: co-located, fresh (model.path); 1: remote, fresh; 2: a vLLM server (whole policies only);
     # 3: its weights came from another run
@@ -100,7 +101,7 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
 
 
 def test_without_lora_every_push_is_full(cfg, tiny_model_dir):
-    with serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as svc:
         state = {k: v + 0.01 for k, v in svc.servicer.backend.model.state_dict().items()}
         learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False,
                                   policy_delta_state_dict=lambda: {})

@@ -16,7 +16,7 @@ from services.common.types import RewardSample, ScoreResult
 from services.reward.scorer import CombinedScorer, RuleScorer
 from services.reward.server import serve
 
-from tests.grpc_helpers import TOKEN, expect_code
+from tests.grpc_helpers import TOKEN, expect_code, on_free_ports
 
 
 class FlakyRewardAPI:
@@ -114,7 +114,7 @@ def test_http_scorer_batches_and_limits_concurrency(api):
 def reward_server(cfg, api):
     scorer = CombinedScorer([("rules", 1.0, RuleScorer([("exact_match", 1.0, {}), ("edit_distance", 0.5, {})])),
                              ("http", 0.1, HTTPScorer(api.url, timeout_s=1.5, retries=1, backoff_s=0.01))])
-    with serve(cfg, scorer, port=0, http_port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "reward", http=True), scorer) as svc:
         yield svc.server
 
 
@@ -193,7 +193,7 @@ def _handled(server, method: str) -> float:
 
 def test_grpc_score_stops_when_the_deadline_passes(cfg):
     scorer = SlowScorer()
-    with serve(cfg, scorer, port=0, http_port=None, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "reward"), scorer) as svc:
         c = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc, timeout_s=1.0)
         t0 = time.monotonic()
         expect_code(lambda: c.score([RewardSample("p", "r")] * 20_000), grpc.StatusCode.DEADLINE_EXCEEDED)

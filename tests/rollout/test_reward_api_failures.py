@@ -27,6 +27,7 @@ from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
 
 from tests.reward.fault_api import FaultAPI
+from tests.grpc_helpers import on_free_ports
 
 GROUP = 2
 _ns = itertools.count()
@@ -65,8 +66,8 @@ class System:
 
     def __init__(self, cfg, n=4):
         self.cfg = cfg
-        self._reward, self._generation = serve_reward(cfg, port=0, http_port=None, metrics_port=None), \
-            serve_generation(cfg, port=0, metrics_port=None)
+        self._reward, self._generation = serve_reward(on_free_ports(cfg, "reward")), \
+            serve_generation(on_free_ports(cfg, "generation"))
         self.reward = self._reward.__enter__()
         cfg.rpc.reward.port = self.reward.server.port
         self.generation = self._generation.__enter__()

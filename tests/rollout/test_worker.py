@@ -20,6 +20,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
+from tests.grpc_helpers import on_free_ports
 
 GROUP = 2
 _ns = itertools.count()
@@ -48,7 +49,7 @@ def _cfg(model_dir, url, namespace, reward_port=0, **over):
 @pytest.fixture(scope="module")
 def reward_port(model_dir):
     cfg = _cfg(model_dir, None, "unused")
-    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as svc:
+    with serve_reward(on_free_ports(cfg, "reward")) as svc:
         yield svc.server.port
 
 
@@ -65,7 +66,7 @@ def make_cfg(model_dir, redis_server, reward_port):
 
 
 def _generation(cfg):
-    return serve_generation(cfg, port=0, metrics_port=None)
+    return serve_generation(on_free_ports(cfg, "generation"))
 
 
 def _addr(svc) -> str:

@@ -21,7 +21,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
 
-from tests.grpc_helpers import expect_code
+from tests.grpc_helpers import expect_code, on_free_ports
 
 DEADLINE_S = 2.0
 
@@ -43,7 +43,7 @@ def busy_server(short_cfg, tiny_model_dir):
         release.wait(60)
         return real(*a, **kw)
     backend.generate = slow_generate
-    with serve(short_cfg, backend=backend, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(short_cfg, "generation"), backend=backend) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", short_cfg.rpc, timeout_s=60)
         t = threading.Thread(target=client.generate, args=([[1, 4, 5]], SamplingParams(max_new_tokens=2)))
         t.start()
@@ -123,7 +123,7 @@ def test_a_push_waiting_for_an_earlier_update_names_that_phase(short_cfg, busy_s
 
 
 def test_a_registry_that_does_not_answer_after_a_push_is_logged_with_its_phase(cfg, tiny_model_dir, caplog):
-    with serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as svc:
         address = f"127.0.0.1:{svc.server.port}"
         state = {k: v.clone() for k, v in svc.servicer.backend.model.state_dict().items()}
 

@@ -6,12 +6,13 @@ import torch
 
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
+from tests.grpc_helpers import on_free_ports
 
 
 def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_model_dir):
     from services.generation.backend import HFBackend
-    with serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None) as a, \
-            serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None) as b:
+    with serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as a, \
+            serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as b:
         state = {k: v.clone() + 0.01 for k, v in a.servicer.backend.model.state_dict().items()}
         servers = [f"127.0.0.1:{a.server.port}", "127.0.0.1:1", f"127.0.0.1:{b.server.port}"]
         beats = []

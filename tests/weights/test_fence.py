@@ -23,7 +23,7 @@ from services.weights.fence import LearnerFence
 from services.weights.stream import weight_chunks
 from services.generation.server import serve
 
-from tests.grpc_helpers import expect_code
+from tests.grpc_helpers import expect_code, on_free_ports
 
 NOT_THE_LEARNER = "push from a writer that is not the run's learner"
 _ns = itertools.count()
@@ -35,7 +35,7 @@ def fenced(cfg, redis_server):
                                                          "heartbeat_s": 60}})
     store = ReplayStore.from_config(c)
     store.reset()
-    with serve(c, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(c, "generation")) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", c.rpc)
         yield svc.servicer, store, client, c
         client.close()

@@ -19,7 +19,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
 
-from tests.grpc_helpers import expect_code
+from tests.grpc_helpers import expect_code, on_free_ports
 
 
 def with_shm(cfg, directory):
@@ -45,7 +45,7 @@ class Registry:
 
 
 def _server(cfg, tiny_model_dir):
-    return serve(cfg, backend=HFBackend(tiny_model_dir, "cpu"), port=0, metrics_port=None)
+    return serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu"))
 
 
 def _state(svc, shift):

@@ -17,7 +17,7 @@ from services.common.types import SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 
-from tests.grpc_helpers import TOKEN
+from tests.grpc_helpers import TOKEN, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -72,7 +72,7 @@ def test_tls(cfg, tmp_path):
                    check=True, capture_output=True)
     tls_cfg = config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "tls_cert_file": str(cert),
                                                              "tls_key_file": str(key)}})
-    with serve(tls_cfg, port=0, metrics_port=None) as svc:
+    with serve(on_free_ports(tls_cfg, "generation")) as svc:
         srv = svc.server
         secure = GenerationClient(f"localhost:{srv.port}", tls_cfg.rpc)
         assert secure.info().vocab_size > 0

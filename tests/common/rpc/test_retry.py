@@ -13,6 +13,7 @@ from services.common.rpc.retry import DependencyUnavailable, Retrying
 from services.common.types import RewardSample
 from services.reward.client import RewardClient
 from services.reward.server import serve as serve_reward
+from tests.grpc_helpers import on_free_ports
 
 
 def _cfg(tiny_model_dir, port, **rpc):
@@ -35,7 +36,7 @@ def test_a_call_waits_for_a_restarting_server_and_says_what_it_waits_for(tiny_mo
     time.sleep(1.0)  # the call has been failing for a second: nothing listens yet
     assert caller.is_alive() and "scores" not in result
     assert waits and waits[-1].startswith(f"waiting for the reward server at 127.0.0.1:{port} (UNAVAILABLE")
-    with serve_reward(cfg, port=port, http_port=None, metrics_port=None):
+    with serve_reward(cfg):  # on the port the client dials (the config's, metrics and HTTP off)
         caller.join(timeout=30)
         assert not caller.is_alive()
     assert result["scores"][0].reward > 0
@@ -62,7 +63,7 @@ def test_it_gives_up_after_the_wait_or_at_once_when_stopping(tiny_model_dir):
 
 def test_a_refused_request_is_not_repeated(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, 0)
-    with serve_reward(cfg, port=0, http_port=None, metrics_port=None) as svc:
+    with serve_reward(on_free_ports(cfg, "reward")) as svc:
         calls = []
         inner = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         real = inner.score
