@@ -92,6 +92,7 @@ def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, re
     from services.common.config import config_from_dict
     from services.common.distributed import follow, from_env, release_followers
     from services.learner.ppo_step import PolicyTrainer
+    from services.learner.sharded import ShardedPolicyTrainer
     cfg = config_from_dict({"model": {"path": model_dir, "device": device, "bf16": bf16}, "adv_estimator": "grpo",
                             "num_return_sequences_in_group": 2, "rollout_batch_size": sequences // 2,
                             "ppo_mini_batch_size": sequences, "prompt_length": prompt,
@@ -99,7 +100,8 @@ def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, re
     dist = from_env(device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     if fsdp and dist is None:
         dist = one_process_group(device)
-    learner = PolicyTrainer(cfg, total_updates=steps + 1, dist=dist)
+    learner = PolicyTrainer(cfg, total_updates=steps + 1) if dist is None \
+        else ShardedPolicyTrainer(cfg, total_updates=steps + 1, dist=dist)
     loaded = {"peak_rss_after_load_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "rss_after_load_mb": _rss_mb()}
     rank = dist.rank if dist else 0

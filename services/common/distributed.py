@@ -1,5 +1,5 @@
 """A model trained across N processes (GPUs), sharded with FSDP2: the learner's actor and
-reference, and the critic server's value model (services/critic/sharded.py).
+reference (services/learner/sharded.py), and the critic server's value model (services/critic/sharded.py).
 
     rlhf serve learner -c FILE --nproc 2      (or model.nproc: 2; or torchrun --nproc-per-node 2)
     rlhf serve critic -c FILE --nproc 2       (or critic.nproc: 2)
@@ -7,7 +7,7 @@ reference, and the critic server's value model (services/critic/sharded.py).
 For the learner, rank 0 is the learner service: it reads the replay buffer, owns the ledger, pushes weights,
 evaluates and serves gRPC. Ranks 1..N-1 are followers: they hold their shards of the model and
 of the optimiser state, and run the calls rank 0 announces (`collective` methods of
-`PolicyTrainer`: a step on a batch, a full state dict for a push, a sharded save or load) on a
+`ShardedPolicyTrainer`: a step on a batch, a full state dict for a push, a sharded save or load) on a
 control channel (a gloo group that waits as long as rank 0 waits for data). Each rank computes
 its share of every batch's rows; FSDP2 averages the gradients, so an update equals the
 single-process one on the same batch.
@@ -148,9 +148,9 @@ def micro_batches(n: int, micro: int, d: "Dist | None" = None) -> list[tuple[tor
 
 
 def collective(method):
-    """A `PolicyTrainer` method every rank must run together: rank 0 announces it (its arguments
-    with it) before running it; followers run what they receive (`follow`). Arguments named in
-    `local_kwargs` stay on rank 0 (the critic client)."""
+    """A `ShardedPolicyTrainer` or `ShardedCritic` method every rank must run together: rank 0
+    announces it (its arguments with it) before running it; followers run what they receive
+    (`follow`). Arguments named in `local_kwargs` stay on rank 0 (the critic client)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.distributed import micro_batches
 from ..common.modeling import TokenBatch, build_token_batch, response_log_probs, widen
 from ..common.padding import pad_right
 from ..common.types import Rollout
@@ -36,22 +35,19 @@ def forward_in_micro_batches(learner, forward, batch: TokenBatch) -> dict[str, t
     """`forward(micro_batch)` without gradients over `batch`, in micro-batches of
     `log_prob_micro_batch_size` rows with their padding columns trimmed; each (b, t, ...) output
     widened back and joined into (B, T, ...). With N processes each runs its share of the rows
-    and every process gets the whole result."""
+    and every process gets the whole result (the trainer's `micro_batches` and `gather_rows`)."""
     n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
-    dist = learner.dist
     parts: dict[str, list[torch.Tensor]] = {}
     progress = getattr(learner, "on_progress", None) or (lambda: None)
     with torch.no_grad(), learner.autocast():
-        for rows, real in micro_batches(n, learner.log_prob_micro, dist):
+        for rows, real in learner.micro_batches(n, learner.log_prob_micro):
             out = forward(batch.select(rows).trimmed())
             progress()
             for k, v in out.items():
                 v = widen(v, width)
                 parts.setdefault(k, []).append(v if real else v[:0])
     joined = {k: torch.cat(v) for k, v in parts.items()}
-    if dist is None:
-        return joined
-    return {k: dist.gather_rows(v.contiguous(), n) for k, v in joined.items()}
+    return {k: learner.gather_rows(v, n) for k, v in joined.items()}
 
 
 def make_experience(learner, rollout: Rollout) -> Experience:

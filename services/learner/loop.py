@@ -44,6 +44,7 @@ from .intake import TrajectoryIntake
 from .liveness import Beating, Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PolicyTrainer, ptx_examples_for
+from .sharded import ShardedPolicyTrainer
 from ..training.loop import Batch, TrainingLoop
 from ..training.schedule import Schedule, Tick, planned_updates
 from ..training.watch import Verdict
@@ -70,8 +71,8 @@ def follower_main(cfg) -> int:
     if cfg.ptx_coef:  # the PTX examples are the labelled training prompts, as on rank 0
         tokenizer = load_tokenizer(cfg.model.path)
         ptx = ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer))
-    learner = PolicyTrainer(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx,
-                         dist=from_env(cfg.model.device, cfg.model.nproc))
+    learner = ShardedPolicyTrainer(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx,
+                                   dist=from_env(cfg.model.device, cfg.model.nproc))
     return follow(learner)
 
 
@@ -139,9 +140,12 @@ class LearnerLoop(TrainingLoop):
         self.tokenizer = load_tokenizer(cfg.model.path)
         train = train_prompts(cfg, self.tokenizer)
         self.held_out = config_prompts(cfg, "eval", self.tokenizer)
-        self.learner = PolicyTrainer(cfg, total_updates=planned_updates(cfg),
-                                  ptx_examples=ptx_examples_for(cfg, self.tokenizer, train),
-                                  dist=from_env(cfg.model.device, cfg.model.nproc) if cfg.model.nproc > 1 else None)
+        updates, ptx = planned_updates(cfg), ptx_examples_for(cfg, self.tokenizer, train)
+        if cfg.model.nproc > 1:  # rank 0 of the group (`follower_main` builds the others')
+            self.learner = ShardedPolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx,
+                                                dist=from_env(cfg.model.device, cfg.model.nproc))
+        else:
+            self.learner = PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx)
         self.learner.on_progress = self.heartbeat  # each micro-batch forward and optimiser step
         self.critic = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server

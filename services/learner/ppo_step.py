@@ -11,6 +11,11 @@ The in-process trainer and the learner service both call `PolicyTrainer.step`; t
 object with `train_step` (the in-process `Critic`, a gRPC client, or `OverlappedCritic`, whose
 steps are futures so the critic server trains while the actor does; `update` waits for all of
 them before it returns).
+
+This is the one-process trainer; `sharded.py` has `ShardedPolicyTrainer`, the same trainer with
+its models sharded across processes (FSDP2, model.nproc > 1). The update and the experience
+reach the other processes only through the trainer's `world`, `micro_batches`, `all_sum` and
+`gather_rows`, which here are one process's.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..training.data import sft_examples
-from ..common.distributed import collective
+from ..common.distributed import micro_batches
 from ..weights.hostcopy import to_host
 from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
                                resolve_device)
@@ -49,19 +54,12 @@ class PolicyTrainer:
 
     on_progress = None  # called at each micro-batch forward and optimiser step (the learner service's heartbeat)
 
-    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None, dist=None):
+    sharded = False  # ShardedPolicyTrainer: the actor and its optimiser state split across processes
+
+    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None):
         self.cfg = cfg
-        self.dist = dist  # `distributed.Dist` when the actor is sharded across processes (FSDP2)
-        self.device = resolve_device(cfg.model.device)
-        if dist is not None:
-            self.device = dist.device
-            if cfg.model.lora.rank > 0:
-                raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
-                                 "fits one device train in one process (model.nproc: 1)")
-        if dist is None:
-            self.policy = load_causal_lm(cfg.model.path, self.device)
-        else:  # loaded by rank 0 on the CPU, broadcast into every process's shards on its device
-            self.policy = self._load_sharded()
+        self.device = self._device()
+        self.policy = self._load_model()
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
         if self.lora:
@@ -75,11 +73,7 @@ class PolicyTrainer:
             if self.lora:
                 self.policy.enable_input_require_grads()
         self.needs_ref = (cfg.use_kl_loss or cfg.add_token_level_kl) and cfg.ref_model != "policy"
-        self.ref = None
-        if self.needs_ref and not self.lora and dist is None:  # with LoRA: the base with adapters off
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        if dist is not None and self.needs_ref:  # after the policy: one full copy on the host at a time
-            self.ref = self._load_sharded().eval().requires_grad_(False)
+        self.ref = self._reference()
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
                                            weight_decay=cfg.weight_decay)
@@ -102,11 +96,37 @@ class PolicyTrainer:
         micro = cfg.micro_batch_size or cfg.ppo_mini_batch_size
         self.log_prob_micro = cfg.log_prob_micro_batch_size or micro  # rows per no-grad forward
 
-    def _load_sharded(self):
-        from ..common.distributed import load_and_shard
-        from ..common.modeling import empty_causal_lm
-        path = self.cfg.model.path
-        return load_and_shard(lambda: load_causal_lm(path, "cpu"), lambda: empty_causal_lm(path), self.dist)
+    # ---------------------------------------------------------------- the models (ShardedPolicyTrainer overrides)
+    def _device(self) -> torch.device:
+        return resolve_device(self.cfg.model.device)
+
+    def _load_model(self) -> torch.nn.Module:
+        """The SFT model (`model.path`) on this trainer's device: the policy's starting weights."""
+        return load_causal_lm(self.cfg.model.path, self.device)
+
+    def _reference(self) -> torch.nn.Module | None:
+        """The frozen reference model, if the KL terms need one: a copy of the policy as loaded
+        (with LoRA none: the reference is the base with the adapters off)."""
+        if self.needs_ref and not self.lora:
+            return copy.deepcopy(self.policy).eval().requires_grad_(False)
+        return None
+
+    # ---------------------------------------------------------------- the processes (ShardedPolicyTrainer overrides)
+    # one process: every row of a batch is here; sharded, each process runs its share of the rows
+    world = 1  # FSDP averages the processes' gradients: each one's loss is scaled up by this
+
+    def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
+        """The row positions of each micro-batch of at most `size` rows (of `n`) this process runs,
+        and whether it counts (`distributed.micro_batches`)."""
+        return micro_batches(n, size)
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums of `values` over the processes."""
+        return values
+
+    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        """The (n, ...) tensor of every process's rows (`local`: this process's micro-batches' rows)."""
+        return local
 
     def fuses_old_log_probs(self, batch_size: int) -> bool:
         """Whether a batch of `batch_size` takes its old log-probs from the training forward: true
@@ -133,7 +153,6 @@ class PolicyTrainer:
     def update(self, exp: Experience, critic=None) -> dict:
         return run_update(self, exp, critic)
 
-    @collective
     def step(self, rollout: Rollout, critic=None) -> dict:
         exp = self.make_experience(rollout)
         metrics = dict(exp.metrics)
@@ -141,13 +160,8 @@ class PolicyTrainer:
         return metrics
 
     # ---------------------------------------------------------------- weights and state
-    @collective
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full policy weights under the plain model's names (LoRA merged in), on the CPU. Sharded:
-        gathered on rank 0 (the other ranks get {})."""
-        if self.dist is not None:
-            from ..common.distributed import full_state_dict
-            return full_state_dict(self.policy, pinned=True)
+        """Full policy weights under the plain model's names (LoRA merged in), on the CPU."""
         if not self.lora:
             return to_host(self.policy.state_dict())  # from a GPU through page-locked memory
         return merged_state_dict(self.policy)
@@ -158,18 +172,9 @@ class PolicyTrainer:
         `policy_state_dict`); every other tensor is the frozen base. Without LoRA, the full state."""
         return merged_lora_weights(self.policy) if self.lora else self.policy_state_dict()
 
-    @collective
     def save_policy(self, path: str | Path, tokenizer=None) -> None:
         path = Path(path)
         model = self.policy
-        if self.dist is not None:  # the gathered weights, written by rank 0
-            from ..common.distributed import full_state_dict
-            state = full_state_dict(self.policy)
-            if self.dist.main:
-                self.policy.save_pretrained(str(path), state_dict=state)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(str(path))
-            return
         if self.lora:  # the merged model, and the adapter itself in adapter/ (what PEFT loads)
             self.policy.save_pretrained(str(path / ADAPTER_DIR))
             model = copy.deepcopy(self.policy).merge_and_unload()
@@ -177,41 +182,38 @@ class PolicyTrainer:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
 
-    @property
-    def sharded(self) -> bool:
-        return self.dist is not None
-
     def state_dict(self) -> dict:
         """The learner's state. A sharded learner leaves the actor and its optimiser state out:
         `save_actor` writes them, each process its shards."""
-        actor = {} if self.sharded else {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
-        return {**actor, "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+        return {**self._actor_state(), "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
                 "reward_stats": self.reward_stats.state_dict(), "version": self.version,
                 "rng": self.rng.getstate()}
 
-    @collective
+    def _actor_state(self) -> dict:
+        return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
+
     def save_actor(self, path: str | Path) -> None:
         """The actor and its optimiser state as a torch.distributed.checkpoint directory (every
         process writes its shards; any number of processes loads it)."""
         from ..common.distributed import save_sharded
         save_sharded(self.policy, self.optimizer, Path(path))
 
-    @collective
     def load_state_dict(self, state: dict, actor: str | Path | None = None) -> None:
         """Restore `state_dict()`; the actor from `state` (a one-process checkpoint) or from the
         directory `actor` (`save_actor`'s, written by any number of processes)."""
-        from ..common.distributed import load_full, load_sharded
-        if "policy" not in state:
-            if actor is None or not Path(actor).is_dir():
-                raise FileNotFoundError(f"the checkpoint has no actor: {actor} is missing")
-            load_sharded(self.policy, self.optimizer, Path(actor))
-        elif self.sharded:
-            load_full(self.policy, self.optimizer, state)
-        else:
-            self.policy.load_state_dict(state["policy"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        self._load_actor(state, actor)
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.reward_stats.load_state_dict(state["reward_stats"])
         self.version = int(state["version"])
         self.rng.setstate(state["rng"])
+
+    def _load_actor(self, state: dict, actor: str | Path | None) -> None:
+        if "policy" not in state:
+            from ..common.distributed import load_sharded
+            if actor is None or not Path(actor).is_dir():
+                raise FileNotFoundError(f"the checkpoint has no actor: {actor} is missing")
+            load_sharded(self.policy, self.optimizer, Path(actor))
+        else:
+            self.policy.load_state_dict(state["policy"])
+            self.optimizer.load_state_dict(state["optimizer"])

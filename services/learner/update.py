@@ -3,6 +3,8 @@ mini-batch is one optimiser step of the objective (`ppo.objective`) accumulated 
 micro-batches of `micro_batch_size` rows (padding columns trimmed), followed by a critic step
 on the same rows. Accumulation is exact: each micro-batch's loss is weighted by its share of
 the mini-batch in the `loss_agg_mode`, so the step equals one pass over the whole mini-batch.
+With N processes (`ShardedPolicyTrainer`) each runs its share of every mini-batch's rows, through
+the trainer's `world`, `micro_batches` and `all_sum` (one process's on `PolicyTrainer`).
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from concurrent.futures import Future
 
 import torch
 
-from ..common.distributed import micro_batches
 from ..common.modeling import build_token_batch, response_log_probs
 from ..ppo import AggNorm, compute_sft_loss, kl_penalty, masked_mean
 from ..ppo.objective import ppo_objective
@@ -61,8 +62,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     B = exp.batch.input_ids.shape[0]
     mb = min(cfg.ppo_mini_batch_size, B)
     micro = min(cfg.micro_batch_size or mb, mb)
-    dist = learner.dist
-    world = dist.world if dist is not None else 1
+    world = learner.world
     metrics = Metrics()
     fused = exp.old_log_probs is None
     if fused and (cfg.ppo_epochs != 1 or B > mb):
@@ -81,7 +81,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
                 if cfg.ptx_coef and learner.ptx_examples else []
             learner.optimizer.zero_grad(set_to_none=True)
             bad_loss = None  # a non-finite loss on any process's rows stops every process alike
-            for pos, real in micro_batches(len(idx), micro, dist):
+            for pos, real in learner.micro_batches(len(idx), micro):
                 m = idx[pos]
                 sub = exp.batch.select(m).trimmed()
                 t = sub.response_mask.shape[1]
@@ -109,8 +109,8 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
                     for k, (v, w) in terms.items():
                         metrics.add(k, v, w)
                 progress()
-            if dist is not None:
-                bad_loss = float("nan") if dist.all_sum([bad_loss is not None])[0] else None
+            if learner.all_sum([bad_loss is not None])[0] and bad_loss is None:
+                bad_loss = float("nan")  # another process's rows
             if bad_loss is not None:
                 learner.optimizer.zero_grad(set_to_none=True)
                 raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {learner.version}")
@@ -134,11 +134,11 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
         progress()
     learner.policy.eval()
     learner.version += 1
-    if dist is not None:  # the averages over every process's rows
-        keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
-        totals = dist.all_sum([metrics.sums[k] for k in keys] + rollout_stats)
-        metrics.sums.update(zip(keys, totals[:len(keys)]))
-        rollout_stats = totals[len(keys):]
+    # the averages over every process's rows
+    keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
+    totals = learner.all_sum([metrics.sums[k] for k in keys] + rollout_stats)
+    metrics.sums.update(zip(keys, totals[:len(keys)]))
+    rollout_stats = totals[len(keys):]
     out = metrics.means()
     out["ppo/lr"] = learner.scheduler.get_last_lr()[0]
     if fused:  # what make_experience measures on its own forward otherwise

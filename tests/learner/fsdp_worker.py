@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.common.distributed import follow, from_env, release_followers  # noqa: E402
-from services.learner.ppo_step import PolicyTrainer  # noqa: E402
+from services.learner.sharded import ShardedPolicyTrainer  # noqa: E402
 from tests.learner.fsdp_cases import batches, learner_config  # noqa: E402
 
 
 def main(model_dir: str, out: str, *overrides: str) -> None:
     cfg = learner_config(model_dir, overrides)
     torch.manual_seed(0)
-    learner = PolicyTrainer(cfg, total_updates=10, dist=from_env("cpu"))
+    learner = ShardedPolicyTrainer(cfg, total_updates=10, dist=from_env("cpu"))
     if not learner.dist.main:
         follow(learner)
         return
