@@ -71,8 +71,7 @@ class TrainingLoop:
         self.log = logger or log
         self.learner, self.critic, self.tokenizer = learner, critic, tokenizer
         self.source, self.sink = source, sink
-        if evaluate is not None:
-            self.evaluate = evaluate
+        self._evaluate = evaluate
         self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
         self.iteration = 0
         self.baseline: float | None = None
@@ -81,7 +80,10 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------ plug-in points
     def evaluate(self) -> dict:
-        raise NotImplementedError
+        """The held-out eval: the `evaluate` given, or a subclass's."""
+        if self._evaluate is None:
+            raise NotImplementedError
+        return self._evaluate()
 
     def checkpoint(self, iteration: int, tick: Tick) -> None:
         """The policy alone, under checkpoints/ (the last one is `final/`)."""
@@ -115,6 +117,7 @@ class TrainingLoop:
         """Iterations start_it + 1 .. run.iterations (fewer when out of time or stopped).
         Returns (the last iteration done, whether a stop ended it)."""
         cfg, runlog, nan = self.cfg, self.runlog, float("nan")
+        assert runlog is not None, "begin() comes first"
         it, stopped = start_it, False
         for it in range(start_it + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
@@ -165,5 +168,6 @@ class TrainingLoop:
         if self.critic is not None:
             self.critic.save(critic_dir)
         self.state = "done"
+        assert self.runlog is not None and self.baseline is not None, "begin() comes first"
         return self.runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=iterations,
                                   wall_s=wall_s, **extra)

@@ -17,6 +17,7 @@ import math
 import sys
 import uuid
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def open_sinks(run_dir: str | Path, cfg, resume_from: int | None = None) -> list
     errors = tracking_errors(cfg)
     if errors:
         raise ValueError(errors[0])
-    makers = []
+    makers: list[tuple[str, Callable[[], object]]] = []
     if cfg.run.tensorboard:
         if not installed("tensorboard"):
             log.warning("run.tensorboard: the tensorboard package is not installed (`pip install tensorboard`); "

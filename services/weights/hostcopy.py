@@ -121,7 +121,7 @@ def copy_to_device(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
                     _once("stage", "weights to the GPU from pageable memory (no page-locked memory: %s)", e)
                     stagers[dst.device] = None
             stager = stagers.get(dst.device) if pair is not None else None
-            if stager is None:
+            if stager is None or pair is None:
                 dst.copy_(src)
             else:
                 stager.copy(*pair)

@@ -16,7 +16,7 @@ from ..common.rpc.errors import BadRequest
 try:
     import xxhash
 except ImportError:  # crc32 per piece (and the stream's sha256): slower, the same guarantees against corruption
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]
 
 WEIGHT_FORMATS = ("full", "partial")
 CHUNK_BYTES = 16 << 20  # a stream's piece and a shared file's checksummed piece; well under rpc.max_message_mb

@@ -188,7 +188,7 @@ class Publisher:
                 for (kind, via), targets in groups.items():
                     if via == self.stream.name:
                         futures.update(self.stream.start(pool, targets, payloads[kind], kind, version))
-                shared = set()
+                shared: set = set()
                 for (kind, via), targets in groups.items():
                     if via == self.shared.name:
                         loads = self.shared.start(pool, targets, payloads[kind], kind, version)

@@ -364,6 +364,7 @@ def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_by
     except OSError as e:
         raise BadRequest(f"{where}: cannot open it in {shm_dir}: {e.strerror}") from None
     mm = None
+    state: dict[str, torch.Tensor] | None = None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BadRequest(f"{where}: not a regular file")

@@ -9,6 +9,7 @@ import hashlib
 import queue
 import threading
 import zlib
+from functools import partial
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -110,14 +111,15 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_b
             raw = raw_view(t)
             size = len(raw)
             for off in range(0, max(size, 1), chunk_bytes):
-                data = memoryview(raw[off:off + chunk_bytes])
+                data = memoryview(raw[off:off + chunk_bytes])  # type: ignore[arg-type]  # an ndarray is a buffer
+                check: dict[str, int]
                 if xxhash is not None:
                     check = {"xxh3": xxhash.xxh3_64_intdigest(data)}
                 else:
-                    hasher.submit(lambda d=data: digest.update(d))
+                    hasher.submit(partial(digest.update, data))
                     check = {"crc32": zlib.crc32(data)}
                 meta = pb.TensorPiece(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=off,
-                                      total_bytes=size, **check).SerializeToString()
+                                      total_bytes=size, **check).SerializeToString()  # type: ignore[arg-type]
                 n = len(data)
                 field = _DATA_TAG + _varint(n) if n else b""
                 yield b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
@@ -433,9 +435,9 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                     views[name][p.offset:p.offset + n] = np.frombuffer(data, dtype=np.uint8)
                 filled[name] += n
                 if not xxh3:
-                    worker.submit(lambda d=data: digest.update(d))
+                    worker.submit(partial(digest.update, data))
                 if filled[name] == p.total_bytes:  # complete (coverage is exact): check it meanwhile
-                    worker.submit(lambda k=name: check_finite(k))
+                    worker.submit(partial(check_finite, name))
                 received += n
                 if max_bytes is not None and received > max_bytes:
                     raise BadRequest(f"weights: more than {max_bytes} bytes")
