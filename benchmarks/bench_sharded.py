@@ -79,7 +79,7 @@ def one_process_group(device: str):
     """A sharded learner's group of one process (FSDP2 over a 1-process mesh: NCCL on a GPU), to
     run the sharded code path on a machine with one device."""
     import torch.distributed as tdist
-    from services.common.distributed import Dist
+    from services.common.sharding.group import Dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     tdist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
@@ -90,7 +90,8 @@ def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, re
            bf16: bool = False, fsdp: bool = False) -> None:
     import torch
     from services.common.config import config_from_dict
-    from services.common.distributed import follow, from_env, release_followers
+    from services.common.sharding.group import from_env
+    from services.common.sharding.followers import follow, release_followers
     from services.learner.ppo_step import PolicyTrainer
     from services.learner.sharded import ShardedPolicyTrainer
     cfg = config_from_dict({"model": {"path": model_dir, "device": device, "bf16": bf16}, "adv_estimator": "grpo",

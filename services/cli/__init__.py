@@ -297,7 +297,7 @@ def cmd_serve(args) -> int:
     cfg = _load(args, data=args.service == "learner")
     sharded = {"learner": cfg.model, "critic": cfg.critic}.get(args.service)  # where its nproc is
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
-        from ..common.distributed import ignore_stop_signals
+        from ..common.sharding.followers import ignore_stop_signals
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
         return import_module(f"..{args.service}.{'loop' if args.service == 'learner' else 'server'}",
                              __package__).follower_main(cfg)
@@ -305,7 +305,7 @@ def cmd_serve(args) -> int:
     if problem:
         return _error(problem)
     if sharded is not None and sharded.nproc > 1:
-        from ..common.distributed import start_followers
+        from ..common.sharding.followers import start_followers
         start_followers(sharded.nproc, args.argv)
     if args.service == "generation" and os.environ.get("RLHF_GPU_SLOTS_DIR"):
         from ..generation.gpu_slot import claim_gpu

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..common.distributed import micro_batches
+from ..common.sharding.group import micro_batches
 from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
 from ..ppo import AggNorm, compute_value_loss
 
@@ -156,7 +156,7 @@ class Critic:
             if "sharded_optimizer" in state:  # written by a sharded critic (critic.nproc > 1)
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-                from ..common.distributed import read_sharded_optimizer
+                from ..common.sharding.fsdp import read_sharded_optimizer
                 set_optimizer_state_dict(model, optimizer,  # written by a sharded critic (critic.nproc > 1)
                                          read_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"]))
             else:

@@ -124,7 +124,8 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
 
 def follower_main(cfg) -> int:
     """Ranks 1..N-1 of a sharded critic (critic.nproc > 1): their shards, running what rank 0 announces."""
-    from ..common.distributed import follow, from_env
+    from ..common.sharding.group import from_env
+    from ..common.sharding.followers import follow
     from .sharded import ShardedCritic
     return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc)))
 
@@ -136,7 +137,7 @@ def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
     def build():
         c = critic
         if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
-            from ..common.distributed import from_env
+            from ..common.sharding.group import from_env
             from .sharded import ShardedCritic
             c = ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc))
         elif c is None:
@@ -149,6 +150,6 @@ def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
         critic_pb2_grpc.add_CriticServicer_to_server(servicer, server.grpc)
         server.start()
         server.set_ready(True)
-        from ..common.distributed import release_followers
+        from ..common.sharding.followers import release_followers
         return server, servicer, [servicer.compute.close, lambda: release_followers(c)]
     return GrpcService("critic", build)

@@ -1,6 +1,6 @@
 """The critic's value model across N processes (GPUs), sharded with FSDP2 (critic.nproc, or
 `rlhf serve critic --nproc N`). Rank 0 serves gRPC; its calls (values, a train step, save, load)
-are announced to ranks 1..N-1, which run them on their shards (`services.common.distributed`).
+are announced to ranks 1..N-1, which run them on their shards (`services/common/sharding/`).
 Each rank computes its share of a batch's rows; a step equals the one-process step.
 
 A checkpoint holds the whole value model as the one-process critic writes it (config, backbone
@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 from ..common.modeling import TokenBatch, ValueModel
-from ..common.distributed import (collective, full_state_dict, load_full_optimizer, micro_batches,
-                                  quiet_single_process, read_sharded_optimizer, shard)
+from ..common.sharding.group import micro_batches
+from ..common.sharding.followers import collective
+from ..common.sharding.fsdp import (full_state_dict, load_full_optimizer, quiet_single_process,
+                                    read_sharded_optimizer, shard)
 from .critic import CHECKPOINT_FILES, CheckpointError, Critic
 
 OPTIM_DIR = "optim"

@@ -38,7 +38,8 @@ from ..critic.client import CriticClient, OverlappedCritic
 from ..reward.client import HeldOut, RewardClient
 from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
-from ..common.distributed import follow, from_env, release_followers
+from ..common.sharding.group import from_env
+from ..common.sharding.followers import follow, release_followers
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .liveness import Beating, Heartbeat, liveness_bound_s

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..training.data import sft_examples
-from ..common.distributed import micro_batches
+from ..common.sharding.group import micro_batches
 from ..weights.hostcopy import to_host
 from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
                                resolve_device)
@@ -117,7 +117,7 @@ class PolicyTrainer:
 
     def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
         """The row positions of each micro-batch of at most `size` rows (of `n`) this process runs,
-        and whether it counts (`distributed.micro_batches`)."""
+        and whether it counts (`sharding.group.micro_batches`)."""
         return micro_batches(n, size)
 
     def all_sum(self, values: list[float]) -> list[float]:
@@ -195,7 +195,7 @@ class PolicyTrainer:
     def save_actor(self, path: str | Path) -> None:
         """The actor and its optimiser state as a torch.distributed.checkpoint directory (every
         process writes its shards; any number of processes loads it)."""
-        from ..common.distributed import save_sharded
+        from ..common.sharding.fsdp import save_sharded
         save_sharded(self.policy, self.optimizer, Path(path))
 
     def load_state_dict(self, state: dict, actor: str | Path | None = None) -> None:
@@ -210,7 +210,7 @@ class PolicyTrainer:
 
     def _load_actor(self, state: dict, actor: str | Path | None) -> None:
         if "policy" not in state:
-            from ..common.distributed import load_sharded
+            from ..common.sharding.fsdp import load_sharded
             if actor is None or not Path(actor).is_dir():
                 raise FileNotFoundError(f"the checkpoint has no actor: {actor} is missing")
             load_sharded(self.policy, self.optimizer, Path(actor))

@@ -1,7 +1,7 @@
 """The policy trainer across N processes (GPUs), sharded with FSDP2 (model.nproc, or
 `rlhf serve learner --nproc N`). Rank 0 is the learner service; its calls (a step, the full state
 dict for a push, saving the policy, a sharded checkpoint and its load) are announced to ranks
-1..N-1, which run them on their shards (`services.common.distributed`). Each rank computes its
+1..N-1, which run them on their shards (`services/common/sharding/`). Each rank computes its
 share of every batch's rows; FSDP2 averages the gradients, so an update equals the one-process
 update on the same batch.
 
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..common.distributed import (Dist, collective, full_state_dict, load_and_shard, load_full, micro_batches)
+from ..common.sharding.group import Dist, micro_batches
+from ..common.sharding.followers import collective
+from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
 from ..common.modeling import empty_causal_lm, load_causal_lm
 from ..common.types import Rollout
 from .ppo_step import PolicyTrainer
