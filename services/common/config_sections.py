@@ -1,6 +1,7 @@
 """The sections of the configuration (model, generation, reward, critic, data, run, replay,
-rollout, rpc): typed, validated, each key with its default and description. `Config`
-(services/common/config.py) holds them beside the top-level PPO keys."""
+rollout, rpc): typed, validated, each key with its default and description, grouped below by the
+service that owns them. `Config` (services/common/config.py) holds them beside the top-level PPO
+keys."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
@@ -12,6 +13,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# ------------------------------------------ the policy (learner and generation)
 class LoraConfig(Strict):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 trains the full model (with LoRA the KL reference is "
                       "the base model, adapters off)")
@@ -33,6 +35,7 @@ class ModelConfig(Strict):
                        "are sharded across with FSDP2; `rlhf serve learner` starts them (gloo on the CPU)")
 
 
+# ------------------------------------------ the generation server
 class VLLMConfig(Strict):
     """Options of vLLM's engine (generation.backend: vllm). The defaults suit one GPU; on the CPU
     build, dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
@@ -66,6 +69,7 @@ class GenerationConfig(Strict):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
 
 
+# ------------------------------------------ the reward server
 class RuleSpec(Strict):
     name: str = Field(..., description="a registered rule (exact_match, verifiable_answer, math_answer, "
                       "edit_distance, repetition, length, regex_format) or 'module.path:function'")
@@ -127,6 +131,7 @@ class RewardConfig(Strict):
                                                  "compares it with the train reward); null = the training reward")
 
 
+# ------------------------------------------ the critic server
 class CriticConfig(Strict):
     model_path: Optional[str] = Field(None, description="value model backbone to start from (a local directory "
                                       "or hub id); null = model.path")
@@ -143,6 +148,7 @@ class CriticConfig(Strict):
                                             "forward; null = the top-level micro_batch_size")
 
 
+# ------------------------------------------ the training loop (learner, rlhf train --local)
 class DataConfig(Strict):
     train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK (reverse, arithmetic), a "
                        ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
@@ -211,6 +217,7 @@ class RunConfig(Strict):
         return v
 
 
+# ------------------------------------------ the replay buffer and rollout workers
 class ReplayConfig(Strict):
     url: Optional[str] = Field(None, description="redis://[:password@]host:port/db; null = an embedded "
                                "redis-server that `rlhf up` starts in the run directory")
@@ -252,6 +259,7 @@ class RolloutConfig(Strict):
                                         "/metrics; null = off")
 
 
+# ------------------------------------------ the network: every server's address and the RPC plumbing
 class Endpoint(Strict):
     host: str = Field("127.0.0.1", description="address this server binds and clients dial (0.0.0.0 binds all, "
                       "dialled on loopback)")
