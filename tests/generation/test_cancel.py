@@ -14,7 +14,8 @@ from services.common.rpc.gen import generation_pb2 as gpb
 from services.common.types import SamplingParams
 from services.generation.backend import GenerationStopped
 from services.generation.client import IDEMPOTENCY_KEY, GenerationClient
-from services.generation.server import InFlight, serve
+from services.generation.batching import InFlight
+from services.generation.server import serve
 
 from tests.grpc_helpers import TOKEN, on_free_ports
 
