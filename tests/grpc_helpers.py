@@ -42,3 +42,22 @@ def on_free_ports(cfg, service: str, metrics: bool = False, http: bool = False):
     if hasattr(ep, "http_port"):
         ep.http_port = 0 if http else None
     return out
+
+
+def held_backend(model_dir: str, hold_s: float):
+    """An HFBackend whose every batch waits, once started (`started` set), until `release` is set
+    (or `hold_s` passes) before decoding: a batch to keep running while a test does something
+    else (a swap then waits for it). Returns (backend, started, release)."""
+    import threading
+
+    from services.generation.backend import HFBackend
+    backend = HFBackend(model_dir, "cpu")
+    started, release = threading.Event(), threading.Event()
+    real = backend.generate
+
+    def held_generate(*a, **kw):
+        started.set()
+        release.wait(hold_s)
+        return real(*a, **kw)
+    backend.generate = held_generate
+    return backend, started, release

@@ -32,7 +32,7 @@ def _serve_config(env):
 def test_flags_are_overrides_of_config_keys_applied_last(monkeypatch):
     """Each flag of `rlhf serve` sets one key before validation, after $RLHF_SET and --set; -1
     turns a port off (null); the config validate of the same keys prints the same config."""
-    from services.cli import _load, build_parser, flag_overrides
+    from services.cli import _flag_problem, _load, build_parser, flag_overrides
     from services.common.config import dump_config, load_config
     monkeypatch.setenv("RLHF_SET", "rpc.reward.port=7000 run.run_dir=/from-env")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -52,6 +52,13 @@ def test_flags_are_overrides_of_config_keys_applied_last(monkeypatch):
     assert (worker.rollout.metrics_port, worker.rpc.host) == (9105, "0.0.0.0")
     learner = _load(build_parser().parse_args(["serve", "learner", "-c", "configs/tiny-cpu.yaml", "--nproc", "2"]))
     assert learner.model.nproc == 2 and learner.critic.nproc == 1
+    # a flag the service has no key for is refused in the flag's own words, not as an unknown key
+    for argv, words in [(["serve", "critic", "--http-port", "1"], "--http-port is for the reward server"),
+                        (["serve", "rollout", "--port", "1"], "--port: a rollout worker serves no gRPC"),
+                        (["serve", "reward", "--nproc", "2"], "--nproc is for the learner and the critic"),
+                        (["serve", "reward", "--metrics-port", "-2"], "--metrics-port -2 is out of range")]:
+        problem = _flag_problem(build_parser().parse_args([*argv, "-c", "configs/tiny-cpu.yaml"]))
+        assert problem is not None and problem.startswith(words), (argv, problem)
 
 
 def test_rlhf_set_and_rlhf_config_come_from_the_environment():

@@ -85,7 +85,7 @@ def flag_overrides(args) -> list[tuple[str, object]]:
         out.append((sharded, int(os.environ["WORLD_SIZE"])))  # under torchrun
     elif sharded and args.nproc is not None:
         out.append((sharded, args.nproc))
-    section = "rpc" if service == "rollout" else f"rpc.{service}"  # a worker binds only its metrics
+    section = "rpc" if service == "rollout" else f"rpc.{service}"  # a worker binds only its /metrics, at rpc.host
     if args.host:
         out.append((f"{section}.host", args.host))
     ports = {"port": args.port, "metrics_port": args.metrics_port, "http_port": args.http_port}
@@ -281,6 +281,10 @@ def _flag_problem(args) -> str | None:
         problem = _port_problem(flag, value, off)
         if problem:
             return problem
+    if args.http_port is not None and args.service not in ("reward", "learner"):
+        return f"--http-port is for the reward server and the learner (not the {args.service})"
+    if args.port is not None and args.service == "rollout":
+        return "--port: a rollout worker serves no gRPC (its /metrics port is --metrics-port)"
     if args.nproc is not None and args.service not in ("learner", "critic"):
         return f"--nproc is for the learner and the critic (not the {args.service})"
     if args.nproc is not None and args.nproc < 1:

@@ -1,6 +1,6 @@
-"""The learner service: trains on trajectories from the replay buffer with the same PPO step as
-the in-process trainer, pushes every new policy to the generation servers, checkpoints,
-evaluates and reports status.
+"""The learner's training loop (`LearnerLoop`, run by the learner service): trains on
+trajectories from the replay buffer with the same PPO step as the in-process trainer, pushes every
+new policy to the generation servers, checkpoints, evaluates and reports status.
 
     rlhf serve learner -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
 

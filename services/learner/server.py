@@ -33,11 +33,11 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         return lpb.LearnerStatus(**{k: v for k, v in s.items() if k in lpb.LearnerStatus.DESCRIPTOR.fields_by_name})
 
 
-def status_http(service, host: str, port: int, token: str | None = None) -> ThreadingHTTPServer:
-    """JSON `/status` (and `/`) of `service`; with a `token`, only for requests that carry
+def status_http(loop, host: str, port: int, token: str | None = None) -> ThreadingHTTPServer:
+    """JSON `/status` (and `/`) of `loop`; with a `token`, only for requests that carry
     `Authorization: Bearer <token>` (401 otherwise). `/healthz` stays open for liveness probes:
     200 while the training loop advances, 503 with the reason once it has not for the liveness
-    bound (`service.liveness()`, see liveness.py)."""
+    bound (`loop.liveness()`, see liveness.py)."""
     expected = f"Bearer {token}".encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
@@ -47,9 +47,9 @@ def status_http(service, host: str, port: int, token: str | None = None) -> Thre
                         self.headers.get("Authorization", "").encode(), expected):
                     body, code = b'{"error": "missing or wrong bearer token (Authorization: Bearer ...)"}', 401
                 else:
-                    body, code = json.dumps(service.status(), default=str).encode(), 200
+                    body, code = json.dumps(loop.status(), default=str).encode(), 200
             elif self.path.split("?")[0] == "/healthz":
-                check = getattr(service, "liveness", None)
+                check = getattr(loop, "liveness", None)
                 reason = check() if check is not None else None
                 body, code = ((json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason
                               else (b'{"ok": true}', 200))

@@ -21,7 +21,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.generation.vllm_backend import VLLMBackend
 
-from tests.grpc_helpers import expect_code, on_free_ports
+from tests.grpc_helpers import expect_code, held_backend, on_free_ports
 
 
 class FakeEngine:
@@ -151,16 +151,7 @@ def test_an_engine_thread_that_exited_fails_liveness(served):
 
 def test_readiness_goes_off_during_a_swap_while_liveness_stays_on(cfg):
     """The hf backend: a swap waits for the running batch; meanwhile the server is alive, not ready."""
-    from services.generation.backend import HFBackend
-    backend = HFBackend(cfg.model.path, "cpu")
-    started, release = threading.Event(), threading.Event()
-    real = backend.generate
-
-    def slow_generate(*a, **kw):
-        started.set()
-        release.wait(30)
-        return real(*a, **kw)
-    backend.generate = slow_generate
+    backend, started, release = held_backend(cfg.model.path, 30)
     with serve(on_free_ports(cfg, "generation"), backend=backend) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         try:

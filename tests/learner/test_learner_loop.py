@@ -1,4 +1,4 @@
-"""The learner service's batch assembly on a real Redis: stale groups are dropped and their
+"""The learner loop's batch assembly on a real Redis: stale groups are dropped and their
 prompts fed again, a prompt is never trained twice, the prompt feed stays `max_staleness`
 batches ahead, and a checkpoint acknowledges what it includes and resumes exactly."""
 import json
@@ -22,7 +22,7 @@ def _cfg(model_dir, url, **over):
 
 
 @pytest.fixture
-def service(tiny_model_dir, redis_server, tmp_path):
+def loop(tiny_model_dir, redis_server, tmp_path):
     svc = LearnerLoop(_cfg(tiny_model_dir, redis_server.url, max_staleness=1), tmp_path / "run")
     svc.resume()
     yield svc
@@ -41,19 +41,19 @@ def _produce(store, version: int, n: int):
     return [t for _, t in claimed]
 
 
-def test_feed_runs_max_staleness_batches_ahead(service):
-    feeder = service.feeder
+def test_feed_runs_max_staleness_batches_ahead(loop):
+    feeder = loop.feeder
     feeder.feed(1, 0)
-    assert service.store.prompt_backlog() == 8 and feeder.fed_batches == 2  # batch 1 and, ahead, batch 2
+    assert loop.store.prompt_backlog() == 8 and feeder.fed_batches == 2  # batch 1 and, ahead, batch 2
     feeder.feed(1, 0)
-    assert service.store.prompt_backlog() == 8  # idempotent
+    assert loop.store.prompt_backlog() == 8  # idempotent
     feeder.feed(5, 0)
     assert feeder.fed_batches == 5  # never beyond the last iteration
 
 
-def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
-    store = service.store
-    service.feeder.feed(1, 5)  # 8 prompts
+def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(loop):
+    store = loop.store
+    loop.feeder.feed(1, 5)  # 8 prompts
     old = _produce(store, version=3, n=2)  # 2 versions behind: too stale for max_staleness=1
     fresh = _produce(store, version=4, n=4)
     # a duplicate of a fresh prompt (say a redelivery after a learner restart) arrives too
@@ -62,17 +62,17 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
     dup_task.attempt = 1
     store.feed([dup_task])
     _produce(store, version=5, n=10)
-    batch = service.intake.collect(5, service.stop_event)
+    batch = loop.intake.collect(5, loop.stop_event)
     uids = [g.uid for _, g in batch]
     assert len(batch) == 4 and len(set(uids)) == 4
-    assert service.counters["dropped_stale"] == 2
-    assert service.counters["duplicates"] == 0  # the 4 fresh groups filled the batch before any copy was read
+    assert loop.counters["dropped_stale"] == 2
+    assert loop.counters["duplicates"] == 0  # the 4 fresh groups filled the batch before any copy was read
     # train on them and commit: the same prompts never make it into a batch again
-    service.intake.trained(batch)
-    service.iteration = 1
-    service.save_checkpoint()
+    loop.intake.trained(batch)
+    loop.iteration = 1
+    loop.save_checkpoint()
     assert store.trained_among(uids) == [True] * 4
-    ledger = [json.loads(line) for line in (service.run_dir / "trained.jsonl").read_text().splitlines()]
+    ledger = [json.loads(line) for line in (loop.run_dir / "trained.jsonl").read_text().splitlines()]
     assert ledger == [{"iteration": 1, "uids": uids}]
     for t in fresh:  # copies of trained prompts come back (say a learner restart fed them again)
         t.attempt = 7
@@ -80,14 +80,14 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(service):
     refed = [t for t in _produce(store, version=5, n=10) if t.attempt == 1]
     assert sorted(t.uid for t in refed) == sorted(o.uid for o in old)
     assert all(t.min_version == 5 for t in refed)
-    before = service.counters["duplicates"]
-    second = service.intake.collect(5, service.stop_event)
+    before = loop.counters["duplicates"]
+    second = loop.intake.collect(5, loop.stop_event)
     second_uids = {g.uid for _, g in second}
     assert not second_uids & set(uids)
     assert len(second_uids | set(uids)) == 8  # every prompt fed, each in exactly one batch
-    assert service.counters["duplicates"] > before
-    service.stop_event.set()
-    assert service.intake.collect(5, service.stop_event) is None  # stopping: no partial batch is returned
+    assert loop.counters["duplicates"] > before
+    loop.stop_event.set()
+    assert loop.intake.collect(5, loop.stop_event) is None  # stopping: no partial batch is returned
 
 
 def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, redis_server, tmp_path):
@@ -112,21 +112,21 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     b.close()
 
 
-def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(service, caplog):
+def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(loop, caplog):
     from services.learner.server import LearnerServicer
-    assert service.status()["reward_hacking"] is None and service.status()["reward_hacking_suspected"] is False
+    assert loop.status()["reward_hacking"] is None and loop.status()["reward_hacking_suspected"] is False
     rows = []
     with caplog.at_level(logging.WARNING):
         for it, (eval_reward, train_reward) in enumerate([(0.9, 0.1), (0.7, 0.3), (0.5, 0.5)], start=1):
-            service.watch.train(train_reward)
-            rows.append(service._watched(it, {"eval/reward_mean": eval_reward}))
+            loop.watch.train(train_reward)
+            rows.append(loop._watched(it, {"eval/reward_mean": eval_reward}))
     assert rows == [{"eval/hacking_suspected": 0}] * 2 + [{"eval/hacking_suspected": 1}]
     (warning,) = [r for r in caplog.records if "reward hacking suspected" in r.message]
     assert warning.levelno == logging.WARNING and "iterations 1..3" in warning.message
-    status = service.status()
+    status = loop.status()
     assert status["reward_hacking_suspected"] is True
     assert status["reward_hacking"]["iterations"] == [1, 2, 3] and status["reward_hacking"]["since_iteration"] == 3
     assert json.loads(json.dumps(status, default=str))["reward_hacking"]["eval_change"] == pytest.approx(-0.4)
-    assert LearnerServicer(service).Status(None, None).reward_hacking_suspected is True
-    assert service.metrics.registry.get_sample_value("rlhf_learner_reward_hacking", {"service": "learner"}) == 1
-    assert service.state_dict()["watch"]["last"]["suspected"] is True
+    assert LearnerServicer(loop).Status(None, None).reward_hacking_suspected is True
+    assert loop.metrics.registry.get_sample_value("rlhf_learner_reward_hacking", {"service": "learner"}) == 1
+    assert loop.state_dict()["watch"]["last"]["suspected"] is True

@@ -33,10 +33,8 @@ REWARDS = [7.0, 5.0]  # len(prompt + response): what FaultAPI answers
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny model untrained (a second): the reward server only reads its tokenizer."""
-    from services.cli.tiny import init_tiny_model
-    return str(init_tiny_model(tmp_path_factory.mktemp("reward-model"), warm_start_steps=0, seed=0))
+def model_dir(untrained_model_dir):
+    return untrained_model_dir
 
 
 @pytest.fixture()

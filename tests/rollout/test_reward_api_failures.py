@@ -36,9 +36,8 @@ REWARD = {"http_timeout_s": 0.5, "http_retries": 1, "http_backoff_s": 0.01, "htt
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from services.cli.tiny import init_tiny_model
-    return str(init_tiny_model(tmp_path_factory.mktemp("rollout-model"), warm_start_steps=0, seed=0))
+def model_dir(untrained_model_dir):
+    return untrained_model_dir
 
 
 @pytest.fixture()

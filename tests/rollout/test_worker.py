@@ -27,11 +27,8 @@ _ns = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny policy without its SFT warm start (a second, not a minute): what the worker does
-    with a server does not depend on how good the samples are."""
-    from services.cli.tiny import init_tiny_model
-    return str(init_tiny_model(tmp_path_factory.mktemp("rollout-model"), warm_start_steps=0, seed=0))
+def model_dir(untrained_model_dir):
+    return untrained_model_dir
 
 
 def _cfg(model_dir, url, namespace, reward_port=0, **over):

@@ -21,7 +21,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
 
-from tests.grpc_helpers import expect_code, on_free_ports
+from tests.grpc_helpers import expect_code, held_backend, on_free_ports
 
 DEADLINE_S = 2.0
 
@@ -34,15 +34,7 @@ def short_cfg(cfg):
 @pytest.fixture
 def busy_server(short_cfg, tiny_model_dir):
     """A generation server whose batch decodes until released (`release`): a swap waits for it."""
-    backend = HFBackend(tiny_model_dir, "cpu")
-    started, release = threading.Event(), threading.Event()
-    real = backend.generate
-
-    def slow_generate(*a, **kw):
-        started.set()
-        release.wait(60)
-        return real(*a, **kw)
-    backend.generate = slow_generate
+    backend, started, release = held_backend(tiny_model_dir, 60)
     with serve(on_free_ports(short_cfg, "generation"), backend=backend) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", short_cfg.rpc, timeout_s=60)
         t = threading.Thread(target=client.generate, args=([[1, 4, 5]], SamplingParams(max_new_tokens=2)))

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def collective(method):
     """A `ShardedPolicyTrainer` or `ShardedCritic` method every rank must run together: rank 0
     announces it (its arguments with it) before running it; followers run what they receive
-    (`follow`). Arguments named in `local_kwargs` stay on rank 0 (the critic client)."""
+    (`follow`). Arguments named in `LOCAL_KWARGS` stay on rank 0 (the critic client)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)
