@@ -48,6 +48,17 @@ def wait_for_call(fut: Future, timeout: float | None):
         return fut.result()
 
 
+def run_call(fut: Future, fn: Callable[[], object]) -> None:
+    """The compute thread's side of `wait_for_call`: `fn()` into `fut`, unless its caller withdrew
+    it (then nothing runs); an exception goes to the caller."""
+    if not fut.set_running_or_notify_cancel():
+        return  # withdrawn by its caller, whose wait ran out
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # the caller sees it
+        fut.set_exception(e)
+
+
 class _StopWhen(StoppingCriteria):
     """Ends `generate` after the current decoding step, every row at once, once `stop()` is True."""
 

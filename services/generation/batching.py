@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..common.rpc.errors import DeadlineExceeded
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
-from .backend import GenerationStopped, wait_for_call
+from .backend import GenerationStopped, run_call, wait_for_call
 from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,28 @@ class _Job:
 @dataclass
 class _Call:
     """Other work for the batcher's thread (a weight swap): it runs between batches."""
-    fn: object
+    fn: Callable[[], object]
     future: Future
 
 
-class Batcher:
+class ActiveCalls:
+    """`active`: the Generate calls inside the server (decoding, queued or running), counted by the
+    servicer with `enter`/`exit` from the moment a request arrives."""
+
+    def __init__(self):
+        self.active = 0
+        self._active_lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._active_lock:
+            self.active += 1
+
+    def exit(self) -> None:
+        with self._active_lock:
+            self.active -= 1
+
+
+class Batcher(ActiveCalls):
     """Collects concurrent Generate calls for up to `window_s` (or `max_batch_size` prompts) and
     runs each group of calls with equal sampling parameters as one backend batch. Calls with a
     seed run alone, so their samples do not depend on what else was in flight.
@@ -59,8 +76,7 @@ class Batcher:
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
         self.q: queue.Queue[_Job | None] = queue.Queue()
         self.batches = 0
-        self.active = 0  # Generate calls inside the server (decoding, queued or running)
-        self._active_lock = threading.Lock()
+        super().__init__()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="generation-batcher", daemon=True)
         self._thread.start()
@@ -93,30 +109,13 @@ class Batcher:
         self.q.put(_Call(lambda: fn(*args), fut))
         return wait_for_call(fut, timeout)
 
-    @staticmethod
-    def _run_call(c: _Call) -> None:
-        if not c.future.set_running_or_notify_cancel():
-            return  # withdrawn by its caller, whose wait ran out
-        try:
-            c.future.set_result(c.fn())
-        except BaseException as e:  # the caller sees it
-            c.future.set_exception(e)
-
-    def enter(self) -> None:
-        with self._active_lock:
-            self.active += 1
-
-    def exit(self) -> None:
-        with self._active_lock:
-            self.active -= 1
-
     def _loop(self) -> None:
         while True:
             job = self.q.get()
             if job is None:
                 return
             if isinstance(job, _Call):
-                self._run_call(job)
+                run_call(job.future, job.fn)
                 continue
             jobs = [job]
             deferred: list[_Call] = []
@@ -147,7 +146,7 @@ class Batcher:
             for group in groups.values():
                 self._run(group)
             for c in deferred:
-                self._run_call(c)
+                run_call(c.future, c.fn)
 
     def _run(self, group: list[_Job]) -> None:
         for j in group:
@@ -187,7 +186,7 @@ def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: Generat
         metrics.record(n_prompts, res)
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(ActiveCalls):
     """The `Batcher` of a backend that batches by itself (vLLM's continuous batching): the same
     `start`/`submit`/`call`/`close`/`enter`/`exit`, each call handed to the backend as it comes
     (the backend aborts a job once its `stopped()` is True)."""
@@ -195,7 +194,7 @@ class ContinuousBatcher:
     def __init__(self, backend, metrics=None):
         self.backend, self.metrics = backend, metrics
         self.batches = 0
-        self.active = 0
+        super().__init__()
         self._lock = threading.Lock()
 
     def start(self, prompts: list[list[int]], params: SamplingParams,
@@ -223,13 +222,6 @@ class ContinuousBatcher:
         dead = getattr(self.backend, "dead", None)
         return dead() if dead is not None else None
 
-    def enter(self) -> None:
-        with self._lock:
-            self.active += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self.active -= 1
 
 
 class _Work:

@@ -37,7 +37,7 @@ from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.check import check_newer, check_version
-from .backend import GREEDY_BELOW, GenerationStopped, wait_for_call
+from .backend import GREEDY_BELOW, GenerationStopped, run_call, wait_for_call
 
 log = logging.getLogger(__name__)
 
@@ -292,12 +292,7 @@ class VLLMBackend:
     def _run_calls(self) -> None:
         calls, self._calls = self._calls, []
         for c in calls:
-            if not c.future.set_running_or_notify_cancel():
-                continue  # withdrawn by its caller, whose wait ran out
-            try:
-                c.future.set_result(c.fn())
-            except BaseException as e:  # the caller sees it
-                c.future.set_exception(e)
+            run_call(c.future, c.fn)
         held, self._held = self._held, []
         for job in held:
             self._admit(job)
