@@ -85,6 +85,9 @@ def test_common_and_ppo_import_no_service():
     assert not bad, bad
     assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("services.ppo")
                 for d in deps if not d.startswith("services.ppo")]
+    # common is the bottom layer: not even the packages that import only common
+    assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("services.common")
+                for d in deps if d.startswith(("services.weights", "services.training"))]
 
 
 def test_services_meet_only_through_clients():

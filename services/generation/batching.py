@@ -94,9 +94,6 @@ class Batcher(ActiveCalls):
         self.q.put(_Job(prompts, params, fut, stopped))
         return fut
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
-        return self.start(prompts, params).result()
-
     def close(self) -> None:
         self._closed = True
         self.q.put(None)
@@ -188,7 +185,7 @@ def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: Generat
 
 class ContinuousBatcher(ActiveCalls):
     """The `Batcher` of a backend that batches by itself (vLLM's continuous batching): the same
-    `start`/`submit`/`call`/`close`/`enter`/`exit`, each call handed to the backend as it comes
+    `start`/`call`/`close`/`enter`/`exit`, each call handed to the backend as it comes
     (the backend aborts a job once its `stopped()` is True)."""
 
     def __init__(self, backend, metrics=None):
@@ -208,9 +205,6 @@ class ContinuousBatcher(ActiveCalls):
                 record_batch(self.metrics, len(prompts), f.result())
         fut.add_done_callback(done)
         return fut
-
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
-        return self.start(prompts, params).result()
 
     def call(self, fn, *args, timeout: float | None = None):
         return self.backend.call(fn, *args, timeout=timeout)

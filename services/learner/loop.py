@@ -72,9 +72,17 @@ def follower_main(cfg) -> int:
     if cfg.ptx_coef:  # the PTX examples are the labelled training prompts, as on rank 0
         tokenizer = load_tokenizer(cfg.model.path)
         ptx = ptx_examples_for(cfg, tokenizer, train_prompts(cfg, tokenizer))
-    learner = ShardedPolicyTrainer(cfg, total_updates=planned_updates(cfg), ptx_examples=ptx,
-                                   dist=from_env(cfg.model.device, cfg.model.nproc))
-    return follow(learner)
+    return follow(make_trainer(cfg, ptx))
+
+
+def make_trainer(cfg, ptx_examples) -> PolicyTrainer:
+    """This process's policy trainer: its part of the group the actor is sharded across
+    (model.nproc > 1), or the whole actor in one process."""
+    updates = planned_updates(cfg)
+    if cfg.model.nproc > 1:
+        return ShardedPolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples,
+                                    dist=from_env(cfg.model.device, cfg.model.nproc))
+    return PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples)
 
 
 class ReplaySource:
@@ -141,12 +149,8 @@ class LearnerLoop(TrainingLoop):
         self.tokenizer = load_tokenizer(cfg.model.path)
         train = train_prompts(cfg, self.tokenizer)
         self.held_out = config_prompts(cfg, "eval", self.tokenizer)
-        updates, ptx = planned_updates(cfg), ptx_examples_for(cfg, self.tokenizer, train)
-        if cfg.model.nproc > 1:  # rank 0 of the group (`follower_main` builds the others')
-            self.learner = ShardedPolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx,
-                                                dist=from_env(cfg.model.device, cfg.model.nproc))
-        else:
-            self.learner = PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx)
+        # with model.nproc > 1, rank 0 of the group (`follower_main` builds the others')
+        self.learner = make_trainer(cfg, ptx_examples_for(cfg, self.tokenizer, train))
         self.learner.on_progress = self.heartbeat  # each micro-batch forward and optimiser step
         self.critic = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server

@@ -22,6 +22,7 @@ from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
 from ..common.modeling import empty_causal_lm, load_causal_lm
 from ..common.types import Rollout
 from .ppo_step import PolicyTrainer
+from ..weights.hostcopy import to_host
 
 
 class ShardedPolicyTrainer(PolicyTrainer):
@@ -70,7 +71,7 @@ class ShardedPolicyTrainer(PolicyTrainer):
     @collective
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """Full policy weights on the CPU, gathered on rank 0 (the other ranks get {})."""
-        return full_state_dict(self.policy, pinned=True)
+        return full_state_dict(self.policy, to_host=to_host)
 
     @collective
     def save_policy(self, path: str | Path, tokenizer=None) -> None:

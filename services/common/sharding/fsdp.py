@@ -56,15 +56,15 @@ def load_and_shard(load, build_empty, d: "Dist") -> torch.nn.Module:
     return model
 
 
-def full_state_dict(model: torch.nn.Module, pinned: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, to_host=None) -> dict[str, torch.Tensor]:
     """The whole model's weights on the CPU, on rank 0 (other ranks get {}); collective. With
-    `pinned` (a push), GPU tensors come to the host through page-locked memory (`hostcopy`), one
-    gathered tensor at a time, as torch's own gather does into pageable memory (4-5x slower)."""
+    `to_host` (a push: `weights.hostcopy.to_host`, through page-locked memory), GPU tensors come to
+    the host through it, one gathered tensor at a time, as torch's own gather does into pageable
+    memory (4-5x slower)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    if not pinned:
+    if to_host is None:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     from torch.distributed.tensor import DTensor
-    from ...weights.hostcopy import to_host
     main, out = dist.get_rank() == 0, {}
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):

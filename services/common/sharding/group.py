@@ -59,12 +59,6 @@ class Dist:
         dist.all_reduce(t, group=self.control)
         return t.tolist()
 
-    def local_rows(self, n: int) -> tuple[torch.Tensor, int]:
-        """The row indices this rank runs of a batch of `n`, and how many of them count: a rank
-        with no share (n < N) runs row 0 and counts none, so every rank runs the same collectives."""
-        start, end = self.rows(n)
-        return (torch.arange(start, end), end - start) if end > start else (torch.arange(1), 0)
-
     def rows(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of `n` rows split as evenly as possible (earlier ranks take
         one more when it does not divide)."""
