@@ -209,8 +209,11 @@ def test_restarted_generation_server_pulls_the_policy_before_serving(one_server)
 def test_losing_one_of_two_generation_servers_never_pauses_the_run(two_servers):
     assert two_servers["code"] == 0, two_servers["log"][-4000:]
     assert two_servers["back"]
-    # the run went on while the victim was down (it takes seconds to load and pull the policy)
-    assert two_servers["it_back"] >= two_servers["it_kill"] + 2, two_servers
+    # the run went on while the victim was down: an iteration finished before the victim was back
+    # (a run that waited for it would still be at it_kill). How many more is timing: the victim's
+    # restart (start, load, pull) took one iteration or several on a busy 2-core CI machine
+    assert two_servers["it_back"] >= two_servers["it_kill"] + 1, {k: v for k, v in two_servers.items()
+                                                                   if k in ("it_kill", "it_back", "seconds_down")}
     # the eval (every iteration) went on through the other server: the victim missed the pushes
     # while it was down, so the registry shows it behind and it is not an eval target; a target
     # that fails after the push is skipped (tests/learner/test_eval_target.py)
