@@ -44,7 +44,7 @@ import random
 import threading
 import time
 from concurrent.futures import CancelledError, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -112,6 +112,12 @@ def retry_after_s(value: str | None, now: float | None = None) -> float | None:
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+def decorrelated_jitter(rng: random.Random, base_s: float, cap_s: float, last_s: float) -> float:
+    """The wait before the next retry: drawn between `base_s` and 3 x the last wait, at most `cap_s`
+    (spreads the retries of many callers; grows about threefold while they keep failing)."""
+    return min(cap_s, rng.uniform(base_s, 3 * last_s))
+
+
 def public_url(url: str) -> str:
     """`url` without credentials or query (what logs, errors and /status show)."""
     try:
@@ -129,11 +135,11 @@ class CircuitBreaker:
     """Closed -> (`failures` failed requests in a row) open -> (`cooldown_s` later, one request
     allowed through) half-open -> closed on its success, open again on its failure.
     `failures` 0 = never opens. `on_change(state, opened)` is told each new state (`opened`: it
-    opened from closed)."""
+    opened from closed). `clock` gives the seconds its cooldown is measured in."""
 
     def __init__(self, failures: int = 5, cooldown_s: float = 30.0, name: str = "reward API",
-                 on_change=None, redact=lambda s: s):
-        self.failures, self.cooldown_s, self.name = failures, cooldown_s, name
+                 on_change=None, redact=lambda s: s, clock: Callable[[], float] = time.monotonic):
+        self.failures, self.cooldown_s, self.name, self.clock = failures, cooldown_s, name, clock
         self.on_change, self.redact = on_change or (lambda state, opened: None), redact
         self.state, self.consecutive, self.last_error = CLOSED, 0, ""
         self.opened_at = self.down_since = 0.0  # the last (re)opening; the first opening of this outage
@@ -151,7 +157,7 @@ class CircuitBreaker:
             wait = self._until_probe()
             if self.state == OPEN and wait <= 0:
                 self._set(HALF_OPEN)
-            now = time.monotonic()
+            now = self.clock()
             if self.state == HALF_OPEN and (not self._probe_out or now - self._probe_at > self.cooldown_s):
                 self._probe_out, self._probe_at = True, now  # this request is the probe
                 return
@@ -167,7 +173,7 @@ class CircuitBreaker:
 
     def _until_probe(self) -> float:
         """Seconds until an open circuit lets a probe through (negative: it may now)."""
-        return self.opened_at + self.cooldown_s - time.monotonic()
+        return self.opened_at + self.cooldown_s - self.clock()
 
     def _open_message(self, wait: float) -> str:
         return (f"{self.name}: circuit open after {self.consecutive} failed requests in a row (last: "
@@ -178,7 +184,7 @@ class CircuitBreaker:
             self.consecutive, self._probe_out = 0, False
             self._streak.clear()
             if self.state != CLOSED:
-                down = time.monotonic() - self.down_since
+                down = self.clock() - self.down_since
                 self._set(CLOSED)
                 log.info("%s answers again: circuit closed after %.1fs open", self.name, down)
 
@@ -206,7 +212,7 @@ class CircuitBreaker:
 
     def _open(self) -> None:
         self._streak.clear()
-        self.opened_at = time.monotonic()
+        self.opened_at = self.clock()
         if self.state == CLOSED:
             self.down_since = self.opened_at
         self._set(OPEN, opened=self.state == CLOSED)
@@ -220,7 +226,7 @@ class CircuitBreaker:
             out = {"state": self.state, "consecutive_failures": self.consecutive, "times_opened": self.times_opened,
                    "last_error": self.last_error or None}
             if self.state != CLOSED:
-                out["open_for_s"] = round(time.monotonic() - self.down_since, 3)
+                out["open_for_s"] = round(self.clock() - self.down_since, 3)
                 out["next_probe_in_s"] = round(max(0.0, self._until_probe()), 3)
             return out
 
@@ -232,7 +238,7 @@ class HTTPScorer:
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, concurrency: int = 8,
                  batch_size: int = 64, backoff_s: float = 0.5, headers: dict | None = None, metrics=None,
                  max_backoff_s: float = 10.0, retry_after_max_s: float = 60.0, breaker_failures: int = 5,
-                 breaker_cooldown_s: float = 30.0):
+                 breaker_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.url, self.retries, self.batch_size, self.backoff_s = url, retries, batch_size, backoff_s
         self.max_backoff_s, self.retry_after_max_s = max(max_backoff_s, backoff_s), retry_after_max_s
         self.public_url = public_url(url)
@@ -243,7 +249,7 @@ class HTTPScorer:
         if metrics is not None:
             metrics.expect_calls()
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, f"reward API {self.public_url}",
-                                      on_change=self._breaker_changed, redact=self.redact)
+                                      on_change=self._breaker_changed, redact=self.redact, clock=clock)
         self.client = httpx.Client(timeout=timeout_s, headers=headers,
                                    limits=httpx.Limits(max_connections=concurrency))
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-http")
@@ -337,8 +343,8 @@ class HTTPScorer:
                 break
             if wait is not None:
                 pause = min(wait, self.retry_after_max_s)
-            else:  # decorrelated jitter
-                pause = delay = min(self.max_backoff_s, self._rng.uniform(self.backoff_s, 3 * delay))
+            else:
+                pause = delay = decorrelated_jitter(self._rng, self.backoff_s, self.max_backoff_s, delay)
             log.info("reward API %s attempt %d/%d failed (%s); retrying in %.2fs", self.public_url, attempt + 1,
                      self.retries + 1, last_error, pause)
             time.sleep(pause)

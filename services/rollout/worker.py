@@ -59,11 +59,6 @@ from ..reward.client import APIFailures, RewardAPIFailure, RewardClient
 
 log = logging.getLogger(__name__)
 
-# Fault injection for tests only: a worker that claims a batch and then hangs (to be killed).
-FAULT_STALL_ENV = "RLHF_FAULT_STALL_S"
-FAULT_STALL_S = float(os.environ.get(FAULT_STALL_ENV, "0") or 0)
-
-
 # kinds of rlhf_rollout_errors_total: waiting for the reward or critic server, no generation server
 # registered, a dependency gone longer than the worker waits, an error in the claim loop, a batch
 # the reward API failed on every try and prompt by prompt (left pending), and the
@@ -410,10 +405,6 @@ class RolloutWorker:
                 if not entries:
                     continue
                 self.metrics.claimed.inc(len(entries))
-                if FAULT_STALL_S:  # test hook: a worker that hangs while it holds prompts
-                    log.warning("%s=%s: stalling with %d claimed prompts", FAULT_STALL_ENV, FAULT_STALL_S,
-                                len(entries))
-                    time.sleep(FAULT_STALL_S)
                 if reclaimed:
                     self.metrics.reclaimed.inc(reclaimed)
                     log.info("reclaimed %d prompts from a silent worker", reclaimed)

@@ -3,7 +3,8 @@ that fails on demand. The reward of a query is its length, so a reward that did 
 shows. Each request's answer is the next of `script`, else the one of `poison` when one of its
 prompts is `poison[0]`, else `mode`:
 
-    ok        200 {"rewards": [len(query), ...]} (after `delay_s`)
+    ok        200 {"rewards": [len(query), ...]} (after `delay_s`; while `gate` is set to an
+              Event, only once it is set: the test decides when an answer comes)
     500 503   that status (503 with `retry_after` as Retry-After when set)
     429       429 with Retry-After `retry_after` (when set)
     400 422   that status, its body echoing the request's auth header and all its headers
@@ -26,6 +27,7 @@ class FaultAPI:
         self.mode, self.script, self.poison = mode, [], None
         self.retry_after: str | None = None
         self.delay_s, self.hang_s = 0.0, 30.0
+        self.gate: threading.Event | None = None
         self.requests: list[dict] = []  # {"t": monotonic, "mode", "headers", "n", "prompts"}
         self.in_flight = self.max_in_flight = 0
         self._lock = threading.Lock()
@@ -75,6 +77,8 @@ class FaultAPI:
                     data = json.dumps({"error": "no", "your_auth": self.headers.get("Authorization"),
                                        "your_headers": dict(self.headers)}).encode()
                     return self._send(int(mode), data)
+                if api.gate is not None:
+                    api.gate.wait(api.hang_s)
                 if api.delay_s:
                     time.sleep(api.delay_s)
                 rewards = [float(len(q)) for q in body["query"]]
@@ -98,6 +102,16 @@ class FaultAPI:
         with self._lock:
             return sum(1 for r in self.requests if r["t"] >= since)
 
+    def wait_for(self, what, pred, timeout_s: float = 60.0) -> None:
+        """Until `pred(self)` holds (checked under the lock), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if pred(self):
+                    return
+            time.sleep(0.01)
+        raise AssertionError(f"the reward API never saw {what} in {timeout_s:g}s")
+
     def gaps(self) -> list[float]:
         """Seconds between consecutive requests."""
         ts = [r["t"] for r in self.requests]
@@ -105,5 +119,7 @@ class FaultAPI:
 
     def close(self) -> None:
         self._release.set()
+        if self.gate is not None:
+            self.gate.set()
         self.httpd.shutdown()
         self.httpd.server_close()

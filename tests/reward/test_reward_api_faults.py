@@ -8,6 +8,7 @@ the log, /status and the metrics; the auth header arrives and its token never sh
 import email.utils
 import json
 import logging
+import random
 import threading
 import time
 
@@ -20,8 +21,8 @@ from services.common.config import config_from_dict
 from services.common.config_sections import RewardConfig
 from services.common.types import RewardSample
 from services.reward.client import APIFailures, RewardAPIFailure, RewardClient
-from services.reward.http_scorer import (HTTPScorer, RewardAPIFailed, RewardRejected, RewardUnavailable, public_url,
-                                         retry_after_s)
+from services.reward.http_scorer import (HTTPScorer, RewardAPIFailed, RewardRejected, RewardUnavailable,
+                                         decorrelated_jitter, public_url, retry_after_s)
 from services.reward.metrics import RewardAPIMetrics
 from services.reward.server import serve
 
@@ -44,8 +45,23 @@ def api():
     a.close()
 
 
+class FakeClock:
+    """The breaker's clock, moved by the test: its cooldown passes when the test says so."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
 def make(api, registry=None, **kw) -> HTTPScorer:
-    opts = dict(timeout_s=0.3, retries=2, backoff_s=0.01, max_backoff_s=0.05, breaker_failures=0)
+    """A scorer of `api`. Its HTTP timeout is long (30 s: a loopback answer on a busy machine must
+    never look like a timeout); the tests of a hang give theirs."""
+    opts = dict(timeout_s=30.0, retries=2, backoff_s=0.01, max_backoff_s=0.05, breaker_failures=0)
     opts.update(kw)
     return HTTPScorer(api.url, metrics=RewardAPIMetrics(registry or CollectorRegistry()), **opts)
 
@@ -59,7 +75,9 @@ def value(registry, name, **labels):
                                          ("hang", "ReadTimeout"), ("close", "RemoteProtocolError")])
 def test_timeouts_lost_connections_5xx_and_429_are_retried_then_fail_loudly(api, mode, error):
     api.mode = mode
-    s = make(api, retries=2)
+    # a hang needs a timeout short enough to wait out three times, and long enough that the loopback
+    # answer after it is never taken for one on a busy machine
+    s = make(api, retries=2, **({"timeout_s": 2.0} if mode == "hang" else {}))
     with pytest.raises(RewardAPIFailed, match=f"reward API failed: .*after 3 attempts .*{error}"):
         s.score(SAMPLES)
     assert api.count() == 3  # the request and its 2 retries, no more
@@ -85,28 +103,36 @@ def test_other_4xx_and_answers_that_are_not_rewards_are_never_retried(api, mode,
 
 
 def test_retry_after_is_honoured_in_seconds_and_as_a_date_and_capped(api):
+    """Lower bounds only (a busy machine makes every wait longer, never shorter); the cap is shown
+    by a wait far shorter than the one asked for."""
     api.script, api.retry_after = ["429", "ok"], "0.5"
-    t0 = time.monotonic()
     assert [r.reward for r in make(api).score(SAMPLES)] == REWARDS
-    assert api.gaps()[-1] >= 0.5 and time.monotonic() - t0 < 2.0
+    assert api.gaps()[-1] >= 0.5
     api.requests.clear()
-    api.script, api.retry_after = ["503", "ok"], email.utils.formatdate(time.time() + 2, usegmt=True)
+    # the date is to the second, 4 s ahead: at least 3 s from now, less whatever the machine took
+    api.script, api.retry_after = ["503", "ok"], email.utils.formatdate(time.time() + 4, usegmt=True)
     make(api).score(SAMPLES)
-    assert api.gaps()[-1] >= 0.9  # the date is to the second: between 1 and 2 s from now
+    assert api.gaps()[-1] >= 1.0
     api.requests.clear()
-    api.script, api.retry_after = ["429", "ok"], "3600"
+    api.script, api.retry_after = ["429", "ok"], "60"
     make(api, retry_after_max_s=0.2).score(SAMPLES)
-    assert 0.2 <= api.gaps()[-1] < 1.0  # an hour asked for, the cap waited
+    assert 0.2 <= api.gaps()[-1] < 30  # a minute asked for, the cap waited
     assert retry_after_s("soon") is None and retry_after_s("-3") == 0.0 and retry_after_s(None) is None
 
 
 def test_backoff_without_retry_after_has_jitter_between_its_bounds(api):
+    """The schedule is drawn, between its floor and its cap (checked on the draws themselves);
+    over HTTP, every retry waits at least the floor."""
+    rng, last, waits = random.Random(0), 0.05, []
+    for _ in range(200):
+        last = decorrelated_jitter(rng, 0.05, 0.2, last)
+        waits.append(last)
+    assert all(0.05 <= w <= 0.2 for w in waits) and len(set(waits)) > 20 and max(waits) == 0.2
     api.mode = "500"
     with pytest.raises(RewardAPIFailed):
         make(api, retries=6, backoff_s=0.05, max_backoff_s=0.2).score(SAMPLES)
     gaps = api.gaps()
-    assert len(gaps) == 6 and all(0.05 <= g < 0.5 for g in gaps), gaps
-    assert len({round(g, 3) for g in gaps}) > 1  # drawn, not a fixed schedule
+    assert len(gaps) == 6 and all(g >= 0.05 for g in gaps), gaps
 
 
 # ------------------------------------------------------------------------------------------- no default reward
@@ -125,8 +151,10 @@ def test_a_batch_is_scored_whole_or_not_at_all(api):
 
 
 def test_the_concurrency_cap_holds_across_concurrent_calls(api):
-    api.delay_s = 0.1
-    s = make(api, batch_size=1, concurrency=3, timeout_s=5)
+    """The API holds its answers until three requests are in, so the cap is reached whatever the
+    machine's speed; a fourth would arrive while they are held."""
+    api.gate = threading.Event()
+    s = make(api, batch_size=1, concurrency=3)
     out = {}
 
     def call(k):
@@ -134,6 +162,8 @@ def test_the_concurrency_cap_holds_across_concurrent_calls(api):
     threads = [threading.Thread(target=call, args=(k,)) for k in range(1, 5)]
     for t in threads:
         t.start()
+    api.wait_for("three requests at once", lambda a: a.in_flight == 3)
+    api.gate.set()
     for t in threads:
         t.join()
     assert out == {k: [float(k + i) for i in range(6)] for k in range(1, 5)}
@@ -142,8 +172,10 @@ def test_the_concurrency_cap_holds_across_concurrent_calls(api):
 
 # ------------------------------------------------------------------------------------------- the breaker
 def test_the_breaker_opens_fails_fast_probes_once_and_closes(api, caplog):
-    registry = CollectorRegistry()
-    s = make(api, registry, retries=1, breaker_failures=3, breaker_cooldown_s=0.6, timeout_s=2.0)
+    """The cooldown runs on a clock the test moves; the probe's answer is held by the API until
+    the test has seen the others fail fast."""
+    registry, clock = CollectorRegistry(), FakeClock()
+    s = make(api, registry, retries=1, breaker_failures=3, breaker_cooldown_s=30.0, clock=clock)
     state = lambda: value(registry, "rlhf_reward_api_breaker_state")  # noqa: E731
     assert state() == 0 and s.status()["breaker"]["state"] == "closed"
     caplog.set_level(logging.INFO, logger="services.reward.http_scorer")
@@ -153,33 +185,35 @@ def test_the_breaker_opens_fails_fast_probes_once_and_closes(api, caplog):
     with pytest.raises(RewardUnavailable, match="circuit open after 3 failed requests") as e:
         s.score(SAMPLES)  # the third failure opens it: the retry is not sent
     assert type(e.value) is RewardUnavailable and api.count() == 3
-    t0 = time.monotonic()
+    clock.advance(29.0)
     for _ in range(5):  # open: fails at once, the API is not asked
-        with pytest.raises(RewardUnavailable, match="circuit open .*HTTP 503.*next probe in"):
+        with pytest.raises(RewardUnavailable, match="circuit open .*HTTP 503.*next probe in 1.0s"):
             s.score(SAMPLES)
-    assert time.monotonic() - t0 < 0.5 and api.count() == 3
+    assert api.count() == 3
     st = s.status()["breaker"]
     assert st["state"] == "open" and st["last_error"] == "HTTP 503" and st["times_opened"] == 1
+    assert st["open_for_s"] == 29.0 and st["next_probe_in_s"] == 1.0
     assert (state(), value(registry, "rlhf_reward_api_breaker_opened_total")) == (2, 1)
     assert value(registry, "rlhf_reward_api_short_circuited_total") >= 6
     opened = [r for r in caplog.records if "circuit open" in r.getMessage()]
     assert len(opened) == 1 and opened[0].levelno == logging.WARNING and "HTTP 503" in opened[0].getMessage()
 
-    time.sleep(0.65)  # half-open: one probe, which fails: open again
+    clock.advance(1.0)  # half-open: one probe, which fails: open again
     with pytest.raises(RewardUnavailable, match="circuit open"):
         s.score(SAMPLES)
     assert api.count() == 4 and state() == 2
     assert any("the probe failed" in r.getMessage() for r in caplog.records)
 
-    time.sleep(0.65)  # the API is back; a slow probe goes through and the others fail fast meanwhile
-    api.mode, api.delay_s = "ok", 0.3
+    clock.advance(30.0)  # the API is back; the probe goes through and, while it is out, the others fail fast
+    api.mode, api.gate = "ok", threading.Event()
     probe = {}
     t = threading.Thread(target=lambda: probe.setdefault("out", s.score(SAMPLES)))
     t.start()
-    time.sleep(0.1)
+    api.wait_for("the probe", lambda a: len(a.requests) == 5)
     assert state() == 1 and s.status()["breaker"]["state"] == "half_open"
     with pytest.raises(RewardUnavailable, match="a probe is out"):
         s.score(SAMPLES)
+    api.gate.set()
     t.join()
     assert [r.reward for r in probe["out"]] == REWARDS and api.count() == 5
     assert state() == 0 and s.status()["breaker"]["state"] == "closed"
@@ -204,7 +238,7 @@ def test_one_input_the_api_chokes_on_does_not_open_the_breaker(api):
 def test_an_api_that_refuses_every_connection_opens_the_breaker(api):
     url = api.url
     api.close()
-    s = HTTPScorer(url, timeout_s=0.3, retries=5, backoff_s=0.01, max_backoff_s=0.02, breaker_failures=3)
+    s = HTTPScorer(url, timeout_s=30.0, retries=5, backoff_s=0.01, max_backoff_s=0.02, breaker_failures=3)
     with pytest.raises(RewardUnavailable, match="circuit open after 3 failed requests .*ConnectError"):
         s.score(SAMPLES)
 
@@ -217,7 +251,7 @@ def test_the_auth_header_arrives_and_its_token_never_shows(api, monkeypatch, cap
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("MY_REWARD_KEY", TOKEN_VALUE)
     cfg = RewardConfig(type="http", http_url=api.url, http_auth_env="MY_REWARD_KEY", http_retries=1,
-                       http_timeout_s=0.3, http_backoff_s=0.01, http_breaker_failures=2)
+                       http_timeout_s=30.0, http_backoff_s=0.01, http_breaker_failures=2)
     s = HTTPScorer.from_config(cfg)
     assert [r.reward for r in s.score(SAMPLES)] == REWARDS
     assert api.requests[-1]["headers"]["Authorization"] == f"Bearer {TOKEN_VALUE}"
@@ -252,7 +286,7 @@ def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, m
     a worker scores it again, then drops it); an API that is down is a plain UNAVAILABLE (callers
     wait; its own HTTP API answers 503). /status and /metrics show the breaker."""
     cfg = config_from_dict({"model": {"path": model_dir, "device": "cpu"},
-                            "reward": {"type": "http", "http_url": api.url, "http_retries": 1, "http_timeout_s": 0.3,
+                            "reward": {"type": "http", "http_url": api.url, "http_retries": 1, "http_timeout_s": 30.0,
                                        "http_backoff_s": 0.01, "http_breaker_failures": 3,
                                        "http_breaker_cooldown_s": 0.5},
                             "rpc": {"auth_token": TOKEN, "reward": {"port": 0, "metrics_port": 0, "http_port": 0}}})
@@ -286,6 +320,6 @@ def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, m
                        json={"query": ["abc=cba"], "prompts": ["abc="], "labels": ["cba"]})
         assert r.status_code == 503 and "circuit open" in r.text  # its own HTTP API says so too
         api.mode = "ok"
-        time.sleep(0.55)
+        time.sleep(0.55)  # past the cooldown (a busy machine only makes it longer): the probe goes through
         assert [r.reward for r in client.score(SAMPLES)] == REWARDS
         assert status()["state"] == "closed"
