@@ -207,7 +207,8 @@ class RolloutWorker:
         self._clients: dict[str, GenerationClient] = {}
         self._servers: dict[str, dict] = {}
         self._servers_at = 0.0
-        self._lagging: dict[str, float] = {}  # server -> until when to avoid it
+        self._lagging: dict[str, float] = {}  # server -> until when (on `clock`) to avoid it
+        self.clock = time.monotonic  # the seconds server avoidance is measured in
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self.produced = 0
@@ -223,7 +224,7 @@ class RolloutWorker:
         `min_version` or newer (the learner updates an entry as soon as its push lands). The
         response's policy version is the final word."""
         with self._lock:
-            now = time.time()
+            now = self.clock()
             for refresh in (now - self._servers_at > self.cfg.replay.heartbeat_s / 2, True):
                 if refresh:
                     self._servers, self._servers_at = self.store.live("generation"), now
@@ -241,7 +242,7 @@ class RolloutWorker:
 
     def _avoid(self, address: str, seconds: float) -> None:
         with self._lock:
-            self._lagging[address] = time.time() + seconds
+            self._lagging[address] = self.clock() + seconds
             self._servers_at = 0.0  # re-read the registry next time
 
     # ------------------------------------------------------------------ one batch

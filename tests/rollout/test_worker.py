@@ -122,15 +122,17 @@ def test_pick_server_round_robin_version_preference_and_avoid(make_cfg):
         assert [worker._pick_server(5) for _ in range(6)] == [addr_a] * 6  # only the server at the version
         assert set(worker._pick_server(0) for _ in range(6)) == {addr_a, addr_b}  # both qualify for 0
 
+        clock = [1000.0]  # avoidance is timed on a clock the test moves
+        worker.clock = lambda: clock[0]
         worker._avoid(addr_a, 1.0)
-        t0 = time.time()
         # the only server at version 5 is avoided: the other is used (its answer's version decides)
         assert [worker._pick_server(5) for _ in range(4)] == [addr_b] * 4
         assert [worker._pick_server(0) for _ in range(4)] == [addr_b] * 4
         worker._avoid(addr_b, 1.0)
         assert worker._pick_server(0) is None  # every server avoided
-        assert time.time() - t0 < 0.8, "the checks above ran too slowly for the 1s avoid window"
-        time.sleep(1.05 - (time.time() - t0))
+        clock[0] += 0.99
+        assert worker._pick_server(0) is None  # not yet
+        clock[0] += 0.02
         assert set(worker._pick_server(0) for _ in range(4)) == {addr_a, addr_b}  # avoidance expires
         assert worker._pick_server(5) == addr_a
 
@@ -165,14 +167,12 @@ def test_dead_server_in_registry_is_retried_around(make_cfg):
 
 
 def test_no_generation_server_gives_up_and_leaves_prompts_pending(make_cfg):
-    # claim_idle_s longer than process() takes to give up (0.3s of backoff): see the last check
     cfg = make_cfg(replay={"claim_idle_s": 1.0})
     store = ReplayStore.from_config(cfg)
     assert store.live("generation") == {}
     worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
     uids = _feed(store, reverse_task("train", 3))
     entries, reclaimed = store.claim_prompts("w1", 10, block_ms=50)
-    claimed_at = time.perf_counter()
     assert len(entries) == 3 and reclaimed == 0
     t0 = time.perf_counter()
     assert worker.process(entries) == 0
@@ -184,10 +184,13 @@ def test_no_generation_server_gives_up_and_leaves_prompts_pending(make_cfg):
     assert worker.produced == 0 and store.backlog() == 0 and store.read_dead() == []
     # not acknowledged: still pending at w1, and another worker takes them over once they are idle
     assert _pending(store, "w1") == 3 and store.prompt_backlog() == 3
-    assert time.perf_counter() - claimed_at < 0.9, "too slow to check the idle window"
-    assert store.claim_prompts("w2", 10, block_ms=10) == ([], 0)  # not idle long enough yet
-    time.sleep(max(0.0, 1.1 - (time.perf_counter() - claimed_at)))
-    taken, reclaimed = store.claim_prompts("w2", 10, block_ms=50)
+    patient = ReplayStore(store.r, namespace=store.ns, claim_idle_s=60.0)  # a worker that waits a minute
+    assert patient.claim_prompts("w2", 10, block_ms=10) == ([], 0)  # not idle long enough yet
+    deadline = time.monotonic() + 60  # claim_idle_s (1 s) after the claim, they are taken over
+    while time.monotonic() < deadline:
+        taken, reclaimed = store.claim_prompts("w2", 10, block_ms=50)
+        if reclaimed:
+            break
     assert reclaimed == 3
     assert sorted(t.uid for _, t in taken) == sorted(uids)
     assert _pending(store, "w2") == 3 and _pending(store, "w1") == 0

@@ -63,14 +63,29 @@ def test_produce_appends_and_acknowledges_atomically_and_once_per_attempt(store)
     assert store.backlog() == 4
 
 
+def _view(store, claim_idle_s: float):
+    """The same namespace on the same Redis, with another claim_idle_s (a worker's setting)."""
+    from services.common.replay import ReplayStore
+    return ReplayStore(store.r, namespace=store.ns, claim_idle_s=claim_idle_s)
+
+
+def _reclaim(store, consumer: str, count: int, timeout_s: float = 60.0) -> tuple[list, int]:
+    """Claims until something is reclaimed from another consumer (at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got, reclaimed = store.claim_prompts(consumer, count, block_ms=50)
+        if reclaimed:
+            return got, reclaimed
+    raise AssertionError(f"nothing reclaimed in {timeout_s:g}s")
+
+
 def test_a_dead_consumers_prompts_are_reclaimed_by_another(store):
     store.feed([_task(i) for i in range(4)])
     taken, _ = store.claim_prompts("doomed", 4, block_ms=100)
     assert len(taken) == 4
-    # before claim_idle_s, nothing to reclaim and nothing new
-    assert store.claim_prompts("survivor", 4, block_ms=50) == ([], 0)
-    time.sleep(0.4)
-    got, reclaimed = store.claim_prompts("survivor", 4, block_ms=50)
+    # before claim_idle_s (a minute, for a worker that says so), nothing to reclaim and nothing new
+    assert _view(store, claim_idle_s=60).claim_prompts("survivor", 4, block_ms=50) == ([], 0)
+    got, reclaimed = _reclaim(store, "survivor", 4)  # claim_idle_s 0.3: soon
     assert reclaimed == 4 and sorted(t.uid for _, t in got) == sorted(t.uid for _, t in taken)
     store.produce([(e, _group(t)) for e, t in got])
     assert store.r.xpending(store.prompts, "workers")["pending"] == 0
@@ -111,13 +126,16 @@ def test_dead_letters_are_acknowledged_and_readable(store):
     assert store.read_dead(entry) == []
 
 
-def test_registry_forgets_services_without_a_heartbeat(store):
+def test_registry_forgets_services_without_a_heartbeat(store, monkeypatch):
+    """Ages are measured on the registry's clock (Redis's TIME), here one the test moves."""
+    clock = [float(store.now())]
+    monkeypatch.setattr(store, "now", lambda: clock[0])
     store.heartbeat("generation", "127.0.0.1:1", version=4)
     store.heartbeat("generation", "127.0.0.1:2", version=4)
     assert set(store.live("generation")) == {"127.0.0.1:1", "127.0.0.1:2"}
-    time.sleep(0.7)
+    clock[0] += 0.7
     store.heartbeat("generation", "127.0.0.1:2", version=5)
-    time.sleep(0.5)
+    clock[0] += 0.5  # the first one silent for 1.2 s, past heartbeat_ttl_s = 1.0; the second for 0.5 s
     live = store.live("generation")
     assert set(live) == {"127.0.0.1:2"} and live["127.0.0.1:2"]["version"] == 5
     assert store.r.hlen(store.generation_key) == 1  # the silent one was removed
@@ -135,14 +153,16 @@ def test_nothing_in_redis_is_pickled(store):
 
 
 def test_a_live_consumer_that_renews_its_claim_keeps_its_prompts(store):
+    """Renewing every 0.1 s against a claim_idle_s of 3 s: held through four seconds (a renewal
+    would have to be late by thirty periods to lose them); once renewal stops, they are reclaimed."""
     from services.rollout.worker import _ClaimRenewal
+    other = _view(store, claim_idle_s=3.0)
     store.feed([_task(i) for i in range(3)])
     taken, _ = store.claim_prompts("slow", 3, block_ms=100)
     with _ClaimRenewal(store, "slow", [e for e, _ in taken], every_s=0.1):
-        time.sleep(0.9)  # three times claim_idle_s: without renewal another worker takes them over
-        assert store.claim_prompts("other", 3, block_ms=50) == ([], 0)
-    time.sleep(0.4)  # the renewal stopped (the worker died): now they are reclaimed
-    got, reclaimed = store.claim_prompts("other", 3, block_ms=50)
+        time.sleep(4.0)  # longer than claim_idle_s: without renewal another worker takes them over
+        assert other.claim_prompts("other", 3, block_ms=50) == ([], 0)
+    got, reclaimed = _reclaim(other, "other", 3)  # the renewal stopped (the worker died)
     assert reclaimed == 3
 
 
