@@ -5,7 +5,8 @@
 Starts an embedded Redis (unless replay.url is set), then the reward, critic and generation
 servers on free localhost ports, then the learner and the rollout workers; waits for each to be
 ready; shows the learner's progress; restarts any service that crashes (Redis included) on the
-ports it had, up to --max-restarts times each; at the end, or on Ctrl-C, stops everything in
+ports it had, up to --max-restarts times each (a service after --restart-delay seconds, doubled
+at each further restart of it; Redis at once); at the end, or on Ctrl-C, stops everything in
 order (the learner first, so it writes a checkpoint).
 
 Secrets: the Redis password and the auth token come from the config or their environment
@@ -47,6 +48,7 @@ class Child:
         self.endpoints: dict[str, str] = {}
         self.listening = threading.Event()
         self.restarts = 0
+        self.restart_due: float | None = None  # set while a crashed process waits out --restart-delay
         self.restarted_at: float | None = None  # set while a restarted process is not ready yet
 
     def start(self) -> "Child":
@@ -298,30 +300,43 @@ class Launcher:
             time.sleep(0.3)
             if self.stopping.is_set():  # a stop during the sleep: what exited since is not restarted
                 break
-            failed = self._supervise_redis()
-            if failed is not None:
-                return failed
-            for name, c in list(self.children.items()):
-                code = c.proc.poll()
-                if code is None:
-                    self._check_back(c)
-                    continue
-                if name == "learner" and code == 0:
-                    return 0
-                if self.stopping.is_set():
-                    break
-                if c.restarts < self.args.max_restarts:
-                    c.restarts += 1
-                    print(f"{name} exited with code {code}; restarting it ({c.restarts}/{self.args.max_restarts})",
-                          flush=True)
-                    c.start()
-                    c.restarted_at = time.time()  # readiness is checked on the next rounds
-                    self.write_manifest()
-                    continue
+            code = self.supervise_once(time.time())
+            if code is not None:
+                return code
+        return learner.proc.returncode if learner.proc.poll() is not None else 130
+
+    def supervise_once(self, now: float) -> int | None:
+        """One look at every process at time `now`: restart what exited (a service once its
+        --restart-delay has passed), say which restarted service is back. The run's exit code
+        when it is over (the learner finished, or a service exited past --max-restarts)."""
+        failed = self._supervise_redis()
+        if failed is not None:
+            return failed
+        for name, c in list(self.children.items()):
+            code = c.proc.poll()
+            if code is None:
+                self._check_back(c)
+                continue
+            if name == "learner" and code == 0:
+                return 0
+            if self.stopping.is_set():
+                return None
+            if c.restart_due is None and c.restarts >= self.args.max_restarts:
                 print(f"error: {name} exited with code {code}; stopping the run. Last lines of {c.log_path}:\n"
                       f"{tail(c.log_path)}", flush=True)
                 return code or 1
-        return learner.proc.returncode if learner.proc.poll() is not None else 130
+            if c.restart_due is None:
+                c.restarts += 1
+                delay = self.args.restart_delay * 2 ** (c.restarts - 1)  # a crash loop does not spin
+                c.restart_due = now + delay
+                print(f"{name} exited with code {code}; restarting it" + (f" in {delay:g}s" if delay else "")
+                      + f" ({c.restarts}/{self.args.max_restarts})", flush=True)
+            if now >= c.restart_due:
+                c.restart_due = None
+                c.start()
+                c.restarted_at = now  # readiness is checked on the next rounds
+                self.write_manifest()
+        return None
 
     def shutdown(self) -> None:
         self.stopping.set()

@@ -5,6 +5,7 @@ while the run goes on is still restarted; the embedded Redis runs in a session o
 Ctrl-C in the terminal does not stop it before the learner's final checkpoint."""
 import argparse
 import os
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +45,7 @@ class FakeRedis:
 def launcher(tmp_path, monkeypatch):
     cfg = config_from_dict({"run": {"run_dir": str(tmp_path / "run")}})
     args = argparse.Namespace(run_dir=str(tmp_path / "run"), overrides=[], config="x.yaml", max_restarts=3,
-                              startup_timeout=5.0, workers=0, generation_servers=0)
+                              startup_timeout=5.0, workers=0, generation_servers=0, restart_delay=0.0)
     up = Launcher(cfg, args)
     up.redis = FakeRedis()
     up.children = {"learner": FakeChild()}
@@ -74,6 +75,36 @@ def test_a_redis_that_crashes_while_the_run_goes_on_is_still_restarted(launcher,
     assert launcher._supervise_redis() is None
     assert launcher.restarted == ["redis"] and launcher.redis_restarts == 1
     assert "redis exited with code 1; restarting it" in capsys.readouterr().out
+
+
+class CrashingChild(FakeChild):
+    """A service that exits with -9 each time it is started."""
+    kind = "generation"
+
+    def __init__(self):
+        super().__init__()
+        self.proc, self.restart_due, self.starts = FakeProc(-9), None, []
+        self.log_path = Path("/nonexistent/gen.log")
+
+    def start(self):
+        self.starts.append(True)
+        self.proc = FakeProc(-9)
+        return self
+
+
+def test_a_crashed_service_is_restarted_after_the_delay_doubled_each_time(launcher, capsys):
+    launcher.args.restart_delay, launcher.args.max_restarts = 10.0, 2
+    launcher.redis.proc = FakeProc(None)
+    gen = launcher.children["generation-0"] = CrashingChild()
+    assert launcher.supervise_once(100.0) is None
+    assert gen.starts == [] and "generation-0 exited with code -9; restarting it in 10s (1/2)" in capsys.readouterr().out
+    assert launcher.supervise_once(109.9) is None and gen.starts == []  # still down
+    assert launcher.supervise_once(110.0) is None and gen.starts == [True]  # restarted; it crashes again
+    assert launcher.supervise_once(111.0) is None and gen.starts == [True]
+    assert "restarting it in 20s (2/2)" in capsys.readouterr().out
+    assert launcher.supervise_once(131.0) is None and len(gen.starts) == 2
+    assert launcher.supervise_once(132.0) == -9  # past --max-restarts: the run stops
+    assert "error: generation-0 exited with code -9; stopping the run" in capsys.readouterr().out
 
 
 def test_the_embedded_redis_has_a_session_of_its_own(tmp_path):

@@ -393,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-servers", type=int, default=1, help="generation servers (default 1)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of each crashed service (Redis included) before giving up")
+    p.add_argument("--restart-delay", type=float, default=0.0,
+                   help="seconds before a crashed service is restarted, doubled at each further restart of "
+                        "that service (default 0: at once; Redis is always restarted at once)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds a service may take to be ready")
     p.set_defaults(func=cmd_up)
     return parser
