@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..metrics import register_process_metrics
 from .errors import BadRequest, DeadlineExceeded, ResourceExhausted, Unavailable
@@ -49,7 +49,8 @@ _MAPPED = tuple(c for classes, _ in STATUS_OF for c in (classes if isinstance(cl
 
 class ServiceMetrics:
     """The metrics every gRPC server has, in a registry of its own (several servers in one
-    process): its calls (`rlhf_rpc_requests_total`, `rlhf_rpc_latency_seconds`) and its process
+    process): its calls (`rlhf_rpc_requests_total`, `rlhf_rpc_latency_seconds`, and those being
+    handled now, `rlhf_rpc_in_flight`) and its process
     (`process_*`, `python_info`). What only some servers do (batches, tokens) each of them adds
     to `registry` itself, so no server exports another's empty families."""
 
@@ -59,6 +60,8 @@ class ServiceMetrics:
                                 registry=self.registry)
         self.latency = Histogram("rlhf_rpc_latency_seconds", "RPC latency", ["service", "method"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("rlhf_rpc_in_flight", "RPCs being handled now", ["service", "method"],
+                               registry=self.registry)
         register_process_metrics(self.registry, service)
         self.service = service
 
@@ -170,6 +173,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         request_id = dict(context.invocation_metadata()).get("x-request-id") or uuid.uuid4().hex[:12]
+        in_flight = self.metrics.in_flight.labels(self.service, method)
+        in_flight.inc()
         try:
             if not authorized:
                 code = grpc.StatusCode.UNAUTHENTICATED
@@ -202,6 +207,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     context.abort(code, _brief(f"internal error: {type(e).__name__}: {e}"))
             raise
         finally:
+            in_flight.dec()
             self.metrics.requests.labels(self.service, method, code.name).inc()
             self.metrics.latency.labels(self.service, method).observe(time.perf_counter() - t0)
 

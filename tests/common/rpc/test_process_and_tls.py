@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -22,20 +23,34 @@ from tests.grpc_helpers import TOKEN, on_free_ports
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def _wait_in_flight(metrics_port: int, method: str, timeout_s: float = 120.0) -> None:
+    """Until the server's rlhf_rpc_in_flight shows a `method` call being handled."""
+    want = f'rlhf_rpc_in_flight{{method="{method}",service="generation"}} 1.0'
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=30).text
+        if want in text:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {method} call in flight after {timeout_s:g}s")
+
+
 def test_serve_process_graceful_sigterm(cfg, tmp_path):
     conf = tmp_path / "c.yaml"
     conf.write_text(f"model: {{path: {cfg.model.path}, device: cpu}}\nprompt_length: 32\nresponse_length: 8\n"
                     f"rpc: {{auth_token: {TOKEN}, max_samples_per_prompt: 64, grace_s: 120}}\n")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "generation", "-c", str(conf),
-                             "--port", "0", "--metrics-port", "-1"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--port", "0", "--metrics-port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     try:
         line = ""
         t0 = time.time()
         while not line.startswith("LISTENING") and time.time() - t0 < 60:
             line = proc.stdout.readline()
-        assert line.startswith("LISTENING service=generation"), proc.stderr.read()
-        port = int(line.split("port=")[1].split()[0])
+        assert line.startswith("LISTENING service=generation"), line
+        fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+        port, metrics_port = int(fields["port"]), int(fields["metrics_port"])
         client = GenerationClient(f"127.0.0.1:{port}", cfg.rpc)
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="rlhf.v1.Generation"))
@@ -50,7 +65,7 @@ def test_serve_process_graceful_sigterm(cfg, tmp_path):
 
         t = threading.Thread(target=slow_call)
         t.start()
-        time.sleep(0.5)  # the call is in flight
+        _wait_in_flight(metrics_port, "Generate")  # the server is working on it
         proc.send_signal(signal.SIGTERM)
         t.join(timeout=120)
         assert "r" in result, result.get("e")
