@@ -94,11 +94,18 @@ def served(cfg, tiny_model_dir):
 
 
 def _alive(svc) -> bool:
-    return health.check(f"127.0.0.1:{svc.server.port}", "")
+    """SERVING (True) or NOT_SERVING (False) for liveness; no answer in 30 s fails the test."""
+    return _serving(svc, "")
 
 
 def _ready(svc) -> bool:
-    return health.check(f"127.0.0.1:{svc.server.port}", health.readiness_name("generation"))
+    return _serving(svc, health.readiness_name("generation"))
+
+
+def _serving(svc, service: str) -> bool:
+    got = health.status(f"127.0.0.1:{svc.server.port}", service, timeout_s=30)
+    assert got in ("SERVING", "NOT_SERVING"), got
+    return got == "SERVING"
 
 
 def _zeros(backend) -> dict:

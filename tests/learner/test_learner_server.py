@@ -31,15 +31,16 @@ def test_learner_reports_ready_serves_pulls_and_drains(cfg):
         cfg.rpc.reward.port = reward.server.port
         with serve_generation(on_free_ports(cfg, "generation")), serve_learner(cfg) as learner:
             address = f"127.0.0.1:{learner.server.port}"
-            assert health.check(address, "")  # alive
-            assert not health.check(address, "rlhf.v1.Learner")  # not ready before it has resumed
+            assert health.status(address, "", timeout_s=30) == "SERVING"  # alive
+            # not ready before it has resumed
+            assert health.status(address, "rlhf.v1.Learner", timeout_s=30) == "NOT_SERVING"
             result = {}
             loop = threading.Thread(target=lambda: result.setdefault("code", learner.run()))
             loop.start()
-            deadline = time.time() + 60
-            while not health.check(address, "rlhf.v1.Learner") and time.time() < deadline:
+            deadline = time.time() + 180
+            while not health.check(address, "rlhf.v1.Learner", timeout_s=30) and time.time() < deadline:
                 time.sleep(0.1)
-            assert learner.ready and health.check(address, "rlhf.v1.Learner")
+            assert learner.ready and health.status(address, "rlhf.v1.Learner", timeout_s=30) == "SERVING"
             client = LearnerClient(address, cfg.rpc)
             chunks = list(client.pull_weights(-1))
             assert chunks and chunks[0].WhichOneof("payload") == "header" and chunks[0].header.version == 0
@@ -51,6 +52,6 @@ def test_learner_reports_ready_serves_pulls_and_drains(cfg):
             while learner.loop.state != "waiting" and time.time() < deadline:
                 time.sleep(0.1)
             learner.drain()
-            loop.join(timeout=60)
+            loop.join(timeout=180)
             assert result == {"code": 0} and learner.loop.state == "stopped"
             assert learner.loop.checkpointer.latest() is not None

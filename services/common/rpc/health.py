@@ -16,19 +16,26 @@ def readiness_name(service: str) -> str:
     return f"rlhf.v1.{service.capitalize()}"
 
 
-def check(address: str, service: str = "", timeout_s: float = 2.0, tls_ca: bytes | None = None) -> bool:
-    """True if `address` answers SERVING for `service`; False if it answers anything else or
-    cannot be reached within `timeout_s`."""
+def status(address: str, service: str = "", timeout_s: float = 2.0, tls_ca: bytes | None = None) -> str:
+    """What `address` answers for `service`: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", ...;
+    raises `grpc.RpcError` when it gives no answer within `timeout_s`."""
     channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca)) if tls_ca
                else grpc.insecure_channel(address))
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                           timeout=timeout_s)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     finally:
         channel.close()
+
+
+def check(address: str, service: str = "", timeout_s: float = 2.0, tls_ca: bytes | None = None) -> bool:
+    """True if `address` answers SERVING for `service`; False if it answers anything else or
+    cannot be reached within `timeout_s`."""
+    try:
+        return status(address, service, timeout_s, tls_ca) == "SERVING"
+    except grpc.RpcError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
