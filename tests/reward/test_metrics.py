@@ -80,7 +80,8 @@ def test_reward_api_requests_are_counted_by_outcome(api):
     metrics = RewardAPIMetrics(registry)
     assert registry.get_sample_value("rlhf_reward_api_requests_total", {"service": "reward", "outcome": "ok"}) \
         is None  # no API to call yet: no samples
-    scorer = HTTPScorer(api.url, timeout_s=1.5, retries=3, backoff_s=0.01, metrics=metrics)
+    # the stall is waited out (5 s); an answer on a busy machine never takes that long
+    scorer = HTTPScorer(api.url, timeout_s=5, retries=3, backoff_s=0.01, metrics=metrics)
     assert _outcomes(registry) == {"ok": 0, "http_error": 0, "transport_error": 0, "bad_answer": 0}  # from 0
     api.script = ["fail", "stall", "ok"]  # a 503, a timeout, then an answer: three attempts
     scorer.score(SAMPLES)
