@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,7 +48,10 @@ class RunLog:
                     row = json.loads(line)
                     if row.get("iteration", 0) <= resume_from:
                         self.rows.append(row)
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        # rewritten whole, then renamed over the old file: a reader never sees it half-written
+        fresh = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        fresh.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        os.replace(fresh, self.metrics_path)
         self.cfg, self.mode, self.stream = cfg, mode, stream or sys.stdout
         self.t0 = time.time() - (self.rows[-1].get("wall_s", 0.0) if self.rows else 0.0)
         self.sinks = open_sinks(self.dir, cfg, resume_from)

@@ -60,15 +60,13 @@ def redis7(objs, tmp_path_factory):
                             stdout=open(d / "redis.log", "w"), stderr=subprocess.STDOUT)
     password = env["RLHF_REDIS_PASSWORD"]
     client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=2)
-    for _ in range(200):
+    deadline, up = time.monotonic() + 120, False
+    while not up and proc.poll() is None and time.monotonic() < deadline:
         try:
-            client.ping()
-            break
+            up = client.ping()
         except redis.exceptions.ConnectionError:
-            if proc.poll() is not None:
-                break
             time.sleep(0.05)
-    else:
+    if not up:
         proc.kill()
         pytest.fail(f"Redis did not start:\n{(d / 'redis.log').read_text()}")
     assert proc.poll() is None, (d / "redis.log").read_text()

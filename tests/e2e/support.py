@@ -17,5 +17,7 @@ def run_iterations(run_dir: Path) -> int:
     p = run_dir / "metrics.jsonl"
     if not p.exists():
         return 0
-    rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    text = p.read_text()
+    complete = text[:text.rfind("\n") + 1]  # a row being appended right now is not read half-written
+    rows = [json.loads(x) for x in complete.splitlines() if x.strip()]
     return max((r["iteration"] for r in rows), default=0)

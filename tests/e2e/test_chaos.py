@@ -88,11 +88,16 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def _command_lines(run_dir: Path) -> dict[str, str]:
+def _command_lines(run_dir: Path) -> dict[str, str] | None:
+    """Every process's command line; None while one of them is being replaced (read again)."""
     m = _manifest(run_dir)
     pids = {name: s["pid"] for name, s in m["services"].items()}
     pids["redis"] = m["redis_pid"]
-    return {name: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for name, pid in pids.items()}
+    try:
+        return {name: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                for name, pid in pids.items()}
+    except FileNotFoundError:
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,7 @@ def one_server(tiny_model_dir, tmp_path_factory):
     try:
         _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
         secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
-        command_lines = _command_lines(run_dir)
+        command_lines = _wait(lambda: _command_lines(run_dir), 120, "every process's command line", up, log)
         for name in ("generation-0", "reward", "critic", "redis"):
             _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
             it = _wait(lambda: run_iterations(run_dir) >= 3 + 4 * len(kills) and run_iterations(run_dir), 300,

@@ -141,6 +141,9 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         learner_pid = json.loads((run_dir / "services.json").read_text())["services"]["learner"]["pid"]
         os.kill(learner_pid, signal.SIGKILL)
         assert up.wait(timeout=400) == 0, up_log.read_text()[-4000:]
+        # the final push (or, had it failed, the server's own catch-up pull) reaches it
+        final = json.loads((run_dir / "summary.json").read_text())["policy_version"]
+        _wait(lambda: client.version == final, 120, "the late server at the final version")
         out["late_version_at_end"] = client.version
         client.close()
     finally:

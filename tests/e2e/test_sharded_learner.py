@@ -39,7 +39,7 @@ def _kill_followers(run_dir: Path, service: str) -> int:
 
 
 def _wait_for(run_dir: Path, iteration: int, up, log_path: Path) -> int:
-    deadline = time.time() + 300
+    deadline = time.time() + 900
     while run_iterations(run_dir) < iteration:
         assert up.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
         time.sleep(0.2)

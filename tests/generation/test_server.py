@@ -462,17 +462,22 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
         t.start()
     for v in range(v0 + 1, v0 + 4):
         push(client, server, states[v], v, chunk_bytes=20_000)
-        time.sleep(0.05)
+    deadline = time.monotonic() + 120  # until a call was answered by the last version
+    while not any(v == v0 + 3 for v, _ in list(seen)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     stop.set()
     for t in threads:
         t.join()
+    # the server merges concurrent calls into batches of 1 to 3 rows: a version's greedy answer is
+    # that of one of those shapes (float32 rounding differs with the batch shape)
     expected = {}
     for v, st in states.items():
         ref.model.load_state_dict(st)
-        expected[v] = ref.generate(prompts, greedy).completions[0][0].token_ids
+        expected[v] = {tuple(ref.generate(prompts * rows, greedy).completions[0][0].token_ids) for rows in (1, 2, 3)}
+    assert all(not (expected[a] & expected[b]) for a in states for b in states if a < b)  # versions tell apart
     assert {v for v, _ in seen} >= {v0 + 3}
     for v, toks in seen:
-        assert toks == expected[v], f"version {v}"
+        assert tuple(toks) in expected[v], f"version {v}"
 
 
 def test_concurrent_calls_are_batched(cfg, tiny_model_dir):

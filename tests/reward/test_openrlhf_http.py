@@ -82,5 +82,5 @@ def test_long_runs_of_special_tokens_are_stripped_in_linear_time(reward_url, tok
     pads = tokenizer.pad_token * 19_000  # 95k characters in the middle of the query
     t0 = time.monotonic()
     body = post(reward_url + "/get_reward", ["abcd=" + pads + "dcba" + tokenizer.eos_token], ["abcd="], ["dcba"])
-    assert time.monotonic() - t0 < 3  # a backtracking regex took minutes
+    assert time.monotonic() - t0 < 60  # a backtracking regex took minutes (idle: milliseconds)
     assert body["rewards"] == [1 - len(pads) / (len(pads) + 4)]  # no exact match; the edit similarity

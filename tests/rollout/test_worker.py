@@ -32,7 +32,9 @@ def model_dir(untrained_model_dir):
 
 
 def _cfg(model_dir, url, namespace, reward_port=0, **over):
-    replay = {"url": url, "namespace": namespace, "block_ms": 50, "heartbeat_s": 0.2, **over.pop("replay", {})}
+    # entries the tests register by hand live a minute: they never expire while a test runs
+    replay = {"url": url, "namespace": namespace, "block_ms": 50, "heartbeat_s": 0.2, "heartbeat_ttl_s": 60.0,
+              **over.pop("replay", {})}
     d = {"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
          "num_return_sequences_in_group": GROUP, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
          "replay": replay, "rollout": {"retries": 2, "retry_backoff_s": 0.05},
@@ -383,18 +385,18 @@ def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, 
 def test_worker_healthz_follows_its_heartbeats_to_redis(make_cfg, redis_server):
     """/healthz (a container's or pod's liveness probe) is 200 while heartbeats reach Redis, and 503
     once none has for replay.heartbeat_ttl_s: a worker whose loop or Redis link died is restarted."""
-    cfg = make_cfg(replay={"heartbeat_ttl_s": 2.0})
+    cfg = make_cfg(replay={"heartbeat_ttl_s": 30.0})
     worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="probe")
     port = worker.serve_metrics(0)
     url = f"http://127.0.0.1:{port}/healthz"
     try:
         worker.heartbeat()
-        assert httpx.get(url, timeout=5).status_code == 200
+        assert httpx.get(url, timeout=30).status_code == 200
         assert "probe" in worker.store.live("worker")
-        time.sleep(2.5)  # no heartbeat since
-        r = httpx.get(url, timeout=5)
+        worker.last_heartbeat -= 31.0  # as if none had reached Redis for 31 s
+        r = httpx.get(url, timeout=30)
         assert r.status_code == 503 and "no heartbeat reached Redis" in r.text
         worker.heartbeat()
-        assert httpx.get(url, timeout=5).status_code == 200
+        assert httpx.get(url, timeout=30).status_code == 200
     finally:
         worker.metrics_httpd.stop()

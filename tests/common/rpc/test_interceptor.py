@@ -102,7 +102,7 @@ def test_stream_the_client_cancels_is_counted_as_cancelled(serve):
     call = pull(b"", metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
     assert next(call) == b"chunk-0"
     call.cancel()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while sample(server, "rlhf_rpc_requests_total", code="CANCELLED") is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sample(server, "rlhf_rpc_requests_total", code="CANCELLED") == 1
