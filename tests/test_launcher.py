@@ -97,7 +97,8 @@ def test_a_crashed_service_is_restarted_after_the_delay_doubled_each_time(launch
     launcher.redis.proc = FakeProc(None)
     gen = launcher.children["generation-0"] = CrashingChild()
     assert launcher.supervise_once(100.0) is None
-    assert gen.starts == [] and "generation-0 exited with code -9; restarting it in 10s (1/2)" in capsys.readouterr().out
+    assert gen.starts == []
+    assert "generation-0 exited with code -9; restarting it in 10s (1/2)" in capsys.readouterr().out
     assert launcher.supervise_once(109.9) is None and gen.starts == []  # still down
     assert launcher.supervise_once(110.0) is None and gen.starts == [True]  # restarted; it crashes again
     assert launcher.supervise_once(111.0) is None and gen.starts == [True]

@@ -166,7 +166,8 @@ def resilient(tmp_path_factory):
         # container back; `up -d` does, and it resumes again
         project.wait_for(lambda: project.iteration() >= resumed["resumed_from"] + 8, 300, "progress after the restart")
         docker("kill", project.container("learner"))
-        project.wait_for(lambda: project.state("learner")["State"]["Status"] == "exited", 120, "the killed learner exited")
+        project.wait_for(lambda: project.state("learner")["State"]["Status"] == "exited", 120,
+                         "the killed learner exited")
         time.sleep(3)  # and stays so: a restart policy would have brought it back by now
         after_kill = project.state("learner")["State"]
         project.up("--scale", "rollout=2", "--scale", "generation=2")

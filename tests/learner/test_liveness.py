@@ -159,7 +159,8 @@ def test_a_waiting_learner_is_alive_and_a_frozen_one_fails_liveness_within_the_b
                 assert body["ok"] is False and "has not advanced" in body["reason"], body
                 assert "phase 'waiting'" in body["reason"]
                 assert health.status(address, "", timeout_s=30) == "NOT_SERVING"  # gRPC liveness says the same
-                assert health.status(address, "rlhf.v1.Learner", timeout_s=30) == "SERVING"  # readiness is another matter
+                # readiness is another matter
+                assert health.status(address, "rlhf.v1.Learner", timeout_s=30) == "SERVING"
 
                 # unblocked, the loop ticks again: alive again
                 service.store.read_trajectories = real_read

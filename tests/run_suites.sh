@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs every suite named (make targets) even when one fails, keeps each one's output in
+# runs/test-logs/TARGET.log, prints one summary of all of them, and exits non-zero if any failed.
+#
+#     bash tests/run_suites.sh lint test-main test-vllm test-docker      (what `make test` runs)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=runs/test-logs
+mkdir -p "$logs"
+declare -a rows
+failed=0
+for target in "$@"; do
+    echo "=== make $target ==="
+    start=$SECONDS
+    make --no-print-directory "$target" 2>&1 | tee "$logs/$target.log"
+    code=${PIPESTATUS[0]}
+    took=$((SECONDS - start))
+    # pytest's last line ("= 749 passed, 3 skipped in 840.12s =") or, for lint, what failed
+    result=$(grep -E '^=+ .*(passed|failed|error|no tests ran).* =+$' "$logs/$target.log" | tail -1 | tr -d '=' \
+             | sed 's/^ *//;s/ *$//')
+    if [ "$code" -eq 0 ]; then verdict=ok; else verdict="FAILED (exit $code)"; failed=1; fi
+    rows+=("$(printf '%-12s %-18s %6ss  %s' "$target" "$verdict" "$took" "${result:-}")")
+done
+echo
+echo "=== summary (logs in $logs/) ==="
+printf '%s\n' "${rows[@]}"
+if [ "$failed" -ne 0 ]; then
+    echo
+    echo "failed tests:"
+    grep -hE '^(FAILED|ERROR) ' "$logs"/*.log | sort -u || true
+fi
+exit "$failed"
