@@ -5,6 +5,7 @@
     rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
     rlhf config describe [--markdown]               every key: default, choices, meaning
     rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
+    rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
     rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
     rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
@@ -20,7 +21,7 @@ from importlib import import_module
 from pathlib import Path
 
 from ..common.config import ConfigError, dump_config, load_config
-from ..training.data import data_source_errors
+from ..training.data import data_source_errors, source_problem
 from ..training.tracking import tracking_errors
 
 EXIT_CONFIG = 2
@@ -77,6 +78,8 @@ def flag_overrides(args) -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
     if getattr(args, "run_dir", None):
         out.append(("run.run_dir", args.run_dir))
+    if getattr(args, "rm_out", None):
+        out.append(("reward_model.out", args.rm_out))
     service = getattr(args, "service", None)
     if service is None:
         return out
@@ -205,6 +208,26 @@ def cmd_redis(args) -> int:
 def cmd_config_describe(args) -> int:
     from .config_docs import describe_config
     sys.stdout.write(describe_config("markdown" if args.markdown else "text"))
+    return 0
+
+
+def cmd_train_rm(args) -> int:
+    cfg = _load(args)
+    rc = cfg.reward_model
+    errors = [f"reward_model.{k}: {problem}" for k in ("train", "eval") if getattr(rc, k) is not None
+              for problem in [source_problem(getattr(rc, k))] if problem]
+    if rc.train is None:
+        errors.append("reward_model.train: not set; give the preference pairs (a .jsonl, .parquet or hf: source)")
+    if errors:
+        return _error("; ".join(errors))
+    problem = _run_dir_problem(rc.out)
+    if problem:
+        return _error(problem)
+    from ..reward_model.train import train_reward_model
+    try:
+        train_reward_model(cfg, say=lambda line: print(line, flush=True))
+    except USER_ERRORS as e:
+        return _error(e)
     return 0
 
 
@@ -364,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run every part in this process")
     p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("train-rm", help="train a reward model on preference pairs (the reward_model section)")
+    _add_config_args(p)
+    p.add_argument("--out", dest="rm_out", help="where the reward model is written (reward_model.out)")
+    p.set_defaults(func=cmd_train_rm)
 
     p = sub.add_parser("serve", help="run one service: generation, reward, critic, learner or rollout")
     p.add_argument("service", choices=["generation", "reward", "critic", "learner", "rollout"])

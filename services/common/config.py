@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig, DataConfig, Endpoint, GenerationConfig, LearnerEndpoint, LoraConfig, ModelConfig, ReplayConfig,
-    RewardConfig, RewardEndpoint, RolloutConfig, RPCConfig, RuleSpec, RunConfig, VLLMConfig, Strict)
+    RewardConfig, RewardEndpoint, RewardModelConfig, RolloutConfig, RPCConfig, RuleSpec, RunConfig, VLLMConfig, Strict)
 
 # the algorithm's choices come from its registries: one list of names, not two
 ADV_ESTIMATOR_NAMES = ADV_ESTIMATORS.names()
@@ -123,6 +123,8 @@ class Config(Strict):
     rpc: RPCConfig = Field(default_factory=RPCConfig, description="servers: addresses, auth, TLS, limits")
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="the Redis replay buffer")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout workers")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
+                                            description="reward-model training (`rlhf train-rm`)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":

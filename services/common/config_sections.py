@@ -86,6 +86,8 @@ class RewardConfig(Strict):
     model_path: Optional[str] = Field(None, description="reward model directory "
                                       "(AutoModelForSequenceClassification); null = none")
     model_weight: float = Field(1.0, description="weight of the reward model's score in 'combined'")
+    model_normalize: bool = Field(False, description="score (r - mean) / std with the mean and std of the reward "
+                                  "model on its training pairs (reward_stats.json, written by `rlhf train-rm`)")
     http_url: Optional[str] = Field(None, description="reward API URL (OpenRLHF protocol: POST {query, prompts, "
                                     "labels} -> {rewards}); null = none")
     http_weight: float = Field(1.0, description="weight of the HTTP reward in 'combined'")
@@ -129,6 +131,50 @@ class RewardConfig(Strict):
                                                  "only, each {name, weight, kwargs} as in reward.rules: a gold "
                                                  "reward the policy is not trained on (the reward-hacking watch "
                                                  "compares it with the train reward); null = the training reward")
+
+
+# ------------------------------------------ reward-model training (`rlhf train-rm`)
+class RewardModelConfig(Strict):
+    """A scalar reward head on a causal LM backbone, trained on preference pairs with the pairwise
+    loss -log sigmoid(r_chosen - r_rejected - margin); its directory is what reward.model_path loads."""
+    base: Optional[str] = Field(None, description="the backbone: a causal LM directory or hub id; null = model.path")
+    train: Optional[str] = Field(None, description="preference pairs: a .jsonl, .parquet, .csv or .json file, or "
+                                 "hf:DATASET[:CONFIG][@SPLIT]; rows {prompt, chosen, rejected} (strings or chat "
+                                 "messages), or {chosen, rejected} whose shared leading messages are the prompt")
+    eval: Optional[str] = Field(None, description="held-out pairs, in the forms of train; null = hold out "
+                                "eval_fraction of train's prompts")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of train's prompts held out when eval is null")
+    prompt_key: str = Field("prompt", description="field with the prompt (absent in a row: the implicit form)")
+    chosen_key: str = Field("chosen", description="field with the preferred answer")
+    rejected_key: str = Field("rejected", description="field with the other answer")
+    margin_key: Optional[str] = Field(None, description="field with a per-pair margin added to the loss's "
+                                      "(r_chosen - r_rejected must exceed it); null = none")
+    margin: float = Field(0.0, ge=0, description="a margin every pair's loss asks for, beside margin_key's")
+    chat_template: bool = Field(False, description="render string prompts as one user message through the chat "
+                                "template, as data.chat_template does for the policy (chat-message prompts "
+                                "always are)")
+    max_length: int = Field(512, ge=8, description="longest prompt + answer in tokens; longer pairs are dropped "
+                            "with a warning")
+    epochs: int = Field(1, ge=1, description="passes over the training pairs")
+    batch_size: int = Field(32, ge=1, description="pairs per optimiser step")
+    micro_batch_size: int = Field(8, ge=1, description="pairs per forward and backward (gradients accumulate)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the backbone; the new head gets head_lr")
+    head_lr: Optional[float] = Field(None, gt=0, description="learning rate of the new reward head; null = lr")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps, then a cosine decay to 0")
+    bf16: bool = Field(False, description="forward and backward in bfloat16 autocast (weights and Adam in float32)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on the backbone (the head is "
+                             "trained whole); merged into the written model")
+    out: str = Field("runs/reward-model", description="where the reward model directory is written")
+    seed: int = Field(0, description="seed of the head's initialisation, the shuffling and the held-out split")
+
+    @model_validator(mode="after")
+    def _micro_divides(self) -> "RewardModelConfig":
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"reward_model.batch_size ({self.batch_size}) must be a multiple of "
+                             f"reward_model.micro_batch_size ({self.micro_batch_size})")
+        return self
 
 
 # ------------------------------------------ the critic server

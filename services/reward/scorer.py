@@ -8,7 +8,9 @@ evaluation's scorer when `reward.eval_rules` sets one apart from the training re
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -47,10 +49,21 @@ class RuleScorer:
 
 class ModelScorer:
     """A sequence-classification reward model (any AutoModelForSequenceClassification directory
-    with one label), batched, with its own tokenizer. Reward = logit of the single class."""
+    with one label, such as `rlhf train-rm` writes), batched, with its own tokenizer. Reward =
+    logit of the single class, read at the last non-padding token of prompt + response; with
+    `normalize`, (logit - mean) / std from the directory's reward_stats.json."""
 
-    def __init__(self, path: str, device: str = "cpu", batch_size: int = 32, max_length: int = 4096):
+    def __init__(self, path: str, device: str = "cpu", batch_size: int = 32, max_length: int = 4096,
+                 normalize: bool = False):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        self.shift, self.scale = 0.0, 1.0
+        if normalize:
+            stats_file = Path(path) / "reward_stats.json"
+            if not stats_file.exists():
+                raise ValueError(f"reward.model_normalize needs {stats_file} (written by `rlhf train-rm`); it is "
+                                 "missing")
+            stats = json.loads(stats_file.read_text())
+            self.shift, self.scale = float(stats["mean"]), max(float(stats["std"]), 1e-6)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -68,6 +81,7 @@ class ModelScorer:
                                  truncation=True, max_length=self.max_length).to(self.device)
             logits = self.model(**enc).logits.float()
             for v in logits[:, 0].tolist():
+                v = (v - self.shift) / self.scale
                 out.append(ScoreResult(v, {"model": v}))
         return out
 
@@ -95,7 +109,8 @@ def build_scorer(reward_cfg, device: str = "cpu", api_metrics=None) -> Scorer:
     if reward_cfg.type in ("rules", "combined") and reward_cfg.rules:
         parts.append(("rules", 1.0, RuleScorer.from_specs(reward_cfg.rules)))
     if reward_cfg.type in ("model", "combined") and reward_cfg.model_path:
-        parts.append(("model", reward_cfg.model_weight, ModelScorer(reward_cfg.model_path, device)))
+        parts.append(("model", reward_cfg.model_weight, ModelScorer(reward_cfg.model_path, device,
+                                                                   normalize=reward_cfg.model_normalize)))
     if reward_cfg.type in ("http", "combined") and reward_cfg.http_url:
         from .http_scorer import HTTPScorer
         parts.append(("http", reward_cfg.http_weight, HTTPScorer.from_config(reward_cfg, api_metrics)))

@@ -142,11 +142,18 @@ def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "pro
                                                             instruction)) for r in records]
     options = dict(tokenizer=tokenizer, prompt_key=prompt_key, label_key=label_key, chat_template=chat_template,
                    system_prompt=system_prompt, instruction=instruction)
+    return [_record(row, where, **options) for where, row in read_rows(source, split, limit)]
+
+
+def read_rows(source: str, split: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    """The rows of a JSON lines file or a Hugging Face `datasets` source (`hf:<name>[:<config>][@<split>]`,
+    a `.parquet`, `.csv` or `.json` file), each with where it came from (`file.jsonl:LINE`,
+    `name:INDEX`): what prompt and preference records are read from."""
     if source.startswith("hf:") or source.endswith(DATASETS_FILE_TYPES):
-        return _from_datasets(source, split, limit, options)
+        return _from_datasets(source, split, limit)
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+        raise FileNotFoundError(f"data file {path} does not exist")
     out = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -156,7 +163,9 @@ def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "pro
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-            out.append(_record(record, f"{path.name}:{lineno}", **options))
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: a record must be a JSON object, not {type(record).__name__}")
+            out.append((f"{path.name}:{lineno}", record))
             if limit is not None and len(out) >= limit:
                 break
     return out
@@ -198,7 +207,7 @@ def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key
                         metadata={k: v for k, v in record.items() if k not in used | {"id"}})
 
 
-def _from_datasets(source: str, split: str, limit: int | None, options: dict) -> list[PromptRecord]:
+def _from_datasets(source: str, split: str, limit: int | None) -> list[tuple[str, dict]]:
     try:
         import datasets
     except ImportError:
@@ -218,12 +227,12 @@ def _from_datasets(source: str, split: str, limit: int | None, options: dict) ->
     else:
         name, want_split = source, split
         if not Path(name).exists():
-            raise FileNotFoundError(f"prompt file {name} does not exist")
+            raise FileNotFoundError(f"data file {name} does not exist")
         ds = datasets.load_dataset(Path(name).suffix.lstrip("."), data_files={want_split: name}, split=want_split)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     label = Path(name).name
-    return [_record(dict(row), f"{label}:{i}", **options) for i, row in enumerate(ds)]
+    return [(f"{label}:{i}", dict(row)) for i, row in enumerate(ds)]
 
 
 def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) -> str:

@@ -1,0 +1,274 @@
+"""`rlhf train-rm`: a scalar reward head on a causal LM backbone, trained on preference pairs
+with the pairwise (Bradley-Terry) loss -log sigmoid(r_chosen - r_rejected - margin).
+
+The model is the backbone's `AutoModelForSequenceClassification` with one label: its new linear
+head reads the last hidden state at the last non-padding token. That is the class
+`reward.type: model` serves (`services/reward/scorer.py`), so the written directory loads there as
+it is and scores what the trainer's forward gave.
+
+What a run writes in `reward_model.out`:
+
+    config.json, model.safetensors, tokenizer files   the reward model (LoRA adapters merged)
+    reward_stats.json    mean and std of its reward on the training pairs (reward.model_normalize),
+                         held-out pairwise accuracy before and after, pairs, steps, seconds
+    metrics.jsonl        one row per optimiser step (loss, accuracy, lr) and per held-out evaluation
+    curves.png           training loss and accuracy per step, held-out accuracy per epoch
+
+It prints one line per step and one per held-out evaluation:
+
+    step   12/120  epoch 1  loss 0.5512  acc 0.719  lr 9.8e-06  2.31 s/step  eta 4m09s
+    held-out (epoch 1): pairwise accuracy 0.812 on 96 pairs (before training 0.479), loss 0.4410
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..common.config import Config
+from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device
+from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
+
+log = logging.getLogger(__name__)
+
+
+def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """-log sigmoid(r_chosen - r_rejected - margin), the mean over pairs (Bradley-Terry, with
+    InstructGPT's / Llama 2's margin)."""
+    return -F.logsigmoid(chosen - rejected - margin).mean()
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class RewardModel:
+    """The sequence-classification model and its tokenizer; `scores(texts)` is the forward the
+    reward server runs (one tokenizer call, padded, the logit of the single label)."""
+
+    def __init__(self, base: str, seed: int = 0, lora=None, gradient_checkpointing: bool = False,
+                 device: str = "cpu"):
+        from transformers import AutoModelForSequenceClassification
+        path = str(check_model_dir(base))
+        self.tokenizer = load_tokenizer(path)
+        torch.manual_seed(seed)  # the new head's initialisation
+        with _quiet_transformers():  # its load report calls the new head "MISSING": it is meant to be new
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.head_names = {n for n, _ in self.model.named_parameters() if n.split(".")[0] in ("score", "classifier")}
+        if not self.head_names:
+            raise ValueError(f"{base}: its sequence-classification model has no 'score' head; this architecture is "
+                             "not supported for reward models")
+        self.lora = lora is not None and lora.rank > 0
+        if self.lora:
+            from peft import LoraConfig, TaskType, get_peft_model
+            self.model = get_peft_model(self.model, LoraConfig(
+                task_type=TaskType.SEQ_CLS, r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules)))
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
+        self.device = torch.device(device)
+        self.model.to(self.device)
+
+    def encode(self, texts: Sequence[str], max_length: int | None = None) -> dict:
+        kw = dict(truncation=True, max_length=max_length) if max_length else {}
+        return self.tokenizer(list(texts), return_tensors="pt", padding=True, **kw).to(self.device)
+
+    def scores(self, texts: Sequence[str], bf16: bool = False) -> torch.Tensor:
+        with bf16_autocast(self.device, bf16):
+            return self.model(**self.encode(texts)).logits[:, 0].float()
+
+    def param_groups(self, lr: float, head_lr: float | None, weight_decay: float) -> list[dict]:
+        head, body = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (head if any(h in name for h in self.head_names) else body).append(p)
+        return [{"params": body, "lr": lr, "weight_decay": weight_decay},
+                {"params": head, "lr": head_lr or lr, "weight_decay": 0.0}]
+
+    def save(self, out: Path) -> None:
+        model = self.model.merge_and_unload() if self.lora else self.model
+        model.config.use_cache = True
+        model.save_pretrained(out, safe_serialization=True)
+        self.tokenizer.save_pretrained(out)
+
+
+def token_length(tokenizer, text: str) -> int:
+    return len(tokenizer(text)["input_ids"])
+
+
+def drop_long(pairs: list[Preference], tokenizer, max_length: int, what: str) -> list[Preference]:
+    kept = [p for p in pairs if max(token_length(tokenizer, t) for t in p.texts) <= max_length]
+    if len(kept) < len(pairs):
+        log.warning("%d of %d %s pairs are longer than reward_model.max_length=%d tokens; dropped them",
+                    len(pairs) - len(kept), len(pairs), what, max_length)
+    if not kept:
+        raise ValueError(f"every {what} pair is longer than reward_model.max_length={max_length} tokens; raise it")
+    return kept
+
+
+@torch.no_grad()
+def evaluate_pairs(rm: RewardModel, pairs: list[Preference], batch: int, bf16: bool = False) -> dict:
+    """Pairwise accuracy (r_chosen > r_rejected), loss and mean margin over `pairs`."""
+    rm.model.eval()
+    chosen, rejected, margins = [], [], []
+    for i in range(0, len(pairs), batch):
+        chunk = pairs[i:i + batch]
+        s = rm.scores([p.texts[0] for p in chunk] + [p.texts[1] for p in chunk], bf16)
+        chosen.append(s[:len(chunk)])
+        rejected.append(s[len(chunk):])
+        margins += [p.margin for p in chunk]
+    c, r = torch.cat(chosen), torch.cat(rejected)
+    return {"accuracy": (c > r).float().mean().item(), "loss": pairwise_loss(c, r, torch.tensor(margins)).item(),
+            "reward_gap": (c - r).mean().item(), "pairs": len(pairs), "chosen": c, "rejected": r}
+
+
+def _schedule(optimizer, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _fmt_s(s: float) -> str:
+    m, s = divmod(int(s), 60)
+    return f"{m}m{s:02d}s"
+
+
+def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
+    """Train the reward model `cfg.reward_model` describes; returns what reward_stats.json holds."""
+    rc = cfg.reward_model
+    if rc.train is None:
+        raise ValueError("reward_model.train is not set: give the preference pairs (a .jsonl file, say)")
+    base = rc.base or cfg.model.path
+    out = Path(rc.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    rm = RewardModel(base, rc.seed, rc.lora, rc.gradient_checkpointing, str(resolve_device(cfg.model.device)))
+    keys = PreferenceKeys(rc.prompt_key, rc.chosen_key, rc.rejected_key, rc.margin_key)
+    pairs = load_preferences(rc.train, "train", keys, rm.tokenizer, rc.chat_template)
+    if rc.eval is not None:
+        train, held_out = pairs, load_preferences(rc.eval, "eval", keys, rm.tokenizer, rc.chat_template)
+    else:
+        train, held_out = split_held_out(pairs, rc.eval_fraction, rc.seed)
+    train = drop_long(train, rm.tokenizer, rc.max_length, "training")
+    held_out = drop_long(held_out, rm.tokenizer, rc.max_length, "held-out") if held_out else []
+    for p in train:
+        p.margin += rc.margin
+    for p in held_out:
+        p.margin += rc.margin
+    steps_per_epoch = max(1, len(train) // rc.batch_size)
+    total = steps_per_epoch * rc.epochs
+    say(f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out; {rc.epochs} epoch(s) of "
+        f"{steps_per_epoch} steps of {rc.batch_size} pairs" + (", LoRA" if rm.lora else "") + (", bf16" if rc.bf16
+                                                                                                 else ""))
+    rows: list[dict] = []
+    metrics = (out / "metrics.jsonl").open("w")
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        metrics.write(json.dumps(row) + "\n")
+        metrics.flush()
+
+    before = None
+    if held_out:
+        before = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
+        record({"step": 0, "epoch": 0, "eval/accuracy": before["accuracy"], "eval/loss": before["loss"]})
+        say(f"held-out before training: pairwise accuracy {before['accuracy']:.3f} on {len(held_out)} pairs, "
+            f"loss {before['loss']:.4f}")
+    optimizer = torch.optim.AdamW(rm.param_groups(rc.lr, rc.head_lr, rc.weight_decay), lr=rc.lr)
+    scheduler = _schedule(optimizer, rc.warmup_steps, total)
+    rng = random.Random(rc.seed)
+    step, t0, last = 0, time.monotonic(), None
+    for epoch in range(1, rc.epochs + 1):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        for s in range(steps_per_epoch):
+            rm.model.train()
+            batch = [train[i] for i in order[s * rc.batch_size:(s + 1) * rc.batch_size]]
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, right = 0.0, 0
+            for m in range(0, len(batch), rc.micro_batch_size):
+                micro = batch[m:m + rc.micro_batch_size]
+                scores = rm.scores([p.texts[0] for p in micro] + [p.texts[1] for p in micro], rc.bf16)
+                c, r = scores[:len(micro)], scores[len(micro):]
+                loss = pairwise_loss(c, r, torch.tensor([p.margin for p in micro], device=c.device))
+                (loss * len(micro) / len(batch)).backward()
+                loss_sum += loss.item() * len(micro)
+                right += int((c > r).sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0).item()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            lr = optimizer.param_groups[0]["lr"]
+            per_step = (time.monotonic() - t0) / step
+            row = {"step": step, "epoch": epoch, "loss": loss_sum / len(batch), "accuracy": right / len(batch),
+                   "lr": lr, "grad_norm": grad_norm}
+            record(row)
+            say(f"step {step:4d}/{total}  epoch {epoch}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
+                f"lr {lr:.1e}  {per_step:.2f} s/step  eta {_fmt_s(per_step * (total - step))}")
+        if held_out:
+            last = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
+            record({"step": step, "epoch": epoch, "eval/accuracy": last["accuracy"], "eval/loss": last["loss"]})
+            say(f"held-out (epoch {epoch}): pairwise accuracy {last['accuracy']:.3f} on {len(held_out)} pairs"
+                + (f" (before training {before['accuracy']:.3f})" if before else "") + f", loss {last['loss']:.4f}")
+    metrics.close()
+    rm.save(out)
+    rm.lora = False  # merged: the statistics below are the written model's
+    on_train = evaluate_pairs(rm, train, rc.micro_batch_size * 2, rc.bf16)
+    both = torch.cat([on_train["chosen"], on_train["rejected"]])
+    stats = {"mean": both.mean().item(), "std": both.std().item(), "train_accuracy": on_train["accuracy"],
+             "held_out_accuracy": last["accuracy"] if last else None,
+             "held_out_accuracy_before": before["accuracy"] if before else None,
+             "train_pairs": len(train), "held_out_pairs": len(held_out), "steps": step, "base": base,
+             "seconds": round(time.monotonic() - t_start, 1)}
+    (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        plot_rm_curves(rows, out / "curves.png")
+    except Exception as e:  # a missing plotting library never loses the model
+        say(f"warning: could not draw curves.png: {e}")
+    say(f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
+        f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}")
+    return stats
+
+
+def plot_rm_curves(rows: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="pairwise loss (train batch)")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    ax2.plot([r["step"] for r in steps], [r["accuracy"] for r in steps], alpha=0.5, label="train batch accuracy")
+    ax2.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("pairwise accuracy")
+    ax2.set_ylim(0, 1)
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
