@@ -6,6 +6,7 @@
     rlhf config describe [--markdown]               every key: default, choices, meaning
     rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
     rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
+    rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
     rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
     rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
@@ -80,6 +81,10 @@ def flag_overrides(args) -> list[tuple[str, object]]:
         out.append(("run.run_dir", args.run_dir))
     if getattr(args, "rm_out", None):
         out.append(("reward_model.out", args.rm_out))
+    if getattr(args, "eval_data", None):
+        out.append(("data.eval", args.eval_data))
+    if getattr(args, "eval_limit", None):
+        out.append(("data.eval_size", args.eval_limit))
     service = getattr(args, "service", None)
     if service is None:
         return out
@@ -229,6 +234,18 @@ def cmd_train_rm(args) -> int:
     except USER_ERRORS as e:
         return _error(e)
     return 0
+
+
+def cmd_eval(args) -> int:
+    cfg = _load(args)
+    problem = source_problem(cfg.data.eval)
+    if problem:
+        return _error(f"data.eval: {problem}")
+    from .eval_model import main_eval
+    try:
+        return main_eval(cfg, args)
+    except USER_ERRORS as e:
+        return _error(e)
 
 
 def cmd_train(args) -> int:
@@ -387,6 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run every part in this process")
     p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="generate on held-out prompts with any model directory, score, compare")
+    _add_config_args(p)
+    p.add_argument("--model", help="the model: a directory (base, final/, best/, a checkpoint, a LoRA adapter) or "
+                   "hub id (default model.path)")
+    p.add_argument("--baseline", help="another model scored on the same prompts, side by side")
+    p.add_argument("--data", dest="eval_data", help="the prompts (data.eval): a file, hf:DATASET or synthetic:TASK")
+    p.add_argument("--limit", dest="eval_limit", type=int, help="the first N prompts (data.eval_size)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (mean@n; pass@n with --pass-reward)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default generation.eval_temperature)")
+    p.add_argument("--rule", help="score with this rule (e.g. exact_match) instead of the config's reward")
+    p.add_argument("--pass-reward", type=float, help="a sample passes at this reward or more (pass@n)")
+    p.add_argument("--out", help="where the rows and summary.json go (default RUN_DIR/eval)")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("train-rm", help="train a reward model on preference pairs (the reward_model section)")
     _add_config_args(p)

@@ -233,6 +233,12 @@ class RunConfig(Strict):
     checkpoint_interval: int = Field(10, ge=0, description="checkpoint every N iterations (and at the end and "
                                      "on SIGTERM); the learner service acknowledges trained trajectories "
                                      "at each checkpoint; 0 = only at the end")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept under checkpoints/ (the newest); older "
+                                  "ones are deleted as new ones are written")
+    save_best: bool = Field(True, description="keep the policy of the best held-out evaluation so far as a Hugging "
+                            "Face directory in best/ (best/best.json: its iteration and held-out reward)")
+    save_generations: bool = Field(True, description="write each held-out evaluation's prompts, responses, labels "
+                                   "and rewards to generations/iter_N.jsonl")
     seed: int = Field(0, description="random seed of sampling, data order and initialisation")
     log_every: int = Field(1, ge=1, description="print a progress line every N iterations (and at each eval)")
     max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds; null = no limit")

@@ -168,7 +168,7 @@ class LearnerLoop(TrainingLoop):
         self.intake.on_progress = self.heartbeat  # each tick of the wait for trajectories
         self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner)
         self.broadcaster.on_progress = self.heartbeat  # each server's push answered, each tick of a wait
-        self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic)
+        self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
         self.poller: ReplayPoller | None = None  # the prompt queue's gauges, from start to close
         self.address = ""  # where generation servers pull from: set by the server before run()

@@ -1,19 +1,71 @@
-"""The held-out eval of the training loop, in-process (the generation backend and the scorer)
-or in the learner service (a generation server serving the current version and the reward
-server's held-out scorer): both satisfy `GenerationBackend.generate` and `Scorer.score`."""
+"""Held-out evaluation: generate for each prompt, score every sample, summarise. The training loop's
+eval runs it in-process (the generation backend and the scorer) or in the learner service (a
+generation server serving the current version and the reward server's held-out scorer): both
+satisfy `GenerationBackend.generate` and `Scorer.score`. `rlhf eval` runs it on any model
+directory.
+
+A generation row: {"id", "prompt", "response", "label", "reward", "components", "sample"}
+(`sample`: 0..n-1, the samples of one prompt).
+"""
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable
 
 from ..common.types import PromptRecord, RewardSample, SamplingParams
 
 
-def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams) -> dict:
-    """Held-out reward: `params.n` = 1 sample per prompt (greedy at eval_temperature 0), scored."""
-    prompt_ids = [tokenizer(r.prompt)["input_ids"] for r in records]
-    gen = backend.generate(prompt_ids, params)
-    samples = [RewardSample(r.prompt, tokenizer.decode(c[0].token_ids, skip_special_tokens=True), r.label,
-                            r.metadata) for r, c in zip(records, gen.completions)]
-    scored = scorer.score(samples)
-    out = {"eval/reward_mean": sum(s.reward for s in scored) / len(scored)}
-    for k in scored[0].components if scored else []:
-        out[f"eval/{k}"] = sum(s.components[k] for s in scored) / len(scored)
+def generate_and_score(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams,
+                       batch: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """`params.n` samples of each record's prompt, each scored: one row per sample, in record order.
+    `batch`: prompts per generate call (None: all at once); `progress(done, total)` after each."""
+    rows: list[dict] = []
+    step = batch or max(1, len(records))
+    for start in range(0, len(records), step):
+        chunk = records[start:start + step]
+        gen = backend.generate([tokenizer(r.prompt)["input_ids"] for r in chunk], params)
+        texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps] for comps in gen.completions]
+        samples = [RewardSample(r.prompt, t, r.label, r.metadata) for r, ts in zip(chunk, texts) for t in ts]
+        scored = iter(scorer.score(samples))
+        for r, ts in zip(chunk, texts):
+            for j, t in enumerate(ts):
+                s = next(scored)
+                rows.append({"id": r.id, "prompt": r.prompt, "response": t, "label": r.label, "reward": s.reward,
+                             "components": dict(s.components), "sample": j})
+        if progress is not None:
+            progress(min(start + step, len(records)), len(records))
+    return rows
+
+
+def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
+    """reward_mean (mean@n: over every sample), and with `pass_reward`, pass@n: the share of prompts
+    with at least one sample whose reward is at least that; the mean of each reward component."""
+    out: dict = {"reward_mean": sum(r["reward"] for r in rows) / len(rows) if rows else float("nan"),
+                 "prompts": len({r["id"] for r in rows}), "samples": len(rows)}
+    for k in rows[0]["components"] if rows else []:
+        out[k] = sum(r["components"].get(k, 0.0) for r in rows) / len(rows)
+    if pass_reward is not None:
+        best: dict[str, float] = {}
+        for r in rows:
+            best[r["id"]] = max(best.get(r["id"], float("-inf")), r["reward"])
+        out["pass_at_n"] = sum(v >= pass_reward for v in best.values()) / len(best) if best else float("nan")
     return out
+
+
+def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams) -> dict:
+    """The training loop's held-out eval: `params.n` = 1 sample per prompt (greedy at
+    eval_temperature 0), scored; `eval/...` metrics, and the rows under "generations"."""
+    rows = generate_and_score(records, backend, scorer, tokenizer, params)
+    summary = summarize(rows)
+    out: dict = {"eval/reward_mean": summary["reward_mean"]}
+    out.update({f"eval/{k}": v for k, v in summary.items() if k not in ("reward_mean", "prompts", "samples")})
+    out["generations"] = rows
+    return out
+
+
+def write_rows(path: Path, rows: Iterable[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -17,16 +17,23 @@ One iteration: collect, the PPO step (`learner.step`; the critic trains in it), 
 reward-hacking watch (watch.py), then on the schedule (schedule.py) the held-out eval and a
 checkpoint, and one row of metrics.jsonl (runlog.py). `begin` evaluates the baseline (row 0),
 `finish` saves `final/` (and the critic's `final_critic`) and writes summary.json.
+
+Each held-out eval writes what the policy said (`generations/iter_N.jsonl`: prompt, response,
+label, reward per prompt; run.save_generations) and, when it is the best so far, the policy as a
+Hugging Face directory (`best/`, with `best/best.json`: iteration and held-out reward; run.save_best).
 """
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from ..common.types import Rollout
+from .evaluate import write_rows
 from .runlog import RunLog
 from .schedule import Schedule, Tick
 from .watch import HackingWatch, Verdict, judge
@@ -77,6 +84,8 @@ class TrainingLoop:
         self.baseline: float | None = None
         self.last = {"reward": float("nan"), "eval": float("nan")}
         self.runlog: RunLog | None = None
+        best = self.run_dir / "best" / "best.json"  # a resumed run keeps its best
+        self.best = json.loads(best.read_text())["eval/reward_mean"] if best.exists() else float("-inf")
 
     # ------------------------------------------------------------------ plug-in points
     def evaluate(self) -> dict:
@@ -86,9 +95,13 @@ class TrainingLoop:
         return self._evaluate()
 
     def checkpoint(self, iteration: int, tick: Tick) -> None:
-        """The policy alone, under checkpoints/ (the last one is `final/`)."""
+        """The policy alone, as a Hugging Face directory under checkpoints/ (the last one is
+        `final/`); the newest run.keep_checkpoints are kept."""
         if not tick.last:
-            self.learner.save_policy(self.run_dir / "checkpoints" / f"iter_{iteration:06d}", self.tokenizer)
+            root = self.run_dir / "checkpoints"
+            self.learner.save_policy(root / f"iter_{iteration:06d}", self.tokenizer)
+            for old in sorted(root.glob("iter_*"))[:-self.cfg.run.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def observe(self, metrics: dict) -> None:
         pass
@@ -97,6 +110,22 @@ class TrainingLoop:
         pass
 
     # ------------------------------------------------------------------ the loop
+    def _evaluated(self, iteration: int) -> dict:
+        """The held-out eval's metrics; its generations written, the policy kept if it is the best."""
+        out = dict(self.evaluate())
+        rows = out.pop("generations", None)
+        if rows is not None and self.cfg.run.save_generations:
+            write_rows(self.run_dir / "generations" / f"iter_{iteration:06d}.jsonl", rows)
+        score = out["eval/reward_mean"]
+        if self.cfg.run.save_best and iteration > 0 and score > self.best:
+            best = self.run_dir / "best"
+            self.learner.save_policy(best, self.tokenizer)
+            (best / "best.json").write_text(json.dumps({"iteration": iteration, "eval/reward_mean": score}) + "\n")
+            self.log.info("iteration %d: held-out reward %.4f, the best so far: policy kept in %s", iteration, score,
+                          best)
+        self.best = max(self.best, score)
+        return out
+
     def _watched(self, iteration: int, evaluated: dict) -> dict:
         """The reward-hacking watch's verdict on an evaluation (a warning at its onset); what it
         adds to the metrics row."""
@@ -108,7 +137,7 @@ class TrainingLoop:
         """The baseline eval (row 0 of metrics.jsonl), unless a resumed run has it already."""
         self.runlog = runlog
         if self.baseline is None:
-            base = self.evaluate()
+            base = self._evaluated(0)
             self.baseline = base["eval/reward_mean"]
             runlog.log_eval(0, {**base, **self._watched(0, base)})
         self.last["eval"] = self.baseline
@@ -142,7 +171,7 @@ class TrainingLoop:
             tick = schedule.at(it)
             if tick.evaluate:
                 t3 = time.perf_counter()
-                metrics.update(self.evaluate())
+                metrics.update(self._evaluated(it))
                 if self.time_eval:
                     metrics["time/eval_s"] = time.perf_counter() - t3
                 metrics.update(self._watched(it, metrics))

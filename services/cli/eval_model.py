@@ -1,0 +1,142 @@
+"""`rlhf eval`: what a model says on a dataset, scored, and against another model on the same prompts.
+
+    rlhf eval -c FILE [--model DIR] [--baseline DIR] [--data SOURCE] [--limit N] [--n N]
+              [--temperature T] [--rule NAME] [--pass-reward R] [--out DIR]
+
+MODEL and the baseline may be any model directory: the base, a run's `final/` or `best/`, a
+Hugging Face checkpoint (`checkpoints/iter_N` of `rlhf train --local`), a checkpoint of `rlhf up`
+(`learner.pt`, its policy loaded into model.path's architecture), or a LoRA adapter directory
+(merged into the base it names). The prompts are data.eval (or --data) as the config reads them,
+the first data.eval_size (or --limit); the reward is the config's held-out reward
+(reward.eval_rules, else the training reward: rules, a reward model, an HTTP API), or the rule
+--rule names. Greedy by default (generation.eval_temperature); --n N samples per prompt gives
+mean@N and, with --pass-reward, pass@N.
+
+Writes OUT/NAME.jsonl (one row per sample: id, prompt, response, label, reward, components,
+sample) and OUT/summary.json, and prints a summary (side by side with --baseline).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..common.config import Config
+from ..common.modeling import check_model_dir
+from ..common.types import SamplingParams
+from ..generation.backend import HFBackend
+from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
+from ..training.data import config_prompts
+from ..training.evaluate import generate_and_score, summarize, write_rows
+
+
+def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
+    """A generation backend serving the policy in `path` (see the module docstring for the kinds)."""
+    p = Path(path)
+    if (p / "learner.pt").exists():
+        state = torch.load(p / "learner.pt", map_location="cpu", weights_only=True)
+        if "policy" not in state:
+            raise ValueError(f"{p} is a sharded checkpoint (its actor is in {p / 'actor'}); evaluate the run's "
+                             "final/ or best/ instead")
+        policy = state["policy"]
+        if any(".lora_" in k for k in policy):
+            raise ValueError(f"{p} holds LoRA adapters in a PEFT wrapper; evaluate the run's final/ or best/ "
+                             "(merged) instead")
+        backend = HFBackend(base, device)
+        missing, unexpected = backend.model.load_state_dict(policy, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"{p}: its policy does not fit model.path={base} (missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]})")
+        return backend
+    if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
+        from peft import PeftModel
+        adapter_base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or base
+        backend = HFBackend(adapter_base, device)
+        backend.model = PeftModel.from_pretrained(backend.model, str(p)).merge_and_unload().eval()
+        return backend
+    return HFBackend(str(check_model_dir(path)), device)
+
+
+def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:
+    g = cfg.generation
+    t = g.eval_temperature if temperature is None else temperature
+    if n > 1 and t == 0:
+        raise ValueError(f"--n {n} samples of a greedy eval are {n} copies of one answer; give --temperature > 0")
+    return SamplingParams(n=n, temperature=t, top_p=g.top_p, top_k=g.top_k, max_new_tokens=cfg.response_length,
+                          seed=cfg.run.seed)  # seeded: both models get the same sampling noise
+
+
+def _scorer(cfg: Config, rule: str | None):
+    if rule is not None:
+        return RuleScorer([(rule, 1.0, {})])
+    return build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n: int = 1,
+             temperature: float | None = None, rule: str | None = None, pass_reward: float | None = None,
+             say=print) -> dict:
+    """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
+    params = _params(cfg, n, temperature)
+    scorer = _scorer(cfg, rule)
+    models = {"model": model or cfg.model.path}
+    if baseline is not None:
+        models = {"baseline": baseline, **models}
+    results: dict[str, dict] = {}
+    rows_of: dict[str, list[dict]] = {}
+    prompts = None
+    for name, path in models.items():
+        t0 = time.monotonic()
+        backend = load_policy(path, cfg.model.path, cfg.model.device)
+        if prompts is None:
+            prompts = config_prompts(cfg, "eval", backend.tokenizer)
+            say(f"{len(prompts)} prompts from {cfg.data.eval}, {n} sample(s) each"
+                + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}"))
+
+        def progress(done: int, total: int, name=name) -> None:
+            say(f"  {name}: {done}/{total} prompts")
+        # as many prompts per generate call as a generation server takes: the in-process eval's shapes
+        rows = generate_and_score(prompts, backend, scorer, backend.tokenizer, params,
+                                  batch=cfg.generation.max_batch_size, progress=progress)
+        rows_of[name] = rows
+        write_rows(out / f"{name}.jsonl", rows)
+        results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
+        del backend
+    summary: dict = {"data": cfg.data.eval, "n": n, "temperature": params.temperature,
+                     "reward": rule or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
+                     **results}
+    if baseline is not None:
+        by_id = {(r["id"], r["sample"]): r["reward"] for r in rows_of["baseline"]}
+        diffs = [r["reward"] - by_id[(r["id"], r["sample"])] for r in rows_of["model"]]
+        summary["compared"] = {"better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs),
+                               "same": sum(d == 0 for d in diffs),
+                               "reward_mean_change": (results["model"]["reward_mean"]
+                                                      - results["baseline"]["reward_mean"])}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    keys = [k for k in results["model"] if k not in ("path", "seconds")]
+    say("")
+    say(f"{'':<14}" + "".join(f"{name:>14}" for name in results))
+    for k in keys:
+        say(f"{k:<14}" + "".join(f"{_fmt(results[name].get(k)):>14}" for name in results))
+    if baseline is not None:
+        c = summary["compared"]
+        say(f"per sample against the baseline: {c['better']} better, {c['worse']} worse, {c['same']} the same; "
+            f"reward_mean {c['reward_mean_change']:+.4f}")
+    say(f"every prompt, response and reward: {out}/{'{baseline,model}' if baseline else 'model'}.jsonl; "
+        f"summary: {out / 'summary.json'}")
+    return summary
+
+
+def main_eval(cfg: Config, args) -> int:
+    out = Path(args.out or Path(cfg.run.run_dir) / "eval")
+    out.mkdir(parents=True, exist_ok=True)
+    run_eval(cfg, args.model, args.baseline, out, args.n, args.temperature, args.rule, args.pass_reward,
+             say=lambda line: print(line, flush=True))
+    sys.stdout.flush()
+    return 0
