@@ -15,8 +15,8 @@ import torch
 from ..common.modeling import TokenBatch, build_token_batch, response_log_probs, widen
 from ..common.padding import pad_right
 from ..common.types import Rollout
-from ..ppo import (apply_kl_penalty, clip_by_value, compute_advantages, kl_penalty, masked_mean, masked_whiten,
-                   postprocess_rewards, reference_log_probs, rollout_importance_weights)
+from ..ppo import (apply_kl_penalty, clip_by_value, compute_advantages, explained_variance, kl_penalty, masked_mean,
+                   masked_var, masked_whiten, postprocess_rewards, reference_log_probs, rollout_importance_weights)
 
 
 @dataclass
@@ -118,8 +118,11 @@ def make_experience(learner, rollout: Rollout) -> Experience:
         "rollout/samples": len(rollout.scores),
         **is_metrics,
     }
-    if values is not None:
+    metrics["ppo/returns_std"] = masked_var(returns, mask).sqrt().item()
+    if values is not None:  # how well the critic's values (those the rollout was given) predicted the returns
         metrics["critic/values_mean"] = masked_mean(values, mask).item()
+        metrics["critic/explained_variance"] = explained_variance(values, returns, mask)
+        metrics["critic/value_error"] = masked_mean((values - returns) ** 2, mask).sqrt().item()
     if rollout.versions:
         metrics["rollout/staleness_max"] = max(learner.version - v for v in rollout.versions)
     if not fused:  # else the update measures the KL and updates the controller

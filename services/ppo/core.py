@@ -34,6 +34,16 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return var
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked positions: 1 when the critic
+    predicts every return, 0 when it predicts no better than their mean, negative when worse; nan
+    when the returns do not vary."""
+    var = masked_var(returns, mask)
+    if var.item() <= 1e-12:
+        return float("nan")
+    return (1 - masked_var(returns - values, mask) / var).item()
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
     """Normalise `values` to zero mean and unit variance over the masked positions.

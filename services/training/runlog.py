@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 PROGRESS_KEYS = [("reward", "reward/score_mean", "{:.3f}"), ("eval", "eval/reward_mean", "{:.3f}"),
                  ("kl", "ppo/kl_ref", "{:.4f}"), ("clip", "ppo/pg_clipfrac", "{:.3f}"),
                  ("ent", "ppo/entropy_rollout", "{:.3f}"), ("vf", "critic/vf_loss", "{:.4f}"),
+                 ("ev", "critic/explained_variance", "{:.2f}"),
                  ("tok/s", "rollout/tokens_per_s", "{:.0f}"), ("s/it", "time/iteration_s", "{:.2f}")]
 
 
@@ -99,7 +100,7 @@ class RunLog:
     def _print(self, iteration: int, metrics: dict) -> None:
         parts = [f"iter {iteration:>4}/{self.cfg.run.iterations}"]
         for label, key, fmt in PROGRESS_KEYS:
-            if key in metrics and metrics[key] is not None:
+            if isinstance(metrics.get(key), (int, float)) and math.isfinite(metrics[key]):
                 parts.append(f"{label} {fmt.format(metrics[key])}")
         print("  ".join(parts), file=self.stream, flush=True)
 
