@@ -7,6 +7,7 @@
     rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
     rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
     rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
+    rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
     rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
     rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
@@ -248,6 +249,17 @@ def cmd_eval(args) -> int:
         return _error(e)
 
 
+def cmd_export(args) -> int:
+    cfg = _load(args)
+    from .eval_model import export_policy
+    try:
+        export_policy(args.checkpoint, cfg.model.path, Path(args.out))
+    except USER_ERRORS as e:
+        return _error(e)
+    print(f"{args.checkpoint} written to {args.out} as a Hugging Face model directory")
+    return 0
+
+
 def cmd_train(args) -> int:
     cfg = _load(args, data=True)
     if not args.local:
@@ -418,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-reward", type=float, help="a sample passes at this reward or more (pass@n)")
     p.add_argument("--out", help="where the rows and summary.json go (default RUN_DIR/eval)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="a checkpoint (of `rlhf up` or `train --local`) or a LoRA adapter as a "
+                       "Hugging Face model directory")
+    p.add_argument("checkpoint", help="checkpoints/iter_N of a run, or an adapter directory")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="the directory to write")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("train-rm", help="train a reward model on preference pairs (the reward_model section)")
     _add_config_args(p)

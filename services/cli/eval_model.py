@@ -60,6 +60,14 @@ def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
     return HFBackend(str(check_model_dir(path)), device)
 
 
+def export_policy(path: str, base: str, out: Path) -> None:
+    """The policy in `path` (any kind `load_policy` reads) written to `out` as a Hugging Face
+    model directory (weights, config, tokenizer)."""
+    backend = load_policy(path, base, "cpu")
+    backend.model.save_pretrained(str(out))
+    backend.tokenizer.save_pretrained(str(out))
+
+
 def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:
     g = cfg.generation
     t = g.eval_temperature if temperature is None else temperature

@@ -108,6 +108,13 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
     loaded = load_policy(str(tmp_path / "ckpt"), tiny_model_dir).model.state_dict()
     for k, v in trainer.policy.state_dict().items():
         assert torch.equal(loaded[k], v), k
+    config = tmp_path / "c.yaml"  # `rlhf export`: the same policy as a Hugging Face directory
+    config.write_text(json.dumps({"model": {"path": tiny_model_dir, "device": "cpu"}}))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", str(tmp_path / "ckpt"), "-c", str(config), "--out", str(tmp_path / "hf")]) == 0
+    exported = load_policy(str(tmp_path / "hf"), tiny_model_dir).model.state_dict()
+    for k, v in trainer.policy.state_dict().items():
+        assert torch.equal(exported[k], v), k
     lora = PolicyTrainer(load_config(ROOT / "configs" / "tiny-cpu.yaml",
                                      [f"model.path={tiny_model_dir}", "model.lora.rank=4"]), total_updates=1)
     with torch.no_grad():
