@@ -8,6 +8,7 @@
     rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
     rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
     rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
+    rlhf make-prefs -c FILE --out PAIRS.jsonl       preference pairs labelled by a judge (RLAIF)
     rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
     rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
@@ -249,6 +250,17 @@ def cmd_eval(args) -> int:
         return _error(e)
 
 
+def cmd_make_prefs(args) -> int:
+    cfg = _load(args, data=True)
+    from .eval_model import make_preferences
+    try:
+        make_preferences(cfg, Path(args.out), args.n, args.temperature, args.limit, args.min_gap,
+                         say=lambda line: print(line, flush=True))
+    except USER_ERRORS as e:
+        return _error(e)
+    return 0
+
+
 def cmd_export(args) -> int:
     cfg = _load(args)
     from .eval_model import export_policy
@@ -430,6 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-reward", type=float, help="a sample passes at this reward or more (pass@n)")
     p.add_argument("--out", help="where the rows and summary.json go (default RUN_DIR/eval)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("make-prefs", help="preference pairs labelled by a judge (RLAIF): the policy's samples on "
+                       "the training prompts, best against worst")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="the jsonl file of pairs to write")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default generation.temperature)")
+    p.add_argument("--limit", type=int, help="the first N training prompts")
+    p.add_argument("--min-gap", type=float, default=1e-9, help="least judge-score gap between chosen and rejected")
+    p.set_defaults(func=cmd_make_prefs)
 
     p = sub.add_parser("export", help="a checkpoint (of `rlhf up` or `train --local`) or a LoRA adapter as a "
                        "Hugging Face model directory")

@@ -141,6 +141,48 @@ def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n:
     return summary
 
 
+def make_preferences(cfg: Config, out: Path, n: int = 4, temperature: float | None = None, limit: int | None = None,
+                     min_gap: float = 1e-9, say=print) -> dict:
+    """Preference pairs labelled by a judge (RLAIF): `n` samples of the policy (model.path) for each
+    training prompt (data.train, the first `limit`), each scored by the judge (the held-out
+    reward: reward.eval_rules, else the training reward); per prompt the best-scored sample is
+    chosen and the worst rejected, unless they are less than `min_gap` apart (every sample alike:
+    no preference). Writes `out` as jsonl rows `rlhf train-rm` reads ({id, prompt, chosen,
+    rejected, chosen_reward, rejected_reward, label}; the prompt as the policy sees it, so train
+    the reward model with reward_model.chat_template false)."""
+    t = cfg.generation.temperature if temperature is None else temperature
+    if n < 2 or t <= 0:
+        raise ValueError(f"pairs need at least 2 different samples per prompt: n={n}, temperature={t:g}")
+    params = SamplingParams(n=n, temperature=t, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
+                            max_new_tokens=cfg.response_length, seed=cfg.run.seed)
+    judge = build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
+    backend = load_policy(cfg.model.path, cfg.model.path, cfg.model.device)
+    prompts = config_prompts(cfg, "train", backend.tokenizer)[:limit]
+    say(f"{len(prompts)} prompts from {cfg.data.train}, {n} samples each at temperature {t:g}, judged by "
+        + ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"))
+    t0 = time.monotonic()
+    rows = generate_and_score(prompts, backend, judge, backend.tokenizer, params, batch=max(1, 64 // n),
+                              progress=lambda done, total: say(f"  {done}/{total} prompts"))
+    by_id: dict[str, list[dict]] = {}
+    for r in rows:
+        by_id.setdefault(r["id"], []).append(r)
+    pairs, alike = [], 0
+    for rid, samples in by_id.items():
+        best = max(samples, key=lambda r: r["reward"])
+        worst = min(samples, key=lambda r: r["reward"])
+        if best["reward"] - worst["reward"] < min_gap:
+            alike += 1
+            continue
+        pairs.append({"id": rid, "prompt": best["prompt"], "chosen": best["response"], "rejected": worst["response"],
+                      "chosen_reward": best["reward"], "rejected_reward": worst["reward"], "label": best["label"]})
+    write_rows(out, pairs)
+    stats = {"prompts": len(by_id), "samples": len(rows), "pairs": len(pairs), "alike": alike,
+             "reward_mean": sum(r["reward"] for r in rows) / len(rows), "seconds": round(time.monotonic() - t0, 1)}
+    say(f"{len(pairs)} pairs written to {out} ({alike} prompts skipped: their samples scored alike); samples' mean "
+        f"reward {stats['reward_mean']:.3f}; {stats['seconds']:.0f} s")
+    return stats
+
+
 def main_eval(cfg: Config, args) -> int:
     out = Path(args.out or Path(cfg.run.run_dir) / "eval")
     out.mkdir(parents=True, exist_ok=True)
