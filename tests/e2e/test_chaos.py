@@ -74,7 +74,7 @@ def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, m
 
 def _finish(up, run_dir, log, records) -> dict:
     try:
-        code = up.wait(timeout=600)
+        code = up.wait(timeout=1800)  # a deadline for a hang: the run takes minutes
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
@@ -106,11 +106,11 @@ def one_server(tiny_model_dir, tmp_path_factory):
     up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-one"), tiny_model_dir, iterations, 1)
     kills = []
     try:
-        _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
+        _wait(lambda: (run_dir / "services.json").exists(), 600, "the system to start", up, log)
         secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
         command_lines = _wait(lambda: _command_lines(run_dir), 120, "every process's command line", up, log)
         for name in ("generation-0", "reward", "critic", "redis"):
-            _wait(lambda: (run_dir / "services.json").exists(), 300, "the system to start", up, log)
+            _wait(lambda: (run_dir / "services.json").exists(), 600, "the system to start", up, log)
             it = _wait(lambda: run_iterations(run_dir) >= 3 + 4 * len(kills) and run_iterations(run_dir), 300,
                        f"progress before killing {name}", up, log)
             assert it < iterations - 8, f"the run is too fast for the kills: at {it} of {iterations}"
@@ -121,7 +121,7 @@ def one_server(tiny_model_dir, tmp_path_factory):
             # back: the launcher restarted it and the learner trained 2 more iterations
             _wait(lambda: f"{name} exited with code -9; restarting it" in log.read_text(), 60,
                   f"the launcher to restart {name}", up, log)
-            _wait(lambda: run_iterations(run_dir) >= it + 2, 300, f"iterations after the restart of {name}", up, log)
+            _wait(lambda: run_iterations(run_dir) >= it + 2, 600, f"iterations after the restart of {name}", up, log)
     except BaseException:
         up.kill()
         raise
@@ -133,7 +133,7 @@ def one_server(tiny_model_dir, tmp_path_factory):
     # the same command on the finished run: it says so and leaves everything as it is
     summary = (run_dir / "summary.json").read_bytes()
     again = subprocess.run([sys.executable, "-m", "services.cli", "up", "-c", str(run_dir.parent / "chaos.yaml"),
-                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
+                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
     out["again"], out["summary_unchanged"] = again, (run_dir / "summary.json").read_bytes() == summary
     return out
 
@@ -147,7 +147,7 @@ def two_servers(tiny_model_dir, tmp_path_factory):
     up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2,
                                        heartbeat_ttl_s=60.0, eval_interval=1, restart_delay_s=RESTART_DELAY_S)
     try:
-        _wait(lambda: run_iterations(run_dir) >= 3, 300, "iteration 3", up, log)
+        _wait(lambda: run_iterations(run_dir) >= 3, 600, "iteration 3", up, log)
         services = _manifest(run_dir)["services"]
         # the eval target is the live server whose address sorts first
         victim = min(("generation-0", "generation-1"), key=lambda n: f"127.0.0.1:{services[n]['port']}")
@@ -174,9 +174,9 @@ def no_restarts(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("chaos-stop")
     up, run_dir, log, _ = _start(root, tiny_model_dir, 500, 1, max_restarts=0)
     try:
-        _wait(lambda: run_iterations(run_dir) >= 3, 300, "iteration 3", up, log)
+        _wait(lambda: run_iterations(run_dir) >= 3, 600, "iteration 3", up, log)
         _kill(_manifest(run_dir)["services"]["critic"]["pid"])
-        code = up.wait(timeout=300)
+        code = up.wait(timeout=1200)
     finally:
         if up.poll() is None:
             up.kill()

@@ -65,7 +65,7 @@ class _Process:
                 self.ready["line"] = line.strip()
                 self._ready.set()
 
-    def wait_ready(self, timeout_s=120) -> dict:
+    def wait_ready(self, timeout_s=600) -> dict:
         if not self._ready.wait(timeout_s):
             raise AssertionError(f"no {self.prefix} line:\n" + "".join(self.lines[-30:]))
         return self.ready
@@ -106,7 +106,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
                                str(run_dir), "--workers", "1", "--set", f"replay.url={url}"],
                               stdout=log, stderr=subprocess.STDOUT)
     # services started by hand need the secrets `rlhf up` generated (the auth token)
-    _wait(lambda: (run_dir / "secrets.env").exists(), 60, "secrets.env", up, up_log)
+    _wait(lambda: (run_dir / "secrets.env").exists(), 300, "secrets.env", up, up_log)
     secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
     # a worker that claims prompts and hangs with them (tests/e2e/stalled_worker.py), started
     # alongside the system; it says HOLDING once it holds prompts (the event itself, not a poll of
@@ -117,11 +117,11 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
     try:
         # (its claim is not checked in Redis here: after claim_idle_s a live worker may already
         # have reclaimed it, which is the behaviour under test)
-        out["doomed_held"] = int(doomed.wait_ready(timeout_s=300)["line"].split()[1])
+        out["doomed_held"] = int(doomed.wait_ready(timeout_s=600)["line"].split()[1])
         doomed.proc.send_signal(signal.SIGKILL)
         doomed.proc.wait()
         # a generation server that joins mid-run
-        _wait(lambda: run_iterations(run_dir) >= 3, 180, "iteration 3", up, up_log)
+        _wait(lambda: run_iterations(run_dir) >= 3, 600, "iteration 3", up, up_log)
         status = json.loads((run_dir / "services.json").read_text())
         learner_http = status["services"]["learner"]["http_port"]
         import urllib.request
@@ -140,10 +140,10 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         out["learner_killed_after"] = it_before
         learner_pid = json.loads((run_dir / "services.json").read_text())["services"]["learner"]["pid"]
         os.kill(learner_pid, signal.SIGKILL)
-        assert up.wait(timeout=400) == 0, up_log.read_text()[-4000:]
+        assert up.wait(timeout=1800) == 0, up_log.read_text()[-4000:]  # a deadline for a hang
         # the final push (or, had it failed, the server's own catch-up pull) reaches it
         final = json.loads((run_dir / "summary.json").read_text())["policy_version"]
-        _wait(lambda: client.version == final, 120, "the late server at the final version")
+        _wait(lambda: client.version == final, 600, "the late server at the final version")
         out["late_version_at_end"] = client.version
         client.close()
     finally:

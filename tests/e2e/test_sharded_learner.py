@@ -61,7 +61,7 @@ def _up(tiny_model_dir, run_dir: Path, nproc: int, kill_follower_at: int | None 
             out["followers"] = _kill_followers(run_dir, "learner")
             _wait_for(run_dir, kill_follower_at + 15, up, log_path)
             out["critic_followers"] = _kill_followers(run_dir, "critic")
-        assert up.wait(timeout=900) == 0, log_path.read_text()[-4000:]
+        assert up.wait(timeout=1800) == 0, log_path.read_text()[-4000:]
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)

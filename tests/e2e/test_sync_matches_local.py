@@ -23,7 +23,7 @@ def test_synchronous_distributed_run_matches_the_in_process_trainer(tiny_model_d
     for mode, cmd in (("local", ["train", "--local"]), ("up", ["up"])):
         run_dir = tmp_path / mode
         proc = subprocess.run([sys.executable, "-m", "services.cli", *cmd, "-c", str(config), "--run-dir",
-                               str(run_dir)], capture_output=True, text=True, timeout=400)
+                               str(run_dir)], capture_output=True, text=True, timeout=1800)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows[mode] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows["up"]] == [r["iteration"] for r in rows["local"]] == [0, 1, 2, 3, 4]
