@@ -71,9 +71,15 @@ class _Process:
         return self.ready
 
     def stop(self):
+        """SIGTERM, then SIGKILL if it has not exited in a generous while: how fast a server shuts
+        down (rpc.grace_s and its own teardown, slower on a busy machine) is not what this checks."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _serve(kind, config, url, *extra, env=None) -> _Process:

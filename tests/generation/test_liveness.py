@@ -164,7 +164,7 @@ def test_readiness_goes_off_during_a_swap_while_liveness_stays_on(cfg):
         try:
             t = threading.Thread(target=client.generate, args=([[1, 4, 5]], SamplingParams(max_new_tokens=2)))
             t.start()
-            assert started.wait(30)
+            assert started.wait(120)
             state = {k: v.clone() for k, v in backend.model.state_dict().items()}
             push = threading.Thread(target=client.update_weights, args=(state, 1))
             push.start()

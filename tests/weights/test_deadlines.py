@@ -41,7 +41,7 @@ def busy_server(short_cfg, tiny_model_dir):
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", short_cfg.rpc, timeout_s=60)
         t = threading.Thread(target=client.generate, args=([[1, 4, 5]], SamplingParams(max_new_tokens=2)))
         t.start()
-        assert started.wait(30)
+        assert started.wait(120)
         try:
             yield svc, backend, release
         finally:

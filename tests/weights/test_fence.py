@@ -113,7 +113,7 @@ def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
     def stream():
         chunks = weight_chunks(_state(servicer, 0.02), v + 1, run_id="run-a", epoch=epoch)
         yield next(chunks)
-        assert header_checked.wait(10)
+        assert header_checked.wait(120)
         _learner_starts(store)  # a new learner process starts while the old one still pushes
         yield from chunks
     expect_code(lambda: client.stub.PushWeights(stream(), metadata=client.metadata),

@@ -177,12 +177,12 @@ def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, mon
 
         def stuck(*args):
             entered.set()
-            release.wait(30)
+            release.wait(120)
             return swap(*args)
         monkeypatch.setattr(c.servicer.backend, "update_weights", stuck)
 
         def kill():
-            entered.wait(30)
+            entered.wait(120)
             c.server.grpc.stop(0)  # gone mid-swap: its in-flight load and any retry fail
             time.sleep(0.2)
             release.set()

@@ -70,7 +70,7 @@ def test_serve_process_graceful_sigterm(cfg, tmp_path):
         t.join(timeout=120)
         assert "r" in result, result.get("e")
         assert len(result["r"].completions) == 256 and all(len(c) == 64 for c in result["r"].completions)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=120) == 0
         with pytest.raises(grpc.RpcError) as e:
             client.info()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
