@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -149,7 +150,14 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         assert up.wait(timeout=1800) == 0, up_log.read_text()[-4000:]  # a deadline for a hang
         # the final push (or, had it failed, the server's own catch-up pull) reaches it
         final = json.loads((run_dir / "summary.json").read_text())["policy_version"]
-        _wait(lambda: client.version == final, 600, "the late server at the final version")
+
+        def late_at_final() -> bool:
+            try:
+                return client.version == final
+            except grpc.RpcError as e:  # say why, with what the server printed
+                raise AssertionError(f"the late server did not answer ({e.code().name}: {e.details()}); its "
+                                     f"output:\n{''.join(late.lines[-40:])}") from None
+        _wait(late_at_final, 600, "the late server at the final version")
         out["late_version_at_end"] = client.version
         client.close()
     finally:
