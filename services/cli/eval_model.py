@@ -18,7 +18,6 @@ sample) and OUT/summary.json, and prints a summary (side by side with --baseline
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -188,5 +187,4 @@ def main_eval(cfg: Config, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     run_eval(cfg, args.model, args.baseline, out, args.n, args.temperature, args.rule, args.pass_reward,
              say=lambda line: print(line, flush=True))
-    sys.stdout.flush()
     return 0

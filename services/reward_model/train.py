@@ -103,9 +103,11 @@ class RewardModel:
                 {"params": head, "lr": head_lr or lr, "weight_decay": 0.0}]
 
     def save(self, out: Path) -> None:
-        model = self.model.merge_and_unload() if self.lora else self.model
-        model.config.use_cache = True
-        model.save_pretrained(out, safe_serialization=True)
+        """The model (LoRA adapters merged into it: from here on this is the plain model) and tokenizer."""
+        if self.lora:
+            self.model, self.lora = self.model.merge_and_unload(), False
+        self.model.config.use_cache = True
+        self.model.save_pretrained(out, safe_serialization=True)
         self.tokenizer.save_pretrained(out)
 
 
@@ -231,8 +233,7 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
             say(f"held-out (epoch {epoch}): pairwise accuracy {last['accuracy']:.3f} on {len(held_out)} pairs"
                 + (f" (before training {before['accuracy']:.3f})" if before else "") + f", loss {last['loss']:.4f}")
     metrics.close()
-    rm.save(out)
-    rm.lora = False  # merged: the statistics below are the written model's
+    rm.save(out)  # the statistics below are the written model's
     on_train = evaluate_pairs(rm, train, rc.micro_batch_size * 2, rc.bf16)
     both = torch.cat([on_train["chosen"], on_train["rejected"]])
     stats = {"mean": both.mean().item(), "std": both.std().item(), "train_accuracy": on_train["accuracy"],

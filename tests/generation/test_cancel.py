@@ -19,6 +19,7 @@ from services.generation.batching import InFlight
 from services.generation.server import serve
 
 from tests.grpc_helpers import TOKEN, on_free_ports
+from tests.waits import wait_until
 
 MAX_NEW = 64
 # temperature 10 samples nearly uniformly: among 512 rows some never draw EOS, so the uncancelled
@@ -131,13 +132,6 @@ def work(servicer, key: str):
     """The server's in-flight work under idempotency key `key` (its table adds the request's digest)."""
     found = [w for k, w in list(servicer.in_flight._by_key.items()) if k.startswith(f"{key}:")]
     return found[0] if found else None
-
-
-def wait_until(pred, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.005)
 
 
 def test_the_big_request_uncancelled_decodes_every_step(served):

@@ -4,7 +4,6 @@ mark and run in the vLLM environment (`make test` runs them with .venv-vllm's Py
 import math
 import resource
 import threading
-import time
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from services.generation.client import GenerationClient
 from services.weights.stream import weight_chunks
 from services.generation.server import serve
 
+from tests.waits import wait_until
 from tests.grpc_helpers import TOKEN, expect_code, restream, on_free_ports
 
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
@@ -462,10 +462,10 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
         t.start()
     for v in range(v0 + 1, v0 + 4):
         push(client, server, states[v], v, chunk_bytes=20_000)
-    deadline = time.monotonic() + 120  # until a call was answered by the last version
-    while not any(v == v0 + 3 for v, _ in list(seen)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    stop.set()
+    try:
+        wait_until(lambda: any(v == v0 + 3 for v, _ in list(seen)), "a call answered by the last version")
+    finally:
+        stop.set()
     for t in threads:
         t.join()
     # the server merges concurrent calls into batches of 1 to 3 rows: a version's greedy answer is

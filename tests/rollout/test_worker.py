@@ -20,6 +20,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
+from tests.waits import wait_until
 from tests.grpc_helpers import on_free_ports
 
 GROUP = 2
@@ -188,11 +189,9 @@ def test_no_generation_server_gives_up_and_leaves_prompts_pending(make_cfg):
     assert _pending(store, "w1") == 3 and store.prompt_backlog() == 3
     patient = ReplayStore(store.r, namespace=store.ns, claim_idle_s=60.0)  # a worker that waits a minute
     assert patient.claim_prompts("w2", 10, block_ms=10) == ([], 0)  # not idle long enough yet
-    deadline = time.monotonic() + 60  # claim_idle_s (1 s) after the claim, they are taken over
-    while time.monotonic() < deadline:
-        taken, reclaimed = store.claim_prompts("w2", 10, block_ms=50)
-        if reclaimed:
-            break
+    # claim_idle_s (1 s) after the claim, they are taken over
+    taken, reclaimed = wait_until(lambda: (got := store.claim_prompts("w2", 10, block_ms=50))[1] and got,
+                                  "the prompts reclaimed", every_s=0)
     assert reclaimed == 3
     assert sorted(t.uid for _, t in taken) == sorted(uids)
     assert _pending(store, "w2") == 3 and _pending(store, "w1") == 0

@@ -10,6 +10,7 @@ import pytest
 from services.common.replay.records import group_from_proto, group_to_proto, make_task, task_record
 from services.common.rpc.gen import replay_pb2 as rpb
 from services.common.types import Completion, PromptRecord, Rollout, SampleGroup, ScoreResult
+from tests.waits import wait_until
 
 
 def _task(i: int, epoch: int = 0, attempt: int = 0) -> rpb.PromptTask:
@@ -69,14 +70,10 @@ def _view(store, claim_idle_s: float):
     return ReplayStore(store.r, namespace=store.ns, claim_idle_s=claim_idle_s)
 
 
-def _reclaim(store, consumer: str, count: int, timeout_s: float = 60.0) -> tuple[list, int]:
-    """Claims until something is reclaimed from another consumer (at most `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got, reclaimed = store.claim_prompts(consumer, count, block_ms=50)
-        if reclaimed:
-            return got, reclaimed
-    raise AssertionError(f"nothing reclaimed in {timeout_s:g}s")
+def _reclaim(store, consumer: str, count: int) -> tuple[list, int]:
+    """Claims until something is reclaimed from another consumer."""
+    return wait_until(lambda: (got := store.claim_prompts(consumer, count, block_ms=50))[1] and got,
+                      "prompts reclaimed from another consumer", every_s=0)
 
 
 def test_a_dead_consumers_prompts_are_reclaimed_by_another(store):

@@ -19,6 +19,7 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve
 
 from tests.grpc_helpers import TOKEN, on_free_ports
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -26,14 +27,9 @@ ROOT = Path(__file__).resolve().parents[3]
 def _wait_in_flight(metrics_port: int, method: str, timeout_s: float = 120.0) -> None:
     """Until the server's rlhf_rpc_in_flight shows a `method` call being handled."""
     want = f'rlhf_rpc_in_flight{{method="{method}",service="generation"}} 1.0'
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"},
-                         timeout=30).text
-        if want in text:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {method} call in flight after {timeout_s:g}s")
+    wait_until(lambda: want in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30,
+                                         headers={"Authorization": f"Bearer {TOKEN}"}).text,
+               f"a {method} call in flight", timeout_s, every_s=0.05)
 
 
 def test_serve_process_graceful_sigterm(cfg, tmp_path):

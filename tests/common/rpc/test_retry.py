@@ -13,6 +13,7 @@ from services.common.rpc.retry import DependencyUnavailable, Retrying
 from services.common.types import RewardSample
 from services.reward.client import RewardClient
 from services.reward.server import serve as serve_reward
+from tests.waits import wait_until
 from tests.grpc_helpers import on_free_ports
 
 
@@ -33,9 +34,7 @@ def test_a_call_waits_for_a_restarting_server_and_says_what_it_waits_for(tiny_mo
     result: dict = {}
     caller = threading.Thread(target=lambda: result.setdefault("scores", client.score(SAMPLE)))
     caller.start()
-    deadline = time.monotonic() + 60  # the call fails (nothing listens yet) and says what it waits for
-    while not waits and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: waits, "the call failing (nothing listens yet) and saying what it waits for")
     assert caller.is_alive() and "scores" not in result
     assert waits and waits[-1].startswith(f"waiting for the reward server at 127.0.0.1:{port} (UNAVAILABLE")
     with serve_reward(cfg):  # on the port the client dials (the config's, metrics and HTTP off)
