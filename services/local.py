@@ -70,7 +70,8 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     backend = make_backend(cfg)
     tokenizer = backend.tokenizer
     scorer = build_scorer(cfg.reward, device="cpu")
-    eval_scorer = build_eval_scorer(cfg.reward) or scorer  # reward.eval_rules: a gold reward apart
+    gold = build_eval_scorer(cfg.reward)  # reward.eval_rules: a gold reward apart from the proxy trained on
+    eval_scorer, proxy = (gold, scorer) if gold is not None else (scorer, None)
     train = config_prompts(cfg, "train", tokenizer)
     held_out = config_prompts(cfg, "eval", tokenizer)
     sampler = EpochSampler(train, cfg.run.seed)
@@ -78,10 +79,12 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
                             ptx_examples=ptx_examples_for(cfg, tokenizer, train))
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
     eval_params = SamplingParams.for_eval(cfg)
+    def held_out_eval() -> dict:
+        return evaluate(held_out, backend, eval_scorer, tokenizer, eval_params, proxy)
+
     loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, InProcessSource(cfg, sampler, backend, scorer,
                                                                                   tokenizer, critic),
-                        BackendSink(backend), lambda: evaluate(held_out, backend, eval_scorer, tokenizer, eval_params),
-                        logger=log)
+                        BackendSink(backend), held_out_eval, logger=log)
     loop.begin(RunLog(run_dir, cfg, mode="local"))
     it, _ = loop.iterate(schedule)
     return loop.finish(it, time.time() - schedule.t_start, run_dir / "final_critic")

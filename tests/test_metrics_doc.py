@@ -228,5 +228,6 @@ def test_the_learner_evaluates_with_the_eval_rules_through_the_reward_server(scr
     assert [r["iteration"] for r in evals] == [0, 1, 2]
     for r in evals:
         assert r["eval/reward_mean"] == pytest.approx(r["eval/length"])
+        assert "eval/proxy_reward_mean" in r  # the same responses, scored by the training reward too
         assert not any(k.startswith("eval/rules") or k.startswith("eval/http") for k in r)
         assert r["eval/hacking_suspected"] == 0

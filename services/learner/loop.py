@@ -362,7 +362,8 @@ class LearnerLoop(TrainingLoop):
             target = self.broadcaster.serving(self.learner.version, self.cfg.rpc.dependency_wait_s, self.stop_event,
                                               avoid=skip)
             try:
-                out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, self.eval_params)
+                out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, self.eval_params,
+                               proxy=self.reward if self.cfg.reward.eval_rules is not None else None)
                 break
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -53,13 +53,22 @@ def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
     return out
 
 
-def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams) -> dict:
+def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams, proxy=None) -> dict:
     """The training loop's held-out eval: `params.n` = 1 sample per prompt (greedy at
-    eval_temperature 0), scored; `eval/...` metrics, and the rows under "generations"."""
+    eval_temperature 0), scored; `eval/...` metrics, and the rows under "generations".
+    `proxy`: the training reward, when the held-out one (`scorer`) is a gold reward apart
+    (`reward.eval_rules`): the same responses scored by it too, as `eval/proxy_reward_mean` and
+    each row's `proxy_reward`, so a policy that pleases the proxy but not the gold shows."""
     rows = generate_and_score(records, backend, scorer, tokenizer, params)
     summary = summarize(rows)
     out: dict = {"eval/reward_mean": summary["reward_mean"]}
     out.update({f"eval/{k}": v for k, v in summary.items() if k not in ("reward_mean", "prompts", "samples")})
+    if proxy is not None and rows:
+        meta = {r.id: r.metadata for r in records}
+        scored = proxy.score([RewardSample(r["prompt"], r["response"], r["label"], meta[r["id"]]) for r in rows])
+        for r, s in zip(rows, scored):
+            r["proxy_reward"] = s.reward
+        out["eval/proxy_reward_mean"] = sum(s.reward for s in scored) / len(scored)
     out["generations"] = rows
     return out
 

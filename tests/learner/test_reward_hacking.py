@@ -42,6 +42,11 @@ def test_the_watch_catches_a_policy_that_games_its_training_reward(tiny_model_di
     train = [r["reward/score_mean"] for r in rows[1:]]
     assert evals[-1]["eval/reward_mean"] < evals[0]["eval/reward_mean"] - 0.2  # the task got worse
     assert sum(train[-5:]) / 5 > sum(train[:5]) / 5 + 0.1  # while the paid reward got better
+    # the same held-out responses, scored by the training reward too: the proxy rose where the gold fell
+    assert evals[-1]["eval/proxy_reward_mean"] > evals[0]["eval/proxy_reward_mean"] + 0.1
+    last = [json.loads(line) for line in (tmp_path / "generations" / f"iter_{evals[-1]['iteration']:06d}.jsonl")
+            .read_text().splitlines()]
+    assert sum(r["proxy_reward"] for r in last) / len(last) == pytest.approx(evals[-1]["eval/proxy_reward_mean"])
     flags = [r["eval/hacking_suspected"] for r in evals]
     assert set(flags) == {0, 1} and flags[:3] == [0, 0, 0]  # baseline + two: the window is not full before
     onsets = [r["iteration"] for prev, r in zip(evals, evals[1:])
@@ -70,4 +75,5 @@ def test_without_eval_rules_the_eval_uses_the_training_reward(tiny_model_dir, tm
     run_local(cfg, tmp_path)
     (base, _) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "eval/length" in base and "eval/exact_match" not in base
+    assert "eval/proxy_reward_mean" not in base  # no gold apart: nothing to compare
     assert base["eval/reward_mean"] == pytest.approx(base["eval/length"])
