@@ -46,3 +46,7 @@ def test_prefs_then_reward_model_then_ppo_against_it(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert summary["iterations"] == 2 and "critic/explained_variance" in rows[1]
     assert "eval/exact_match" in rows[1] and "eval/edit_distance" in rows[1]  # the gold judge's, held out
+    # the same held-out responses scored by the proxy too: the learned reward model, normalised
+    gens = [json.loads(x) for x in (tmp_path / "run" / "generations" / "iter_000001.jsonl").read_text().splitlines()]
+    assert len(gens) == 16 and all("proxy_reward" in g for g in gens)
+    assert abs(sum(g["proxy_reward"] for g in gens) / 16 - rows[1]["eval/proxy_reward_mean"]) < 1e-6
