@@ -64,7 +64,7 @@ run-smollm2: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 RLHF_DIR ?= runs/smollm2-rlhf
 
 $(RLHF_DIR)/pairs.jsonl: | $(BIN)/.installed $(SMOLLM2_DIR)/config.json
-	$(BIN)/rlhf make-prefs -c configs/smollm2-rlhf.yaml --out $@ --limit 512
+	$(BIN)/rlhf make-prefs -c configs/smollm2-rlhf.yaml --out $@ --limit 384 --n 8
 
 $(RLHF_DIR)/reward-model/reward_stats.json: $(RLHF_DIR)/pairs.jsonl
 	$(BIN)/rlhf train-rm -c configs/smollm2-rlhf.yaml --set reward_model.train=$< \
