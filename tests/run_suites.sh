@@ -9,6 +9,13 @@ logs=runs/test-logs
 mkdir -p "$logs"
 declare -a rows
 failed=0
+# the four suites need about 12 GiB of disk (two venvs, the Docker images); say so up front, since
+# "No space left on device" halfway through a pip install reads like a packaging bug
+free_gib=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+echo "disk: ${free_gib} GiB free where the suites run"
+if [ "${free_gib:-0}" -lt 12 ]; then
+    echo "WARNING: under 12 GiB free; the vLLM venv and the Docker image builds may fail for lack of space"
+fi
 for target in "$@"; do
     echo "=== make $target ==="
     start=$SECONDS
@@ -24,6 +31,7 @@ done
 echo
 echo "=== summary (logs in $logs/) ==="
 printf '%s\n' "${rows[@]}"
+echo "disk: $(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}') GiB free at the end"
 if [ "$failed" -ne 0 ]; then
     echo
     echo "failed tests:"
