@@ -28,7 +28,7 @@ from ..common.types import GenerationBackend, SamplingParams
 from ..weights.receiver import WeightReceiver, shm_probe
 from ..weights.shm import Probe
 from ..weights.stream import WeightChunkDecoder
-from .backend import GREEDY_BELOW
+from .decode import GREEDY_BELOW
 from .client import IDEMPOTENCY_KEY
 from .batching import Batcher, ContinuousBatcher, InFlight
 from .metrics import GenerationMetrics
@@ -246,8 +246,9 @@ def make_backend(cfg) -> GenerationBackend:
         from .vllm_backend import VLLMBackend
         return VLLMBackend(cfg.model.path, cfg.generation.vllm, bf16=cfg.model.bf16,
                            max_model_len=cfg.prompt_length + cfg.response_length)
+    import torch
     from .backend import HFBackend
-    return HFBackend(cfg.model.path, cfg.model.device)
+    return HFBackend(cfg.model.path, cfg.model.device, torch.bfloat16 if cfg.model.bf16 else torch.float32)
 
 
 def serve(cfg, backend=None) -> GrpcService:

@@ -37,7 +37,8 @@ from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.check import check_newer, check_version
-from .backend import GREEDY_BELOW, GenerationStopped, run_call, wait_for_call
+from .backend import GenerationStopped, run_call, wait_for_call
+from .decode import GREEDY_BELOW
 
 log = logging.getLogger(__name__)
 

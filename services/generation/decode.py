@@ -1,0 +1,127 @@
+"""Sampling from a transformers causal LM step by step, for the `hf` backend.
+
+What `model.generate` would do, with three differences that matter for RLHF rollouts:
+  1. each distinct prompt is prefilled once and its KV cache copied to its `n` samples (a group of
+     8 samples per prompt no longer computes the prompt's forward 8 times);
+  2. the sampled token's log-prob under the sampling distribution is kept at each step, so only one
+     (rows, vocabulary) block of logits is alive at a time: memory does not grow with samples x
+     steps x vocabulary as `output_scores=True` does;
+  3. rows that have finished leave the batch (their cache rows dropped) once a quarter of it has,
+     so a long tail of one sample does not make every finished one pay for its steps.
+
+The sampling distribution is the one `generate` uses: logits / temperature, then top-k, then top-p;
+greedy (temperature below `GREEDY_BELOW`) takes the argmax and records log-probs of the unscaled
+distribution. For a fixed seed the draws are the same `torch.multinomial` calls on the same
+probabilities (up to the float rounding of a different batch shape in the prefill).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from ..common.padding import pad_left
+from ..common.types import SamplingParams
+
+# Temperatures below this sample greedily, exactly as temperature 0 does (log-probs then are of the
+# unscaled distribution): dividing logits by a tiny or denormal temperature overflows to inf/NaN.
+GREEDY_BELOW = 1e-5
+# Finished rows are dropped from the batch once they are this share of it (each drop copies the cache)
+COMPACT_AT = 0.25
+
+
+@dataclass
+class Decoded:
+    """Per sample (prompt-major, `n` per prompt): its tokens up to and including the stop token,
+    their log-probs, "stop" or "length"; `stopped` when `stop()` ended the batch early."""
+    tokens: list[list[int]]
+    logps: list[list[float]]
+    finish: list[str]
+    steps: int
+    stopped: bool = False
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits of the distribution a sample is drawn from (float32): / temperature, then top-k
+    (0 = off), then top-p (1 = off), the removed tokens at -inf."""
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores
+
+
+def pick(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step for every row: the next tokens and their log-probs."""
+    if params.temperature < GREEDY_BELOW:
+        logp = F.log_softmax(logits.float(), dim=-1)
+        tok = logp.argmax(-1)
+    else:
+        logp = F.log_softmax(sampling_logits(logits, params), dim=-1)
+        tok = torch.multinomial(logp.exp(), num_samples=1).squeeze(1)
+    return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def decode(model, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
+           stop_token_ids: Sequence[int], stop: Callable[[], bool] | None = None) -> Decoded:
+    """`params.n` samples of each prompt, at most `params.max_new_tokens` tokens each. `stop`,
+    when given, is asked after every step; once it says True the batch ends (`stopped`)."""
+    device = next(model.parameters()).device
+    n, T = params.n, params.max_new_tokens
+    ids, attn = pad_left(prompts, pad_token_id)
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    # 1. the prefill, once per prompt; only the last position's logits are computed
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    logits = out.logits[:, -1]
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+        logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        pos = pos.repeat_interleave(n, 0)
+    N = len(prompts) * n
+    next_pos = pos[:, -1:] + 1
+    stops = torch.tensor(sorted(set(stop_token_ids)), device=device)
+    tokens = torch.full((N, T), pad_token_id, dtype=torch.long)
+    logps = torch.zeros(N, T)
+    length = torch.full((N,), T, dtype=torch.long)  # tokens kept per sample; T = cut at the limit
+    ended = torch.zeros(N, dtype=torch.bool)
+    rows = torch.arange(N)  # the sample each row of the batch decodes
+    live = torch.ones(N, dtype=torch.bool)  # rows of the batch still decoding
+    steps = 0
+    for step in range(T):
+        # 2. one token per row, its log-prob kept; the logits of this step are dropped after it
+        tok, lp = pick(logits, params)
+        tok_cpu, lp_cpu = tok.cpu(), lp.float().cpu()
+        mine = rows[live]
+        tokens[mine, step], logps[mine, step] = tok_cpu[live], lp_cpu[live]
+        hit = torch.isin(tok, stops).cpu() & live
+        length[rows[hit]] = step + 1
+        ended[rows[hit]] = True
+        live &= ~hit
+        steps = step + 1
+        if stop is not None and stop():
+            return Decoded([], [], [], steps, stopped=True)
+        if not live.any() or step == T - 1:
+            break
+        # 3. finished rows leave once they are a quarter of the batch
+        if (~live).sum() >= max(1, COMPACT_AT * len(live)):
+            keep = live.nonzero().squeeze(1)
+            cache.batch_select_indices(keep.to(device))
+            keep_d = keep.to(device)
+            tok, attn, next_pos = tok[keep_d], attn[keep_d], next_pos[keep_d]
+            rows, live = rows[keep], live[keep]
+        tok = torch.where(live.to(device), tok, torch.full_like(tok, pad_token_id))
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+        out = model(input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=next_pos,
+                    past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    return Decoded([tokens[i, :length[i]].tolist() for i in range(N)],
+                   [logps[i, :length[i]].tolist() for i in range(N)],
+                   ["stop" if e else "length" for e in ended.tolist()], steps)
