@@ -24,12 +24,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def build_tokenizer():
-    """A character-level tokenizer with <s> prepended, as a transformers fast tokenizer."""
+def build_tokenizer(size: int | None = None):
+    """A character-level tokenizer with <s> prepended, as a transformers fast tokenizer. `size`
+    pads its vocabulary with unused tokens (<f0>, <f1>, ...) to that many: a random model with a
+    real model's vocabulary size, for memory measurements."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+    tokens = SPECIAL + CHARS
+    tokens += [f"<f{i}>" for i in range(max(0, (size or 0) - len(tokens)))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
