@@ -254,8 +254,11 @@ def response_log_probs(model: nn.Module, batch: TokenBatch, temperature: float =
 
 
 def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy: bool) -> torch.Tensor:
-    """(N, 1 or 2): the log-prob of each target (and the entropy) under the output layer."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    """(N, 1 or 2): the log-prob of each target (and the entropy) under the output layer, in
+    float32 under bf16 autocast too (bf16 logits would move each log-prob by ~1e-2, as much as a
+    PPO step moves it)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
     if temperature not in (0, 1.0):
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
