@@ -71,11 +71,17 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     critic_steps: list = []
     progress = getattr(learner, "on_progress", None) or _nothing  # the learner service's heartbeat
     g = torch.Generator().manual_seed(learner.rng.randrange(2 ** 31))
+    # rows of like length share a micro-batch (each is trimmed to its longest row): the padding
+    # left is what the lengths differ by within a micro-batch, not across the mini-batch
+    # (responses vary most: sorted by response length, then prompt length)
+    P = exp.batch.prompt_width
+    lengths = exp.batch.response_mask.sum(1).long() * (P + 1) + exp.batch.attention_mask[:, :P].sum(1)
     learner.policy.train()
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=g)
         for start in range(0, B, mb):
             idx = perm[start:start + mb]
+            idx = idx[torch.sort(lengths[idx], stable=True).indices]
             norm = AggNorm(exp.batch.response_mask[idx])
             picks = [learner.rng.choice(learner.ptx_examples) for _ in range(len(idx))] \
                 if cfg.ptx_coef and learner.ptx_examples else []
