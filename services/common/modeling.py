@@ -284,6 +284,12 @@ def _takes_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def last_logits_kwargs(model: nn.Module) -> dict:
+    """`logits_to_keep=1` where the model takes it: a prefill computes the output layer for the
+    last position only."""
+    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(_base_model(model))) else {}
+
+
 def _head_is_plain(model: nn.Module) -> bool:
     """Whether the model's logits are its output layer's plain output (a Linear), so that the
     layer can be replaced for the forward by the chunked log-prob computation: not with logit

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from ..common.modeling import last_logits_kwargs
 from ..common.padding import pad_left
 from ..common.types import SamplingParams
 
@@ -77,7 +78,7 @@ def decode(model, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_
     ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     # 1. the prefill, once per prompt; only the last position's logits are computed
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **last_logits_kwargs(model))
     cache = out.past_key_values
     logits = out.logits[:, -1]
     if n > 1:
