@@ -1,6 +1,7 @@
 """Benchmark: the `hf` backend's sampling on a real model, against transformers' `generate`.
 
     python benchmarks/bench_generate.py -c configs/smollm2-cpu.yaml [--repeats 3] [--out runs/bench/generate.json]
+    .venv-vllm/bin/python benchmarks/bench_generate.py -c configs/smollm2-cpu.yaml --vllm float32   (+ vllm)
 
 One rollout of the config (rollout_batch_size prompts x num_return_sequences_in_group samples,
 response_length new tokens at the training temperature, the config's own prompts) four ways, each
@@ -9,7 +10,10 @@ round running every way in turn (noise hits all alike), medians over the rounds:
     and the log-softmax of the stacked scores (what the `hf` backend did before `decode`);
   - `decode fp32` and `decode bf16`: services/generation/decode.py (each prompt prefilled once,
     log-probs kept step by step, finished rows dropped), the policy in float32 / bfloat16;
-  - `prefill x n`: `decode` with each prompt listed n times (n = 1): what sharing the prefill saves.
+  - `prefill x n`: `decode` with each prompt listed n times (n = 1): what sharing the prefill saves;
+  - with `--vllm DTYPE`: the `vllm` backend (vLLM's engine, its CPU build here; prefix caching on,
+    eager mode) in that dtype, `n` samples per prompt as the generation server asks for them (one
+    engine per process: run once per dtype).
 Prints seconds and generated tokens/s (peak memory: benchmarks/bench_memory.py --iteration).
 """
 from __future__ import annotations
@@ -30,6 +34,8 @@ def main() -> None:
     ap.add_argument("-c", "--config", default="configs/smollm2-cpu.yaml")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--vllm", choices=["float32", "bfloat16"], help="also the vllm backend in this dtype "
+                    "(run with the vLLM venv's Python)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     from services.common.config import load_config
@@ -68,6 +74,12 @@ def main() -> None:
 
     ways = {"generate": hf_generate, "decode fp32": way(fp32, True), "decode bf16": way(bf16, True),
             "prefill x n": way(fp32, False)}
+    if args.vllm:
+        from services.generation.vllm_backend import VLLMBackend
+        vcfg = cfg.generation.vllm.model_copy(update={"dtype": args.vllm, "enforce_eager": True,
+                                                      "cpu_kvcache_space_gb": 4})
+        engine = VLLMBackend(cfg.model.path, vcfg, max_model_len=cfg.prompt_length + cfg.response_length)
+        ways[f"vllm {args.vllm}"] = lambda: engine.generate(prompts, params).tokens
     times: dict[str, list[float]] = {k: [] for k in ways}
     toks: dict[str, list[int]] = {k: [] for k in ways}
     with torch.no_grad():
@@ -92,6 +104,8 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"config": args.config, "rows": rows}, indent=1))
+    if args.vllm:
+        engine.close()
 
 
 if __name__ == "__main__":

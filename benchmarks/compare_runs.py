@@ -1,8 +1,9 @@
 """The held-out curves of runs side by side, from their metrics.jsonl: per evaluation the
 samples trained on so far, minutes, the held-out reward (the gold judge when reward.eval_rules
 is set), the proxy's held-out reward (`eval/proxy_reward_mean`), the KL to the reference and the
-critic's explained variance; then seconds per iteration and per sample. A benchmark: it measures
-and prints.
+critic's explained variance; then seconds per iteration and per sample, and where an iteration's
+time goes (medians: generating, or waiting for the rollout under `rlhf up`; training; the push),
+with generated tokens/s. A benchmark: it measures and prints.
 
     python benchmarks/compare_runs.py runs/smollm2-rlhf/ppo runs/smollm2-rlhf/grpo [--key eval/math_answer]
 """
@@ -50,7 +51,19 @@ def table(name: str, run: list[dict], key: str, per_iteration: int) -> list[str]
         per_it = statistics.median(r["time/iteration_s"] for r in steps)
         lines.append(f"\nmedian {per_it:.1f} s per iteration, {per_it / per_iteration:.3f} s per sample "
                      f"({len(steps)} iterations of {per_iteration} samples)")
+        split = time_split(steps)
+        lines.append("  " + ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "tokens/s")
+                     + f"; {split.get('tokens/s', 0):.0f} generated tokens/s")
     return lines
+
+
+def time_split(steps: list[dict]) -> dict[str, float]:
+    """Medians over the iterations: generate (in-process) or wait (for the rollout, `rlhf up`),
+    train, push, and the rollout's tokens/s."""
+    keys = {"generate": "time/generate_s", "wait": "time/wait_s", "train": "time/train_s",
+            "push": "time/push_s", "tokens/s": "rollout/tokens_per_s"}
+    return {name: statistics.median(r[k] for r in steps) for name, k in keys.items()
+            if all(k in r for r in steps)}
 
 
 def main() -> None:
