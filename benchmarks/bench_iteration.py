@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_runs import rows, samples_per_iteration, time_split  # noqa: E402
+from compare_runs import rows, samples_per_iteration, time_split, training_seconds  # noqa: E402
 
 RLHF = [sys.executable, "-m", "services.cli"]
 
@@ -41,7 +41,7 @@ def run_mode(mode: str, config: str, run_dir: Path, iterations: int, overrides: 
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log.name}")
     steps = [r for r in rows(run_dir) if r["iteration"] > 1 and "time/iteration_s" in r]
-    per_it = statistics.median(r["time/iteration_s"] for r in steps)
+    per_it = statistics.median(training_seconds(r) for r in steps)  # without the held-out eval
     n = samples_per_iteration(run_dir)
     return {"mode": mode, "wall_s": time.perf_counter() - t0, "s_per_iteration": per_it,
             "samples_per_s": n / per_it, "split": time_split(steps), "iterations_measured": len(steps),

@@ -48,13 +48,19 @@ def table(name: str, run: list[dict], key: str, per_iteration: int) -> list[str]
                          f"{_f(r.get('critic/explained_variance'), '{:.2f}')} |")
     steps = [r for r in run if r["iteration"] > 0 and "time/iteration_s" in r]
     if steps:
-        per_it = statistics.median(r["time/iteration_s"] for r in steps)
+        per_it = statistics.median(training_seconds(r) for r in steps)
         lines.append(f"\nmedian {per_it:.1f} s per iteration, {per_it / per_iteration:.3f} s per sample "
                      f"({len(steps)} iterations of {per_iteration} samples)")
         split = time_split(steps)
         lines.append("  " + ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "tokens/s")
                      + f"; {split.get('tokens/s', 0):.0f} generated tokens/s")
     return lines
+
+
+def training_seconds(r: dict) -> float:
+    """An iteration's seconds without its held-out eval: the learner service counts the eval in
+    `time/iteration_s` (and reports it as `time/eval_s`), the in-process trainer does not."""
+    return r["time/iteration_s"] - r.get("time/eval_s", 0.0)
 
 
 def time_split(steps: list[dict]) -> dict[str, float]:
