@@ -75,7 +75,8 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     # left is what the lengths differ by within a micro-batch, not across the mini-batch
     # (responses vary most: sorted by response length, then prompt length)
     P = exp.batch.prompt_width
-    lengths = exp.batch.response_mask.sum(1).long() * (P + 1) + exp.batch.attention_mask[:, :P].sum(1)
+    # on the CPU, as the permutation it sorts (the batch may be on the GPU)
+    lengths = (exp.batch.response_mask.sum(1).long() * (P + 1) + exp.batch.attention_mask[:, :P].sum(1)).cpu()
     learner.policy.train()
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=g)
