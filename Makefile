@@ -85,7 +85,7 @@ run-local: $(BIN)/.installed $(MODEL_DIR)/config.json
 # the same main job with vLLM generation servers (vLLM's CPU build here; on a GPU box set generation.vllm)
 run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 	$(VLLM_BIN)/rlhf up -c $(CONFIG) --run-dir $(RUN_DIR)-vllm --set generation.backend=vllm \
-		--set generation.vllm.dtype=float32 --set generation.vllm.enforce_eager=true
+		--set generation.dtype=float32 --set generation.vllm.enforce_eager=true
 
 # every test: the vllm-marked ones in the vLLM venv, the docker-marked ones against a real Docker
 # Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv.

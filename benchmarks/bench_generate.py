@@ -19,6 +19,7 @@ Prints seconds and generated tokens/s (peak memory: benchmarks/bench_memory.py -
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -68,7 +69,7 @@ def main() -> None:
                 out = decode(backend.model, prompts, params, pad, eos)
             else:
                 out = decode(backend.model, [p for p in prompts for _ in range(n)],
-                             SamplingParams(**{**params.__dict__, "n": 1}), pad, eos)
+                             dataclasses.replace(params, n=1), pad, eos)
             return sum(len(t) for t in out.tokens)
         return run
 
@@ -76,9 +77,9 @@ def main() -> None:
             "prefill x n": way(fp32, False)}
     if args.vllm:
         from services.generation.vllm_backend import VLLMBackend
-        vcfg = cfg.generation.vllm.model_copy(update={"dtype": args.vllm, "enforce_eager": True,
-                                                      "cpu_kvcache_space_gb": 4})
-        engine = VLLMBackend(cfg.model.path, vcfg, max_model_len=cfg.prompt_length + cfg.response_length)
+        vcfg = cfg.generation.vllm.model_copy(update={"enforce_eager": True, "cpu_kvcache_space_gb": 4})
+        engine = VLLMBackend(cfg.model.path, vcfg, dtype=args.vllm,
+                             max_model_len=cfg.prompt_length + cfg.response_length)
         ways[f"vllm {args.vllm}"] = lambda: engine.generate(prompts, params).tokens
     times: dict[str, list[float]] = {k: [] for k in ways}
     toks: dict[str, list[int]] = {k: [] for k in ways}

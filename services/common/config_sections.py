@@ -27,7 +27,8 @@ class ModelConfig(Strict):
     path: str = Field("runs/tiny-model", description="the policy: a local directory with config, weights and "
                       "tokenizer, or a Hugging Face hub id (org/name)")
     device: str = Field("auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...")
-    bf16: bool = Field(False, description="train and sample in bfloat16 instead of float32")
+    bf16: bool = Field(False, description="train in bfloat16 autocast (master weights, optimiser state and the "
+                       "log-prob head stay float32); generation.dtype auto samples in bfloat16 too")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
                                          "memory, more compute")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
@@ -38,9 +39,7 @@ class ModelConfig(Strict):
 # ------------------------------------------ the generation server
 class VLLMConfig(Strict):
     """Options of vLLM's engine (generation.backend: vllm). The defaults suit one GPU; on the CPU
-    build, dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="engine dtype: auto = bfloat16 with model.bf16, else float32")
+    build, generation.dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="share of the GPU's memory vLLM takes "
                                           "(weights + KV cache)")
     max_model_len: Optional[int] = Field(None, gt=0, description="longest sequence the engine serves; null = "
@@ -52,6 +51,13 @@ class VLLMConfig(Strict):
     cpu_kvcache_space_gb: float = Field(1.0, gt=0, description="KV cache GiB of the CPU build "
                                         "(VLLM_CPU_KVCACHE_SPACE); unused on a GPU")
     seed: int = Field(0, description="engine seed (requests with their own seed use theirs)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data):
+        if isinstance(data, dict) and "dtype" in data:
+            raise ValueError("generation.vllm.dtype is now generation.dtype (one sampler dtype for either backend)")
+        return data
 
 
 class GenerationConfig(Strict):
@@ -66,7 +72,14 @@ class GenerationConfig(Strict):
     max_batch_size: int = Field(256, ge=1, description="most prompts a generation server decodes in one batch")
     batch_window_ms: float = Field(5.0, ge=0, description="milliseconds a generation server waits to batch "
                                    "concurrent calls together (hf; vLLM batches continuously)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="the sampler's weights and arithmetic, either backend: auto = bfloat16 with model.bf16, "
+        "else float32; float32 with model.bf16 trains in bfloat16 and samples in float32 (docs/speed.md)")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
+
+    def engine_dtype(self, bf16: bool) -> str:
+        """The sampler's dtype by name: `dtype`, with auto resolved by the learner's model.bf16."""
+        return self.dtype if self.dtype != "auto" else ("bfloat16" if bf16 else "float32")
 
 
 # ------------------------------------------ the reward server

@@ -113,8 +113,8 @@ def decode(model, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_
         # 3. finished rows leave once they are a quarter of the batch
         if (~live).sum() >= max(1, COMPACT_AT * len(live)):
             keep = live.nonzero().squeeze(1)
-            cache.batch_select_indices(keep.to(device))
             keep_d = keep.to(device)
+            cache.batch_select_indices(keep_d)
             tok, attn, next_pos = tok[keep_d], attn[keep_d], next_pos[keep_d]
             rows, live = rows[keep], live[keep]
         tok = torch.where(live.to(device), tok, torch.full_like(tok, pad_token_id))

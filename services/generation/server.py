@@ -242,13 +242,14 @@ def add_generation_servicer(servicer, grpc_server) -> None:
 
 def make_backend(cfg) -> GenerationBackend:
     """The sampling engine `generation.backend` names, loaded from `model.path`."""
+    dtype = cfg.generation.engine_dtype(cfg.model.bf16)
     if cfg.generation.backend == "vllm":
         from .vllm_backend import VLLMBackend
-        return VLLMBackend(cfg.model.path, cfg.generation.vllm, bf16=cfg.model.bf16,
+        return VLLMBackend(cfg.model.path, cfg.generation.vllm, dtype=dtype,
                            max_model_len=cfg.prompt_length + cfg.response_length)
     import torch
     from .backend import HFBackend
-    return HFBackend(cfg.model.path, cfg.model.device, torch.bfloat16 if cfg.model.bf16 else torch.float32)
+    return HFBackend(cfg.model.path, cfg.model.device, getattr(torch, dtype))
 
 
 def serve(cfg, backend=None) -> GrpcService:

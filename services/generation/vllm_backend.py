@@ -97,7 +97,7 @@ class VLLMBackend:
     continuous_batching = True  # the server hands it calls as they come (no batching window)
     partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
 
-    def __init__(self, model_path: str, vcfg, bf16: bool = False, max_model_len: int | None = None):
+    def __init__(self, model_path: str, vcfg, dtype: str = "float32", max_model_len: int | None = None):
         tp = vcfg.tensor_parallel_size
         self.inprocess = tp == 1
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.inprocess else "1")
@@ -117,7 +117,6 @@ class VLLMBackend:
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         self.vocab_size = hf_config.vocab_size
         self._specs = hf_parameter_specs(hf_config)
-        dtype = vcfg.dtype if vcfg.dtype != "auto" else ("bfloat16" if bf16 else "float32")
         args = EngineArgs(
             model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=vcfg.seed,
             max_model_len=vcfg.max_model_len or max_model_len, tensor_parallel_size=tp,

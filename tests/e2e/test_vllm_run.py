@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 
 def test_distributed_run_with_vllm_generation_learns(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    sets = [f"model.path={tiny_model_dir}", "generation.backend=vllm", "generation.vllm.dtype=float32",
+    sets = [f"model.path={tiny_model_dir}", "generation.backend=vllm", "generation.dtype=float32",
             "generation.vllm.enforce_eager=true", "generation.vllm.cpu_kvcache_space_gb=1",
             "run.iterations=60", "run.eval_interval=30", "run.checkpoint_interval=0", "rollout_is=true"]
     cmd = [sys.executable, "-m", "services.cli", "up", "-c", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir)]

@@ -2,6 +2,7 @@
 for its group, the KV cache copied to its samples, finished rows dropped from the batch, and the
 sampled tokens' log-probs kept step by step. Checked against transformers' `generate` (greedy) and
 against a full forward of every sampled sequence without any cache (sampling)."""
+import pytest
 import torch
 
 from services.common.padding import pad_left
@@ -115,3 +116,22 @@ def test_bf16_engine_takes_float32_pushes(tiny_model_dir):
     c = [c[0].token_ids for c in b16.generate(prompts, params).completions]
     same = sum(x == y for r, s in zip(a, c) for x, y in zip(r, s))
     assert same >= 0.5 * sum(len(r) for r in a)
+
+
+@pytest.mark.parametrize("dtype,expect", [("auto", "bfloat16"), ("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_sampler_dtype_apart_from_the_learners(tiny_model_dir, dtype, expect):
+    """generation.dtype sets the sampler's dtype; auto follows model.bf16. Under model.bf16 a
+    float32 sampler is what follows the policy's small steps (docs/speed.md)."""
+    from services.common.config import config_from_dict
+    from services.generation.server import make_backend
+    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu", "bf16": True},
+                            "generation": {"dtype": dtype}})
+    backend = make_backend(cfg)
+    assert backend.info()["dtype"] == expect
+    assert next(backend.model.parameters()).dtype == getattr(torch, expect)
+
+
+def test_the_old_vllm_dtype_key_says_where_it_went():
+    from services.common.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match="generation.vllm.dtype is now generation.dtype"):
+        config_from_dict({"generation": {"vllm": {"dtype": "float32"}}})

@@ -24,12 +24,12 @@ from tests.grpc_helpers import TOKEN, expect_code, restream, on_free_ports
 
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 # vLLM's CPU build: float32 (the learner's dtype), no graph capture, a small KV cache
-VLLM_CPU = {"dtype": "float32", "enforce_eager": True, "cpu_kvcache_space_gb": 1}
+VLLM_CPU = {"enforce_eager": True, "cpu_kvcache_space_gb": 1}
 
 
 def backend_cfg(cfg, backend: str, **generation):
     return config_from_dict({**cfg.model_dump(), "generation": {
-        **cfg.generation.model_dump(), "backend": backend, "vllm": VLLM_CPU, **generation}})
+        **cfg.generation.model_dump(), "backend": backend, "dtype": "float32", "vllm": VLLM_CPU, **generation}})
 
 
 class Served:

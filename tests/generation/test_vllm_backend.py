@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vllm
 def vllm_backend(tiny_model_dir):
     from services.generation.vllm_backend import VLLMBackend
     b = VLLMBackend(tiny_model_dir, config_from_dict({"generation": {"vllm": VLLM_CPU}}).generation.vllm,
-                    max_model_len=64)
+                    dtype="float32", max_model_len=64)
     yield b
     b.close()
 
