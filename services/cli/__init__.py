@@ -240,9 +240,10 @@ def cmd_train_rm(args) -> int:
 
 def cmd_eval(args) -> int:
     cfg = _load(args)
-    problem = source_problem(cfg.data.eval)
+    key, source = ("data.eval", cfg.data.eval) if cfg.data.eval is not None else ("data.train", cfg.data.train)
+    problem = source_problem(source)
     if problem:
-        return _error(f"data.eval: {problem}")
+        return _error(f"{key}: {problem}")
     from .eval_model import main_eval
     try:
         return main_eval(cfg, args)

@@ -28,7 +28,7 @@ from ..common.modeling import check_model_dir
 from ..common.types import SamplingParams
 from ..generation.backend import HFBackend
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
-from ..training.data import config_prompts
+from ..training.data import config_prompts, held_out_source
 from ..training.evaluate import generate_and_score, summarize, write_rows
 
 
@@ -103,7 +103,7 @@ def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n:
         backend = load_policy(path, cfg.model.path, cfg.model.device)
         if prompts is None:
             prompts = config_prompts(cfg, "eval", backend.tokenizer)
-            say(f"{len(prompts)} prompts from {cfg.data.eval}, {n} sample(s) each"
+            say(f"{len(prompts)} prompts from {held_out_source(cfg)}, {n} sample(s) each"
                 + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}"))
 
         def progress(done: int, total: int, name=name) -> None:
@@ -115,7 +115,7 @@ def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n:
         write_rows(out / f"{name}.jsonl", rows)
         results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
         del backend
-    summary: dict = {"data": cfg.data.eval, "n": n, "temperature": params.temperature,
+    summary: dict = {"data": held_out_source(cfg), "n": n, "temperature": params.temperature,
                      "reward": rule or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
                      **results}
     if baseline is not None:

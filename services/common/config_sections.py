@@ -212,8 +212,9 @@ class DataConfig(Strict):
     train: str = Field("synthetic:reverse", description="training prompts: synthetic:TASK (reverse, arithmetic), a "
                        ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
                        "directory)")
-    eval: str = Field("synthetic:reverse", description="held-out prompts, in the forms of data.train; an hf: "
-                      "source without @split reads its eval, test or validation split")
+    eval: Optional[str] = Field(None, description="held-out prompts, in the forms of data.train; an hf: source "
+                                "without @split reads its eval, test or validation split; null = a split of "
+                                "data.train held out of training (a synthetic task: its own held-out prompts)")
     eval_size: int = Field(128, ge=1, description="held-out prompts evaluated (the first N)")
     prompt_key: str = Field("prompt", description="record field with the prompt: a string, or a list of chat "
                             "messages (verl) rendered through the chat template, as are records with 'messages'; "

@@ -22,6 +22,8 @@ from typing import Iterator
 
 from ..common.types import PromptRecord
 
+log = logging.getLogger(__name__)
+
 ALPHABET = "abcdefgh"
 MIN_LEN, MAX_LEN = 3, 5
 
@@ -247,13 +249,51 @@ def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) 
 
 def config_prompts(cfg, split: str, tokenizer) -> list[PromptRecord]:
     """The run's training (`split` "train") or held-out ("eval") prompts as its `data` section
-    says, those longer than `prompt_length` tokens dropped (or an error: `data.overlong`)."""
+    says, those longer than `prompt_length` tokens dropped (or an error: `data.overlong`). With
+    `data.eval` unset, the held-out prompts are a split of `data.train` that training never sees
+    (`split_held_out`); a synthetic task has held-out prompts of its own."""
     d = cfg.data
     held_out = split == "eval"
-    records = load_prompts(d.eval if held_out else d.train, split, tokenizer, d.prompt_key, d.label_key,
-                           limit=d.eval_size if held_out else None, seed=cfg.run.seed, chat_template=d.chat_template,
-                           system_prompt=d.system_prompt, instruction=d.instruction)
+    from_train = d.eval is None and not d.train.startswith("synthetic:")
+    source = d.eval if held_out and d.eval is not None else d.train
+    records = load_prompts(source, "train" if from_train else split, tokenizer, d.prompt_key, d.label_key,
+                           limit=d.eval_size if held_out and not from_train else None, seed=cfg.run.seed,
+                           chat_template=d.chat_template, system_prompt=d.system_prompt, instruction=d.instruction)
+    if from_train:
+        train, held = split_held_out(records, d.eval_size, d.train)
+        if held_out:
+            log.info("data.eval is not set: %d of the %d prompts of %s are held out for evaluation (chosen by a "
+                     "hash of the prompt text) and never trained on", len(held), len(records), d.train)
+        records = held if held_out else train
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
+
+
+def held_out_source(cfg) -> str:
+    """Where the held-out prompts come from, in words: data.eval, or the held-out split of data.train."""
+    d = cfg.data
+    if d.eval is not None or d.train.startswith("synthetic:"):
+        return d.eval or d.train
+    return f"{d.train} (its held-out split)"
+
+
+def split_held_out(records: list[PromptRecord], eval_size: int, source: str = "data.train"
+                   ) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(training, held-out) records of one dataset: the held-out ones are the `eval_size` (at most a
+    fifth of the distinct prompts) whose prompt text hashes lowest, so the split is the same in
+    every run, for every seed and record order; a prompt repeated in the data is held out once, or
+    trained on in every copy."""
+    texts = sorted({r.prompt for r in records}, key=lambda t: (zlib.crc32(t.encode()), t))
+    n = min(eval_size, len(texts) // 5)
+    if n == 0:
+        raise ValueError(f"{source} has {len(texts)} distinct prompts, too few to hold out a fifth for evaluation; "
+                         "set data.eval to a held-out set")
+    held_texts = set(texts[:n])
+    first = {}  # one held-out record per prompt
+    for r in records:
+        if r.prompt in held_texts:
+            first.setdefault(r.prompt, r)
+    held = [first[t] for t in texts[:n]]
+    return [r for r in records if r.prompt not in held_texts], held
 
 
 def drop_overlong(records: list[PromptRecord], tokenizer, prompt_length: int, mode: str = "filter",
@@ -273,7 +313,7 @@ def drop_overlong(records: list[PromptRecord], tokenizer, prompt_length: int, mo
         raise ValueError(f"{msg}; none is left: raise prompt_length")
     if mode == "error":
         raise ValueError(f"{msg}; raise prompt_length, or set data.overlong=filter to drop them")
-    logging.getLogger(__name__).warning("%s; dropped them (data.overlong=filter)", msg)
+    log.warning("%s; dropped them (data.overlong=filter)", msg)
     return kept
 
 
@@ -338,7 +378,8 @@ def data_source_errors(cfg) -> list[str]:
     `up`, `serve learner`), not by every service: a generation server needs no prompt files."""
     errors = []
     for key in ("train", "eval"):
-        problem = source_problem(getattr(cfg.data, key))
+        source = getattr(cfg.data, key)
+        problem = source_problem(source) if source is not None else None
         if problem:
             errors.append(f"data.{key}: {problem}")
     return errors

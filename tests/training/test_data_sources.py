@@ -1,3 +1,4 @@
+import json
 import logging
 import subprocess
 import sys
@@ -108,3 +109,39 @@ def test_drop_overlong_counts_the_tokenizers_tokens(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     recs = _records("abc=", "abcd=")  # the tiny tokenizer adds a BOS token: 5 and 6 tokens
     assert [r.id for r in drop_overlong(recs, tok, 5, "filter")] == ["r0"]
+
+
+def test_data_train_alone_holds_out_a_split_of_it_never_the_synthetic_task(tmp_path, caplog):
+    """A config with data.train and no data.eval evaluates on a split of data.train that training
+    never sees: the same prompts for every seed, repeated prompts on one side, said in the log."""
+    from services.training.data import config_prompts
+    rows = [{"prompt": f"What is {a} + {a + 1}?", "label": str(2 * a + 1)} for a in range(200)]
+    rows += rows[:20]  # repeated prompts (a second copy of some)
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    splits = {}
+    for seed in (0, 1):
+        cfg = config_from_dict({"data": {"train": str(data), "eval_size": 32}, "prompt_length": 512,
+                                "run": {"seed": seed}})
+        with caplog.at_level(logging.INFO, logger="services.training.data"):
+            held = config_prompts(cfg, "eval", _whitespace_tokenizer())
+            train = config_prompts(cfg, "train", _whitespace_tokenizer())
+        splits[seed] = [r.prompt for r in held]
+        assert len(held) == 32 and len(train) == len(rows) - sum(r["prompt"] in splits[seed] for r in rows)
+        assert not {r.prompt for r in held} & {r.prompt for r in train}
+        assert all(r.prompt.startswith("What is") for r in held)  # data.train's, not synthetic:reverse
+    assert splits[0] == splits[1]
+    assert "data.eval is not set: 32 of the 220 prompts" in caplog.text
+
+
+def test_a_dataset_too_small_to_split_says_to_set_data_eval(tmp_path):
+    from services.training.data import config_prompts
+    data = tmp_path / "few.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    cfg = config_from_dict({"data": {"train": str(data)}})
+    with pytest.raises(ValueError, match="too few to hold out a fifth for evaluation; set data.eval"):
+        config_prompts(cfg, "eval", _whitespace_tokenizer())
+
+
+def _whitespace_tokenizer():
+    return lambda text: {"input_ids": text.split()}
