@@ -23,9 +23,9 @@ import sys
 from importlib import import_module
 from pathlib import Path
 
-from ..common.config import ConfigError, dump_config, load_config
-from ..training.data import data_source_errors, source_problem
-from ..training.tracking import tracking_errors
+from ..common.config import ConfigError, config_data, config_from_dict, dump_config
+from ..training.data import source_problem
+from .preflight import preflight_errors, raw_errors
 
 EXIT_CONFIG = 2
 # what a user's machine or config causes (a port in use, an unwritable directory, a missing model
@@ -106,14 +106,20 @@ def flag_overrides(args) -> list[tuple[str, object]]:
     return out
 
 
-def _load(args, data: bool = False):
-    """The validated config: the file, then $RLHF_SET, then --set, then the flags; with `data`, its
-    data sources must exist too, and its trackers be installed (the commands that train)."""
+def _load(args, data: bool = False, sampler: bool = True):
+    """The validated config: the file, then $RLHF_SET, then --set, then the flags; with `data`, the
+    pre-flight checks too (services/cli/preflight.py: data sources, trackers, the reward, and with
+    `sampler` the generation backend), every error of them in one report."""
     if args.config:
         args.config = find_config(args.config)
     try:
-        cfg = load_config(args.config, [*env_overrides(), *args.overrides, *flag_overrides(args)])
-        errors = data_source_errors(cfg) + tracking_errors(cfg) if data else []
+        raw = config_data(args.config, [*env_overrides(), *args.overrides, *flag_overrides(args)])
+        try:
+            cfg = config_from_dict(raw)
+        except ConfigError as e:  # the keys that did validate may still hide a missing file or an unknown rule
+            e.errors += [err for err in raw_errors(raw) if err not in e.errors] if data else []
+            raise
+        errors = preflight_errors(cfg, sampler) if data else []
         if errors:
             raise ConfigError(errors)
         return cfg
@@ -172,6 +178,8 @@ def _bind_problem(what: str, keys: str, host: str, port: int | None) -> str | No
 
 
 def cmd_config_validate(args) -> int:
+    if not args.config:
+        return _error("give a config file (rlhf config validate FILE) or set $RLHF_CONFIG")
     cfg = _load(args, data=True)
     sys.stdout.write(dump_config(cfg))
     return 0
@@ -363,7 +371,7 @@ def cmd_serve(args) -> int:
     problem = _flag_problem(args)
     if problem:
         return _error(problem)
-    cfg = _load(args, data=args.service == "learner")
+    cfg = _load(args, data=args.service == "learner", sampler=False)
     sharded = {"learner": cfg.model, "critic": cfg.critic}.get(args.service)  # where its nproc is
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
         from ..common.sharding.followers import ignore_stop_signals
@@ -408,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="print the resolved config or every error (exit 2)")
-    v.add_argument("config", help="YAML config file")
+    v.add_argument("config", nargs="?", default=os.environ.get("RLHF_CONFIG"),
+                   help="YAML config file (default $RLHF_CONFIG)")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     v.set_defaults(func=cmd_config_validate)
     d = csub.add_parser("describe", help="every config key with its default, choices and meaning")
@@ -512,5 +521,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return int(args.func(args) or 0)
+    from ..reward.functions import RewardFunctionError
+    try:
+        return int(args.func(args) or 0)
+    except RewardFunctionError as e:  # your reward function's own traceback, not ours around it
+        print(f"error: the run stopped: {e}", file=sys.stderr)
+        return 1
 

@@ -9,6 +9,7 @@ the closest valid key; out-of-range values are errors that name the allowed rang
 """
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -169,13 +170,15 @@ def _fields_at(path: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _describe(err: dict) -> str:
+def _describe(err: dict, data: dict | None = None) -> str:
     loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "<root>"
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
+        if close and data is not None:
+            hint += _as_suggested(data, loc, close[0])
         return f"{key}: unknown key{hint}"
     msg = err["msg"]
     if err["type"] == "literal_error":
@@ -185,6 +188,24 @@ def _describe(err: dict) -> str:
     elif "input" in err and err["type"] not in ("missing",):
         msg = f"{msg} (got {err['input']!r})"
     return f"{key}: {msg}"
+
+
+def _as_suggested(data: dict, loc: tuple, name: str) -> str:
+    """What validation says of a misspelt key's value under the key it was probably meant to be
+    (so `gama: 1.5` reports gamma's range in the same run), or ""."""
+    trial = copy.deepcopy(data)
+    node = trial
+    for p in loc[:-1]:
+        node = node[p]
+    if name in node:
+        return ""
+    node[name] = node.pop(loc[-1])
+    try:
+        Config.model_validate(trial)
+    except ValidationError as e:
+        said = [_describe(err) for err in e.errors() if tuple(err["loc"]) == (*loc[:-1], name)]
+        return f" ({said[0]})" if said else ""
+    return ""
 
 
 def _set_path(data: dict, dotted: str, value: Any) -> None:
@@ -224,7 +245,7 @@ def config_from_dict(data: dict | None, overrides: list | None = None) -> Config
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError([_describe(err) for err in e.errors()]) from None
+        raise ConfigError([_describe(err, data) for err in e.errors()]) from None
 
 
 def _yaml_error(e: yaml.YAMLError) -> str:
@@ -257,7 +278,8 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError([f"{p}: not valid YAML: {_yaml_error(e)}"]) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list | None = None) -> Config:
+def config_data(path: str | Path | None = None, overrides: list | None = None) -> dict:
+    """The config file's mapping with `overrides` applied, not validated."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -265,7 +287,13 @@ def load_config(path: str | Path | None = None, overrides: list | None = None) -
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError([f"{p}: the top level must be a mapping"])
         data = loaded or {}
-    return config_from_dict(data, overrides)
+    for key, value in parse_overrides(overrides):
+        _set_path(data, key, value)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list | None = None) -> Config:
+    return config_from_dict(config_data(path, overrides))
 
 
 def dump_config(cfg: Config) -> str:

@@ -1,16 +1,18 @@
 """Rule rewards (verifiers): pure functions of (prompt, response, label, metadata) -> float.
 
-Register your own with `@register_rule("name")`, or point the config at any function by import
-path (`name: "my_pkg.rewards:score"`) with the same signature.
+Register your own with `@register_rule("name")`, or point the config at your function by file
+path or module (`name: "reward.py:score"`, `"my_pkg.rewards:score"`): services/reward/functions.py
+says how, and which signatures it takes (this one, TRL's batched one, verl's compute_score).
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from typing import Callable, Protocol
 
 from rapidfuzz.distance import Levenshtein
+
+from .functions import is_reference, load_function
 
 
 class RuleFn(Protocol):
@@ -28,20 +30,14 @@ def register_rule(name: str) -> Callable[[RuleFn], RuleFn]:
 
 
 def resolve_rule(name: str) -> RuleFn:
-    """A registered rule by name, or a function by `module.path:function`."""
+    """A registered rule by name, or your function by `path/to/file.py:fn` or `module.path:fn`
+    (services/reward/functions.py)."""
     if name in RULES:
         return RULES[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward rule {name!r} cannot be imported: {e}") from None
-        if not callable(fn):
-            raise ValueError(f"reward rule {name!r} is not callable")
-        return fn
+    if is_reference(name):
+        return load_function(name)
     raise ValueError(f"unknown reward rule {name!r}; registered: {', '.join(sorted(RULES))} "
-                     f"(or give 'module.path:function')")
+                     f"(or give 'path/to/file.py:function' or 'module.path:function')")
 
 
 def _need_label(label: str | None, rule: str) -> str:

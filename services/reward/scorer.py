@@ -9,23 +9,25 @@ evaluation's scorer when `reward.eval_rules` sets one apart from the training re
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from ..common.types import RewardSample, ScoreResult, Scorer
-from .rules import resolve_rule
+from .functions import RewardFunction
+from .rules import RULES
 
 
 class RuleScorer:
-    """Weighted sum of rule functions; each rule's value is reported as a component."""
+    """Weighted sum of rule functions, built in or yours (services/reward/functions.py); each rule's
+    value is reported as a component. A rule that raises or returns what is not a finite number
+    is a `RewardFunctionError` with its traceback."""
 
     def __init__(self, rules: Sequence[tuple[str, float, dict]]):
         if not rules:
             raise ValueError("RuleScorer needs at least one rule")
-        self.rules = [(name, weight, kwargs, resolve_rule(name)) for name, weight, kwargs in rules]
+        self.rules = [(weight, RewardFunction.build(name, kwargs, RULES)) for name, weight, kwargs in rules]
 
     @classmethod
     def from_specs(cls, specs) -> "RuleScorer":
@@ -33,17 +35,11 @@ class RuleScorer:
         return cls([(r.name, r.weight, r.kwargs) for r in specs])
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
-        out = []
-        for s in samples:
-            comps = {}
-            total = 0.0
-            for name, weight, kwargs, fn in self.rules:
-                v = float(fn(s.prompt, s.response, s.label, s.metadata, **kwargs))
-                if not math.isfinite(v):
-                    raise ValueError(f"reward rule {name!r} returned {v} for a sample")
-                comps[name] = v
-                total += weight * v
-            out.append(ScoreResult(total, comps))
+        out = [ScoreResult(0.0, {}) for _ in samples]
+        for weight, rule in self.rules:
+            for res, v in zip(out, rule(samples)):
+                res.components[rule.name] = v
+                res.reward += weight * v
         return out
 
 

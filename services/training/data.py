@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..common.types import PromptRecord
+from ..reward.functions import STRUCTURED_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,21 @@ def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key
     rid = str(record.get("id", default_id))
     if prompt is None:
         raise ValueError(f"record {rid}: its prompt is null")
+    metadata = {k: v for k, v in record.items() if k not in used | {"id"}}
+    if isinstance(label, (dict, list)):  # kept as stored for functions that take it so (reward/functions.py)
+        metadata[STRUCTURED_LABEL] = label
     return PromptRecord(id=rid, prompt=render_prompt(prompt if isinstance(prompt, list) else str(prompt), tokenizer,
                                                      chat_template, system_prompt, instruction),
-                        label=None if label is None else str(label),
-                        metadata={k: v for k, v in record.items() if k not in used | {"id"}})
+                        label=None if label is None else label_text(label), metadata=metadata)
+
+
+def label_text(label) -> str:
+    """A label as the string rules compare: itself, a number as written, a structure as JSON."""
+    if isinstance(label, str):
+        return label
+    if isinstance(label, (dict, list)):
+        return json.dumps(label, ensure_ascii=False, default=str)
+    return str(label)
 
 
 def _from_datasets(source: str, split: str, limit: int | None) -> list[tuple[str, dict]]:

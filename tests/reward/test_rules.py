@@ -1,5 +1,6 @@
 import pytest
 
+from services.reward.functions import RewardFunctionError
 from services.reward.rules import RULES, resolve_rule
 from services.common.types import RewardSample
 from services.reward.scorer import CombinedScorer, RuleScorer
@@ -39,7 +40,7 @@ def test_rule_scorer_weights_and_components():
 
 def test_non_finite_rule_is_an_error():
     s = RuleScorer([("tests.reward.test_rules:_nan_rule", 1.0, {})])
-    with pytest.raises(ValueError, match="returned nan"):
+    with pytest.raises(RewardFunctionError, match="returned nan"):
         s.score([RewardSample("p", "r")])
 
 
