@@ -131,7 +131,8 @@ def test_train_local_with_a_function_by_path_and_one_that_raises(user_dir, tiny_
     (user_dir / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = [sys.executable, "-m", "services.cli", "train", "--local", "-c", str(ROOT / "configs" / "tiny-cpu.yaml"),
             "--set", f"model.path={tiny_model_dir}", "--set", "data.train=p.jsonl", "--set", "data.eval=null",
-            "--set", "data.eval_size=2", "--set", "run.iterations=1", "--set", "rollout_batch_size=4", "--set", "ppo_mini_batch_size=4"]
+            "--set", "data.eval_size=2", "--set", "run.iterations=1", "--set", "rollout_batch_size=4",
+            "--set", "ppo_mini_batch_size=4"]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run(base + ["--run-dir", "ok", "--set", "reward.rules=[{name: rewards.py:score}]"],
                         capture_output=True, text=True, env=env)
