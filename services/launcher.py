@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from .common.lifecycle import EXIT_RUN_FAILED
 from .common.modeling import check_model_dir
 from .common.rpc import health
 
@@ -321,6 +322,10 @@ class Launcher:
                 return 0
             if self.stopping.is_set():
                 return None
+            if code == EXIT_RUN_FAILED:
+                print(f"error: {name} stopped the run (the run cannot go on). Last lines of {c.log_path}:\n"
+                      f"{tail(c.log_path, 40)}", flush=True)
+                return code
             if c.restart_due is None and c.restarts >= self.args.max_restarts:
                 print(f"error: {name} exited with code {code}; stopping the run. Last lines of {c.log_path}:\n"
                       f"{tail(c.log_path)}", flush=True)

@@ -21,6 +21,15 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
+# the exit code of a service that found the run cannot go on, so that restarting it would not help
+# (a user's reward function raised): `rlhf up` stops the run at once, showing its log
+EXIT_RUN_FAILED = 3
+
+
+class RunFailed(RuntimeError):
+    """Raised in a service when the run cannot go on (a user's reward function raised): its
+    process exits with EXIT_RUN_FAILED, and `rlhf up` stops the run."""
+
 class Service:
     """Base of every service's handle. Subclasses implement `start`, `run`, `drain`, `stop`."""
 
@@ -123,4 +132,8 @@ def run_service(svc: Service, out=None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     with svc:
         print(listening_line(svc), file=out, flush=True)
-        return svc.run()
+        try:
+            return svc.run()
+        except RunFailed as e:
+            log.error("%s: the run cannot go on:\n%s", svc.name, e)
+            return EXIT_RUN_FAILED

@@ -27,6 +27,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ..training.data import config_prompts
+from ..common.lifecycle import RunFailed
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..training.runlog import RunLog
@@ -368,6 +369,8 @@ class LearnerLoop(TrainingLoop):
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the reward function raised
+                    raise RunFailed(e.details()) from None
                 log.warning("eval on %s failed (%s: %s); skipping it", target.address, e.code().name, e.details())
                 skip[target.address] = time.time() + self.cfg.replay.heartbeat_ttl_s
                 self.stop_event.wait(self.cfg.rpc.retry_backoff_s)

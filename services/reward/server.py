@@ -21,16 +21,18 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 
 from ..common.lifecycle import GrpcService
 from ..common.modeling import load_tokenizer
-from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
+from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Unavailable
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCServer, batch_size_histogram
 from ..common.types import RewardSample
+from .functions import RewardFunctionError
 from .http_scorer import api_scorers
 from .metrics import CountRequests, HTTPMetrics, RewardAPIMetrics
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 65536
 MAX_METADATA_CHARS = 64 * 1024
+MAX_ERROR_CHARS = 4000  # of a failed reward function's message and traceback, in the status details
 SLICE_SAMPLES = 512  # a round of the HTTP scorer's default requests (64 x 8 in parallel)
 SLICE_CHARS = 1 << 20
 
@@ -106,6 +108,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                 raise DeadlineExceeded(f"deadline passed after {len(results)} of {len(samples)} samples scored")
             try:
                 results.extend(scorer.score(part))
+            except RewardFunctionError as e:  # the user's function raised: the run must stop (the worker does)
+                log.error("%s", e)
+                raise FailedPrecondition(str(e)[-MAX_ERROR_CHARS:]) from None
             except ValueError as e:  # a rule's own complaint about its input (e.g. a missing label)
                 raise BadRequest(str(e)) from None
         _check_scores(results)

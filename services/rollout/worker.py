@@ -44,7 +44,7 @@ import uuid
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..common.lifecycle import Service
+from ..common.lifecycle import EXIT_RUN_FAILED, Service
 from ..common.metrics import labelled, register_process_metrics
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
@@ -101,6 +101,11 @@ class WorkerMetrics:
     def error(self, kind: str):
         """The `rlhf_rollout_errors_total` child of `kind`."""
         return self.errors.labels(self.SERVICE, kind)
+
+
+class RewardFunctionFailed(RuntimeError):
+    """The reward server answered FAILED_PRECONDITION: the user's reward function raised (the
+    details hold its traceback). Not the prompt's fault, and no retry mends it."""
 
 
 class _Tagged:
@@ -212,6 +217,7 @@ class RolloutWorker:
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self.produced = 0
+        self.failure: str | None = None  # why the run cannot go on (the reward function failed)
         self.last_heartbeat = time.monotonic()
 
     def _waiting(self, msg: str | None) -> None:
@@ -283,6 +289,8 @@ class RolloutWorker:
                 return None
             except grpc.RpcError as e:
                 source = getattr(e, "service", "generation")
+                if source == "reward" and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise RewardFunctionFailed(e.details()) from None  # the user's function raised
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (
                         source != "generation" or (e.details() or "").startswith("prompts[")):
                     raise ValueError(e.details()) from None  # about a prompt: isolate it
@@ -326,6 +334,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         try:
             result = self._sample(entries, score_retries)
+        except RewardFunctionFailed as e:  # a bug in the user's code: no prompt is to blame, the run stops
+            log.error("the reward function failed; this worker stops, and `rlhf up` stops the run (the prompts "
+                      "stay pending):\n%s", e)
+            self.failure = str(e)
+            self.stop_event.set()
+            return 0, "pending"
         except ValueError as e:  # the request itself is bad: isolate the prompts that cause it
             if len(entries) > 1:
                 return sum(self._process([e1], score_retries)[0] for e1 in entries), "scored"
@@ -494,7 +508,7 @@ class RolloutService(Service):
 
     def run(self) -> int:
         self.worker.run()
-        return 0
+        return EXIT_RUN_FAILED if self.worker.failure else 0
 
     def drain(self) -> None:
         if self.worker is not None:

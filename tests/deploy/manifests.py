@@ -28,7 +28,7 @@ COMPONENTS = ("keda", "hpa", "servicemonitor")
 # every overlay alone, with each component, and with each autoscaler plus monitoring (keda and hpa
 # both drive the rollout Deployment's replicas: they are never combined)
 COMPONENT_SETS = ((), ("keda",), ("hpa",), ("servicemonitor",), ("keda", "servicemonitor"), ("hpa", "servicemonitor"))
-VARIANTS = tuple("+".join((o,) + c) for o in OVERLAYS for c in COMPONENT_SETS)
+VARIANTS = tuple("+".join((o,) + c) for o in OVERLAYS for c in COMPONENT_SETS) + ("my-code",)  # your code, on cpu-tiny
 CRD_KINDS = {"ScaledObject", "TriggerAuthentication", "ServiceMonitor"}
 # what the tests put into base/secrets.env of their copy of the tree
 SECRETS = {"RLHF_AUTH_TOKEN": "test-token-0123456789", "RLHF_REDIS_PASSWORD": 'test-"redis"\\password'}

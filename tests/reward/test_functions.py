@@ -143,3 +143,25 @@ def test_train_local_with_a_function_by_path_and_one_that_raises(user_dir, tiny_
     assert bad.returncode == 1
     assert "error: the run stopped: reward function 'rewards.py:boom' raised ZeroDivisionError" in bad.stderr
     assert "return a / b" in bad.stderr  # the user's traceback, as it is
+
+
+def test_up_with_a_function_by_path_and_one_that_raises(user_dir, tiny_model_dir):
+    """Under `rlhf up` the reward service imports the file from the directory `up` ran in; a
+    function that raises stops the run (the worker exits, `up` stops everything), with its
+    traceback in the output, instead of dead-lettering prompts one by one."""
+    import os
+    base = [sys.executable, "-m", "services.cli", "up", "-c", str(ROOT / "configs" / "tiny-cpu.yaml"),
+            "--set", f"model.path={tiny_model_dir}", "--set", "run.iterations=1", "--set", "rollout_batch_size=4",
+            "--set", "ppo_mini_batch_size=4", "--set", "data.eval_size=4", "--set", "run.eval_interval=0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run(base + ["--run-dir", "ok", "--set", "reward.rules=[{name: rewards.py:score}]"],
+                        capture_output=True, text=True, env=env, timeout=900)
+    assert ok.returncode == 0, (ok.stdout[-3000:], ok.stderr[-3000:])
+    bad = subprocess.run(base + ["--run-dir", "bad", "--set", "reward.rules=[{name: rewards.py:boom}]"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    out = bad.stdout + bad.stderr
+    assert bad.returncode == 3, out[-3000:]
+    assert "rollout-0 stopped the run" in out or "stopped the run" in out
+    assert "reward function 'rewards.py:boom' raised ZeroDivisionError" in out and "return a / b" in out
+    assert not (user_dir / "bad" / "metrics.jsonl").exists() or "ppo/pg_loss" not in \
+        (user_dir / "bad" / "metrics.jsonl").read_text()  # nothing was trained on

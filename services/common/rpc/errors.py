@@ -13,5 +13,10 @@ class ResourceExhausted(Exception):
     """A request that would cost more than the server allows (tokens x samples); RESOURCE_EXHAUSTED."""
 
 
+class FailedPrecondition(Exception):
+    """The server's own configured code failed on this input (a user's reward function raised);
+    FAILED_PRECONDITION: repeating the call will not help, the run must stop (its details say why)."""
+
+
 class DeadlineExceeded(Exception):
     """The caller's deadline passed while the work was running; DEADLINE_EXCEEDED."""

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..metrics import register_process_metrics
-from .errors import BadRequest, DeadlineExceeded, ResourceExhausted, Unavailable
+from .errors import BadRequest, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
 from .metrics_http import metrics_token, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ STATUS_OF = (
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     ((RecursionError, OverflowError), grpc.StatusCode.INVALID_ARGUMENT),
 )
 _MAPPED = tuple(c for classes, _ in STATUS_OF for c in (classes if isinstance(classes, tuple) else (classes,)))
