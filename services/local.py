@@ -16,6 +16,7 @@ import torch
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
+from .learner.checkpoint import Checkpointer, finished_run
 from .learner.ppo_step import PolicyTrainer, ptx_examples_for
 from .reward.scorer import build_eval_scorer, build_scorer
 from .rollout.step import sample_groups
@@ -63,8 +64,54 @@ class BackendSink:
         return {"time/push_s": time.perf_counter() - t0}
 
 
+class LocalState:
+    """What `rlhf train --local` keeps in each checkpoint beside the policy (checkpoints/iter_N/, a
+    Hugging Face directory) to go on from it: `learner.pt` (the learner's state with its optimiser,
+    the prompt sampler's place, the loop's counters, the RNG) and `critic/` (weights, optimiser)."""
+
+    def __init__(self, learner, critic, sampler: EpochSampler):
+        self.learner, self.critic, self.sampler = learner, critic, sampler
+
+    def write(self, path: Path, loop_state: dict) -> None:
+        if self.critic is not None:
+            self.critic.save(path / "critic")
+        tmp = path / "learner.pt.tmp"
+        torch.save({"learner": self.learner.state_dict(), "sampler": self.sampler.state_dict(), "loop": loop_state,
+                    "torch_rng": torch.get_rng_state()}, tmp)
+        tmp.replace(path / "learner.pt")  # written last: a checkpoint with learner.pt is complete
+
+    def read(self, path: Path) -> dict:
+        """Restore the learner, the critic and the sampler from the checkpoint `path`; the loop's state."""
+        if not (path / "learner.pt").is_file():
+            raise FileNotFoundError(f"{path} is no complete checkpoint of `rlhf train --local` (learner.pt missing)")
+        state = torch.load(path / "learner.pt", weights_only=False)
+        self.learner.load_state_dict(state["learner"])
+        if self.critic is not None:
+            self.critic.load(path / "critic")
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        return state["loop"]
+
+
+def resume_point(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint a local run goes on from: run.resume_from when set, else the newest complete
+    one in the run directory (None: a fresh start)."""
+    if cfg.run.resume_from:
+        path = Path(cfg.run.resume_from).expanduser()
+        if not (path / "learner.pt").is_file():
+            raise FileNotFoundError(f"run.resume_from: {path} is no complete checkpoint (learner.pt missing); "
+                                    f"checkpoints are {run_dir}/checkpoints/iter_N")
+        return path
+    return Checkpointer(run_dir, store=None).latest()
+
+
 def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     run_dir = Path(run_dir or cfg.run.run_dir)
+    done = finished_run(run_dir, cfg.run.iterations)
+    if done is not None and not cfg.run.resume_from:
+        log.info("run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
+                 run_dir, done.get("iterations"))
+        return done
     torch.manual_seed(cfg.run.seed)
     schedule = Schedule(cfg.run)
     backend = make_backend(cfg)
@@ -82,9 +129,15 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
     def held_out_eval() -> dict:
         return evaluate(held_out, backend, eval_scorer, tokenizer, eval_params, proxy)
 
+    state = LocalState(learner, critic, sampler)
     loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, InProcessSource(cfg, sampler, backend, scorer,
                                                                                   tokenizer, critic),
-                        BackendSink(backend), held_out_eval, logger=log)
-    loop.begin(RunLog(run_dir, cfg, mode="local"))
-    it, _ = loop.iterate(schedule)
+                        BackendSink(backend), held_out_eval, logger=log, keep_state=state.write)
+    start = resume_point(cfg, run_dir)
+    if start is not None:
+        loop.load_loop_state(state.read(start))
+        backend.update_weights(learner.policy_state_dict(), learner.version)
+        log.info("resumed from %s (iteration %d)", start, loop.iteration)
+    loop.begin(RunLog(run_dir, cfg, mode="local", resume_from=loop.iteration if start is not None else None))
+    it, _ = loop.iterate(schedule, loop.iteration)
     return loop.finish(it, time.time() - schedule.t_start, run_dir / "final_critic")

@@ -408,6 +408,17 @@ def cmd_up(args) -> int:
         return _error(e)
 
 
+RESUME_HELP = """resume and branch:
+  the same command with the same --run-dir goes on from the run's newest checkpoint
+  (checkpoints/iter_N, every run.checkpoint_interval iterations); its metrics rows continue.
+  A finished run goes on when run.iterations is raised.
+  --set run.resume_from=RUN/checkpoints/iter_N   go on from that checkpoint (train --local)
+  --set model.path=RUN/final --set model.reference_path=SFT_MODEL
+                                                 a new run from an earlier run's policy, with
+                                                 the original model kept as the KL reference
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="Microservice PPO for language models")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -433,10 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init_model)
 
-    p = sub.add_parser("train", help="train with PPO")
+    p = sub.add_parser("train", help="train with PPO", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=RESUME_HELP)
     _add_config_args(p)
     p.add_argument("--local", action="store_true", help="run every part in this process")
-    p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go")
+    p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go; an existing run directory "
+                   "goes on from its newest checkpoint")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="generate on held-out prompts with any model directory, score, compare")
@@ -496,9 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--appendfsync", choices=["everysec", "always", "no"], default="everysec")
     p.set_defaults(func=cmd_redis)
 
-    p = sub.add_parser("up", help="run the whole system on localhost: embedded Redis and every service")
+    p = sub.add_parser("up", help="run the whole system on localhost: embedded Redis and every service",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RESUME_HELP)
     _add_config_args(p)
-    p.add_argument("--run-dir", help="where metrics, checkpoints, logs and the Redis data go")
+    p.add_argument("--run-dir", help="where metrics, checkpoints, logs and the Redis data go; an existing run "
+                   "directory goes on from its newest checkpoint")
     p.add_argument("--workers", type=int, default=1, help="rollout workers (default 1)")
     p.add_argument("--generation-servers", type=int, default=1, help="generation servers (default 1)")
     p.add_argument("--max-restarts", type=int, default=3,

@@ -29,6 +29,10 @@ class ModelConfig(Strict):
     device: str = Field("auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...")
     bf16: bool = Field(False, description="train in bfloat16 autocast (master weights, optimiser state and the "
                        "log-prob head stay float32); generation.dtype auto samples in bfloat16 too")
+    reference_path: Optional[str] = Field(None, description="the KL reference (ref_model 'sft'): this model "
+                                          "instead of model.path as loaded; set it to the original SFT model when "
+                                          "model.path is an earlier run's final/ (a branch), or the reference moves "
+                                          "with the policy")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
                                          "memory, more compute")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
@@ -247,6 +251,9 @@ class RunConfig(Strict):
     checkpoint_interval: int = Field(10, ge=0, description="checkpoint every N iterations (and at the end and "
                                      "on SIGTERM); the learner service acknowledges trained trajectories "
                                      "at each checkpoint; 0 = only at the end")
+    resume_from: Optional[str] = Field(None, description="`rlhf train --local`: go on from this checkpoint "
+                                       "(RUN_DIR/checkpoints/iter_N) instead of the run directory's newest; null = "
+                                       "the newest, or a fresh start when there is none")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept under checkpoints/ (the newest); older "
                                   "ones are deleted as new ones are written")
     save_best: bool = Field(True, description="keep the policy of the best held-out evaluation so far as a Hugging "

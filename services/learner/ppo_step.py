@@ -105,8 +105,14 @@ class PolicyTrainer:
         return load_causal_lm(self.cfg.model.path, self.device)
 
     def _reference(self) -> torch.nn.Module | None:
-        """The frozen reference model, if the KL terms need one: a copy of the policy as loaded
-        (with LoRA none: the reference is the base with the adapters off)."""
+        """The frozen reference model, if the KL terms need one: `model.reference_path` when set (a
+        run branched from another's policy keeps the original SFT model), else a copy of the policy
+        as loaded (with LoRA none: the reference is the base with the adapters off)."""
+        if self.needs_ref and self.cfg.model.reference_path:
+            if self.lora:
+                raise ValueError("model.reference_path with LoRA: the reference is the base model with the adapters "
+                                 "off; leave model.reference_path unset")
+            return load_causal_lm(self.cfg.model.reference_path, self.device).eval().requires_grad_(False)
         if self.needs_ref and not self.lora:
             return copy.deepcopy(self.policy).eval().requires_grad_(False)
         return None

@@ -39,14 +39,17 @@ class ShardedPolicyTrainer(PolicyTrainer):
     def _device(self) -> torch.device:
         return self.dist.device  # this process's GPU (LOCAL_RANK) or the CPU
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, path: str | None = None) -> torch.nn.Module:
         """Loaded by rank 0 on the CPU, broadcast into every process's shards on its device."""
-        path = self.cfg.model.path
+        path = path or self.cfg.model.path
         return load_and_shard(lambda: load_causal_lm(path, "cpu"), lambda: empty_causal_lm(path), self.dist)
 
     def _reference(self) -> torch.nn.Module | None:
-        """Loaded and sharded as the policy, after it: one full copy on the host at a time."""
-        return self._load_model().eval().requires_grad_(False) if self.needs_ref else None
+        """Loaded and sharded as the policy, after it (model.reference_path when set): one full copy
+        on the host at a time."""
+        if not self.needs_ref:
+            return None
+        return self._load_model(self.cfg.model.reference_path).eval().requires_grad_(False)
 
     # ---------------------------------------------------------------- the processes
     # each rank runs its share of a batch's rows; a step equals the one-process step

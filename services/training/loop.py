@@ -72,13 +72,16 @@ class TrainingLoop:
     stop_event = None  # a threading.Event that ends the loop after the iteration it is in
 
     def __init__(self, cfg, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
-                 evaluate: Callable[[], dict] | None = None, logger: logging.Logger | None = None):
-        """`logger`: where the loop's warnings go (the entry point's, so its lines name it)."""
+                 evaluate: Callable[[], dict] | None = None, logger: logging.Logger | None = None,
+                 keep_state: Callable[[Path, dict], None] | None = None):
+        """`logger`: where the loop's warnings go (the entry point's, so its lines name it);
+        `keep_state(dir, loop_state)`: writes what else a checkpoint needs to resume from, beside the
+        policy the loop writes in `dir`."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.log = logger or log
         self.learner, self.critic, self.tokenizer = learner, critic, tokenizer
         self.source, self.sink = source, sink
-        self._evaluate = evaluate
+        self._evaluate, self._keep_state = evaluate, keep_state
         self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
         self.iteration = 0
         self.baseline: float | None = None
@@ -96,12 +99,26 @@ class TrainingLoop:
 
     def checkpoint(self, iteration: int, tick: Tick) -> None:
         """The policy alone, as a Hugging Face directory under checkpoints/ (the last one is
-        `final/`); the newest run.keep_checkpoints are kept."""
-        if not tick.last:
+        `final/`); the newest run.keep_checkpoints are kept. With `keep_state` (a resumable run),
+        the last iteration is checkpointed too: a later run with more iterations goes on from it."""
+        if not tick.last or self._keep_state is not None:
             root = self.run_dir / "checkpoints"
-            self.learner.save_policy(root / f"iter_{iteration:06d}", self.tokenizer)
+            path = root / f"iter_{iteration:06d}"
+            self.learner.save_policy(path, self.tokenizer)
+            if self._keep_state is not None:
+                self._keep_state(path, self.loop_state())
             for old in sorted(root.glob("iter_*"))[:-self.cfg.run.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def loop_state(self) -> dict:
+        """The loop's own state, what a resumed run restores with `load_loop_state`."""
+        return {"iteration": self.iteration, "baseline": self.baseline, "last": dict(self.last),
+                "watch": self.watch.state_dict()}
+
+    def load_loop_state(self, state: dict) -> None:
+        self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
+        self.last = dict(state["last"])
+        self.watch.load_state_dict(state["watch"])
 
     def observe(self, metrics: dict) -> None:
         pass

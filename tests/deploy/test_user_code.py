@@ -29,7 +29,8 @@ def test_the_my_code_overlay_ships_your_files_to_every_service(k8s_tree, tmp_pat
     assert len(workloads) == 5
     for w in workloads:
         spec = w["spec"]["template"]["spec"]
-        volume = next(v["name"] for v in spec["volumes"] if v.get("configMap", {}).get("name") == config["metadata"]["name"])
+        volume = next(v["name"] for v in spec["volumes"]
+                      if v.get("configMap", {}).get("name") == config["metadata"]["name"])
         mounts = [vm for c in spec["containers"] for vm in c.get("volumeMounts", []) if vm["name"] == volume]
         assert [vm["mountPath"] for vm in mounts] == ["/etc/rlhf"], w["metadata"]["name"]
 
