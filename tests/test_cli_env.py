@@ -72,6 +72,12 @@ def test_rlhf_set_and_rlhf_config_come_from_the_environment():
     assert out["prompt_length"] == 11
     bad = _validate("configs/tiny-cpu.yaml", env={"RLHF_SET": "no_such_key=1"})
     assert bad.returncode == 2 and "no_such_key" in bad.stderr
+    # a value with spaces, quoted as in a shell
+    out = yaml.safe_load(_validate("configs/tiny-cpu.yaml", env={
+        "RLHF_SET": 'prompt_length=11 data.instruction="Think step by step." run.iterations=5'}).stdout)
+    assert out["data"]["instruction"] == "Think step by step." and out["run"]["iterations"] == 5
+    unclosed = _validate("configs/tiny-cpu.yaml", env={"RLHF_SET": 'data.instruction="Think'})
+    assert unclosed.returncode == 2 and "$RLHF_SET: No closing quotation" in unclosed.stderr
 
 
 def test_without_rlhf_config_the_config_file_is_required():

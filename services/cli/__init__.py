@@ -18,6 +18,7 @@ import argparse
 import errno
 import logging
 import os
+import shlex
 import socket
 import sys
 from importlib import import_module
@@ -55,9 +56,15 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def env_overrides() -> list[str]:
-    """KEY=VALUE overrides from $RLHF_SET (one per line, or separated by spaces), applied before the
-    command line's --set: how Compose and Kubernetes give every service the same addresses."""
-    return [o for o in os.environ.get("RLHF_SET", "").split() if o]
+    """KEY=VALUE overrides from $RLHF_SET (one per line, or separated by spaces; quoted as in a shell
+    where a value holds a space: data.instruction="Think step by step."), applied before the command
+    line's --set: how Compose and Kubernetes give every service the same addresses."""
+    text = os.environ.get("RLHF_SET", "")
+    try:
+        return [o for o in shlex.split(text) if o]
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError([f"$RLHF_SET: {e} in {text!r}; quote a value that holds spaces or quotes as a shell "
+                           "would"]) from None
 
 
 def find_config(name: str, search_path: str | None = None) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..common.config import Config
-from ..common.modeling import check_model_dir
+from ..common.modeling import check_model_dir, save_model_dir
 from ..common.types import SamplingParams
 from ..generation.backend import HFBackend
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
@@ -63,8 +63,7 @@ def export_policy(path: str, base: str, out: Path) -> None:
     """The policy in `path` (any kind `load_policy` reads) written to `out` as a Hugging Face
     model directory (weights, config, tokenizer)."""
     backend = load_policy(path, base, "cpu")
-    backend.model.save_pretrained(str(out))
-    backend.tokenizer.save_pretrained(str(out))
+    save_model_dir(backend.model, out, backend.tokenizer)
 
 
 def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:

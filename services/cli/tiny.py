@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..common.modeling import ModelCard, save_model_dir
 from ..training.data import reverse_task, sft_examples
-from ..common.modeling import ModelCard
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ def init_tiny_model(out: str | Path, warm_start_steps: int = 100, seed: int = 0)
     model = build_model(len(tok), seed)
     records = reverse_task("train", seed=seed)
     losses = sft_train(model, tok, sft_examples(tok, records), warm_start_steps, seed=seed)
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
+    save_model_dir(model, out, tok)
     ModelCard(task="synthetic:reverse", vocab_size=len(tok), warm_start_steps=warm_start_steps,
               notes={"final_sft_loss": losses[-1] if losses else None,
                      "parameters": sum(p.numel() for p in model.parameters()),

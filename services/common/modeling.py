@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -103,6 +104,21 @@ def load_tokenizer(path: str | Path):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def save_model_dir(model, path: str | Path, tokenizer=None, **kwargs) -> None:
+    """`model` (and `tokenizer`) as a Hugging Face directory at `path`, every file readable as the
+    umask allows: safetensors writes its file 0600 (through a temporary file), which other users
+    and containers running as another uid could not read. `kwargs` go to `save_pretrained`."""
+    path = Path(path)
+    model.save_pretrained(str(path), **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in path.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
@@ -330,7 +346,7 @@ class ValueModel(nn.Module):
     def save_pretrained(self, path: str | Path) -> None:
         from safetensors.torch import save_file
         Path(path).mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(str(path))
+        save_model_dir(self.backbone, path)
         save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()},
                   str(Path(path) / "value_head.safetensors"))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.modeling import TokenBatch, ValueModel
+from ..common.modeling import TokenBatch, ValueModel, save_model_dir
 from ..common.sharding.group import micro_batches
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import (full_state_dict, load_full_optimizer, quiet_single_process,
@@ -98,7 +98,7 @@ class ShardedCritic(Critic):
     def _write_model(self, path: Path, state: dict) -> None:
         from safetensors.torch import save_file
         backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
-        self.model.backbone.save_pretrained(str(path), state_dict=backbone)
+        save_model_dir(self.model.backbone, path, state_dict=backbone)
         head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
         save_file(head, str(path / "value_head.safetensors"))
 

@@ -29,7 +29,7 @@ from ..training.data import sft_examples
 from ..common.sharding.group import micro_batches
 from ..weights.hostcopy import to_host
 from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
-                               resolve_device)
+                               resolve_device, save_model_dir)
 from ..common.types import Rollout
 from ..ppo import RunningMeanStd, make_kl_controller
 from ..ppo.objective import ObjectiveSettings
@@ -184,9 +184,7 @@ class PolicyTrainer:
         if self.lora:  # the merged model, and the adapter itself in adapter/ (what PEFT loads)
             self.policy.save_pretrained(str(path / ADAPTER_DIR))
             model = copy.deepcopy(self.policy).merge_and_unload()
-        model.save_pretrained(str(path))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(path))
+        save_model_dir(model, path, tokenizer)
 
     def state_dict(self) -> dict:
         """The learner's state. A sharded learner leaves the actor and its optimiser state out:

@@ -19,7 +19,7 @@ import torch
 from ..common.sharding.group import Dist, micro_batches
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
-from ..common.modeling import empty_causal_lm, load_causal_lm
+from ..common.modeling import empty_causal_lm, load_causal_lm, save_model_dir
 from ..common.types import Rollout
 from .ppo_step import PolicyTrainer
 from ..weights.hostcopy import to_host
@@ -82,9 +82,7 @@ class ShardedPolicyTrainer(PolicyTrainer):
         path = Path(path)
         state = full_state_dict(self.policy)
         if self.dist.main:
-            self.policy.save_pretrained(str(path), state_dict=state)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(path))
+            save_model_dir(self.policy, path, tokenizer, state_dict=state)
 
     def _actor_state(self) -> dict:
         return {}  # `save_actor` writes the actor and its optimiser state, each process its shards

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common.config import Config
-from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device
+from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device, save_model_dir
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,7 @@ class RewardModel:
         if self.lora:
             self.model, self.lora = self.model.merge_and_unload(), False
         self.model.config.use_cache = True
-        self.model.save_pretrained(out, safe_serialization=True)
-        self.tokenizer.save_pretrained(out)
+        save_model_dir(self.model, out, self.tokenizer)
 
 
 def token_length(tokenizer, text: str) -> int:

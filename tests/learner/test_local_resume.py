@@ -72,3 +72,19 @@ def test_a_branch_keeps_the_reference_it_is_told(tiny_model_dir, tmp_path):
     assert torch.equal(dict(kept.ref.named_parameters())[name], w)  # the SFT model, as told
     assert not torch.equal(dict(moved.ref.named_parameters())[name], w)  # unset: it moved with the policy
     assert torch.equal(dict(kept.policy.named_parameters())[name], dict(moved.policy.named_parameters())[name])
+
+
+def test_saved_model_files_are_readable_as_the_umask_allows(tiny_model_dir, tmp_path):
+    """final/model.safetensors was written 0600 (safetensors' temporary file): other users, and
+    containers running as another uid, could not read the run's policy."""
+    import stat
+    from services.common.config import config_from_dict
+    from services.learner.ppo_step import PolicyTrainer
+    old = os.umask(0o022)
+    try:
+        trainer = PolicyTrainer(config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}}))
+        trainer.save_policy(tmp_path / "p")
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "p").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
