@@ -133,7 +133,12 @@ def follower_main(cfg) -> int:
 def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
     """The critic service: loads the value model `critic` describes (or uses `critic`), restores the
     newest complete checkpoint under `root` (default: `run.run_dir`), then binds `rpc.critic`'s
-    ports and serves gRPC."""
+    ports and serves gRPC. A config without a critic (adv_estimator grpo, rloo, ...: only gae uses
+    one) gets an idle server: healthy, loading no model, answering no Critic call (UNIMPLEMENTED), so
+    a deployment that always starts the critic (Docker Compose, Kubernetes) spends no memory on it."""
+    if critic is None and not cfg.needs_critic:
+        return GrpcService("critic", lambda: _idle(cfg))
+
     def build():
         c = critic
         if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
@@ -153,3 +158,13 @@ def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
         from ..common.sharding.followers import release_followers
         return server, servicer, [servicer.compute.close, lambda: release_followers(c)]
     return GrpcService("critic", build)
+
+
+def _idle(cfg):
+    """The critic server of a run that uses no critic: health SERVING, no model, no Critic service."""
+    log.info("adv_estimator %s uses no critic: this critic server stays idle (no model loaded)", cfg.adv_estimator)
+    ep = cfg.rpc.critic
+    server = RPCServer("critic", cfg.rpc, ep.port, ep.metrics_port, host=ep.host)
+    server.start()
+    server.set_ready(True)
+    return server, None, []

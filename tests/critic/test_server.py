@@ -194,3 +194,17 @@ def test_a_restarted_critic_resumes_from_the_newest_complete_checkpoint(cfg, tmp
     with serve(on_free_ports(cfg, "critic"), root=tmp_path / "empty") as svc:
         info = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).info()
         assert (info.step, info.loaded_from) == (0, "")
+
+
+def test_a_run_without_a_critic_gets_an_idle_critic_server(cfg, tmp_path):
+    """adv_estimator grpo uses no critic: the critic server Docker Compose and Kubernetes always
+    start is healthy but loads no model (here: none exists) and answers no Critic call."""
+    from services.common.rpc import health
+    idle = on_free_ports(cfg, "critic").model_copy(update={"adv_estimator": "grpo"})
+    idle.model.path = str(tmp_path / "no-model")
+    with serve(idle, root=tmp_path / "run") as svc:
+        address = f"127.0.0.1:{svc.server.port}"
+        assert health.check(address, "rlhf.v1.Critic", tls_ca=None)
+        c = CriticClient(address, idle.rpc)
+        expect_code(lambda: c.values(_batch()), grpc.StatusCode.UNIMPLEMENTED)
+        c.close()
