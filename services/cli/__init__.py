@@ -84,7 +84,7 @@ def find_config(name: str, search_path: str | None = None) -> str:
 
 def flag_overrides(args) -> list[tuple[str, object]]:
     """The command line's flags as the config keys they set (each flag is a shorthand for one
-    `--set`; README "Setting a value"), applied after $RLHF_SET and --set, before validation."""
+    `--set`; docs/your-model.md "Setting a value"), applied after $RLHF_SET and --set, before validation."""
     out: list[tuple[str, object]] = []
     if getattr(args, "run_dir", None):
         out.append(("run.run_dir", args.run_dir))
@@ -439,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     v.set_defaults(func=cmd_config_validate)
     d = csub.add_parser("describe", help="every config key with its default, choices and meaning")
-    d.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
+    d.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md's)")
     d.set_defaults(func=cmd_config_describe)
 
     p = sub.add_parser("init-model", help="build the tiny default model and tokenizer offline, or import a "

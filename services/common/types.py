@@ -14,6 +14,9 @@ if TYPE_CHECKING:  # annotations only
     from .modeling import TokenBatch
 
 
+STRUCTURED_LABEL = "ground_truth"  # the metadata field of a label stored as a structure (a dict or list)
+
+
 @dataclass
 class PromptRecord:
     """One prompt of a dataset: its id, the rendered text, an optional label (the reference answer

@@ -25,7 +25,7 @@ FIXED_AGG_MODES = {"gspo": "seq-mean-token-mean"}
 
 @dataclass(frozen=True)
 class ObjectiveSettings:
-    """The config's keys the objective reads (see the PPO table in the README)."""
+    """The config's keys the objective reads (see the PPO table in docs/algorithms.md)."""
     policy_loss: str = "vanilla"
     clip_low: float = 0.2
     clip_high: float = 0.2

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from ..common.types import RewardSample
+from ..common.types import STRUCTURED_LABEL, RewardSample
 
 Kind = Literal["sample", "batched", "verl"]
-STRUCTURED_LABEL = "ground_truth"  # the metadata field that holds a label stored as a structure
 
 
 class RewardFunctionError(RuntimeError):

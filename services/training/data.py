@@ -20,8 +20,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from ..common.types import PromptRecord
-from ..reward.functions import STRUCTURED_LABEL
+from ..common.types import STRUCTURED_LABEL, PromptRecord
 
 log = logging.getLogger(__name__)
 

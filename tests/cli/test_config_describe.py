@@ -1,15 +1,12 @@
-from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 import pytest
 from pydantic import BaseModel
 
-from services.cli import config_docs
 from services.common.config import Config
-from services.cli.config_docs import TABLE_END, TABLE_START, describe_config, readme_with_config_table
+from services.cli.config_docs import describe_config
 
-ROOT = Path(__file__).resolve().parents[2]
-REGENERATE = "run `.venv/bin/python -m services.cli.config_docs --readme` to regenerate it"
+# the generated configuration reference page (docs/configuration.md) is checked in tests/docs
 
 
 def _models(model: type[BaseModel]) -> list[type[BaseModel]]:
@@ -93,18 +90,3 @@ def test_text_format_is_an_aligned_table():
     with pytest.raises(ValueError, match="markdown, text"):
         describe_config("html")
 
-
-def test_readme_table_is_the_generated_one():
-    text = (ROOT / "README.md").read_text()
-    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1, \
-        f"README.md lacks the table markers; {REGENERATE}"
-    block = text.split(TABLE_START)[1].split(TABLE_END)[0]
-    assert block == "\n" + describe_config("markdown"), f"README.md's configuration table is out of date; {REGENERATE}"
-    assert config_docs.README == ROOT / "README.md"
-
-
-def test_readme_with_config_table_replaces_only_the_block():
-    text = f"intro\n{TABLE_START}\n| old |\n{TABLE_END}\nrest\n"
-    assert readme_with_config_table(text) == f"intro\n{TABLE_START}\n{describe_config('markdown')}{TABLE_END}\nrest\n"
-    with pytest.raises(ValueError, match="config-table"):
-        readme_with_config_table("no markers")

@@ -1,6 +1,6 @@
 """Weight copies between a GPU and the host (services/weights/hostcopy.py). The CPU cases run
-everywhere; the CUDA cases need a GPU (CI has none: they ran on a lent H100, see the README's
-GPU measurements)."""
+everywhere; the CUDA cases need a GPU (CI has none: they ran on a lent H100, see
+docs/measurements.md)."""
 import mmap
 import os
 
