@@ -278,18 +278,59 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError([f"{p}: not valid YAML: {_yaml_error(e)}"]) from None
 
 
+# where `base: NAME` finds a preset by name, after the file's own directory and $RLHF_CONFIG_PATH
+PRESETS = Path(__file__).resolve().parents[2] / "configs"
+
+
 def config_data(path: str | Path | None = None, overrides: list | None = None) -> dict:
-    """The config file's mapping with `overrides` applied, not validated."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        loaded = _read_yaml(p)
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError([f"{p}: the top level must be a mapping"])
-        data = loaded or {}
+    """The config file's mapping (layered on its `base:`, if it names one) with `overrides`
+    applied, not validated."""
+    data = _file_data(Path(path), ()) if path is not None else {}
     for key, value in parse_overrides(overrides):
         _set_path(data, key, value)
     return data
+
+
+def _file_data(p: Path, seen: tuple[Path, ...]) -> dict:
+    """One file's mapping; with `base: NAME` (a preset such as smollm2-cpu, or a path relative to
+    the file), the base's mapping with this file's keys layered over it: sections merge key by key,
+    everything else (lists included) is replaced."""
+    loaded = _read_yaml(p)
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping"])
+    data = dict(loaded or {})
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError([f"{p}: base: give a preset name (e.g. smollm2-cpu) or a config file path"])
+    found = find_base(base, p.parent)
+    if found is None:
+        names = ", ".join(sorted(q.stem for q in PRESETS.glob("*.yaml")))
+        raise ConfigError([f"{p}: base: {base!r} is no file here and no preset; presets: {names}"])
+    if found.resolve() in seen or found.resolve() == p.resolve():
+        raise ConfigError([f"{p}: base: {base!r} leads back to itself"])
+    return _layered(_file_data(found, (*seen, p.resolve())), data)
+
+
+def find_base(name: str, beside: Path) -> Path | None:
+    """A `base:` config: `name` as a path (from the file's directory), or NAME.yaml in the file's
+    directory, in $RLHF_CONFIG_PATH's directories, or among the presets (configs/)."""
+    import os
+    direct = Path(name).expanduser()
+    direct = direct if direct.is_absolute() else beside / direct
+    if direct.is_file():
+        return direct
+    file = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    dirs = [beside, *map(Path, filter(None, os.environ.get("RLHF_CONFIG_PATH", "").split(os.pathsep))), PRESETS]
+    return next((d / file for d in dirs if (d / file).is_file()), None)
+
+
+def _layered(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _layered(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list | None = None) -> Config:

@@ -8,6 +8,7 @@ import yaml
 from services.common.config import Config, ConfigError, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+PRESETS = ROOT / "configs"
 SEED_DEFAULTS = {
     "rollout_batch_size": 512, "prompt_length": 2048, "response_length": 4096, "adv_estimator": "gae",
     "num_return_sequences_in_group": 1, "ppo_epochs": 1, "use_kl_loss": True, "kl_loss_coef": 0.001,
@@ -95,3 +96,27 @@ def test_cli_validate_errors_exit_2(tmp_path):
     assert "did you mean 'gamma'" in r.stderr and "gamma:" in r.stderr and "loss_agg_mode" in r.stderr
     r = _cli("config", "validate", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "no such config file" in r.stderr
+
+
+def test_a_config_layered_on_a_preset_with_base(tmp_path, monkeypatch):
+    """`base: smollm2-cpu` starts from the preset; the file's sections merge key by key, lists are
+    replaced; a base may be a path from the file's directory, and may have a base of its own."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text(
+        "base: smollm2-cpu\nmodel: {bf16: true}\nreward:\n  rules:\n    - {name: exact_match}\nrun: {iterations: 5}\n")
+    cfg = load_config(tmp_path / "mine.yaml")
+    preset = load_config(PRESETS / "smollm2-cpu.yaml")
+    assert cfg.model.bf16 is True and cfg.model.path == preset.model.path  # merged into the section
+    assert cfg.run.iterations == 5 and cfg.run.eval_interval == preset.run.eval_interval
+    assert [r.name for r in cfg.reward.rules] == ["exact_match"]  # the list replaced, not appended
+    assert cfg.rollout_batch_size == preset.rollout_batch_size == 16
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.yaml").write_text("base: ../mine.yaml\nrun: {iterations: 7}\n")
+    child = load_config(tmp_path / "sub" / "child.yaml")
+    assert child.run.iterations == 7 and child.model.bf16 is True and child.rollout_batch_size == 16
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="leads back to itself"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "none.yaml").write_text("base: smollm9\n")
+    with pytest.raises(ConfigError, match="'smollm9' is no file here and no preset; presets: .*smollm2-cpu"):
+        load_config(tmp_path / "none.yaml")
