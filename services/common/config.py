@@ -310,7 +310,13 @@ def _file_data(p: Path, seen: tuple[Path, ...]) -> dict:
         raise ConfigError([f"{p}: base: {base!r} is no file here and no preset; presets: {names}"])
     if found.resolve() in seen or found.resolve() == p.resolve():
         raise ConfigError([f"{p}: base: {base!r} leads back to itself"])
-    return _layered(_file_data(found, (*seen, p.resolve())), data)
+    under = _file_data(found, (*seen, p.resolve()))
+    mine = data.get("data") if isinstance(data.get("data"), dict) else {}
+    if "train" in mine and "eval" not in mine and isinstance(under.get("data"), dict):
+        # the base's held-out prompts belong to the base's training prompts: with prompts of your
+        # own and none held out, a split of yours is (never the preset's task)
+        under = {**under, "data": {k: v for k, v in under["data"].items() if k != "eval"}}
+    return _layered(under, data)
 
 
 def find_base(name: str, beside: Path) -> Path | None:

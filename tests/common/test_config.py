@@ -110,6 +110,10 @@ def test_a_config_layered_on_a_preset_with_base(tmp_path, monkeypatch):
     assert cfg.run.iterations == 5 and cfg.run.eval_interval == preset.run.eval_interval
     assert [r.name for r in cfg.reward.rules] == ["exact_match"]  # the list replaced, not appended
     assert cfg.rollout_batch_size == preset.rollout_batch_size == 16
+    assert cfg.data.eval == preset.data.eval == "synthetic:arithmetic"
+    # your own training prompts without held-out ones: a split of yours, not the preset's task
+    (tmp_path / "data.yaml").write_text("base: smollm2-cpu\ndata: {train: mine.jsonl}\n")
+    assert load_config(tmp_path / "data.yaml").data.eval is None
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "child.yaml").write_text("base: ../mine.yaml\nrun: {iterations: 7}\n")
     child = load_config(tmp_path / "sub" / "child.yaml")
