@@ -159,3 +159,20 @@ def test_a_server_beyond_loopback_refuses_placeholder_and_short_secrets(token, r
                        cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "RLHF_REDIS_PASSWORD": token})
     assert p.returncode == 2 and "RLHF_REDIS_PASSWORD" in p.stderr and refused in p.stderr, p.stderr
+
+
+def test_a_backend_not_installed_here_is_a_note_for_validate_and_an_error_for_train(tmp_path):
+    """`config validate` often runs away from the GPU box the config is for: vLLM missing here is a
+    note; `train --local` would sample here, so it is an error naming generation.backend."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this Python")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    sets = ["--set", "generation.backend=vllm"]
+    v = subprocess.run([sys.executable, "-m", "services.cli", "config", "validate", "configs/tiny-cpu.yaml", *sets],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert v.returncode == 0 and "note: generation.backend: vllm is not installed" in v.stderr, v.stderr
+    t = subprocess.run([sys.executable, "-m", "services.cli", "train", "--local", "-c", "configs/tiny-cpu.yaml", *sets,
+                        "--run-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert t.returncode == 2 and "generation.backend: vllm is not installed" in t.stderr, t.stderr

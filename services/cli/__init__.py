@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..common.config import ConfigError, config_data, config_from_dict, dump_config
 from ..training.data import source_problem
-from .preflight import preflight_errors, raw_errors
+from .preflight import backend_errors, preflight_errors, raw_errors
 
 EXIT_CONFIG = 2
 # what a user's machine or config causes (a port in use, an unwritable directory, a missing model
@@ -113,7 +113,7 @@ def flag_overrides(args) -> list[tuple[str, object]]:
     return out
 
 
-def _load(args, data: bool = False, sampler: bool = True):
+def _load(args, data: bool = False, sampler: bool = False):
     """The validated config: the file, then $RLHF_SET, then --set, then the flags; with `data`, the
     pre-flight checks too (services/cli/preflight.py: data sources, trackers, the reward, and with
     `sampler` the generation backend), every error of them in one report."""
@@ -187,7 +187,9 @@ def _bind_problem(what: str, keys: str, host: str, port: int | None) -> str | No
 def cmd_config_validate(args) -> int:
     if not args.config:
         return _error("give a config file (rlhf config validate FILE) or set $RLHF_CONFIG")
-    cfg = _load(args, data=True)
+    cfg = _load(args, data=True)  # no sampler check: a config is often checked away from where it runs
+    for note in backend_errors(cfg):
+        print(f"note: {note} (the generation servers need it where they run)", file=sys.stderr)
     sys.stdout.write(dump_config(cfg))
     return 0
 
@@ -267,7 +269,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_make_prefs(args) -> int:
-    cfg = _load(args, data=True)
+    cfg = _load(args, data=True, sampler=True)
     from .eval_model import make_preferences
     try:
         make_preferences(cfg, Path(args.out), args.n, args.temperature, args.limit, args.min_gap,
@@ -289,7 +291,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_train(args) -> int:
-    cfg = _load(args, data=True)
+    cfg = _load(args, data=True, sampler=True)
     if not args.local:
         print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer",
               file=sys.stderr)
@@ -378,7 +380,7 @@ def cmd_serve(args) -> int:
     problem = _flag_problem(args)
     if problem:
         return _error(problem)
-    cfg = _load(args, data=args.service == "learner", sampler=False)
+    cfg = _load(args, data=args.service == "learner")
     sharded = {"learner": cfg.model, "critic": cfg.critic}.get(args.service)  # where its nproc is
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
         from ..common.sharding.followers import ignore_stop_signals
@@ -404,7 +406,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_up(args) -> int:
-    cfg = _load(args, data=True)
+    cfg = _load(args, data=True, sampler=True)
     problem = _run_dir_problem(cfg.run.run_dir)
     if problem:
         return _error(problem)

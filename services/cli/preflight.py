@@ -5,7 +5,9 @@ of `train`, `up`) reports every mistake it can find, each naming its key:
     trackers         W&B installed when asked for (training/tracking.py:tracking_errors)
     reward           rule names, your functions' files, modules and signatures, rule kwargs;
                      the reward model's path, the reward API's URL (reward_errors)
-    sampler          the generation backend is installed here (backend_errors)
+    sampler          the generation backend is installed here (backend_errors): the commands that
+                     sample in this process (`train --local`, `up`, `make-prefs`); `config validate`
+                     says it as a note, since a config is often checked away from where it runs
 
 A config that does not validate gets what can still be checked of its raw keys (raw_errors).
 """

@@ -80,7 +80,8 @@ def test_a_run_keeps_its_generations_its_best_policy_and_its_newest_checkpoints(
     for it, score in evals.items():
         rows = [json.loads(x) for x in (root / "generations" / f"iter_{it:06d}.jsonl").read_text().splitlines()]
         assert len(rows) == 32 and sum(r["reward"] for r in rows) / 32 == pytest.approx(score, abs=1e-12)
-    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["iter_000004", "iter_000005"]
+    # the newest two (the last iteration's too: a later run with more iterations goes on from it)
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["iter_000005", "iter_000006"]
     trained = {it: s for it, s in evals.items() if it > 0}
     if max(trained.values()) <= evals[0]:  # no iteration beat the base policy: nothing to keep
         assert not (root / "best").exists()
