@@ -299,7 +299,7 @@ def split_held_out(records: list[PromptRecord], eval_size: int, source: str = "d
         raise ValueError(f"{source} has {len(texts)} distinct prompts, too few to hold out a fifth for evaluation; "
                          "set data.eval to a held-out set")
     held_texts = set(texts[:n])
-    first = {}  # one held-out record per prompt
+    first: dict[str, PromptRecord] = {}  # one held-out record per prompt
     for r in records:
         if r.prompt in held_texts:
             first.setdefault(r.prompt, r)
