@@ -17,7 +17,7 @@ import importlib.util
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..common.config import Config, RewardConfig
+from ..common.config import Config, RewardConfig, RuleSpec
 from ..reward.functions import rule_errors
 from ..reward.rules import RULES
 from ..training.data import data_source_errors, source_problem
@@ -82,10 +82,5 @@ def raw_errors(data: dict) -> list[str]:
             kwargs = r.get("kwargs") or {} if isinstance(r, dict) else {}
             if isinstance(name, str) and isinstance(kwargs, dict):
                 errors += [e.replace("reward.rules[0].", f"reward.{key}[{i}].")
-                           for e in rule_errors([_Spec(name, kwargs)], RULES)]
+                           for e in rule_errors([RuleSpec.model_construct(name=name, kwargs=kwargs)], RULES)]
     return errors
-
-
-class _Spec:
-    def __init__(self, name: str, kwargs: dict):
-        self.name, self.kwargs = name, kwargs

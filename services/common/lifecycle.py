@@ -30,6 +30,7 @@ class RunFailed(RuntimeError):
     """Raised in a service when the run cannot go on (a user's reward function raised): its
     process exits with EXIT_RUN_FAILED, and `rlhf up` stops the run."""
 
+
 class Service:
     """Base of every service's handle. Subclasses implement `start`, `run`, `drain`, `stop`."""
 

@@ -149,6 +149,8 @@ class RewardFunction:
     kind: Kind
     kwargs: dict
     builtin: bool = False
+    takes_any: bool = False  # a **kwargs parameter: every column / extra_info is passed
+    params: frozenset = frozenset()  # the parameter names it takes
 
     @classmethod
     def build(cls, name: str, kwargs: dict, builtins: dict[str, Callable]) -> "RewardFunction":
@@ -169,7 +171,16 @@ class RewardFunction:
                 fn("", "0", "0", {}, **kwargs)
             except Exception as e:
                 raise RuleKwargsError(f"reward rule {name!r} with kwargs {kwargs}: {e}") from None
-        return cls(name, fn, kind, dict(kwargs), builtin=name in builtins)
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a builtin or C function
+            params = {}
+        return cls(name, fn, kind, dict(kwargs), builtin=name in builtins, params=frozenset(params),
+                   takes_any=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
+
+    def _takes(self, values: dict) -> dict:
+        """The items of `values` this function takes (all of them with **kwargs)."""
+        return values if self.takes_any else {k: v for k, v in values.items() if k in self.params}
 
     def __call__(self, samples: Sequence[RewardSample]) -> list[float]:
         try:
@@ -204,15 +215,13 @@ class RewardFunction:
         if self.kind == "sample":
             return [self.fn(s.prompt, s.response, s.label, s.metadata, **self.kwargs) for s in samples]
         if self.kind == "batched":
-            sig = inspect.signature(self.fn)
             columns = {"label": [stored_label(s) for s in samples]}
             for key in dict.fromkeys(k for s in samples for k in s.metadata):
                 columns.setdefault(key, [s.metadata.get(key) for s in samples])
             return list(self.fn(prompts=[s.prompt for s in samples], completions=[s.response for s in samples],
-                                **_accepted(sig, columns), **self.kwargs))
-        sig = inspect.signature(self.fn)
+                                **self._takes(columns), **self.kwargs))
         return [self.fn(data_source=s.metadata.get("data_source", ""), solution_str=s.response,
-                        ground_truth=stored_label(s), **_accepted(sig, {"extra_info": s.metadata.get("extra_info")}),
+                        ground_truth=stored_label(s), **self._takes({"extra_info": s.metadata.get("extra_info")}),
                         **self.kwargs) for s in samples]
 
 

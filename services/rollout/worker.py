@@ -44,7 +44,7 @@ import uuid
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..common.lifecycle import EXIT_RUN_FAILED, Service
+from ..common.lifecycle import RunFailed, Service
 from ..common.metrics import labelled, register_process_metrics
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
@@ -508,7 +508,9 @@ class RolloutService(Service):
 
     def run(self) -> int:
         self.worker.run()
-        return EXIT_RUN_FAILED if self.worker.failure else 0
+        if self.worker.failure:
+            raise RunFailed(self.worker.failure)  # run_service: exit EXIT_RUN_FAILED
+        return 0
 
     def drain(self) -> None:
         if self.worker is not None:
