@@ -16,6 +16,7 @@ also those inside functions):
   other `common` modules (`config_sections` is used by whoever imports `config`). The
   exceptions, `SHARED_BY_CONTRACT`, say why."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,46 @@ def test_common_holds_only_what_three_packages_use():
     few = {part: sorted(pkgs) for part, pkgs in used.items() if len(pkgs) < 3 and part not in SHARED_BY_CONTRACT}
     assert not few, f"common parts used by fewer than 3 packages (give them an owner): {few}"
     assert all(used[part] for part in SHARED_BY_CONTRACT), "a part shared by contract that no package imports"
+
+
+# what reads another service's (or Redis's) error as text: its message, its gRPC details
+_ERROR_TEXT = re.compile(r"\.details\(\)|\bstr\((e|err|exc|error)\)|\b(e|err|exc|error)\.args\b")
+
+
+def _error_text_decisions(tree: ast.AST) -> list[str]:
+    """`"..." in str(e)`, `e.details() == "..."`, `(e.details() or "").startswith(...)`: code that
+    decides on an error's wording."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq))
+                                                 for op in node.ops):
+            if any(_ERROR_TEXT.search(ast.unparse(side)) for side in (node.left, *node.comparators)):
+                found.append(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and _ERROR_TEXT.search(ast.unparse(node.func.value))):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_behaviour_keyed_on_an_errors_wording():
+    """Contracts between services are data: a caller acts on the status code and the error
+    details' `Reason` (services/common/rpc/errors.py), Redis's error code (`redis_error_code`),
+    never on a message that a reworded sentence would silently change."""
+    assert _error_text_decisions(ast.parse('if "NOGROUP" in str(e): pass\n'
+                                           'ok = (e.details() or "").startswith("prompts[")'))  # it sees them
+    bad = {}
+    for path in (ROOT / "services").rglob("*.py"):
+        if "/gen/" not in str(path):
+            found = _error_text_decisions(ast.parse(path.read_text()))
+            if found:
+                bad[_module_name(path)] = found
+    assert not bad, bad
+
+
+def test_every_reason_a_service_acts_on_is_pinned_by_a_test():
+    """Each `Reason` appears in a test outside this file (a server that must send it, or a caller
+    that must act on it)."""
+    from services.common.rpc.errors import Reason
+    texts = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != "test_structure.py")
+    unpinned = [r.name for r in Reason if f"Reason.{r.name}" not in texts]
+    assert not unpinned, unpinned

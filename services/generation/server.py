@@ -20,7 +20,7 @@ from typing import Callable
 
 import grpc
 
-from ..common.rpc.errors import BadRequest, ResourceExhausted
+from ..common.rpc.errors import BadRequest, Reason, ResourceExhausted
 from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
 from ..common.rpc.server import RPCServer
@@ -34,6 +34,12 @@ from .batching import Batcher, ContinuousBatcher, InFlight
 from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
+
+
+def _bad_prompt(field: str, why: str) -> BadRequest:
+    """An error about one prompt of a request (`field` is `prompts[i]...`): it carries
+    `Reason.PROMPT_INVALID` and the field, and the rest of the request is fine."""
+    return BadRequest(f"{field}: {why}", Reason.PROMPT_INVALID, field=field)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -80,22 +86,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = self.tok(p.text)["input_ids"]
         elif kind == "chat":
             if not p.chat.messages:
-                raise BadRequest(f"prompts[{i}].chat.messages: empty")
+                raise _bad_prompt(f"prompts[{i}].chat.messages", "empty")
             try:
                 text = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in p.chat.messages],
                                                     tokenize=False, add_generation_prompt=True)
             except Exception as e:  # the template refuses the conversation (roles out of order, ...)
-                raise BadRequest(f"prompts[{i}].chat: the chat template refused it: {e}") from None
+                raise _bad_prompt(f"prompts[{i}].chat", f"the chat template refused it: {e}") from None
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
         else:
-            raise BadRequest(f"prompts[{i}]: none of tokens, text, chat is set")
+            raise _bad_prompt(f"prompts[{i}]", "none of tokens, text, chat is set")
         if not ids:
-            raise BadRequest(f"prompts[{i}]: empty prompt")
+            raise _bad_prompt(f"prompts[{i}]", "empty prompt")
         if len(ids) > self.cfg.prompt_length:
-            raise BadRequest(f"prompts[{i}]: {len(ids)} tokens, more than prompt_length={self.cfg.prompt_length}")
+            raise _bad_prompt(f"prompts[{i}]", f"{len(ids)} tokens, more than prompt_length={self.cfg.prompt_length}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise BadRequest(f"prompts[{i}].tokens: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            raise _bad_prompt(f"prompts[{i}].tokens",
+                              f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def _params(self, m: gpb.SamplingParams) -> SamplingParams:
@@ -152,8 +159,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return f"{key}:{hashlib.blake2b(request.SerializeToString(deterministic=True), digest_size=16).hexdigest()}"
 
     def _generate(self, request, context=None):
-        """Request-level errors come first and never start with "prompts["; an error about one
-        prompt starts with "prompts[i]" (rollout workers tell the two apart by that prefix).
+        """Request-level errors come first; an error about one prompt carries `Reason.PROMPT_INVALID`
+        and the field `prompts[i]` (rollout workers isolate that prompt; see `_bad_prompt`).
         Without a `context` (an in-process call) the work is never abandoned."""
         if not request.prompts:
             raise BadRequest("prompts: empty batch (0 prompts)")

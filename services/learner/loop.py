@@ -31,6 +31,7 @@ from ..common.lifecycle import RunFailed
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..training.runlog import RunLog
+from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
 from ..training.evaluate import evaluate
@@ -369,7 +370,7 @@ class LearnerLoop(TrainingLoop):
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the reward function raised
+                if reason_of(e) is Reason.REWARD_FUNCTION_FAILED:  # the user's reward function raised
                     raise RunFailed(e.details()) from None
                 log.warning("eval on %s failed (%s: %s); skipping it", target.address, e.code().name, e.details())
                 skip[target.address] = time.time() + self.cfg.replay.heartbeat_ttl_s

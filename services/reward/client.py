@@ -9,13 +9,13 @@ from typing import Sequence
 
 import grpc
 
+from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import RewardSample, ScoreResult
 
 # the start of the details of an UNAVAILABLE that says the user's reward API failed the batch
 # (`http_scorer.RewardAPIFailed`), as opposed to an API that is down or a server restarting
-API_FAILED = "reward API failed"
 
 
 class RewardClient(RPCClient):
@@ -53,7 +53,7 @@ class RewardAPIFailure(RuntimeError):
 
 class APIFailures:
     """A `RewardClient` whose `score` raises `RewardAPIFailure` for an UNAVAILABLE that says the
-    reward API failed the batch (details starting `API_FAILED`); every other error is the
+    reward API failed the batch (`Reason.REWARD_API_FAILED`); every other error is the
     client's. Wrap it in `Retrying` (which then waits only for the server and an API that is down)."""
 
     def __init__(self, client):
@@ -63,7 +63,7 @@ class APIFailures:
         try:
             return self.client.score(samples, held_out=held_out)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and (e.details() or "").startswith(API_FAILED):
+            if reason_of(e) is Reason.REWARD_API_FAILED:
                 raise RewardAPIFailure(e.details()) from None
             raise
 

@@ -49,9 +49,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from ..common.rpc.errors import BadRequest, Unavailable
+from ..common.rpc.errors import BadRequest, Reason, Unavailable
 from ..common.types import RewardSample, ScoreResult
-from .client import API_FAILED  # the start of a RewardAPIFailed's message (and its gRPC details)
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +67,11 @@ class RewardUnavailable(Unavailable):
 
 class RewardAPIFailed(RewardUnavailable):
     """The API failed this batch: every attempt of a request timed out, lost its connection or got
-    5xx/429, or its answer was not rewards. UNAVAILABLE with details starting `API_FAILED`: a
+    5xx/429, or its answer was not rewards. UNAVAILABLE with `Reason.REWARD_API_FAILED`: a
     rollout worker scores the batch again a few times, then drops its groups (and counts them)."""
 
     def __init__(self, message: str):
-        super().__init__(f"{API_FAILED}: {message}")
+        super().__init__(f"reward API failed: {message}", Reason.REWARD_API_FAILED)
 
 
 class RewardRejected(BadRequest):

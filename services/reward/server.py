@@ -21,7 +21,7 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 
 from ..common.lifecycle import GrpcService
 from ..common.modeling import load_tokenizer
-from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Unavailable
+from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Reason, Unavailable
 from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
 from ..common.rpc.server import RPCServer, batch_size_histogram
 from ..common.types import RewardSample
@@ -110,7 +110,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
                 results.extend(scorer.score(part))
             except RewardFunctionError as e:  # the user's function raised: the run must stop (the worker does)
                 log.error("%s", e)
-                raise FailedPrecondition(str(e)[-MAX_ERROR_CHARS:]) from None
+                raise FailedPrecondition(str(e)[-MAX_ERROR_CHARS:], Reason.REWARD_FUNCTION_FAILED) from None
             except ValueError as e:  # a rule's own complaint about its input (e.g. a missing label)
                 raise BadRequest(str(e)) from None
         _check_scores(results)

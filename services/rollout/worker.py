@@ -47,8 +47,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..common.lifecycle import RunFailed, Service
 from ..common.metrics import labelled, register_process_metrics
 from ..common.modeling import load_tokenizer
-from ..common.replay import ReplayStore
+from ..common.replay import ReplayStore, redis_error_code
 from ..common.replay.records import group_to_proto, task_record
+from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
 from .step import sample_groups
@@ -288,11 +289,11 @@ class RolloutWorker:
                 log.error("batch of %d prompts left pending: %s", len(tasks), e)
                 return None
             except grpc.RpcError as e:
-                source = getattr(e, "service", "generation")
-                if source == "reward" and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                source, reason = getattr(e, "service", "generation"), reason_of(e)
+                if reason is Reason.REWARD_FUNCTION_FAILED:
                     raise RewardFunctionFailed(e.details()) from None  # the user's function raised
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (
-                        source != "generation" or (e.details() or "").startswith("prompts[")):
+                        source != "generation" or reason is Reason.PROMPT_INVALID):
                     raise ValueError(e.details()) from None  # about a prompt: isolate it
                 self.metrics.error(e.code().name.lower()).inc()
                 if source != "generation":
@@ -430,7 +431,7 @@ class RolloutWorker:
                 finally:
                     self.metrics.in_flight.dec()
             except Exception as e:  # Redis restarting, a stream reset by a new run, ...
-                if "NOGROUP" in str(e):
+                if redis_error_code(e) == "NOGROUP":
                     self.store.ensure_groups()
                     continue
                 self.metrics.error("loop").inc()

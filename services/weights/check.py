@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 import torch
 
 from ..common.rpc.codec import DTYPE_NAMES, DTYPES
-from ..common.rpc.errors import BadRequest
+from ..common.rpc.errors import BadRequest, Reason
 from ..common.rpc.gen import common_pb2 as pb
 from .protocol import WEIGHT_FORMATS
 
@@ -94,6 +94,7 @@ def check_version(state: Mapping[str, torch.Tensor], specs: Specs, fmt: str | No
 
 
 def check_newer(version: int, serving: int) -> None:
-    """Versions only move forward."""
+    """Versions only move forward: an older or equal one is refused with `Reason.VERSION_NOT_NEWER`."""
     if version <= serving:
-        raise ValueError(f"weight version {version} is not newer than the serving version {serving}")
+        raise BadRequest(f"weights: version {version} is not newer than the serving version {serving}",
+                         Reason.VERSION_NOT_NEWER, field="header.version")

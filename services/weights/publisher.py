@@ -21,6 +21,7 @@ from typing import Callable
 
 import grpc
 
+from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.waits import Counted, wait_failed
 from . import shm
 from .protocol import chunk_bytes
@@ -38,7 +39,7 @@ def _nothing() -> None:
 
 def _newer_already(e: grpc.RpcError) -> bool:
     """The server refused the version as not newer: it pulled it itself a moment ago."""
-    return e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not newer" in (e.details() or "")
+    return reason_of(e) is Reason.VERSION_NOT_NEWER
 
 
 class StreamTransport:

@@ -70,10 +70,7 @@ class WeightReceiver:
         """Check and apply a version the co-located learner wrote into shared memory."""
         if self.probe is None:
             raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
-        try:
-            check_newer(request.header.version, self.backend.version)  # before reading anything
-        except ValueError as e:
-            raise BadRequest(f"weights: {e}") from None
+        check_newer(request.header.version, self.backend.version)  # before reading anything
         return self._apply(lambda: open_shared_weights(str(self.probe.dir), request, self.backend.parameter_specs(),
                                                        self.max_bytes(), self.fence, self.probe.mappings),
                            "shared memory", context=context)

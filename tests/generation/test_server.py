@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import config_from_dict
 from services.common.modeling import build_token_batch, load_causal_lm, response_log_probs
+from services.common.rpc.errors import Reason, details_of, reason_of
 from services.common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
@@ -114,25 +115,39 @@ def test_auth_refused_without_token(server, cfg):
     assert h.status == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.parametrize("req,fragment", [
-    (gpb.GenerateRequest(), "prompts: empty batch"),
+# (request, a fragment of the message, the field of a per-prompt error: Reason.PROMPT_INVALID)
+@pytest.mark.parametrize("req,fragment,field", [
+    (gpb.GenerateRequest(), "prompts: empty batch", None),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))]),
-     "prompts[0].tokens: token id 99999"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, -3]))]), "token id -3"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="a" * 40)]), "more than prompt_length=32"),
+     "prompts[0].tokens: token id 99999", "prompts[0].tokens"),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab="), gpb.Prompt(tokens=gpb.TokenIds(ids=[1, -3]))]),
+     "token id -3", "prompts[1].tokens"),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="a" * 40)]), "more than prompt_length=32", "prompts[0]"),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=9)),
-     "params.n: 9 outside [1, 8]"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=-1)), "params.n"),
+     "params.n: 9 outside [1, 8]", None),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=-1)), "params.n", None),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(temperature=float("nan"))),
-     "params.temperature: nan"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(top_p=1.5)), "params.top_p"),
+     "params.temperature: nan", None),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(top_p=1.5)), "params.top_p",
+     None),
     (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(max_new_tokens=100)),
-     "response_length=8"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt()]), "prompts[0]: none of"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds())]), "prompts[0]: empty prompt"),
+     "response_length=8", None),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt()]), "prompts[0]: none of", "prompts[0]"),
+    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds())]), "prompts[0]: empty prompt", "prompts[0]"),
 ])
-def test_bad_generate_requests_are_invalid_argument_and_server_keeps_serving(client, req, fragment):
-    expect_code(lambda: client.stub.Generate(req, metadata=client.metadata), grpc.StatusCode.INVALID_ARGUMENT, fragment)
+def test_bad_generate_requests_are_invalid_argument_and_server_keeps_serving(client, req, fragment, field):
+    """The reason a rollout worker acts on (isolate one prompt, or avoid the server) is in the
+    status's error details, with the field; the message is for people."""
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Generate(req, metadata=client.metadata)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in e.value.details()
+    details = details_of(e.value)
+    if field is None:
+        assert details.reason is None and not details.violations
+    else:
+        assert details.reason is Reason.PROMPT_INVALID and details.metadata == {}
+        assert [v.field for v in details.violations] == [field] and fragment in details.violations[0].description
+    assert dict(e.value.trailing_metadata()).get("x-request-id")  # still there beside the details
     assert client.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2)).completions
 
 
@@ -184,7 +199,10 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
                 "shape: [7], expected [128]")
     expect_code(lambda: push(_chunks_of({name: torch.zeros(128, dtype=torch.float16)}, v + 1)),
                 grpc.StatusCode.INVALID_ARGUMENT, "dtype: float16, expected float32")
-    expect_code(lambda: push(_chunks_of(noisy, v)), grpc.StatusCode.INVALID_ARGUMENT, "not newer")
+    with pytest.raises(grpc.RpcError) as refused:
+        push(_chunks_of(noisy, v))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(refused.value) is Reason.VERSION_NOT_NEWER  # what a publisher counts as delivered
     expect_code(lambda: push(iter(list(weight_chunks(noisy, v + 1))[:-1])), grpc.StatusCode.INVALID_ARGUMENT,
                 "without a footer")
     assert client.version == v

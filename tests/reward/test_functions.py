@@ -80,6 +80,26 @@ def test_an_exception_inside_is_a_reward_function_error_with_its_traceback(user_
         RewardFunction.build("rewards.py:short", {}, RULES)(SAMPLES)
 
 
+def test_over_grpc_it_is_failed_precondition_with_its_reason(user_dir, tiny_model_dir):
+    """The worker and the learner stop the run on `Reason.REWARD_FUNCTION_FAILED` (not on the
+    message); the details carry the function's traceback for the person reading the log."""
+    import grpc
+
+    from services.common.config import config_from_dict
+    from services.common.rpc.errors import Reason, reason_of
+    from services.reward.client import RewardClient
+    from services.reward.server import serve
+    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"},
+                            "reward": {"type": "rules", "rules": [{"name": "rewards.py:boom"}]},
+                            "rpc": {"reward": {"port": 0, "metrics_port": None, "http_port": None}}})
+    with serve(cfg) as svc:
+        with pytest.raises(grpc.RpcError) as e:
+            RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).score(SAMPLES)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason_of(e.value) is Reason.REWARD_FUNCTION_FAILED
+    assert "return a / b" in e.value.details()
+
+
 def test_a_builtin_rules_complaint_about_a_sample_stays_a_value_error():
     with pytest.raises(ValueError, match="needs a label") as e:
         RewardFunction.build("exact_match", {}, RULES)([RewardSample("p", "r")])

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from services.common.config import config_from_dict
 from services.common.config_sections import RewardConfig
 from services.common.types import RewardSample
+from services.common.rpc.errors import reason_of
 from services.reward.client import APIFailures, RewardAPIFailure, RewardClient
 from services.reward.http_scorer import (HTTPScorer, RewardAPIFailed, RewardRejected, RewardUnavailable,
                                          decorrelated_jitter, public_url, retry_after_s)
@@ -312,6 +313,8 @@ def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, m
         with pytest.raises(grpc.RpcError) as e:
             client.score(SAMPLES)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "circuit open" in e.value.details()
+        assert reason_of(e.value) is None  # down, not a failed batch: callers wait (the 500s above carried
+        # Reason.REWARD_API_FAILED, which is what made them a RewardAPIFailure)
         st = status()
         assert st["state"] == "open" and st["last_error"] == "HTTP 503"
         assert 'rlhf_reward_api_breaker_state{service="reward"} 2.0' in metrics()

@@ -34,6 +34,20 @@ def redis_worst_s(replay_cfg) -> float:
     return (REDIS_RETRIES + 1) * (max(socket_timeout_s(replay_cfg), REDIS_CONNECT_TIMEOUT_S) + REDIS_BACKOFF_CAP_S)
 
 
+PIPELINE_ERROR = " of pipeline caused error: "  # redis-py's annotation of a pipelined command's error
+
+
+def redis_error_code(e: BaseException) -> str | None:
+    """The code of a Redis error reply (`NOGROUP`, `BUSYGROUP`, `WRONGTYPE`, ...): its first word,
+    which RESP defines as the machine-readable kind of the error; None for anything else. (In a
+    pipeline redis-py puts "Command # N (...) of pipeline caused error: " before the reply.)"""
+    if not isinstance(e, redis.ResponseError) or not e.args:
+        return None
+    reply = str(e.args[0]).rsplit(PIPELINE_ERROR, 1)[-1]
+    words = reply.split(maxsplit=1)
+    return words[0] if words and words[0].isupper() else None
+
+
 def connect(replay_cfg, url: str | None = None) -> redis.Redis:
     url = url or replay_cfg.url
     if not url:
@@ -69,14 +83,15 @@ def says_where(fn):
         try:
             return fn(self, *args, **kwargs)
         except (RedisTimeout, RedisConnectionError) as e:
-            where = f"replay store {fn.__name__} on redis {redis_peer(self.r)}"
-            if str(e).startswith("replay store "):  # said by a wrapped method this one called
+            if getattr(e, "where", None):  # said by a wrapped method this one called
                 raise
+            where = f"replay store {fn.__name__} on redis {redis_peer(self.r)}"
             kw = getattr(self.r.connection_pool, "connection_kwargs", {}) or {}
             try:
                 said = type(e)(f"{where}: {e} (socket timeout {kw.get('socket_timeout')} s)")
             except Exception:  # an exception class that takes other arguments: as it was
                 raise e from None
+            said.where = where
             raise said from e
     return inner
 

@@ -27,7 +27,7 @@ from typing import Iterable
 import redis
 
 from ..rpc.gen import replay_pb2 as rpb
-from .connection import RedisPart, says_where_everywhere
+from .connection import RedisPart, redis_error_code, says_where_everywhere
 
 WORKERS_GROUP = "workers"
 LEARNER_GROUP = "learner"
@@ -70,7 +70,7 @@ class ReplayStreams(RedisPart):
             try:
                 self.r.xgroup_create(stream, group, id="0", mkstream=True)
             except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
+                if redis_error_code(e) != "BUSYGROUP":
                     raise
 
     # ------------------------------------------------------------------ prompts (learner -> workers)

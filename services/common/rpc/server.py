@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..metrics import register_process_metrics
-from .errors import BadRequest, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
+from .errors import BadRequest, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable, status_for
 from .metrics_http import metrics_token, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             if builtin and self._first(method, e):
                 log.warning("%s/%s: %s: %s (answered %s; request %s)", self.service, method, type(e).__name__, e,
                             code.name, request_id)
-            context.abort(code, _brief(f"request: {type(e).__name__}: {e}" if builtin else str(e)))
+            message = _brief(f"request: {type(e).__name__}: {e}" if builtin else str(e))
+            # with its reason and fields; aborting with a status replaces the trailing metadata
+            context.abort_with_status(status_for(code, message, e, trailing=(("x-request-id", request_id),)))
         except Exception as e:
             if code == grpc.StatusCode.OK:  # context.abort raises a plain Exception
                 got = getattr(context, "code", lambda: None)()

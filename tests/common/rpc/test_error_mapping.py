@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from services.common.config import config_from_dict
-from services.common.rpc.errors import BadRequest, DeadlineExceeded, ResourceExhausted, Unavailable
+from services.common.rpc.errors import (BadRequest, DeadlineExceeded, ErrorDetails, Reason, ResourceExhausted,
+                                        Unavailable, Violation, details_of, reason_of)
 from services.common.rpc.gen import reward_pb2 as rpb
 from services.common.rpc.server import RPCServer
 
@@ -127,3 +128,55 @@ def test_internal_traceback_is_logged_once_per_method_type_and_line(served, capl
     assert len(logged) == 5
     assert [r.exc_info is not None for r in logged] == [True, False, False, True, False]
     assert "RuntimeError: boom" in logged[1].getMessage() and "traceback logged once" in logged[1].getMessage()
+
+
+def test_a_reason_and_a_field_travel_as_standard_error_details(served):
+    """`google.rpc.ErrorInfo` (the reason, in this system's domain) and `google.rpc.BadRequest`
+    (the field) in the status: what callers act on, whatever the message says; the request id
+    stays in the trailer beside them."""
+    call = served.channel.unary_unary("/test.Echo/Unary", request_serializer=rpb.ScoreRequest.SerializeToString,
+                                      response_deserializer=rpb.ScoreResponse.FromString)
+    served.raise_ = BadRequest("prompts[2]: reworded at will", Reason.PROMPT_INVALID, field="prompts[2]",
+                               metadata={"index": "2"})
+    with pytest.raises(grpc.RpcError) as e:
+        call(rpb.ScoreRequest(), metadata=MD, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "prompts[2]: reworded at will"
+    assert details_of(e.value) == ErrorDetails(Reason.PROMPT_INVALID, {"index": "2"},
+                                               (Violation("prompts[2]", "prompts[2]: reworded at will"),))
+    assert dict(e.value.trailing_metadata())["x-request-id"]
+    served.raise_ = Unavailable("reward API failed: HTTP 500", Reason.REWARD_API_FAILED)
+    with pytest.raises(grpc.RpcError) as e:
+        call(rpb.ScoreRequest(), metadata=MD, timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and reason_of(e.value) is Reason.REWARD_API_FAILED
+    served.raise_ = BadRequest("no reason given")  # a plain error: no details at all
+    with pytest.raises(grpc.RpcError) as e:
+        call(rpb.ScoreRequest(), metadata=MD, timeout=10)
+    assert details_of(e.value) == ErrorDetails()
+    assert details_of(ValueError("PROMPT_INVALID")) == ErrorDetails()  # not a call: nothing to read
+
+
+def test_a_reason_of_another_domain_is_not_ours(served):
+    """An ErrorInfo from another system (a proxy, a different service) with a reason spelled like
+    ours is not taken for ours."""
+    from google.protobuf import any_pb2
+    from google.rpc import error_details_pb2, status_pb2
+    from grpc_status import rpc_status
+
+    def foreign(request, context):
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.ErrorInfo(reason="PROMPT_INVALID", domain="example.com"))
+        context.abort_with_status(rpc_status.to_status(status_pb2.Status(
+            code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="theirs", details=[detail])))
+
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Foreign", {
+        "Unary": grpc.unary_unary_rpc_method_handler(foreign)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                channel.unary_unary("/test.Foreign/Unary")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason_of(e.value) is None
+    finally:
+        server.stop(0)
