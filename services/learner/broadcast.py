@@ -18,9 +18,8 @@ import time
 
 import redis
 
-from ..common.rpc.retry import DependencyUnavailable
 from ..common.rpc.waits import wait_failed
-from ..generation.client import GenerationClient
+from ..generation.client import ServerPool
 from ..weights.protocol import nbytes
 from ..weights.publisher import Publisher
 
@@ -34,12 +33,15 @@ def _nothing() -> None:
 class WeightBroadcaster:
     on_progress = staticmethod(_nothing)  # each server's push answered, each tick of a wait (the learner's heartbeat)
 
-    def __init__(self, cfg, store, learner):
+    def __init__(self, cfg, store, learner, servers: ServerPool | None = None):
+        """`servers`: the pool of generation servers the learner shares (its eval's too); by
+        default one of its own over `store`'s registry."""
         self.cfg, self.store, self.learner = cfg, store, learner
+        self._owns_servers = servers is None
+        self.servers = servers or ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
-        self._clients: dict[str, GenerationClient] = {}
-        self.publisher = Publisher(cfg, self.client, self._registered, on_progress=lambda: self.on_progress())
+        self.publisher = Publisher(cfg, self.servers.client, self._registered, on_progress=lambda: self.on_progress())
 
     @property
     def identity(self) -> tuple[str, int]:
@@ -81,11 +83,6 @@ class WeightBroadcaster:
         self._snap = (version, state, False)
         return state
 
-    def client(self, address: str) -> GenerationClient:
-        if address not in self._clients:
-            self._clients[address] = GenerationClient(address, self.cfg.rpc)
-        return self._clients[address]
-
     # ------------------------------------------------------------------ planning
     def plan(self, address: str, info: dict, partial: bool) -> tuple[str, str]:
         """(payload, transport) for one server: ("full" | "partial", "shm" | "grpc")."""
@@ -126,7 +123,7 @@ class WeightBroadcaster:
         payloads = {"full": full}
         if self._snap[2]:
             payloads["partial"] = self._snap[1]
-        servers = dict(self.store.live("generation"))
+        servers = self.servers.live(fresh=True)
         plan = {a: self.plan(a, info, "partial" in payloads) for a, info in servers.items()}
         ok = self.publisher.deliver(servers, plan, payloads, version) if servers else {}
         self.store.publish_learner(learner_address, version, *self.identity)
@@ -143,22 +140,7 @@ class WeightBroadcaster:
         self.take_snapshot(0)
         self.store.publish_learner(learner_address, 0, *self.identity)
 
-    def serving(self, version: int, timeout_s: float | None, stop_event, avoid: dict | None = None) -> GenerationClient:
-        """A client of a live generation server at `version` or newer (the eval target), except
-        those `avoid` maps to a time still ahead; waits up to `timeout_s` (None = until stopped)."""
-        avoid = avoid if avoid is not None else {}
-        deadline = None if timeout_s is None else time.time() + timeout_s
-        while True:
-            live = [a for a, i in self.store.live("generation").items()
-                    if i.get("version", -1) >= version and avoid.get(a, 0) <= time.time()]
-            if live:
-                return self.client(sorted(live)[0])
-            if (deadline is not None and time.time() > deadline) or stop_event.is_set():
-                raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
-            self.on_progress()  # a wait's tick: waiting for a server, not stuck
-            stop_event.wait(0.2)
-
     def close(self) -> None:
-        for c in self._clients.values():
-            c.close()
         self.publisher.close()
+        if self._owns_servers:
+            self.servers.close()

@@ -37,6 +37,7 @@ from ..common.rpc.server import endpoint_address
 from ..training.evaluate import evaluate
 from ..common.types import Rollout, SamplingParams
 from ..critic.client import CriticClient, OverlappedCritic
+from ..generation.client import ServerPool
 from ..reward.client import HeldOut, RewardClient
 from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
@@ -168,7 +169,9 @@ class LearnerLoop(TrainingLoop):
         self.feeder = PromptFeeder(cfg, self.store, train)
         self.intake = TrajectoryIntake(cfg, self.store, self.feeder)
         self.intake.on_progress = self.heartbeat  # each tick of the wait for trajectories
-        self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner)
+        # the live generation servers: pushed to, and one at the current version for the eval
+        self.servers = ServerPool(lambda: self.store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+        self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner, self.servers)
         self.broadcaster.on_progress = self.heartbeat  # each server's push answered, each tick of a wait
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
@@ -359,10 +362,13 @@ class LearnerLoop(TrainingLoop):
         """Held-out eval through a generation server that serves the current version; one that
         fails is skipped for a while and another (or the same, restarted) one is used."""
         state, self.state = self.state, "evaluating"
-        skip: dict[str, float] = {}
+        version = self.learner.version
         while True:
-            target = self.broadcaster.serving(self.learner.version, self.cfg.rpc.dependency_wait_s, self.stop_event,
-                                              avoid=skip)
+            address = self.servers.wait_for(version, self.cfg.rpc.dependency_wait_s, self.stop_event,
+                                            on_tick=self.heartbeat)  # waiting for a server, not stuck
+            if address is None:
+                raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
+            target = self.servers.client(address)
             try:
                 out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, self.eval_params,
                                proxy=self.reward if self.cfg.reward.eval_rules is not None else None)
@@ -372,8 +378,8 @@ class LearnerLoop(TrainingLoop):
                     raise
                 if reason_of(e) is Reason.REWARD_FUNCTION_FAILED:  # the user's reward function raised
                     raise RunFailed(e.details()) from None
-                log.warning("eval on %s failed (%s: %s); skipping it", target.address, e.code().name, e.details())
-                skip[target.address] = time.time() + self.cfg.replay.heartbeat_ttl_s
+                log.warning("eval on %s failed (%s: %s); skipping it", address, e.code().name, e.details())
+                self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
                 self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
         self.state = state
         return out
@@ -388,3 +394,4 @@ class LearnerLoop(TrainingLoop):
         if self.runlog is not None:
             self.runlog.close()
         self.broadcaster.close()
+        self.servers.close()

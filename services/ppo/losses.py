@@ -94,7 +94,8 @@ def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         raise ValueError("compute_gspo_policy_loss needs cliprange or both cliprange_low and cliprange_high")
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
-    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    # selected, not multiplied: a NaN or -inf at padding would survive `* 0`
+    seq_log_ratio = torch.where(response_mask.bool(), log_ratio, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
     pg_losses1 = -advantages * ratio

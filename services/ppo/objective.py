@@ -59,7 +59,7 @@ def ppo_objective(s: ObjectiveSettings, log_prob: torch.Tensor, entropy: torch.T
     ptx_loss: the PTX/SFT loss of this micro-batch's SFT examples, weighted by `ptx_share`
     (its share of the mini-batch's examples).
     Returns (loss, metrics): each metric is (value, weight), the weight its share of the
-    mini-batch, so weighted means over micro-batches give the mini-batch's value.
+    mini-batch, so the sums of value x weight over the micro-batches give the mini-batch's value.
     """
     norm = norm or AggNorm(mask)
     pg_mode = FIXED_AGG_MODES.get(POLICY_LOSSES.canonical(s.policy_loss), s.loss_agg_mode)

@@ -33,7 +33,6 @@ Failures, by where they come from:
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -55,7 +54,7 @@ from ..common.rpc.server import endpoint_address
 from .step import sample_groups
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
-from ..generation.client import GenerationClient
+from ..generation.client import GenerationClient, ServerPool
 from ..reward.client import APIFailures, RewardAPIFailure, RewardClient
 
 log = logging.getLogger(__name__)
@@ -210,12 +209,8 @@ class RolloutWorker:
         if cfg.needs_critic:
             self.critic = _Tagged(Retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server",
                                            cfg.rpc, self.stop_event, on_wait=self._waiting), "critic")
-        self._clients: dict[str, GenerationClient] = {}
-        self._servers: dict[str, dict] = {}
-        self._servers_at = 0.0
-        self._lagging: dict[str, float] = {}  # server -> until when (on `clock`) to avoid it
-        self.clock = time.monotonic  # the seconds server avoidance is measured in
-        self._rr = itertools.count()
+        # which generation server to call: round robin, at the version if one is, avoiding failures
+        self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self._lock = threading.Lock()
         self.produced = 0
         self.failure: str | None = None  # why the run cannot go on (the reward function failed)
@@ -224,33 +219,6 @@ class RolloutWorker:
     def _waiting(self, msg: str | None) -> None:
         if msg:
             self.metrics.error("waiting").inc()
-
-    # ------------------------------------------------------------------ generation servers
-    def _pick_server(self, min_version: int) -> str | None:
-        """A live generation server, round robin; preferring those the registry shows at
-        `min_version` or newer (the learner updates an entry as soon as its push lands). The
-        response's policy version is the final word."""
-        with self._lock:
-            now = self.clock()
-            for refresh in (now - self._servers_at > self.cfg.replay.heartbeat_s / 2, True):
-                if refresh:
-                    self._servers, self._servers_at = self.store.live("generation"), now
-                usable = sorted(a for a in self._servers if self._lagging.get(a, 0) < now)
-                current = [a for a in usable if self._servers[a].get("version", 0) >= min_version]
-                if current:
-                    break
-            candidates = current or usable
-            if not candidates:
-                return None
-            address = candidates[next(self._rr) % len(candidates)]
-            if address not in self._clients:
-                self._clients[address] = GenerationClient(address, self.cfg.rpc)
-            return address
-
-    def _avoid(self, address: str, seconds: float) -> None:
-        with self._lock:
-            self._lagging[address] = self.clock() + seconds
-            self._servers_at = 0.0  # re-read the registry next time
 
     # ------------------------------------------------------------------ one batch
     def generate_timeout(self, n_prompts: int, params: SamplingParams) -> float:
@@ -274,14 +242,14 @@ class RolloutWorker:
             delay = min(rc.retry_backoff_s * 2 ** attempt, self.cfg.rpc.retry_max_backoff_s)
             if self.stop_event.is_set() and attempt:
                 return None
-            address = self._pick_server(min_version)
+            address = self.servers.pick(min_version)
             if address is None:
                 self.metrics.error("no_generation_server").inc()
                 log.info("no live generation server registered; waiting %.1fs", delay)
                 self.stop_event.wait(delay)
                 continue
             try:
-                generation = _Tagged(_OneBatch(self._clients[address], key, timeout), "generation")
+                generation = _Tagged(_OneBatch(self.servers.client(address), key, timeout), "generation")
                 groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks], generation,
                                           scoring, self.tokenizer, params, self.critic, self.cfg.prompt_length)
             except DependencyUnavailable as e:  # reward or critic gone for longer than we wait
@@ -304,18 +272,18 @@ class RolloutWorker:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     log.error("generation server %s refuses the request itself (%s): its limits differ from this "
                               "worker's config; trying another", address, e.details())
-                    self._avoid(address, self.cfg.replay.heartbeat_ttl_s)
+                    self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
                 else:
                     log.warning("batch of %d prompts failed on %s (%s: %s); retry %d/%d", len(tasks), address,
                                 e.code().name, e.details(), attempt + 1, rc.retries)
-                    self._avoid(address, delay)
+                    self.servers.avoid(address, delay)
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         timeout *= 2  # the server was slower than the budget: the same deadline would fail again
                 self.stop_event.wait(delay)
                 continue
             if groups and groups[0].version < min_version:  # the server missed a push; it will catch up
                 log.info("%s served version %d < %d; trying another", address, groups[0].version, min_version)
-                self._avoid(address, self.cfg.replay.heartbeat_s)
+                self.servers.avoid(address, self.cfg.replay.heartbeat_s)
                 time.sleep(0.05)
                 continue
             log.debug("batch of %d: generate %.3fs score %.3fs values %.3fs", len(tasks), m["time/generate_s"],

@@ -115,29 +115,29 @@ def test_pick_server_round_robin_version_preference_and_avoid(make_cfg):
         assert live[addr_a]["version"] == live[addr_b]["version"] == 0
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
 
-        picks = [worker._pick_server(0) for _ in range(6)]
+        picks = [worker.servers.pick(0) for _ in range(6)]
         assert set(picks) == {addr_a, addr_b}
         assert all(p != q for p, q in zip(picks, picks[1:])), picks  # round robin: alternates
 
         # the learner pushes version 5 to one server and updates its registry entry
         assert _push(a, 5) == 5
         store.heartbeat("generation", addr_a, version=5)
-        assert [worker._pick_server(5) for _ in range(6)] == [addr_a] * 6  # only the server at the version
-        assert set(worker._pick_server(0) for _ in range(6)) == {addr_a, addr_b}  # both qualify for 0
+        assert [worker.servers.pick(5) for _ in range(6)] == [addr_a] * 6  # only the server at the version
+        assert set(worker.servers.pick(0) for _ in range(6)) == {addr_a, addr_b}  # both qualify for 0
 
         clock = [1000.0]  # avoidance is timed on a clock the test moves
-        worker.clock = lambda: clock[0]
-        worker._avoid(addr_a, 1.0)
+        worker.servers.clock = lambda: clock[0]
+        worker.servers.avoid(addr_a, 1.0)
         # the only server at version 5 is avoided: the other is used (its answer's version decides)
-        assert [worker._pick_server(5) for _ in range(4)] == [addr_b] * 4
-        assert [worker._pick_server(0) for _ in range(4)] == [addr_b] * 4
-        worker._avoid(addr_b, 1.0)
-        assert worker._pick_server(0) is None  # every server avoided
+        assert [worker.servers.pick(5) for _ in range(4)] == [addr_b] * 4
+        assert [worker.servers.pick(0) for _ in range(4)] == [addr_b] * 4
+        worker.servers.avoid(addr_b, 1.0)
+        assert worker.servers.pick(0) is None  # every server avoided
         clock[0] += 0.99
-        assert worker._pick_server(0) is None  # not yet
+        assert worker.servers.pick(0) is None  # not yet
         clock[0] += 0.02
-        assert set(worker._pick_server(0) for _ in range(4)) == {addr_a, addr_b}  # avoidance expires
-        assert worker._pick_server(5) == addr_a
+        assert set(worker.servers.pick(0) for _ in range(4)) == {addr_a, addr_b}  # avoidance expires
+        assert worker.servers.pick(5) == addr_a
 
 
 # ---------------------------------------------------------------------------------------------- retries
@@ -236,7 +236,8 @@ def test_a_generate_past_its_deadline_is_retried_with_the_same_key_and_twice_the
                 if len(calls) == 1:
                     raise _Expired()
                 return real.generate(prompts, params, timeout=timeout, key=key)
-        worker._clients[_addr(g)] = Spy()
+        spy = Spy()
+        worker.servers.client = lambda address: spy
         _feed(store, reverse_task("train", 3))
         entries, _ = store.claim_prompts("w1", 10, block_ms=50)
         assert worker.process(entries) == 3
@@ -357,7 +358,7 @@ def test_a_request_the_server_refuses_as_a_whole_dead_letters_nothing(make_cfg):
         assert store.read_dead() == []
         assert _pending(store, "w1") == 3  # left pending: reclaimed later
         assert _errors(worker, "invalid_argument") >= 1
-        assert _addr(g) in worker._lagging  # that server is avoided for a while
+        assert _addr(g) in worker.servers.avoided()  # that server is avoided for a while
 
 
 def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, model_dir):
@@ -375,7 +376,7 @@ def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, 
         assert worker.process(entries) == 0  # no reward: left pending, after waiting for it
         assert time.time() - t0 >= 0.5
         assert _errors(worker, "dependency") == 1
-        assert worker._lagging == {}  # the generation server did its part
+        assert worker.servers.avoided() == {}  # the generation server did its part
         assert g.servicer.batcher.batches >= 1
         assert _pending(store, "w1") == 2 and store.read_dead() == []
 
