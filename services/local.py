@@ -53,15 +53,16 @@ class InProcessSource:
 
 
 class BackendSink:
-    """The new policy goes straight into the in-process generation backend."""
+    """The new policy goes straight into the in-process generation backend, as the next version."""
 
     def __init__(self, backend):
         self.backend = backend
 
-    def publish(self, learner) -> dict:
+    def publish(self, learner) -> tuple[int, dict]:
         t0 = time.perf_counter()
-        self.backend.update_weights(learner.policy_state_dict(), learner.version)
-        return {"time/push_s": time.perf_counter() - t0}
+        version = learner.version + 1
+        self.backend.update_weights(learner.policy_state_dict(), version)
+        return version, {"time/push_s": time.perf_counter() - t0}
 
 
 class LocalState:
@@ -130,9 +131,9 @@ def run_local(cfg, run_dir: str | Path | None = None) -> dict:
         return evaluate(held_out, backend, eval_scorer, tokenizer, eval_params, proxy)
 
     state = LocalState(learner, critic, sampler)
-    loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, InProcessSource(cfg, sampler, backend, scorer,
-                                                                                  tokenizer, critic),
-                        BackendSink(backend), held_out_eval, logger=log, keep_state=state.write)
+    source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic)
+    loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, source, BackendSink(backend), held_out_eval,
+                        logger=log, keep_state=state.write)
     start = resume_point(cfg, run_dir)
     if start is not None:
         loop.load_loop_state(state.read(start))

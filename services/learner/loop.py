@@ -1,18 +1,24 @@
-"""The learner's training loop (`LearnerLoop`, run by the learner service): trains on
+"""The learner's training run (`LearnerLoop`, run by the learner service): trains on
 trajectories from the replay buffer with the same PPO step as the in-process trainer, pushes every
 new policy to the generation servers, checkpoints, evaluates and reports status.
 
     rlhf serve learner -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
 
-The loop is the in-process trainer's (services/training/loop.py), with the replay buffer as its
-rollout source and the generation servers as its weight sink. One iteration (each part has a
-file of its own):
-    feeder.feed                   keep prompts max_staleness batches ahead      (feeder.py)
-    intake.collect                rollout_batch_size fresh, unique groups        (intake.py)
-    learner.step                  the PPO update; the critic trains over gRPC    (ppo_step.py)
-    broadcaster.push              version N+1 to every live generation server    (broadcast.py)
-    evaluate / checkpoint         on the schedule shared with the in-process trainer (training/schedule.py)
-    checkpointer.save             then acknowledge the trajectories it includes  (checkpoint.py)
+Composed, nothing calling back into its owner: the training loop of the in-process trainer
+(`TrainingLoop`, services/training/loop.py) with a `ReplaySource` (feeder + intake) and a
+`PushSink` (numbers versions, broadcaster), and the learner's checkpoints, status and metrics
+around it. One iteration, hop by hop:
+    ReplaySource.collect          critic restarted? (CriticWatch.check, this file)
+      feeder.feed                 prompts max_staleness batches ahead             (feeder.py)
+      intake.collect              rollout_batch_size fresh, unique groups         (intake.py)
+    learner.step                  experience, then the PPO update; the critic
+                                  trains over gRPC                   (ppo_step.py, experience.py, update.py)
+    PushSink.publish              the next version from Redis's counter, then
+      broadcaster.push            snapshot, plan, deliver to every live server    (broadcast.py, weights/publisher.py)
+    ReplaySource.trained          acknowledge the groups as trained               (intake.py)
+    LearnerLoop.evaluate          on the schedule: through a server of `ServerPool` (generation/client.py)
+    LearnerLoop.checkpoint        on the schedule; then the trajectories in it
+                                  are acknowledged in Redis                       (checkpoint.py)
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import grpc
 import torch
@@ -49,9 +56,8 @@ from .liveness import Beating, Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PolicyTrainer, ptx_examples_for
 from .sharded import ShardedPolicyTrainer
-from ..training.loop import Batch, TrainingLoop
+from ..training.loop import Batch, Phase, TrainingLoop
 from ..training.schedule import Schedule, Tick, planned_updates
-from ..training.watch import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -88,61 +94,110 @@ def make_trainer(cfg, ptx_examples) -> PolicyTrainer:
     return PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples)
 
 
+def quietly(fn: Callable[[], Any], default: Any) -> Any:
+    """`fn()`, or `default` when it raises (a status field must not fail the status)."""
+    try:
+        return fn()
+    except Exception:
+        return default
+
+
+class CriticWatch:
+    """Notices a restarted critic server: which state it came back with (the newest checkpoint's
+    critic or its initial weights) goes into the log and `state` (the status's "critic")."""
+
+    def __init__(self, critic):
+        self.critic = critic
+        self.state: dict = {}
+
+    def check(self, iteration: int) -> None:
+        info = self.critic.info()
+        before = self.state.get("incarnation")
+        restarts = self.state.get("restarts", 0)
+        if before is not None and before != info.incarnation:
+            restarts += 1
+            log.warning("the critic server restarted; it serves %s (step %d): the value function is as of that "
+                        "checkpoint, the policy is at iteration %d", info.loaded_from or "its initial weights",
+                        info.step, iteration)
+        self.state = {"incarnation": info.incarnation, "loaded_from": info.loaded_from, "step": info.step,
+                      "restarts": restarts}
+
+
 class ReplaySource:
     """The rollout source of the learner service: fresh, unique trajectory groups the rollout
-    workers left in the replay buffer, for prompts the feeder keeps queued ahead."""
+    workers left in the replay buffer (`intake`), for prompts the `feeder` keeps queued ahead."""
     wait_metric = "time/wait_s"
 
-    def __init__(self, loop: "LearnerLoop"):
-        self.loop = loop
+    def __init__(self, store: ReplayStore, feeder: PromptFeeder, intake: TrajectoryIntake, stop_event: threading.Event,
+                 phase: Phase, critic_watch: CriticWatch | None = None):
+        self.store, self.feeder, self.intake, self.stop_event = store, feeder, intake, stop_event
+        self.phase, self.critic_watch = phase, critic_watch
 
     @property
     def data_epoch(self) -> int:
-        return self.loop.feeder.data_epoch
+        return self.feeder.data_epoch
 
     def collect(self, iteration: int, version: int) -> Batch | None:
-        s = self.loop
-        s._check_critic()
-        s.feeder.feed(iteration, version)
-        s.state = "waiting"
-        batch = s.intake.collect(version, s.stop_event)
+        if self.critic_watch is not None:
+            self.critic_watch.check(iteration - 1)
+        self.feeder.feed(iteration, version)
+        self.phase.enter("waiting")
+        batch = self.intake.collect(version, self.stop_event)
         if batch is None:
             return None
         return Batch(Rollout.from_groups([g for _, g in batch]), version, items=batch)
 
     def trained(self, batch: Batch, iteration: int) -> dict:
-        s = self.loop
-        s.intake.trained(batch.items)
+        self.intake.trained(batch.items)
         rollout = batch.rollout
         staleness = [batch.version - v for v in rollout.versions]
         return {"rollout/tokens": sum(len(r) for r in rollout.response_ids),
-                "rollout/tokens_per_s": s.intake.tokens_per_s(),
+                "rollout/tokens_per_s": self.intake.tokens_per_s(),
                 "replay/staleness_mean": sum(staleness) / len(staleness),
-                "replay/backlog": s._quietly(s.store.backlog, -1),
-                "replay/dropped_stale": s.intake.counters["dropped_stale"],
-                "replay/duplicates": s.intake.counters["duplicates"]}
+                "replay/backlog": quietly(self.store.backlog, -1),
+                "replay/dropped_stale": self.intake.counters["dropped_stale"],
+                "replay/duplicates": self.intake.counters["duplicates"]}
 
 
 class PushSink:
-    """The weight sink of the learner service: the new policy gets the next version number of the
-    replay store's counter and is pushed to every live generation server."""
+    """The weight sink of the learner service, and the one place its policy versions are
+    numbered: from the replay store's counter, so that they only go forward across learner
+    restarts and above anything a server serves. Each new policy is pushed to every live
+    generation server and published in the registry, with `address` (where servers pull from:
+    set by the server before the run starts)."""
 
-    def __init__(self, loop: "LearnerLoop"):
-        self.loop = loop
+    def __init__(self, store: ReplayStore, broadcaster: WeightBroadcaster):
+        self.store, self.broadcaster = store, broadcaster
+        self.address = ""
 
-    def publish(self, learner) -> dict:
-        learner.version = self.loop.store.next_version()
-        return self.loop.broadcaster.push(learner.version, self.loop.address)
+    def next_version(self) -> int:
+        return self.store.next_version()
+
+    def publish(self, learner) -> tuple[int, dict]:
+        version = self.next_version()
+        return version, self.broadcaster.push(version, self.address)
+
+    def publish_current(self, version: int) -> None:
+        """At the start: the policy the learner holds (version 0, the initial weights every server
+        loads, is only published; a restored one is pushed)."""
+        if version > 0:
+            self.store.publish_learner(self.address, version, *self.broadcaster.identity)
+            self.broadcaster.push(version, self.address)
+        else:
+            self.broadcaster.publish_initial(self.address)
 
 
-class LearnerLoop(TrainingLoop):
-    time_eval = True
+class LearnerLoop:
+    """The learner service's training run, composed: the training loop (`training`, shared with
+    the in-process trainer) with the replay buffer as its source and the generation servers as
+    its sink; the learner's checkpoints, status, liveness and Prometheus metrics around it.
+    Rank 0 of a sharded learner (model.nproc > 1) or the only process."""
 
     def __init__(self, cfg, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
-        """Rank 0 of a sharded learner (model.nproc > 1) or the only process."""
         self.cfg = cfg
         # touched by every phase, wait tick, answered call and update step (see liveness.py)
         self.heartbeat = Heartbeat(liveness_bound_s(cfg))
+        self.phase = Phase(on_change=self.heartbeat.beat)  # each phase the loop enters is a sign of life
         self.run_dir = Path(run_dir or cfg.run.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id, self.fence_epoch = run_identity(self.run_dir), 0
@@ -155,15 +210,13 @@ class LearnerLoop(TrainingLoop):
         # with model.nproc > 1, rank 0 of the group (`follower_main` builds the others')
         self.learner = make_trainer(cfg, ptx_examples_for(cfg, self.tokenizer, train))
         self.learner.on_progress = self.heartbeat  # each micro-batch forward and optimiser step
-        self.critic = None
+        self.critic = self.critic_watch = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
             self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")
             if cfg.critic.overlap_training:
                 self.critic = OverlappedCritic(self.critic)
             self.critic = Beating(self.critic, self.heartbeat)
-        TrainingLoop.__init__(self, cfg, self.run_dir, self.learner, self.critic, self.tokenizer, ReplaySource(self),
-                              PushSink(self), logger=log)
-        self.critic_state: dict = {}
+            self.critic_watch = CriticWatch(self.critic)
         self.reward = Beating(self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server"),
                               self.heartbeat)
         self.feeder = PromptFeeder(cfg, self.store, train)
@@ -173,15 +226,35 @@ class LearnerLoop(TrainingLoop):
         self.servers = ServerPool(lambda: self.store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner, self.servers)
         self.broadcaster.on_progress = self.heartbeat  # each server's push answered, each tick of a wait
+        self.sink = PushSink(self.store, self.broadcaster)
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
+        self.training = TrainingLoop(
+            cfg, self.run_dir, self.learner, self.critic, self.tokenizer,
+            ReplaySource(self.store, self.feeder, self.intake, self.stop_event, self.phase, self.critic_watch),
+            self.sink, self.evaluate, logger=log, checkpoint=self.checkpoint,
+            observe=lambda it, m: self.metrics.observe(it, m, self.counters),
+            judged=lambda verdict: self.metrics.suspected(verdict.suspected),
+            phase=self.phase, stop_event=self.stop_event, time_eval=True)
         self.poller: ReplayPoller | None = None  # the prompt queue's gauges, from start to close
-        self.address = ""  # where generation servers pull from: set by the server before run()
         self.ready = threading.Event()  # resumed and the current policy published
-        self.state = "starting"
         self.eval_params = SamplingParams.for_eval(cfg)
         self.resumed_from: int | None = None
         self.t_start = time.time()
+
+    @property
+    def address(self) -> str:
+        """Where generation servers pull from: set by the server before run()."""
+        return self.sink.address
+
+    @address.setter
+    def address(self, value: str) -> None:
+        self.sink.address = value
+
+    @property
+    def state(self) -> str:
+        """The phase the run is in (the status's "state")."""
+        return self.phase.name
 
     def _retrying(self, client, what: str) -> Retrying:
         return Retrying(client, what, self.cfg.rpc, self.stop_event, on_wait=self._waiting)
@@ -189,16 +262,6 @@ class LearnerLoop(TrainingLoop):
     def _waiting(self, msg: str | None) -> None:
         self.waiting_for = msg
         self.heartbeat.beat()  # a retry's tick: waiting for a dependency, not stuck
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    @state.setter
-    def state(self, value: str) -> None:
-        """Each phase the loop enters is a sign of life."""
-        self._state = value
-        self.heartbeat.beat(value)
 
     def liveness(self) -> str | None:
         """None while the training loop advances (or has ended); else why its liveness fails."""
@@ -210,36 +273,36 @@ class LearnerLoop(TrainingLoop):
         return {**self.intake.counters, "dead_letters": self.feeder.dead_letters}
 
     def status(self) -> dict:
-        return {"iteration": self.iteration, "total_iterations": self.cfg.run.iterations,
-                "policy_version": self.learner.version, "state": self.state,
-                "last_reward": self.last["reward"], "last_eval_reward": self.last["eval"], **self.counters,
-                "generation_servers": self._quietly(lambda: len(self.store.live("generation")), 0),
-                "replay_backlog": self._quietly(self.store.backlog, -1),
+        t = self.training
+        return {"iteration": t.iteration, "total_iterations": self.cfg.run.iterations,
+                "policy_version": self.learner.version, "state": self.phase.name,
+                "last_reward": t.last["reward"], "last_eval_reward": t.last["eval"], **self.counters,
+                "generation_servers": quietly(lambda: len(self.store.live("generation")), 0),
+                "replay_backlog": quietly(self.store.backlog, -1),
                 "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from,
                 "waiting_for": self.waiting_for, "stale_streak": self.intake.stale_streak,
-                "critic": self.critic_state, "run_id": self.run_id, "fence_epoch": self.fence_epoch,
-                "liveness": {**self.heartbeat.status(), "stuck": self.liveness()},
-                "reward_hacking_suspected": self.watch.last.suspected, "reward_hacking": self.watch.status()}
-
-    @staticmethod
-    def _quietly(fn, default):
-        try:
-            return fn()
-        except Exception:
-            return default
+                "critic": self.critic_watch.state if self.critic_watch is not None else {}, "run_id": self.run_id,
+                "fence_epoch": self.fence_epoch, "liveness": {**self.heartbeat.status(), "stuck": self.liveness()},
+                "reward_hacking_suspected": t.watch.last.suspected, "reward_hacking": t.watch.status()}
 
     # ------------------------------------------------------------------ checkpoint / resume
     def state_dict(self) -> dict:
+        t = self.training
         return {"learner": self.learner.state_dict(), "feeder": self.feeder.state_dict(),
-                "iteration": self.iteration, "counters": dict(self.intake.counters), "baseline": self.baseline,
-                "torch_rng": torch.get_rng_state(), "watch": self.watch.state_dict()}
+                "iteration": t.iteration, "counters": dict(self.intake.counters), "baseline": t.baseline,
+                "torch_rng": torch.get_rng_state(), "watch": t.watch.state_dict()}
+
+    def checkpoint(self, iteration: int, tick: Tick) -> None:
+        self.phase.enter("checkpointing")
+        self.save_checkpoint()
 
     def save_checkpoint(self) -> Path:
+        iteration = self.training.iteration
         try:
-            path = self.checkpointer.save(self.iteration, self.state_dict(), self.intake.uncommitted,
+            path = self.checkpointer.save(iteration, self.state_dict(), self.intake.uncommitted,
                                           write_actor=self.learner.save_actor if self.learner.sharded else None)
         except DependencyUnavailable as e:
-            raise DependencyUnavailable(f"the checkpoint of iteration {self.iteration} was not written: {e}") from None
+            raise DependencyUnavailable(f"the checkpoint of iteration {iteration} was not written: {e}") from None
         self.intake.committed()
         return path
 
@@ -248,54 +311,39 @@ class LearnerLoop(TrainingLoop):
         Returns the iteration to continue after."""
         ckpt = self.checkpointer.latest()
         if ckpt is None:
-            prior = self._quietly(lambda: self.store.live("generation"), {})
+            prior = quietly(lambda: self.store.live("generation"), {})
             n = self.store.reset()
             if n:
                 log.info("fresh run: cleared %d keys of replay namespace %r", n, self.store.ns)
             top = max((int(i.get("version", 0)) for i in prior.values()), default=0)
             if top > 0:  # servers left over from an earlier run serve newer-numbered weights
                 self.store.raise_version_to(top)
-                self.learner.version = self.store.next_version()
+                self.learner.version = self.sink.next_version()
             return 0
         state = self.checkpointer.load(ckpt)
         self.learner.load_state_dict(state["learner"], ckpt / "actor")
         self.feeder.load_state_dict(state["feeder"])
         torch.set_rng_state(state["torch_rng"])
-        self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
+        t = self.training
+        t.iteration, t.baseline = int(state["iteration"]), state["baseline"]
         self.intake.counters.update(state["counters"])
         self.metrics.counted(self.counters, restored=True)  # Prometheus counts this process's events
-        self.watch.load_state_dict(state.get("watch", {}))  # absent in checkpoints of older versions
-        self.metrics.suspected(self.watch.last.suspected)
+        t.watch.load_state_dict(state.get("watch", {}))  # absent in checkpoints of older versions
+        self.metrics.suspected(t.watch.last.suspected)
         # versions only go forward: the restored weights get a number above anything served
-        self.learner.version = self.store.next_version()
-        self.resumed_from = self.iteration
-        log.info("resumed from checkpoint %s (iteration %d); policy is now version %d", ckpt.name, self.iteration,
+        self.learner.version = self.sink.next_version()
+        self.resumed_from = t.iteration
+        log.info("resumed from checkpoint %s (iteration %d); policy is now version %d", ckpt.name, t.iteration,
                  self.learner.version)
-        return self.iteration
+        return t.iteration
 
-    # ------------------------------------------------------------------ the loop
-    def _check_critic(self) -> None:
-        """Notice a restarted critic server: which state it came back with (the newest
-        checkpoint's critic or its initial weights) goes into the log and the status."""
-        if self.critic is None:
-            return
-        info = self.critic.info()
-        before = self.critic_state.get("incarnation")
-        restarts = self.critic_state.get("restarts", 0)
-        if before is not None and before != info.incarnation:
-            restarts += 1
-            log.warning("the critic server restarted; it serves %s (step %d): the value function is as of that "
-                        "checkpoint, the policy is at iteration %d", info.loaded_from or "its initial weights",
-                        info.step, self.iteration)
-        self.critic_state = {"incarnation": info.incarnation, "loaded_from": info.loaded_from, "step": info.step,
-                             "restarts": restarts}
-
+    # ------------------------------------------------------------------ the run
     def run(self) -> dict:
-        """The training loop. A dependency that stays unavailable (`rpc.dependency_wait_s`), or is
+        """The training run. A dependency that stays unavailable (`rpc.dependency_wait_s`), or is
         gone when a stop asks for the last checkpoint, raises `DependencyUnavailable`."""
         done = finished_run(self.run_dir, self.cfg.run.iterations)
         if done is not None:
-            self.state = "done"
+            self.phase.enter("done")
             self.heartbeat.ended()
             self.ready.set()
             log.info("run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
@@ -304,7 +352,7 @@ class LearnerLoop(TrainingLoop):
         try:
             return self._run()
         except DependencyUnavailable as e:
-            self.state = "failed"
+            self.phase.enter("failed")
             last = self.checkpointer.latest()
             log.error("%s: %s. The newest checkpoint is %s: a restart resumes from it; trajectories trained "
                       "since are trained again, none is lost",
@@ -315,53 +363,40 @@ class LearnerLoop(TrainingLoop):
             self.heartbeat.ended()  # nothing left to watch: the process ends
 
     def _run(self) -> dict:
-        cfg = self.cfg
+        cfg, training = self.cfg, self.training
         start_it = self.resume()
         self.heartbeat.beat("resumed")
         self.fence_epoch = self.store.new_learner_epoch()
         self.broadcaster.identity = (self.run_id, self.fence_epoch)
-        self._check_critic()
-        self.state = "pushing"
-        if self.learner.version > 0:
-            self.store.publish_learner(self.address, self.learner.version, self.run_id, self.fence_epoch)
-            self.broadcaster.push(self.learner.version, self.address)
-        else:
-            self.broadcaster.publish_initial(self.address)
+        if self.critic_watch is not None:
+            self.critic_watch.check(start_it)
+        self.phase.enter("pushing")
+        self.sink.publish_current(self.learner.version)
         self.ready.set()
         self.poller = ReplayPoller(self.store.prompt_queue, self.metrics.queue, cfg.replay.heartbeat_s).start()
-        self.begin(RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
-                          resume_from=start_it if self.resumed_from is not None else None))
-        self.metrics.eval_reward.set(self.last["eval"])  # not 0 (a false fall) until the next eval
+        training.begin(RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
+                              resume_from=start_it if self.resumed_from is not None else None))
+        self.metrics.eval_reward.set(training.last["eval"])  # not 0 (a false fall) until the next eval
         if self.resumed_from is not None:
             self.intake.reread_pending()
-        it, stopped = self.iterate(Schedule(cfg.run, self.t_start), start_it)
+        it, stopped = training.iterate(Schedule(cfg.run, self.t_start), start_it)
         if self.intake.uncommitted or stopped:
-            self.state = "checkpointing"
+            self.phase.enter("checkpointing")
             self.save_checkpoint()
         if stopped:
-            self.state = "stopped"
+            self.phase.enter("stopped")
             log.info("stopped at iteration %d; `rlhf serve learner` (or `rlhf up`) with this run "
-                     "directory resumes from the checkpoint", self.iteration)
-            return {"stopped_at": self.iteration}
+                     "directory resumes from the checkpoint", training.iteration)
+            return {"stopped_at": training.iteration}
         # the critic's is relative to the run directory, the critic server's root
-        return self.finish(it, time.time() - self.runlog.t0, "final_critic", resumed_from=self.resumed_from,
-                           policy_version=self.learner.version, **self.counters)
-
-    # ------------------------------------------------------------------ the loop's hooks
-    def judged(self, verdict: Verdict) -> None:
-        self.metrics.suspected(verdict.suspected)  # the gauge
-
-    def observe(self, metrics: dict) -> None:
-        self.metrics.observe(self, metrics)
-
-    def checkpoint(self, iteration: int, tick: Tick) -> None:
-        self.state = "checkpointing"
-        self.save_checkpoint()
+        return training.finish(it, time.time() - training.runlog.t0, "final_critic", resumed_from=self.resumed_from,
+                               policy_version=self.learner.version, **self.counters)
 
     def evaluate(self) -> dict:
         """Held-out eval through a generation server that serves the current version; one that
         fails is skipped for a while and another (or the same, restarted) one is used."""
-        state, self.state = self.state, "evaluating"
+        phase = self.phase.name
+        self.phase.enter("evaluating")
         version = self.learner.version
         while True:
             address = self.servers.wait_for(version, self.cfg.rpc.dependency_wait_s, self.stop_event,
@@ -381,7 +416,7 @@ class LearnerLoop(TrainingLoop):
                 log.warning("eval on %s failed (%s: %s); skipping it", address, e.code().name, e.details())
                 self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
                 self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
-        self.state = state
+        self.phase.enter(phase)
         return out
 
     def stop(self) -> None:
@@ -391,7 +426,7 @@ class LearnerLoop(TrainingLoop):
         release_followers(self.learner)
         if self.poller is not None:
             self.poller.stop()
-        if self.runlog is not None:
-            self.runlog.close()
+        if self.training.runlog is not None:
+            self.training.runlog.close()
         self.broadcaster.close()
         self.servers.close()

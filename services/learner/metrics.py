@@ -77,10 +77,11 @@ class LearnerMetrics:
                                     "replaced")
         self._seen = {"dropped_stale": 0, "duplicates": 0, "malformed": 0, "dead_letters": 0}
 
-    def observe(self, loop, m: dict) -> None:
-        """One iteration's metrics `m` (and the loop's counters) into the gauges and counters."""
-        self.iteration.set(loop.iteration)
-        self.version.set(loop.learner.version)
+    def observe(self, iteration: int, m: dict, counters: dict) -> None:
+        """One iteration's metrics `m` and the service's running `counters` into the gauges and counters."""
+        self.iteration.set(iteration)
+        if "policy/version" in m:
+            self.version.set(m["policy/version"])
         self.reward.set(_finite(m.get("reward/score_mean")))
         self.reward_min.set(_finite(m.get("reward/score_min")))
         self.reward_max.set(_finite(m.get("reward/score_max")))
@@ -96,7 +97,7 @@ class LearnerMetrics:
         self.iteration_seconds.set(m.get("time/iteration_s", 0.0))
         for phase, secs in phase_seconds(m).items():
             self.phases.labels(SERVICE, phase).set(secs)
-        self.counted(loop.counters)
+        self.counted(counters)
 
     def counted(self, counters: dict, restored: bool = False) -> None:
         """Advance the counters by what the service's running totals grew since the last call;

@@ -140,7 +140,6 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
         metrics.close()
         progress()
     learner.policy.eval()
-    learner.version += 1
     # the averages over every process's rows
     keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
     totals = learner.all_sum([metrics.sums[k] for k in keys] + rollout_stats)

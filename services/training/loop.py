@@ -1,17 +1,19 @@
 """The training loop, one for `rlhf train --local` (services/local.py) and the learner service
-(services/learner/loop.py). What differs between them is plugged in:
+(services/learner/loop.py). What differs between them is handed in as parts:
 
     source.collect(iteration, version)  a batch to train on: sampled and scored in-process, or the
                                         trajectories rollout workers left in Redis (None: a stop was
                                         asked while it waited)
     source.trained(batch, iteration)    the update on it is done and published: its metrics
     source.wait_metric, source.data_epoch what the time to get a batch is called; the data epoch
-    sink.publish(learner)               number the new policy and hand it to whoever samples: the
-                                        in-process backend, or every live generation server
+    sink.publish(learner)               number the new policy (the one place versions are numbered)
+                                        and hand it to whoever samples: the in-process backend, or
+                                        every live generation server; (version, metrics)
     evaluate()                          the held-out eval (in-process, or through a generation server)
 
-and the hooks a subclass overrides (the learner service does): `checkpoint`, `observe` (each
-iteration's metrics), `judged` (each verdict of the reward-hacking watch), `state` (the phase).
+and, where the learner service needs them: `checkpoint(iteration, tick)` (its own checkpoint in
+place of the policy directory), `observe(iteration, metrics)` (each iteration's metrics),
+`judged(verdict)` (each verdict of the reward-hacking watch), `phase` (the phase it is in).
 
 One iteration: collect, the PPO step (`learner.step`; the critic trains in it), publish, feed the
 reward-hacking watch (watch.py), then on the schedule (schedule.py) the held-out eval and a
@@ -61,27 +63,47 @@ class RolloutSource(Protocol):
 
 
 class WeightSink(Protocol):
-    def publish(self, learner) -> dict: ...  # sets learner.version if the sink numbers versions
+    def publish(self, learner) -> tuple[int, dict]: ...  # the new policy's version (numbered here), metrics
+
+
+class Phase:
+    """The phase a loop is in ("starting", "waiting", "training", "pushing", "evaluating",
+    "checkpointing", "done", ...); `on_change(name)` hears each one entered (the learner's
+    heartbeat: each phase is a sign of life)."""
+
+    def __init__(self, on_change: Callable[[str], None] | None = None):
+        self.name, self._on_change = "starting", on_change
+
+    def enter(self, name: str) -> None:
+        self.name = name
+        if self._on_change is not None:
+            self._on_change(name)
 
 
 class TrainingLoop:
     """The loop's state (iteration, baseline, the last train and eval rewards, the watch) and the
     loop. `time_eval`: the eval's time is reported (`time/eval_s`) and counted in
-    `time/iteration_s` (the learner service); otherwise `time/iteration_s` ends before the eval."""
-    time_eval = False
-    stop_event = None  # a threading.Event that ends the loop after the iteration it is in
+    `time/iteration_s` (the learner service); otherwise `time/iteration_s` ends before the eval.
+    `stop_event` (a threading.Event) ends the loop after the iteration it is in."""
 
     def __init__(self, cfg, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
-                 evaluate: Callable[[], dict] | None = None, logger: logging.Logger | None = None,
-                 keep_state: Callable[[Path, dict], None] | None = None):
+                 evaluate: Callable[[], dict], *, logger: logging.Logger | None = None,
+                 keep_state: Callable[[Path, dict], None] | None = None,
+                 checkpoint: Callable[[int, Tick], None] | None = None,
+                 observe: Callable[[int, dict], None] | None = None, judged: Callable[[Verdict], None] | None = None,
+                 phase: Phase | None = None, stop_event=None, time_eval: bool = False):
         """`logger`: where the loop's warnings go (the entry point's, so its lines name it);
         `keep_state(dir, loop_state)`: writes what else a checkpoint needs to resume from, beside the
-        policy the loop writes in `dir`."""
+        policy the loop writes in `dir`; `checkpoint`: a checkpoint of the caller's own instead."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.log = logger or log
         self.learner, self.critic, self.tokenizer = learner, critic, tokenizer
-        self.source, self.sink = source, sink
-        self._evaluate, self._keep_state = evaluate, keep_state
+        self.source, self.sink, self.evaluate = source, sink, evaluate
+        self._keep_state = keep_state
+        self.checkpoint = checkpoint or self.checkpoint_policy
+        self._observe, self._judged = observe, judged
+        self.phase = phase or Phase()
+        self.stop_event, self.time_eval = stop_event, time_eval
         self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
         self.iteration = 0
         self.baseline: float | None = None
@@ -90,14 +112,8 @@ class TrainingLoop:
         best = self.run_dir / "best" / "best.json"  # a resumed run keeps its best
         self.best = json.loads(best.read_text())["eval/reward_mean"] if best.exists() else float("-inf")
 
-    # ------------------------------------------------------------------ plug-in points
-    def evaluate(self) -> dict:
-        """The held-out eval: the `evaluate` given, or a subclass's."""
-        if self._evaluate is None:
-            raise NotImplementedError
-        return self._evaluate()
-
-    def checkpoint(self, iteration: int, tick: Tick) -> None:
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_policy(self, iteration: int, tick: Tick) -> None:
         """The policy alone, as a Hugging Face directory under checkpoints/ (the last one is
         `final/`); the newest run.keep_checkpoints are kept. With `keep_state` (a resumable run),
         the last iteration is checkpointed too: a later run with more iterations goes on from it."""
@@ -120,12 +136,6 @@ class TrainingLoop:
         self.last = dict(state["last"])
         self.watch.load_state_dict(state["watch"])
 
-    def observe(self, metrics: dict) -> None:
-        pass
-
-    def judged(self, verdict: Verdict) -> None:
-        pass
-
     # ------------------------------------------------------------------ the loop
     def _evaluated(self, iteration: int) -> dict:
         """The held-out eval's metrics; its generations written, the policy kept if it is the best."""
@@ -147,7 +157,8 @@ class TrainingLoop:
         """The reward-hacking watch's verdict on an evaluation (a warning at its onset); what it
         adds to the metrics row."""
         verdict, row = judge(self.watch, iteration, evaluated, self.log.warning)
-        self.judged(verdict)
+        if self._judged is not None:
+            self._judged(verdict)
         return row
 
     def begin(self, runlog: RunLog) -> None:
@@ -172,12 +183,13 @@ class TrainingLoop:
                 stopped, it = True, it - 1
                 break
             t1 = time.perf_counter()
-            self.state = "training"
+            self.phase.enter("training")
             metrics = dict(batch.metrics)
             metrics.update(self.learner.step(batch.rollout, self.critic))
             t2 = time.perf_counter()
-            self.state = "pushing"
-            metrics.update(self.sink.publish(self.learner))
+            self.phase.enter("pushing")
+            self.learner.version, pushed = self.sink.publish(self.learner)
+            metrics.update(pushed)
             self.iteration = it
             metrics.update({self.source.wait_metric: t1 - t0, "time/train_s": t2 - t1})
             metrics.update(self.source.trained(batch, it))
@@ -196,7 +208,8 @@ class TrainingLoop:
             self.last["reward"] = metrics.get("reward/score_mean", nan)
             if self.time_eval:
                 metrics["time/iteration_s"] = time.perf_counter() - t0
-            self.observe(metrics)
+            if self._observe is not None:
+                self._observe(it, metrics)
             if tick.checkpoint:
                 self.checkpoint(it, tick)
             runlog.log_iteration(it, metrics)
@@ -213,7 +226,7 @@ class TrainingLoop:
         self.learner.save_policy(self.run_dir / "final", self.tokenizer)
         if self.critic is not None:
             self.critic.save(critic_dir)
-        self.state = "done"
+        self.phase.enter("done")
         assert self.runlog is not None and self.baseline is not None, "begin() comes first"
         return self.runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=iterations,
                                   wall_s=wall_s, **extra)

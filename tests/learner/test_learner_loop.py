@@ -69,7 +69,7 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(loop):
     assert loop.counters["duplicates"] == 0  # the 4 fresh groups filled the batch before any copy was read
     # train on them and commit: the same prompts never make it into a batch again
     loop.intake.trained(batch)
-    loop.iteration = 1
+    loop.training.iteration = 1
     loop.save_checkpoint()
     assert store.trained_among(uids) == [True] * 4
     ledger = [json.loads(line) for line in (loop.run_dir / "trained.jsonl").read_text().splitlines()]
@@ -97,7 +97,7 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     a.resume()
     a.feeder.feed(1, 0)
     a.feeder.feed(2, 0)
-    a.iteration = 2
+    a.training.iteration = 2
     a.learner.kl_ctl.value = 0.123
     a.learner.version = a.store.next_version()
     a.save_checkpoint()
@@ -118,8 +118,8 @@ def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(loop, caplog)
     rows = []
     with caplog.at_level(logging.WARNING):
         for it, (eval_reward, train_reward) in enumerate([(0.9, 0.1), (0.7, 0.3), (0.5, 0.5)], start=1):
-            loop.watch.train(train_reward)
-            rows.append(loop._watched(it, {"eval/reward_mean": eval_reward}))
+            loop.training.watch.train(train_reward)
+            rows.append(loop.training._watched(it, {"eval/reward_mean": eval_reward}))
     assert rows == [{"eval/hacking_suspected": 0}] * 2 + [{"eval/hacking_suspected": 1}]
     (warning,) = [r for r in caplog.records if "reward hacking suspected" in r.message]
     assert warning.levelno == logging.WARNING and "iterations 1..3" in warning.message

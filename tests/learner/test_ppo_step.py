@@ -45,9 +45,9 @@ def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_mo
     learner = PolicyTrainer(_cfg(tiny_model_dir))
     ro = _rollout(backend)
     learner.step(ro)
-    assert learner.version == 1
+    assert learner.version == 0  # the step does not number versions: the loop's weight sink does
     prompts = [backend.tokenizer("abcd=")["input_ids"]]
-    backend.update_weights(learner.policy_state_dict(), learner.version)
+    backend.update_weights(learner.policy_state_dict(), 1)
     after = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
     assert after.policy_version == 1
     out = learner.policy.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False,
@@ -94,7 +94,7 @@ def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
                                                       "lora": {"rank": 4}}))
     backend = HFBackend(tiny_model_dir, "cpu")
     learner.step(_rollout(backend))
-    backend.update_weights(learner.policy_state_dict(), learner.version)
+    backend.update_weights(learner.policy_state_dict(), 1)
     ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
     # merged weights (W + s*B@A, rounded to float32) against the unmerged adapter (W@x + s*B@(A@x)):
     # another order of float32 operations; 3e-6 measured on logits of magnitude ~8, while the
