@@ -21,7 +21,7 @@ import redis
 from ..common.rpc.waits import wait_failed
 from ..generation.client import ServerPool
 from ..weights.protocol import nbytes
-from ..weights.publisher import Publisher
+from ..weights.publisher import Delivery, Publisher
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,10 @@ class WeightBroadcaster:
         sizes = {k: nbytes(s) for k, s in payloads.items()}
         sent = sum(sizes[kind] for kind, _ in plan.values()) if servers else sizes["full"]
         secs = time.perf_counter() - t0
-        return {"time/push_s": secs, "push/servers": len(servers), "push/failed": sum(not v for v, _ in ok.values()),
-                "push/shm": sum(v and via == "shm" for v, via in ok.values()),
-                "push/partial": sum(ok[a][0] and kind == "partial" for a, (kind, _) in plan.items()),
+        took = {a for a, (d, _) in ok.items() if d is Delivery.TOOK}
+        return {"time/push_s": secs, "push/servers": len(servers), "push/failed": len(ok) - len(took),
+                "push/shm": sum(a in took and via == "shm" for a, (_, via) in ok.items()),
+                "push/partial": sum(a in took and kind == "partial" for a, (kind, _) in plan.items()),
                 "push/bytes": sent, "push/mb_per_s": sent / max(secs, 1e-9) / 1e6}
 
     def publish_initial(self, learner_address: str) -> None:

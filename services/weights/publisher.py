@@ -14,6 +14,7 @@ What a push sends (the snapshot, full or partial, the plan per server) is the le
 version, kind)` runs once a server took a version."""
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,13 @@ def _nothing() -> None:
     pass
 
 
+class Delivery(enum.Enum):
+    """What became of one server's push, whichever transport carried it."""
+    TOOK = "took"              # the server serves the version (or a newer one already)
+    FAILED = "failed"          # unreachable, or its deadline passed: it pulls when it sees it is behind
+    STREAM_INSTEAD = "stream"  # shared memory: the server refused the load; stream it over gRPC in this push
+
+
 def _newer_already(e: grpc.RpcError) -> bool:
     """The server refused the version as not newer: it pulled it itself a moment ago."""
     return reason_of(e) is Reason.VERSION_NOT_NEWER
@@ -54,7 +62,7 @@ class StreamTransport:
         return chunk_bytes(self.pub.cfg.rpc.max_message_mb)
 
     def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict:
-        """Stream `state` to every (address, info) of `targets`: {address: future of True | False}."""
+        """Stream `state` to every (address, info) of `targets`: {address: future of a `Delivery`}."""
         run_id, epoch = self.pub.identity
         chunk = self.chunk_bytes()
         fan = Fanout(encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch), len(targets),
@@ -68,7 +76,7 @@ class StreamTransport:
                 fan.detach(i)  # a failed stream no longer holds the others back
         return {a: pool.submit(one, i, a, info) for i, (a, info) in enumerate(targets)}
 
-    def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> bool:
+    def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> Delivery:
         """Push one server the (already encoded) stream `chunks`."""
         sent, t0 = Counted(chunks), time.monotonic()
         client = self.pub.client(address)
@@ -76,16 +84,16 @@ class StreamTransport:
             client.push_encoded(sent)
         except grpc.RpcError as e:
             if _newer_already(e):
-                return True
+                return Delivery.TOOK
             # all chunks out: the deadline passed while the server checked or swapped them in
             log.warning("%s (it will pull when it sees it is behind)", wait_failed(
                 f"weight push v{version} to", address, sent.phase("stream", "apply"), e, time.monotonic() - t0,
                 client.timeout))
-            return False
+            return Delivery.FAILED
         finally:
             self.pub.on_progress()
         self.pub.registered(address, info, version, kind)
-        return True
+        return Delivery.TOOK
 
     def finish(self) -> None:
         for fan in self._fans:
@@ -119,14 +127,13 @@ class SharedMemoryTransport:
             return None
 
     def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict | None:
-        """{address: future of "ok" | "failed" | "stream" (retry over gRPC)}; None when the file
-        cannot be written."""
+        """{address: future of a `Delivery`}; None when the file cannot be written."""
         request = self._write(state, version, kind)
         if request is None:
             return None
         return {a: pool.submit(self._load_one, a, request, version, info, kind) for a, info in targets}
 
-    def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> str:
+    def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> Delivery:
         """Point one co-located server at the shared file."""
         t0 = time.monotonic()
         client = self.pub.client(address)
@@ -135,18 +142,18 @@ class SharedMemoryTransport:
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
             if _newer_already(e):
-                return "ok"
+                return Delivery.TOOK
             if code in UNREACHABLE:
                 log.warning("%s (it will pull when it sees it is behind)", wait_failed(
                     f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout))
-                return "failed"
+                return Delivery.FAILED
             self.pub.tell((address, "stream"), "shared-memory load of version %d refused by %s (%s: %s); streaming "
                           "over gRPC instead", version, address, code.name, details, level=logging.WARNING)
-            return "stream"
+            return Delivery.STREAM_INSTEAD
         finally:
             self.pub.on_progress()
         self.pub.registered(address, info, version, kind)
-        return "ok"
+        return Delivery.TOOK
 
     def close(self) -> None:
         if self.writer is not None:
@@ -176,12 +183,13 @@ class Publisher:
         """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
         return self.shared.name if self.shared.colocated(info) else self.stream.name
 
-    def deliver(self, servers: dict, plan: dict, payloads: dict, version: int) -> dict[str, tuple[bool, str]]:
-        """Every server's push as `plan` says ({address: (kind, via)}): {address: (took it, "shm" | "grpc")}."""
+    def deliver(self, servers: dict, plan: dict, payloads: dict, version: int) -> dict[str, tuple[Delivery, str]]:
+        """Every server's push as `plan` says ({address: (kind, via)}): {address: (what became of it,
+        the transport that carried it: "shm" | "grpc")}."""
         groups: dict[tuple[str, str], list] = {}
         for a, (kind, via) in plan.items():
             groups.setdefault((kind, via), []).append((a, servers[a]))
-        ok: dict[str, tuple[bool, str]] = {}
+        ok: dict[str, tuple[Delivery, str]] = {}
         # every server's stream or load runs at once (a Fanout needs all its readers reading)
         try:
             with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
@@ -201,12 +209,12 @@ class Publisher:
                 retry: dict[str, list] = {}
                 for a, f in futures.items():
                     result = f.result()
-                    if result == "stream":
+                    if result is Delivery.STREAM_INSTEAD:
                         retry.setdefault(plan[a][0], []).append((a, servers[a]))
-                    ok[a] = (result in (True, "ok"), "shm" if a in shared else "grpc")
+                    ok[a] = (result, self.shared.name if a in shared else self.stream.name)
                 for kind, targets in retry.items():
-                    ok.update({a: (f.result(), "grpc") for a, f in self.stream.start(pool, targets, payloads[kind],
-                                                                                    kind, version).items()})
+                    streams = self.stream.start(pool, targets, payloads[kind], kind, version)
+                    ok.update({a: (f.result(), self.stream.name) for a, f in streams.items()})
         finally:
             self.stream.finish()
         return ok
