@@ -46,7 +46,8 @@ def build_model(path: Path, vocab: int = VOCAB) -> None:
 def build_iteration_model(path: Path, vocab: int = VOCAB) -> None:
     """A random tiny policy (services/cli/tiny.py's shape) with a tokenizer padded to `vocab` tokens:
     what a whole iteration needs (prompts to tokenize, replies to decode and score)."""
-    from services.cli.tiny import build_model as tiny_model, build_tokenizer
+    from services.cli.tiny import build_model as tiny_model
+    from services.cli.tiny import build_tokenizer
     tok = build_tokenizer(vocab)
     tiny_model(len(tok)).save_pretrained(str(path))
     tok.save_pretrained(str(path))

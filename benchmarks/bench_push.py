@@ -192,9 +192,9 @@ def main() -> None:
         args.sizes_mb, args.repeats = "64,512", 2
 
     from services.common.config import config_from_dict
-    from services.weights.hostcopy import to_host
     from services.generation.server import serve
     from services.learner.broadcast import WeightBroadcaster
+    from services.weights.hostcopy import to_host
 
     shm_dir = tempfile.mkdtemp(prefix="rlhf-bench-", dir=args.shm_dir)
     cfg = config_from_dict({"model": {"path": "unused", "device": "cpu"},

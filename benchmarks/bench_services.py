@@ -30,11 +30,11 @@ def main() -> None:
     torch.set_num_threads(2)
 
     from services.common.config import config_from_dict
-    from services.training.data import reverse_task
     from services.common.types import SamplingParams
     from services.generation.backend import HFBackend
     from services.generation.client import GenerationClient
     from services.generation.server import serve
+    from services.training.data import reverse_task
 
     cfg = config_from_dict({"model": {"path": args.model, "device": "cpu"}, "prompt_length": 32,
                             "response_length": args.max_new_tokens, "generation": {"batch_window_ms": 1},

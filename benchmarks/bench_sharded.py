@@ -45,6 +45,7 @@ def build_model(path: Path, layers: int, hidden: int, vocab: int, intermediate: 
 
 def _rollout(n: int, prompt: int, response: int, vocab: int):
     import torch
+
     from services.common.types import Rollout
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(n)]
@@ -79,6 +80,7 @@ def one_process_group(device: str):
     """A sharded learner's group of one process (FSDP2 over a 1-process mesh: NCCL on a GPU), to
     run the sharded code path on a machine with one device."""
     import torch.distributed as tdist
+
     from services.common.sharding.group import Dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -89,9 +91,10 @@ def one_process_group(device: str):
 def worker(model_dir: str, out: str, steps: int, sequences: int, prompt: int, response: int, device: str = "cpu",
            bf16: bool = False, fsdp: bool = False) -> None:
     import torch
+
     from services.common.config import config_from_dict
-    from services.common.sharding.group import from_env
     from services.common.sharding.followers import follow, release_followers
+    from services.common.sharding.group import from_env
     from services.learner.ppo_step import PolicyTrainer
     from services.learner.sharded import ShardedPolicyTrainer
     cfg = config_from_dict({"model": {"path": model_dir, "device": device, "bf16": bf16}, "adv_estimator": "grpo",

@@ -57,6 +57,7 @@ def build_model(shape: str, path: Path) -> int:
 def one_iteration(learner, critic, cfg, vocab: int, seed: int) -> dict:
     """The critic's values and the learner's step (critic update included) on a random rollout."""
     import torch
+
     from services.common.modeling import build_token_batch
     from services.common.types import Rollout
     batch, prompt, response = cfg.rollout_batch_size, cfg.prompt_length, cfg.response_length
@@ -99,6 +100,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+
     from services.common.config import load_config
     from services.critic.critic import Critic
     from services.learner.ppo_step import PolicyTrainer

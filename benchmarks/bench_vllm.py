@@ -101,13 +101,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-    from vllm import LLM, SamplingParams as VSamplingParams
+    from vllm import LLM
+    from vllm import SamplingParams as VSamplingParams
 
-    from services.training.data import reverse_task
     from services.common.modeling import load_tokenizer
     from services.common.types import SamplingParams
     from services.generation.client import GenerationClient
     from services.generation.server import serve
+    from services.training.data import reverse_task
 
     tok = load_tokenizer(args.model)
     prompts = [tok(r.prompt)["input_ids"] for r in reverse_task("eval", args.prompts)]

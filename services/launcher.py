@@ -25,11 +25,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from .common.lifecycle import EXIT_RUN_FAILED
 from .common.modeling import check_model_dir
 from .common.rpc import health
+
+if TYPE_CHECKING:
+    from .common.config import Config
 
 NICE_SAMPLERS = 10
 PROGRESS_MARKERS = ("iter ", "done:", "resumed from", "stopped at", "Traceback", "Error", "ERROR")
@@ -157,7 +161,7 @@ def split_url_password(url: str | None) -> tuple[str | None, str | None]:
 
 
 class Launcher:
-    def __init__(self, cfg, args):
+    def __init__(self, cfg: Config, args):
         self.cfg, self.args = cfg, args
         self.run_dir = Path(cfg.run.run_dir).resolve()
         self.log_dir = self.run_dir / "logs"
@@ -359,7 +363,7 @@ class Launcher:
             self.redis.stop()
 
 
-def run_up(cfg, args) -> int:
+def run_up(cfg: Config, args) -> int:
     try:
         check_model_dir(cfg.model.path)
     except FileNotFoundError as e:

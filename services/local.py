@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
 from .training.schedule import Schedule, planned_updates
 
+if TYPE_CHECKING:
+    from .common.config import Config
+
 log = logging.getLogger(__name__)
 
 
@@ -33,7 +37,7 @@ class InProcessSource:
     """Batches sampled, scored and valued here, by the rollout workers' step (`sample_groups`)."""
     wait_metric = "time/rollout_s"
 
-    def __init__(self, cfg, sampler: EpochSampler, backend, scorer, tokenizer, critic):
+    def __init__(self, cfg: Config, sampler: EpochSampler, backend, scorer, tokenizer, critic):
         self.cfg, self.sampler, self.backend, self.scorer = cfg, sampler, backend, scorer
         self.tokenizer, self.critic = tokenizer, critic
         self.params = SamplingParams.for_training(cfg)
@@ -94,7 +98,7 @@ class LocalState:
         return state["loop"]
 
 
-def resume_point(cfg, run_dir: Path) -> Path | None:
+def resume_point(cfg: Config, run_dir: Path) -> Path | None:
     """The checkpoint a local run goes on from: run.resume_from when set, else the newest complete
     one in the run directory (None: a fresh start)."""
     if cfg.run.resume_from:
@@ -106,7 +110,7 @@ def resume_point(cfg, run_dir: Path) -> Path | None:
     return Checkpointer(run_dir, store=None).latest()
 
 
-def run_local(cfg, run_dir: str | Path | None = None) -> dict:
+def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
     run_dir = Path(run_dir or cfg.run.run_dir)
     done = finished_run(run_dir, cfg.run.iterations)
     if done is not None and not cfg.run.resume_from:

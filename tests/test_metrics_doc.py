@@ -21,7 +21,6 @@ from services.learner.client import LearnerClient
 from services.learner.server import serve as serve_learner
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import serve as serve_rollout
-
 from tests.grpc_helpers import TOKEN
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

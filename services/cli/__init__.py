@@ -23,10 +23,14 @@ import socket
 import sys
 from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..common.config import ConfigError, config_data, config_from_dict, dump_config
 from ..training.data import source_problem
 from .preflight import backend_errors, preflight_errors, raw_errors
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 EXIT_CONFIG = 2
 # what a user's machine or config causes (a port in use, an unwritable directory, a missing model
@@ -325,7 +329,7 @@ def secret_problem(name: str, value: str | None, host: str) -> str | None:
     return None
 
 
-def _serve_problem(cfg, args) -> str | None:
+def _serve_problem(cfg: Config, args) -> str | None:
     """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, a
     placeholder or short secret on a non-loopback address, an unusable run directory (learner)."""
     host = cfg.rpc.host if args.service == "rollout" else getattr(cfg.rpc, args.service).host
@@ -348,7 +352,7 @@ def _serve_problem(cfg, args) -> str | None:
     return _run_dir_problem(cfg.run.run_dir) if args.service == "learner" else None
 
 
-def _service(cfg, args):
+def _service(cfg: Config, args):
     """The `serve(cfg)` handle of the service `args.service` names."""
     if args.service == "rollout":
         from ..rollout.worker import serve

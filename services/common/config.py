@@ -19,8 +19,24 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
-    CriticConfig, DataConfig, Endpoint, GenerationConfig, LearnerEndpoint, LoraConfig, ModelConfig, ReplayConfig,
-    RewardConfig, RewardEndpoint, RewardModelConfig, RolloutConfig, RPCConfig, RuleSpec, RunConfig, VLLMConfig, Strict)
+    CriticConfig,
+    DataConfig,
+    Endpoint,
+    GenerationConfig,
+    LearnerEndpoint,
+    LoraConfig,
+    ModelConfig,
+    ReplayConfig,
+    RewardConfig,
+    RewardEndpoint,
+    RewardModelConfig,
+    RolloutConfig,
+    RPCConfig,
+    RuleSpec,
+    RunConfig,
+    Strict,
+    VLLMConfig,
+)
 
 # the algorithm's choices come from its registries: one list of names, not two
 ADV_ESTIMATOR_NAMES = ADV_ESTIMATORS.names()

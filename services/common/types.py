@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
+if TYPE_CHECKING:
+    from .config import Config
+
 if TYPE_CHECKING:  # annotations only
     import torch
 
@@ -38,14 +41,14 @@ class SamplingParams:
     seed: int | None = None
 
     @classmethod
-    def for_training(cls, cfg, n: int | None = None) -> "SamplingParams":
+    def for_training(cls, cfg: Config, n: int | None = None) -> "SamplingParams":
         """Training rollouts: the group size and the configured temperature/top-p/top-k."""
         g = cfg.generation
         return cls(n=n or cfg.num_return_sequences_in_group, temperature=g.temperature, top_p=g.top_p,
                    top_k=g.top_k, max_new_tokens=cfg.response_length)
 
     @classmethod
-    def for_eval(cls, cfg) -> "SamplingParams":
+    def for_eval(cls, cfg: Config) -> "SamplingParams":
         """The held-out eval: one sample per prompt at eval_temperature (0 = greedy), seeded."""
         g = cfg.generation
         return cls(n=1, temperature=g.eval_temperature, top_p=g.top_p, top_k=g.top_k,

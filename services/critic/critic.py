@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
-from ..common.sharding.group import micro_batches
 from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
+from ..common.sharding.group import micro_batches
 from ..ppo import AggNorm, compute_value_loss
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 CHECKPOINT_FILES = ("config.json", "value_head.safetensors", "critic_optim.pt")
 
@@ -46,7 +50,7 @@ class Critic:
         return self.device
 
     @classmethod
-    def from_config(cls, cfg, **kwargs) -> "Critic":
+    def from_config(cls, cfg: Config, **kwargs) -> "Critic":
         return cls(cfg.critic.model_path or cfg.model.path, lr=cfg.critic.lr, value_clip=cfg.value_clip,
                    loss_agg_mode=cfg.loss_agg_mode, max_grad_norm=cfg.max_grad_norm,
                    value_loss_coef=cfg.critic.value_loss_coef, device=cfg.model.device,

@@ -9,20 +9,25 @@ import logging
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .compute import ComputeThread
-from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
-from ..common.rpc.gen import critic_pb2 as cpb, critic_pb2_grpc
 from ..common.lifecycle import GrpcService
+from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
+from ..common.rpc.gen import critic_pb2 as cpb
+from ..common.rpc.gen import critic_pb2_grpc
 from ..common.rpc.server import RPCServer, batch_size_histogram
+from .compute import ComputeThread
 from .critic import CheckpointError, NonFiniteStep
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 MAX_PATH_CHARS = 1024
 
 
 class CriticServicer(critic_pb2_grpc.CriticServicer):
-    def __init__(self, critic, cfg, batch_size=None, root: str | Path | None = None):
+    def __init__(self, critic, cfg: Config, batch_size=None, root: str | Path | None = None):
         """`batch_size`: the `rlhf_batch_size` child that counts sequences per call (None = not counted)."""
         self.critic, self.cfg, self.batch_size = critic, cfg, batch_size
         self.root = Path(cfg.run.run_dir if root is None else root).resolve()
@@ -122,15 +127,15 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         log.info("critic starts from its initial weights (no complete checkpoint in %s)", self.root)
 
 
-def follower_main(cfg) -> int:
+def follower_main(cfg: Config) -> int:
     """Ranks 1..N-1 of a sharded critic (critic.nproc > 1): their shards, running what rank 0 announces."""
-    from ..common.sharding.group import from_env
     from ..common.sharding.followers import follow
+    from ..common.sharding.group import from_env
     from .sharded import ShardedCritic
     return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc)))
 
 
-def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
+def serve(cfg: Config, critic=None, root: str | Path | None = None) -> GrpcService:
     """The critic service: loads the value model `critic` describes (or uses `critic`), restores the
     newest complete checkpoint under `root` (default: `run.run_dir`), then binds `rpc.critic`'s
     ports and serves gRPC. A config without a critic (adv_estimator grpo, rloo, ...: only gae uses
@@ -160,7 +165,7 @@ def serve(cfg, critic=None, root: str | Path | None = None) -> GrpcService:
     return GrpcService("critic", build)
 
 
-def _idle(cfg):
+def _idle(cfg: Config):
     """The critic server of a run that uses no critic: health SERVING, no model, no Critic service."""
     log.info("adv_estimator %s uses no critic: this critic server stays idle (no model loaded)", cfg.adv_estimator)
     ep = cfg.rpc.critic

@@ -11,15 +11,24 @@ checkpoint loads here too (its optimiser state mapped onto the shards).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..common.modeling import TokenBatch, ValueModel, save_model_dir
-from ..common.sharding.group import micro_batches
 from ..common.sharding.followers import collective
-from ..common.sharding.fsdp import (full_state_dict, load_full_optimizer, quiet_single_process,
-                                    read_sharded_optimizer, shard)
+from ..common.sharding.fsdp import (
+    full_state_dict,
+    load_full_optimizer,
+    quiet_single_process,
+    read_sharded_optimizer,
+    shard,
+)
+from ..common.sharding.group import micro_batches
 from .critic import CHECKPOINT_FILES, CheckpointError, Critic
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 OPTIM_DIR = "optim"
 
@@ -33,7 +42,7 @@ class ShardedCritic(Critic):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def from_config(cls, cfg, dist=None) -> "ShardedCritic":
+    def from_config(cls, cfg: Config, dist=None) -> "ShardedCritic":
         return super().from_config(cfg, dist=dist)
 
     @property
@@ -106,8 +115,11 @@ class ShardedCritic(Critic):
     def load(self, path: str | Path) -> None:
         """Weights (full, every rank reads them), optimiser state and step count from `path`; all
         checks come first, so a checkpoint that fails them changes nothing (on every rank alike)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
         path = Path(path)
         for name in CHECKPOINT_FILES:
             if not (path / name).is_file():

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Mapping, Sequence
 
 import torch

@@ -7,15 +7,19 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ..common.rpc.gen import common_pb2, generation_pb2 as gpb, generation_pb2_grpc
+from ..common.rpc.gen import common_pb2, generation_pb2_grpc
+from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import encode_weights
+
+if TYPE_CHECKING:
+    from ..common.config_sections import RPCConfig
 
 # gRPC metadata of a Generate call: the caller's idempotency key (the same on its retries)
 IDEMPOTENCY_KEY = "x-idempotency-key"
@@ -25,7 +29,7 @@ class GenerationClient(RPCClient):
     stub_class = generation_pb2_grpc.GenerationStub
     _push_raw = None
 
-    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
+    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None):
         super().__init__(address, rpc_cfg, timeout_s)
         self.max_chunk_bytes = chunk_bytes(rpc_cfg.max_message_mb)  # room for the piece's metadata
 
@@ -90,7 +94,7 @@ class ServerPool:
 
     `clock` (monotonic seconds) times the avoidance; a test may move it."""
 
-    def __init__(self, live: Callable[[], dict[str, dict]], rpc_cfg, refresh_s: float,
+    def __init__(self, live: Callable[[], dict[str, dict]], rpc_cfg: RPCConfig, refresh_s: float,
                  clock: Callable[[], float] = time.monotonic):
         self._read, self.rpc_cfg, self.refresh_s, self.clock = live, rpc_cfg, refresh_s, clock
         self._servers: dict[str, dict] = {}

@@ -8,6 +8,7 @@ import itertools
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -15,11 +16,14 @@ from ..common.replay import ReplayStore
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
 from ..common.rpc.waits import Counted, wait_failed
 
+if TYPE_CHECKING:
+    from ..common.config import Config
+
 log = logging.getLogger(__name__)
 
 
 class Registration:
-    def __init__(self, cfg, servicer, address: str, store: ReplayStore):
+    def __init__(self, cfg: Config, servicer, address: str, store: ReplayStore):
         self.cfg, self.servicer, self.address, self.store = cfg, servicer, address, store
         self.backend = servicer.backend
         self._stop = threading.Event()

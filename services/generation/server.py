@@ -16,22 +16,26 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from ..common.rpc.errors import BadRequest, Reason, ResourceExhausted
-from ..common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc, common_pb2
 from ..common.lifecycle import GrpcService
+from ..common.rpc.errors import BadRequest, Reason, ResourceExhausted
+from ..common.rpc.gen import common_pb2, generation_pb2_grpc
+from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, SamplingParams
 from ..weights.receiver import WeightReceiver, shm_probe
 from ..weights.shm import Probe
 from ..weights.stream import WeightChunkDecoder
-from .decode import GREEDY_BELOW
-from .client import IDEMPOTENCY_KEY
 from .batching import Batcher, ContinuousBatcher, InFlight
+from .client import IDEMPOTENCY_KEY
+from .decode import GREEDY_BELOW
 from .metrics import GenerationMetrics
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     comes from the run's writer; `probe`, when given, is this server's proof of its shared-memory
     directory (`rpc.shm_dir`)."""
 
-    def __init__(self, backend: GenerationBackend, cfg, server: RPCServer | None = None, model_name: str = "",
+    def __init__(self, backend: GenerationBackend, cfg: Config, server: RPCServer | None = None, model_name: str = "",
                  fence: Callable[[common_pb2.WeightHeader], None] | None = None, probe: Probe | None = None):
         self.backend, self.cfg, self.server = backend, cfg, server
         self.tok = backend.tokenizer
@@ -247,7 +251,7 @@ def add_generation_servicer(servicer, grpc_server) -> None:
         grpc_server.add_registered_method_handlers(service, handlers)
 
 
-def make_backend(cfg) -> GenerationBackend:
+def make_backend(cfg: Config) -> GenerationBackend:
     """The sampling engine `generation.backend` names, loaded from `model.path`."""
     dtype = cfg.generation.engine_dtype(cfg.model.bf16)
     if cfg.generation.backend == "vllm":
@@ -255,11 +259,12 @@ def make_backend(cfg) -> GenerationBackend:
         return VLLMBackend(cfg.model.path, cfg.generation.vllm, dtype=dtype,
                            max_model_len=cfg.prompt_length + cfg.response_length)
     import torch
+
     from .backend import HFBackend
     return HFBackend(cfg.model.path, cfg.model.device, getattr(torch, dtype))
 
 
-def serve(cfg, backend=None) -> GrpcService:
+def serve(cfg: Config, backend=None) -> GrpcService:
     """The generation service: loads the backend (or uses `backend`), then binds `rpc.generation`'s
     ports and serves gRPC; in a distributed run (`replay.url` set) it registers in Redis and pulls
     the current policy before it reports ready."""

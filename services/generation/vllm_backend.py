@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -39,6 +39,9 @@ from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.check import check_newer, check_version
 from .backend import GenerationStopped, run_call, wait_for_call
 from .decode import GREEDY_BELOW
+
+if TYPE_CHECKING:
+    from ..common.config_sections import VLLMConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +100,15 @@ class VLLMBackend:
     continuous_batching = True  # the server hands it calls as they come (no batching window)
     partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
 
-    def __init__(self, model_path: str, vcfg, dtype: str = "float32", max_model_len: int | None = None):
+    def __init__(self, model_path: str, vcfg: VLLMConfig, dtype: str = "float32", max_model_len: int | None = None):
         tp = vcfg.tensor_parallel_size
         self.inprocess = tp == 1
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.inprocess else "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{vcfg.cpu_kvcache_space_gb:g}")
         vllm = import_vllm()
         self.engine_version = f"vllm {vllm.__version__}"
-        from vllm import EngineArgs, SamplingParams as VSamplingParams
+        from vllm import EngineArgs
+        from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
         self._sampling_params, self._final_only = VSamplingParams, RequestOutputKind.FINAL_ONLY

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -22,6 +23,9 @@ from ..common.rpc.waits import wait_failed
 from ..generation.client import ServerPool
 from ..weights.protocol import nbytes
 from ..weights.publisher import Delivery, Publisher
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ def _nothing() -> None:
 class WeightBroadcaster:
     on_progress = staticmethod(_nothing)  # each server's push answered, each tick of a wait (the learner's heartbeat)
 
-    def __init__(self, cfg, store, learner, servers: ServerPool | None = None):
+    def __init__(self, cfg: Config, store, learner, servers: ServerPool | None = None):
         """`servers`: the pool of generation servers the learner shares (its eval's too); by
         default one of its own over `store`'s registry."""
         self.cfg, self.store, self.learner = cfg, store, learner

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..common.rpc.gen import common_pb2, learner_pb2 as lpb, learner_pb2_grpc
+from ..common.rpc.gen import common_pb2, learner_pb2_grpc
+from ..common.rpc.gen import learner_pb2 as lpb
 from ..common.rpc.server import RPCClient
 
 

@@ -15,8 +15,19 @@ import torch
 from ..common.modeling import TokenBatch, build_token_batch, response_log_probs, widen
 from ..common.padding import pad_right
 from ..common.types import Rollout
-from ..ppo import (apply_kl_penalty, clip_by_value, compute_advantages, explained_variance, kl_penalty, masked_mean,
-                   masked_var, masked_whiten, postprocess_rewards, reference_log_probs, rollout_importance_weights)
+from ..ppo import (
+    apply_kl_penalty,
+    clip_by_value,
+    compute_advantages,
+    explained_variance,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    postprocess_rewards,
+    reference_log_probs,
+    rollout_importance_weights,
+)
 
 
 @dataclass

@@ -3,15 +3,19 @@ of the training set, and feeds a replacement for each prompt that was dead-lette
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from ..training.data import EpochSampler
 from ..common.replay.records import make_task
+from ..training.data import EpochSampler
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
 
 class PromptFeeder:
-    def __init__(self, cfg, store, records):
+    def __init__(self, cfg: Config, store, records):
         self.cfg, self.store = cfg, store
         self.sampler = EpochSampler(records, cfg.run.seed)
         self.fed_batches = 0  # batches fed since the run began

@@ -16,14 +16,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from ..common.replay.records import group_from_proto
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
 
 class TrajectoryIntake:
-    def __init__(self, cfg, store, feeder):
+    def __init__(self, cfg: Config, store, feeder):
         self.cfg, self.store, self.feeder = cfg, store, feeder
         self._queue: deque = deque()  # (entry id, record, prompt already trained) read, not yet examined
         self.uncommitted: list[tuple[bytes | str, str]] = []  # (entry id, prompt uid) trained, not checkpointed

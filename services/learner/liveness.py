@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 LIVENESS_FLOOR_S = 600.0
 
 
-def liveness_bound_s(cfg) -> float:
+def liveness_bound_s(cfg: Config) -> float:
     """Seconds without a beat after which the learner's liveness fails: `run.liveness_s`, else
     max(LIVENESS_FLOOR_S, 3 x rpc.timeout_s, the worst Redis command with its retries)."""
     if cfg.run.liveness_s is not None:

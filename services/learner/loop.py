@@ -27,37 +27,40 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from ..training.data import config_prompts
 from ..common.lifecycle import RunFailed
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
-from ..training.runlog import RunLog
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
-from ..training.evaluate import evaluate
+from ..common.sharding.followers import follow, release_followers
+from ..common.sharding.group import from_env
 from ..common.types import Rollout, SamplingParams
 from ..critic.client import CriticClient, OverlappedCritic
 from ..generation.client import ServerPool
 from ..reward.client import HeldOut, RewardClient
+from ..training.data import config_prompts
+from ..training.evaluate import evaluate
+from ..training.loop import Batch, Phase, TrainingLoop
+from ..training.runlog import RunLog
+from ..training.schedule import Schedule, Tick, planned_updates
 from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
-from ..common.sharding.group import from_env
-from ..common.sharding.followers import follow, release_followers
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .liveness import Beating, Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PolicyTrainer, ptx_examples_for
 from .sharded import ShardedPolicyTrainer
-from ..training.loop import Batch, Phase, TrainingLoop
-from ..training.schedule import Schedule, Tick, planned_updates
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +73,11 @@ def run_identity(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def train_prompts(cfg, tokenizer) -> list:
+def train_prompts(cfg: Config, tokenizer) -> list:
     return config_prompts(cfg, "train", tokenizer)
 
 
-def follower_main(cfg) -> int:
+def follower_main(cfg: Config) -> int:
     """Ranks 1..N-1 of a sharded learner (model.nproc > 1): their shards of the actor, running
     what rank 0 (the `LearnerLoop`) announces until it is done."""
     ptx = None
@@ -84,7 +87,7 @@ def follower_main(cfg) -> int:
     return follow(make_trainer(cfg, ptx))
 
 
-def make_trainer(cfg, ptx_examples) -> PolicyTrainer:
+def make_trainer(cfg: Config, ptx_examples) -> PolicyTrainer:
     """This process's policy trainer: its part of the group the actor is sharded across
     (model.nproc > 1), or the whole actor in one process."""
     updates = planned_updates(cfg)
@@ -193,7 +196,7 @@ class LearnerLoop:
     its sink; the learner's checkpoints, status, liveness and Prometheus metrics around it.
     Rank 0 of a sharded learner (model.nproc > 1) or the only process."""
 
-    def __init__(self, cfg, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, registry: CollectorRegistry | None = None):
         self.cfg = cfg
         # touched by every phase, wait tick, answered call and update step (see liveness.py)
         self.heartbeat = Heartbeat(liveness_bound_s(cfg))

@@ -22,26 +22,37 @@ from __future__ import annotations
 import copy
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..training.data import sft_examples
+from ..common.modeling import (
+    TokenBatch,
+    bf16_autocast,
+    has_dropout,
+    load_causal_lm,
+    resolve_device,
+    response_log_probs,
+    save_model_dir,
+)
 from ..common.sharding.group import micro_batches
-from ..weights.hostcopy import to_host
-from ..common.modeling import (TokenBatch, bf16_autocast, has_dropout, load_causal_lm, response_log_probs,
-                               resolve_device, save_model_dir)
 from ..common.types import Rollout
 from ..ppo import RunningMeanStd, make_kl_controller
 from ..ppo.objective import ObjectiveSettings
+from ..training.data import sft_examples
+from ..weights.hostcopy import to_host
 from .experience import Experience, make_experience
 from .lora import merged_lora_weights, merged_state_dict
 from .update import run_update
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 
 ADAPTER_DIR = "adapter"  # with LoRA: the PEFT adapter beside the merged model in final/
 
 
-def ptx_examples_for(cfg, tokenizer, records) -> list | None:
+def ptx_examples_for(cfg: Config, tokenizer, records) -> list | None:
     """(prompt ids, answer ids) pairs for the PTX/SFT loss: the labelled training prompts."""
     if not cfg.ptx_coef:
         return None
@@ -56,7 +67,7 @@ class PolicyTrainer:
 
     sharded = False  # ShardedPolicyTrainer: the actor and its optimiser state split across processes
 
-    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None):
+    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None):
         self.cfg = cfg
         self.device = self._device()
         self.policy = self._load_model()

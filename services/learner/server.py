@@ -6,15 +6,20 @@ import hmac
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from ..common.lifecycle import Service
-from ..common.rpc.gen import learner_pb2 as lpb, learner_pb2_grpc
+from ..common.rpc.gen import learner_pb2 as lpb
+from ..common.rpc.gen import learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import weight_chunks
 from .loop import LearnerLoop
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -76,7 +81,7 @@ class LearnerService(Service):
 
     name = "learner"
 
-    def __init__(self, cfg, run_dir=None):
+    def __init__(self, cfg: Config, run_dir=None):
         self.cfg, self.run_dir = cfg, run_dir
         self.loop: LearnerLoop | None = None
         self.server: RPCServer | None = None
@@ -136,6 +141,6 @@ class LearnerService(Service):
             self.loop.close()
 
 
-def serve(cfg, run_dir=None) -> LearnerService:
+def serve(cfg: Config, run_dir=None) -> LearnerService:
     """The learner service on `rpc.learner`'s ports (metrics and HTTP: null = off)."""
     return LearnerService(cfg, run_dir)

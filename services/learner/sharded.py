@@ -13,22 +13,26 @@ processes loads); a one-process checkpoint loads here too (its tensors put onto 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..common.sharding.group import Dist, micro_batches
+from ..common.modeling import empty_causal_lm, load_causal_lm, save_model_dir
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
-from ..common.modeling import empty_causal_lm, load_causal_lm, save_model_dir
+from ..common.sharding.group import Dist, micro_batches
 from ..common.types import Rollout
-from .ppo_step import PolicyTrainer
 from ..weights.hostcopy import to_host
+from .ppo_step import PolicyTrainer
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 
 class ShardedPolicyTrainer(PolicyTrainer):
     sharded = True
 
-    def __init__(self, cfg, total_updates: int | None = None, ptx_examples=None, *, dist: Dist):
+    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None, *, dist: Dist):
         if cfg.model.lora.rank > 0:
             raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
                              "fits one device train in one process (model.nproc: 1)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from ..common.modeling import build_token_batch, response_log_probs
 from ..ppo import AggNorm, compute_sft_loss, kl_penalty, masked_mean
 from ..ppo.objective import ppo_objective
 from .experience import Experience
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 
 class Metrics:
@@ -155,7 +159,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     return out
 
 
-def _rollout_stats(cfg, stats: list, out: dict, old: torch.Tensor, exp: Experience, m, mask, t: int) -> None:
+def _rollout_stats(cfg: Config, stats: list, out: dict, old: torch.Tensor, exp: Experience, m, mask, t: int) -> None:
     """Accumulate the rollout's entropy and KL to the reference from the training forward of
     micro-batch `m` (the fused old log-probs), as `make_experience` measures them."""
     with torch.no_grad():

@@ -44,13 +44,16 @@ import random
 import threading
 import time
 from concurrent.futures import CancelledError, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from ..common.rpc.errors import BadRequest, Reason, Unavailable
 from ..common.types import RewardSample, ScoreResult
+
+if TYPE_CHECKING:
+    from ..common.config_sections import RewardConfig
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +258,7 @@ class HTTPScorer:
         self._rng = random.Random()
 
     @classmethod
-    def from_config(cls, reward_cfg, metrics=None) -> "HTTPScorer":
+    def from_config(cls, reward_cfg: RewardConfig, metrics=None) -> "HTTPScorer":
         return cls(reward_cfg.http_url, reward_cfg.http_timeout_s, reward_cfg.http_retries, reward_cfg.http_concurrency,
                    backoff_s=reward_cfg.http_backoff_s, max_backoff_s=reward_cfg.http_max_backoff_s,
                    retry_after_max_s=reward_cfg.http_retry_after_max_s, headers=auth_headers(reward_cfg),
@@ -402,7 +405,7 @@ class HTTPScorer:
         return {"url": self.public_url, "breaker": self.breaker.status()}
 
 
-def auth_headers(reward_cfg) -> dict:
+def auth_headers(reward_cfg: RewardConfig) -> dict:
     """{`reward.http_auth_header`: "`http_auth_scheme` token"} when the environment variable
     `reward.http_auth_env` holds a token; {} otherwise."""
     token = os.environ.get(reward_cfg.http_auth_env, "").strip() if reward_cfg.http_auth_env else ""

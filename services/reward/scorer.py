@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ..common.types import RewardSample, ScoreResult, Scorer
+from ..common.types import RewardSample, Scorer, ScoreResult
 from .functions import RewardFunction
 from .rules import RULES
+
+if TYPE_CHECKING:
+    from ..common.config_sections import RewardConfig
 
 
 class RuleScorer:
@@ -98,7 +101,7 @@ class CombinedScorer:
         return results
 
 
-def build_scorer(reward_cfg, device: str = "cpu", api_metrics=None) -> Scorer:
+def build_scorer(reward_cfg: RewardConfig, device: str = "cpu", api_metrics=None) -> Scorer:
     """The scorer a `RewardConfig` describes; `api_metrics` (a `RewardAPIMetrics`) counts the
     requests its HTTP reward API gets, if it has one."""
     parts: list[tuple[str, float, Scorer]] = []
@@ -120,7 +123,7 @@ def build_scorer(reward_cfg, device: str = "cpu", api_metrics=None) -> Scorer:
     return CombinedScorer(parts)
 
 
-def build_eval_scorer(reward_cfg) -> Scorer | None:
+def build_eval_scorer(reward_cfg: RewardConfig) -> Scorer | None:
     """The held-out evaluation's own scorer: the rules of `reward.eval_rules` (a gold reward the
     policy is not trained on), or None when they are unset (the eval uses the training reward)."""
     if reward_cfg.eval_rules is None:

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import threading
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field, ValidationError
@@ -22,12 +22,16 @@ from starlette.requests import Request  # at module level: FastAPI resolves the 
 from ..common.lifecycle import GrpcService
 from ..common.modeling import load_tokenizer
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Reason, Unavailable
-from ..common.rpc.gen import reward_pb2 as rpb, reward_pb2_grpc
+from ..common.rpc.gen import reward_pb2 as rpb
+from ..common.rpc.gen import reward_pb2_grpc
 from ..common.rpc.server import RPCServer, batch_size_histogram
 from ..common.types import RewardSample
 from .functions import RewardFunctionError
 from .http_scorer import api_scorers
 from .metrics import CountRequests, HTTPMetrics, RewardAPIMetrics
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 MAX_SAMPLES = 65536
@@ -264,7 +268,7 @@ class HTTPServerThread:
         self.thread.join(timeout=10)
 
 
-def serve(cfg, scorer=None) -> GrpcService:
+def serve(cfg: Config, scorer=None) -> GrpcService:
     """The reward service: builds the scorer `reward` describes (or uses `scorer`), then binds
     `rpc.reward`'s ports and serves gRPC and, unless `rpc.reward.http_port` is null, OpenRLHF's
     HTTP protocol."""

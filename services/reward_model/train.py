@@ -95,7 +95,8 @@ class RewardModel:
             return self.model(**self.encode(texts)).logits[:, 0].float()
 
     def param_groups(self, lr: float, head_lr: float | None, weight_decay: float) -> list[dict]:
-        head, body = [], []
+        head: list[torch.nn.Parameter] = []
+        body: list[torch.nn.Parameter] = []
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 (head if any(h in name for h in self.head_names) else body).append(p)

@@ -39,6 +39,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -51,11 +52,14 @@ from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
-from .step import sample_groups
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient, ServerPool
 from ..reward.client import APIFailures, RewardAPIFailure, RewardClient
+from .step import sample_groups
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +199,7 @@ class _ClaimRenewal:
 
 
 class RolloutWorker:
-    def __init__(self, cfg, store: ReplayStore, name: str | None = None):
+    def __init__(self, cfg: Config, store: ReplayStore, name: str | None = None):
         self.cfg, self.store = cfg, store
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -456,7 +460,7 @@ class RolloutService(Service):
 
     name = "rollout"
 
-    def __init__(self, cfg, name: str | None = None):
+    def __init__(self, cfg: Config, name: str | None = None):
         self.cfg, self._name = cfg, name
         self.worker: RolloutWorker | None = None
         self.metrics_port: int | None = None
@@ -472,13 +476,19 @@ class RolloutService(Service):
     def ready(self) -> bool:
         return self.worker is not None
 
+    def _started(self) -> RolloutWorker:
+        if self.worker is None:
+            raise RuntimeError("RolloutService.start() first")
+        return self.worker
+
     def endpoints(self) -> dict:
-        return {"worker": self.worker.name, "metrics_port": self.metrics_port}
+        return {"worker": self._started().name, "metrics_port": self.metrics_port}
 
     def run(self) -> int:
-        self.worker.run()
-        if self.worker.failure:
-            raise RunFailed(self.worker.failure)  # run_service: exit EXIT_RUN_FAILED
+        worker = self._started()
+        worker.run()
+        if worker.failure:
+            raise RunFailed(worker.failure)  # run_service: exit EXIT_RUN_FAILED
         return 0
 
     def drain(self) -> None:
@@ -489,7 +499,7 @@ class RolloutService(Service):
         self.drain()
 
 
-def serve(cfg, name: str | None = None) -> RolloutService:
+def serve(cfg: Config, name: str | None = None) -> RolloutService:
     """A rollout worker (`replay.url` must be set). `name` is its consumer name (default
     host-pid); its /metrics is on `rollout.metrics_port` (null = off) at `rpc.host`."""
     return RolloutService(cfg, name)

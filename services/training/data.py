@@ -18,9 +18,12 @@ import logging
 import random
 import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..common.types import STRUCTURED_LABEL, PromptRecord
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +261,7 @@ def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) 
                      f"choose one with {base}@<split>, e.g. {base}@{available[0]}")
 
 
-def config_prompts(cfg, split: str, tokenizer) -> list[PromptRecord]:
+def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
     """The run's training (`split` "train") or held-out ("eval") prompts as its `data` section
     says, those longer than `prompt_length` tokens dropped (or an error: `data.overlong`). With
     `data.eval` unset, the held-out prompts are a split of `data.train` that training never sees
@@ -279,7 +282,7 @@ def config_prompts(cfg, split: str, tokenizer) -> list[PromptRecord]:
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
 
 
-def held_out_source(cfg) -> str:
+def held_out_source(cfg: Config) -> str:
     """Where the held-out prompts come from, in words: data.eval, or the held-out split of data.train."""
     d = cfg.data
     if d.eval is not None or d.train.startswith("synthetic:"):
@@ -383,7 +386,7 @@ def sft_examples(tokenizer, records: list[PromptRecord]) -> list[tuple[list[int]
     return out
 
 
-def data_source_errors(cfg) -> list[str]:
+def data_source_errors(cfg: Config) -> list[str]:
     """Data sources that cannot be read here (a missing file or dataset directory, an unknown
     synthetic task). Checked by the commands that read the data (`config validate`, `train`,
     `up`, `serve learner`), not by every service: a generation server needs no prompt files."""

@@ -32,13 +32,16 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..common.types import Rollout
 from .evaluate import write_rows
 from .runlog import RunLog
 from .schedule import Schedule, Tick
 from .watch import HackingWatch, Verdict, judge
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class TrainingLoop:
     `time/iteration_s` (the learner service); otherwise `time/iteration_s` ends before the eval.
     `stop_event` (a threading.Event) ends the loop after the iteration it is in."""
 
-    def __init__(self, cfg, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
+    def __init__(self, cfg: Config, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
                  evaluate: Callable[[], dict], *, logger: logging.Logger | None = None,
                  keep_state: Callable[[Path, dict], None] | None = None,
                  checkpoint: Callable[[int, Tick], None] | None = None,

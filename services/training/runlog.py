@@ -15,9 +15,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..common.config import dump_config
 from .tracking import open_sinks, scalars
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ def _clean(v):
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, cfg, mode: str, stream=None, resume_from: int | None = None):
+    def __init__(self, run_dir: str | Path, cfg: Config, mode: str, stream=None, resume_from: int | None = None):
         """`resume_from`: keep the rows of iterations up to this one (a run resumed from its
         checkpoint at that iteration) instead of starting metrics.jsonl afresh."""
         self.dir = Path(run_dir)

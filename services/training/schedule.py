@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+    from ..common.config_sections import RunConfig
 
 
 @dataclass
@@ -16,7 +21,7 @@ class Tick:
 
 
 class Schedule:
-    def __init__(self, run_cfg, t_start: float | None = None):
+    def __init__(self, run_cfg: RunConfig, t_start: float | None = None):
         self.cfg = run_cfg
         self.t_start = time.time() if t_start is None else t_start
 
@@ -29,7 +34,7 @@ class Schedule:
                     checkpoint=last or bool(c.checkpoint_interval and iteration % c.checkpoint_interval == 0))
 
 
-def planned_updates(cfg) -> int:
+def planned_updates(cfg: Config) -> int:
     """Optimiser steps over the whole run (for the LR schedule)."""
     samples_per_iter = cfg.rollout_batch_size * cfg.num_return_sequences_in_group
     return cfg.run.iterations * cfg.ppo_epochs * math.ceil(samples_per_iter / cfg.ppo_mini_batch_size)

@@ -17,7 +17,10 @@ import math
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def tracking_errors(cfg) -> list[str]:
+def tracking_errors(cfg: Config) -> list[str]:
     """What stops the configured trackers from starting here: W&B asked for but not installed."""
     if cfg.run.wandb_project and not installed("wandb"):
         return [f"run.wandb_project: {cfg.run.wandb_project!r} needs the wandb package, which is not installed: "
@@ -91,7 +94,7 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, cfg):
+    def __init__(self, run_dir: Path, cfg: Config):
         import wandb
         rc = cfg.run
         id_file = Path(run_dir) / WANDB_ID_FILE
@@ -110,7 +113,7 @@ class WandbSink:
         self.run.finish()
 
 
-def open_sinks(run_dir: str | Path, cfg, resume_from: int | None = None) -> list:
+def open_sinks(run_dir: str | Path, cfg: Config, resume_from: int | None = None) -> list:
     """The trackers `cfg.run` asks for. W&B asked for but not installed is a ValueError (one
     line, how to install it); TensorBoard's package missing is one warning (it is on by default);
     a tracker that fails to start (W&B without an API key or a network, say) is one warning and

@@ -18,7 +18,7 @@ import enum
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -27,6 +27,9 @@ from ..common.rpc.waits import Counted, wait_failed
 from . import shm
 from .protocol import chunk_bytes
 from .stream import Fanout, encode_weights
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +119,12 @@ class SharedMemoryTransport:
         """The version written into shared memory (the request that points a server at it); None
         when it cannot be written (then its servers get the stream)."""
         run_id, epoch = self.pub.identity
+        shm_dir = self.pub.cfg.rpc.shm_dir
+        if shm_dir is None:  # no server is co-located without one
+            return None
         try:
             if self.writer is None or self.writer.run_id != run_id:
-                self.writer = shm.SharedWeightsWriter(self.pub.cfg.rpc.shm_dir, run_id)
+                self.writer = shm.SharedWeightsWriter(shm_dir, run_id)
                 self.writer.cleanup()  # what an earlier learner process of this run left
             return self.writer.write(state, version, epoch, kind)
         except (OSError, TypeError) as e:
@@ -165,7 +171,7 @@ class Publisher:
     version to every planned server at once. `identity` (run id, epoch) is the fence every
     version carries; `on_progress` runs as each server answers (the learner's heartbeat)."""
 
-    def __init__(self, cfg, client: Callable, registered: Callable[[str, dict, int, str], None],
+    def __init__(self, cfg: Config, client: Callable, registered: Callable[[str, dict, int, str], None],
                  on_progress: Callable[[], None] = _nothing):
         self.cfg, self.client, self.registered, self.on_progress = cfg, client, registered, on_progress
         self.identity: tuple[str, int] = ("", 0)

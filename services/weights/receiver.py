@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
@@ -21,6 +21,9 @@ from ..common.rpc.waits import wait_failed
 from .check import check_newer
 from .shm import Probe, open_shared_weights
 from .stream import assemble_weights
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class WeightReceiver:
     loaded ("model:<model.path>") until a full version from a run replaces them ("run:<run_id>")."""
     NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
 
-    def __init__(self, backend, run: Callable, cfg, fence: Fence | None = None, probe: Probe | None = None,
+    def __init__(self, backend, run: Callable, cfg: Config, fence: Fence | None = None, probe: Probe | None = None,
                  readiness=None):
         self.backend, self.run, self.cfg, self.fence, self.probe = backend, run, cfg, fence, probe
         self.readiness = readiness  # the RPC server (set_ready, liveness), or None

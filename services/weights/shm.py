@@ -50,10 +50,26 @@ import torch
 
 from ..common.rpc.codec import checked_shape
 from ..common.rpc.errors import BadRequest
-from ..common.rpc.gen import common_pb2 as pb, generation_pb2 as gpb
+from ..common.rpc.gen import common_pb2 as pb
+from ..common.rpc.gen import generation_pb2 as gpb
 from .check import all_finite, check_coverage, check_header, check_tensor
-from .protocol import (CHUNK_BYTES, FILE_PREFIX, MAX_HEADER, MAX_PIECE, MIN_PIECE, PROBE_PREFIX, ST_DTYPES, ST_NAMES,
-                       STEP, default_digest, hasher, raw_view, safe_run_id, threads, weights_file_name)
+from .protocol import (
+    CHUNK_BYTES,
+    FILE_PREFIX,
+    MAX_HEADER,
+    MAX_PIECE,
+    MIN_PIECE,
+    PROBE_PREFIX,
+    ST_DTYPES,
+    ST_NAMES,
+    STEP,
+    default_digest,
+    hasher,
+    raw_view,
+    safe_run_id,
+    threads,
+    weights_file_name,
+)
 
 MADV_POPULATE_READ = 22  # Linux 5.14+: map the file's pages up front, read-only (copy on write)
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: the same, writable (the writer's mapping)

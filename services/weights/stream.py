@@ -21,6 +21,7 @@ from ..common.rpc.gen import common_pb2 as pb
 from .check import all_finite, check_coverage, check_header, check_tensor
 from .protocol import CHUNK_BYTES, raw_view, xxhash
 
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:

@@ -3,8 +3,8 @@ from typing import Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel
 
-from services.common.config import Config
 from services.cli.config_docs import describe_config
+from services.common.config import Config
 
 # the generated configuration reference page (docs/configuration.md) is checked in tests/docs
 

@@ -97,6 +97,7 @@ def test_a_run_keeps_its_generations_its_best_policy_and_its_newest_checkpoints(
 
 def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_model_dir, tmp_path):
     import torch
+
     from services.cli.eval_model import load_policy
     from services.learner.ppo_step import PolicyTrainer
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={tiny_model_dir}"])

@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.critic.sharded import ShardedCritic  # noqa: E402
-from services.common.sharding.group import from_env  # noqa: E402
 from services.common.sharding.followers import follow, release_followers  # noqa: E402
+from services.common.sharding.group import from_env  # noqa: E402
+from services.critic.sharded import ShardedCritic  # noqa: E402
 from tests.critic.critic_cases import critic_kwargs, steps  # noqa: E402
 
 

@@ -44,9 +44,10 @@ def test_value_clip_limits_the_step(tiny_model_dir):
 
 
 def test_a_non_finite_step_is_not_taken(tiny_model_dir):
+    import pytest
+
     from services.common.modeling import load_tokenizer
     from services.critic.critic import NonFiniteStep
-    import pytest
     batch = _batch(load_tokenizer(tiny_model_dir))
     critic = Critic(tiny_model_dir, lr=1e-2, device="cpu")
     critic.train_step(batch, batch.response_mask, critic.values(batch))

@@ -11,7 +11,6 @@ from services.common.rpc.gen import critic_pb2 as cpb
 from services.critic.client import CriticClient
 from services.critic.critic import Critic
 from services.critic.server import serve
-
 from tests.grpc_helpers import expect_code, on_free_ports
 
 

@@ -149,9 +149,9 @@ class Keda:
 def setup(objs, redis7, tmp_path):
     """(store, feeder, worker config, Keda reader) on a fresh replay namespace of the Redis above,
     with the configs the rendered learner and rollout containers resolve."""
-    from services.training.data import load_prompts
     from services.common.replay.store import ReplayStore
     from services.learner.feeder import PromptFeeder
+    from services.training.data import load_prompts
 
     learner_w = m.one(objs, "StatefulSet", "learner")
     rollout_w = m.one(objs, "Deployment", "rollout")

@@ -10,8 +10,8 @@ import struct
 import zlib
 
 import numpy as np
-from google.protobuf import descriptor as pbd, message_factory, text_format
-
+from google.protobuf import descriptor as pbd
+from google.protobuf import message_factory, text_format
 
 FLOAT32_MAX = 3.4028234663852886e38
 NP_NAMES = {"float32": "float32", "float64": "float64", "int64": "int64", "int32": "int32", "int8": "int8",

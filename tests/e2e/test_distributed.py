@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from services.common.config import load_config
-from tests.e2e.support import run_iterations, write_train_data
 from services.generation.client import GenerationClient
+from tests.e2e.support import run_iterations, write_train_data
 
 ITERATIONS, BATCH, PROMPTS = 80, 8, 48
 NS = "e2e"

@@ -31,7 +31,6 @@ import pytest
 
 from services.common.rpc import health
 from services.common.rpc.server import RPCServer
-
 from tests.e2e.fuzz_requests import Fuzz, summary
 from tests.grpc_helpers import TOKEN, on_free_ports
 
@@ -101,10 +100,10 @@ class FakeLearner:
 def servers(cfg, tmp_path_factory):
     """Generation, reward and critic servers as `serve(cfg)` starts them, and the learner's gRPC
     servicer on an RPCServer; cwd is a temp directory (Critic.Save writes relative paths)."""
+    from services.common.rpc.gen import learner_pb2_grpc
     from services.critic.server import serve as serve_critic
     from services.generation.server import serve as serve_generation
     from services.learner.server import LearnerServicer
-    from services.common.rpc.gen import learner_pb2_grpc
     from services.reward.server import serve as serve_reward
     work = tmp_path_factory.mktemp("fuzz-cwd") / "a" / "b" / "c"
     work.mkdir(parents=True)

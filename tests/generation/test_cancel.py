@@ -14,10 +14,9 @@ from services.common.config import config_from_dict
 from services.common.rpc.gen import generation_pb2 as gpb
 from services.common.types import SamplingParams
 from services.generation.backend import GenerationStopped
-from services.generation.client import IDEMPOTENCY_KEY, GenerationClient
 from services.generation.batching import InFlight
+from services.generation.client import IDEMPOTENCY_KEY, GenerationClient
 from services.generation.server import serve
-
 from tests.grpc_helpers import TOKEN, on_free_ports
 from tests.waits import wait_until
 

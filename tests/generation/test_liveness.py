@@ -20,7 +20,6 @@ from services.common.types import SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.generation.vllm_backend import VLLMBackend
-
 from tests.grpc_helpers import expect_code, held_backend, on_free_ports
 
 

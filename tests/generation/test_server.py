@@ -13,15 +13,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import config_from_dict
 from services.common.modeling import build_token_batch, load_causal_lm, response_log_probs
 from services.common.rpc.errors import Reason, details_of, reason_of
-from services.common.rpc.gen import generation_pb2 as gpb, generation_pb2_grpc
+from services.common.rpc.gen import generation_pb2 as gpb
+from services.common.rpc.gen import generation_pb2_grpc
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
-from services.weights.stream import weight_chunks
 from services.generation.server import serve
-
+from services.weights.stream import weight_chunks
+from tests.grpc_helpers import TOKEN, expect_code, on_free_ports, restream
 from tests.waits import wait_until
-from tests.grpc_helpers import TOKEN, expect_code, restream, on_free_ports
 
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 # vLLM's CPU build: float32 (the learner's dtype), no graph capture, a small KV cache

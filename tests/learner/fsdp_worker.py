@@ -15,8 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from services.common.sharding.group import from_env  # noqa: E402
 from services.common.sharding.followers import follow, release_followers  # noqa: E402
+from services.common.sharding.group import from_env  # noqa: E402
 from services.learner.sharded import ShardedPolicyTrainer  # noqa: E402
 from tests.learner.fsdp_cases import batches, learner_config  # noqa: E402
 

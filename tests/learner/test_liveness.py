@@ -14,7 +14,8 @@ from services.common.replay.connection import redis_worst_s
 from services.common.rpc import health
 from services.generation.server import serve as serve_generation
 from services.learner.liveness import LIVENESS_FLOOR_S, Beating, Heartbeat, liveness_bound_s
-from services.learner.server import serve as serve_learner, status_http
+from services.learner.server import serve as serve_learner
+from services.learner.server import status_http
 from services.reward.server import serve as serve_reward
 from tests.grpc_helpers import on_free_ports
 

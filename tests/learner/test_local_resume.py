@@ -58,6 +58,7 @@ def test_a_branch_keeps_the_reference_it_is_told(tiny_model_dir, tmp_path):
     """A run started from an earlier run's final/ takes model.reference_path as its KL reference:
     the reference's weights are those of that model, not the new starting policy's."""
     import torch
+
     from services.common.config import config_from_dict
     from services.learner.ppo_step import PolicyTrainer
     run = tmp_path / "run"
@@ -78,6 +79,7 @@ def test_saved_model_files_are_readable_as_the_umask_allows(tiny_model_dir, tmp_
     """final/model.safetensors was written 0600 (safetensors' temporary file): other users, and
     containers running as another uid, could not read the run's policy."""
     import stat
+
     from services.common.config import config_from_dict
     from services.learner.ppo_step import PolicyTrainer
     old = os.umask(0o022)

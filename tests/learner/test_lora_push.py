@@ -14,9 +14,8 @@ from services.generation.backend import HFBackend
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
 from services.learner.ppo_step import PolicyTrainer
-
-from tests.weights.test_publisher import Registry, _serves, with_shm
 from tests.grpc_helpers import on_free_ports
+from tests.weights.test_publisher import Registry, _serves, with_shm
 
 
 @pytest.fixture(scope="module")

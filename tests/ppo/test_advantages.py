@@ -3,9 +3,15 @@ import math
 import pytest
 import torch
 
-from services.ppo import (compute_advantages, compute_gae_advantage_return, compute_grpo_outcome_advantage,
-                          compute_reinforce_plus_plus_advantage, compute_reinforce_return,
-                          compute_rloo_outcome_advantage, masked_mean)
+from services.ppo import (
+    compute_advantages,
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_advantage,
+    compute_reinforce_return,
+    compute_rloo_outcome_advantage,
+    masked_mean,
+)
 
 
 def reference_gae(rewards, values, gamma, lam):

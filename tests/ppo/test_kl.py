@@ -3,8 +3,15 @@ import math
 import pytest
 import torch
 
-from services.ppo import (AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty,
-                          make_kl_controller, mix_reference_log_probs, reference_log_probs)
+from services.ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+    make_kl_controller,
+    mix_reference_log_probs,
+    reference_log_probs,
+)
 
 
 def test_kl_estimators_hand_values():

@@ -1,8 +1,16 @@
 import pytest
 import torch
 
-from services.ppo import (agg_loss, compute_policy_loss, compute_sft_loss, compute_value_loss,
-                          entropy_from_logits, logprobs_from_logits, masked_whiten, masked_mean)
+from services.ppo import (
+    agg_loss,
+    compute_policy_loss,
+    compute_sft_loss,
+    compute_value_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+)
 
 
 def _pl(ratio, adv, **kw):

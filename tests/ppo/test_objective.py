@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.ppo import (LOSS_AGG_MODES, AggNorm, agg_loss, compute_gspo_policy_loss, compute_policy_loss,
-                          kl_penalty)
+from services.ppo import LOSS_AGG_MODES, AggNorm, agg_loss, compute_gspo_policy_loss, compute_policy_loss, kl_penalty
 from services.ppo.objective import FIXED_AGG_MODES, ObjectiveSettings, ppo_objective
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -4,9 +4,16 @@ import typing
 import pytest
 import torch
 
-from services.common.config import Config, config_from_dict, ConfigError
-from services.ppo import (ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, Registry, compute_gspo_policy_loss,
-                          compute_policy_loss, kl_penalty)
+from services.common.config import Config, ConfigError, config_from_dict
+from services.ppo import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    Registry,
+    compute_gspo_policy_loss,
+    compute_policy_loss,
+    kl_penalty,
+)
 
 
 def test_registry_lookup_aliases_and_errors():

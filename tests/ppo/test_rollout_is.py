@@ -5,8 +5,13 @@ import math
 import pytest
 import torch
 
-from services.ppo import (agg_loss, compute_gspo_policy_loss, compute_policy_loss, masked_mean,
-                          rollout_importance_weights)
+from services.ppo import (
+    agg_loss,
+    compute_gspo_policy_loss,
+    compute_policy_loss,
+    masked_mean,
+    rollout_importance_weights,
+)
 
 
 def test_weights_are_one_when_the_log_probs_agree():

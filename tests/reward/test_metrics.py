@@ -14,7 +14,6 @@ from services.reward.http_scorer import HTTPScorer, RewardUnavailable
 from services.reward.metrics import HTTPMetrics, RewardAPIMetrics, path_label
 from services.reward.scorer import RuleScorer, build_scorer
 from services.reward.server import build_http_app, serve
-
 from tests.grpc_helpers import TOKEN
 from tests.reward.test_server import FlakyRewardAPI
 

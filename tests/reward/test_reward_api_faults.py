@@ -19,14 +19,20 @@ from prometheus_client import CollectorRegistry
 
 from services.common.config import config_from_dict
 from services.common.config_sections import RewardConfig
-from services.common.types import RewardSample
 from services.common.rpc.errors import reason_of
+from services.common.types import RewardSample
 from services.reward.client import APIFailures, RewardAPIFailure, RewardClient
-from services.reward.http_scorer import (HTTPScorer, RewardAPIFailed, RewardRejected, RewardUnavailable,
-                                         decorrelated_jitter, public_url, retry_after_s)
+from services.reward.http_scorer import (
+    HTTPScorer,
+    RewardAPIFailed,
+    RewardRejected,
+    RewardUnavailable,
+    decorrelated_jitter,
+    public_url,
+    retry_after_s,
+)
 from services.reward.metrics import RewardAPIMetrics
 from services.reward.server import serve
-
 from tests.grpc_helpers import TOKEN
 from tests.reward.fault_api import FaultAPI
 

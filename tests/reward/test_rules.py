@@ -1,8 +1,8 @@
 import pytest
 
+from services.common.types import RewardSample
 from services.reward.functions import RewardFunctionError
 from services.reward.rules import RULES, resolve_rule
-from services.common.types import RewardSample
 from services.reward.scorer import CombinedScorer, RuleScorer
 
 

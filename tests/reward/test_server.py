@@ -10,14 +10,13 @@ import httpx
 import pytest
 
 from services.common.rpc.gen import reward_pb2 as rpb
+from services.common.types import RewardSample, ScoreResult
 from services.reward.client import RewardClient
 from services.reward.http_scorer import HTTPScorer, RewardUnavailable
-from services.common.types import RewardSample, ScoreResult
 from services.reward.scorer import CombinedScorer, RuleScorer
 from services.reward.server import serve
-
-from tests.waits import wait_until
 from tests.grpc_helpers import TOKEN, expect_code, on_free_ports
+from tests.waits import wait_until
 
 
 class FlakyRewardAPI:

@@ -18,16 +18,15 @@ import time
 import pytest
 
 from services.common.config import config_from_dict
-from services.training.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import group_from_proto, make_task
 from services.common.replay.streams import WORKERS_GROUP
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
-
-from tests.reward.fault_api import FaultAPI
+from services.training.data import reverse_task
 from tests.grpc_helpers import on_free_ports
+from tests.reward.fault_api import FaultAPI
 
 GROUP = 2
 _ns = itertools.count()

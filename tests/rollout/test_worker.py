@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from services.common.config import config_from_dict
-from services.training.data import reverse_task
 from services.common.replay import ReplayStore
 from services.common.replay.records import make_task
 from services.common.replay.streams import WORKERS_GROUP
@@ -20,8 +19,9 @@ from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
-from tests.waits import wait_until
+from services.training.data import reverse_task
 from tests.grpc_helpers import on_free_ports
+from tests.waits import wait_until
 
 GROUP = 2
 _ns = itertools.count()

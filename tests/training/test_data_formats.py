@@ -5,9 +5,9 @@ import re
 
 import pytest
 
+from services.cli.tiny import build_tokenizer
 from services.common.config import config_from_dict
 from services.training.data import arithmetic_task, gsm8k_label, load_prompts, render_prompt, source_problem
-from services.cli.tiny import build_tokenizer
 
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many in all?"
 

@@ -1,5 +1,5 @@
-from services.training.data import EpochSampler, load_prompts, reverse_task
 from services.common.modeling import load_tokenizer
+from services.training.data import EpochSampler, load_prompts, reverse_task
 
 
 def test_tokenizer_roundtrip_and_chat_template(tiny_model_dir):

@@ -15,9 +15,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from services.cli import main
 from services.common.config import config_from_dict, load_config
+from services.local import run_local
 from services.training.runlog import RunLog
 from services.training.tracking import TB_DIR, redacted, scalars, tracking_errors
-from services.local import run_local
 
 ROOT = Path(__file__).resolve().parents[2]
 

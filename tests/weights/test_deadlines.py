@@ -20,7 +20,6 @@ from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
-
 from tests.grpc_helpers import expect_code, held_backend, on_free_ports
 
 # long enough for the stream and its checks of the tiny model on a busy machine (tens of ms idle),

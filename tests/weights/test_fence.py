@@ -19,10 +19,9 @@ from services.common.rpc.gen import learner_pb2_grpc
 from services.common.rpc.server import RPCServer
 from services.generation.client import GenerationClient
 from services.generation.registration import Registration
+from services.generation.server import serve
 from services.weights.fence import LearnerFence
 from services.weights.stream import weight_chunks
-from services.generation.server import serve
-
 from tests.grpc_helpers import expect_code, on_free_ports
 
 NOT_THE_LEARNER = "push from a writer that is not the run's learner"

@@ -12,13 +12,12 @@ import grpc
 import pytest
 import torch
 
-from services.weights import shm
 from services.common.rpc.errors import BadRequest
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
-
+from services.weights import shm
 from tests.grpc_helpers import expect_code, on_free_ports
 
 

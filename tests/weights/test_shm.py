@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from services.weights import shm
 from services.common.rpc.errors import BadRequest
+from services.weights import shm
 
 STATE = {"big": torch.randn(300, 400), "half": torch.randn(70_001).to(torch.bfloat16),
          "ids": torch.arange(5, dtype=torch.int64), "empty": torch.zeros(0, 3), "flag": torch.tensor(True),

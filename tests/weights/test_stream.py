@@ -6,11 +6,10 @@ import threading
 import pytest
 import torch
 
-from services.weights.check import all_finite
-from services.weights.stream import (Fanout, WeightChunkDecoder, _varint, assemble_weights, encode_weights,
-                                      weight_chunks)
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
+from services.weights.check import all_finite
+from services.weights.stream import Fanout, WeightChunkDecoder, _varint, assemble_weights, encode_weights, weight_chunks
 
 STATE = {"big": torch.randn(300, 400), "half": torch.randn(70_001).to(torch.bfloat16),
          "ids": torch.arange(5, dtype=torch.int64), "empty": torch.zeros(0, 3), "flag": torch.tensor(True)}

@@ -4,11 +4,17 @@ base every part shares (the client and the run's namespace)."""
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeout
 from redis.retry import Retry
+
+if TYPE_CHECKING:
+    from ..config_sections import ReplayConfig
 
 # A Redis restart (kill -9, a pod rescheduled) is ridden through: every command that finds the
 # connection gone (or Redis still loading its AOF) reconnects and is repeated, with backoff up to
@@ -22,13 +28,13 @@ REDIS_CONNECT_TIMEOUT_S = 5.0
 REDIS_REPLY_S = 10.0
 
 
-def socket_timeout_s(replay_cfg) -> float:
+def socket_timeout_s(replay_cfg: ReplayConfig) -> float:
     """Seconds a Redis command waits for its reply: the longest blocking stream read the store
     makes (replay.block_ms; its methods' default 500 ms) plus REDIS_REPLY_S."""
     return max(replay_cfg.block_ms, 500) / 1000 + REDIS_REPLY_S
 
 
-def redis_worst_s(replay_cfg) -> float:
+def redis_worst_s(replay_cfg: ReplayConfig) -> float:
     """The longest one store call can take against a Redis that never answers: each of its
     1 + REDIS_RETRIES tries waits out the socket timeout, then the backoff (at most its cap)."""
     return (REDIS_RETRIES + 1) * (max(socket_timeout_s(replay_cfg), REDIS_CONNECT_TIMEOUT_S) + REDIS_BACKOFF_CAP_S)
@@ -48,7 +54,7 @@ def redis_error_code(e: BaseException) -> str | None:
     return words[0] if words and words[0].isupper() else None
 
 
-def connect(replay_cfg, url: str | None = None) -> redis.Redis:
+def connect(replay_cfg: ReplayConfig, url: str | None = None) -> redis.Redis:
     url = url or replay_cfg.url
     if not url:
         raise ValueError("replay.url is not set: start the system with `rlhf up` (it runs an embedded Redis), "

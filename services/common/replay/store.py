@@ -10,12 +10,17 @@ generation server several), plus `reset` of the whole namespace.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import redis
 
 from .connection import RedisPart, connect, says_where_everywhere
 from .fence import VersionFence
 from .registry import Registry
 from .streams import ReplayStreams
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 class ReplayStore(ReplayStreams, Registry, VersionFence):
@@ -27,7 +32,7 @@ class ReplayStore(ReplayStreams, Registry, VersionFence):
         self._setup_streams(claim_idle_s)
 
     @classmethod
-    def from_config(cls, cfg, url: str | None = None) -> "ReplayStore":
+    def from_config(cls, cfg: Config, url: str | None = None) -> "ReplayStore":
         rc = cfg.replay
         return cls(connect(rc, url), rc.namespace, rc.claim_idle_s, rc.heartbeat_ttl_s,
                    secret=cfg.rpc.resolved_auth_token())

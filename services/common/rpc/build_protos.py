@@ -20,8 +20,8 @@ OUT_DIR = Path(__file__).resolve().parent / "gen"
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
     protos = sorted((PROTO_DIR / "rlhf" / "v1").glob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:

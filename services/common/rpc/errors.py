@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import collections
 import enum
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 
 import grpc
 from google.protobuf import any_pb2

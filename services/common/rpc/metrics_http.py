@@ -13,13 +13,16 @@ from __future__ import annotations
 import hmac
 import socket
 import threading
-from typing import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+if TYPE_CHECKING:
+    from ..config_sections import RPCConfig
 
-def metrics_token(rpc_cfg) -> str | None:
+
+def metrics_token(rpc_cfg: RPCConfig) -> str | None:
     """The token /metrics requires: the RPCs' bearer token, or None (open) when `rpc.open_metrics`
     is set or no token is configured."""
     return None if rpc_cfg.open_metrics else rpc_cfg.resolved_auth_token()

@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import grpc
+
+if TYPE_CHECKING:
+    from ..config_sections import RPCConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class Retrying:
     forever) or until `stop_event` is set, then raises `DependencyUnavailable`. `on_wait(msg)`
     is told what it waits for (None once it is answered again)."""
 
-    def __init__(self, client, what: str, rpc_cfg, stop_event: threading.Event | None = None,
+    def __init__(self, client, what: str, rpc_cfg: RPCConfig, stop_event: threading.Event | None = None,
                  on_wait: Callable[[str | None], None] | None = None, wait_s: float | None = -1,
                  idempotent: Iterable[str] = ("values", "score", "generate", "info", "save", "load", "version")):
         self.client, self.what = client, what

@@ -20,6 +20,7 @@ import time
 import uuid
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..metrics import register_process_metrics
 from .errors import BadRequest, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable, status_for
 from .metrics_http import metrics_token, serve_metrics
+
+if TYPE_CHECKING:
+    from ..config_sections import RPCConfig
 
 log = logging.getLogger(__name__)
 
@@ -270,8 +274,8 @@ class _Health(health.HealthServicer):
 
 
 class RPCServer:
-    def __init__(self, service: str, rpc_cfg, port: int, metrics_port: int | None = None, host: str | None = None,
-                 max_workers: int = 16, registry: CollectorRegistry | None = None):
+    def __init__(self, service: str, rpc_cfg: RPCConfig, port: int, metrics_port: int | None = None,
+                 host: str | None = None, max_workers: int = 16, registry: CollectorRegistry | None = None):
         self.service, self.cfg = service, rpc_cfg
         self.metrics = ServiceMetrics(service, registry)
         token = rpc_cfg.resolved_auth_token()
@@ -342,7 +346,7 @@ class RPCServer:
         self.grpc.wait_for_termination()
 
 
-def client_channel(address: str, rpc_cfg) -> grpc.Channel:
+def client_channel(address: str, rpc_cfg: RPCConfig) -> grpc.Channel:
     # a server that restarts is dialled again within a second or so of coming back, not after
     # gRPC's default reconnect backoff (which grows to 120 s); the callers' own retries pace the calls
     reconnect_ms = int(min(rpc_cfg.retry_max_backoff_s, 2.0) * 1000)
@@ -366,13 +370,13 @@ def endpoint_address(ep) -> str:
     return f"{reachable_host(ep.host)}:{ep.port}"
 
 
-def advertised_address(rpc_cfg, host: str, port: int) -> str:
+def advertised_address(rpc_cfg: RPCConfig, host: str, port: int) -> str:
     """host:port this server tells others (Redis registry): `rpc.advertise_host` (the pod IP in
     Kubernetes) or the bound host."""
     return f"{rpc_cfg.advertise_host or reachable_host(host)}:{port}"
 
 
-def call_metadata(rpc_cfg) -> tuple:
+def call_metadata(rpc_cfg: RPCConfig) -> tuple:
     token = rpc_cfg.resolved_auth_token()
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -382,7 +386,7 @@ class RPCClient:
 
     stub_class: type = object
 
-    def __init__(self, address: str, rpc_cfg, timeout_s: float | None = None):
+    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None):
         self.address = address
         self.channel = client_channel(address, rpc_cfg)
         self.stub = self.stub_class(self.channel)

@@ -165,6 +165,7 @@ def test_a_live_consumer_that_renews_its_claim_keeps_its_prompts(store):
 
 def test_registry_ignores_registrations_without_proof_of_the_token(store):
     import redis
+
     from services.common.replay import ReplayStore
     secured = ReplayStore(redis.Redis(connection_pool=store.r.connection_pool), namespace=store.ns,
                           heartbeat_ttl_s=1.0, secret="the-token")

@@ -12,7 +12,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.common.config import config_from_dict
-from services.common.replay import ReplayStore, connection as store_mod
+from services.common.replay import ReplayStore
+from services.common.replay import connection as store_mod
 
 
 @pytest.fixture

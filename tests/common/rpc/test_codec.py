@@ -5,7 +5,6 @@ import torch
 
 from services.common.rpc.errors import BadRequest
 from services.weights.stream import assemble_weights, weight_chunks
-
 from tests.grpc_helpers import restream
 
 STATE = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.int64)}

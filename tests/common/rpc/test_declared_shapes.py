@@ -14,7 +14,6 @@ from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
 from services.weights import shm
 from services.weights.stream import assemble_weights, weight_chunks
-
 from tests.grpc_helpers import restream
 
 OVERFLOWING = [

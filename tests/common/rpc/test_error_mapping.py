@@ -8,8 +8,17 @@ import grpc
 import pytest
 
 from services.common.config import config_from_dict
-from services.common.rpc.errors import (BadRequest, DeadlineExceeded, ErrorDetails, Reason, ResourceExhausted,
-                                        Unavailable, Violation, details_of, reason_of)
+from services.common.rpc.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    ErrorDetails,
+    Reason,
+    ResourceExhausted,
+    Unavailable,
+    Violation,
+    details_of,
+    reason_of,
+)
 from services.common.rpc.gen import reward_pb2 as rpb
 from services.common.rpc.server import RPCServer
 

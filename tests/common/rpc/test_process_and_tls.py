@@ -17,7 +17,6 @@ from services.common.config import config_from_dict
 from services.common.types import SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve
-
 from tests.grpc_helpers import TOKEN, on_free_ports
 from tests.waits import wait_until
 

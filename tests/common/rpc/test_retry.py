@@ -13,8 +13,8 @@ from services.common.rpc.retry import DependencyUnavailable, Retrying
 from services.common.types import RewardSample
 from services.reward.client import RewardClient
 from services.reward.server import serve as serve_reward
-from tests.waits import wait_until
 from tests.grpc_helpers import on_free_ports
+from tests.waits import wait_until
 
 
 def _cfg(tiny_model_dir, port, **rpc):
