@@ -132,6 +132,12 @@ class GenerationBackend(Protocol):
     vocab_size: int
     eos_token_id: int
     pad_token_id: int
+    # what the server adapts to
+    continuous_batching: bool  # takes calls as they come (vLLM's scheduler), or batched by the server's window
+    partial_updates: bool  # loads a partial version (LoRA's merged modules), or whole policies only
+    broken: str | None  # why it must not serve now (a reload failed midway); None while it can
+
+    def dead(self) -> str | None: ...  # why it can never serve again (liveness fails); None while alive
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult: ...
 

@@ -60,6 +60,9 @@ class HFBackend:
     `update_weights` waits for it, so no sample mixes two policy versions. With `dtype` bfloat16
     (`model.bf16`) the engine holds and runs the policy in bfloat16; pushes stay float32 (the
     learner's master weights) and are cast as they load."""
+    continuous_batching = False  # the server batches calls in its window (batching.py:Batcher)
+    partial_updates = True  # a partial version loads over the weights it has
+    broken: str | None = None  # never: a failed update changes nothing
 
     def __init__(self, model_path: str, device: str = "auto", dtype: torch.dtype = torch.float32):
         self.device = resolve_device(device)
@@ -79,6 +82,9 @@ class HFBackend:
         dtype = next(self.model.parameters()).dtype
         return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}",
                 "dtype": str(dtype).removeprefix("torch."), "device": str(self.device)}
+
+    def dead(self) -> str | None:
+        return None  # no engine of its own to die
 
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The policy's tensors as the learner pushes them: names and shapes, floating ones in float32."""

@@ -213,8 +213,7 @@ class ContinuousBatcher(ActiveCalls):
         self.backend.close()
 
     def dead(self) -> str | None:
-        dead = getattr(self.backend, "dead", None)
-        return dead() if dead is not None else None
+        return self.backend.dead()
 
 
 

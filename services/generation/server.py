@@ -60,7 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
         metrics = GenerationMetrics(server.metrics) if server else None
-        self.batcher = ContinuousBatcher(backend, metrics) if getattr(backend, "continuous_batching", False) else \
+        self.batcher = ContinuousBatcher(backend, metrics) if backend.continuous_batching else \
             Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
         self.in_flight = InFlight()
         self.receiver = WeightReceiver(backend, self.batcher.call, cfg, fence=fence, probe=probe, readiness=server)
@@ -194,7 +194,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         (a vLLM reload failed midway, so the engine holds half a policy; its engine core died), or
         the thread that runs every batch and weight swap has exited. Readiness is another matter:
         it also goes off for a moment during each weight swap."""
-        broken = getattr(self.backend, "broken", None)
+        broken = self.backend.broken
         if broken:
             return f"generation backend broken: {broken}"
         return self.batcher.dead()
@@ -202,7 +202,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def registry_info(self) -> dict:
         """What this server's registry entry says besides its version: the shared-memory probe's
         nonce, where its weights come from (`base`), and whether its backend takes partial pushes."""
-        info = {"base": self.base, "partial": bool(getattr(self.backend, "partial_updates", True))}
+        info = {"base": self.base, "partial": self.backend.partial_updates}
         if self.probe is not None:
             info["shm"] = self.probe.nonce
         return info

@@ -11,7 +11,16 @@ per server of the targets; `finish`):
 What a push sends (the snapshot, full or partial, the plan per server) is the learner's
 (`learner/broadcast.py`); this module moves bytes. A server is reached through `client(address)`
 (`push_encoded(chunks)`, `load_shared(request)`, `timeout`), and `registered(address, info,
-version, kind)` runs once a server took a version."""
+version, kind)` runs once a server took a version. Each server's push ends as a `Delivery`.
+
+One weight push, hop by hop (docs/architecture.md, section 12):
+    learner/loop.py:PushSink.publish            the version, from Redis's counter (common/replay/fence.py)
+    learner/broadcast.py:WeightBroadcaster.push snapshot; plan each server; the live ones from ServerPool
+    Publisher.deliver                           every server at once, by its transport (this file)
+    generation/server.py:PushWeights, LoadSharedWeights
+      weights/receiver.py:WeightReceiver        fence, assemble and check, swap between batches
+    learner/broadcast.py:_registered            the registry shows the version to the workers
+"""
 from __future__ import annotations
 
 import enum

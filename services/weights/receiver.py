@@ -130,7 +130,7 @@ class WeightReceiver:
                     raise BadRequest(f"weights: {e}") from None
                 finally:
                     state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
-                    if server and not getattr(self.backend, "broken", None):
+                    if server and not self.backend.broken:
                         server.set_ready(True)  # a broken engine stays not ready, and fails liveness
                     elif server:
                         server.liveness()  # says why now, not at the next probe
