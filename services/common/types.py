@@ -6,7 +6,7 @@ satisfy. A leaf module: it imports no service and no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .config import Config
@@ -15,6 +15,15 @@ if TYPE_CHECKING:  # annotations only
     import torch
 
     from .modeling import TokenBatch
+
+
+Progress = Callable[[], None]
+"""The `on_progress` of long work: called at each step of it (a micro-batch, a server's answer,
+a wait's tick); the learner service hands its heartbeat (a sign of life, see learner/liveness.py)."""
+
+
+def no_progress() -> None:
+    """The `on_progress` when nobody listens."""
 
 
 STRUCTURED_LABEL = "ground_truth"  # the metadata field of a label stored as a structure (a dict or list)

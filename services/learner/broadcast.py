@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from ..common.rpc.waits import wait_failed
+from ..common.types import Progress, no_progress
 from ..generation.client import ServerPool
 from ..weights.protocol import nbytes
 from ..weights.publisher import Delivery, Publisher
@@ -30,22 +31,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _nothing() -> None:
-    pass
-
-
 class WeightBroadcaster:
-    on_progress = staticmethod(_nothing)  # each server's push answered, each tick of a wait (the learner's heartbeat)
-
-    def __init__(self, cfg: Config, store, learner, servers: ServerPool | None = None):
+    def __init__(self, cfg: Config, store, learner, servers: ServerPool | None = None,
+                 on_progress: Progress = no_progress):
         """`servers`: the pool of generation servers the learner shares (its eval's too); by
-        default one of its own over `store`'s registry."""
+        default one of its own over `store`'s registry. `on_progress`: called as each server's
+        push is answered."""
         self.cfg, self.store, self.learner = cfg, store, learner
         self._owns_servers = servers is None
         self.servers = servers or ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
-        self.publisher = Publisher(cfg, self.servers.client, self._registered, on_progress=lambda: self.on_progress())
+        self.publisher = Publisher(cfg, self.servers.client, self._registered, on_progress=on_progress)
 
     @property
     def identity(self) -> tuple[str, int]:

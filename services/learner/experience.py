@@ -49,7 +49,7 @@ def forward_in_micro_batches(learner, forward, batch: TokenBatch) -> dict[str, t
     and every process gets the whole result (the trainer's `micro_batches` and `gather_rows`)."""
     n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
     parts: dict[str, list[torch.Tensor]] = {}
-    progress = getattr(learner, "on_progress", None) or (lambda: None)
+    progress = learner.on_progress
     with torch.no_grad(), learner.autocast():
         for rows, real in learner.micro_batches(n, learner.log_prob_micro):
             out = forward(batch.select(rows).trimmed())

@@ -19,6 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..common.replay.records import group_from_proto
+from ..common.types import Progress, no_progress
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class TrajectoryIntake:
-    def __init__(self, cfg: Config, store, feeder):
-        self.cfg, self.store, self.feeder = cfg, store, feeder
+    def __init__(self, cfg: Config, store, feeder, on_progress: Progress = no_progress):
+        """`on_progress`: called at each tick of `collect`'s wait."""
+        self.cfg, self.store, self.feeder, self.on_progress = cfg, store, feeder, on_progress
         self._queue: deque = deque()  # (entry id, record, prompt already trained) read, not yet examined
         self.uncommitted: list[tuple[bytes | str, str]] = []  # (entry id, prompt uid) trained, not checkpointed
         self._uncommitted_uids: set[str] = set()
@@ -36,7 +38,6 @@ class TrajectoryIntake:
         self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "malformed": 0}
         self.stale_streak = 0  # groups dropped as stale in a row, since the last fresh one
         self._streak_reported = 0
-        self.on_progress = lambda: None  # each tick of `collect`'s wait (the learner's heartbeat)
 
     def _enqueue(self, entries: list) -> None:
         """Queue read entries with whether their prompt is already trained (one round trip)."""

@@ -41,7 +41,7 @@ from ..common.rpc.retry import DependencyUnavailable, Retrying
 from ..common.rpc.server import endpoint_address
 from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
-from ..common.types import Rollout, SamplingParams
+from ..common.types import Progress, Rollout, SamplingParams, no_progress
 from ..critic.client import CriticClient, OverlappedCritic
 from ..generation.client import ServerPool
 from ..reward.client import HeldOut, RewardClient
@@ -87,14 +87,14 @@ def follower_main(cfg: Config) -> int:
     return follow(make_trainer(cfg, ptx))
 
 
-def make_trainer(cfg: Config, ptx_examples) -> PolicyTrainer:
+def make_trainer(cfg: Config, ptx_examples, on_progress: Progress = no_progress) -> PolicyTrainer:
     """This process's policy trainer: its part of the group the actor is sharded across
     (model.nproc > 1), or the whole actor in one process."""
     updates = planned_updates(cfg)
     if cfg.model.nproc > 1:
-        return ShardedPolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples,
+        return ShardedPolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples, on_progress=on_progress,
                                     dist=from_env(cfg.model.device, cfg.model.nproc))
-    return PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples)
+    return PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples, on_progress=on_progress)
 
 
 def quietly(fn: Callable[[], Any], default: Any) -> Any:
@@ -211,8 +211,8 @@ class LearnerLoop:
         train = train_prompts(cfg, self.tokenizer)
         self.held_out = config_prompts(cfg, "eval", self.tokenizer)
         # with model.nproc > 1, rank 0 of the group (`follower_main` builds the others')
-        self.learner = make_trainer(cfg, ptx_examples_for(cfg, self.tokenizer, train))
-        self.learner.on_progress = self.heartbeat  # each micro-batch forward and optimiser step
+        # the heartbeat at each micro-batch forward and optimiser step
+        self.learner = make_trainer(cfg, ptx_examples_for(cfg, self.tokenizer, train), on_progress=self.heartbeat)
         self.critic = self.critic_watch = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
             self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")
@@ -223,12 +223,12 @@ class LearnerLoop:
         self.reward = Beating(self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server"),
                               self.heartbeat)
         self.feeder = PromptFeeder(cfg, self.store, train)
-        self.intake = TrajectoryIntake(cfg, self.store, self.feeder)
-        self.intake.on_progress = self.heartbeat  # each tick of the wait for trajectories
+        # the heartbeat at each tick of the wait for trajectories
+        self.intake = TrajectoryIntake(cfg, self.store, self.feeder, on_progress=self.heartbeat)
         # the live generation servers: pushed to, and one at the current version for the eval
         self.servers = ServerPool(lambda: self.store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
-        self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner, self.servers)
-        self.broadcaster.on_progress = self.heartbeat  # each server's push answered, each tick of a wait
+        # the heartbeat as each server's push is answered
+        self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner, self.servers, on_progress=self.heartbeat)
         self.sink = PushSink(self.store, self.broadcaster)
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())

@@ -36,7 +36,7 @@ from ..common.modeling import (
     save_model_dir,
 )
 from ..common.sharding.group import micro_batches
-from ..common.types import Rollout
+from ..common.types import Progress, Rollout, no_progress
 from ..ppo import RunningMeanStd, make_kl_controller
 from ..ppo.objective import ObjectiveSettings
 from ..training.data import sft_examples
@@ -63,12 +63,12 @@ class PolicyTrainer:
     """Owns the actor, the reference model, the optimiser, the KL controller and the running
     reward statistics. `cfg` is the validated `Config`."""
 
-    on_progress = None  # called at each micro-batch forward and optimiser step (the learner service's heartbeat)
-
     sharded = False  # ShardedPolicyTrainer: the actor and its optimiser state split across processes
 
-    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None,
+                 on_progress: Progress = no_progress):
+        """`on_progress`: called at each micro-batch forward and optimiser step."""
+        self.cfg, self.on_progress = cfg, on_progress
         self.device = self._device()
         self.policy = self._load_model()
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0

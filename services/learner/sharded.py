@@ -21,7 +21,7 @@ from ..common.modeling import empty_causal_lm, load_causal_lm, save_model_dir
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
 from ..common.sharding.group import Dist, micro_batches
-from ..common.types import Rollout
+from ..common.types import Progress, Rollout, no_progress
 from ..weights.hostcopy import to_host
 from .ppo_step import PolicyTrainer
 
@@ -32,12 +32,13 @@ if TYPE_CHECKING:
 class ShardedPolicyTrainer(PolicyTrainer):
     sharded = True
 
-    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None, *, dist: Dist):
+    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None,
+                 on_progress: Progress = no_progress, *, dist: Dist):
         if cfg.model.lora.rank > 0:
             raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
                              "fits one device train in one process (model.nproc: 1)")
         self.dist = dist  # read by `collective`, `follow` and `release_followers` too
-        super().__init__(cfg, total_updates, ptx_examples)
+        super().__init__(cfg, total_updates, ptx_examples, on_progress)
 
     # ---------------------------------------------------------------- the models
     def _device(self) -> torch.device:

@@ -46,10 +46,6 @@ class Metrics:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
-def _nothing() -> None:
-    pass
-
-
 def ptx_loss(learner, picks: list) -> torch.Tensor | None:
     """The PTX/SFT loss of (prompt ids, answer ids) pairs under the policy (None for none)."""
     if not picks:
@@ -73,7 +69,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
         raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
     rollout_stats = [0.0, 0.0, 0.0, 0.0]  # entropy sum, tokens, sequence KL sum, sequences (fused)
     critic_steps: list = []
-    progress = getattr(learner, "on_progress", None) or _nothing  # the learner service's heartbeat
+    progress = learner.on_progress  # the learner service's heartbeat
     g = torch.Generator().manual_seed(learner.rng.randrange(2 ** 31))
     # rows of like length share a micro-batch (each is trimmed to its longest row): the padding
     # left is what the lengths differ by within a micro-batch, not across the mini-batch

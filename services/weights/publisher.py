@@ -33,6 +33,7 @@ import grpc
 
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.waits import Counted, wait_failed
+from ..common.types import Progress, no_progress
 from . import shm
 from .protocol import chunk_bytes
 from .stream import Fanout, encode_weights
@@ -44,10 +45,6 @@ log = logging.getLogger(__name__)
 
 PUSH_WINDOW_BYTES = 128 << 20  # encoded chunks held for the slowest server
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _nothing() -> None:
-    pass
 
 
 class Delivery(enum.Enum):
@@ -181,7 +178,7 @@ class Publisher:
     version carries; `on_progress` runs as each server answers (the learner's heartbeat)."""
 
     def __init__(self, cfg: Config, client: Callable, registered: Callable[[str, dict, int, str], None],
-                 on_progress: Callable[[], None] = _nothing):
+                 on_progress: Progress = no_progress):
         self.cfg, self.client, self.registered, self.on_progress = cfg, client, registered, on_progress
         self.identity: tuple[str, int] = ("", 0)
         self.stream = StreamTransport(self)
