@@ -47,5 +47,19 @@ class OverlappedCritic:
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor):
         return self._pool.submit(self.client.train_step, batch, returns, old_values)
 
-    def __getattr__(self, name):  # values, save, load, info, close: the client's own
-        return getattr(self.client, name)
+    # the rest is the client's own
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        return self.client.values(batch)
+
+    def save(self, path: str) -> int:
+        return self.client.save(path)
+
+    def load(self, path: str) -> int:
+        return self.client.load(path)
+
+    def info(self) -> cpb.CriticInfo:
+        return self.client.info()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.client.close()

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
+import grpc
 import torch
 
 from ..common.rpc.gen import common_pb2, generation_pb2_grpc
@@ -29,8 +30,9 @@ class GenerationClient(RPCClient):
     stub_class = generation_pb2_grpc.GenerationStub
     _push_raw = None
 
-    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None):
-        super().__init__(address, rpc_cfg, timeout_s)
+    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None,
+                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()):
+        super().__init__(address, rpc_cfg, timeout_s, interceptors)
         self.max_chunk_bytes = chunk_bytes(rpc_cfg.max_message_mb)  # room for the piece's metadata
 
     @staticmethod

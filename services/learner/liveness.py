@@ -58,7 +58,7 @@ class Heartbeat:
                 self.phase = phase
 
     def __call__(self, *_args, **_kwargs) -> None:
-        """`beat()`, usable as any callback (Retrying's `on_wait`, a learner's `on_progress`)."""
+        """`beat()`, usable as any callback (`RideThrough`'s `on_wait`, `EachAnswer`, an `on_progress`)."""
         self.beat()
 
     def ended(self) -> None:
@@ -82,23 +82,3 @@ class Heartbeat:
         with self._lock:
             return {"phase": self.phase, "since_beat_s": round(self._clock() - self._last, 1),
                     "bound_s": self.bound_s}
-
-
-class Beating:
-    """A client whose every method call, when it returns or raises, beats `heartbeat`: the loop
-    waiting on another service's answer shows progress with each answer."""
-
-    def __init__(self, client, heartbeat: Heartbeat):
-        self._client, self._heartbeat = client, heartbeat
-
-    def __getattr__(self, name):
-        attr = getattr(self._client, name)
-        if not callable(attr) or name.startswith("_"):
-            return attr
-
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self._heartbeat.beat()
-        return call

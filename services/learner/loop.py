@@ -37,7 +37,7 @@ from ..common.lifecycle import RunFailed
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.rpc.errors import Reason, reason_of
-from ..common.rpc.retry import DependencyUnavailable, Retrying
+from ..common.rpc.retry import DependencyUnavailable, EachAnswer, RideThrough
 from ..common.rpc.server import endpoint_address
 from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
@@ -54,7 +54,7 @@ from .broadcast import WeightBroadcaster
 from .checkpoint import Checkpointer, finished_run
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
-from .liveness import Beating, Heartbeat, liveness_bound_s
+from .liveness import Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
 from .ppo_step import PolicyTrainer, ptx_examples_for
 from .sharded import ShardedPolicyTrainer
@@ -214,14 +214,15 @@ class LearnerLoop:
         # the heartbeat at each micro-batch forward and optimiser step
         self.learner = make_trainer(cfg, ptx_examples_for(cfg, self.tokenizer, train), on_progress=self.heartbeat)
         self.critic = self.critic_watch = None
-        if cfg.needs_critic:  # calls ride through a restart of the critic or reward server
-            self.critic = self._retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server")
-            if cfg.critic.overlap_training:
-                self.critic = OverlappedCritic(self.critic)
-            self.critic = Beating(self.critic, self.heartbeat)
+        if cfg.needs_critic:  # calls ride through a restart of the critic or reward server; each answer beats
+            critic_at = endpoint_address(cfg.rpc.critic)
+            critic = CriticClient(critic_at, cfg.rpc, interceptors=[
+                EachAnswer(self.heartbeat), self._riding("critic server", critic_at)])
+            self.critic = OverlappedCritic(critic) if cfg.critic.overlap_training else critic
             self.critic_watch = CriticWatch(self.critic)
-        self.reward = Beating(self._retrying(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc), "reward server"),
-                              self.heartbeat)
+        reward_at = endpoint_address(cfg.rpc.reward)
+        self.reward = RewardClient(reward_at, cfg.rpc, interceptors=[EachAnswer(self.heartbeat),
+                                                                    self._riding("reward server", reward_at)])
         self.feeder = PromptFeeder(cfg, self.store, train)
         # the heartbeat at each tick of the wait for trajectories
         self.intake = TrajectoryIntake(cfg, self.store, self.feeder, on_progress=self.heartbeat)
@@ -259,8 +260,8 @@ class LearnerLoop:
         """The phase the run is in (the status's "state")."""
         return self.phase.name
 
-    def _retrying(self, client, what: str) -> Retrying:
-        return Retrying(client, what, self.cfg.rpc, self.stop_event, on_wait=self._waiting)
+    def _riding(self, what: str, address: str) -> RideThrough:
+        return RideThrough(what, address, self.cfg.rpc, self.stop_event, on_wait=self._waiting)
 
     def _waiting(self, msg: str | None) -> None:
         self.waiting_for = msg

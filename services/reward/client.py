@@ -1,7 +1,7 @@
 """gRPC client of the reward server with the `Scorer` interface; `HeldOut(client)` is the same
-server as the held-out evaluation's scorer (`reward.eval_rules` on the server, when set);
-`APIFailures(client)` tells a batch the user's reward API failed (`RewardAPIFailure`) from a
-reward server that is unavailable itself."""
+server as the held-out evaluation's scorer (`reward.eval_rules` on the server, when set). A batch
+the user's reward API failed (`Reason.REWARD_API_FAILED`) raises `RewardAPIFailure`, told apart
+from a reward server that is unavailable itself."""
 from __future__ import annotations
 
 import json
@@ -15,15 +15,20 @@ from ..common.rpc.gen import reward_pb2_grpc
 from ..common.rpc.server import RPCClient
 from ..common.types import RewardSample, ScoreResult
 
-# the start of the details of an UNAVAILABLE that says the user's reward API failed the batch
-# (`http_scorer.RewardAPIFailed`), as opposed to an API that is down or a server restarting
+
+class RewardAPIFailure(RuntimeError):
+    """The reward server's scorer could not get this batch's rewards from the user's reward API
+    (after its retries), while the API was not known to be down: scoring the batch again later
+    may work. Not a gRPC error: its caller decides."""
 
 
 class RewardClient(RPCClient):
     stub_class = reward_pb2_grpc.RewardStub
 
     def score(self, samples: Sequence[RewardSample], held_out: bool = False) -> list[ScoreResult]:
-        """Rewards of `samples`; `held_out` asks for the held-out evaluation's reward."""
+        """Rewards of `samples`; `held_out` asks for the held-out evaluation's reward. A batch the
+        reward API failed raises `RewardAPIFailure` (with `RideThrough`, once it stops repeating
+        it: the rollout worker's says `final=[Reason.REWARD_API_FAILED]`)."""
         req = rpb.ScoreRequest(held_out=held_out)
         for s in samples:
             m = rpb.RewardSample(prompt=s.prompt, response=s.response,
@@ -31,42 +36,20 @@ class RewardClient(RPCClient):
             if s.label is not None:
                 m.label = s.label
             req.samples.append(m)
-        resp = self.stub.Score(req, timeout=self.timeout, metadata=self.metadata)
+        try:
+            resp = self.stub.Score(req, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if reason_of(e) is Reason.REWARD_API_FAILED:
+                raise RewardAPIFailure(e.details()) from None
+            raise
         return [ScoreResult(sc.reward, dict(sc.components)) for sc in resp.scores]
 
 
 class HeldOut:
-    """A `Scorer` that scores through `client` (a `RewardClient`, or a `Retrying` one) with the
-    held-out evaluation's reward."""
+    """A `Scorer` that scores through `client` (a `RewardClient`) with the held-out evaluation's reward."""
 
     def __init__(self, client):
         self.client = client
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         return self.client.score(samples, held_out=True)
-
-
-class RewardAPIFailure(RuntimeError):
-    """The reward server's scorer could not get this batch's rewards from the user's reward API
-    (after its retries), while the API was not known to be down: scoring the batch again later
-    may work. Not a gRPC error, so `Retrying` leaves it to its caller."""
-
-
-class APIFailures:
-    """A `RewardClient` whose `score` raises `RewardAPIFailure` for an UNAVAILABLE that says the
-    reward API failed the batch (`Reason.REWARD_API_FAILED`); every other error is the
-    client's. Wrap it in `Retrying` (which then waits only for the server and an API that is down)."""
-
-    def __init__(self, client):
-        self.client = client
-
-    def score(self, samples: Sequence[RewardSample], held_out: bool = False) -> list[ScoreResult]:
-        try:
-            return self.client.score(samples, held_out=held_out)
-        except grpc.RpcError as e:
-            if reason_of(e) is Reason.REWARD_API_FAILED:
-                raise RewardAPIFailure(e.details()) from None
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)

@@ -50,12 +50,12 @@ from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore, redis_error_code
 from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.errors import Reason, reason_of
-from ..common.rpc.retry import DependencyUnavailable, Retrying
+from ..common.rpc.retry import DependencyUnavailable, RideThrough, Tagged
 from ..common.rpc.server import endpoint_address
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient, ServerPool
-from ..reward.client import APIFailures, RewardAPIFailure, RewardClient
+from ..reward.client import RewardAPIFailure, RewardClient
 from .step import sample_groups
 
 if TYPE_CHECKING:
@@ -110,26 +110,6 @@ class WorkerMetrics:
 class RewardFunctionFailed(RuntimeError):
     """The reward server answered FAILED_PRECONDITION: the user's reward function raised (the
     details hold its traceback). Not the prompt's fault, and no retry mends it."""
-
-
-class _Tagged:
-    """A client whose gRPC errors say which service they came from (`e.service`)."""
-
-    def __init__(self, client, service: str):
-        self._client, self._service = client, service
-
-    def __getattr__(self, name):
-        attr = getattr(self._client, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            except grpc.RpcError as e:
-                e.service = self._service
-                raise
-        return call
 
 
 class _OneBatch:
@@ -207,12 +187,17 @@ class RolloutWorker:
         self.metrics = WorkerMetrics()
         # the reward and critic servers are waited for while they restart (the claim is renewed)
         # (and while the reward API is down; a batch the API failed is scored again, then dropped)
-        self.reward = _Tagged(Retrying(APIFailures(RewardClient(endpoint_address(cfg.rpc.reward), cfg.rpc)),
-                                       "reward server", cfg.rpc, self.stop_event, on_wait=self._waiting), "reward")
+        # (errors say which service answered them: `e.service`)
+        reward_at = endpoint_address(cfg.rpc.reward)
+        self.reward = RewardClient(reward_at, cfg.rpc, interceptors=[
+            Tagged("reward"), RideThrough("reward server", reward_at, cfg.rpc, self.stop_event, on_wait=self._waiting,
+                                          final=[Reason.REWARD_API_FAILED])])
         self.critic = None
         if cfg.needs_critic:
-            self.critic = _Tagged(Retrying(CriticClient(endpoint_address(cfg.rpc.critic), cfg.rpc), "critic server",
-                                           cfg.rpc, self.stop_event, on_wait=self._waiting), "critic")
+            critic_at = endpoint_address(cfg.rpc.critic)
+            self.critic = CriticClient(critic_at, cfg.rpc, interceptors=[
+                Tagged("critic"), RideThrough("critic server", critic_at, cfg.rpc, self.stop_event,
+                                              on_wait=self._waiting)])
         # which generation server to call: round robin, at the version if one is, avoiding failures
         self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self._lock = threading.Lock()
@@ -253,7 +238,7 @@ class RolloutWorker:
                 self.stop_event.wait(delay)
                 continue
             try:
-                generation = _Tagged(_OneBatch(self.servers.client(address), key, timeout), "generation")
+                generation = _OneBatch(self.servers.client(address), key, timeout)
                 groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks], generation,
                                           scoring, self.tokenizer, params, self.critic, self.cfg.prompt_length)
             except DependencyUnavailable as e:  # reward or critic gone for longer than we wait

@@ -13,7 +13,7 @@ from services.common.config import config_from_dict
 from services.common.replay.connection import redis_worst_s
 from services.common.rpc import health
 from services.generation.server import serve as serve_generation
-from services.learner.liveness import LIVENESS_FLOOR_S, Beating, Heartbeat, liveness_bound_s
+from services.learner.liveness import LIVENESS_FLOOR_S, Heartbeat, liveness_bound_s
 from services.learner.server import serve as serve_learner
 from services.learner.server import status_http
 from services.reward.server import serve as serve_reward
@@ -37,7 +37,7 @@ def test_the_heartbeat_fails_after_the_bound_without_a_beat_and_not_once_the_loo
     clock.t += 2
     reason = hb.stuck()
     assert reason and "not advanced for 31s (bound 30s" in reason and "phase 'waiting'" in reason
-    hb()  # a callback's beat (Retrying's on_wait, a learner's on_progress)
+    hb()  # a callback's beat (RideThrough's on_wait, EachAnswer, an on_progress)
     assert hb.stuck() is None and hb.status() == {"phase": "waiting", "since_beat_s": 0.0, "bound_s": 30.0}
     clock.t += 1000
     hb.ended()
@@ -45,26 +45,41 @@ def test_the_heartbeat_fails_after_the_bound_without_a_beat_and_not_once_the_loo
 
 
 def test_a_client_beats_with_every_answer_and_every_error():
+    """`EachAnswer(heartbeat)` on a client's channel (real gRPC over loopback): the heartbeat
+    beats when the answer comes, and when the failure does."""
+    from concurrent import futures
+
+    import grpc
+
+    from services.common.rpc.retry import EachAnswer
+    from services.reward.client import RewardClient  # any client: its channel carries the raw calls
     clock = Clock()
     hb = Heartbeat(10.0, clock=clock)
 
-    class Client:
-        address = "x:1"
+    def ok(request, context):
+        clock.t += 8
+        return b"1"
 
-        def ok(self):
-            clock.t += 8
-            return 1
+    def fails(request, context):
+        clock.t += 8
+        context.abort(grpc.StatusCode.INTERNAL, "no")
 
-        def fails(self):
-            clock.t += 8
-            raise RuntimeError("no")
-    c = Beating(Client(), hb)
-    assert c.ok() == 1 and c.address == "x:1"
-    clock.t += 5
-    assert hb.stuck() is None  # 5 s since the answer, not 13 since the call began
-    with pytest.raises(RuntimeError):
-        c.fails()
-    assert hb.age_s() == 0
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
+        "Ok": grpc.unary_unary_rpc_method_handler(ok), "Fails": grpc.unary_unary_rpc_method_handler(fails)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = RewardClient(f"127.0.0.1:{port}", config_from_dict({}).rpc, interceptors=[EachAnswer(hb)])
+    try:
+        assert client.channel.unary_unary("/t.T/Ok")(b"", timeout=30) == b"1"
+        clock.t += 5
+        assert hb.stuck() is None  # 5 s since the answer, not 13 since the call began
+        with pytest.raises(grpc.RpcError):
+            client.channel.unary_unary("/t.T/Fails")(b"", timeout=30)
+        assert hb.age_s() == 0
+    finally:
+        client.close()
+        server.stop(0)
 
 
 def test_the_bound_is_configured_or_derived_from_the_waits_the_loop_makes():

@@ -21,7 +21,7 @@ from services.common.config import config_from_dict
 from services.common.config_sections import RewardConfig
 from services.common.rpc.errors import reason_of
 from services.common.types import RewardSample
-from services.reward.client import APIFailures, RewardAPIFailure, RewardClient
+from services.reward.client import RewardAPIFailure, RewardClient
 from services.reward.http_scorer import (
     HTTPScorer,
     RewardAPIFailed,
@@ -289,7 +289,7 @@ def test_urls_are_shown_without_credentials_or_query():
 # ------------------------------------------------------------------------------------------- the reward server
 def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, model_dir):
     """Over gRPC: an input the API rejects is INVALID_ARGUMENT (a worker isolates that prompt); a
-    batch the API failed is UNAVAILABLE saying so (`APIFailures` turns it into `RewardAPIFailure`:
+    batch the API failed is UNAVAILABLE saying so (the client turns it into `RewardAPIFailure`:
     a worker scores it again, then drops it); an API that is down is a plain UNAVAILABLE (callers
     wait; its own HTTP API answers 503). /status and /metrics show the breaker."""
     cfg = config_from_dict({"model": {"path": model_dir, "device": "cpu"},
@@ -299,7 +299,7 @@ def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, m
                             "rpc": {"auth_token": TOKEN, "reward": {"port": 0, "metrics_port": 0, "http_port": 0}}})
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serve(cfg) as svc:
-        client = APIFailures(RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc))
+        client = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         status = lambda: httpx.get(f"http://127.0.0.1:{svc.server.http_port}/status", headers=auth,  # noqa: E731
                                    timeout=5).json()["reward_api"][0]["breaker"]
         metrics = lambda: httpx.get(f"http://127.0.0.1:{svc.server.metrics_port}/metrics", headers=auth,  # noqa

@@ -20,7 +20,7 @@ import time
 import uuid
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -382,16 +382,20 @@ def call_metadata(rpc_cfg: RPCConfig) -> tuple:
 
 
 class RPCClient:
-    """Channel (TLS when configured), bearer-token metadata and a default deadline for a stub."""
+    """Channel (TLS when configured), bearer-token metadata and a default deadline for a stub;
+    `interceptors` around every call (retry.py: riding through a restart, tagging, a heartbeat),
+    the first outermost."""
 
     stub_class: type = object
 
-    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None):
+    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None,
+                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()):
         self.address = address
-        self.channel = client_channel(address, rpc_cfg)
+        self._channel = client_channel(address, rpc_cfg)
+        self.channel = grpc.intercept_channel(self._channel, *interceptors) if interceptors else self._channel
         self.stub = self.stub_class(self.channel)
         self.metadata = call_metadata(rpc_cfg)
         self.timeout = timeout_s or rpc_cfg.timeout_s
 
     def close(self) -> None:
-        self.channel.close()
+        self._channel.close()

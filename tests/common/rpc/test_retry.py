@@ -1,4 +1,4 @@
-"""Clients ride through a restart: `Retrying` repeats a call while its service is unavailable
+"""Clients ride through a restart: `RideThrough` repeats a call while its service is unavailable
 (real gRPC over loopback; the server comes up after the first calls failed), says what it waits
 for, gives up after `rpc.dependency_wait_s` or when stopped, and never repeats a refused request."""
 import threading
@@ -9,7 +9,7 @@ import pytest
 
 from services.common.config import config_from_dict
 from services.common.replay.embedded import free_port
-from services.common.rpc.retry import DependencyUnavailable, Retrying
+from services.common.rpc.retry import DependencyUnavailable, RideThrough
 from services.common.types import RewardSample
 from services.reward.client import RewardClient
 from services.reward.server import serve as serve_reward
@@ -30,7 +30,9 @@ def test_a_call_waits_for_a_restarting_server_and_says_what_it_waits_for(tiny_mo
     port = free_port()
     cfg = _cfg(tiny_model_dir, port, dependency_wait_s=60)
     waits: list = []
-    client = Retrying(RewardClient(f"127.0.0.1:{port}", cfg.rpc), "reward server", cfg.rpc, on_wait=waits.append)
+    address = f"127.0.0.1:{port}"
+    client = RewardClient(address, cfg.rpc, interceptors=[RideThrough("reward server", address, cfg.rpc,
+                                                                      on_wait=waits.append)])
     result: dict = {}
     caller = threading.Thread(target=lambda: result.setdefault("scores", client.score(SAMPLE)))
     caller.start()
@@ -42,20 +44,22 @@ def test_a_call_waits_for_a_restarting_server_and_says_what_it_waits_for(tiny_mo
         assert not caller.is_alive()
     assert result["scores"][0].reward > 0
     assert waits[-1] is None  # answered again: no longer waiting
-    client.client.close()
+    client.close()
 
 
 def test_it_gives_up_after_the_wait_or_at_once_when_stopping(tiny_model_dir):
     port = free_port()
     cfg = _cfg(tiny_model_dir, port, dependency_wait_s=0.6)
-    client = Retrying(RewardClient(f"127.0.0.1:{port}", cfg.rpc), "reward server", cfg.rpc)
+    address = f"127.0.0.1:{port}"
+    client = RewardClient(address, cfg.rpc, interceptors=[RideThrough("reward server", address, cfg.rpc)])
     t0 = time.time()
-    with pytest.raises(DependencyUnavailable, match="did not answer score"):
+    with pytest.raises(DependencyUnavailable, match="did not answer Score"):
         client.score(SAMPLE)
     assert 0.6 <= time.time() - t0 < 60  # waited dependency_wait_s, then gave up
     stop = threading.Event()
     stop.set()
-    stopping = Retrying(RewardClient(f"127.0.0.1:{port}", cfg.rpc), "reward server", cfg.rpc, stop, wait_s=None)
+    stopping = RewardClient(address, cfg.rpc, interceptors=[RideThrough("reward server", address, cfg.rpc, stop,
+                                                                        wait_s=None)])
     t0 = time.time()
     with pytest.raises(DependencyUnavailable, match="stopping"):
         stopping.score(SAMPLE)
@@ -65,12 +69,48 @@ def test_it_gives_up_after_the_wait_or_at_once_when_stopping(tiny_model_dir):
 def test_a_refused_request_is_not_repeated(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, 0)
     with serve_reward(on_free_ports(cfg, "reward")) as svc:
-        calls = []
-        inner = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
-        real = inner.score
-        inner.score = lambda s: (calls.append(1), real(s))[1]
-        client = Retrying(inner, "reward server", cfg.rpc)
+        address = f"127.0.0.1:{svc.server.port}"
+        client = RewardClient(address, cfg.rpc, interceptors=[RideThrough("reward server", address, cfg.rpc)])
         with pytest.raises(grpc.RpcError) as e:
             client.score([])  # an empty batch: INVALID_ARGUMENT
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(calls) == 1
-        inner.close()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        calls = svc.server.metrics.registry.get_sample_value(
+            "rlhf_rpc_requests_total", {"service": "reward", "method": "Score", "code": "INVALID_ARGUMENT"})
+        assert calls == 1  # asked once: never repeated
+        client.close()
+
+
+def test_an_error_whose_reason_the_caller_handles_is_not_repeated():
+    """UNAVAILABLE with `Reason.REWARD_API_FAILED` (the user's reward API failed the batch, the
+    reward server is fine): a rollout worker's client (`final=[...]`) gets it at once, to count
+    and drop the batch; a client without it waits as for a restarting server."""
+    from concurrent import futures
+
+    from services.common.rpc.errors import Reason, Unavailable, reason_of, status_for
+    calls = []
+
+    def api_failed(request, context):
+        calls.append(1)
+        error = Unavailable("reward API failed: HTTP 500", Reason.REWARD_API_FAILED)
+        context.abort_with_status(status_for(grpc.StatusCode.UNAVAILABLE, str(error), error))
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
+        "Score": grpc.unary_unary_rpc_method_handler(api_failed)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    cfg = config_from_dict({"rpc": {"retry_backoff_s": 0.05, "retry_max_backoff_s": 0.1}})
+    address = f"127.0.0.1:{port}"
+    try:
+        final = grpc.intercept_channel(grpc.insecure_channel(address), RideThrough(
+            "reward server", address, cfg.rpc, wait_s=60, final=[Reason.REWARD_API_FAILED]))
+        with pytest.raises(grpc.RpcError) as e:
+            final.unary_unary("/t.T/Score")(b"", timeout=30)
+        assert reason_of(e.value) is Reason.REWARD_API_FAILED and len(calls) == 1
+        waits = grpc.intercept_channel(grpc.insecure_channel(address), RideThrough(
+            "reward server", address, cfg.rpc, wait_s=0.5))
+        with pytest.raises(DependencyUnavailable, match="did not answer Score"):
+            waits.unary_unary("/t.T/Score")(b"", timeout=30)
+        assert len(calls) > 2  # repeated until it gave up
+    finally:
+        server.stop(0)
