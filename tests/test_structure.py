@@ -148,7 +148,8 @@ def test_no_import_cycles():
 
 
 def test_contracts_and_rpc_plumbing_load_without_torch():
-    code = ("import sys, services.common.types, services.common.rpc.server, services.common.rpc.health, "
+    code = ("import sys, services.common.types, services.common.rpc.server, services.common.rpc.client, "
+            "services.common.rpc.health, "
             "services.common.lifecycle; assert 'torch' not in sys.modules, 'torch was imported'")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..common.modeling import TokenBatch
+from ..common.rpc.client import RPCClient
 from ..common.rpc.codec import batch_to_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb
 from ..common.rpc.gen import critic_pb2_grpc
-from ..common.rpc.server import RPCClient
 
 
 class CriticClient(RPCClient):

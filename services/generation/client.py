@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import grpc
 import torch
 
+from ..common.rpc.client import RPCClient
 from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
-from ..common.rpc.server import RPCClient
 from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import encode_weights

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from ..common.rpc.client import RPCClient
 from ..common.rpc.gen import common_pb2, learner_pb2_grpc
 from ..common.rpc.gen import learner_pb2 as lpb
-from ..common.rpc.server import RPCClient
 
 
 class LearnerClient(RPCClient):

@@ -36,9 +36,9 @@ from prometheus_client import CollectorRegistry
 from ..common.lifecycle import RunFailed
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
+from ..common.rpc.client import endpoint_address
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, EachAnswer, RideThrough
-from ..common.rpc.server import endpoint_address
 from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
 from ..common.types import Progress, Rollout, SamplingParams, no_progress

@@ -9,10 +9,10 @@ from typing import Sequence
 
 import grpc
 
+from ..common.rpc.client import RPCClient
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.gen import reward_pb2 as rpb
 from ..common.rpc.gen import reward_pb2_grpc
-from ..common.rpc.server import RPCClient
 from ..common.types import RewardSample, ScoreResult
 
 

@@ -49,9 +49,9 @@ from ..common.metrics import labelled, register_process_metrics
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore, redis_error_code
 from ..common.replay.records import group_to_proto, task_record
+from ..common.rpc.client import endpoint_address
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, RideThrough, Tagged
-from ..common.rpc.server import endpoint_address
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient, ServerPool
