@@ -12,16 +12,12 @@ Shapes: `B` sequences of the micro-batch, `T` response positions, `V` vocabulary
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .core import AggNorm, agg_loss, masked_mean
 from .kl import kl_penalty
 from .losses import POLICY_LOSSES
-
-if TYPE_CHECKING:
-    from ..common.config import Config
 
 # the aggregation a policy loss uses whatever `loss_agg_mode` says (GSPO: the paper's)
 FIXED_AGG_MODES = {"gspo": "seq-mean-token-mean"}
@@ -42,7 +38,7 @@ class ObjectiveSettings:
     ptx_coef: float = 0.0
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "ObjectiveSettings":
+    def from_config(cls, cfg) -> "ObjectiveSettings":  # a services.common.config.Config (not imported here)
         return cls(policy_loss=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                    dual_clip_c=cfg.dual_clip_c if cfg.dual_clip_loss else None, loss_agg_mode=cfg.loss_agg_mode,
                    entropy_coef=cfg.entropy_coef, use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef,
