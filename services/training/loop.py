@@ -65,8 +65,21 @@ class RolloutSource(Protocol):
     def trained(self, batch: Batch, iteration: int) -> dict: ...
 
 
+class Trainer(Protocol):
+    """The policy's trainer as the loop drives it (`learner/ppo_step.py:PolicyTrainer` and its
+    sharded form): one PPO step on a rollout (the critic, if any, trains in it), the policy's
+    weights for the sink, its directory for a checkpoint."""
+    version: int  # the policy version it holds (the sink numbers each new one)
+
+    def step(self, rollout: Rollout, critic=None) -> dict: ...  # the step's metrics
+
+    def policy_state_dict(self) -> dict: ...
+
+    def save_policy(self, path: Path, tokenizer=None) -> None: ...
+
+
 class WeightSink(Protocol):
-    def publish(self, learner) -> tuple[int, dict]: ...  # the new policy's version (numbered here), metrics
+    def publish(self, learner: Trainer) -> tuple[int, dict]: ...  # the new policy's version (numbered here), metrics
 
 
 class Phase:
@@ -89,8 +102,8 @@ class TrainingLoop:
     `time/iteration_s` (the learner service); otherwise `time/iteration_s` ends before the eval.
     `stop_event` (a threading.Event) ends the loop after the iteration it is in."""
 
-    def __init__(self, cfg: Config, run_dir: Path, learner, critic, tokenizer, source: RolloutSource, sink: WeightSink,
-                 evaluate: Callable[[], dict], *, logger: logging.Logger | None = None,
+    def __init__(self, cfg: Config, run_dir: Path, learner: Trainer, critic, tokenizer, source: RolloutSource,
+                 sink: WeightSink, evaluate: Callable[[], dict], *, logger: logging.Logger | None = None,
                  keep_state: Callable[[Path, dict], None] | None = None,
                  checkpoint: Callable[[int, Tick], None] | None = None,
                  observe: Callable[[int, dict], None] | None = None, judged: Callable[[Verdict], None] | None = None,
