@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,7 +68,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     fused = exp.old_log_probs is None
     if fused and (cfg.ppo_epochs != 1 or B > mb):
         raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
-    rollout_stats = [0.0, 0.0, 0.0, 0.0]  # entropy sum, tokens, sequence KL sum, sequences (fused)
+    rollout_stats = RolloutStats()  # with fused old log-probs: what make_experience measures otherwise
     critic_steps: list = []
     progress = learner.on_progress  # the learner service's heartbeat
     g = torch.Generator().manual_seed(learner.rng.randrange(2 ** 31))
@@ -98,7 +99,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
                 if fused:
                     old = log_prob.detach()
                     if real:
-                        _rollout_stats(cfg, rollout_stats, out, old, exp, m, sub.response_mask, t)
+                        rollout_stats.add(cfg, out, old, exp, m, sub.response_mask, t)
                 else:
                     old = exp.old_log_probs[m, :t]
                 ptx = ptx_loss(learner, [picks[i] for i in pos.tolist()] if picks else [])
@@ -142,27 +143,43 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     learner.policy.eval()
     # the averages over every process's rows
     keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
-    totals = learner.all_sum([metrics.sums[k] for k in keys] + rollout_stats)
+    totals = learner.all_sum([metrics.sums[k] for k in keys] + rollout_stats.sums())
     metrics.sums.update(zip(keys, totals[:len(keys)]))
-    rollout_stats = totals[len(keys):]
+    rollout_stats = RolloutStats(*totals[len(keys):])
     out = metrics.means()
     out["ppo/lr"] = learner.scheduler.get_last_lr()[0]
     if fused:  # what make_experience measures on its own forward otherwise
-        seq_kl = rollout_stats[2] / rollout_stats[3] if rollout_stats[3] else 0.0
-        out["ppo/entropy_rollout"] = rollout_stats[0] / max(rollout_stats[1], 1.0)
-        out["ppo/kl_ref"] = seq_kl
-        learner.kl_ctl.update(seq_kl, n_steps=B)
+        out["ppo/entropy_rollout"], out["ppo/kl_ref"] = rollout_stats.entropy(), rollout_stats.seq_kl()
+        learner.kl_ctl.update(out["ppo/kl_ref"], n_steps=B)
     return out
 
 
-def _rollout_stats(cfg: Config, stats: list, out: dict, old: torch.Tensor, exp: Experience, m, mask, t: int) -> None:
-    """Accumulate the rollout's entropy and KL to the reference from the training forward of
-    micro-batch `m` (the fused old log-probs), as `make_experience` measures them."""
-    with torch.no_grad():
-        maskf = mask.to(out["entropy"].dtype)
-        stats[0] += float((out["entropy"].detach().float() * maskf).sum())
-        stats[1] += float(maskf.sum())
-        if exp.ref_log_probs is not None:
-            kl = masked_mean(kl_penalty(old, exp.ref_log_probs[m, :t], cfg.kl_penalty), mask, dim=-1)
-            stats[2] += float(kl.sum())
-            stats[3] += len(m)
+@dataclass
+class RolloutStats:
+    """The rollout's entropy and KL to the reference, summed over the training forward's
+    micro-batches (the fused old log-probs), as `make_experience` measures them on its own."""
+    entropy_sum: float = 0.0
+    tokens: float = 0.0
+    seq_kl_sum: float = 0.0
+    sequences: float = 0.0
+
+    def add(self, cfg: Config, out: dict, old: torch.Tensor, exp: Experience, m, mask, t: int) -> None:
+        """Micro-batch `m` (rows of `exp`, `t` response positions wide)."""
+        with torch.no_grad():
+            maskf = mask.to(out["entropy"].dtype)
+            self.entropy_sum += float((out["entropy"].detach().float() * maskf).sum())
+            self.tokens += float(maskf.sum())
+            if exp.ref_log_probs is not None:
+                kl = masked_mean(kl_penalty(old, exp.ref_log_probs[m, :t], cfg.kl_penalty), mask, dim=-1)
+                self.seq_kl_sum += float(kl.sum())
+                self.sequences += len(m)
+
+    def sums(self) -> list[float]:
+        """In a fixed order, to be summed across processes (`RolloutStats(*totals)`)."""
+        return [self.entropy_sum, self.tokens, self.seq_kl_sum, self.sequences]
+
+    def entropy(self) -> float:
+        return self.entropy_sum / max(self.tokens, 1.0)
+
+    def seq_kl(self) -> float:
+        return self.seq_kl_sum / self.sequences if self.sequences else 0.0
