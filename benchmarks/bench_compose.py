@@ -8,6 +8,7 @@ iterations (summary.json's wall_s), and seconds from the command to the learner'
 image: `docker build` of rlhf:cpu with every layer cached, and after a change of the code (only
 the last layer rebuilt), plus the image's size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,20 @@ def _overrides(iterations: int) -> list[str]:
 def run_up(model: str, iterations: int, workers: int, work: Path) -> dict:
     run_dir = work / "up"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "services.cli", "up", "-c", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-           "--workers", str(workers), "--set", f"model.path={model}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "-c",
+        "configs/tiny-cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--workers",
+        str(workers),
+        "--set",
+        f"model.path={model}",
+    ]
     for o in _overrides(iterations):
         cmd += ["--set", o]
     t0 = time.time()
@@ -49,15 +62,20 @@ def run_up(model: str, iterations: int, workers: int, work: Path) -> dict:
     if code != 0:
         raise SystemExit(f"rlhf up failed ({code})")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"first_iteration_s": round(first, 1), "learner_wall_s": summary["wall_s"],
-            "total_s": round(time.time() - t0, 1), "final_eval": summary["final_eval_reward"]}
+    return {
+        "first_iteration_s": round(first, 1),
+        "learner_wall_s": summary["wall_s"],
+        "total_s": round(time.time() - t0, 1),
+        "final_eval": summary["final_eval_reward"],
+    }
 
 
 def run_compose(iterations: int, workers: int, work: Path, rnd: int) -> dict:
     d = work / f"compose{rnd}"
     d.mkdir(parents=True, exist_ok=True)
-    project = Project(f"rlhfbench{os.getpid()}x{rnd}", d, CPU_FILES,
-                      {"RLHF_OVERRIDES": " ".join(_overrides(iterations))})
+    project = Project(
+        f"rlhfbench{os.getpid()}x{rnd}", d, CPU_FILES, {"RLHF_OVERRIDES": " ".join(_overrides(iterations))}
+    )
     try:
         t0 = time.time()
         project.up("--scale", f"rollout={workers}")
@@ -68,21 +86,39 @@ def run_compose(iterations: int, workers: int, work: Path, rnd: int) -> dict:
         if code != 0:
             raise SystemExit(f"compose learner exited {code}:\n{project.logs('learner')[-3000:]}")
         summary = json.loads(project.read("/runs/run/summary.json"))
-        return {"first_iteration_s": round(first, 1), "learner_wall_s": summary["wall_s"], "total_s": round(total, 1),
-                "final_eval": summary["final_eval_reward"]}
+        return {
+            "first_iteration_s": round(first, 1),
+            "learner_wall_s": summary["wall_s"],
+            "total_s": round(total, 1),
+            "final_eval": summary["final_eval_reward"],
+        }
     finally:
         project.close()
 
 
 def bench_build() -> dict:
     """docker build of the CPU image: fully cached, then after a change of the code."""
+
     def build(context: Path) -> float:
         t0 = time.time()
-        subprocess.run(["docker", "build", "-q", "-t", IMAGE, "--build-arg", "FLAVOUR=cpu",
-                        "--build-arg", f"BASE_IMAGE={os.environ.get('BASE_IMAGE', 'rlhf-base:bookworm')}",
-                        str(context)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                "docker",
+                "build",
+                "-q",
+                "-t",
+                IMAGE,
+                "--build-arg",
+                "FLAVOUR=cpu",
+                "--build-arg",
+                f"BASE_IMAGE={os.environ.get('BASE_IMAGE', 'rlhf-base:bookworm')}",
+                str(context),
+            ],
+            check=True,
+            capture_output=True,
+        )
         return round(time.time() - t0, 1)
+
     cached = build(ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = Path(tmp) / "ctx"
@@ -107,15 +143,20 @@ def main() -> None:
     work = ROOT / "runs" / "bench" / "compose-work"
     result: dict = {"iterations": args.iterations, "workers": args.workers, "build": bench_build(), "rounds": []}
     for rnd in range(args.rounds):
-        this = {"rlhf_up": run_up(args.model, args.iterations, args.workers, work),
-                "compose": run_compose(args.iterations, args.workers, work, rnd)}
+        this = {
+            "rlhf_up": run_up(args.model, args.iterations, args.workers, work),
+            "compose": run_compose(args.iterations, args.workers, work, rnd),
+        }
         print(f"round {rnd + 1}: {json.dumps(this)}", flush=True)
         result["rounds"].append(this)
     for mode in ("rlhf_up", "compose"):
-        result[mode] = {k: statistics.median(r[mode][k] for r in result["rounds"])
-                        for k in ("first_iteration_s", "learner_wall_s", "total_s")}
+        result[mode] = {
+            k: statistics.median(r[mode][k] for r in result["rounds"])
+            for k in ("first_iteration_s", "learner_wall_s", "total_s")
+        }
     result["compose_vs_up_learner_wall"] = round(
-        result["compose"]["learner_wall_s"] / result["rlhf_up"]["learner_wall_s"], 2)
+        result["compose"]["learner_wall_s"] / result["rlhf_up"]["learner_wall_s"], 2
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -124,8 +165,10 @@ def main() -> None:
         m = result[mode]
         print(f"{mode:22s}{m['first_iteration_s']:14.1f}{m['learner_wall_s']:16.1f}{m['total_s']:10.1f}")
     b = result["build"]
-    print(f"image {IMAGE}: {b['image_gb']} GB; build cached {b['cached_s']} s, after a code change "
-          f"{b['after_code_change_s']} s; compose/up learner wall {result['compose_vs_up_learner_wall']}x")
+    print(
+        f"image {IMAGE}: {b['image_gb']} GB; build cached {b['cached_s']} s, after a code change "
+        f"{b['after_code_change_s']} s; compose/up learner wall {result['compose_vs_up_learner_wall']}x"
+    )
 
 
 if __name__ == "__main__":

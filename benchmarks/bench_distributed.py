@@ -10,6 +10,7 @@ Per mode: median seconds per iteration after a warm-up, the steady-state wall ti
 Then the replay buffer alone on an embedded Redis: put (claim + produce) and get (read + commit)
 records per second with records the size of the tiny task's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,19 @@ def run_mode(name: str, cmd: list[str], run_dir: Path) -> dict:
     first, last = steady[0], steady[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
     med = lambda k: statistics.median(r[k] for r in steady if r.get(k) is not None)  # noqa: E731
-    return {"iteration_s_median": med("time/iteration_s"),
-            "wall_per_iteration_s": (last["wall_s"] - first["wall_s"]) / max(last["iteration"] - first["iteration"], 1),
-            "train_s_median": med("time/train_s"), "push_s_median": med("time/push_s"),
-            "generation_tokens_per_s": med("rollout/tokens_per_s"),
-            "push_mb_per_s": med("push/mb_per_s") if "push/mb_per_s" in last else None,
-            "staleness_mean": statistics.mean(r.get("replay/staleness_mean", 0.0) for r in steady),
-            "baseline_eval": summary["baseline_eval_reward"], "final_eval": summary["final_eval_reward"],
-            "iterations": summary["iterations"], "process_wall_s": round(wall, 1)}
+    return {
+        "iteration_s_median": med("time/iteration_s"),
+        "wall_per_iteration_s": (last["wall_s"] - first["wall_s"]) / max(last["iteration"] - first["iteration"], 1),
+        "train_s_median": med("time/train_s"),
+        "push_s_median": med("time/push_s"),
+        "generation_tokens_per_s": med("rollout/tokens_per_s"),
+        "push_mb_per_s": med("push/mb_per_s") if "push/mb_per_s" in last else None,
+        "staleness_mean": statistics.mean(r.get("replay/staleness_mean", 0.0) for r in steady),
+        "baseline_eval": summary["baseline_eval_reward"],
+        "final_eval": summary["final_eval_reward"],
+        "iterations": summary["iterations"],
+        "process_wall_s": round(wall, 1),
+    }
 
 
 def bench_replay(n: int = 4096, batch: int = 64) -> dict:
@@ -69,8 +75,15 @@ def bench_replay(n: int = 4096, batch: int = 64) -> dict:
         done = 0
         while done < n:
             claimed, _ = store.claim_prompts("w", batch, block_ms=10)
-            items = [(e, group_to_proto(SampleGroup(t.uid, None, [1, 2, 3, 4, 5, 6], [comp], [ScoreResult(1.0, {})],
-                                                    [[0.1] * 6], 0), t)) for e, t in claimed]
+            items = [
+                (
+                    e,
+                    group_to_proto(
+                        SampleGroup(t.uid, None, [1, 2, 3, 4, 5, 6], [comp], [ScoreResult(1.0, {})], [[0.1] * 6], 0), t
+                    ),
+                )
+                for e, t in claimed
+            ]
             store.produce(items)
             done += len(items)
         put = n / (time.perf_counter() - t0)
@@ -93,15 +106,36 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--out", default="runs/bench/distributed.json")
     ap.add_argument("--workdir", default="runs/bench")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for every mode (e.g. rollout_batch_size=256)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every mode (e.g. rollout_batch_size=256)",
+    )
     ap.add_argument("--modes", default="in_process,sync,async", help="which of in_process,sync,async to run")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each mode, interleaved (a noisy machine "
-                    "drifts; each round's ratio compares runs taken minutes apart)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of each mode, interleaved (a noisy machine "
+        "drifts; each round's ratio compares runs taken minutes apart)",
+    )
     args = ap.parse_args()
     work = Path(args.workdir)
-    common = ["-c", args.config, "--set", f"model.path={args.model}", "--set", f"run.iterations={args.iterations}",
-              "--set", "run.eval_interval=0", "--set", "run.checkpoint_interval=0"]
+    common = [
+        "-c",
+        args.config,
+        "--set",
+        f"model.path={args.model}",
+        "--set",
+        f"run.iterations={args.iterations}",
+        "--set",
+        "run.eval_interval=0",
+        "--set",
+        "run.checkpoint_interval=0",
+    ]
     for o in args.overrides:
         common += ["--set", o]
     rlhf = [sys.executable, "-m", "services.cli"]
@@ -111,9 +145,13 @@ def main() -> None:
         "async": rlhf + ["up", *common, "--set", "max_staleness=1", "--run-dir", str(work / "async")],
     }
     modes = {k: v for k, v in modes.items() if k in args.modes.split(",") or k == "in_process"}
-    result: dict = {"config": args.config, "overrides": args.overrides, "iterations": args.iterations,
-                    "warmup_iterations": WARMUP,
-                    "rounds": args.rounds}
+    result: dict = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "iterations": args.iterations,
+        "warmup_iterations": WARMUP,
+        "rounds": args.rounds,
+    }
     per_round: list[dict] = []
     for rnd in range(args.rounds):
         this = {}
@@ -121,11 +159,13 @@ def main() -> None:
             d = work / name
             if d.exists():
                 import shutil
+
                 shutil.rmtree(d)
             this[name] = run_mode(f"{name} {rnd + 1}/{args.rounds}", cmd, d)
         for name in [m for m in ("sync", "async") if m in modes]:
-            this[name]["ratio_vs_in_process"] = (this[name]["iteration_s_median"]
-                                                 / this["in_process"]["iteration_s_median"])
+            this[name]["ratio_vs_in_process"] = (
+                this[name]["iteration_s_median"] / this["in_process"]["iteration_s_median"]
+            )
         per_round.append(this)
     result["per_round"] = per_round
     for name in modes:  # the median run of each mode (by its s/iteration)
@@ -140,22 +180,34 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    print("\nratio to in-process per round: " + ", ".join(
-        " / ".join(f"{m} {r[m]['ratio_vs_in_process']:.2f}" for m in ("sync", "async") if m in r) for r in per_round))
-    print(f"{'mode':<11} {'s/iter (median)':>15} {'wall s/iter':>11} {'ratio':>6} {'train s':>8} {'push s':>7} "
-          f"{'gen tok/s':>9} {'eval before->after':>19}")
+    print(
+        "\nratio to in-process per round: "
+        + ", ".join(
+            " / ".join(f"{m} {r[m]['ratio_vs_in_process']:.2f}" for m in ("sync", "async") if m in r) for r in per_round
+        )
+    )
+    print(
+        f"{'mode':<11} {'s/iter (median)':>15} {'wall s/iter':>11} {'ratio':>6} {'train s':>8} {'push s':>7} "
+        f"{'gen tok/s':>9} {'eval before->after':>19}"
+    )
     for name in modes:
         r = result[name]
         ratio = r.get("ratio_vs_in_process", 1.0)
-        print(f"{name:<11} {r['iteration_s_median']:>15.3f} {r['wall_per_iteration_s']:>11.3f} {ratio:>6.2f} "
-              f"{r['train_s_median']:>8.3f} {r['push_s_median']:>7.3f} {r['generation_tokens_per_s']:>9.0f} "
-              f"{r['baseline_eval']:>9.3f}->{r['final_eval']:.3f}")
+        print(
+            f"{name:<11} {r['iteration_s_median']:>15.3f} {r['wall_per_iteration_s']:>11.3f} {ratio:>6.2f} "
+            f"{r['train_s_median']:>8.3f} {r['push_s_median']:>7.3f} {r['generation_tokens_per_s']:>9.0f} "
+            f"{r['baseline_eval']:>9.3f}->{r['final_eval']:.3f}"
+        )
     rp = result["replay"]
-    print(f"\nreplay (embedded Redis, AOF on): put {rp['put_records_per_s']} records/s, "
-          f"get {rp['get_records_per_s']} records/s ({rp['records']} records, batches of {rp['batch']})")
+    print(
+        f"\nreplay (embedded Redis, AOF on): put {rp['put_records_per_s']} records/s, "
+        f"get {rp['get_records_per_s']} records/s ({rp['records']} records, batches of {rp['batch']})"
+    )
     s = result.get("sync") or result.get("async")
-    print(f"weight push ({result['policy_mb']} MB policy): {s['push_s_median'] * 1000:.1f} ms median, "
-          f"{s['push_mb_per_s']:.0f} MB/s")
+    print(
+        f"weight push ({result['policy_mb']} MB policy): {s['push_s_median'] * 1000:.1f} ms median, "
+        f"{s['push_mb_per_s']:.0f} MB/s"
+    )
     print(f"wrote {out}")
 
 

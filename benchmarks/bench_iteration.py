@@ -10,6 +10,7 @@ Each mode runs one after the other (never side by side: they would share the cor
 run directory under --out-dir, from the config's base model; iteration 1 is left out of the
 medians (warm-up). Held-out numbers: run the config for its real length and `rlhf eval`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,22 @@ RLHF = [sys.executable, "-m", "services.cli"]
 
 
 def run_mode(mode: str, config: str, run_dir: Path, iterations: int, overrides: list[str]) -> dict:
-    cmd = RLHF + (["train", "--local"] if mode == "local" else ["up"]) + [
-        "-c", config, "--run-dir", str(run_dir), "--set", f"run.iterations={iterations}",
-        "--set", f"run.eval_interval={iterations}", "--set", f"run.checkpoint_interval={iterations}"]
+    cmd = (
+        RLHF
+        + (["train", "--local"] if mode == "local" else ["up"])
+        + [
+            "-c",
+            config,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"run.iterations={iterations}",
+            "--set",
+            f"run.eval_interval={iterations}",
+            "--set",
+            f"run.checkpoint_interval={iterations}",
+        ]
+    )
     for o in overrides:
         cmd += ["--set", o]
     t0 = time.perf_counter()
@@ -43,10 +57,16 @@ def run_mode(mode: str, config: str, run_dir: Path, iterations: int, overrides: 
     steps = [r for r in rows(run_dir) if r["iteration"] > 1 and "time/iteration_s" in r]
     per_it = statistics.median(training_seconds(r) for r in steps)  # without the held-out eval
     n = samples_per_iteration(run_dir)
-    return {"mode": mode, "wall_s": time.perf_counter() - t0, "s_per_iteration": per_it,
-            "samples_per_s": n / per_it, "split": time_split(steps), "iterations_measured": len(steps),
-            # wait4's peak: the command's process or any process it waited for (the services), the largest
-            "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {
+        "mode": mode,
+        "wall_s": time.perf_counter() - t0,
+        "s_per_iteration": per_it,
+        "samples_per_s": n / per_it,
+        "split": time_split(steps),
+        "iterations_measured": len(steps),
+        # wait4's peak: the command's process or any process it waited for (the services), the largest
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+    }
 
 
 def main() -> None:
@@ -62,17 +82,26 @@ def main() -> None:
     results = []
     for mode in args.modes.split(","):
         run_dir = out / mode
-        print(f"[{time.strftime('%H:%M:%S')}] {mode}: {args.iterations} iterations of {args.config} "
-              f"{' '.join(args.overrides)} (log {run_dir.with_suffix('.log')})", flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {mode}: {args.iterations} iterations of {args.config} "
+            f"{' '.join(args.overrides)} (log {run_dir.with_suffix('.log')})",
+            flush=True,
+        )
         results.append(run_mode(mode, args.config, run_dir, args.iterations, args.overrides))
-    print(f"{'mode':<7}{'s/it':>7}{'samples/s':>11}{'generate':>10}{'wait':>7}{'train':>8}{'push':>7}"
-          f"{'tok/s':>7}{'peak MB':>9}")
+    print(
+        f"{'mode':<7}{'s/it':>7}{'samples/s':>11}{'generate':>10}{'wait':>7}{'train':>8}{'push':>7}"
+        f"{'tok/s':>7}{'peak MB':>9}"
+    )
     for r in results:
         s = r["split"]
-        print(f"{r['mode']:<7}{r['s_per_iteration']:>7.1f}{r['samples_per_s']:>11.2f}"
-              + "".join(f"{s[k]:>{w}.1f}" if k in s else f"{'-':>{w}}"
-                        for k, w in (("generate", 10), ("wait", 7), ("train", 8), ("push", 7)))
-              + f"{s.get('tokens/s', 0):>7.0f}{r['peak_rss_mb']:>9.0f}")
+        print(
+            f"{r['mode']:<7}{r['s_per_iteration']:>7.1f}{r['samples_per_s']:>11.2f}"
+            + "".join(
+                f"{s[k]:>{w}.1f}" if k in s else f"{'-':>{w}}"
+                for k, w in (("generate", 10), ("wait", 7), ("train", 8), ("push", 7))
+            )
+            + f"{s.get('tokens/s', 0):>7.0f}{r['peak_rss_mb']:>9.0f}"
+        )
     (out / "summary.json").write_text(json.dumps(results, indent=1))
 
 

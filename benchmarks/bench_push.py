@@ -35,6 +35,7 @@ dtype checks, versions only forward, `load_state_dict` copy under the backend lo
 On the CPU the learner's snapshot copy (`take_snapshot` clones CPU parameters) is not part of the
 push time; it is reported on its own (snapshot_s), as is the copy to the host on cuda.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,10 @@ def random_state(nbytes: int, seed: int = 0, dtype=torch.float32, device="cpu") 
     g = torch.Generator(device=device).manual_seed(seed)
     per = TENSOR * 4 // torch.empty((), dtype=dtype).element_size()  # elements of a 16 MiB tensor
     n_big = max(1, nbytes // (TENSOR * 4))
-    state = {f"layers.{i}.weight": torch.randn(per, generator=g, device=device, dtype=dtype).reshape(2048, -1)
-             for i in range(n_big)}
+    state = {
+        f"layers.{i}.weight": torch.randn(per, generator=g, device=device, dtype=dtype).reshape(2048, -1)
+        for i in range(n_big)
+    }
     for i in range(4):
         state[f"layers.{i}.bias"] = torch.randn(2048, generator=g, device=device, dtype=dtype)
     return state
@@ -86,6 +89,7 @@ class _Holder(torch.nn.Module):
 
 def stand_in_backend(state, device="cpu"):
     from services.generation.backend import HFBackend
+
     b = HFBackend.__new__(HFBackend)
     b.device = torch.device(device)
     b.model = _Holder(state).to(device)
@@ -123,9 +127,10 @@ def tcp_copy(payload: memoryview, receivers: int, chunk: int = 4 << 20) -> float
     def send(i):
         c = socket.create_connection(listeners[i].getsockname())
         for off in range(0, n, chunk):
-            c.sendall(payload[off:off + chunk])
+            c.sendall(payload[off : off + chunk])
         c.shutdown(socket.SHUT_WR)
         c.close()
+
     rts = [threading.Thread(target=recv, args=(i,)) for i in range(receivers)]
     for t in rts:
         t.start()
@@ -179,12 +184,23 @@ def main() -> None:
     ap.add_argument("--servers", default="1,3")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="64 and 512 MiB, 2 repeats")
-    ap.add_argument("--max-total-gb", type=float, default=14.0,
-                    help="skip a method's (size, servers) case whose resident copies would exceed this")
-    ap.add_argument("--shm-dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
-                    help="a tmpfs directory for the shm method (a fresh subdirectory is made in it)")
-    ap.add_argument("--device", default="cpu", help="where the learner's and the servers' tensors live (cuda: "
-                    "the push includes the learner's copy to the host and each server's copy to its GPU)")
+    ap.add_argument(
+        "--max-total-gb",
+        type=float,
+        default=14.0,
+        help="skip a method's (size, servers) case whose resident copies would exceed this",
+    )
+    ap.add_argument(
+        "--shm-dir",
+        default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+        help="a tmpfs directory for the shm method (a fresh subdirectory is made in it)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the learner's and the servers' tensors live (cuda: "
+        "the push includes the learner's copy to the host and each server's copy to its GPU)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--out", default="runs/bench/push.json")
     args = ap.parse_args()
@@ -197,8 +213,12 @@ def main() -> None:
     from services.weights.hostcopy import to_host
 
     shm_dir = tempfile.mkdtemp(prefix="rlhf-bench-", dir=args.shm_dir)
-    cfg = config_from_dict({"model": {"path": "unused", "device": "cpu"},
-                            "rpc": {"shm_dir": shm_dir, "generation": {"port": 0, "metrics_port": None}}})
+    cfg = config_from_dict(
+        {
+            "model": {"path": "unused", "device": "cpu"},
+            "rpc": {"shm_dir": shm_dir, "generation": {"port": 0, "metrics_port": None}},
+        }
+    )
     limit = args.max_total_gb * (1 << 30) + 1
     rows = []
     try:
@@ -207,21 +227,32 @@ def main() -> None:
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "cpus": os.cpu_count(), "device": args.device,
-                                          "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                                          "dtype": args.dtype}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "cpus": os.cpu_count(),
+                "device": args.device,
+                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                "dtype": args.dtype,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 
-def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> list[dict]:  # noqa: N803
+def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> list[dict]:
     state = random_state(size_mb << 20, dtype=getattr(torch, args.dtype), device=args.device)
     host = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     memcpy = nbytes / copy_seconds(host, "cpu", args.repeats) / 1e6  # host memory to host memory
     gpu = {}
     if args.device != "cpu":  # the learner's copy to the host, a server's copy to its GPU
-        gpu = {"d2h_mb_s": nbytes / copy_seconds(state, "cpu", args.repeats) / 1e6,
-               "h2d_mb_s": nbytes / copy_seconds(host, args.device, args.repeats) / 1e6}
+        gpu = {
+            "d2h_mb_s": nbytes / copy_seconds(state, "cpu", args.repeats) / 1e6,
+            "h2d_mb_s": nbytes / copy_seconds(host, args.device, args.repeats) / 1e6,
+        }
     to_host(state)  # warms torch's page-locked host cache (a learner's first push)
     t0 = time.perf_counter()
     _ = {k: v.clone() for k, v in state.items()} if args.device == "cpu" else to_host(state)
@@ -230,17 +261,26 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
     rows = []
     for n in [int(s) for s in args.servers.split(",")]:
         # resident copies: the sender's state, each server's model, and per method what it adds
-        fits = {"grpc": (1 + 2 * n) * nbytes <= limit, "shm": (2 + n) * nbytes <= limit,
-                "tcp": (2 + n) * nbytes <= limit}
-        row = {"size_mb": round(nbytes / 2 ** 20), "servers": n, "bytes": nbytes, "memcpy_mb_s": memcpy,
-               "snapshot_s": snapshot_s, **gpu}
+        fits = {
+            "grpc": (1 + 2 * n) * nbytes <= limit,
+            "shm": (2 + n) * nbytes <= limit,
+            "tcp": (2 + n) * nbytes <= limit,
+        }
+        row = {
+            "size_mb": round(nbytes / 2**20),
+            "servers": n,
+            "bytes": nbytes,
+            "memcpy_mb_s": memcpy,
+            "snapshot_s": snapshot_s,
+            **gpu,
+        }
         if fits["grpc"] or fits["shm"]:
-            services = [serve(cfg, backend=stand_in_backend(state, args.device)).start()
-                        for _ in range(n)]
+            services = [serve(cfg, backend=stand_in_backend(state, args.device)).start() for _ in range(n)]
             entries = {f"127.0.0.1:{s.server.port}": s.servicer.registry_info() for s in services}
             # as PolicyTrainer.policy_state_dict: the weights on the host (from a GPU through page-locked memory)
-            learner = SimpleNamespace(policy_state_dict=lambda: to_host(state),
-                                      device=torch.device(args.device), lora=True)
+            learner = SimpleNamespace(
+                policy_state_dict=lambda: to_host(state), device=torch.device(args.device), lora=True
+            )
             version = 0
             for method in ("grpc", "shm"):
                 if not fits[method]:
@@ -248,8 +288,11 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
                     continue
                 # grpc: the same servers, without the probe in their registry entry (so not co-located)
                 live = {a: {**e, "shm": e["shm"] if method == "shm" else ""} for a, e in entries.items()}
-                store = SimpleNamespace(live=lambda kind, live=live: live, heartbeat=lambda *a, **kw: None,
-                                        publish_learner=lambda *a, **kw: None)
+                store = SimpleNamespace(
+                    live=lambda kind, live=live: live,
+                    heartbeat=lambda *a, **kw: None,
+                    publish_learner=lambda *a, **kw: None,
+                )
                 bc = WeightBroadcaster(cfg, store, learner)
                 bc.identity = ("bench", 1)
                 runs, version, out = timed_pushes(bc, services, args.repeats, version)
@@ -278,9 +321,12 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
                     row[f"{method}_vs_tcp"] = row["tcp_s"] / row[f"{method}_s"]
         rows.append(row)
         cell = lambda k: f"{row[k]:8.0f}" if k in row else "       -"  # noqa: E731
-        print(f"{row['size_mb']:>6} MiB x{n}: grpc {cell('grpc_mb_s')} MB/s  shm {cell('shm_mb_s')} MB/s  "
-              f"tcp {cell('tcp_mb_s')} MB/s  memcpy {memcpy:8.0f} MB/s  (snapshot {snapshot_s:.2f}s)"
-              + (f"  d2h {gpu['d2h_mb_s']:8.0f} MB/s  h2d {gpu['h2d_mb_s']:8.0f} MB/s" if gpu else ""), flush=True)
+        print(
+            f"{row['size_mb']:>6} MiB x{n}: grpc {cell('grpc_mb_s')} MB/s  shm {cell('shm_mb_s')} MB/s  "
+            f"tcp {cell('tcp_mb_s')} MB/s  memcpy {memcpy:8.0f} MB/s  (snapshot {snapshot_s:.2f}s)"
+            + (f"  d2h {gpu['d2h_mb_s']:8.0f} MB/s  h2d {gpu['h2d_mb_s']:8.0f} MB/s" if gpu else ""),
+            flush=True,
+        )
     return rows
 
 

@@ -6,6 +6,7 @@ Measures, in one run on one machine: generation tokens/s of the HF backend calle
 the same backend behind the gRPC server on loopback (same batch, same sampling, seeded), and
 PushWeights seconds and MB/s for the policy's full state dict (and a larger synthetic one).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,15 @@ def main() -> None:
     from services.generation.server import serve
     from services.training.data import reverse_task
 
-    cfg = config_from_dict({"model": {"path": args.model, "device": "cpu"}, "prompt_length": 32,
-                            "response_length": args.max_new_tokens, "generation": {"batch_window_ms": 1},
-                            "rpc": {"generation": {"port": 0, "metrics_port": None}}})
+    cfg = config_from_dict(
+        {
+            "model": {"path": args.model, "device": "cpu"},
+            "prompt_length": 32,
+            "response_length": args.max_new_tokens,
+            "generation": {"batch_window_ms": 1},
+            "rpc": {"generation": {"port": 0, "metrics_port": None}},
+        }
+    )
     backend = HFBackend(args.model, "cpu")
     prompts = [backend.tokenizer(r.prompt)["input_ids"] for r in reverse_task("eval", args.prompts)]
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
@@ -71,6 +78,7 @@ def main() -> None:
     # the server only accepts its model's own tensors, so a larger payload times the chunk codec
     # (encode, crc32/sha256, assemble) in-process
     from services.weights.stream import assemble_weights, weight_chunks
+
     big = {f"t{i}": torch.randn(1024, 1024) for i in range(int(args.push_mb // 4.194304) or 1)}
     big_mb = sum(t.numel() * 4 for t in big.values()) / 1e6
     t0 = time.perf_counter()
@@ -88,7 +96,8 @@ def main() -> None:
         "push_policy_mb": round(policy_mb, 3),
         "push_policy_seconds_median": round(statistics.median(pushes), 4),
         "push_policy_mb_per_s": round(policy_mb / statistics.median(pushes), 1),
-        "codec_mb": round(big_mb, 1), "codec_seconds": round(codec_s, 3),
+        "codec_mb": round(big_mb, 1),
+        "codec_seconds": round(codec_s, 3),
         "codec_mb_per_s": round(big_mb / codec_s, 1),
     }
     out = Path(args.out)

@@ -11,6 +11,7 @@ Prints the median seconds per iteration (iteration 1, the warm-up, left out), sa
 held-out accuracy before and after; `--out` writes them as JSON. Compare with
 `benchmarks/bench_iteration.py -c configs/smollm2-cpu.yaml` run on the same machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,16 @@ def held_out(model, tokenizer, device: str, n: int = 128, new_tokens: int = 24) 
     model.eval()
     correct = 0.0
     for start in range(0, len(records), 32):
-        chunk = records[start:start + 32]
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
-                                               add_generation_prompt=True) for r in chunk]
+        chunk = records[start : start + 32]
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r.prompt}], tokenize=False, add_generation_prompt=True
+            )
+            for r in chunk
+        ]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct += sum(reward(None, replies, [r.label for r in chunk]))
     return correct / len(records)
 
@@ -60,6 +65,7 @@ class StepTimer:
 
     def callback(self):
         from transformers import TrainerCallback
+
         timer = self
 
         class _Callback(TrainerCallback):
@@ -70,6 +76,7 @@ class StepTimer:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 timer.times.append(time.perf_counter() - timer._t)
+
         return _Callback()
 
 
@@ -85,33 +92,72 @@ def main() -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
     before = held_out(model, tokenizer, args.device)
-    train = Dataset.from_list([{"prompt": [{"role": "user", "content": r.prompt}], "label": r.label}
-                               for r in arithmetic_task("train", SAMPLES_PER_ITERATION // 8 * args.iterations)])
+    train = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r.prompt}], "label": r.label}
+            for r in arithmetic_task("train", SAMPLES_PER_ITERATION // 8 * args.iterations)
+        ]
+    )
     config = GRPOConfig(
-        output_dir="/tmp/bench-trl", max_steps=args.iterations, per_device_train_batch_size=SAMPLES_PER_ITERATION,
-        gradient_accumulation_steps=1, num_generations=8, max_completion_length=24, temperature=0.7,
-        learning_rate=2e-5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
-        loss_type="grpo", scale_rewards="group", num_iterations=1, bf16=args.bf16, use_cpu=args.device == "cpu",
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, shuffle_dataset=False)
+        output_dir="/tmp/bench-trl",
+        max_steps=args.iterations,
+        per_device_train_batch_size=SAMPLES_PER_ITERATION,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_completion_length=24,
+        temperature=0.7,
+        learning_rate=2e-5,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="grpo",
+        scale_rewards="group",
+        num_iterations=1,
+        bf16=args.bf16,
+        use_cpu=args.device == "cpu",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        shuffle_dataset=False,
+    )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train,
-                          processing_class=tokenizer, callbacks=[timer.callback()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=train,
+        processing_class=tokenizer,
+        callbacks=[timer.callback()],
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
     after = held_out(trainer.model, tokenizer, args.device)
     steps = timer.times[1:] or timer.times
     per_it = statistics.median(steps)
-    result = {"system": f"trl {__import__('trl').__version__} GRPOTrainer", "device": args.device,
-              "bf16": args.bf16, "iterations": args.iterations, "s_per_iteration": per_it,
-              "samples_per_s": SAMPLES_PER_ITERATION / per_it, "wall_s": wall,
-              "held_out_before": before, "held_out_after": after, "step_seconds": timer.times}
-    print(f"TRL GRPOTrainer ({args.device}{', bf16' if args.bf16 else ''}): {per_it:.2f} s/iteration "
-          f"(median of iterations 2-{args.iterations}), {result['samples_per_s']:.2f} samples/s; "
-          f"held-out {before:.3f} -> {after:.3f} after {args.iterations * SAMPLES_PER_ITERATION} samples")
+    result = {
+        "system": f"trl {__import__('trl').__version__} GRPOTrainer",
+        "device": args.device,
+        "bf16": args.bf16,
+        "iterations": args.iterations,
+        "s_per_iteration": per_it,
+        "samples_per_s": SAMPLES_PER_ITERATION / per_it,
+        "wall_s": wall,
+        "held_out_before": before,
+        "held_out_after": after,
+        "step_seconds": timer.times,
+    }
+    print(
+        f"TRL GRPOTrainer ({args.device}{', bf16' if args.bf16 else ''}): {per_it:.2f} s/iteration "
+        f"(median of iterations 2-{args.iterations}), {result['samples_per_s']:.2f} samples/s; "
+        f"held-out {before:.3f} -> {after:.3f} after {args.iterations * SAMPLES_PER_ITERATION} samples"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -9,6 +9,7 @@ Measures, in one run on one machine and the same prompts:
   - seconds of a weight swap (PushWeights end to end, and the engine's reload alone) for the tiny
     policy and for a ~100M-parameter random Llama-shaped model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,27 +39,48 @@ def interleaved(fns: dict, repeats: int) -> dict:
             dt = time.perf_counter() - t0
             secs[k].append(dt)
             rates[k].append(tokens[k] / dt)
-    return {k: {"tokens_per_s": statistics.median(rates[k]), "seconds": statistics.median(secs[k]),
-                "tokens": tokens[k]} for k in fns}
+    return {
+        k: {"tokens_per_s": statistics.median(rates[k]), "seconds": statistics.median(secs[k]), "tokens": tokens[k]}
+        for k in fns
+    }
 
 
 def server_cfg(model, backend, max_new_tokens):
     from services.common.config import config_from_dict
-    return config_from_dict({
-        "model": {"path": str(model), "device": "cpu"}, "prompt_length": 32, "response_length": max_new_tokens,
-        "rpc": {"max_samples_per_prompt": 16, "generation": {"port": 0, "metrics_port": None}},
-        "generation": {"backend": backend, "batch_window_ms": 1,
-                       "vllm": {"dtype": "float32", "enforce_eager": True, "cpu_kvcache_space_gb": 2}}})
+
+    return config_from_dict(
+        {
+            "model": {"path": str(model), "device": "cpu"},
+            "prompt_length": 32,
+            "response_length": max_new_tokens,
+            "rpc": {"max_samples_per_prompt": 16, "generation": {"port": 0, "metrics_port": None}},
+            "generation": {
+                "backend": backend,
+                "batch_window_ms": 1,
+                "vllm": {"dtype": "float32", "enforce_eager": True, "cpu_kvcache_space_gb": 2},
+            },
+        }
+    )
 
 
 def random_llama(out: Path, tokenizer_from: str, layers: int, hidden: int) -> int:
     """A random Llama-shaped model with the tiny tokenizer; returns its parameter count."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
@@ -71,6 +93,7 @@ def swap_times(model_dir: Path, repeats: int) -> dict:
     from services.common.modeling import load_causal_lm
     from services.generation.client import GenerationClient
     from services.generation.server import serve
+
     state = load_causal_lm(model_dir).state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     cfg = server_cfg(model_dir, "vllm", 8)
@@ -113,18 +136,32 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     prompts = [tok(r.prompt)["input_ids"] for r in reverse_task("eval", args.prompts)]
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
-    results: dict = {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
-                     "torch_threads": torch.get_num_threads()}
+    results: dict = {
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "torch_threads": torch.get_num_threads(),
+    }
 
     # vLLM's own offline API and our server (vllm backend, then hf backend) on the same prompts and
     # sampling, in interleaved rounds
-    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0,
-              max_model_len=32 + args.max_new_tokens, logprobs_mode="processed_logprobs")
-    vparams = VSamplingParams(n=args.n, max_tokens=args.max_new_tokens, seed=0, logprobs=0,
-                              stop_token_ids=[tok.eos_token_id])
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=32 + args.max_new_tokens,
+        logprobs_mode="processed_logprobs",
+    )
+    vparams = VSamplingParams(
+        n=args.n, max_tokens=args.max_new_tokens, seed=0, logprobs=0, stop_token_ids=[tok.eos_token_id]
+    )
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    fns = {"vllm_llm_generate": lambda: sum(len(c.token_ids) for o in llm.generate(
-        inputs, vparams, use_tqdm=False) for c in o.outputs)}
+    fns = {
+        "vllm_llm_generate": lambda: sum(
+            len(c.token_ids) for o in llm.generate(inputs, vparams, use_tqdm=False) for c in o.outputs
+        )
+    }
     with contextlib.ExitStack() as stack:
         for backend in ("vllm", "hf"):
             cfg = server_cfg(args.model, backend, args.max_new_tokens)
@@ -135,10 +172,10 @@ def main() -> None:
         results.update(interleaved(fns, args.repeats))
     # `llm` stays alive to the end: dropping an in-process vLLM engine tears down the process's
     # parallel state, which the engines started after it share
-    results["server_vllm_vs_llm_generate"] = (results["server_vllm"]["tokens_per_s"]
-                                              / results["vllm_llm_generate"]["tokens_per_s"])
-    results["server_vllm_vs_server_hf"] = (results["server_vllm"]["tokens_per_s"]
-                                           / results["server_hf"]["tokens_per_s"])
+    results["server_vllm_vs_llm_generate"] = (
+        results["server_vllm"]["tokens_per_s"] / results["vllm_llm_generate"]["tokens_per_s"]
+    )
+    results["server_vllm_vs_server_hf"] = results["server_vllm"]["tokens_per_s"] / results["server_hf"]["tokens_per_s"]
 
     # 3. weight swaps: the tiny policy and a ~100M-parameter random model
     results["swap_tiny"] = swap_times(Path(args.model), args.repeats)
@@ -155,8 +192,9 @@ def main() -> None:
                 stack.callback(client.close)
                 fns[f"server_{backend}_100m"] = lambda client=client: client.generate(prompts[:16], params).tokens
             results.update(interleaved(fns, 3))
-        results["server_vllm_vs_server_hf_100m"] = (results["server_vllm_100m"]["tokens_per_s"]
-                                                    / results["server_hf_100m"]["tokens_per_s"])
+        results["server_vllm_vs_server_hf_100m"] = (
+            results["server_vllm_100m"]["tokens_per_s"] / results["server_hf_100m"]["tokens_per_s"]
+        )
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

@@ -7,6 +7,7 @@ with generated tokens/s. A benchmark: it measures and prints.
 
     python benchmarks/compare_runs.py runs/smollm2-rlhf/ppo runs/smollm2-rlhf/grpo [--key eval/math_answer]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,22 +39,32 @@ def samples_per_iteration(run_dir: Path) -> int:
 
 
 def table(name: str, run: list[dict], key: str, per_iteration: int) -> list[str]:
-    lines = [f"## {name}", "| iteration | samples | minutes | held-out | proxy | kl_ref | explained var |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## {name}",
+        "| iteration | samples | minutes | held-out | proxy | kl_ref | explained var |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in run:
         samples = r["iteration"] * per_iteration
         if key in r:
-            lines.append(f"| {r['iteration']} | {samples} | {r.get('wall_s', 0) / 60:.1f} | {_f(r.get(key))} | "
-                         f"{_f(r.get('eval/proxy_reward_mean'))} | {_f(r.get('ppo/kl_ref'), '{:.4f}')} | "
-                         f"{_f(r.get('critic/explained_variance'), '{:.2f}')} |")
+            lines.append(
+                f"| {r['iteration']} | {samples} | {r.get('wall_s', 0) / 60:.1f} | {_f(r.get(key))} | "
+                f"{_f(r.get('eval/proxy_reward_mean'))} | {_f(r.get('ppo/kl_ref'), '{:.4f}')} | "
+                f"{_f(r.get('critic/explained_variance'), '{:.2f}')} |"
+            )
     steps = [r for r in run if r["iteration"] > 0 and "time/iteration_s" in r]
     if steps:
         per_it = statistics.median(training_seconds(r) for r in steps)
-        lines.append(f"\nmedian {per_it:.1f} s per iteration, {per_it / per_iteration:.3f} s per sample "
-                     f"({len(steps)} iterations of {per_iteration} samples)")
+        lines.append(
+            f"\nmedian {per_it:.1f} s per iteration, {per_it / per_iteration:.3f} s per sample "
+            f"({len(steps)} iterations of {per_iteration} samples)"
+        )
         split = time_split(steps)
-        lines.append("  " + ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "tokens/s")
-                     + f"; {split.get('tokens/s', 0):.0f} generated tokens/s")
+        lines.append(
+            "  "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in split.items() if k != "tokens/s")
+            + f"; {split.get('tokens/s', 0):.0f} generated tokens/s"
+        )
     return lines
 
 
@@ -66,10 +77,14 @@ def training_seconds(r: dict) -> float:
 def time_split(steps: list[dict]) -> dict[str, float]:
     """Medians over the iterations: generate (in-process) or wait (for the rollout, `rlhf up`),
     train, push, and the rollout's tokens/s."""
-    keys = {"generate": "time/generate_s", "wait": "time/wait_s", "train": "time/train_s",
-            "push": "time/push_s", "tokens/s": "rollout/tokens_per_s"}
-    return {name: statistics.median(r[k] for r in steps) for name, k in keys.items()
-            if all(k in r for r in steps)}
+    keys = {
+        "generate": "time/generate_s",
+        "wait": "time/wait_s",
+        "train": "time/train_s",
+        "push": "time/push_s",
+        "tokens/s": "rollout/tokens_per_s",
+    }
+    return {name: statistics.median(r[k] for r in steps) for name, k in keys.items() if all(k in r for r in steps)}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ variables; when unset, `rlhf up` generates them and keeps them in DIR/secrets.en
 Services get them through their environment, never on a command line.
 Logs: DIR/logs/<service>.log; ports and pids: DIR/services.json (no secrets).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,16 @@ class Child:
     restarts. A gRPC service is ready when its health service says `rlhf.v1.<Name>` is SERVING;
     a rollout worker (no server) when it has registered, just before its LISTENING line."""
 
-    def __init__(self, name: str, kind: str, cmd: list[str], log_dir: Path, echo: bool = False, nice: int = 0,
-                 env: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        cmd: list[str],
+        log_dir: Path,
+        echo: bool = False,
+        nice: int = 0,
+        env: dict | None = None,
+    ):
         self.name, self.kind, self.cmd, self.echo, self.nice = name, kind, cmd, echo, nice
         self.env = env or {}
         self.log_path = log_dir / f"{name}.log"
@@ -60,9 +69,15 @@ class Child:
         self.endpoints, self.listening = {}, threading.Event()
         env = {**self.env, **os.environ, "PYTHONUNBUFFERED": "1"}
         nice = self.nice
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     # Ctrl-C reaches us only; we stop the children in order
-                                     start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            # Ctrl-C reaches us only; we stop the children in order
+            start_new_session=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
         threading.Thread(target=self._pump, args=(self.proc, self.listening), daemon=True).start()
         return self
 
@@ -91,8 +106,10 @@ class Child:
             if self._is_ready():
                 return self.endpoints
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
-                                   f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+                )
             self.listening.wait(0.2) if not self.listening.is_set() else time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s; see {self.log_path}")
 
@@ -124,8 +141,13 @@ class Child:
             self.proc.wait()
 
     def info(self) -> dict:
-        return {"kind": self.kind, "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
-                "log": str(self.log_path), **{k: (int(v) if v.isdigit() else v) for k, v in self.endpoints.items()}}
+        return {
+            "kind": self.kind,
+            "pid": self.proc.pid if self.proc else None,
+            "restarts": self.restarts,
+            "log": str(self.log_path),
+            **{k: (int(v) if v.isdigit() else v) for k, v in self.endpoints.items()},
+        }
 
 
 def tail(path: Path, n: int = 20) -> str:
@@ -211,18 +233,26 @@ class Launcher:
         return child
 
     def write_manifest(self) -> None:
-        data = {"redis": self.url, "run_dir": str(self.run_dir), "secrets": str(self.run_dir / "secrets.env"),
-                "redis_restarts": self.redis_restarts,
-                "redis_pid": self.redis.proc.pid if self.redis is not None and self.redis.proc else None,
-                "services": {n: c.info() for n, c in self.children.items()}}
+        data = {
+            "redis": self.url,
+            "run_dir": str(self.run_dir),
+            "secrets": str(self.run_dir / "secrets.env"),
+            "redis_restarts": self.redis_restarts,
+            "redis_pid": self.redis.proc.pid if self.redis is not None and self.redis.proc else None,
+            "services": {n: c.info() for n, c in self.children.items()},
+        }
         write_private(self.run_dir / "services.json", json.dumps(data, indent=2))
 
     def _start_redis(self) -> None:
         from .common.replay.embedded import EmbeddedRedis
+
         port = self.redis.port if self.redis is not None else None
-        self.redis = EmbeddedRedis(self.run_dir / "redis", port=port,
-                                   password=self.env.get(self.cfg.replay.password_env),
-                                   appendfsync=self.cfg.replay.appendfsync).start()
+        self.redis = EmbeddedRedis(
+            self.run_dir / "redis",
+            port=port,
+            password=self.env.get(self.cfg.replay.password_env),
+            appendfsync=self.cfg.replay.appendfsync,
+        ).start()
         self.url = self.redis.public_url
 
     def start(self) -> None:
@@ -230,8 +260,9 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.url:
             self._start_redis()
-            print(f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {self.run_dir / 'redis'})",
-                  flush=True)
+            print(
+                f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {self.run_dir / 'redis'})", flush=True
+            )
         free = ["--port", "0", "--metrics-port", "0"]
         first = [self._spawn("reward", "reward", [], *free, "--http-port", "-1")]
         if cfg.needs_critic:
@@ -248,9 +279,11 @@ class Launcher:
         learner = self._spawn("learner", "learner", self.sets, *free, "--http-port", "0", echo=True)
         r = learner.wait_ready(args.startup_timeout)
         learner.pin_ports()
-        print(f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status "
-              f"(send 'Authorization: Bearer <{cfg.rpc.auth_token_env} in {self.run_dir / 'secrets.env'}>')",
-              flush=True)
+        print(
+            f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status "
+            f"(send 'Authorization: Bearer <{cfg.rpc.auth_token_env} in {self.run_dir / 'secrets.env'}>')",
+            flush=True,
+        )
         for i in range(args.workers):
             self._spawn(f"rollout-{i}", "rollout", self.sets, "--metrics-port", "0", "--name", f"rollout-{i}")
         for i in range(args.workers):
@@ -267,12 +300,17 @@ class Launcher:
             return None
         code = self.redis.proc.returncode
         if self.redis_restarts >= self.args.max_restarts:
-            print(f"error: redis exited with code {code}; stopping the run (restarted {self.redis_restarts} times)",
-                  flush=True)
+            print(
+                f"error: redis exited with code {code}; stopping the run (restarted {self.redis_restarts} times)",
+                flush=True,
+            )
             return code or 1
         self.redis_restarts += 1
-        print(f"redis exited with code {code}; restarting it on port {self.redis.port} "
-              f"({self.redis_restarts}/{self.args.max_restarts})", flush=True)
+        print(
+            f"redis exited with code {code}; restarting it on port {self.redis.port} "
+            f"({self.redis_restarts}/{self.args.max_restarts})",
+            flush=True,
+        )
         try:
             self._start_redis()
         except (RuntimeError, OSError) as e:
@@ -294,8 +332,10 @@ class Launcher:
             c.restarted_at = None
             self.write_manifest()
         elif time.time() - c.restarted_at > self.args.startup_timeout:
-            print(f"error: {c.name} not ready {self.args.startup_timeout:.0f}s after its restart; see {c.log_path}",
-                  flush=True)
+            print(
+                f"error: {c.name} not ready {self.args.startup_timeout:.0f}s after its restart; see {c.log_path}",
+                flush=True,
+            )
             c.restarted_at = None
 
     def supervise(self) -> int:
@@ -327,19 +367,29 @@ class Launcher:
             if self.stopping.is_set():
                 return None
             if code == EXIT_RUN_FAILED:
-                print(f"error: {name} stopped the run (the run cannot go on). Last lines of {c.log_path}:\n"
-                      f"{tail(c.log_path, 40)}", flush=True)
+                print(
+                    f"error: {name} stopped the run (the run cannot go on). Last lines of {c.log_path}:\n"
+                    f"{tail(c.log_path, 40)}",
+                    flush=True,
+                )
                 return code
             if c.restart_due is None and c.restarts >= self.args.max_restarts:
-                print(f"error: {name} exited with code {code}; stopping the run. Last lines of {c.log_path}:\n"
-                      f"{tail(c.log_path)}", flush=True)
+                print(
+                    f"error: {name} exited with code {code}; stopping the run. Last lines of {c.log_path}:\n"
+                    f"{tail(c.log_path)}",
+                    flush=True,
+                )
                 return code or 1
             if c.restart_due is None:
                 c.restarts += 1
                 delay = self.args.restart_delay * 2 ** (c.restarts - 1)  # a crash loop does not spin
                 c.restart_due = now + delay
-                print(f"{name} exited with code {code}; restarting it" + (f" in {delay:g}s" if delay else "")
-                      + f" ({c.restarts}/{self.args.max_restarts})", flush=True)
+                print(
+                    f"{name} exited with code {code}; restarting it"
+                    + (f" in {delay:g}s" if delay else "")
+                    + f" ({c.restarts}/{self.args.max_restarts})",
+                    flush=True,
+                )
             if now >= c.restart_due:
                 c.restart_due = None
                 c.start()
@@ -370,17 +420,22 @@ def run_up(cfg: Config, args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     from .learner.checkpoint import finished_run
+
     run_dir = Path(cfg.run.run_dir).resolve()
     done = finished_run(run_dir, cfg.run.iterations)
     if done is not None:
-        print(f"run {run_dir} already finished at iteration {done.get('iterations')} (summary.json); "
-              f"raise run.iterations to continue", flush=True)
+        print(
+            f"run {run_dir} already finished at iteration {done.get('iterations')} (summary.json); "
+            f"raise run.iterations to continue",
+            flush=True,
+        )
         return 0
     launcher = Launcher(cfg, args)
 
     def on_signal(signum, frame):
         print("stopping: the learner writes a checkpoint, then every service shuts down", flush=True)
         launcher.stopping.set()
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 1

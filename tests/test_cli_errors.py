@@ -3,6 +3,7 @@
 Each case is the CLI's `main` in a process of its own, forked from one interpreter that imported
 it (and torch) once: what `python -m services.cli ARGS` runs, at a fraction of the CPU time; one
 case also goes through `python -m services.cli` itself."""
+
 import json
 import os
 import socket
@@ -56,17 +57,36 @@ print(json.dumps(codes))
 """
 
 CASES = [
-    "binary_config_validate", "binary_config_serve", "grpc_port_in_use", "metrics_port_in_use", "http_port_in_use",
-    "grpc_port_too_big", "grpc_port_negative", "metrics_port_negative", "generation_model_missing",
-    "critic_model_empty", "generation_model_not_a_hub_id", "critic_hub_id_offline", "train_model_is_a_file",
-    "train_run_dir_under_a_file", "learner_run_dir_under_a_file", "train_data_missing", "up_data_missing",
+    "binary_config_validate",
+    "binary_config_serve",
+    "grpc_port_in_use",
+    "metrics_port_in_use",
+    "http_port_in_use",
+    "grpc_port_too_big",
+    "grpc_port_negative",
+    "metrics_port_negative",
+    "generation_model_missing",
+    "critic_model_empty",
+    "generation_model_not_a_hub_id",
+    "critic_hub_id_offline",
+    "train_model_is_a_file",
+    "train_run_dir_under_a_file",
+    "learner_run_dir_under_a_file",
+    "train_data_missing",
+    "up_data_missing",
     "learner_data_missing",
 ]
 
 
 def _rlhf(args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,43 +117,71 @@ def results(tmp_path_factory):
         "binary_config_validate": (["config", "validate", str(binary)], ["not a text file", str(binary)]),
         "binary_config_serve": (["serve", "reward", "-c", str(binary)], ["not a text file", str(binary)]),
         "grpc_port_in_use": (["serve", "reward", *tiny, "--port", port], ["gRPC", *in_use, "--port"]),
-        "metrics_port_in_use": (["serve", "reward", *tiny, "--port", "0", "--metrics-port", port],
-                                ["metrics", *in_use, "--metrics-port"]),
-        "http_port_in_use": (["serve", "reward", *tiny, *free, "--http-port", port],
-                             ["HTTP", *in_use, "--http-port"]),
-        "grpc_port_too_big": (["serve", "reward", *tiny, "--port", "70000"],
-                              ["--port 70000 is out of range: 0-65535"]),
+        "metrics_port_in_use": (
+            ["serve", "reward", *tiny, "--port", "0", "--metrics-port", port],
+            ["metrics", *in_use, "--metrics-port"],
+        ),
+        "http_port_in_use": (["serve", "reward", *tiny, *free, "--http-port", port], ["HTTP", *in_use, "--http-port"]),
+        "grpc_port_too_big": (["serve", "reward", *tiny, "--port", "70000"], ["--port 70000 is out of range: 0-65535"]),
         "grpc_port_negative": (["serve", "reward", *tiny, "--port", "-5"], ["--port -5 is out of range"]),
-        "metrics_port_negative": (["serve", "reward", *tiny, "--port", "0", "--metrics-port", "-5"],
-                                  ["--metrics-port -5 is out of range", "-1 turns it off"]),
-        "generation_model_missing": (["serve", "generation", *tiny, "--set", f"model.path={tmp / 'none'}", *free],
-                                     ["no model at", "does not exist", f"rlhf init-model --out {tmp / 'none'}"]),
-        "critic_model_empty": (["serve", "critic", *tiny, "--set", f"model.path={empty}", *free],
-                               ["no model at", "the directory is empty", "rlhf init-model --out"]),
-        "generation_model_not_a_hub_id": (["serve", "generation", *tiny, "--set", "model.path=not/a/hub-id", *free],
-                                          ["no model at not/a/hub-id", "rlhf init-model --out"]),
-        "critic_hub_id_offline": (["serve", "critic", *tiny, "--set", "model.path=acme/no-such-model", *free],
-                                  ["'acme/no-such-model' is neither a local directory nor reachable"]),
-        "train_model_is_a_file": (["train", "--local", *tiny, "--set", f"model.path={a_file}", "--run-dir",
-                                   str(tmp / "run-model")], ["no model at", "it is a file", "rlhf init-model"]),
-        "train_run_dir_under_a_file": (["train", "--local", *tiny, "--run-dir", str(a_file / "run")],
-                                       ["cannot create the run directory", f"{a_file} is a file"]),
-        "learner_run_dir_under_a_file": (["serve", "learner", *tiny, *free, "--http-port", "-1", "--run-dir",
-                                          str(a_file / "run")],
-                                         ["cannot create the run directory", f"{a_file} is a file"]),
-        "train_data_missing": (["train", "--local", *tiny, *no_data, "--run-dir", str(tmp / "run-train")],
-                               ["data.train: no such file /nonexistent.jsonl"]),
-        "up_data_missing": (["up", *tiny, *no_data, "--run-dir", str(tmp / "run-up")],
-                            ["data.train: no such file /nonexistent.jsonl"]),
-        "learner_data_missing": (["serve", "learner", *tiny, *no_data, *free, "--http-port", "-1"],
-                                 ["data.train: no such file /nonexistent.jsonl"]),
+        "metrics_port_negative": (
+            ["serve", "reward", *tiny, "--port", "0", "--metrics-port", "-5"],
+            ["--metrics-port -5 is out of range", "-1 turns it off"],
+        ),
+        "generation_model_missing": (
+            ["serve", "generation", *tiny, "--set", f"model.path={tmp / 'none'}", *free],
+            ["no model at", "does not exist", f"rlhf init-model --out {tmp / 'none'}"],
+        ),
+        "critic_model_empty": (
+            ["serve", "critic", *tiny, "--set", f"model.path={empty}", *free],
+            ["no model at", "the directory is empty", "rlhf init-model --out"],
+        ),
+        "generation_model_not_a_hub_id": (
+            ["serve", "generation", *tiny, "--set", "model.path=not/a/hub-id", *free],
+            ["no model at not/a/hub-id", "rlhf init-model --out"],
+        ),
+        "critic_hub_id_offline": (
+            ["serve", "critic", *tiny, "--set", "model.path=acme/no-such-model", *free],
+            ["'acme/no-such-model' is neither a local directory nor reachable"],
+        ),
+        "train_model_is_a_file": (
+            ["train", "--local", *tiny, "--set", f"model.path={a_file}", "--run-dir", str(tmp / "run-model")],
+            ["no model at", "it is a file", "rlhf init-model"],
+        ),
+        "train_run_dir_under_a_file": (
+            ["train", "--local", *tiny, "--run-dir", str(a_file / "run")],
+            ["cannot create the run directory", f"{a_file} is a file"],
+        ),
+        "learner_run_dir_under_a_file": (
+            ["serve", "learner", *tiny, *free, "--http-port", "-1", "--run-dir", str(a_file / "run")],
+            ["cannot create the run directory", f"{a_file} is a file"],
+        ),
+        "train_data_missing": (
+            ["train", "--local", *tiny, *no_data, "--run-dir", str(tmp / "run-train")],
+            ["data.train: no such file /nonexistent.jsonl"],
+        ),
+        "up_data_missing": (
+            ["up", *tiny, *no_data, "--run-dir", str(tmp / "run-up")],
+            ["data.train: no such file /nonexistent.jsonl"],
+        ),
+        "learner_data_missing": (
+            ["serve", "learner", *tiny, *no_data, *free, "--http-port", "-1"],
+            ["data.train: no such file /nonexistent.jsonl"],
+        ),
     }
     assert sorted(cases) == sorted(CASES)
     out = tmp / "out"
     out.mkdir()
     try:
-        p = subprocess.run([sys.executable, "-c", DRIVER, str(out)], input=json.dumps({k: a for k, (a, _) in
-                           cases.items()}), capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        p = subprocess.run(
+            [sys.executable, "-c", DRIVER, str(out)],
+            input=json.dumps({k: a for k, (a, _) in cases.items()}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+        )
     finally:
         taken.close()
     assert p.returncode == 0, p.stderr[-3000:]

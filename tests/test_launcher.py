@@ -3,6 +3,7 @@ restarted, not even the embedded Redis that exited with code 0 because it was to
 (issue 24: "redis exited with code 0; restarting it" during shutdown); a Redis that crashes
 while the run goes on is still restarted; the embedded Redis runs in a session of its own, so a
 Ctrl-C in the terminal does not stop it before the learner's final checkpoint."""
+
 import argparse
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ class FakeProc:
 
 class FakeChild:
     """A child that stays alive (the learner still checkpointing)."""
+
     kind = "learner"
 
     def __init__(self):
@@ -35,6 +37,7 @@ class FakeChild:
 
 class FakeRedis:
     """An embedded Redis whose process has exited (code 0: stopped by a signal)."""
+
     port, host = 6390, "127.0.0.1"
 
     def __init__(self, code=0):
@@ -44,8 +47,16 @@ class FakeRedis:
 @pytest.fixture
 def launcher(tmp_path, monkeypatch):
     cfg = config_from_dict({"run": {"run_dir": str(tmp_path / "run")}})
-    args = argparse.Namespace(run_dir=str(tmp_path / "run"), overrides=[], config="x.yaml", max_restarts=3,
-                              startup_timeout=5.0, workers=0, generation_servers=0, restart_delay=0.0)
+    args = argparse.Namespace(
+        run_dir=str(tmp_path / "run"),
+        overrides=[],
+        config="x.yaml",
+        max_restarts=3,
+        startup_timeout=5.0,
+        workers=0,
+        generation_servers=0,
+        restart_delay=0.0,
+    )
     up = Launcher(cfg, args)
     up.redis = FakeRedis()
     up.children = {"learner": FakeChild()}
@@ -58,6 +69,7 @@ def launcher(tmp_path, monkeypatch):
 def test_a_stop_during_the_supervisors_sleep_restarts_nothing(launcher, monkeypatch, capsys):
     def sleep(_s):  # Ctrl-C arrives while the supervisor sleeps; Redis exits with 0 meanwhile
         launcher.stopping.set()
+
     monkeypatch.setattr(launcher_mod.time, "sleep", sleep)
     assert launcher.supervise() == 130
     assert launcher.restarted == [] and launcher.redis_restarts == 0
@@ -79,6 +91,7 @@ def test_a_redis_that_crashes_while_the_run_goes_on_is_still_restarted(launcher,
 
 class CrashingChild(FakeChild):
     """A service that exits with -9 each time it is started."""
+
     kind = "generation"
 
     def __init__(self):
@@ -110,6 +123,6 @@ def test_a_crashed_service_is_restarted_after_the_delay_doubled_each_time(launch
 
 def test_the_embedded_redis_has_a_session_of_its_own(tmp_path):
     from services.common.replay.embedded import EmbeddedRedis
+
     with EmbeddedRedis(tmp_path / "redis", appendonly=False) as r:
         assert os.getsid(r.proc.pid) == r.proc.pid != os.getsid(0)
-

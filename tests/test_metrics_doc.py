@@ -5,6 +5,7 @@ and the metric names, types and label names each exports are those the table lis
 more (no empty families of other services), no fewer. Every family has samples by then, so a
 scrape of a live run finds them all. A reward server without its HTTP API and without a reward
 API exports exactly the table's "always" metrics."""
+
 import json
 import re
 import threading
@@ -33,15 +34,19 @@ def documented() -> dict[str, dict]:
     """metric -> {type, labels (a set), services (a set), from_start (bool: samples from the
     service's start)} from the doc's table."""
     text = DOC.read_text()
-    table = text[text.index(START) + len(START):text.index(END)]
+    table = text[text.index(START) + len(START) : text.index(END)]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.strip().splitlines()[2:]]
     out = {}
     for name, typ, labels, services, samples, meaning in rows:
         name = name.strip("`")
         assert name not in out, f"{name} is listed twice"
         assert meaning, f"{name} has no meaning"
-        out[name] = {"type": typ, "labels": {x.strip() for x in labels.replace("`", "").split(",") if x.strip()},
-                     "services": {s.strip() for s in services.split(",")}, "from_start": samples == "from start"}
+        out[name] = {
+            "type": typ,
+            "labels": {x.strip() for x in labels.replace("`", "").split(",") if x.strip()},
+            "services": {s.strip() for s in services.split(",")},
+            "from_start": samples == "from start",
+        }
     return out
 
 
@@ -62,14 +67,17 @@ def parse_exposition(text: str) -> dict[str, dict]:
         m = re.match(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
         assert m, line
         name, labels = m.group(1), dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        assert current and (name == current or name in (current + s for s in SAMPLE_SUFFIXES)), \
+        assert current and (name == current or name in (current + s for s in SAMPLE_SUFFIXES)), (
             f"sample {name} outside its family ({current})"
+        )
         families[current]["samples"].append((name, labels, float(m.group(3))))
         families[current]["labels"] |= set(labels) - {"le"}
     for name in [n for n in families if n.endswith("_created")]:
-        stem = name[:-len("_created")]
-        if families.get(stem + "_total", {}).get("type") == "counter" or \
-                families.get(stem, {}).get("type") == "histogram":
+        stem = name[: -len("_created")]
+        if (
+            families.get(stem + "_total", {}).get("type") == "counter"
+            or families.get(stem, {}).get("type") == "histogram"
+        ):
             del families[name]
     return families
 
@@ -108,17 +116,40 @@ class RewardAPI:
 
 def _cfg(model_dir, redis_url, run_dir, api_url):
     ep = {"port": 0, "metrics_port": 0}
-    return config_from_dict({
-        "model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "gae", "rollout_batch_size": 4,
-        "prompt_length": 16, "response_length": 4, "ppo_mini_batch_size": 4, "data": {"eval_size": 4},
-        "reward": {"type": "combined", "rules": [{"name": "exact_match"}], "http_url": api_url, "http_retries": 0,
-                   "eval_rules": [{"name": "length", "kwargs": {"target": 3}}]},
-        "replay": {"url": redis_url, "namespace": "metricsdoc", "block_ms": 50, "heartbeat_s": 0.2},
-        "rollout": {"metrics_port": 0, "prompts_per_request": 4},
-        "run": {"iterations": 2, "eval_interval": 1, "checkpoint_interval": 0, "run_dir": str(run_dir),
-                "tensorboard": False},
-        "rpc": {"auth_token": TOKEN, "generation": ep, "critic": ep, "reward": {**ep, "http_port": 0},
-                "learner": {**ep, "http_port": None}}})
+    return config_from_dict(
+        {
+            "model": {"path": model_dir, "device": "cpu"},
+            "adv_estimator": "gae",
+            "rollout_batch_size": 4,
+            "prompt_length": 16,
+            "response_length": 4,
+            "ppo_mini_batch_size": 4,
+            "data": {"eval_size": 4},
+            "reward": {
+                "type": "combined",
+                "rules": [{"name": "exact_match"}],
+                "http_url": api_url,
+                "http_retries": 0,
+                "eval_rules": [{"name": "length", "kwargs": {"target": 3}}],
+            },
+            "replay": {"url": redis_url, "namespace": "metricsdoc", "block_ms": 50, "heartbeat_s": 0.2},
+            "rollout": {"metrics_port": 0, "prompts_per_request": 4},
+            "run": {
+                "iterations": 2,
+                "eval_interval": 1,
+                "checkpoint_interval": 0,
+                "run_dir": str(run_dir),
+                "tensorboard": False,
+            },
+            "rpc": {
+                "auth_token": TOKEN,
+                "generation": ep,
+                "critic": ep,
+                "reward": {**ep, "http_port": 0},
+                "learner": {**ep, "http_port": None},
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +166,17 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
         with serve_reward(cfg) as reward, serve_critic(cfg) as critic:
             cfg.rpc.reward.port, cfg.rpc.critic.port = reward.server.port, critic.server.port
             base = f"http://127.0.0.1:{reward.server.http_port}"
-            assert httpx.post(f"{base}/score", json={"query": ["ab=ba"], "prompts": ["ab="], "labels": ["ba"]},
-                              headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).status_code == 200
+            assert (
+                httpx.post(
+                    f"{base}/score",
+                    json={"query": ["ab=ba"], "prompts": ["ab="], "labels": ["ba"]},
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                    timeout=10,
+                ).status_code
+                == 200
+            )
             assert httpx.post(f"{base}/score", json={"query": ["x"]}, timeout=10).status_code == 401
-            with serve_generation(cfg) as generation, serve_learner(cfg) as learner, \
-                    serve_rollout(cfg, "w0") as worker:
+            with serve_generation(cfg) as generation, serve_learner(cfg) as learner, serve_rollout(cfg, "w0") as worker:
                 done = {}
                 loop = threading.Thread(target=lambda: done.setdefault("code", learner.run()))
                 work = threading.Thread(target=worker.run)
@@ -150,9 +187,13 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                 work.join(timeout=30)
                 assert done == {"code": 0}, learner.loop.state
                 LearnerClient(f"127.0.0.1:{learner.server.port}", cfg.rpc).status()
-                yield {"generation": scrape(generation.server.metrics_port),
-                       "reward": scrape(reward.server.metrics_port), "critic": scrape(critic.server.metrics_port),
-                       "learner": scrape(learner.server.metrics_port), "rollout": scrape(worker.metrics_port)}
+                yield {
+                    "generation": scrape(generation.server.metrics_port),
+                    "reward": scrape(reward.server.metrics_port),
+                    "critic": scrape(critic.server.metrics_port),
+                    "learner": scrape(learner.server.metrics_port),
+                    "rollout": scrape(worker.metrics_port),
+                }
     finally:
         api.close()
 
@@ -210,8 +251,12 @@ def test_the_numbers_are_the_runs(scrapes):
 def test_a_bare_reward_server_has_samples_in_the_from_start_rows_only(tiny_model_dir):
     """No HTTP API, no reward API, no call yet: every family of the reward server's rows is
     there, and those with samples are exactly the rows marked `from start`."""
-    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}, "rpc": {
-        "auth_token": TOKEN, "reward": {"port": 0, "metrics_port": 0, "http_port": None}}})
+    cfg = config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "rpc": {"auth_token": TOKEN, "reward": {"port": 0, "metrics_port": 0, "http_port": None}},
+        }
+    )
     with serve_reward(cfg) as reward:
         got = scrape(reward.server.metrics_port)
     rows = {n: r for n, r in documented().items() if "reward" in r["services"]}

@@ -15,6 +15,7 @@ also those inside functions):
   it *uses* a part when one of its modules imports a module of the part, directly or through
   other `common` modules (`config_sections` is used by whoever imports `config`). The
   exceptions, `SHARED_BY_CONTRACT`, say why."""
+
 import ast
 import re
 import subprocess
@@ -55,7 +56,7 @@ def _imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.split(".")
-                    base = base[:len(base) - node.level + 1]
+                    base = base[: len(base) - node.level + 1]
                     prefix = ".".join(base + ([node.module] if node.module else []))
                 else:
                     prefix = node.module or ""
@@ -81,27 +82,51 @@ def test_the_graph_sees_the_project():
 
 
 def test_common_and_ppo_import_no_service():
-    bad = [(m, d) for m, deps in GRAPH.items() if m.startswith(("services.common", "services.ppo"))
-           for d in deps if _service_of(d) or d.startswith(ROOTS)]
+    bad = [
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.startswith(("services.common", "services.ppo"))
+        for d in deps
+        if _service_of(d) or d.startswith(ROOTS)
+    ]
     assert not bad, bad
-    assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("services.ppo")
-                for d in deps if not d.startswith("services.ppo")]
+    assert not [
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.startswith("services.ppo")
+        for d in deps
+        if not d.startswith("services.ppo")
+    ]
     # common is the bottom layer: not even the packages that import only common
-    assert not [(m, d) for m, deps in GRAPH.items() if m.startswith("services.common")
-                for d in deps if d.startswith(("services.weights", "services.training"))]
+    assert not [
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.startswith("services.common")
+        for d in deps
+        if d.startswith(("services.weights", "services.training"))
+    ]
 
 
 def test_services_meet_only_through_clients():
-    bad = [(m, d) for m, deps in GRAPH.items() if _service_of(m) for d in deps
-           if _service_of(d) not in (None, _service_of(m)) and not d.endswith(".client")]
+    bad = [
+        (m, d)
+        for m, deps in GRAPH.items()
+        if _service_of(m)
+        for d in deps
+        if _service_of(d) not in (None, _service_of(m)) and not d.endswith(".client")
+    ]
     assert not bad, f"a service imports another service's internals: {bad}"
 
 
 def test_client_modules_import_only_common():
     clients = [m for m in GRAPH if m.endswith(".client") and _service_of(m)]
     assert len(clients) == 4  # generation, reward, critic, learner
-    bad = [(m, d) for m in clients for d in GRAPH[m]
-           if not d.startswith(("services.common", "services.ppo", "services.weights"))]
+    bad = [
+        (m, d)
+        for m in clients
+        for d in GRAPH[m]
+        if not d.startswith(("services.common", "services.ppo", "services.weights"))
+    ]
     assert not bad, bad
 
 
@@ -136,7 +161,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(GRAPH.get(m, ())):
             if state.get(d) == 1:
-                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
             if d not in state:
                 visit(d)
         stack.pop()
@@ -148,16 +173,23 @@ def test_no_import_cycles():
 
 
 def test_contracts_and_rpc_plumbing_load_without_torch():
-    code = ("import sys, services.common.types, services.common.rpc.server, services.common.rpc.client, "
-            "services.common.rpc.health, "
-            "services.common.lifecycle; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, services.common.types, services.common.rpc.server, services.common.rpc.client, "
+        "services.common.rpc.health, "
+        "services.common.lifecycle; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
 def test_training_imports_only_common():
-    bad = [(m, d) for m, deps in GRAPH.items() if m.startswith("services.training.") or m == "services.training"
-           for d in deps if not d.startswith(("services.common", "services.training"))]
+    bad = [
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.startswith("services.training.") or m == "services.training"
+        for d in deps
+        if not d.startswith(("services.common", "services.training"))
+    ]
     assert not bad, bad
 
 
@@ -215,12 +247,17 @@ def _error_text_decisions(tree: ast.AST) -> list[str]:
     decides on an error's wording."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq))
-                                                 for op in node.ops):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq)) for op in node.ops
+        ):
             if any(_ERROR_TEXT.search(ast.unparse(side)) for side in (node.left, *node.comparators)):
                 found.append(ast.unparse(node))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in ("startswith", "endswith") and _ERROR_TEXT.search(ast.unparse(node.func.value))):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and _ERROR_TEXT.search(ast.unparse(node.func.value))
+        ):
             found.append(ast.unparse(node))
     return found
 
@@ -229,8 +266,9 @@ def test_no_behaviour_keyed_on_an_errors_wording():
     """Contracts between services are data: a caller acts on the status code and the error
     details' `Reason` (services/common/rpc/errors.py), Redis's error code (`redis_error_code`),
     never on a message that a reworded sentence would silently change."""
-    assert _error_text_decisions(ast.parse('if "NOGROUP" in str(e): pass\n'
-                                           'ok = (e.details() or "").startswith("prompts[")'))  # it sees them
+    assert _error_text_decisions(
+        ast.parse('if "NOGROUP" in str(e): pass\nok = (e.details() or "").startswith("prompts[")')
+    )  # it sees them
     bad = {}
     for path in (ROOT / "services").rglob("*.py"):
         if "/gen/" not in str(path):
@@ -244,6 +282,7 @@ def test_every_reason_a_service_acts_on_is_pinned_by_a_test():
     """Each `Reason` appears in a test outside this file (a server that must send it, or a caller
     that must act on it)."""
     from services.common.rpc.errors import Reason
+
     texts = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != "test_structure.py")
     unpinned = [r.name for r in Reason if f"Reason.{r.name}" not in texts]
     assert not unpinned, unpinned

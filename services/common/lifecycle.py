@@ -10,6 +10,7 @@ and `rlhf serve`, `rlhf up`, the container entrypoints and the tests all drive i
 work, finish what is in flight, then let `run()` return. Readiness is reported through the
 standard gRPC health service (`rlhf.v1.<Name>`), which is what probes and `rlhf up` ask.
 """
+
 from __future__ import annotations
 
 import logging

@@ -9,6 +9,7 @@ labelled with the service's name like every other metric of the system.
 Several servers in one process (the tests) each export the same process's numbers.
 docs/metrics.md lists every metric of every service.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -38,6 +39,8 @@ def register_process_metrics(registry: CollectorRegistry, service: str) -> None:
 def labelled(metric_cls, registry: CollectorRegistry, service: str):
     """A maker of `metric_cls` (Counter, Gauge, ...) metrics in `registry` whose one label is
     `service`: make(name, doc, **kwargs) -> the child for this service."""
+
     def make(name: str, doc: str, **kwargs):
         return metric_cls(name, doc, ["service"], registry=registry, **kwargs).labels(service)
+
     return make

@@ -4,6 +4,7 @@ shares: response log-probs of a causal LM and per-token values of a value model.
 A batch holds `B` sequences laid out as `[left-padded prompt | right-padded response]`, with
 `P` prompt columns and `T` response columns. `response_mask` (B, T) is 1 on generated tokens.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,10 @@ def has_dropout(model: torch.nn.Module) -> bool:
         return True
     config = getattr(model, "config", None)
     items = config.to_dict().items() if hasattr(config, "to_dict") else ()
-    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-               for k, v in items)
+    return any(
+        ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        for k, v in items
+    )
 
 
 # what a hub model is fetched with: config, tokenizer, chat template and safetensors weights
@@ -61,7 +64,8 @@ def check_model_dir(path: str | Path) -> Path:
     if text.startswith(("/", ".", "~")) or p.exists() or text.count("/") > 1:
         raise FileNotFoundError(
             f"no model at {p} (config.json missing: {_missing_model_reason(p)}); build the tiny default with "
-            f"`rlhf init-model --out {p}`, or set model.path to a model directory or a hub id (org/name)")
+            f"`rlhf init-model --out {p}`, or set model.path to a model directory or a hub id (org/name)"
+        )
     return _hub_snapshot(text)
 
 
@@ -71,8 +75,11 @@ def _missing_model_reason(p: Path) -> str:
         return "it is a file, not a directory"
     if not p.exists():
         parent = next((a for a in p.parents if a.exists()), None)
-        return ("the directory does not exist" if parent is None or parent.is_dir()
-                else f"{parent} is a file, not a directory")
+        return (
+            "the directory does not exist"
+            if parent is None or parent.is_dir()
+            else f"{parent} is a file, not a directory"
+        )
     try:
         names = sorted(c.name for c in p.iterdir())
     except OSError as e:
@@ -85,6 +92,7 @@ def _missing_model_reason(p: Path) -> str:
 
 def _hub_snapshot(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
+
     try:
         snapshot = Path(snapshot_download(repo_id, allow_patterns=HUB_MODEL_FILES))
     except (OSError, ValueError) as e:
@@ -92,7 +100,8 @@ def _hub_snapshot(repo_id: str) -> Path:
         raise FileNotFoundError(
             f"model {repo_id!r} is neither a local directory nor reachable on the Hugging Face hub (no network "
             f"or not cached: {type(e).__name__}: {reason}); pre-download it into the hub cache (HF_HOME), or give "
-            f"a local directory (`rlhf init-model --out DIR` builds the tiny default)") from e
+            f"a local directory (`rlhf init-model --out DIR` builds the tiny default)"
+        ) from e
     if not (snapshot / "config.json").exists():
         raise FileNotFoundError(f"model {repo_id!r} on the Hugging Face hub has no config.json ({snapshot})")
     return snapshot
@@ -100,6 +109,7 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(check_model_dir(path)))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -123,6 +133,7 @@ def save_model_dir(model, path: str | Path, tokenizer=None, **kwargs) -> None:
 
 def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype)
     return model.to(device)
 
@@ -131,6 +142,7 @@ def empty_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
     """The architecture `load_causal_lm` loads, without its weights: built under the caller's
     default device (the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(str(check_model_dir(path)))
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
@@ -141,6 +153,7 @@ class TokenBatch:
 
     input_ids, attention_mask, position_ids: (B, P + T); response_mask: (B, T).
     """
+
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
@@ -149,16 +162,26 @@ class TokenBatch:
 
     @property
     def responses(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_width:]
+        return self.input_ids[:, self.prompt_width :]
 
     def to(self, device) -> "TokenBatch":
-        return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
-                          self.response_mask.to(device), self.prompt_width)
+        return TokenBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.response_mask.to(device),
+            self.prompt_width,
+        )
 
     def select(self, idx: torch.Tensor | Sequence[int]) -> "TokenBatch":
         idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
-        return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
-                          self.response_mask[idx], self.prompt_width)
+        return TokenBatch(
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.position_ids[idx],
+            self.response_mask[idx],
+            self.prompt_width,
+        )
 
     def trimmed(self) -> "TokenBatch":
         """The same sequences without the columns that are padding in every row: leading prompt
@@ -171,8 +194,13 @@ class TokenBatch:
         answered = self.response_mask.any(0).nonzero()
         T = int(answered[-1]) + 1 if len(answered) else 1
         end = P + T
-        return TokenBatch(self.input_ids[:, first:end], self.attention_mask[:, first:end],
-                          self.position_ids[:, first:end], self.response_mask[:, :T], P - first)
+        return TokenBatch(
+            self.input_ids[:, first:end],
+            self.attention_mask[:, first:end],
+            self.position_ids[:, first:end],
+            self.response_mask[:, :T],
+            P - first,
+        )
 
 
 def widen(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -183,8 +211,9 @@ def widen(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
-def build_token_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-                      response_width: int | None = None) -> TokenBatch:
+def build_token_batch(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, response_width: int | None = None
+) -> TokenBatch:
     """Left-pad prompts and right-pad responses into one rectangle (see `TokenBatch`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -206,9 +235,14 @@ def response_logits(model: nn.Module, batch: TokenBatch, temperature: float = 1.
     """Logits (B, T, V) in float32 predicting each response token, divided by the sampling
     temperature: the whole vocabulary at every response position (what kl_penalty 'full' needs).
     Only the response positions go through the output layer."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False, **_keep_kwargs(model, batch))
-    logits = out.logits[:, -(batch.response_mask.shape[1] + 1):-1, :].float()
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **_keep_kwargs(model, batch),
+    )
+    logits = out.logits[:, -(batch.response_mask.shape[1] + 1) : -1, :].float()
     return logits / temperature if temperature not in (0, 1.0) else logits
 
 
@@ -216,8 +250,9 @@ def response_logits(model: nn.Module, batch: TokenBatch, temperature: float = 1.
 LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
-def response_log_probs(model: nn.Module, batch: TokenBatch, temperature: float = 1.0,
-                       with_entropy: bool = False, full: bool = False):
+def response_log_probs(
+    model: nn.Module, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False, full: bool = False
+):
     """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position and
     the full log-probability tensor (B, T, V). Returns a dict with keys log_probs/entropy/full.
 
@@ -240,13 +275,13 @@ def response_log_probs(model: nn.Module, batch: TokenBatch, temperature: float =
 
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
         # hidden (B, L, H), the last L positions; the response is predicted from [-(T+1), -1)
-        h = hidden[:, -(T + 1):-1, :]
+        h = hidden[:, -(T + 1) : -1, :]
         B, _, H = h.shape
         flat_h, flat_t = h.reshape(B * T, H), targets.reshape(B * T)
         step = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
         pieces = []
         for s in range(0, B * T, step):
-            args = (flat_h[s:s + step], flat_t[s:s + step], head.weight, head.bias, temperature, with_entropy)
+            args = (flat_h[s : s + step], flat_t[s : s + step], head.weight, head.bias, temperature, with_entropy)
             if torch.is_grad_enabled():
                 pieces.append(torch.utils.checkpoint.checkpoint(_token_stats, *args, use_reentrant=False))
             else:
@@ -258,11 +293,16 @@ def response_log_probs(model: nn.Module, batch: TokenBatch, temperature: float =
 
     head.forward = chunked_head
     try:
-        stats = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids, use_cache=False, **_keep_kwargs(model, batch)).logits
+        stats = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            **_keep_kwargs(model, batch),
+        ).logits
     finally:
         del head.forward
-    stats = stats[:, -(T + 1):-1]
+    stats = stats[:, -(T + 1) : -1]
     out = {"log_probs": stats[..., 0]}
     if with_entropy:
         out["entropy"] = stats[..., 1]
@@ -312,8 +352,10 @@ def _head_is_plain(model: nn.Module) -> bool:
     soft-capping (Gemma 2) or a scaled or non-linear head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(_base_model(model), "config", None)
-    scaled = any(getattr(config, k, None) not in (None, 1.0, 1) for k in
-                 ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))
+    scaled = any(
+        getattr(config, k, None) not in (None, 1.0, 1)
+        for k in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+    )
     return isinstance(head, nn.Linear) and not scaled
 
 
@@ -334,25 +376,31 @@ class ValueModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "ValueModel":
         from transformers import AutoModel
+
         path = check_model_dir(path)
         backbone = AutoModel.from_pretrained(str(path), dtype=dtype)
         model = cls(backbone, backbone.config.hidden_size)
         head = Path(path) / "value_head.safetensors"
         if head.exists():
             from safetensors.torch import load_file
+
             model.value_head.load_state_dict(load_file(str(head)))
         return model
 
     def save_pretrained(self, path: str | Path) -> None:
         from safetensors.torch import save_file
+
         Path(path).mkdir(parents=True, exist_ok=True)
         save_model_dir(self.backbone, path)
-        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()},
-                  str(Path(path) / "value_head.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in self.value_head.state_dict().items()},
+            str(Path(path) / "value_head.safetensors"),
+        )
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         with torch.autocast(hidden.device.type, enabled=False):  # the head in float32 under bf16 autocast
             return self.value_head(hidden.float()).squeeze(-1)
 
@@ -360,12 +408,13 @@ class ValueModel(nn.Module):
         """V(s_t) for each response position t (B, T): the value of the state before token t."""
         values = self(batch.input_ids, batch.attention_mask, batch.position_ids)
         P = batch.prompt_width
-        return values[:, P - 1:-1] * batch.response_mask
+        return values[:, P - 1 : -1] * batch.response_mask
 
 
 @dataclass
 class ModelCard:
     """What `rlhf init-model` records about the model it built (model_card.json)."""
+
     task: str
     vocab_size: int
     warm_start_steps: int

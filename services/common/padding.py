@@ -3,6 +3,7 @@
 Prompts are left-padded (they end where generation starts) and responses right-padded (they
 start at the same column), so `[prompt | response]` rows line up on the response columns.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -11,8 +12,9 @@ import numpy as np
 import torch
 
 
-def pad_right(rows: Sequence[Sequence[float]], width: int | None = None, value: float = 0,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def pad_right(
+    rows: Sequence[Sequence[float]], width: int | None = None, value: float = 0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """(len(rows), width): each row's entries from column 0, then `value`. Width defaults to the
     longest row; a row longer than `width` is cut."""
     width = max((len(r) for r in rows), default=0) if width is None else width
@@ -34,6 +36,6 @@ def pad_left(rows: Sequence[Sequence[int]], value: int, width: int | None = None
         if len(r) > width:
             raise ValueError(f"row {i} has {len(r)} tokens, more than the width {width}")
         if len(r):
-            ids[i, width - len(r):] = r
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = r
+            mask[i, width - len(r) :] = 1
     return torch.from_numpy(ids), torch.from_numpy(mask)

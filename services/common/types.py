@@ -3,6 +3,7 @@ samples and results, sample groups and the learner's rollout batch; and the inte
 (`GenerationBackend`, `Scorer`, `ValueFunction`) that a domain object and its gRPC client both
 satisfy. A leaf module: it imports no service and no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ STRUCTURED_LABEL = "ground_truth"  # the metadata field of a label stored as a s
 class PromptRecord:
     """One prompt of a dataset: its id, the rendered text, an optional label (the reference answer
     a rule reward checks against) and whatever else the row carried."""
+
     id: str
     prompt: str
     label: str | None = None
@@ -53,15 +55,26 @@ class SamplingParams:
     def for_training(cls, cfg: Config, n: int | None = None) -> "SamplingParams":
         """Training rollouts: the group size and the configured temperature/top-p/top-k."""
         g = cfg.generation
-        return cls(n=n or cfg.num_return_sequences_in_group, temperature=g.temperature, top_p=g.top_p,
-                   top_k=g.top_k, max_new_tokens=cfg.response_length)
+        return cls(
+            n=n or cfg.num_return_sequences_in_group,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            max_new_tokens=cfg.response_length,
+        )
 
     @classmethod
     def for_eval(cls, cfg: Config) -> "SamplingParams":
         """The held-out eval: one sample per prompt at eval_temperature (0 = greedy), seeded."""
         g = cfg.generation
-        return cls(n=1, temperature=g.eval_temperature, top_p=g.top_p, top_k=g.top_k,
-                   max_new_tokens=cfg.response_length, seed=cfg.run.seed)
+        return cls(
+            n=1,
+            temperature=g.eval_temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            max_new_tokens=cfg.response_length,
+            seed=cfg.run.seed,
+        )
 
 
 @dataclass
@@ -96,6 +109,7 @@ class ScoreResult:
 @dataclass
 class SampleGroup:
     """The samples of one prompt, all from one policy version."""
+
     uid: str  # "<epoch>:<prompt id>": samples of a group share it (GRPO/RLOO groups)
     record: PromptRecord
     prompt_ids: list[int]
@@ -109,6 +123,7 @@ class SampleGroup:
 class Rollout:
     """Scored samples of one batch, flattened: B = prompts x samples per prompt. Per-token rows
     are ragged (one entry per response token); the learner pads them once."""
+
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     scores: list[float]
@@ -136,6 +151,7 @@ class Rollout:
 class GenerationBackend(Protocol):
     """What the generation server serves and the in-process trainer samples with (the `hf` and
     `vllm` backends); `GenerationClient` offers `generate`/`update_weights` over gRPC."""
+
     version: int
     tokenizer: object
     vocab_size: int

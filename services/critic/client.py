@@ -1,4 +1,5 @@
 """gRPC client of the critic server with the in-process `Critic`'s interface."""
+
 from __future__ import annotations
 
 import torch
@@ -14,13 +15,17 @@ class CriticClient(RPCClient):
     stub_class = critic_pb2_grpc.CriticStub
 
     def values(self, batch: TokenBatch) -> torch.Tensor:
-        resp = self.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(batch)), timeout=self.timeout,
-                                metadata=self.metadata)
+        resp = self.stub.Values(
+            cpb.ValuesRequest(batch=batch_to_proto(batch)), timeout=self.timeout, metadata=self.metadata
+        )
         return tensor_from_proto(resp.values, "values")
 
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
-        req = cpb.TrainRequest(batch=batch_to_proto(batch), returns=tensor_to_proto(returns.float()),
-                               old_values=tensor_to_proto(old_values.float()))
+        req = cpb.TrainRequest(
+            batch=batch_to_proto(batch),
+            returns=tensor_to_proto(returns.float()),
+            old_values=tensor_to_proto(old_values.float()),
+        )
         return dict(self.stub.Train(req, timeout=self.timeout, metadata=self.metadata).metrics)
 
     def save(self, path: str) -> int:
@@ -41,6 +46,7 @@ class OverlappedCritic:
 
     def __init__(self, client: CriticClient):
         from concurrent.futures import ThreadPoolExecutor
+
         self.client = client
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
 

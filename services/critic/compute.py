@@ -4,6 +4,7 @@ Each thread that runs parallel torch ops on the CPU gets its own OpenMP team. A 
 requests to any thread of its pool, so a server that computed in its handlers would grow one team
 per handler thread, and the idle teams' threads spin on the cores the busy one needs. Running
 every tensor op of a service on one dedicated thread keeps one team."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor

@@ -2,6 +2,7 @@
 optimiser step of the (optionally clipped) value loss. The critic server and the in-process
 trainer both host this object.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,10 +31,20 @@ class CheckpointError(ValueError):
 
 
 class Critic:
-    def __init__(self, model_path: str, lr: float = 1e-4, value_clip: float | None = None,
-                 loss_agg_mode: str = "token-mean", max_grad_norm: float | None = 1.0,
-                 value_loss_coef: float = 1.0, device: str = "auto", weight_decay: float = 0.0,
-                 micro_batch_size: int | None = None, bf16: bool = False, gradient_checkpointing: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        lr: float = 1e-4,
+        value_clip: float | None = None,
+        loss_agg_mode: str = "token-mean",
+        max_grad_norm: float | None = 1.0,
+        value_loss_coef: float = 1.0,
+        device: str = "auto",
+        weight_decay: float = 0.0,
+        micro_batch_size: int | None = None,
+        bf16: bool = False,
+        gradient_checkpointing: bool = False,
+    ):
         self.device = resolve_device(device)
         self.lr, self.weight_decay = lr, weight_decay
         self.bf16, self.gradient_checkpointing = bf16, gradient_checkpointing
@@ -51,11 +62,20 @@ class Critic:
 
     @classmethod
     def from_config(cls, cfg: Config, **kwargs) -> "Critic":
-        return cls(cfg.critic.model_path or cfg.model.path, lr=cfg.critic.lr, value_clip=cfg.value_clip,
-                   loss_agg_mode=cfg.loss_agg_mode, max_grad_norm=cfg.max_grad_norm,
-                   value_loss_coef=cfg.critic.value_loss_coef, device=cfg.model.device,
-                   weight_decay=cfg.weight_decay, micro_batch_size=cfg.critic.micro_batch_size or cfg.micro_batch_size,
-                   bf16=cfg.model.bf16, gradient_checkpointing=cfg.model.gradient_checkpointing, **kwargs)
+        return cls(
+            cfg.critic.model_path or cfg.model.path,
+            lr=cfg.critic.lr,
+            value_clip=cfg.value_clip,
+            loss_agg_mode=cfg.loss_agg_mode,
+            max_grad_norm=cfg.max_grad_norm,
+            value_loss_coef=cfg.critic.value_loss_coef,
+            device=cfg.model.device,
+            weight_decay=cfg.weight_decay,
+            micro_batch_size=cfg.critic.micro_batch_size or cfg.micro_batch_size,
+            bf16=cfg.model.bf16,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            **kwargs,
+        )
 
     def _prepare(self, model: ValueModel) -> ValueModel:
         if self.gradient_checkpointing:
@@ -87,7 +107,7 @@ class Critic:
         with bf16_autocast(self.device, self.bf16):
             for rows, real in self._micro_batches(n):
                 v = self.model.response_values(batch.select(rows).trimmed().to(self._param_device)).float()
-                parts.append(widen(v, width)[:None if real else 0])
+                parts.append(widen(v, width)[: None if real else 0])
         return self._gather(torch.cat(parts), n).cpu()
 
     def _gather(self, local: torch.Tensor, n: int) -> torch.Tensor:
@@ -108,9 +128,14 @@ class Critic:
             t = sub.response_mask.shape[1]
             with bf16_autocast(self.device, self.bf16):
                 vpreds = self.model.response_values(sub)
-            vf_loss, vf_clipfrac = compute_value_loss(vpreds, returns[rows, :t].to(device),
-                                                      old_values[rows, :t].to(device), sub.response_mask,
-                                                      self.value_clip, self.loss_agg_mode)
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds,
+                returns[rows, :t].to(device),
+                old_values[rows, :t].to(device),
+                sub.response_mask,
+                self.value_clip,
+                self.loss_agg_mode,
+            )
             scale = norm.scale(sub.response_mask, self.loss_agg_mode) if real else 0.0
             # FSDP averages the processes' gradients: each process's share is scaled up by N
             (self.value_loss_coef * vf_loss * scale * self.world).backward()
@@ -128,8 +153,12 @@ class Critic:
             raise NonFiniteStep(f"critic step skipped: loss {loss}, gradient norm {grad_norm}")
         self.optimizer.step()
         self.steps += 1
-        return {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac / max(tokens, 1.0),
-                "critic/vpred_mean": vpred_sum / max(tokens, 1.0), "critic/grad_norm": grad_norm}
+        return {
+            "critic/vf_loss": loss,
+            "critic/vf_clipfrac": clipfrac / max(tokens, 1.0),
+            "critic/vpred_mean": vpred_sum / max(tokens, 1.0),
+            "critic/grad_norm": grad_norm,
+        }
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -161,8 +190,12 @@ class Critic:
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
                 from ..common.sharding.fsdp import read_sharded_optimizer
-                set_optimizer_state_dict(model, optimizer,  # written by a sharded critic (critic.nproc > 1)
-                                         read_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"]))
+
+                set_optimizer_state_dict(
+                    model,
+                    optimizer,  # written by a sharded critic (critic.nproc > 1)
+                    read_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"]),
+                )
             else:
                 optimizer.load_state_dict(state["optimizer"])
             steps = int(state["steps"])

@@ -3,6 +3,7 @@ one root (the run directory); at start the newest complete checkpoint there is l
 
     rlhf serve critic -c configs/tiny-cpu.yaml
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,9 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         self.loaded_from, self.incarnation, self.started_at = "", uuid.uuid4().hex, time.time()
 
     def _batch(self, msg):
-        b = batch_from_proto(msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length,
-                             max_bytes=self.max_bytes)
+        b = batch_from_proto(
+            msg, self.vocab_size, self.cfg.prompt_length, self.cfg.response_length, max_bytes=self.max_bytes
+        )
         if self.batch_size is not None:
             self.batch_size.observe(b.input_ids.shape[0])
         return b
@@ -79,8 +81,9 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
             raise BadRequest(f"path: {path!r} must be relative to the checkpoint root, without '..'")
         long = [p for p in rel.parts if len(p.encode()) > 255]
         if long:
-            raise BadRequest(f"path: a component of {len(long[0].encode())} bytes, more than a file name may "
-                             "have (255)")
+            raise BadRequest(
+                f"path: a component of {len(long[0].encode())} bytes, more than a file name may have (255)"
+            )
         full = (self.root / rel).resolve()
         if full == self.root or not full.is_relative_to(self.root):
             raise BadRequest(f"path: {path!r} does not lead to a directory inside the checkpoint root")
@@ -106,14 +109,21 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
         return cpb.CheckpointResponse(path=rel, step=self.critic.steps)
 
     def Info(self, request, context):
-        return cpb.CriticInfo(step=self.critic.steps, loaded_from=self.loaded_from,
-                              incarnation=self.incarnation, started_at=self.started_at)
+        return cpb.CriticInfo(
+            step=self.critic.steps,
+            loaded_from=self.loaded_from,
+            incarnation=self.incarnation,
+            started_at=self.started_at,
+        )
 
     def restore_latest(self) -> None:
         """Load the critic of the newest complete checkpoint under the root (one with `learner.pt`
         and `critic/`), skipping any that cannot be loaded; without one, keep the initial weights."""
-        done = sorted(p for p in (self.root / "checkpoints").glob("iter_*")
-                      if (p / "learner.pt").is_file() and (p / "critic" / "value_head.safetensors").is_file())
+        done = sorted(
+            p
+            for p in (self.root / "checkpoints").glob("iter_*")
+            if (p / "learner.pt").is_file() and (p / "critic" / "value_head.safetensors").is_file()
+        )
         for ckpt in reversed(done):
             rel = str((ckpt / "critic").relative_to(self.root))
             try:
@@ -132,6 +142,7 @@ def follower_main(cfg: Config) -> int:
     from ..common.sharding.followers import follow
     from ..common.sharding.group import from_env
     from .sharded import ShardedCritic
+
     return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc)))
 
 
@@ -149,9 +160,11 @@ def serve(cfg: Config, critic=None, root: str | Path | None = None) -> GrpcServi
         if c is None and cfg.critic.nproc > 1:  # rank 0 of a sharded critic
             from ..common.sharding.group import from_env
             from .sharded import ShardedCritic
+
             c = ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc))
         elif c is None:
             from .critic import Critic
+
             c = Critic.from_config(cfg)
         ep = cfg.rpc.critic
         server = RPCServer("critic", cfg.rpc, ep.port, ep.metrics_port, host=ep.host)
@@ -161,7 +174,9 @@ def serve(cfg: Config, critic=None, root: str | Path | None = None) -> GrpcServi
         server.start()
         server.set_ready(True)
         from ..common.sharding.followers import release_followers
+
         return server, servicer, [servicer.compute.close, lambda: release_followers(c)]
+
     return GrpcService("critic", build)
 
 

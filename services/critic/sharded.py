@@ -8,6 +8,7 @@ weights, value_head.safetensors), so any number of processes loads it, and the o
 sharded in `optim/` (torch.distributed.checkpoint); `critic_optim.pt` says so. A one-process
 checkpoint loads here too (its optimiser state mapped onto the shards).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,6 +37,7 @@ OPTIM_DIR = "optim"
 class ShardedCritic(Critic):
     def __init__(self, *args, dist, **kwargs):
         import warnings
+
         # the value model returns a slice of its head's output; nothing writes into it in place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         self.dist = dist
@@ -84,6 +86,7 @@ class ShardedCritic(Critic):
         next collective, so the group stays in step."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         path = Path(path)
         failed: OSError | None = None
         try:
@@ -99,13 +102,15 @@ class ShardedCritic(Critic):
         if self.dist.all_sum([failed is not None])[0]:
             raise failed or OSError(f"another process could not write {path}")
         with quiet_single_process():
-            dcp.save({"optim": get_optimizer_state_dict(self.model, self.optimizer)},
-                     checkpoint_id=str(path / OPTIM_DIR))
+            dcp.save(
+                {"optim": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(path / OPTIM_DIR)
+            )
         if self.dist.main:
             torch.save({"sharded_optimizer": OPTIM_DIR, "steps": self.steps}, path / "critic_optim.pt")
 
     def _write_model(self, path: Path, state: dict) -> None:
         from safetensors.torch import save_file
+
         backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
         save_model_dir(self.model.backbone, path, state_dict=backbone)
         head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
@@ -120,6 +125,7 @@ class ShardedCritic(Critic):
             set_model_state_dict,
             set_optimizer_state_dict,
         )
+
         path = Path(path)
         for name in CHECKPOINT_FILES:
             if not (path / name).is_file():

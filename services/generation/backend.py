@@ -4,6 +4,7 @@ swapped in atomically between batches. It implements
 `GenerationBackend` (`services/common/types.py`), the interface the generation server and the
 in-process trainer call.
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,8 +40,7 @@ def wait_for_call(fut: Future, timeout: float | None):
         return fut.result(timeout)
     except FutureTimeout:
         if fut.cancel():
-            raise CallNotStarted(f"it waited {timeout:.0f} s for the running batch to finish and never ran") \
-                from None
+            raise CallNotStarted(f"it waited {timeout:.0f} s for the running batch to finish and never ran") from None
         return fut.result()
 
 
@@ -60,6 +60,7 @@ class HFBackend:
     `update_weights` waits for it, so no sample mixes two policy versions. With `dtype` bfloat16
     (`model.bf16`) the engine holds and runs the policy in bfloat16; pushes stay float32 (the
     learner's master weights) and are cast as they load."""
+
     continuous_batching = False  # the server batches calls in its window (batching.py:Batcher)
     partial_updates = True  # a partial version loads over the weights it has
     broken: str | None = None  # never: a failed update changes nothing
@@ -68,8 +69,10 @@ class HFBackend:
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_causal_lm(model_path, self.device, dtype).eval()
-        self._specs = {k: (tuple(v.shape), torch.float32 if v.is_floating_point() else v.dtype)
-                       for k, v in self.model.state_dict().items()}
+        self._specs = {
+            k: (tuple(v.shape), torch.float32 if v.is_floating_point() else v.dtype)
+            for k, v in self.model.state_dict().items()
+        }
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
@@ -79,9 +82,14 @@ class HFBackend:
     def info(self) -> dict:
         """What GetInfo reports: the engine that really serves, and where."""
         import transformers
+
         dtype = next(self.model.parameters()).dtype
-        return {"backend": "hf", "engine_version": f"transformers {transformers.__version__}",
-                "dtype": str(dtype).removeprefix("torch."), "device": str(self.device)}
+        return {
+            "backend": "hf",
+            "engine_version": f"transformers {transformers.__version__}",
+            "dtype": str(dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
 
     def dead(self) -> str | None:
         return None  # no engine of its own to die
@@ -103,8 +111,9 @@ class HFBackend:
                 self.model.load_state_dict(dict(state_dict), strict=False)
             self.version = version
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 stop: Callable[[], bool] | None = None) -> GenerationResult:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
+    ) -> GenerationResult:
         """`stop`, when given, is asked after every decoding step; once it says True the batch ends
         there and `GenerationStopped` is raised (its partial samples are nobody's)."""
         if not prompts:
@@ -114,11 +123,15 @@ class HFBackend:
             version = self.version
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = decode(self.model, prompts, params, self.pad_token_id, [self.eos_token_id, *params.stop_token_ids],
-                         stop)
+            out = decode(
+                self.model, prompts, params, self.pad_token_id, [self.eos_token_id, *params.stop_token_ids], stop
+            )
         if out.stopped:
-            raise GenerationStopped(f"stopped after {out.steps} of {params.max_new_tokens} tokens: "
-                                    "nobody waits for this batch any more")
-        completions = [[Completion(out.tokens[i], out.logps[i], out.finish[i])
-                        for i in range(j * params.n, (j + 1) * params.n)] for j in range(len(prompts))]
+            raise GenerationStopped(
+                f"stopped after {out.steps} of {params.max_new_tokens} tokens: nobody waits for this batch any more"
+            )
+        completions = [
+            [Completion(out.tokens[i], out.logps[i], out.finish[i]) for i in range(j * params.n, (j + 1) * params.n)]
+            for j in range(len(prompts))
+        ]
         return GenerationResult(completions, version, sum(len(t) for t in out.tokens), time.perf_counter() - t0)

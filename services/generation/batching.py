@@ -2,6 +2,7 @@
 by one compute thread, weight swaps between them), `ContinuousBatcher` (the same faces for a
 backend that batches by itself: vLLM) and `InFlight` (a retry with the first call's idempotency
 key waits for the work still running instead of starting a second copy)."""
+
 from __future__ import annotations
 
 import logging
@@ -35,6 +36,7 @@ class _Job:
 @dataclass
 class _Call:
     """Other work for the batcher's thread (a weight swap): it runs between batches."""
+
     fn: Callable[[], object]
     future: Future
 
@@ -87,8 +89,7 @@ class Batcher(ActiveCalls):
             return "the generation-batcher thread has exited; nothing is decoded or swapped any more"
         return None
 
-    def start(self, prompts: list[list[int]], params: SamplingParams,
-              stopped: Callable[[], bool] = _never) -> Future:
+    def start(self, prompts: list[list[int]], params: SamplingParams, stopped: Callable[[], bool] = _never) -> Future:
         """Queue a job; its future's result is its `GenerationResult`."""
         fut: Future = Future()
         self.q.put(_Job(prompts, params, fut, stopped))
@@ -137,8 +138,15 @@ class Batcher(ActiveCalls):
             groups: dict = {}
             for j in jobs:
                 p = j.params
-                key = (p.n, p.temperature, p.top_p, p.top_k, p.max_new_tokens, tuple(p.stop_token_ids),
-                       id(j) if p.seed is not None else None)
+                key = (
+                    p.n,
+                    p.temperature,
+                    p.top_p,
+                    p.top_k,
+                    p.max_new_tokens,
+                    tuple(p.stop_token_ids),
+                    id(j) if p.seed is not None else None,
+                )
                 groups.setdefault(key, []).append(j)
             for group in groups.values():
                 self._run(group)
@@ -169,13 +177,16 @@ class Batcher(ActiveCalls):
         start = 0
         for j in group:
             n = len(j.prompts)
-            share = res.completions[start:start + n]
+            share = res.completions[start : start + n]
             start += n
             if j.stopped():  # its caller left while the others' rows were decoded: its rows are nobody's
                 j.future.set_exception(GenerationStopped("nobody waits for this request any more"))
                 continue
-            j.future.set_result(GenerationResult(share, res.policy_version,
-                                                 sum(len(c.token_ids) for cs in share for c in cs), res.seconds))
+            j.future.set_result(
+                GenerationResult(
+                    share, res.policy_version, sum(len(c.token_ids) for cs in share for c in cs), res.seconds
+                )
+            )
 
 
 def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: GenerationResult) -> None:
@@ -194,8 +205,7 @@ class ContinuousBatcher(ActiveCalls):
         super().__init__()
         self._lock = threading.Lock()
 
-    def start(self, prompts: list[list[int]], params: SamplingParams,
-              stopped: Callable[[], bool] = _never) -> Future:
+    def start(self, prompts: list[list[int]], params: SamplingParams, stopped: Callable[[], bool] = _never) -> Future:
         fut = self.backend.submit(prompts, params, stopped)
 
         def done(f: Future) -> None:
@@ -203,6 +213,7 @@ class ContinuousBatcher(ActiveCalls):
                 with self._lock:
                     self.batches += 1
                 record_batch(self.metrics, len(prompts), f.result())
+
         fut.add_done_callback(done)
         return fut
 
@@ -214,7 +225,6 @@ class ContinuousBatcher(ActiveCalls):
 
     def dead(self) -> str | None:
         return self.backend.dead()
-
 
 
 class _Work:
@@ -258,8 +268,9 @@ class InFlight:
         try:
             return work.future.result()
         except GenerationStopped:
-            raise DeadlineExceeded("request: its caller left (deadline passed or call cancelled), so its "
-                                   "generation was stopped") from None
+            raise DeadlineExceeded(
+                "request: its caller left (deadline passed or call cancelled), so its generation was stopped"
+            ) from None
 
     def _stopped(self, work: _Work) -> bool:
         with self._lock:

@@ -2,6 +2,7 @@
 `GenerationResult`, `update_weights` pushes a state dict as a versioned, checksummed stream;
 `load_shared` points a co-located server at a version in shared memory. `ServerPool`: which live
 generation server to call."""
+
 from __future__ import annotations
 
 import itertools
@@ -30,48 +31,76 @@ class GenerationClient(RPCClient):
     stub_class = generation_pb2_grpc.GenerationStub
     _push_raw = None
 
-    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None,
-                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()):
+    def __init__(
+        self,
+        address: str,
+        rpc_cfg: RPCConfig,
+        timeout_s: float | None = None,
+        interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
+    ):
         super().__init__(address, rpc_cfg, timeout_s, interceptors)
         self.max_chunk_bytes = chunk_bytes(rpc_cfg.max_message_mb)  # room for the piece's metadata
 
     @staticmethod
     def params_to_proto(p: SamplingParams) -> gpb.SamplingParams:
-        m = gpb.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                               max_new_tokens=p.max_new_tokens, stop_token_ids=list(p.stop_token_ids))
+        m = gpb.SamplingParams(
+            n=p.n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            max_new_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.stop_token_ids),
+        )
         if p.seed is not None:
             m.seed = p.seed
         return m
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams, timeout: float | None = None,
-                 key: str | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams,
+        timeout: float | None = None,
+        key: str | None = None,
+    ) -> GenerationResult:
         """`timeout`: this call's deadline in seconds (default the client's). `key`: an idempotency
         key; a retry that sends the same request with the same key while the server still works on
         the first call waits for that work instead of starting a second copy."""
         req = gpb.GenerateRequest(params=self.params_to_proto(params))
         for p in prompts:
-            req.prompts.append(gpb.Prompt(text=p) if isinstance(p, str)
-                               else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p))))
+            req.prompts.append(
+                gpb.Prompt(text=p) if isinstance(p, str) else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p)))
+            )
         metadata = self.metadata + ((IDEMPOTENCY_KEY, key),) if key else self.metadata
         resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
-        comps = [[Completion(list(c.token_ids), list(c.log_probs), c.finish_reason) for c in r.completions]
-                 for r in resp.results]
+        comps = [
+            [Completion(list(c.token_ids), list(c.log_probs), c.finish_reason) for c in r.completions]
+            for r in resp.results
+        ]
         return GenerationResult(comps, resp.policy_version, sum(len(c.token_ids) for cs in comps for c in cs), 0.0)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = CHUNK_BYTES,
-                       run_id: str = "", epoch: int = 0):
+    def update_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        chunk_bytes: int = CHUNK_BYTES,
+        run_id: str = "",
+        epoch: int = 0,
+    ):
         """Push `state_dict` as policy `version`; a server in a distributed run accepts it only
         from the run's learner: (run_id, epoch) as published in the replay registry."""
-        return self.push_encoded(encode_weights(state_dict, version, min(chunk_bytes, self.max_chunk_bytes),
-                                                run_id=run_id, epoch=epoch))
+        return self.push_encoded(
+            encode_weights(state_dict, version, min(chunk_bytes, self.max_chunk_bytes), run_id=run_id, epoch=epoch)
+        )
 
     def push_encoded(self, chunks: Iterable[bytes]):
         """PushWeights with a stream of already serialised `WeightChunk` messages (`encode_weights`):
         the bytes go on the wire as they are, so one encoding can serve many servers."""
         if self._push_raw is None:
             self._push_raw = self.channel.stream_unary(
-                "/rlhf.v1.Generation/PushWeights", request_serializer=None,
-                response_deserializer=common_pb2.PushWeightsResponse.FromString)
+                "/rlhf.v1.Generation/PushWeights",
+                request_serializer=None,
+                response_deserializer=common_pb2.PushWeightsResponse.FromString,
+            )
         return self._push_raw(iter(chunks), timeout=self.timeout, metadata=self.metadata)
 
     def load_shared(self, request: gpb.SharedWeights, timeout: float | None = None):
@@ -96,8 +125,13 @@ class ServerPool:
 
     `clock` (monotonic seconds) times the avoidance; a test may move it."""
 
-    def __init__(self, live: Callable[[], dict[str, dict]], rpc_cfg: RPCConfig, refresh_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        live: Callable[[], dict[str, dict]],
+        rpc_cfg: RPCConfig,
+        refresh_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._read, self.rpc_cfg, self.refresh_s, self.clock = live, rpc_cfg, refresh_s, clock
         self._servers: dict[str, dict] = {}
         self._read_at: float | None = None  # when the registry was last read (`clock`)
@@ -151,8 +185,9 @@ class ServerPool:
                 self._clients[address] = GenerationClient(address, self.rpc_cfg)
             return self._clients[address]
 
-    def wait_for(self, version: int, timeout_s: float | None, stop: threading.Event,
-                 on_tick: Callable[[], None] = lambda: None) -> str | None:
+    def wait_for(
+        self, version: int, timeout_s: float | None, stop: threading.Event, on_tick: Callable[[], None] = lambda: None
+    ) -> str | None:
         """A server at `version` or newer (`pick(version, only_at_version=True)`), waiting for
         one up to `timeout_s` (None: until `stop` is set), calling `on_tick` at each look; None
         when the time is up or `stop` is set."""

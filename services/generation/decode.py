@@ -14,6 +14,7 @@ greedy (temperature below `GREEDY_BELOW`) takes the argmax and records log-probs
 distribution. For a fixed seed the draws are the same `torch.multinomial` calls on the same
 probabilities (up to the float rounding of a different batch shape in the prefill).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ COMPACT_AT = 0.25
 class Decoded:
     """Per sample (prompt-major, `n` per prompt): its tokens up to and including the stop token,
     their log-probs, "stop" or "length"; `stopped` when `stop()` ended the batch early."""
+
     tokens: list[list[int]]
     logps: list[list[float]]
     finish: list[str]
@@ -68,8 +70,14 @@ def pick(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def decode(model, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
-           stop_token_ids: Sequence[int], stop: Callable[[], bool] | None = None) -> Decoded:
+def decode(
+    model,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    pad_token_id: int,
+    stop_token_ids: Sequence[int],
+    stop: Callable[[], bool] | None = None,
+) -> Decoded:
     """`params.n` samples of each prompt, at most `params.max_new_tokens` tokens each. `stop`,
     when given, is asked after every step; once it says True the batch ends (`stopped`)."""
     device = next(model.parameters()).device
@@ -119,10 +127,18 @@ def decode(model, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_
             rows, live = rows[keep], live[keep]
         tok = torch.where(live.to(device), tok, torch.full_like(tok, pad_token_id))
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-        out = model(input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=tok.unsqueeze(1),
+            attention_mask=attn,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
-    return Decoded([tokens[i, :length[i]].tolist() for i in range(N)],
-                   [logps[i, :length[i]].tolist() for i in range(N)],
-                   ["stop" if e else "length" for e in ended.tolist()], steps)
+    return Decoded(
+        [tokens[i, : length[i]].tolist() for i in range(N)],
+        [logps[i, : length[i]].tolist() for i in range(N)],
+        ["stop" if e else "length" for e in ended.tolist()],
+        steps,
+    )

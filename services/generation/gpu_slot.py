@@ -8,6 +8,7 @@ DIR/generation-gpu-<i>.lock in a directory every replica mounts (the `runs` volu
 lives as long as the process: a replica that dies frees its GPU for the one Docker restarts.
 The replica then sets CUDA_VISIBLE_DEVICES to its slot, so vLLM and torch see one GPU.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -53,9 +54,15 @@ def claim_gpu(claim_dir: str | os.PathLike, env: dict | None = None) -> int | No
         _held.append(f)
         env["CUDA_VISIBLE_DEVICES"] = str(slot)
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # slot i is the i-th id of the list
-        log.info("generation replica on GPU slot %d of the %d this service has (NVIDIA_VISIBLE_DEVICES=%s)",
-                 slot, len(gpus), ",".join(gpus))
+        log.info(
+            "generation replica on GPU slot %d of the %d this service has (NVIDIA_VISIBLE_DEVICES=%s)",
+            slot,
+            len(gpus),
+            ",".join(gpus),
+        )
         return slot
-    raise RuntimeError(f"every GPU of this generation service ({','.join(gpus)}) is taken by another replica "
-                       f"(locks in {directory}): scale generation to at most {len(gpus)}, or list more ids in "
-                       f"RLHF_GENERATION_GPUS")
+    raise RuntimeError(
+        f"every GPU of this generation service ({','.join(gpus)}) is taken by another replica "
+        f"(locks in {directory}): scale generation to at most {len(gpus)}, or list more ids in "
+        f"RLHF_GENERATION_GPUS"
+    )

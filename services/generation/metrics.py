@@ -1,5 +1,6 @@
 """The generation server's own Prometheus metrics, in its server's registry: prompts per batch,
 tokens generated and throughput per batch (the RPC and process metrics come with `RPCServer`)."""
+
 from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
@@ -12,10 +13,16 @@ class GenerationMetrics:
     def __init__(self, server_metrics: ServiceMetrics):
         registry, service = server_metrics.registry, server_metrics.service
         self.prompts = batch_size_histogram(server_metrics, "prompts")
-        self.tokens = Counter("rlhf_generated_tokens_total", "tokens generated", ["service"],
-                              registry=registry).labels(service)
-        self.tokens_per_s = Histogram("rlhf_tokens_per_second", "generation throughput per batch", ["service"],
-                                      buckets=(10, 100, 1e3, 1e4, 1e5, 1e6), registry=registry).labels(service)
+        self.tokens = Counter("rlhf_generated_tokens_total", "tokens generated", ["service"], registry=registry).labels(
+            service
+        )
+        self.tokens_per_s = Histogram(
+            "rlhf_tokens_per_second",
+            "generation throughput per batch",
+            ["service"],
+            buckets=(10, 100, 1e3, 1e4, 1e5, 1e6),
+            registry=registry,
+        ).labels(service)
 
     def record(self, n_prompts: int, res: GenerationResult) -> None:
         """One backend batch of `n_prompts` prompts that produced `res`."""

@@ -2,6 +2,7 @@
 the learner pushes every new policy to it and rollout workers send it prompts), and it pulls the
 current policy from the learner when it starts late or finds it missed a push.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,6 +39,7 @@ class Registration:
         if not info or int(info.get("version", 0)) <= self.backend.version:
             return False
         from ..learner.client import LearnerClient
+
         address = info["address"]
         client = LearnerClient(address, self.cfg.rpc)
         t0 = time.monotonic()
@@ -48,8 +50,9 @@ class Registration:
             if first is None:
                 return False
             version, nbytes, secs = self.servicer.apply_chunks(itertools.chain([first], stream), origin=address)
-            log.info("pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, address,
-                     nbytes / 1e6, secs)
+            log.info(
+                "pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, address, nbytes / 1e6, secs
+            )
             return True
         except DeadlineExceeded:  # the apply's wait (logged with its phase where it passed)
             return False
@@ -57,9 +60,17 @@ class Registration:
             log.info("pull skipped: %s", e)
             return False
         except grpc.RpcError as e:
-            log.warning("%s (it pulls again when it finds itself behind)", wait_failed(
-                f"weight pull v{info.get('version')} from the learner at", address, stream.phase("stream", "apply"),
-                e, time.monotonic() - t0, client.timeout))
+            log.warning(
+                "%s (it pulls again when it finds itself behind)",
+                wait_failed(
+                    f"weight pull v{info.get('version')} from the learner at",
+                    address,
+                    stream.phase("stream", "apply"),
+                    e,
+                    time.monotonic() - t0,
+                    client.timeout,
+                ),
+            )
             return False
         finally:
             client.close()
@@ -67,8 +78,7 @@ class Registration:
     def heartbeat(self) -> None:
         """The registry entry: version, and what the learner plans each push by (`registry_info`:
         the shared-memory probe, where the weights come from, partial pushes or not)."""
-        self.store.heartbeat("generation", self.address, version=self.backend.version,
-                             **self.servicer.registry_info())
+        self.store.heartbeat("generation", self.address, version=self.backend.version, **self.servicer.registry_info())
 
     def start(self) -> "Registration":
         try:
@@ -78,8 +88,12 @@ class Registration:
         self.heartbeat()
         self._thread = threading.Thread(target=self._loop, name="registration", daemon=True)
         self._thread.start()
-        log.info("registered %s in the replay namespace %r at policy version %d", self.address,
-                 self.store.ns, self.backend.version)
+        log.info(
+            "registered %s in the replay namespace %r at policy version %d",
+            self.address,
+            self.store.ns,
+            self.backend.version,
+        )
         return self
 
     def _loop(self) -> None:

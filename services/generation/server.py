@@ -11,6 +11,7 @@ that work is still running the retry waits for it instead of starting a second c
 
     rlhf serve generation -c configs/tiny-cpu.yaml      (`serve(cfg)` below)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,15 +54,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     comes from the run's writer; `probe`, when given, is this server's proof of its shared-memory
     directory (`rpc.shm_dir`)."""
 
-    def __init__(self, backend: GenerationBackend, cfg: Config, server: RPCServer | None = None, model_name: str = "",
-                 fence: Callable[[common_pb2.WeightHeader], None] | None = None, probe: Probe | None = None):
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        cfg: Config,
+        server: RPCServer | None = None,
+        model_name: str = "",
+        fence: Callable[[common_pb2.WeightHeader], None] | None = None,
+        probe: Probe | None = None,
+    ):
         self.backend, self.cfg, self.server = backend, cfg, server
         self.tok = backend.tokenizer
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
         metrics = GenerationMetrics(server.metrics) if server else None
-        self.batcher = ContinuousBatcher(backend, metrics) if backend.continuous_batching else \
-            Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
+        self.batcher = (
+            ContinuousBatcher(backend, metrics)
+            if backend.continuous_batching
+            else Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
+        )
         self.in_flight = InFlight()
         self.receiver = WeightReceiver(backend, self.batcher.call, cfg, fence=fence, probe=probe, readiness=server)
 
@@ -92,8 +103,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not p.chat.messages:
                 raise _bad_prompt(f"prompts[{i}].chat.messages", "empty")
             try:
-                text = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in p.chat.messages],
-                                                    tokenize=False, add_generation_prompt=True)
+                text = self.tok.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in p.chat.messages],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
             except Exception as e:  # the template refuses the conversation (roles out of order, ...)
                 raise _bad_prompt(f"prompts[{i}].chat", f"the chat template refused it: {e}") from None
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
@@ -105,8 +119,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise _bad_prompt(f"prompts[{i}]", f"{len(ids)} tokens, more than prompt_length={self.cfg.prompt_length}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise _bad_prompt(f"prompts[{i}].tokens",
-                              f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            raise _bad_prompt(
+                f"prompts[{i}].tokens", f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
         return ids
 
     def _params(self, m: gpb.SamplingParams) -> SamplingParams:
@@ -126,13 +141,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise BadRequest(f"params.top_k: {m.top_k} is negative (0 turns top-k off)")
         max_new = m.max_new_tokens or self.cfg.response_length
         if not 1 <= max_new <= self.cfg.response_length:
-            raise BadRequest(f"params.max_new_tokens: {max_new} outside [1, "
-                             f"response_length={self.cfg.response_length}]")
+            raise BadRequest(
+                f"params.max_new_tokens: {max_new} outside [1, response_length={self.cfg.response_length}]"
+            )
         bad = [t for t in m.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequest(f"params.stop_token_ids: {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=m.top_k, max_new_tokens=max_new,
-                              stop_token_ids=list(m.stop_token_ids), seed=m.seed if m.HasField("seed") else None)
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=m.top_k,
+            max_new_tokens=max_new,
+            stop_token_ids=list(m.stop_token_ids),
+            seed=m.seed if m.HasField("seed") else None,
+        )
 
     # ------------------------------------------------------------ RPCs
     def Generate(self, request, context):
@@ -151,7 +174,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise ResourceExhausted(
                 f"request: {n_prompts} prompts x n={params.n} x ({'' if exact else 'at least '}{width} prompt tokens "
                 f"+ max_new_tokens={params.max_new_tokens}) = {cost} token positions, more than "
-                f"rpc.max_request_tokens={limit}; send fewer prompts or samples per request")
+                f"rpc.max_request_tokens={limit}; send fewer prompts or samples per request"
+            )
 
     @staticmethod
     def _work_key(request, context) -> str | None:
@@ -169,23 +193,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not request.prompts:
             raise BadRequest("prompts: empty batch (0 prompts)")
         if len(request.prompts) > self.cfg.rpc.max_prompts_per_request:
-            raise BadRequest(f"prompts: {len(request.prompts)} prompts, more than "
-                             f"{self.cfg.rpc.max_prompts_per_request}")
+            raise BadRequest(
+                f"prompts: {len(request.prompts)} prompts, more than {self.cfg.rpc.max_prompts_per_request}"
+            )
         params = self._params(request.params)
         # a cheap lower bound before tokenizing anything: token prompts' lengths, 1 for text and chat
         known = [len(p.tokens.ids) for p in request.prompts if p.WhichOneof("input") == "tokens"]
         width = min(max(known + [1]), self.cfg.prompt_length)  # a longer prompt is refused on its own
-        self._check_cost(len(request.prompts), width, params,
-                         exact=len(known) == len(request.prompts) and width == max(known))
+        self._check_cost(
+            len(request.prompts), width, params, exact=len(known) == len(request.prompts) and width == max(known)
+        )
         prompts = [self._prompt_ids(i, p) for i, p in enumerate(request.prompts)]
         self._check_cost(len(prompts), max(len(p) for p in prompts), params, exact=True)
-        res = self.in_flight.run(self._work_key(request, context), context,
-                                 lambda stopped: self.batcher.start(prompts, params, stopped))
+        res = self.in_flight.run(
+            self._work_key(request, context), context, lambda stopped: self.batcher.start(prompts, params, stopped)
+        )
         out = gpb.GenerateResponse(policy_version=res.policy_version)
         for ids, comps in zip(prompts, res.completions):
-            out.results.append(gpb.PromptResult(prompt_token_ids=ids, completions=[
-                gpb.Completion(token_ids=c.token_ids, log_probs=c.log_probs, finish_reason=c.finish_reason,
-                               text=self.tok.decode(c.token_ids, skip_special_tokens=True)) for c in comps]))
+            out.results.append(
+                gpb.PromptResult(
+                    prompt_token_ids=ids,
+                    completions=[
+                        gpb.Completion(
+                            token_ids=c.token_ids,
+                            log_probs=c.log_probs,
+                            finish_reason=c.finish_reason,
+                            text=self.tok.decode(c.token_ids, skip_special_tokens=True),
+                        )
+                        for c in comps
+                    ],
+                )
+            )
         return out
 
     def liveness(self) -> str | None:
@@ -225,11 +263,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def GetInfo(self, request, context):
         info = self.backend.info()
-        return gpb.GenerationInfo(model=self.model_name, backend=info["backend"], engine_version=info["engine_version"],
-                                  dtype=info["dtype"], device=info["device"], policy_version=self.backend.version,
-                                  vocab_size=self.vocab_size,
-                                  prompt_length=self.cfg.prompt_length, response_length=self.cfg.response_length,
-                                  eos_token_id=self.backend.eos_token_id, pad_token_id=self.backend.pad_token_id)
+        return gpb.GenerationInfo(
+            model=self.model_name,
+            backend=info["backend"],
+            engine_version=info["engine_version"],
+            dtype=info["dtype"],
+            device=info["device"],
+            policy_version=self.backend.version,
+            vocab_size=self.vocab_size,
+            prompt_length=self.cfg.prompt_length,
+            response_length=self.cfg.response_length,
+            eos_token_id=self.backend.eos_token_id,
+            pad_token_id=self.backend.pad_token_id,
+        )
 
 
 def add_generation_servicer(servicer, grpc_server) -> None:
@@ -243,10 +289,10 @@ def add_generation_servicer(servicer, grpc_server) -> None:
 
         def add_registered_method_handlers(self, service, handlers):
             captured[service] = dict(handlers)
+
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, _Capture())
     for service, handlers in captured.items():
-        handlers["PushWeights"] = handlers["PushWeights"]._replace(
-            request_deserializer=WeightChunkDecoder().FromString)
+        handlers["PushWeights"] = handlers["PushWeights"]._replace(request_deserializer=WeightChunkDecoder().FromString)
         grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         grpc_server.add_registered_method_handlers(service, handlers)
 
@@ -256,11 +302,14 @@ def make_backend(cfg: Config) -> GenerationBackend:
     dtype = cfg.generation.engine_dtype(cfg.model.bf16)
     if cfg.generation.backend == "vllm":
         from .vllm_backend import VLLMBackend
-        return VLLMBackend(cfg.model.path, cfg.generation.vllm, dtype=dtype,
-                           max_model_len=cfg.prompt_length + cfg.response_length)
+
+        return VLLMBackend(
+            cfg.model.path, cfg.generation.vllm, dtype=dtype, max_model_len=cfg.prompt_length + cfg.response_length
+        )
     import torch
 
     from .backend import HFBackend
+
     return HFBackend(cfg.model.path, cfg.model.device, getattr(torch, dtype))
 
 
@@ -268,6 +317,7 @@ def serve(cfg: Config, backend=None) -> GrpcService:
     """The generation service: loads the backend (or uses `backend`), then binds `rpc.generation`'s
     ports and serves gRPC; in a distributed run (`replay.url` set) it registers in Redis and pulls
     the current policy before it reports ready."""
+
     def build():
         b = backend if backend is not None else make_backend(cfg)
         ep = cfg.rpc.generation
@@ -276,10 +326,12 @@ def serve(cfg: Config, backend=None) -> GrpcService:
         if cfg.replay.url:  # weights only from the learner the registry names (LearnerFence)
             from ..common.replay import ReplayStore
             from ..weights.fence import LearnerFence
+
             store = ReplayStore.from_config(cfg)
         probe = shm_probe(cfg.rpc.shm_dir)
-        servicer = GenerationServicer(b, cfg, server, fence=LearnerFence(store) if store is not None else None,
-                                      probe=probe)
+        servicer = GenerationServicer(
+            b, cfg, server, fence=LearnerFence(store) if store is not None else None, probe=probe
+        )
         add_generation_servicer(servicer, server.grpc)
         server.set_liveness(servicer.liveness)
         server.start()
@@ -287,8 +339,10 @@ def serve(cfg: Config, backend=None) -> GrpcService:
         if store is not None:
             from ..common.rpc.server import advertised_address
             from .registration import Registration
+
             reg = Registration(cfg, servicer, advertised_address(cfg.rpc, ep.host, server.port), store).start()
             closers.insert(0, reg.stop)
         server.set_ready(True)
         return server, servicer, closers
+
     return GrpcService("generation", build)

@@ -17,6 +17,7 @@ With `tensor_parallel_size: 1` the engine runs inside the server process
 GPUs the engine's workers are processes: the swap writes the weights once as safetensors (to
 /dev/shm when it exists) and every worker reads them through `WeightSwapExtension`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,9 +46,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("generation.backend: vllm needs vLLM, which is not installed in this Python environment "
-                "({python}): on a GPU box `pip install '.[vllm]'`; on a CPU `make vllm-venv` builds .venv-vllm with "
-                "vLLM's CPU build (then run .venv-vllm/bin/rlhf)")
+INSTALL_HINT = (
+    "generation.backend: vllm needs vLLM, which is not installed in this Python environment "
+    "({python}): on a GPU box `pip install '.[vllm]'`; on a CPU `make vllm-venv` builds .venv-vllm with "
+    "vLLM's CPU build (then run .venv-vllm/bin/rlhf)"
+)
 
 
 def import_vllm():
@@ -56,6 +59,7 @@ def import_vllm():
         import vllm
     except ImportError as e:
         import sys
+
         raise ValueError(INSTALL_HINT.format(python=sys.executable) + f" [{e}]") from None
     return vllm
 
@@ -72,6 +76,7 @@ class WeightSwapExtension:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
 
 
@@ -97,6 +102,7 @@ class VLLMBackend:
     """`GenerationBackend` over vLLM's engine. `generate` may be called from many threads at
     once: the engine thread batches them continuously. `update_weights` (and `call`) run
     between requests: admission pauses, the engine drains, the call runs, admission resumes."""
+
     continuous_batching = True  # the server hands it calls as they come (no batching window)
     partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
 
@@ -111,6 +117,7 @@ class VLLMBackend:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
+
         self._sampling_params, self._final_only = VSamplingParams, RequestOutputKind.FINAL_ONLY
 
         model_dir = check_model_dir(model_path)
@@ -118,22 +125,36 @@ class VLLMBackend:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
         from transformers import AutoConfig
+
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         self.vocab_size = hf_config.vocab_size
         self._specs = hf_parameter_specs(hf_config)
         args = EngineArgs(
-            model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=vcfg.seed,
-            max_model_len=vcfg.max_model_len or max_model_len, tensor_parallel_size=tp,
-            gpu_memory_utilization=vcfg.gpu_memory_utilization, enforce_eager=vcfg.enforce_eager,
-            enable_prefix_caching=vcfg.enable_prefix_caching, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WeightSwapExtension")
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype=dtype,
+            seed=vcfg.seed,
+            max_model_len=vcfg.max_model_len or max_model_len,
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=vcfg.gpu_memory_utilization,
+            enforce_eager=vcfg.enforce_eager,
+            enable_prefix_caching=vcfg.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightSwapExtension",
+        )
         t0 = time.perf_counter()
         self.engine = LLMEngine.from_engine_args(args)
         from vllm.platforms import current_platform
+
         self.device = current_platform.device_type + (f" x{tp} (tensor parallel)" if tp > 1 else "")
         self.dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
-        log.info("vLLM engine up in %.1fs (%s, %s, %s)", time.perf_counter() - t0, self.engine_version, self.dtype,
-                 self.device)
+        log.info(
+            "vLLM engine up in %.1fs (%s, %s, %s)",
+            time.perf_counter() - t0,
+            self.engine_version,
+            self.dtype,
+            self.device,
+        )
         self._run_engine()
 
     def _run_engine(self) -> None:
@@ -170,8 +191,9 @@ class VLLMBackend:
         return None
 
     # ------------------------------------------------------------------ callers' side
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               stopped: Callable[[], bool] | None = None) -> Future:
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stopped: Callable[[], bool] | None = None
+    ) -> Future:
         """`stopped()`, when given, is asked before each engine step: once True, the job's
         requests are aborted and its future raises `GenerationStopped`."""
         fut: Future = Future()
@@ -204,8 +226,10 @@ class VLLMBackend:
         check_version(state_dict, self._specs)
         missing = set(self._specs) - set(state_dict)
         if missing:  # vLLM fuses q/k/v and gate/up: a layer loaded from part of its tensors is corrupt
-            raise ValueError(f"the vllm backend loads whole policies only: {len(missing)} tensors missing "
-                             f"(first {sorted(missing)[0]!r})")
+            raise ValueError(
+                f"the vllm backend loads whole policies only: {len(missing)} tensors missing "
+                f"(first {sorted(missing)[0]!r})"
+            )
         self.call(self._swap, state_dict, version)
 
     def close(self) -> None:
@@ -223,6 +247,7 @@ class VLLMBackend:
             log.debug("vLLM engine shutdown", exc_info=True)
         self.engine = None
         import gc
+
         gc.collect()
 
     # ------------------------------------------------------------------ the engine thread
@@ -232,8 +257,10 @@ class VLLMBackend:
         try:
             self._reload(state_dict)
         except Exception as e:  # after every check passed: the engine holds a half-loaded policy
-            self.broken = (f"the vLLM engine failed while loading policy version {version} ({type(e).__name__}: "
-                           f"{e}); it serves nothing until this server is restarted")
+            self.broken = (
+                f"the vLLM engine failed while loading policy version {version} ({type(e).__name__}: "
+                f"{e}); it serves nothing until this server is restarted"
+            )
             log.critical("%s", self.broken)
             raise
         self.engine.reset_prefix_cache()
@@ -242,10 +269,13 @@ class VLLMBackend:
 
     def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         if self.inprocess:
-            self.engine.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": iter(list(state_dict.items())), "is_checkpoint_format": True})
+            self.engine.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": iter(list(state_dict.items())), "is_checkpoint_format": True},
+            )
         else:
             from safetensors.torch import save_file
+
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             with tempfile.TemporaryDirectory(prefix="rlhf-weights-", dir=shm) as d:
                 path = str(Path(d) / "model.safetensors")
@@ -266,8 +296,9 @@ class VLLMBackend:
                 except Exception as e:  # the engine failed: every request in flight sees it
                     log.exception("vLLM engine step failed")
                     if type(e).__name__ == "EngineDeadError":  # vLLM's engine core is gone: nothing recovers it
-                        self.broken = (f"the vLLM engine core died ({e}); it serves nothing until this server is "
-                                       f"restarted")
+                        self.broken = (
+                            f"the vLLM engine core died ({e}); it serves nothing until this server is restarted"
+                        )
                         log.critical("%s", self.broken)
                     self._fail_inflight(e)
                     continue
@@ -317,11 +348,17 @@ class VLLMBackend:
         try:
             for i, ids in enumerate(job.prompts):
                 sp = self._sampling_params(  # greedy samples are all alike: one is decoded, n are returned
-                    n=1 if greedy else p.n, temperature=0.0 if greedy else p.temperature,
+                    n=1 if greedy else p.n,
+                    temperature=0.0 if greedy else p.temperature,
                     top_p=1.0 if greedy else p.top_p,
-                    top_k=0 if greedy or not p.top_k else p.top_k, max_tokens=p.max_new_tokens,
-                    stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}), logprobs=0, detokenize=False,
-                    seed=None if p.seed is None else p.seed + i * p.n, output_kind=self._final_only)
+                    top_k=0 if greedy or not p.top_k else p.top_k,
+                    max_tokens=p.max_new_tokens,
+                    stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}),
+                    logprobs=0,
+                    detokenize=False,
+                    seed=None if p.seed is None else p.seed + i * p.n,
+                    output_kind=self._final_only,
+                )
                 rid = f"{base}-{i}"
                 self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
                 added.append(rid)
@@ -345,8 +382,11 @@ class VLLMBackend:
             reason = "stop" if c.finish_reason == "stop" else "length"
             comps.append(Completion(ids, lps, reason))
         if len(comps) < job.params.n:  # greedy: the one decoded sample, n times
-            comps = [Completion(list(c.token_ids), list(c.log_probs), c.finish_reason)
-                     for c in comps for _ in range(job.params.n)]
+            comps = [
+                Completion(list(c.token_ids), list(c.log_probs), c.finish_reason)
+                for c in comps
+                for _ in range(job.params.n)
+            ]
         job.outputs[i] = comps
         job.left -= 1
         if job.left == 0 and not job.future.done():
@@ -405,6 +445,7 @@ def hf_parameter_specs(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     """Names and shapes of the transformers model's state dict (float32), from its config alone:
     the model is built on the meta device, so nothing is allocated."""
     from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

@@ -11,6 +11,7 @@ Each push is planned per server, from its registry entry:
   the server's probe file), else the gRPC stream (encoded once per payload, fanned out). A
   shared-memory load that fails (other than an unreachable server) is retried over gRPC in the
   same push. The delivery itself is `services/weights/publisher.py`'s."""
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class WeightBroadcaster:
-    def __init__(self, cfg: Config, store, learner, servers: ServerPool | None = None,
-                 on_progress: Progress = no_progress):
+    def __init__(
+        self, cfg: Config, store, learner, servers: ServerPool | None = None, on_progress: Progress = no_progress
+    ):
         """`servers`: the pool of generation servers the learner shares (its eval's too); by
         default one of its own over `store`'s registry. `on_progress`: called as each server's
         push is answered."""
@@ -92,11 +94,17 @@ class WeightBroadcaster:
         if partial:
             base = info.get("base", "")
             if not info.get("partial", False):
-                self.publisher.tell((address, "whole"), "%s gets full versions: its backend loads whole policies "
-                                    "only", address)
+                self.publisher.tell(
+                    (address, "whole"), "%s gets full versions: its backend loads whole policies only", address
+                )
             elif base not in (f"run:{run_id}", f"model:{self.cfg.model.path}"):
-                self.publisher.tell((address, base), "%s gets a full version: its weights come from %s, not this "
-                                    "run's base (%s)", address, base or "an unknown source", self.cfg.model.path)
+                self.publisher.tell(
+                    (address, base),
+                    "%s gets a full version: its weights come from %s, not this run's base (%s)",
+                    address,
+                    base or "an unknown source",
+                    self.cfg.model.path,
+                )
             else:
                 kind = "partial"
         return kind, self.publisher.via(info)
@@ -114,8 +122,10 @@ class WeightBroadcaster:
         try:
             self.store.heartbeat("generation", address, **fields)
         except (redis.RedisError, OSError) as e:
-            log.warning("%s (the server took it; its own heartbeat registers it)", wait_failed(
-                f"weight push v{version} to", address, "register", e, time.monotonic() - t0))
+            log.warning(
+                "%s (the server took it; its own heartbeat registers it)",
+                wait_failed(f"weight push v{version} to", address, "register", e, time.monotonic() - t0),
+            )
 
     def push(self, version: int, learner_address: str) -> dict:
         """Push policy `version` to every live generation server, in parallel; then publish it."""
@@ -132,10 +142,15 @@ class WeightBroadcaster:
         sent = sum(sizes[kind] for kind, _ in plan.values()) if servers else sizes["full"]
         secs = time.perf_counter() - t0
         took = {a for a, (d, _) in ok.items() if d is Delivery.TOOK}
-        return {"time/push_s": secs, "push/servers": len(servers), "push/failed": len(ok) - len(took),
-                "push/shm": sum(a in took and via == "shm" for a, (_, via) in ok.items()),
-                "push/partial": sum(a in took and kind == "partial" for a, (kind, _) in plan.items()),
-                "push/bytes": sent, "push/mb_per_s": sent / max(secs, 1e-9) / 1e6}
+        return {
+            "time/push_s": secs,
+            "push/servers": len(servers),
+            "push/failed": len(ok) - len(took),
+            "push/shm": sum(a in took and via == "shm" for a, (_, via) in ok.items()),
+            "push/partial": sum(a in took and kind == "partial" for a, (kind, _) in plan.items()),
+            "push/bytes": sent,
+            "push/mb_per_s": sent / max(secs, 1e-9) / 1e6,
+        }
 
     def publish_initial(self, learner_address: str) -> None:
         """Version 0 (the initial weights every server loads): nothing to push, only to publish."""

@@ -7,6 +7,7 @@ disk). It is written under a temporary name and renamed, so a crash leaves no ha
 Only then are its trajectories acknowledged in Redis and their prompt ids recorded as trained,
 in one transaction, and appended to `run_dir/trained.jsonl`. The newest `keep` are kept.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,7 @@ class Checkpointer:
         if commit:
             with (self.run_dir / "trained.jsonl").open("a") as f:
                 f.write(json.dumps({"iteration": iteration, "uids": [u for _, u in commit]}) + "\n")
-        for old in self.complete()[:-self.keep]:
+        for old in self.complete()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s written; trained trajectories acknowledged", final.name)
         return final

@@ -1,5 +1,6 @@
 """gRPC client of the learner: pull the current policy (a generation server that starts late),
 and the run's status."""
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -14,8 +15,9 @@ class LearnerClient(RPCClient):
 
     def pull_weights(self, have_version: int) -> Iterator[common_pb2.WeightChunk]:
         """The current policy as a chunk stream; empty when `have_version` is already current."""
-        return self.stub.PullWeights(lpb.PullWeightsRequest(have_version=have_version), timeout=self.timeout,
-                                     metadata=self.metadata)
+        return self.stub.PullWeights(
+            lpb.PullWeightsRequest(have_version=have_version), timeout=self.timeout, metadata=self.metadata
+        )
 
     def status(self) -> lpb.LearnerStatus:
         return self.stub.Status(lpb.StatusRequest(), timeout=self.timeout, metadata=self.metadata)

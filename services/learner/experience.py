@@ -6,6 +6,7 @@
 The forwards here run without gradients, in micro-batches (`log_prob_micro_batch_size` rows,
 padding columns trimmed), so their memory does not grow with the rollout batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,13 +76,19 @@ def make_experience(learner, rollout: Rollout) -> Experience:
     if fused:
         learner.forwards_saved += 1
     else:
-        cur = forward_in_micro_batches(learner, lambda b: response_log_probs(
-            learner.policy, b, learner.temperature, with_entropy=True, full=full), batch)
+        cur = forward_in_micro_batches(
+            learner,
+            lambda b: response_log_probs(learner.policy, b, learner.temperature, with_entropy=True, full=full),
+            batch,
+        )
     if cfg.rollout_is and rollout.gen_log_probs is None:
-        raise ValueError("rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
-                         "set rollout_is: false or have the generation backend return log-probs")
-    gen_log_probs = pad_right(rollout.gen_log_probs, T).to(learner.device) \
-        if rollout.gen_log_probs is not None else None
+        raise ValueError(
+            "rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
+            "set rollout_is: false or have the generation backend return log-probs"
+        )
+    gen_log_probs = (
+        pad_right(rollout.gen_log_probs, T).to(learner.device) if rollout.gen_log_probs is not None else None
+    )
     if fused:
         old_log_probs = None  # the update takes them from its forward
     elif cfg.recompute_old_log_probs or gen_log_probs is None:
@@ -90,26 +97,36 @@ def make_experience(learner, rollout: Rollout) -> Experience:
         old_log_probs = gen_log_probs
     rollout_is_weights, is_metrics = None, {}
     if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
-        rollout_is_weights, is_metrics = rollout_importance_weights(old_log_probs, gen_log_probs, mask,
-                                                                    cfg.rollout_is_threshold)
+        rollout_is_weights, is_metrics = rollout_importance_weights(
+            old_log_probs, gen_log_probs, mask, cfg.rollout_is_threshold
+        )
     old_for_ref = cur["full"] if full and cur is not None else old_log_probs
     ref_log_probs = None
     if cfg.use_kl_loss or cfg.add_token_level_kl:
-        sft = forward_in_micro_batches(learner, lambda b: learner.ref_forward(b, full), batch) \
-            if learner.needs_ref else None
+        sft = (
+            forward_in_micro_batches(learner, lambda b: learner.ref_forward(b, full), batch)
+            if learner.needs_ref
+            else None
+        )
         sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
         ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)
 
     raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=learner.device)
-    scores = postprocess_rewards(raw_scores, cfg.reward_norm, cfg.reward_shift, cfg.reward_scale,
-                                 cfg.reward_clip, rollout.index, learner.reward_stats)
-    kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) \
-        if ref_log_probs is not None and not fused else None
-    token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None,
-                                           learner.kl_ctl.value)
+    scores = postprocess_rewards(
+        raw_scores,
+        cfg.reward_norm,
+        cfg.reward_shift,
+        cfg.reward_scale,
+        cfg.reward_clip,
+        rollout.index,
+        learner.reward_stats,
+    )
+    kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) if ref_log_probs is not None and not fused else None
+    token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None, learner.kl_ctl.value)
     values = pad_right(rollout.values, T).to(learner.device) if rollout.values is not None else None
-    advantages, returns = compute_advantages(cfg.adv_estimator, token_level_rewards, mask, values,
-                                             rollout.index, cfg.gamma, cfg.lambd)
+    advantages, returns = compute_advantages(
+        cfg.adv_estimator, token_level_rewards, mask, values, rollout.index, cfg.gamma, cfg.lambd
+    )
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     advantages = clip_by_value(advantages, cfg.advantage_clip)
@@ -117,11 +134,14 @@ def make_experience(learner, rollout: Rollout) -> Experience:
     seq_kl = masked_mean(kl, mask, dim=-1).mean().item() if kl is not None else 0.0
     lengths = mask.sum(-1)
     metrics = {
-        "reward/score_mean": raw_scores.mean().item(), "reward/score_std": raw_scores.std().item()
-        if len(raw_scores) > 1 else 0.0, "reward/score_min": raw_scores.min().item(),
-        "reward/score_max": raw_scores.max().item(), "reward/normalized_mean": scores.mean().item(),
+        "reward/score_mean": raw_scores.mean().item(),
+        "reward/score_std": raw_scores.std().item() if len(raw_scores) > 1 else 0.0,
+        "reward/score_min": raw_scores.min().item(),
+        "reward/score_max": raw_scores.max().item(),
+        "reward/normalized_mean": scores.mean().item(),
         "reward/token_level_sum_mean": token_level_rewards.sum(-1).mean().item(),
-        "ppo/kl_ref": seq_kl, "ppo/kl_coef": learner.kl_ctl.value,
+        "ppo/kl_ref": seq_kl,
+        "ppo/kl_coef": learner.kl_ctl.value,
         "ppo/advantages_mean": masked_mean(advantages, mask).item(),
         "ppo/returns_mean": masked_mean(returns, mask).item(),
         "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item() if cur is not None else float("nan"),
@@ -138,5 +158,4 @@ def make_experience(learner, rollout: Rollout) -> Experience:
         metrics["rollout/staleness_max"] = max(learner.version - v for v in rollout.versions)
     if not fused:  # else the update measures the KL and updates the controller
         learner.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
-    return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics,
-                      rollout_is_weights)
+    return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics, rollout_is_weights)

@@ -1,5 +1,6 @@
 """The prompt feeder: keeps the prompt stream `max_staleness` batches ahead of training, in epochs
 of the training set, and feeds a replacement for each prompt that was dead-lettered."""
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,10 @@ class PromptFeeder:
         self.dead_letters = 0
 
     def _feed(self, n: int, version: int) -> None:
-        tasks = [make_task(rec, epoch, version, version, self.cfg.num_return_sequences_in_group)
-                 for epoch, rec in self.sampler.take_with_epochs(n)]
+        tasks = [
+            make_task(rec, epoch, version, version, self.cfg.num_return_sequences_in_group)
+            for epoch, rec in self.sampler.take_with_epochs(n)
+        ]
         self.store.feed(tasks)
 
     def feed(self, iteration: int, version: int) -> None:
@@ -50,8 +53,12 @@ class PromptFeeder:
         return self.sampler.epoch
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "fed_batches": self.fed_batches,
-                "dead_cursor": self.dead_cursor, "dead_letters": self.dead_letters}
+        return {
+            "sampler": self.sampler.state_dict(),
+            "fed_batches": self.fed_batches,
+            "dead_cursor": self.dead_cursor,
+            "dead_letters": self.dead_letters,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])

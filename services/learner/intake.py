@@ -11,6 +11,7 @@ For each group read:
     malformed -> dropped with an error in the log
     otherwise -> into the batch
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,7 @@ class TrajectoryIntake:
         """After a restart: queue what was read before it and not checkpointed."""
         self._enqueue(self.store.read_trajectories(1 << 20, pending=True))
         if self._queue:
-            log.info("re-reading %d trajectory groups read before the restart and not checkpointed",
-                     len(self._queue))
+            log.info("re-reading %d trajectory groups read before the restart and not checkpointed", len(self._queue))
         return len(self._queue)
 
     def collect(self, version: int, stop_event) -> list | None:
@@ -70,10 +70,16 @@ class TrajectoryIntake:
                 if not self._queue:
                     if time.time() - last_report > 30:
                         last_report = time.time()
-                        log.info("waiting for trajectories: %d/%d groups after %.0fs (prompts queued %d, "
-                                 "workers %d, generation servers %d)", len(batch), want, time.time() - t0,
-                                 self.store.prompt_backlog(), len(self.store.live("worker")),
-                                 len(self.store.live("generation")))
+                        log.info(
+                            "waiting for trajectories: %d/%d groups after %.0fs (prompts queued %d, "
+                            "workers %d, generation servers %d)",
+                            len(batch),
+                            want,
+                            time.time() - t0,
+                            self.store.prompt_backlog(),
+                            len(self.store.live("worker")),
+                            len(self.store.live("generation")),
+                        )
                     continue
             entry_id, msg, trained = self._queue.popleft()
             uid = msg.task.uid
@@ -107,17 +113,30 @@ class TrajectoryIntake:
         self.store.discard(entry_id, refeed)
         self.counters["dropped_stale"] += 1
         self.stale_streak += 1
-        log.debug("dropped group %s from policy version %d (learner at %d, max_staleness %d); fed again",
-                  msg.task.uid, msg.policy_version, version, self.cfg.max_staleness)
+        log.debug(
+            "dropped group %s from policy version %d (learner at %d, max_staleness %d); fed again",
+            msg.task.uid,
+            msg.policy_version,
+            version,
+            self.cfg.max_staleness,
+        )
         threshold = 4 * self.cfg.rollout_batch_size
         if self.stale_streak >= max(threshold, 2 * self._streak_reported):
             self._streak_reported = self.stale_streak
-            why = ("it is AHEAD of the learner: some server serves weights this learner never pushed"
-                   if msg.policy_version > version else
-                   "the generation servers do not get the learner's pushes (see 'weight push v' warnings)")
-            log.error("stalled: %d trajectory groups in a row dropped as stale, none fresh (newest from policy "
-                      "version %d, learner at %d, max_staleness %d): %s", self.stale_streak, msg.policy_version,
-                      version, self.cfg.max_staleness, why)
+            why = (
+                "it is AHEAD of the learner: some server serves weights this learner never pushed"
+                if msg.policy_version > version
+                else "the generation servers do not get the learner's pushes (see 'weight push v' warnings)"
+            )
+            log.error(
+                "stalled: %d trajectory groups in a row dropped as stale, none fresh (newest from policy "
+                "version %d, learner at %d, max_staleness %d): %s",
+                self.stale_streak,
+                msg.policy_version,
+                version,
+                self.cfg.max_staleness,
+                why,
+            )
 
     def trained(self, batch: list) -> None:
         """The batch's update is done: its groups wait for the next checkpoint to be acknowledged."""

@@ -19,6 +19,7 @@ the loop legitimately does without a beat:
 - one micro-batch forward or one optimiser step, a checkpoint written to disk: no configuration
   bounds these, hence the floor of 10 minutes (as long as Kubernetes waits for a start).
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,6 +38,7 @@ def liveness_bound_s(cfg: Config) -> float:
     if cfg.run.liveness_s is not None:
         return float(cfg.run.liveness_s)
     from ..common.replay.connection import redis_worst_s
+
     return max(LIVENESS_FLOOR_S, 3 * cfg.rpc.timeout_s, redis_worst_s(cfg.replay))
 
 
@@ -75,10 +77,11 @@ class Heartbeat:
             age, phase, running = self._clock() - self._last, self.phase, self.running
         if not running or age <= self.bound_s:
             return None
-        return (f"the training loop has not advanced for {age:.0f}s (bound {self.bound_s:.0f}s, run.liveness_s); "
-                f"it was last seen in phase '{phase}'")
+        return (
+            f"the training loop has not advanced for {age:.0f}s (bound {self.bound_s:.0f}s, run.liveness_s); "
+            f"it was last seen in phase '{phase}'"
+        )
 
     def status(self) -> dict:
         with self._lock:
-            return {"phase": self.phase, "since_beat_s": round(self._clock() - self._last, 1),
-                    "bound_s": self.bound_s}
+            return {"phase": self.phase, "since_beat_s": round(self._clock() - self._last, 1), "bound_s": self.bound_s}

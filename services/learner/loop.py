@@ -20,6 +20,7 @@ around it. One iteration, hop by hop:
     LearnerLoop.checkpoint        on the schedule; then the trajectories in it
                                   are acknowledged in Redis                       (checkpoint.py)
 """
+
 from __future__ import annotations
 
 import logging
@@ -92,8 +93,13 @@ def make_trainer(cfg: Config, ptx_examples, on_progress: Progress = no_progress)
     (model.nproc > 1), or the whole actor in one process."""
     updates = planned_updates(cfg)
     if cfg.model.nproc > 1:
-        return ShardedPolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples, on_progress=on_progress,
-                                    dist=from_env(cfg.model.device, cfg.model.nproc))
+        return ShardedPolicyTrainer(
+            cfg,
+            total_updates=updates,
+            ptx_examples=ptx_examples,
+            on_progress=on_progress,
+            dist=from_env(cfg.model.device, cfg.model.nproc),
+        )
     return PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples, on_progress=on_progress)
 
 
@@ -119,20 +125,36 @@ class CriticWatch:
         restarts = self.state.get("restarts", 0)
         if before is not None and before != info.incarnation:
             restarts += 1
-            log.warning("the critic server restarted; it serves %s (step %d): the value function is as of that "
-                        "checkpoint, the policy is at iteration %d", info.loaded_from or "its initial weights",
-                        info.step, iteration)
-        self.state = {"incarnation": info.incarnation, "loaded_from": info.loaded_from, "step": info.step,
-                      "restarts": restarts}
+            log.warning(
+                "the critic server restarted; it serves %s (step %d): the value function is as of that "
+                "checkpoint, the policy is at iteration %d",
+                info.loaded_from or "its initial weights",
+                info.step,
+                iteration,
+            )
+        self.state = {
+            "incarnation": info.incarnation,
+            "loaded_from": info.loaded_from,
+            "step": info.step,
+            "restarts": restarts,
+        }
 
 
 class ReplaySource:
     """The rollout source of the learner service: fresh, unique trajectory groups the rollout
     workers left in the replay buffer (`intake`), for prompts the `feeder` keeps queued ahead."""
+
     wait_metric = "time/wait_s"
 
-    def __init__(self, store: ReplayStore, feeder: PromptFeeder, intake: TrajectoryIntake, stop_event: threading.Event,
-                 phase: Phase, critic_watch: CriticWatch | None = None):
+    def __init__(
+        self,
+        store: ReplayStore,
+        feeder: PromptFeeder,
+        intake: TrajectoryIntake,
+        stop_event: threading.Event,
+        phase: Phase,
+        critic_watch: CriticWatch | None = None,
+    ):
         self.store, self.feeder, self.intake, self.stop_event = store, feeder, intake, stop_event
         self.phase, self.critic_watch = phase, critic_watch
 
@@ -154,12 +176,14 @@ class ReplaySource:
         self.intake.trained(batch.items)
         rollout = batch.rollout
         staleness = [batch.version - v for v in rollout.versions]
-        return {"rollout/tokens": sum(len(r) for r in rollout.response_ids),
-                "rollout/tokens_per_s": self.intake.tokens_per_s(),
-                "replay/staleness_mean": sum(staleness) / len(staleness),
-                "replay/backlog": quietly(self.store.backlog, -1),
-                "replay/dropped_stale": self.intake.counters["dropped_stale"],
-                "replay/duplicates": self.intake.counters["duplicates"]}
+        return {
+            "rollout/tokens": sum(len(r) for r in rollout.response_ids),
+            "rollout/tokens_per_s": self.intake.tokens_per_s(),
+            "replay/staleness_mean": sum(staleness) / len(staleness),
+            "replay/backlog": quietly(self.store.backlog, -1),
+            "replay/dropped_stale": self.intake.counters["dropped_stale"],
+            "replay/duplicates": self.intake.counters["duplicates"],
+        }
 
 
 class PushSink:
@@ -216,13 +240,15 @@ class LearnerLoop:
         self.critic = self.critic_watch = None
         if cfg.needs_critic:  # calls ride through a restart of the critic or reward server; each answer beats
             critic_at = endpoint_address(cfg.rpc.critic)
-            critic = CriticClient(critic_at, cfg.rpc, interceptors=[
-                EachAnswer(self.heartbeat), self._riding("critic server", critic_at)])
+            critic = CriticClient(
+                critic_at, cfg.rpc, interceptors=[EachAnswer(self.heartbeat), self._riding("critic server", critic_at)]
+            )
             self.critic = OverlappedCritic(critic) if cfg.critic.overlap_training else critic
             self.critic_watch = CriticWatch(self.critic)
         reward_at = endpoint_address(cfg.rpc.reward)
-        self.reward = RewardClient(reward_at, cfg.rpc, interceptors=[EachAnswer(self.heartbeat),
-                                                                    self._riding("reward server", reward_at)])
+        self.reward = RewardClient(
+            reward_at, cfg.rpc, interceptors=[EachAnswer(self.heartbeat), self._riding("reward server", reward_at)]
+        )
         self.feeder = PromptFeeder(cfg, self.store, train)
         # the heartbeat at each tick of the wait for trajectories
         self.intake = TrajectoryIntake(cfg, self.store, self.feeder, on_progress=self.heartbeat)
@@ -234,12 +260,22 @@ class LearnerLoop:
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
         self.training = TrainingLoop(
-            cfg, self.run_dir, self.learner, self.critic, self.tokenizer,
+            cfg,
+            self.run_dir,
+            self.learner,
+            self.critic,
+            self.tokenizer,
             ReplaySource(self.store, self.feeder, self.intake, self.stop_event, self.phase, self.critic_watch),
-            self.sink, self.evaluate, logger=log, checkpoint=self.checkpoint,
+            self.sink,
+            self.evaluate,
+            logger=log,
+            checkpoint=self.checkpoint,
             observe=lambda it, m: self.metrics.observe(it, m, self.counters),
             judged=lambda verdict: self.metrics.suspected(verdict.suspected),
-            phase=self.phase, stop_event=self.stop_event, time_eval=True)
+            phase=self.phase,
+            stop_event=self.stop_event,
+            time_eval=True,
+        )
         self.poller: ReplayPoller | None = None  # the prompt queue's gauges, from start to close
         self.ready = threading.Event()  # resumed and the current policy published
         self.eval_params = SamplingParams.for_eval(cfg)
@@ -278,23 +314,40 @@ class LearnerLoop:
 
     def status(self) -> dict:
         t = self.training
-        return {"iteration": t.iteration, "total_iterations": self.cfg.run.iterations,
-                "policy_version": self.learner.version, "state": self.phase.name,
-                "last_reward": t.last["reward"], "last_eval_reward": t.last["eval"], **self.counters,
-                "generation_servers": quietly(lambda: len(self.store.live("generation")), 0),
-                "replay_backlog": quietly(self.store.backlog, -1),
-                "uptime_s": round(time.time() - self.t_start, 1), "resumed_from": self.resumed_from,
-                "waiting_for": self.waiting_for, "stale_streak": self.intake.stale_streak,
-                "critic": self.critic_watch.state if self.critic_watch is not None else {}, "run_id": self.run_id,
-                "fence_epoch": self.fence_epoch, "liveness": {**self.heartbeat.status(), "stuck": self.liveness()},
-                "reward_hacking_suspected": t.watch.last.suspected, "reward_hacking": t.watch.status()}
+        return {
+            "iteration": t.iteration,
+            "total_iterations": self.cfg.run.iterations,
+            "policy_version": self.learner.version,
+            "state": self.phase.name,
+            "last_reward": t.last["reward"],
+            "last_eval_reward": t.last["eval"],
+            **self.counters,
+            "generation_servers": quietly(lambda: len(self.store.live("generation")), 0),
+            "replay_backlog": quietly(self.store.backlog, -1),
+            "uptime_s": round(time.time() - self.t_start, 1),
+            "resumed_from": self.resumed_from,
+            "waiting_for": self.waiting_for,
+            "stale_streak": self.intake.stale_streak,
+            "critic": self.critic_watch.state if self.critic_watch is not None else {},
+            "run_id": self.run_id,
+            "fence_epoch": self.fence_epoch,
+            "liveness": {**self.heartbeat.status(), "stuck": self.liveness()},
+            "reward_hacking_suspected": t.watch.last.suspected,
+            "reward_hacking": t.watch.status(),
+        }
 
     # ------------------------------------------------------------------ checkpoint / resume
     def state_dict(self) -> dict:
         t = self.training
-        return {"learner": self.learner.state_dict(), "feeder": self.feeder.state_dict(),
-                "iteration": t.iteration, "counters": dict(self.intake.counters), "baseline": t.baseline,
-                "torch_rng": torch.get_rng_state(), "watch": t.watch.state_dict()}
+        return {
+            "learner": self.learner.state_dict(),
+            "feeder": self.feeder.state_dict(),
+            "iteration": t.iteration,
+            "counters": dict(self.intake.counters),
+            "baseline": t.baseline,
+            "torch_rng": torch.get_rng_state(),
+            "watch": t.watch.state_dict(),
+        }
 
     def checkpoint(self, iteration: int, tick: Tick) -> None:
         self.phase.enter("checkpointing")
@@ -303,8 +356,12 @@ class LearnerLoop:
     def save_checkpoint(self) -> Path:
         iteration = self.training.iteration
         try:
-            path = self.checkpointer.save(iteration, self.state_dict(), self.intake.uncommitted,
-                                          write_actor=self.learner.save_actor if self.learner.sharded else None)
+            path = self.checkpointer.save(
+                iteration,
+                self.state_dict(),
+                self.intake.uncommitted,
+                write_actor=self.learner.save_actor if self.learner.sharded else None,
+            )
         except DependencyUnavailable as e:
             raise DependencyUnavailable(f"the checkpoint of iteration {iteration} was not written: {e}") from None
         self.intake.committed()
@@ -337,8 +394,12 @@ class LearnerLoop:
         # versions only go forward: the restored weights get a number above anything served
         self.learner.version = self.sink.next_version()
         self.resumed_from = t.iteration
-        log.info("resumed from checkpoint %s (iteration %d); policy is now version %d", ckpt.name, t.iteration,
-                 self.learner.version)
+        log.info(
+            "resumed from checkpoint %s (iteration %d); policy is now version %d",
+            ckpt.name,
+            t.iteration,
+            self.learner.version,
+        )
         return t.iteration
 
     # ------------------------------------------------------------------ the run
@@ -350,18 +411,24 @@ class LearnerLoop:
             self.phase.enter("done")
             self.heartbeat.ended()
             self.ready.set()
-            log.info("run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
-                     self.run_dir, done.get("iterations"))
+            log.info(
+                "run %s already finished at iteration %s (summary.json); raise run.iterations to continue",
+                self.run_dir,
+                done.get("iterations"),
+            )
             return done
         try:
             return self._run()
         except DependencyUnavailable as e:
             self.phase.enter("failed")
             last = self.checkpointer.latest()
-            log.error("%s: %s. The newest checkpoint is %s: a restart resumes from it; trajectories trained "
-                      "since are trained again, none is lost",
-                      "stopped without a final checkpoint" if self.stop_event.is_set() else "the run cannot go on",
-                      e, last.name if last else "none (a restart starts over)")
+            log.error(
+                "%s: %s. The newest checkpoint is %s: a restart resumes from it; trajectories trained "
+                "since are trained again, none is lost",
+                "stopped without a final checkpoint" if self.stop_event.is_set() else "the run cannot go on",
+                e,
+                last.name if last else "none (a restart starts over)",
+            )
             raise
         finally:
             self.heartbeat.ended()  # nothing left to watch: the process ends
@@ -378,8 +445,14 @@ class LearnerLoop:
         self.sink.publish_current(self.learner.version)
         self.ready.set()
         self.poller = ReplayPoller(self.store.prompt_queue, self.metrics.queue, cfg.replay.heartbeat_s).start()
-        training.begin(RunLog(self.run_dir, cfg, mode=f"distributed (max_staleness={cfg.max_staleness})",
-                              resume_from=start_it if self.resumed_from is not None else None))
+        training.begin(
+            RunLog(
+                self.run_dir,
+                cfg,
+                mode=f"distributed (max_staleness={cfg.max_staleness})",
+                resume_from=start_it if self.resumed_from is not None else None,
+            )
+        )
         self.metrics.eval_reward.set(training.last["eval"])  # not 0 (a false fall) until the next eval
         if self.resumed_from is not None:
             self.intake.reread_pending()
@@ -389,12 +462,21 @@ class LearnerLoop:
             self.save_checkpoint()
         if stopped:
             self.phase.enter("stopped")
-            log.info("stopped at iteration %d; `rlhf serve learner` (or `rlhf up`) with this run "
-                     "directory resumes from the checkpoint", training.iteration)
+            log.info(
+                "stopped at iteration %d; `rlhf serve learner` (or `rlhf up`) with this run "
+                "directory resumes from the checkpoint",
+                training.iteration,
+            )
             return {"stopped_at": training.iteration}
         # the critic's is relative to the run directory, the critic server's root
-        return training.finish(it, time.time() - training.runlog.t0, "final_critic", resumed_from=self.resumed_from,
-                               policy_version=self.learner.version, **self.counters)
+        return training.finish(
+            it,
+            time.time() - training.runlog.t0,
+            "final_critic",
+            resumed_from=self.resumed_from,
+            policy_version=self.learner.version,
+            **self.counters,
+        )
 
     def evaluate(self) -> dict:
         """Held-out eval through a generation server that serves the current version; one that
@@ -403,14 +485,21 @@ class LearnerLoop:
         self.phase.enter("evaluating")
         version = self.learner.version
         while True:
-            address = self.servers.wait_for(version, self.cfg.rpc.dependency_wait_s, self.stop_event,
-                                            on_tick=self.heartbeat)  # waiting for a server, not stuck
+            address = self.servers.wait_for(
+                version, self.cfg.rpc.dependency_wait_s, self.stop_event, on_tick=self.heartbeat
+            )  # waiting for a server, not stuck
             if address is None:
                 raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
             target = self.servers.client(address)
             try:
-                out = evaluate(self.held_out, target, HeldOut(self.reward), self.tokenizer, self.eval_params,
-                               proxy=self.reward if self.cfg.reward.eval_rules is not None else None)
+                out = evaluate(
+                    self.held_out,
+                    target,
+                    HeldOut(self.reward),
+                    self.tokenizer,
+                    self.eval_params,
+                    proxy=self.reward if self.cfg.reward.eval_rules is not None else None,
+                )
                 break
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -3,6 +3,7 @@
 computed (`observe`); the prompt queue an autoscaler of rollout workers watches is read from
 Redis every few seconds by a thread of its own (`ReplayPoller`), so a scrape never waits on Redis.
 docs/metrics.md lists them all."""
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ def phase_seconds(m: dict) -> dict[str, float]:
     out = {p: 0.0 for p in PHASES}
     for k, v in m.items():
         if k.startswith("time/") and k.endswith("_s") and k != "time/iteration_s" and v is not None:
-            out[k[len("time/"):-len("_s")]] = float(v)
+            out[k[len("time/") : -len("_s")]] = float(v)
     return out
 
 
@@ -49,32 +50,46 @@ class LearnerMetrics:
         self.reward_max = gauge("rlhf_learner_reward_max", "highest training reward in the last batch")
         self.eval_reward = gauge("rlhf_learner_eval_reward", "held-out reward of the last eval")
         self.kl = gauge("rlhf_learner_kl", "KL to the reference of the last batch")
-        self.clip_fraction = gauge("rlhf_learner_clip_fraction", "share of tokens whose ratio was clipped in the "
-                                   "last iteration's updates (ppo/pg_clipfrac)")
-        self.entropy = gauge("rlhf_learner_entropy", "policy entropy per token on the last batch "
-                             "(ppo/entropy_rollout)")
-        self.tokens_per_s = gauge("rlhf_learner_generation_tokens_per_second", "generation throughput behind "
-                                  "the last batch (rollout/tokens_per_s)")
-        self.hacking = gauge("rlhf_learner_reward_hacking", "1 while the reward-hacking watch suspects reward "
-                             "hacking (held-out reward falling, train reward rising), else 0")
+        self.clip_fraction = gauge(
+            "rlhf_learner_clip_fraction",
+            "share of tokens whose ratio was clipped in the last iteration's updates (ppo/pg_clipfrac)",
+        )
+        self.entropy = gauge("rlhf_learner_entropy", "policy entropy per token on the last batch (ppo/entropy_rollout)")
+        self.tokens_per_s = gauge(
+            "rlhf_learner_generation_tokens_per_second",
+            "generation throughput behind the last batch (rollout/tokens_per_s)",
+        )
+        self.hacking = gauge(
+            "rlhf_learner_reward_hacking",
+            "1 while the reward-hacking watch suspects reward "
+            "hacking (held-out reward falling, train reward rising), else 0",
+        )
         self.staleness = gauge("rlhf_replay_staleness", "mean policy-version lag of the last batch")
         self.backlog = gauge("rlhf_replay_lag", "trajectory groups waiting for the learner")
         self.push_seconds = gauge("rlhf_learner_push_seconds", "seconds of the last weight push")
         self.iteration_seconds = gauge("rlhf_learner_iteration_seconds", "seconds of the last iteration")
-        self.phases = Gauge("rlhf_learner_phase_seconds", "seconds of each part of the last iteration",
-                            ["service", "phase"], registry=registry)
+        self.phases = Gauge(
+            "rlhf_learner_phase_seconds",
+            "seconds of each part of the last iteration",
+            ["service", "phase"],
+            registry=registry,
+        )
         for p in PHASES:
             self.phases.labels(SERVICE, p)
-        self.prompts_waiting = gauge("rlhf_replay_prompts_waiting", "prompts in the prompt stream not done: not "
-                                     "yet delivered to a rollout worker, or delivered and pending")
-        self.prompts_pending = gauge("rlhf_replay_prompts_pending", "prompts delivered to a rollout worker and "
-                                     "not yet done (part of rlhf_replay_prompts_waiting)")
+        self.prompts_waiting = gauge(
+            "rlhf_replay_prompts_waiting",
+            "prompts in the prompt stream not done: not yet delivered to a rollout worker, or delivered and pending",
+        )
+        self.prompts_pending = gauge(
+            "rlhf_replay_prompts_pending",
+            "prompts delivered to a rollout worker and not yet done (part of rlhf_replay_prompts_waiting)",
+        )
         self.dropped = counter("rlhf_replay_dropped_stale_total", "groups dropped as too stale")
-        self.duplicates = counter("rlhf_replay_duplicates_total", "groups skipped: their prompt was already "
-                                  "trained or in the batch")
+        self.duplicates = counter(
+            "rlhf_replay_duplicates_total", "groups skipped: their prompt was already trained or in the batch"
+        )
         self.malformed = counter("rlhf_replay_malformed_total", "groups dropped as malformed")
-        self.dead_letters = counter("rlhf_replay_dead_letters_total", "dead-lettered prompts the learner "
-                                    "replaced")
+        self.dead_letters = counter("rlhf_replay_dead_letters_total", "dead-lettered prompts the learner replaced")
         self._seen = {"dropped_stale": 0, "duplicates": 0, "malformed": 0, "dead_letters": 0}
 
     def observe(self, iteration: int, m: dict, counters: dict) -> None:
@@ -103,8 +118,12 @@ class LearnerMetrics:
         """Advance the counters by what the service's running totals grew since the last call;
         `restored` totals (from a checkpoint) are taken as the start, so the Prometheus counters
         count this process's events only (a restart is a counter reset, not a jump)."""
-        for key, metric in (("dropped_stale", self.dropped), ("duplicates", self.duplicates),
-                            ("malformed", self.malformed), ("dead_letters", self.dead_letters)):
+        for key, metric in (
+            ("dropped_stale", self.dropped),
+            ("duplicates", self.duplicates),
+            ("malformed", self.malformed),
+            ("dead_letters", self.dead_letters),
+        ):
             now = int(counters.get(key, 0))
             if not restored and now > self._seen[key]:
                 metric.inc(now - self._seen[key])

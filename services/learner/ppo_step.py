@@ -17,6 +17,7 @@ its models sharded across processes (FSDP2, model.nproc > 1). The update and the
 reach the other processes only through the trainer's `world`, `micro_batches`, `all_sum` and
 `gather_rows`, which here are one process's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -65,8 +66,9 @@ class PolicyTrainer:
 
     sharded = False  # ShardedPolicyTrainer: the actor and its optimiser state split across processes
 
-    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None,
-                 on_progress: Progress = no_progress):
+    def __init__(
+        self, cfg: Config, total_updates: int | None = None, ptx_examples=None, on_progress: Progress = no_progress
+    ):
         """`on_progress`: called at each micro-batch forward and optimiser step."""
         self.cfg, self.on_progress = cfg, on_progress
         self.device = self._device()
@@ -75,10 +77,14 @@ class PolicyTrainer:
         self.lora = cfg.model.lora.rank > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
+
             lc = cfg.model.lora
-            self.policy = get_peft_model(self.policy, LoraConfig(r=lc.rank, lora_alpha=lc.alpha,
-                                                                 lora_dropout=lc.dropout,
-                                                                 target_modules=list(lc.target_modules)))
+            self.policy = get_peft_model(
+                self.policy,
+                LoraConfig(
+                    r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules)
+                ),
+            )
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             if self.lora:
@@ -86,11 +92,17 @@ class PolicyTrainer:
         self.needs_ref = (cfg.use_kl_loss or cfg.add_token_level_kl) and cfg.ref_model != "policy"
         self.ref = self._reference()
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+        )
         from transformers import get_scheduler
-        self.scheduler = get_scheduler(cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.lr_warmup_steps,
-                                       num_training_steps=max(total_updates or 1, 1))
+
+        self.scheduler = get_scheduler(
+            cfg.lr_scheduler,
+            self.optimizer,
+            num_warmup_steps=cfg.lr_warmup_steps,
+            num_training_steps=max(total_updates or 1, 1),
+        )
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)
         self.reward_stats = RunningMeanStd()
         self.ptx_examples = list(ptx_examples or [])
@@ -99,9 +111,16 @@ class PolicyTrainer:
         self.temperature = cfg.generation.temperature
         # the old log-probs equal the training forward's (verl's on-policy shortcut) when the only
         # optimiser step comes after every forward, and nothing before the update needs them
-        self._fusable = (cfg.fuse_old_log_probs and cfg.recompute_old_log_probs and cfg.ppo_epochs == 1
-                         and not cfg.add_token_level_kl and not cfg.rollout_is and cfg.kl_penalty != "full"
-                         and (cfg.ref_model == "sft" or not cfg.use_kl_loss) and not has_dropout(self.policy))
+        self._fusable = (
+            cfg.fuse_old_log_probs
+            and cfg.recompute_old_log_probs
+            and cfg.ppo_epochs == 1
+            and not cfg.add_token_level_kl
+            and not cfg.rollout_is
+            and cfg.kl_penalty != "full"
+            and (cfg.ref_model == "sft" or not cfg.use_kl_loss)
+            and not has_dropout(self.policy)
+        )
         self.forwards_saved = 0
         self.objective = ObjectiveSettings.from_config(cfg)
         micro = cfg.micro_batch_size or cfg.ppo_mini_batch_size
@@ -121,8 +140,10 @@ class PolicyTrainer:
         as loaded (with LoRA none: the reference is the base with the adapters off)."""
         if self.needs_ref and self.cfg.model.reference_path:
             if self.lora:
-                raise ValueError("model.reference_path with LoRA: the reference is the base model with the adapters "
-                                 "off; leave model.reference_path unset")
+                raise ValueError(
+                    "model.reference_path with LoRA: the reference is the base model with the adapters "
+                    "off; leave model.reference_path unset"
+                )
             return load_causal_lm(self.cfg.model.reference_path, self.device).eval().requires_grad_(False)
         if self.needs_ref and not self.lora:
             return copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -200,9 +221,14 @@ class PolicyTrainer:
     def state_dict(self) -> dict:
         """The learner's state. A sharded learner leaves the actor and its optimiser state out:
         `save_actor` writes them, each process its shards."""
-        return {**self._actor_state(), "scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                "reward_stats": self.reward_stats.state_dict(), "version": self.version,
-                "rng": self.rng.getstate()}
+        return {
+            **self._actor_state(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_stats": self.reward_stats.state_dict(),
+            "version": self.version,
+            "rng": self.rng.getstate(),
+        }
 
     def _actor_state(self) -> dict:
         return {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -211,6 +237,7 @@ class PolicyTrainer:
         """The actor and its optimiser state as a torch.distributed.checkpoint directory (every
         process writes its shards; any number of processes loads it)."""
         from ..common.sharding.fsdp import save_sharded
+
         save_sharded(self.policy, self.optimizer, Path(path))
 
     def load_state_dict(self, state: dict, actor: str | Path | None = None) -> None:
@@ -226,6 +253,7 @@ class PolicyTrainer:
     def _load_actor(self, state: dict, actor: str | Path | None) -> None:
         if "policy" not in state:
             from ..common.sharding.fsdp import load_sharded
+
             if actor is None or not Path(actor).is_dir():
                 raise FileNotFoundError(f"the checkpoint has no actor: {actor} is missing")
             load_sharded(self.policy, self.optimizer, Path(actor))

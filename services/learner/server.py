@@ -1,5 +1,6 @@
 """The learner's network faces: gRPC (PullWeights for a generation server that starts late,
 Status) and a JSON status page over HTTP; and `serve(cfg)`, its lifecycle."""
+
 from __future__ import annotations
 
 import hmac
@@ -30,8 +31,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         version, state = self.loop.broadcaster.snapshot
         if not state or request.have_version >= version:
             return
-        yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.loop.run_id,
-                                 epoch=self.loop.fence_epoch)
+        yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch)
 
     def Status(self, request, context):
         s = self.loop.status()
@@ -46,18 +46,20 @@ def status_http(loop, host: str, port: int, token: str | None = None) -> Threadi
     expected = f"Bearer {token}".encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path.split("?")[0] in ("/status", "/"):
                 if expected is not None and not hmac.compare_digest(
-                        self.headers.get("Authorization", "").encode(), expected):
+                    self.headers.get("Authorization", "").encode(), expected
+                ):
                     body, code = b'{"error": "missing or wrong bearer token (Authorization: Bearer ...)"}', 401
                 else:
                     body, code = json.dumps(loop.status(), default=str).encode(), 200
             elif self.path.split("?")[0] == "/healthz":
                 check = getattr(loop, "liveness", None)
                 reason = check() if check is not None else None
-                body, code = ((json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason
-                              else (b'{"ok": true}', 200))
+                body, code = (
+                    (json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason else (b'{"ok": true}', 200)
+                )
             else:
                 body, code = b'{"error": "not found; try /status"}', 404
             self.send_response(code)
@@ -95,8 +97,9 @@ class LearnerService(Service):
         self.server = RPCServer("learner", cfg.rpc, ep.port, ep.metrics_port, host=ep.host, registry=registry)
         self.loop.address = advertised_address(cfg.rpc, ep.host, self.server.port)
         self.server.set_liveness(self.loop.liveness)  # gRPC health "" says what /healthz says
-        learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(
-            self.loop, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc)
+        learner_pb2_grpc.add_LearnerServicer_to_server(
+            LearnerServicer(self.loop, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc
+        )
         self.server.start()
         if ep.http_port is not None:
             self.http = status_http(self.loop, ep.host, ep.http_port, cfg.rpc.resolved_auth_token())
@@ -112,11 +115,15 @@ class LearnerService(Service):
         return self.server is not None and self.server.is_ready()
 
     def endpoints(self) -> dict:
-        return {"port": self.server.port, "metrics_port": self.server.metrics_port,
-                "http_port": self.http.server_address[1] if self.http else None}
+        return {
+            "port": self.server.port,
+            "metrics_port": self.server.metrics_port,
+            "http_port": self.http.server_address[1] if self.http else None,
+        }
 
     def run(self) -> int:
         from ..common.rpc.retry import DependencyUnavailable
+
         try:
             self.loop.run()
         except DependencyUnavailable:

@@ -10,6 +10,7 @@ process's shards on its device (`load_and_shard`). A checkpoint holds the actor 
 state sharded (`save_actor`: a torch.distributed.checkpoint directory, which any number of
 processes loads); a one-process checkpoint loads here too (its tensors put onto the shards).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,11 +33,20 @@ if TYPE_CHECKING:
 class ShardedPolicyTrainer(PolicyTrainer):
     sharded = True
 
-    def __init__(self, cfg: Config, total_updates: int | None = None, ptx_examples=None,
-                 on_progress: Progress = no_progress, *, dist: Dist):
+    def __init__(
+        self,
+        cfg: Config,
+        total_updates: int | None = None,
+        ptx_examples=None,
+        on_progress: Progress = no_progress,
+        *,
+        dist: Dist,
+    ):
         if cfg.model.lora.rank > 0:
-            raise ValueError("model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
-                             "fits one device train in one process (model.nproc: 1)")
+            raise ValueError(
+                "model.lora with model.nproc > 1 is not supported: LoRA adapters of a model that "
+                "fits one device train in one process (model.nproc: 1)"
+            )
         self.dist = dist  # read by `collective`, `follow` and `release_followers` too
         super().__init__(cfg, total_updates, ptx_examples, on_progress)
 

@@ -6,6 +6,7 @@ the mini-batch in the `loss_agg_mode`, so the step equals one pass over the whol
 With N processes (`ShardedPolicyTrainer`) each runs its share of every mini-batch's rows, through
 the trainer's `world`, `micro_batches` and `all_sum` (one process's on `PolicyTrainer`).
 """
+
 from __future__ import annotations
 
 import math
@@ -71,7 +72,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     rollout_stats = RolloutStats()  # with fused old log-probs: what make_experience measures otherwise
     critic_steps: list = []
     progress = learner.on_progress  # the learner service's heartbeat
-    g = torch.Generator().manual_seed(learner.rng.randrange(2 ** 31))
+    g = torch.Generator().manual_seed(learner.rng.randrange(2**31))
     # rows of like length share a micro-batch (each is trimmed to its longest row): the padding
     # left is what the lengths differ by within a micro-batch, not across the mini-batch
     # (responses vary most: sorted by response length, then prompt length)
@@ -82,11 +83,14 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=g)
         for start in range(0, B, mb):
-            idx = perm[start:start + mb]
+            idx = perm[start : start + mb]
             idx = idx[torch.sort(lengths[idx], stable=True).indices]
             norm = AggNorm(exp.batch.response_mask[idx])
-            picks = [learner.rng.choice(learner.ptx_examples) for _ in range(len(idx))] \
-                if cfg.ptx_coef and learner.ptx_examples else []
+            picks = (
+                [learner.rng.choice(learner.ptx_examples) for _ in range(len(idx))]
+                if cfg.ptx_coef and learner.ptx_examples
+                else []
+            )
             learner.optimizer.zero_grad(set_to_none=True)
             bad_loss = None  # a non-finite loss on any process's rows stops every process alike
             for pos, real in learner.micro_batches(len(idx), micro):
@@ -104,11 +108,19 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
                     old = exp.old_log_probs[m, :t]
                 ptx = ptx_loss(learner, [picks[i] for i in pos.tolist()] if picks else [])
                 loss, terms = ppo_objective(
-                    learner.objective, log_prob, out["entropy"], old, exp.advantages[m, :t], sub.response_mask,
-                    norm, ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[m, :t],
+                    learner.objective,
+                    log_prob,
+                    out["entropy"],
+                    old,
+                    exp.advantages[m, :t],
+                    sub.response_mask,
+                    norm,
+                    ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[m, :t],
                     kl_input=out.get("full"),
                     rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[m, :t],
-                    ptx_loss=ptx, ptx_share=len(m) / len(idx))
+                    ptx_loss=ptx,
+                    ptx_share=len(m) / len(idx),
+                )
                 if real and not torch.isfinite(loss):
                     bad_loss = loss.item()
                 # FSDP averages the processes' gradients: each process's share is scaled up by N
@@ -133,8 +145,9 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
             learner.scheduler.step()
             progress()
             if critic is not None and exp.values is not None:
-                critic_steps.append(critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(),
-                                                      exp.values[idx].cpu()))
+                critic_steps.append(
+                    critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(), exp.values[idx].cpu())
+                )
     for step in critic_steps:  # a remote critic may return futures: it trains while the actor does
         for k, v in (step.result() if isinstance(step, Future) else step).items():
             metrics.add(k, v, 1.0)  # rank 0 alone runs the critic steps
@@ -144,8 +157,8 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     # the averages over every process's rows
     keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
     totals = learner.all_sum([metrics.sums[k] for k in keys] + rollout_stats.sums())
-    metrics.sums.update(zip(keys, totals[:len(keys)]))
-    rollout_stats = RolloutStats(*totals[len(keys):])
+    metrics.sums.update(zip(keys, totals[: len(keys)]))
+    rollout_stats = RolloutStats(*totals[len(keys) :])
     out = metrics.means()
     out["ppo/lr"] = learner.scheduler.get_last_lr()[0]
     if fused:  # what make_experience measures on its own forward otherwise
@@ -158,6 +171,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
 class RolloutStats:
     """The rollout's entropy and KL to the reference, summed over the training forward's
     micro-batches (the fused old log-probs), as `make_experience` measures them on its own."""
+
     entropy_sum: float = 0.0
     tokens: float = 0.0
     seq_kl_sum: float = 0.0

@@ -5,6 +5,7 @@ Every estimator takes `token_level_rewards` (B, T) and `response_mask` (B, T) an
 clipping are separate steps (`masked_whiten`, `clip_by_value`) chosen by the config.
 `index` (B,) holds a group id per sequence: samples of one prompt share an id.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -16,8 +17,9 @@ from .core import masked_whiten
 from .registry import Registry
 
 
-def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
-                                 response_mask: torch.Tensor, gamma: float, lam: float):
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+):
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438).
 
     delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma * lam * A_{t+1}
@@ -66,8 +68,13 @@ def _key(g):
     return g.item() if isinstance(g, torch.Tensor) else g
 
 
-def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                   index: Sequence, epsilon: float = 1e-6, norm_adv_by_std: bool = True):
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence,
+    epsilon: float = 1e-6,
+    norm_adv_by_std: bool = True,
+):
     """GRPO outcome advantage (Shao et al. 2024, arXiv:2402.03300, section 4.1.2).
 
     score_i = sum_t r_{i,t};  A_i = (score_i - mean_group) / (std_group + epsilon), the same for
@@ -83,8 +90,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
-def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                   index: Sequence):
+def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence):
     """RLOO: REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024, arXiv:2402.14740).
 
     A_i = score_i - mean_{j != i} score_j = n/(n-1) * (score_i - mean_group). A group of one gets
@@ -116,8 +122,7 @@ def compute_reinforce_return(token_level_rewards: torch.Tensor, response_mask: t
     return returns, returns
 
 
-def compute_reinforce_plus_plus_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                          gamma: float):
+def compute_reinforce_plus_plus_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float):
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): token returns-to-go (KL already folded into the
     token rewards) whitened over the whole batch. Returns (advantages, returns), (B, T)."""
     _, returns = compute_reinforce_return(token_level_rewards, response_mask, gamma)
@@ -158,10 +163,17 @@ def _reinforce_plus_plus(token_level_rewards, response_mask, values=None, index=
     return compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma)
 
 
-def compute_advantages(adv_estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                       values: torch.Tensor | None = None, index: Sequence | None = None,
-                       gamma: float = 1.0, lam: float = 0.95):
+def compute_advantages(
+    adv_estimator: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: Sequence | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+):
     """The estimator registered as `adv_estimator` in `ADV_ESTIMATORS`. values: (B, T) for GAE;
     index: a group id per sequence for GRPO/RLOO. Returns (advantages, returns), (B, T)."""
-    return ADV_ESTIMATORS.get(adv_estimator)(token_level_rewards, response_mask, values=values, index=index,
-                                             gamma=gamma, lam=lam)
+    return ADV_ESTIMATORS.get(adv_estimator)(
+        token_level_rewards, response_mask, values=values, index=index, gamma=gamma, lam=lam
+    )

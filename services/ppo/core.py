@@ -4,6 +4,7 @@ Shapes: `B` sequences, `T` response positions. A mask is 1.0 on response tokens 
 (sampled by the policy, before and including EOS) and 0.0 on padding; masked positions never
 change a result.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,11 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of `values` where `mask` is 1. `values`, `mask`: same shape. Masked NaNs are ignored."""
-    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum() if dim is None else \
-        torch.where(mask.bool(), values, torch.zeros_like(values)).sum(dim=dim)
+    return (
+        torch.where(mask.bool(), values, torch.zeros_like(values)).sum()
+        if dim is None
+        else torch.where(mask.bool(), values, torch.zeros_like(values)).sum(dim=dim)
+    )
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -44,8 +48,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return (1 - masked_var(returns - values, mask) / var).item()
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Normalise `values` to zero mean and unit variance over the masked positions.
 
     values, mask: (B, T). Masked-out positions are returned as 0. With `shift_mean=False` the

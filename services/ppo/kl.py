@@ -3,6 +3,7 @@ token-level KL penalty in the reward, and the choice of reference (SFT model, pr
 
 Shapes: `B` sequences, `T` response positions, `V` vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,8 +60,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
     return KL_ESTIMATORS.get(kl_penalty)(log_prob, ref_log_prob)
 
 
-def mix_reference_log_probs(sft_log_prob: torch.Tensor, policy_log_prob: torch.Tensor,
-                            sft_weight: float) -> torch.Tensor:
+def mix_reference_log_probs(
+    sft_log_prob: torch.Tensor, policy_log_prob: torch.Tensor, sft_weight: float
+) -> torch.Tensor:
     """Log-probability under the mixture w * pi_SFT + (1 - w) * pi_old (the "mixed
     reference"). Both inputs (B, T) or (B, T, V); returns the same shape."""
     if not 0.0 <= sft_weight <= 1.0:
@@ -75,8 +77,9 @@ def mix_reference_log_probs(sft_log_prob: torch.Tensor, policy_log_prob: torch.T
 REFERENCE_CHOICES = ("sft", "policy", "mixture")
 
 
-def reference_log_probs(choice: str, sft_log_prob: torch.Tensor | None, old_log_prob: torch.Tensor,
-                        sft_weight: float = 0.5) -> torch.Tensor:
+def reference_log_probs(
+    choice: str, sft_log_prob: torch.Tensor | None, old_log_prob: torch.Tensor, sft_weight: float = 0.5
+) -> torch.Tensor:
     """The reference the KL is measured against (the reference choice of PPO-RLHF): the frozen SFT model (`sft`), the
     policy before this update (`policy`), or the mixture of both (`mixture`)."""
     if choice == "policy":
@@ -90,8 +93,9 @@ def reference_log_probs(choice: str, sft_log_prob: torch.Tensor | None, old_log_
     raise ValueError(f"unknown reference {choice!r}; valid: {', '.join(REFERENCE_CHOICES)}")
 
 
-def apply_kl_penalty(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None,
-                     kl_coef: float = 0.0) -> torch.Tensor:
+def apply_kl_penalty(
+    scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """Token-level rewards: the outcome score at the last valid response token minus the
     token-level KL penalty (Ziegler et al. 2019; Ouyang et al. 2022):
         r_t = 1[t = last] * score - kl_coef * KL_t

@@ -4,6 +4,7 @@ entropy bonus and the PTX/SFT next-token loss.
 Shapes: `B` sequences, `T` response positions, `V` vocabulary. `response_mask` (B, T) is 1 on
 tokens the policy sampled and 0 on padding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,11 +14,18 @@ from .core import agg_loss, masked_mean
 from .registry import Registry
 
 
-def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, cliprange: float | None = None,
-                        cliprange_low: float | None = None, cliprange_high: float | None = None,
-                        clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean",
-                        rollout_is_weights: torch.Tensor | None = None):
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with the dual clip of
     Ye et al. 2020 (arXiv:1912.09729) for negative advantages.
 
@@ -58,7 +66,8 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
         pg_losses3 = -advantages * clip_ratio_c
         clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
         pg_clipfrac_lower = masked_mean(
-            (torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask)
+            (torch.gt(clip_pg_losses1, pg_losses3) & (advantages < 0)).float(), response_mask
+        )
         pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
@@ -71,11 +80,18 @@ POLICY_LOSSES.register("vanilla")(compute_policy_loss)
 
 
 @POLICY_LOSSES.register("gspo")
-def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                             response_mask: torch.Tensor, cliprange: float | None = None,
-                             cliprange_low: float | None = None, cliprange_high: float | None = None,
-                             clip_ratio_c: float | None = None, loss_agg_mode: str = "seq-mean-token-mean",
-                             rollout_is_weights: torch.Tensor | None = None):
+def compute_gspo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+):
     """GSPO, sequence-level importance ratio (Zheng et al. 2025, arXiv:2507.18071, eq. 7 and its
     token-level form GSPO-token).
 
@@ -109,9 +125,14 @@ def compute_gspo_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
 
 
-def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
-                       response_mask: torch.Tensor, cliprange_value: float | None,
-                       loss_agg_mode: str = "token-mean"):
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None,
+    loss_agg_mode: str = "token-mean",
+):
     """Value regression, 1/2 (V - R)^2, clipped as PPO2 does (OpenAI baselines).
 
     vpreds: (B, T) values of the critic being trained; values: (B, T) the critic's values when
@@ -121,8 +142,9 @@ def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torc
     """
     losses = (vpreds - returns) ** 2
     if cliprange_value is None:
-        return 0.5 * agg_loss(losses, response_mask, loss_agg_mode), \
-            torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
+        return 0.5 * agg_loss(losses, response_mask, loss_agg_mode), torch.zeros(
+            (), dtype=vpreds.dtype, device=vpreds.device
+        )
     vpredclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
     losses_clipped = (vpredclipped - returns) ** 2
     vf_loss = 0.5 * agg_loss(torch.maximum(losses, losses_clipped), response_mask, loss_agg_mode)

@@ -3,6 +3,7 @@ running, with `reward_shift` / `reward_scale`) and clipping (`reward_clip`).
 
 `scores` is (B,), one outcome reward per sequence; `index` (B,) groups the samples of a prompt.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,14 +31,14 @@ class RunningMeanStd:
         batch_mean, batch_var = x.mean().item(), x.var(unbiased=False).item()
         total = self.count + n
         delta = batch_mean - self.mean
-        m2 = self.var * self.count + batch_var * n + delta ** 2 * self.count * n / total
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
         self.mean += delta * n / total
         self.var = m2 / total
         self.count = total
 
     @property
     def std(self) -> float:
-        return self.var ** 0.5
+        return self.var**0.5
 
     def state_dict(self) -> dict:
         return {"mean": self.mean, "var": self.var, "count": self.count}
@@ -46,9 +47,15 @@ class RunningMeanStd:
         self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
 
 
-def normalize_rewards(scores: torch.Tensor, reward_norm: str | None, reward_shift: bool = False,
-                      reward_scale: bool = False, index: Sequence | None = None,
-                      running: RunningMeanStd | None = None, eps: float = 1e-6) -> torch.Tensor:
+def normalize_rewards(
+    scores: torch.Tensor,
+    reward_norm: str | None,
+    reward_shift: bool = False,
+    reward_scale: bool = False,
+    index: Sequence | None = None,
+    running: RunningMeanStd | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Normalise outcome rewards (ROLL's reward_norm/reward_shift/reward_scale).
 
     Statistics come from the whole batch (`batch`), the sample's group (`group`, needs `index`)
@@ -80,9 +87,15 @@ def normalize_rewards(scores: torch.Tensor, reward_norm: str | None, reward_shif
     return (scores - mean) / (std + eps)
 
 
-def postprocess_rewards(scores: torch.Tensor, reward_norm: str | None, reward_shift: bool, reward_scale: bool,
-                        reward_clip: float | None, index: Sequence | None = None,
-                        running: RunningMeanStd | None = None) -> torch.Tensor:
+def postprocess_rewards(
+    scores: torch.Tensor,
+    reward_norm: str | None,
+    reward_shift: bool,
+    reward_scale: bool,
+    reward_clip: float | None,
+    index: Sequence | None = None,
+    running: RunningMeanStd | None = None,
+) -> torch.Tensor:
     """Normalise, then clip to [-reward_clip, reward_clip]. scores: (B,) -> (B,)."""
     out = normalize_rewards(scores, reward_norm, reward_shift, reward_scale, index, running)
     return clip_by_value(out, reward_clip)

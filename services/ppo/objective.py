@@ -9,6 +9,7 @@ one-pass loss of the whole mini-batch (gradient accumulation equal to one pass, 
 
 Shapes: `B` sequences of the micro-batch, `T` response positions, `V` vocabulary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ FIXED_AGG_MODES = {"gspo": "seq-mean-token-mean"}
 @dataclass(frozen=True)
 class ObjectiveSettings:
     """The config's keys the objective reads (see the PPO table in docs/algorithms.md)."""
+
     policy_loss: str = "vanilla"
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -39,17 +41,34 @@ class ObjectiveSettings:
 
     @classmethod
     def from_config(cls, cfg) -> "ObjectiveSettings":  # a services.common.config.Config (not imported here)
-        return cls(policy_loss=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                   dual_clip_c=cfg.dual_clip_c if cfg.dual_clip_loss else None, loss_agg_mode=cfg.loss_agg_mode,
-                   entropy_coef=cfg.entropy_coef, use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef,
-                   kl_penalty=cfg.kl_penalty, ptx_coef=cfg.ptx_coef)
+        return cls(
+            policy_loss=cfg.policy_loss,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
+            loss_agg_mode=cfg.loss_agg_mode,
+            entropy_coef=cfg.entropy_coef,
+            use_kl_loss=cfg.use_kl_loss,
+            kl_loss_coef=cfg.kl_loss_coef,
+            kl_penalty=cfg.kl_penalty,
+            ptx_coef=cfg.ptx_coef,
+        )
 
 
-def ppo_objective(s: ObjectiveSettings, log_prob: torch.Tensor, entropy: torch.Tensor, old_log_prob: torch.Tensor,
-                  advantages: torch.Tensor, mask: torch.Tensor, norm: AggNorm | None = None,
-                  ref_log_prob: torch.Tensor | None = None, kl_input: torch.Tensor | None = None,
-                  rollout_is_weights: torch.Tensor | None = None, ptx_loss: torch.Tensor | None = None,
-                  ptx_share: float = 1.0) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
+def ppo_objective(
+    s: ObjectiveSettings,
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    norm: AggNorm | None = None,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_input: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    ptx_loss: torch.Tensor | None = None,
+    ptx_share: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """The loss of one micro-batch, scaled for accumulation, and its metrics.
 
     log_prob, entropy: (B, T) under the policy being trained (with gradients); old_log_prob,
@@ -65,20 +84,33 @@ def ppo_objective(s: ObjectiveSettings, log_prob: torch.Tensor, entropy: torch.T
     pg_mode = FIXED_AGG_MODES.get(POLICY_LOSSES.canonical(s.policy_loss), s.loss_agg_mode)
     pg_scale, scale = norm.scale(mask, pg_mode), norm.scale(mask, s.loss_agg_mode)
     pg_loss, clipfrac, ppo_kl, clipfrac_lower = POLICY_LOSSES.get(s.policy_loss)(
-        old_log_prob, log_prob, advantages, mask, cliprange_low=s.clip_low, cliprange_high=s.clip_high,
-        clip_ratio_c=s.dual_clip_c, loss_agg_mode=s.loss_agg_mode, rollout_is_weights=rollout_is_weights)
+        old_log_prob,
+        log_prob,
+        advantages,
+        mask,
+        cliprange_low=s.clip_low,
+        cliprange_high=s.clip_high,
+        clip_ratio_c=s.dual_clip_c,
+        loss_agg_mode=s.loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+    )
     entropy_loss = agg_loss(entropy, mask, s.loss_agg_mode)
     loss = pg_loss * pg_scale
     if s.entropy_coef:
         loss = loss - s.entropy_coef * entropy_loss * scale
     tokens = float(mask.sum()) / max(norm.tokens, 1.0)  # token-averaged metrics weigh by tokens
-    metrics = {"ppo/pg_loss": (pg_loss.item(), pg_scale), "ppo/pg_clipfrac": (clipfrac.item(), tokens),
-               "ppo/pg_clipfrac_lower": (clipfrac_lower.item(), tokens), "ppo/approx_kl": (ppo_kl.item(), tokens),
-               "ppo/entropy_loss": (entropy_loss.item(), scale),  # as the loss aggregates it
-               "ppo/entropy": (masked_mean(entropy.detach(), mask).item(), tokens)}  # per token
+    metrics = {
+        "ppo/pg_loss": (pg_loss.item(), pg_scale),
+        "ppo/pg_clipfrac": (clipfrac.item(), tokens),
+        "ppo/pg_clipfrac_lower": (clipfrac_lower.item(), tokens),
+        "ppo/approx_kl": (ppo_kl.item(), tokens),
+        "ppo/entropy_loss": (entropy_loss.item(), scale),  # as the loss aggregates it
+        "ppo/entropy": (masked_mean(entropy.detach(), mask).item(), tokens),
+    }  # per token
     if s.use_kl_loss and ref_log_prob is not None:
-        kl_loss = agg_loss(kl_penalty(log_prob if kl_input is None else kl_input, ref_log_prob, s.kl_penalty),
-                           mask, s.loss_agg_mode)
+        kl_loss = agg_loss(
+            kl_penalty(log_prob if kl_input is None else kl_input, ref_log_prob, s.kl_penalty), mask, s.loss_agg_mode
+        )
         loss = loss + s.kl_loss_coef * kl_loss * scale
         metrics["ppo/kl_loss"] = (kl_loss.item(), scale)
     if ptx_loss is not None:

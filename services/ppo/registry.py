@@ -9,6 +9,7 @@ unknown name raises with the list of valid ones. The config's choices are the re
 
     ADV_ESTIMATORS.get("grpo")(rewards, mask, index=index)
 """
+
 from __future__ import annotations
 
 from typing import Callable, TypeVar
@@ -30,6 +31,7 @@ class Registry:
             self._fns[name] = fn
             self._aliases.update({a: name for a in aliases})
             return fn
+
         return add
 
     def canonical(self, name: str) -> str:

@@ -13,6 +13,7 @@ https://fengyao.notion.site/off-policy-rl; the truncated IS of IMPALA's V-trace,
 Shapes: `B` sequences, `T` response positions; `response_mask` (B, T) is 1 on sampled tokens
 and 0 on padding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ from .core import masked_mean
 LOG_RATIO_CLAMP = 20.0
 
 
-def rollout_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                               response_mask: torch.Tensor, threshold: float):
+def rollout_importance_weights(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, threshold: float
+):
     """Token-level truncated importance weights pi_old / mu, capped at `threshold`.
 
     old_log_prob: (B, T) the learner's log-probs of the sampled tokens (pi_old);
@@ -40,11 +42,13 @@ def rollout_importance_weights(old_log_prob: torch.Tensor, rollout_log_prob: tor
     if not threshold > 0:
         raise ValueError(f"rollout_importance_weights needs a threshold > 0, got {threshold}")
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
-        raise ValueError(f"shapes differ: old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob "
-                         f"{tuple(rollout_log_prob.shape)}, response_mask {tuple(response_mask.shape)}")
+        raise ValueError(
+            f"shapes differ: old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob "
+            f"{tuple(rollout_log_prob.shape)}, response_mask {tuple(response_mask.shape)}"
+        )
     with torch.no_grad():
         valid = response_mask.bool()
-        log_ratio = (old_log_prob.detach().float() - rollout_log_prob.detach().float().to(old_log_prob.device))
+        log_ratio = old_log_prob.detach().float() - rollout_log_prob.detach().float().to(old_log_prob.device)
         ratio = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         ratio = torch.where(valid, ratio, torch.zeros_like(ratio))  # padding may hold anything, NaN included
         weights = torch.clamp(ratio, max=threshold)

@@ -2,6 +2,7 @@
 server as the held-out evaluation's scorer (`reward.eval_rules` on the server, when set). A batch
 the user's reward API failed (`Reason.REWARD_API_FAILED`) raises `RewardAPIFailure`, told apart
 from a reward server that is unavailable itself."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ class RewardClient(RPCClient):
         it: the rollout worker's says `final=[Reason.REWARD_API_FAILED]`)."""
         req = rpb.ScoreRequest(held_out=held_out)
         for s in samples:
-            m = rpb.RewardSample(prompt=s.prompt, response=s.response,
-                                 metadata_json=json.dumps(s.metadata) if s.metadata else "")
+            m = rpb.RewardSample(
+                prompt=s.prompt, response=s.response, metadata_json=json.dumps(s.metadata) if s.metadata else ""
+            )
             if s.label is not None:
                 m.label = s.label
             req.samples.append(m)

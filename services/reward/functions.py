@@ -17,6 +17,7 @@ verl's `ground_truth` and the batched `label` column as it is stored; per-sample
 the label string (JSON for a structure). An exception inside the function is a
 `RewardFunctionError` carrying its traceback.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -68,8 +69,10 @@ def load_function(ref: str) -> Callable:
         try:
             module = importlib.import_module(target)
         except ImportError as e:
-            raise ValueError(f"{ref!r} cannot be imported: {e} (run from the directory that holds it, give its "
-                             "file path, or install it)") from None
+            raise ValueError(
+                f"{ref!r} cannot be imported: {e} (run from the directory that holds it, give its "
+                "file path, or install it)"
+            ) from None
         except Exception as e:
             raise ValueError(f"{ref!r}: importing {target} raised {type(e).__name__}: {e}") from None
     fn = getattr(module, attr, None)
@@ -94,8 +97,9 @@ def _import_file(ref: str, path: Path):
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise ValueError(f"{ref!r}: loading {path} raised {type(e).__name__}: {e}\n"
-                         f"{traceback.format_exc().rstrip()}") from None
+        raise ValueError(
+            f"{ref!r}: loading {path} raised {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}"
+        ) from None
     sys.modules[name] = module
     return module
 
@@ -121,14 +125,24 @@ def check_call(fn: Callable, kind: Kind, kwargs: dict) -> None:
     elif kind == "batched":
         args, named = (), {"prompts": [], "completions": [], **_accepted(sig, {"label": []}), **kwargs}
     else:
-        args, named = (), {"data_source": "", "solution_str": "", "ground_truth": "",
-                           **_accepted(sig, {"extra_info": None}), **kwargs}
+        args, named = (
+            (),
+            {
+                "data_source": "",
+                "solution_str": "",
+                "ground_truth": "",
+                **_accepted(sig, {"extra_info": None}),
+                **kwargs,
+            },
+        )
     try:
         sig.bind(*args, **named)
     except TypeError as e:
-        expected = {"sample": "fn(prompt, response, label, metadata, **kwargs)",
-                    "batched": "fn(prompts, completions, **columns)",
-                    "verl": "compute_score(data_source, solution_str, ground_truth, extra_info=None)"}[kind]
+        expected = {
+            "sample": "fn(prompt, response, label, metadata, **kwargs)",
+            "batched": "fn(prompts, completions, **columns)",
+            "verl": "compute_score(data_source, solution_str, ground_truth, extra_info=None)",
+        }[kind]
         raise ValueError(f"cannot be called as {expected} with kwargs {sorted(kwargs)}: {e}") from None
 
 
@@ -144,6 +158,7 @@ class RewardFunction:
     """One rule, built in or yours, called on a batch: `__call__(samples) -> list[float]`. A built-in
     rule's ValueError is its complaint about a sample (a missing label) and passes as it is; any
     exception of yours is a RewardFunctionError."""
+
     name: str
     fn: Callable
     kind: Kind
@@ -159,8 +174,10 @@ class RewardFunction:
         elif is_reference(name):
             fn = load_function(name)
         else:
-            raise ValueError(f"unknown reward rule {name!r}; built in: {', '.join(sorted(builtins))} (or give "
-                             "'path/to/file.py:function' or 'module.path:function')")
+            raise ValueError(
+                f"unknown reward rule {name!r}; built in: {', '.join(sorted(builtins))} (or give "
+                "'path/to/file.py:function' or 'module.path:function')"
+            )
         kind = signature_kind(fn)
         try:
             check_call(fn, kind, kwargs)
@@ -175,8 +192,15 @@ class RewardFunction:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or C function
             params = {}
-        return cls(name, fn, kind, dict(kwargs), builtin=name in builtins, params=frozenset(params),
-                   takes_any=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
+        return cls(
+            name,
+            fn,
+            kind,
+            dict(kwargs),
+            builtin=name in builtins,
+            params=frozenset(params),
+            takes_any=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()),
+        )
 
     def _takes(self, values: dict) -> dict:
         """The items of `values` this function takes (all of them with **kwargs)."""
@@ -190,14 +214,18 @@ class RewardFunction:
         except ValueError:
             if self.builtin:
                 raise
-            raise RewardFunctionError(self.name, f"raised {traceback.format_exc().rstrip().splitlines()[-1]}",
-                                      traceback.format_exc()) from None
+            raise RewardFunctionError(
+                self.name, f"raised {traceback.format_exc().rstrip().splitlines()[-1]}", traceback.format_exc()
+            ) from None
         except Exception as e:
             raise RewardFunctionError(self.name, f"raised {type(e).__name__}: {e}", traceback.format_exc()) from None
         if self.kind == "batched" and (not isinstance(values, (list, tuple)) or len(values) != len(samples)):
-            raise RewardFunctionError(self.name, f"returned {type(values).__name__} of "
-                                      f"{len(values) if hasattr(values, '__len__') else '?'} values for "
-                                      f"{len(samples)} samples; a batched function returns one float per sample")
+            raise RewardFunctionError(
+                self.name,
+                f"returned {type(values).__name__} of "
+                f"{len(values) if hasattr(values, '__len__') else '?'} values for "
+                f"{len(samples)} samples; a batched function returns one float per sample",
+            )
         out = []
         for i, v in enumerate(values):
             if isinstance(v, dict):  # verl's {"score": ..., other metrics}
@@ -218,11 +246,24 @@ class RewardFunction:
             columns = {"label": [stored_label(s) for s in samples]}
             for key in dict.fromkeys(k for s in samples for k in s.metadata):
                 columns.setdefault(key, [s.metadata.get(key) for s in samples])
-            return list(self.fn(prompts=[s.prompt for s in samples], completions=[s.response for s in samples],
-                                **self._takes(columns), **self.kwargs))
-        return [self.fn(data_source=s.metadata.get("data_source", ""), solution_str=s.response,
-                        ground_truth=stored_label(s), **self._takes({"extra_info": s.metadata.get("extra_info")}),
-                        **self.kwargs) for s in samples]
+            return list(
+                self.fn(
+                    prompts=[s.prompt for s in samples],
+                    completions=[s.response for s in samples],
+                    **self._takes(columns),
+                    **self.kwargs,
+                )
+            )
+        return [
+            self.fn(
+                data_source=s.metadata.get("data_source", ""),
+                solution_str=s.response,
+                ground_truth=stored_label(s),
+                **self._takes({"extra_info": s.metadata.get("extra_info")}),
+                **self.kwargs,
+            )
+            for s in samples
+        ]
 
 
 def stored_label(sample: RewardSample) -> Any:

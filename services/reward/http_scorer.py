@@ -33,6 +33,7 @@ input's (no connection, 429, 503, 401/403/404/405/407) count every time.
 The auth header (`reward.http_auth_*`: a token read from an environment variable) goes with every
 request; its value is cut out of every message, log line and status this module writes.
 """
+
 from __future__ import annotations
 
 import email.utils
@@ -139,8 +140,15 @@ class CircuitBreaker:
     `failures` 0 = never opens. `on_change(state, opened)` is told each new state (`opened`: it
     opened from closed). `clock` gives the seconds its cooldown is measured in."""
 
-    def __init__(self, failures: int = 5, cooldown_s: float = 30.0, name: str = "reward API",
-                 on_change=None, redact=lambda s: s, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        failures: int = 5,
+        cooldown_s: float = 30.0,
+        name: str = "reward API",
+        on_change=None,
+        redact=lambda s: s,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.failures, self.cooldown_s, self.name, self.clock = failures, cooldown_s, name, clock
         self.on_change, self.redact = on_change or (lambda state, opened: None), redact
         self.state, self.consecutive, self.last_error = CLOSED, 0, ""
@@ -178,8 +186,10 @@ class CircuitBreaker:
         return self.opened_at + self.cooldown_s - self.clock()
 
     def _open_message(self, wait: float) -> str:
-        return (f"{self.name}: circuit open after {self.consecutive} failed requests in a row (last: "
-                f"{self.last_error}); " + (f"next probe in {wait:.1f}s" if wait > 0 else "a probe is out"))
+        return (
+            f"{self.name}: circuit open after {self.consecutive} failed requests in a row (last: "
+            f"{self.last_error}); " + (f"next probe in {wait:.1f}s" if wait > 0 else "a probe is out")
+        )
 
     def success(self) -> None:
         with self._lock:
@@ -203,14 +213,23 @@ class CircuitBreaker:
             if self.state == HALF_OPEN:
                 self._probe_out = False
                 self._open()
-                log.warning("%s: the probe failed (%s); circuit open for another %gs", self.name,
-                            self.last_error, self.cooldown_s)
+                log.warning(
+                    "%s: the probe failed (%s); circuit open for another %gs",
+                    self.name,
+                    self.last_error,
+                    self.cooldown_s,
+                )
             elif self.state == CLOSED and self.failures and self.consecutive >= self.failures:
                 self._open()
                 self.times_opened += 1
-                log.warning("%s: circuit open after %d failed requests in a row (last: %s); calls fail at once "
-                            "without reaching it for %gs, then one probe", self.name, self.consecutive,
-                            self.last_error, self.cooldown_s)
+                log.warning(
+                    "%s: circuit open after %d failed requests in a row (last: %s); calls fail at once "
+                    "without reaching it for %gs, then one probe",
+                    self.name,
+                    self.consecutive,
+                    self.last_error,
+                    self.cooldown_s,
+                )
 
     def _open(self) -> None:
         self._streak.clear()
@@ -225,8 +244,12 @@ class CircuitBreaker:
 
     def status(self) -> dict:
         with self._lock:
-            out = {"state": self.state, "consecutive_failures": self.consecutive, "times_opened": self.times_opened,
-                   "last_error": self.last_error or None}
+            out = {
+                "state": self.state,
+                "consecutive_failures": self.consecutive,
+                "times_opened": self.times_opened,
+                "last_error": self.last_error or None,
+            }
             if self.state != CLOSED:
                 out["open_for_s"] = round(self.clock() - self.down_since, 3)
                 out["next_probe_in_s"] = round(max(0.0, self._until_probe()), 3)
@@ -237,10 +260,22 @@ class HTTPScorer:
     """`metrics` (a `RewardAPIMetrics`) counts every request by outcome and times it, and shows
     the breaker. `headers` go with every request; their values never appear in a message."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, concurrency: int = 8,
-                 batch_size: int = 64, backoff_s: float = 0.5, headers: dict | None = None, metrics=None,
-                 max_backoff_s: float = 10.0, retry_after_max_s: float = 60.0, breaker_failures: int = 5,
-                 breaker_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        concurrency: int = 8,
+        batch_size: int = 64,
+        backoff_s: float = 0.5,
+        headers: dict | None = None,
+        metrics=None,
+        max_backoff_s: float = 10.0,
+        retry_after_max_s: float = 60.0,
+        breaker_failures: int = 5,
+        breaker_cooldown_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.url, self.retries, self.batch_size, self.backoff_s = url, retries, batch_size, backoff_s
         self.max_backoff_s, self.retry_after_max_s = max(max_backoff_s, backoff_s), retry_after_max_s
         self.public_url = public_url(url)
@@ -250,20 +285,33 @@ class HTTPScorer:
         self.metrics = metrics
         if metrics is not None:
             metrics.expect_calls()
-        self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, f"reward API {self.public_url}",
-                                      on_change=self._breaker_changed, redact=self.redact, clock=clock)
-        self.client = httpx.Client(timeout=timeout_s, headers=headers,
-                                   limits=httpx.Limits(max_connections=concurrency))
+        self.breaker = CircuitBreaker(
+            breaker_failures,
+            breaker_cooldown_s,
+            f"reward API {self.public_url}",
+            on_change=self._breaker_changed,
+            redact=self.redact,
+            clock=clock,
+        )
+        self.client = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=concurrency))
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-http")
         self._rng = random.Random()
 
     @classmethod
     def from_config(cls, reward_cfg: RewardConfig, metrics=None) -> "HTTPScorer":
-        return cls(reward_cfg.http_url, reward_cfg.http_timeout_s, reward_cfg.http_retries, reward_cfg.http_concurrency,
-                   backoff_s=reward_cfg.http_backoff_s, max_backoff_s=reward_cfg.http_max_backoff_s,
-                   retry_after_max_s=reward_cfg.http_retry_after_max_s, headers=auth_headers(reward_cfg),
-                   breaker_failures=reward_cfg.http_breaker_failures,
-                   breaker_cooldown_s=reward_cfg.http_breaker_cooldown_s, metrics=metrics)
+        return cls(
+            reward_cfg.http_url,
+            reward_cfg.http_timeout_s,
+            reward_cfg.http_retries,
+            reward_cfg.http_concurrency,
+            backoff_s=reward_cfg.http_backoff_s,
+            max_backoff_s=reward_cfg.http_max_backoff_s,
+            retry_after_max_s=reward_cfg.http_retry_after_max_s,
+            headers=auth_headers(reward_cfg),
+            breaker_failures=reward_cfg.http_breaker_failures,
+            breaker_cooldown_s=reward_cfg.http_breaker_cooldown_s,
+            metrics=metrics,
+        )
 
     def redact(self, text: str) -> str:
         for s in self._secrets:
@@ -289,8 +337,14 @@ class HTTPScorer:
             raise
 
     def _attempts(self, chunk: Sequence[RewardSample], abort: threading.Event) -> list[float]:
-        body = json.dumps({"query": [s.prompt + s.response for s in chunk], "prompts": [s.prompt for s in chunk],
-                           "labels": [s.label for s in chunk]}, ensure_ascii=False).encode()
+        body = json.dumps(
+            {
+                "query": [s.prompt + s.response for s in chunk],
+                "prompts": [s.prompt for s in chunk],
+                "labels": [s.label for s in chunk],
+            },
+            ensure_ascii=False,
+        ).encode()
         key = hash(body)  # the breaker counts a body's failures that may be its own once
         last_error, delay = "no attempt", self.backoff_s
         for attempt in range(self.retries + 1):
@@ -325,9 +379,11 @@ class HTTPScorer:
                     snippet = " ".join(self.redact(r.text[:4000]).split())[:200]  # redacted before it is cut
                     if code in REFUSES_US:
                         self.breaker.failure(f"HTTP {code}")
-                        raise RewardUnavailable(f"reward API {self.public_url} refuses the request: HTTP {code} "
-                                                f"{snippet} (check reward.http_url and the token in "
-                                                f"reward.http_auth_env)")
+                        raise RewardUnavailable(
+                            f"reward API {self.public_url} refuses the request: HTTP {code} "
+                            f"{snippet} (check reward.http_url and the token in "
+                            f"reward.http_auth_env)"
+                        )
                     self.breaker.success()  # it is up, and judged this input
                     raise RewardRejected(f"reward API {self.public_url} rejected the request: HTTP {code} {snippet}")
                 else:
@@ -347,8 +403,14 @@ class HTTPScorer:
                 pause = min(wait, self.retry_after_max_s)
             else:
                 pause = delay = decorrelated_jitter(self._rng, self.backoff_s, self.max_backoff_s, delay)
-            log.info("reward API %s attempt %d/%d failed (%s); retrying in %.2fs", self.public_url, attempt + 1,
-                     self.retries + 1, last_error, pause)
+            log.info(
+                "reward API %s attempt %d/%d failed (%s); retrying in %.2fs",
+                self.public_url,
+                attempt + 1,
+                self.retries + 1,
+                last_error,
+                pause,
+            )
             time.sleep(pause)
         raise RewardAPIFailed(f"{self.public_url} gave no reward after {self.retries + 1} attempts ({last_error})")
 
@@ -362,14 +424,15 @@ class HTTPScorer:
         if isinstance(rewards, (int, float)) and not isinstance(rewards, bool) and n == 1:
             rewards = [rewards]
         if not isinstance(rewards, list) or len(rewards) != n:
-            raise ValueError(f"{len(rewards) if isinstance(rewards, list) else repr(rewards)[:100]} rewards for "
-                             f"{n} samples")
+            raise ValueError(
+                f"{len(rewards) if isinstance(rewards, list) else repr(rewards)[:100]} rewards for {n} samples"
+            )
         return [_to_float(x, i) for i, x in enumerate(rewards)]
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         """A reward for every sample, or an exception: never a part of the batch. After the first
         request that fails, the batch's requests not yet sent are not sent."""
-        chunks = [samples[i:i + self.batch_size] for i in range(0, len(samples), self.batch_size)]
+        chunks = [samples[i : i + self.batch_size] for i in range(0, len(samples), self.batch_size)]
         abort = threading.Event()
         futures = [self.pool.submit(self._post, c, abort) for c in chunks]
         out: list[ScoreResult] = []

@@ -14,6 +14,7 @@ first HTTP request, and with a scorer that calls a reward API:
 `CountRequests` is the ASGI middleware that feeds the first two; paths outside the API's own are
 counted as "other" (a scanner cannot grow the label set).
 """
+
 from __future__ import annotations
 
 import time
@@ -29,10 +30,19 @@ REWARD_API_OUTCOMES = ("ok", "http_error", "transport_error", "bad_answer")
 class HTTPMetrics:
     def __init__(self, registry: CollectorRegistry, service: str = "reward"):
         self.service = service
-        self.requests = Counter("rlhf_http_requests_total", "HTTP requests answered, by path and status code",
-                                ["service", "path", "code"], registry=registry)
-        self.seconds = Histogram("rlhf_http_request_seconds", "HTTP request latency, by path", ["service", "path"],
-                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "rlhf_http_requests_total",
+            "HTTP requests answered, by path and status code",
+            ["service", "path", "code"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "rlhf_http_request_seconds",
+            "HTTP request latency, by path",
+            ["service", "path"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
 
     def record(self, path: str, code: int, seconds: float) -> None:
         self.requests.labels(self.service, path, str(code)).inc()
@@ -60,6 +70,7 @@ class CountRequests:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
         try:
             await self.app(scope, receive, send_counted)
         finally:
@@ -74,17 +85,38 @@ class RewardAPIMetrics:
 
     def __init__(self, registry: CollectorRegistry, service: str = "reward"):
         self.service = service
-        self.requests = Counter("rlhf_reward_api_requests_total", "requests to the reward API (reward.http_url), "
-                                "by outcome", ["service", "outcome"], registry=registry)
-        self.latency = Histogram("rlhf_reward_api_seconds", "reward API request latency", ["service"],
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        self.breaker_state = Gauge("rlhf_reward_api_breaker_state", "the reward API's circuit breaker: 0 closed, "
-                                   "1 half-open (one probe out), 2 open (calls fail without reaching it)",
-                                   ["service"], registry=registry)
-        self.breaker_opened = Counter("rlhf_reward_api_breaker_opened_total", "times the reward API's circuit "
-                                      "breaker opened", ["service"], registry=registry)
-        self.short_circuited = Counter("rlhf_reward_api_short_circuited_total", "reward API requests not sent "
-                                       "because its circuit breaker was open", ["service"], registry=registry)
+        self.requests = Counter(
+            "rlhf_reward_api_requests_total",
+            "requests to the reward API (reward.http_url), by outcome",
+            ["service", "outcome"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "rlhf_reward_api_seconds",
+            "reward API request latency",
+            ["service"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.breaker_state = Gauge(
+            "rlhf_reward_api_breaker_state",
+            "the reward API's circuit breaker: 0 closed, "
+            "1 half-open (one probe out), 2 open (calls fail without reaching it)",
+            ["service"],
+            registry=registry,
+        )
+        self.breaker_opened = Counter(
+            "rlhf_reward_api_breaker_opened_total",
+            "times the reward API's circuit breaker opened",
+            ["service"],
+            registry=registry,
+        )
+        self.short_circuited = Counter(
+            "rlhf_reward_api_short_circuited_total",
+            "reward API requests not sent because its circuit breaker was open",
+            ["service"],
+            registry=registry,
+        )
 
     def expect_calls(self) -> None:
         """A scorer will call the API: its outcomes and latency start at 0."""

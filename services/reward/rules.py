@@ -4,6 +4,7 @@ Register your own with `@register_rule("name")`, or point the config at your fun
 path or module (`name: "reward.py:score"`, `"my_pkg.rewards:score"`): services/reward/functions.py
 says how, and which signatures it takes (this one, TRL's batched one, verl's compute_score).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,7 @@ def register_rule(name: str) -> Callable[[RuleFn], RuleFn]:
     def deco(fn: RuleFn) -> RuleFn:
         RULES[name] = fn
         return fn
+
     return deco
 
 
@@ -36,8 +38,10 @@ def resolve_rule(name: str) -> RuleFn:
         return RULES[name]
     if is_reference(name):
         return load_function(name)
-    raise ValueError(f"unknown reward rule {name!r}; registered: {', '.join(sorted(RULES))} "
-                     f"(or give 'path/to/file.py:function' or 'module.path:function')")
+    raise ValueError(
+        f"unknown reward rule {name!r}; registered: {', '.join(sorted(RULES))} "
+        f"(or give 'path/to/file.py:function' or 'module.path:function')"
+    )
 
 
 def _need_label(label: str | None, rule: str) -> str:
@@ -59,8 +63,9 @@ def exact_match(prompt, response, label, metadata, strip: bool = True, lowercase
 
 
 @register_rule("verifiable_answer")
-def verifiable_answer(prompt, response, label, metadata, pattern: str = r"answer\s*[:=]\s*(\S+)",
-                      numeric_tol: float = 1e-6) -> float:
+def verifiable_answer(
+    prompt, response, label, metadata, pattern: str = r"answer\s*[:=]\s*(\S+)", numeric_tol: float = 1e-6
+) -> float:
     """Extract the final answer (the last match of `pattern`, or the last \\boxed{...}) and compare
     with the label, numerically when both parse as numbers. 1.0 correct, 0.0 otherwise."""
     label = _need_label(label, "verifiable_answer")
@@ -88,15 +93,16 @@ def edit_similarity(prompt, response, label, metadata, strip: bool = True) -> fl
 def repetition_penalty(prompt, response, label, metadata, n: int = 3) -> float:
     """Minus the share of repeated n-grams in the response: 0.0 none repeated, towards -1 all."""
     tokens = response.split() if " " in response.strip() else list(response)
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     if not grams:
         return 0.0
     return -(1.0 - len(set(grams)) / len(grams))
 
 
 @register_rule("length")
-def length_penalty(prompt, response, label, metadata, target: int | None = None, max_len: int | None = None,
-                   unit: str = "chars") -> float:
+def length_penalty(
+    prompt, response, label, metadata, target: int | None = None, max_len: int | None = None, unit: str = "chars"
+) -> float:
     """0.0 inside the limits; minus the relative overshoot past `max_len` or the relative
     distance from `target` (length in `chars` or `words`)."""
     n = len(response.split()) if unit == "words" else len(response)
@@ -130,7 +136,7 @@ def last_boxed(text: str) -> str | None:
     for i in range(start + len("\\boxed"), len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[start + len("\\boxed{"):i]
+            return text[start + len("\\boxed{") : i]
     return None
 
 

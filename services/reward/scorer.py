@@ -6,6 +6,7 @@
 `HTTPScorer` (`http_scorer.py`) calls your reward API. `build_eval_scorer` is the held-out
 evaluation's scorer when `reward.eval_rules` sets one apart from the training reward.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,15 +53,18 @@ class ModelScorer:
     logit of the single class, read at the last non-padding token of prompt + response; with
     `normalize`, (logit - mean) / std from the directory's reward_stats.json."""
 
-    def __init__(self, path: str, device: str = "cpu", batch_size: int = 32, max_length: int = 4096,
-                 normalize: bool = False):
+    def __init__(
+        self, path: str, device: str = "cpu", batch_size: int = 32, max_length: int = 4096, normalize: bool = False
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
         self.shift, self.scale = 0.0, 1.0
         if normalize:
             stats_file = Path(path) / "reward_stats.json"
             if not stats_file.exists():
-                raise ValueError(f"reward.model_normalize needs {stats_file} (written by `rlhf train-rm`); it is "
-                                 "missing")
+                raise ValueError(
+                    f"reward.model_normalize needs {stats_file} (written by `rlhf train-rm`); it is missing"
+                )
             stats = json.loads(stats_file.read_text())
             self.shift, self.scale = float(stats["mean"]), max(float(stats["std"]), 1e-6)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -75,9 +79,14 @@ class ModelScorer:
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         out = []
         for i in range(0, len(samples), self.batch_size):
-            chunk = samples[i:i + self.batch_size]
-            enc = self.tokenizer([s.prompt + s.response for s in chunk], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.max_length).to(self.device)
+            chunk = samples[i : i + self.batch_size]
+            enc = self.tokenizer(
+                [s.prompt + s.response for s in chunk],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+            ).to(self.device)
             logits = self.model(**enc).logits.float()
             for v in logits[:, 0].tolist():
                 v = (v - self.shift) / self.scale
@@ -108,16 +117,27 @@ def build_scorer(reward_cfg: RewardConfig, device: str = "cpu", api_metrics=None
     if reward_cfg.type in ("rules", "combined") and reward_cfg.rules:
         parts.append(("rules", 1.0, RuleScorer.from_specs(reward_cfg.rules)))
     if reward_cfg.type in ("model", "combined") and reward_cfg.model_path:
-        parts.append(("model", reward_cfg.model_weight, ModelScorer(reward_cfg.model_path, device,
-                                                                   normalize=reward_cfg.model_normalize)))
+        parts.append(
+            (
+                "model",
+                reward_cfg.model_weight,
+                ModelScorer(reward_cfg.model_path, device, normalize=reward_cfg.model_normalize),
+            )
+        )
     if reward_cfg.type in ("http", "combined") and reward_cfg.http_url:
         from .http_scorer import HTTPScorer
+
         parts.append(("http", reward_cfg.http_weight, HTTPScorer.from_config(reward_cfg, api_metrics)))
     if not parts:
-        raise ValueError(f"reward.type={reward_cfg.type!r} needs "
-                         + {"rules": "reward.rules", "model": "reward.model_path", "http": "reward.http_url",
-                            "combined": "at least one of reward.rules, reward.model_path, reward.http_url"}[
-                             reward_cfg.type])
+        raise ValueError(
+            f"reward.type={reward_cfg.type!r} needs "
+            + {
+                "rules": "reward.rules",
+                "model": "reward.model_path",
+                "http": "reward.http_url",
+                "combined": "at least one of reward.rules, reward.model_path, reward.http_url",
+            }[reward_cfg.type]
+        )
     if len(parts) == 1 and parts[0][1] == 1.0:
         return parts[0][2]
     return CombinedScorer(parts)

@@ -6,6 +6,7 @@ Score requests marked `held_out` (the learner's held-out evaluation) are scored 
 
     rlhf serve reward -c configs/tiny-cpu.yaml
 """
+
 from __future__ import annotations
 
 import hmac
@@ -43,6 +44,7 @@ SLICE_CHARS = 1 << 20
 
 class RewardRequest(BaseModel):
     """OpenRLHF's remote reward request."""
+
     query: list[str] = Field(..., description="prompt + response per sample, decoded with special tokens kept")
     prompts: Optional[list[str]] = None
     labels: Optional[list[Optional[str]]] = None
@@ -91,11 +93,14 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         samples = []
         for i, s in enumerate(request.samples):
             label = s.label if s.HasField("label") else None
-            _check_lengths({f"samples[{i}].prompt": s.prompt, f"samples[{i}].response": s.response,
-                            f"samples[{i}].label": label}, self.max_text_chars)
+            _check_lengths(
+                {f"samples[{i}].prompt": s.prompt, f"samples[{i}].response": s.response, f"samples[{i}].label": label},
+                self.max_text_chars,
+            )
             if len(s.metadata_json) > MAX_METADATA_CHARS:
-                raise BadRequest(f"samples[{i}].metadata_json: {len(s.metadata_json)} characters, "
-                                 f"more than {MAX_METADATA_CHARS}")
+                raise BadRequest(
+                    f"samples[{i}].metadata_json: {len(s.metadata_json)} characters, more than {MAX_METADATA_CHARS}"
+                )
             try:
                 meta = json.loads(s.metadata_json) if s.metadata_json else {}
             except json.JSONDecodeError as e:
@@ -152,6 +157,7 @@ def parse_reward_request(raw: bytes) -> RewardRequest:
     """The body as a `RewardRequest`: strict UTF-8 JSON without NaN or Infinity."""
     from fastapi import HTTPException
     from fastapi.exceptions import RequestValidationError
+
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
@@ -165,8 +171,13 @@ def parse_reward_request(raw: bytes) -> RewardRequest:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in errors]) from None
 
 
-def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str] = (), max_text_chars: int = 100_000,
-                   metrics: HTTPMetrics | None = None):
+def build_http_app(
+    scorer,
+    token: str | None = None,
+    strip_tokens: Sequence[str] = (),
+    max_text_chars: int = 100_000,
+    metrics: HTTPMetrics | None = None,
+):
     """FastAPI app answering OpenRLHF's remote reward request shape. Each query loses the runs of
     `strip_tokens` at its start and end (OpenRLHF decodes with special tokens kept: pads, BOS,
     a trailing EOS), each prompt those at its start, before the response is cut from the query.
@@ -179,8 +190,12 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
     app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
     if metrics is not None:
         app.add_middleware(CountRequests, metrics=metrics)
-    body_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": RewardRequest.model_json_schema()}}}}
+    body_schema = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": RewardRequest.model_json_schema()}},
+        }
+    }
 
     def score(req: RewardRequest):
         n = len(req.query)
@@ -193,13 +208,17 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
         samples = []
         for i, (q, p, lab) in enumerate(zip(req.query, prompts, labels)):
             if len(q) > 2 * max_text_chars:
-                raise HTTPException(422, f"query[{i}]: {len(q)} characters, more than a prompt and a response "
-                                         f"of reward.max_text_chars={max_text_chars} each")
+                raise HTTPException(
+                    422,
+                    f"query[{i}]: {len(q)} characters, more than a prompt and a response "
+                    f"of reward.max_text_chars={max_text_chars} each",
+                )
             q, p = _strip_runs(_strip_runs(q, tokens, True), tokens, False), _strip_runs(p, tokens, True)
-            response = q[len(p):] if p and q.startswith(p) else q
+            response = q[len(p) :] if p and q.startswith(p) else q
             try:
-                _check_lengths({f"prompts[{i}]": p, f"labels[{i}]": lab, f"query[{i}]'s response": response},
-                               max_text_chars)
+                _check_lengths(
+                    {f"prompts[{i}]": p, f"labels[{i}]": lab, f"query[{i}]'s response": response}, max_text_chars
+                )
             except BadRequest as e:
                 raise HTTPException(422, str(e)) from None
             samples.append(RewardSample(p, response, lab))
@@ -211,8 +230,13 @@ def build_http_app(scorer, token: str | None = None, strip_tokens: Sequence[str]
             raise HTTPException(503, str(e))
         _check_scores(results)
         rewards = [r.reward for r in results]
-        return {"rewards": rewards, "scores": rewards, "extra_logs": {
-            k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})}}
+        return {
+            "rewards": rewards,
+            "scores": rewards,
+            "extra_logs": {
+                k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})
+            },
+        }
 
     def check_auth(authorization: str | None) -> None:
         if token is not None and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
@@ -250,11 +274,13 @@ class HTTPServerThread:
 
     def __init__(self, app, host: str, port: int):
         import uvicorn
+
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="reward-http", daemon=True)
 
     def start(self, timeout: float = 10.0) -> int:
         import time
+
         self.thread.start()
         t0 = time.time()
         while not self.server.started:
@@ -272,29 +298,40 @@ def serve(cfg: Config, scorer=None) -> GrpcService:
     """The reward service: builds the scorer `reward` describes (or uses `scorer`), then binds
     `rpc.reward`'s ports and serves gRPC and, unless `rpc.reward.http_port` is null, OpenRLHF's
     HTTP protocol."""
+
     def build():
         from .scorer import build_eval_scorer
+
         registry = CollectorRegistry()
         api_metrics, http_metrics = RewardAPIMetrics(registry), HTTPMetrics(registry)
         sc = scorer
         if sc is None:
             from .scorer import build_scorer
-            sc = build_scorer(cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu",
-                              api_metrics=api_metrics)
+
+            sc = build_scorer(
+                cfg.reward, device=cfg.model.device if cfg.model.device != "auto" else "cpu", api_metrics=api_metrics
+            )
         eval_scorer = build_eval_scorer(cfg.reward)  # before any port is bound: a bad rule name fails here
         ep = cfg.rpc.reward
         server = RPCServer("reward", cfg.rpc, ep.port, ep.metrics_port, host=ep.host, registry=registry)
-        servicer = RewardServicer(sc, batch_size_histogram(server.metrics, "samples"), cfg.reward.max_text_chars,
-                                  eval_scorer=eval_scorer)
+        servicer = RewardServicer(
+            sc, batch_size_histogram(server.metrics, "samples"), cfg.reward.max_text_chars, eval_scorer=eval_scorer
+        )
         reward_pb2_grpc.add_RewardServicer_to_server(servicer, server.grpc)
         server.start()
         closers = []
         if ep.http_port is not None:
-            app = build_http_app(sc, cfg.rpc.resolved_auth_token(), strip_tokens=special_token_strings(cfg.model.path),
-                                 max_text_chars=cfg.reward.max_text_chars, metrics=http_metrics)
+            app = build_http_app(
+                sc,
+                cfg.rpc.resolved_auth_token(),
+                strip_tokens=special_token_strings(cfg.model.path),
+                max_text_chars=cfg.reward.max_text_chars,
+                metrics=http_metrics,
+            )
             http = HTTPServerThread(app, ep.host, ep.http_port)
             server.http_port = http.start()
             closers.append(http.stop)
         server.set_ready(True)
         return server, servicer, closers
+
     return GrpcService("reward", build)

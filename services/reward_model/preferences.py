@@ -13,6 +13,7 @@ prompt; a string prompt as is, or as one user message when `chat_template`) foll
 response text (an assistant message's content). In the implicit form the messages the two sides
 share from the start are the prompt; two strings are scored whole.
 """
+
 from __future__ import annotations
 
 import random
@@ -24,8 +25,8 @@ from ..training.data import read_rows, render_prompt
 @dataclass
 class Preference:
     id: str
-    prompt: str        # as the policy sees it (rendered)
-    chosen: str        # the response text the judge preferred
+    prompt: str  # as the policy sees it (rendered)
+    chosen: str  # the response text the judge preferred
     rejected: str
     margin: float = 0.0  # how much more chosen is preferred (added to the loss's margin when set)
 
@@ -65,17 +66,21 @@ def _split_conversations(chosen: list, rejected: list, where: str) -> tuple[list
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
     if n == 0:
-        raise ValueError(f"{where}: chosen and rejected share no leading message, so there is no prompt; give a "
-                         "'prompt' field")
+        raise ValueError(
+            f"{where}: chosen and rejected share no leading message, so there is no prompt; give a 'prompt' field"
+        )
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-def preference_from_row(row: dict, where: str, keys: PreferenceKeys, tokenizer=None,
-                        chat_template: bool = False) -> Preference:
+def preference_from_row(
+    row: dict, where: str, keys: PreferenceKeys, tokenizer=None, chat_template: bool = False
+) -> Preference:
     for k in (keys.chosen, keys.rejected):
         if k not in row:
-            raise ValueError(f"{where}: no {k!r} field (it has {sorted(row)}); set reward_model.chosen_key / "
-                             "rejected_key to the fields that hold the two answers")
+            raise ValueError(
+                f"{where}: no {k!r} field (it has {sorted(row)}); set reward_model.chosen_key / "
+                "rejected_key to the fields that hold the two answers"
+            )
     chosen, rejected = row[keys.chosen], row[keys.rejected]
     prompt = row.get(keys.prompt)
     if prompt is None:  # implicit prompt
@@ -84,8 +89,9 @@ def preference_from_row(row: dict, where: str, keys: PreferenceKeys, tokenizer=N
         elif isinstance(chosen, str) and isinstance(rejected, str):
             prompt = ""
         else:
-            raise ValueError(f"{where}: without a prompt, chosen and rejected must both be strings or both "
-                             "conversations")
+            raise ValueError(
+                f"{where}: without a prompt, chosen and rejected must both be strings or both conversations"
+            )
     if isinstance(prompt, str):
         rendered = render_prompt(prompt, tokenizer, chat_template) if prompt else ""
     elif _is_messages(prompt):
@@ -93,15 +99,23 @@ def preference_from_row(row: dict, where: str, keys: PreferenceKeys, tokenizer=N
     else:
         raise ValueError(f"{where}: the prompt must be a string or chat messages, not {type(prompt).__name__}")
     margin = float(row[keys.margin]) if keys.margin and row.get(keys.margin) is not None else 0.0
-    return Preference(id=str(row.get("id", where)), prompt=rendered, chosen=_response_text(chosen, where, "chosen"),
-                      rejected=_response_text(rejected, where, "rejected"), margin=margin)
+    return Preference(
+        id=str(row.get("id", where)),
+        prompt=rendered,
+        chosen=_response_text(chosen, where, "chosen"),
+        rejected=_response_text(rejected, where, "rejected"),
+        margin=margin,
+    )
 
 
-def load_preferences(source: str, split: str, keys: PreferenceKeys, tokenizer=None, chat_template: bool = False,
-                     limit: int | None = None) -> list[Preference]:
+def load_preferences(
+    source: str, split: str, keys: PreferenceKeys, tokenizer=None, chat_template: bool = False, limit: int | None = None
+) -> list[Preference]:
     """Every pair of `source` (a .jsonl, .parquet, .csv or .json file, or hf:DATASET[@SPLIT])."""
-    pairs = [preference_from_row(row, where, keys, tokenizer, chat_template)
-             for where, row in read_rows(source, split, limit)]
+    pairs = [
+        preference_from_row(row, where, keys, tokenizer, chat_template)
+        for where, row in read_rows(source, split, limit)
+    ]
     if not pairs:
         raise ValueError(f"{source}: no preference pairs")
     return pairs
@@ -115,12 +129,12 @@ def split_held_out(pairs: list[Preference], fraction: float, seed: int) -> tuple
     if len(prompts) < 2:  # no prompts to tell apart (two whole texts per row): pairs are held out instead
         order = list(range(len(pairs)))
         rng.shuffle(order)
-        held_idx = set(order[:round(fraction * len(pairs))])
+        held_idx = set(order[: round(fraction * len(pairs))])
         train = [p for i, p in enumerate(pairs) if i not in held_idx]
         held_out = [p for i, p in enumerate(pairs) if i in held_idx]
     else:
         rng.shuffle(prompts)
-        held = set(prompts[:max(1, round(fraction * len(prompts)))]) if fraction > 0 else set()
+        held = set(prompts[: max(1, round(fraction * len(prompts)))]) if fraction > 0 else set()
         train = [p for p in pairs if p.prompt not in held]
         held_out = [p for p in pairs if p.prompt in held]
     if not train:

@@ -19,6 +19,7 @@ It prints one line per step and one per held-out evaluation:
     step   12/120  epoch 1  loss 0.5512  acc 0.719  lr 9.8e-06  2.31 s/step  eta 4m09s
     held-out (epoch 1): pairwise accuracy 0.812 on 96 pairs (before training 0.479), loss 0.4410
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,6 +50,7 @@ def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
 @contextlib.contextmanager
 def _quiet_transformers():
     from transformers.utils import logging as hf_logging
+
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -61,9 +63,9 @@ class RewardModel:
     """The sequence-classification model and its tokenizer; `scores(texts)` is the forward the
     reward server runs (one tokenizer call, padded, the logit of the single label)."""
 
-    def __init__(self, base: str, seed: int = 0, lora=None, gradient_checkpointing: bool = False,
-                 device: str = "cpu"):
+    def __init__(self, base: str, seed: int = 0, lora=None, gradient_checkpointing: bool = False, device: str = "cpu"):
         from transformers import AutoModelForSequenceClassification
+
         path = str(check_model_dir(base))
         self.tokenizer = load_tokenizer(path)
         torch.manual_seed(seed)  # the new head's initialisation
@@ -72,14 +74,24 @@ class RewardModel:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.head_names = {n for n, _ in self.model.named_parameters() if n.split(".")[0] in ("score", "classifier")}
         if not self.head_names:
-            raise ValueError(f"{base}: its sequence-classification model has no 'score' head; this architecture is "
-                             "not supported for reward models")
+            raise ValueError(
+                f"{base}: its sequence-classification model has no 'score' head; this architecture is "
+                "not supported for reward models"
+            )
         self.lora = lora is not None and lora.rank > 0
         if self.lora:
             from peft import LoraConfig, TaskType, get_peft_model
-            self.model = get_peft_model(self.model, LoraConfig(
-                task_type=TaskType.SEQ_CLS, r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                target_modules=list(lora.target_modules)))
+
+            self.model = get_peft_model(
+                self.model,
+                LoraConfig(
+                    task_type=TaskType.SEQ_CLS,
+                    r=lora.rank,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules),
+                ),
+            )
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.config.use_cache = False
@@ -100,8 +112,10 @@ class RewardModel:
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 (head if any(h in name for h in self.head_names) else body).append(p)
-        return [{"params": body, "lr": lr, "weight_decay": weight_decay},
-                {"params": head, "lr": head_lr or lr, "weight_decay": 0.0}]
+        return [
+            {"params": body, "lr": lr, "weight_decay": weight_decay},
+            {"params": head, "lr": head_lr or lr, "weight_decay": 0.0},
+        ]
 
     def save(self, out: Path) -> None:
         """The model (LoRA adapters merged into it: from here on this is the plain model) and tokenizer."""
@@ -118,8 +132,13 @@ def token_length(tokenizer, text: str) -> int:
 def drop_long(pairs: list[Preference], tokenizer, max_length: int, what: str) -> list[Preference]:
     kept = [p for p in pairs if max(token_length(tokenizer, t) for t in p.texts) <= max_length]
     if len(kept) < len(pairs):
-        log.warning("%d of %d %s pairs are longer than reward_model.max_length=%d tokens; dropped them",
-                    len(pairs) - len(kept), len(pairs), what, max_length)
+        log.warning(
+            "%d of %d %s pairs are longer than reward_model.max_length=%d tokens; dropped them",
+            len(pairs) - len(kept),
+            len(pairs),
+            what,
+            max_length,
+        )
     if not kept:
         raise ValueError(f"every {what} pair is longer than reward_model.max_length={max_length} tokens; raise it")
     return kept
@@ -131,14 +150,20 @@ def evaluate_pairs(rm: RewardModel, pairs: list[Preference], batch: int, bf16: b
     rm.model.eval()
     chosen, rejected, margins = [], [], []
     for i in range(0, len(pairs), batch):
-        chunk = pairs[i:i + batch]
+        chunk = pairs[i : i + batch]
         s = rm.scores([p.texts[0] for p in chunk] + [p.texts[1] for p in chunk], bf16)
-        chosen.append(s[:len(chunk)])
-        rejected.append(s[len(chunk):])
+        chosen.append(s[: len(chunk)])
+        rejected.append(s[len(chunk) :])
         margins += [p.margin for p in chunk]
     c, r = torch.cat(chosen), torch.cat(rejected)
-    return {"accuracy": (c > r).float().mean().item(), "loss": pairwise_loss(c, r, torch.tensor(margins)).item(),
-            "reward_gap": (c - r).mean().item(), "pairs": len(pairs), "chosen": c, "rejected": r}
+    return {
+        "accuracy": (c > r).float().mean().item(),
+        "loss": pairwise_loss(c, r, torch.tensor(margins)).item(),
+        "reward_gap": (c - r).mean().item(),
+        "pairs": len(pairs),
+        "chosen": c,
+        "rejected": r,
+    }
 
 
 def _schedule(optimizer, warmup: int, total: int):
@@ -147,6 +172,7 @@ def _schedule(optimizer, warmup: int, total: int):
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -179,9 +205,12 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
         p.margin += rc.margin
     steps_per_epoch = max(1, len(train) // rc.batch_size)
     total = steps_per_epoch * rc.epochs
-    say(f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out; {rc.epochs} epoch(s) of "
-        f"{steps_per_epoch} steps of {rc.batch_size} pairs" + (", LoRA" if rm.lora else "") + (", bf16" if rc.bf16
-                                                                                                 else ""))
+    say(
+        f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out; {rc.epochs} epoch(s) of "
+        f"{steps_per_epoch} steps of {rc.batch_size} pairs"
+        + (", LoRA" if rm.lora else "")
+        + (", bf16" if rc.bf16 else "")
+    )
     rows: list[dict] = []
     metrics = (out / "metrics.jsonl").open("w")
 
@@ -194,8 +223,10 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     if held_out:
         before = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
         record({"step": 0, "epoch": 0, "eval/accuracy": before["accuracy"], "eval/loss": before["loss"]})
-        say(f"held-out before training: pairwise accuracy {before['accuracy']:.3f} on {len(held_out)} pairs, "
-            f"loss {before['loss']:.4f}")
+        say(
+            f"held-out before training: pairwise accuracy {before['accuracy']:.3f} on {len(held_out)} pairs, "
+            f"loss {before['loss']:.4f}"
+        )
     optimizer = torch.optim.AdamW(rm.param_groups(rc.lr, rc.head_lr, rc.weight_decay), lr=rc.lr)
     scheduler = _schedule(optimizer, rc.warmup_steps, total)
     rng = random.Random(rc.seed)
@@ -205,13 +236,13 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
         rng.shuffle(order)
         for s in range(steps_per_epoch):
             rm.model.train()
-            batch = [train[i] for i in order[s * rc.batch_size:(s + 1) * rc.batch_size]]
+            batch = [train[i] for i in order[s * rc.batch_size : (s + 1) * rc.batch_size]]
             optimizer.zero_grad(set_to_none=True)
             loss_sum, right = 0.0, 0
             for m in range(0, len(batch), rc.micro_batch_size):
-                micro = batch[m:m + rc.micro_batch_size]
+                micro = batch[m : m + rc.micro_batch_size]
                 scores = rm.scores([p.texts[0] for p in micro] + [p.texts[1] for p in micro], rc.bf16)
-                c, r = scores[:len(micro)], scores[len(micro):]
+                c, r = scores[: len(micro)], scores[len(micro) :]
                 loss = pairwise_loss(c, r, torch.tensor([p.margin for p in micro], device=c.device))
                 (loss * len(micro) / len(batch)).backward()
                 loss_sum += loss.item() * len(micro)
@@ -222,39 +253,61 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
             step += 1
             lr = optimizer.param_groups[0]["lr"]
             per_step = (time.monotonic() - t0) / step
-            row = {"step": step, "epoch": epoch, "loss": loss_sum / len(batch), "accuracy": right / len(batch),
-                   "lr": lr, "grad_norm": grad_norm}
+            row = {
+                "step": step,
+                "epoch": epoch,
+                "loss": loss_sum / len(batch),
+                "accuracy": right / len(batch),
+                "lr": lr,
+                "grad_norm": grad_norm,
+            }
             record(row)
-            say(f"step {step:4d}/{total}  epoch {epoch}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
-                f"lr {lr:.1e}  {per_step:.2f} s/step  eta {_fmt_s(per_step * (total - step))}")
+            say(
+                f"step {step:4d}/{total}  epoch {epoch}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
+                f"lr {lr:.1e}  {per_step:.2f} s/step  eta {_fmt_s(per_step * (total - step))}"
+            )
         if held_out:
             last = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
             record({"step": step, "epoch": epoch, "eval/accuracy": last["accuracy"], "eval/loss": last["loss"]})
-            say(f"held-out (epoch {epoch}): pairwise accuracy {last['accuracy']:.3f} on {len(held_out)} pairs"
-                + (f" (before training {before['accuracy']:.3f})" if before else "") + f", loss {last['loss']:.4f}")
+            say(
+                f"held-out (epoch {epoch}): pairwise accuracy {last['accuracy']:.3f} on {len(held_out)} pairs"
+                + (f" (before training {before['accuracy']:.3f})" if before else "")
+                + f", loss {last['loss']:.4f}"
+            )
     metrics.close()
     rm.save(out)  # the statistics below are the written model's
     on_train = evaluate_pairs(rm, train, rc.micro_batch_size * 2, rc.bf16)
     both = torch.cat([on_train["chosen"], on_train["rejected"]])
-    stats = {"mean": both.mean().item(), "std": both.std().item(), "train_accuracy": on_train["accuracy"],
-             "held_out_accuracy": last["accuracy"] if last else None,
-             "held_out_accuracy_before": before["accuracy"] if before else None,
-             "train_pairs": len(train), "held_out_pairs": len(held_out), "steps": step, "base": base,
-             "seconds": round(time.monotonic() - t_start, 1)}
+    stats = {
+        "mean": both.mean().item(),
+        "std": both.std().item(),
+        "train_accuracy": on_train["accuracy"],
+        "held_out_accuracy": last["accuracy"] if last else None,
+        "held_out_accuracy_before": before["accuracy"] if before else None,
+        "train_pairs": len(train),
+        "held_out_pairs": len(held_out),
+        "steps": step,
+        "base": base,
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
     (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     try:
         plot_rm_curves(rows, out / "curves.png")
     except Exception as e:  # a missing plotting library never loses the model
         say(f"warning: could not draw curves.png: {e}")
-    say(f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
-        f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}")
+    say(
+        f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
+        f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}"
+    )
     return stats
 
 
 def plot_rm_curves(rows: list[dict], out: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

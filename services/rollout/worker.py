@@ -31,6 +31,7 @@ Failures, by where they come from:
 
     rlhf serve rollout -c configs/tiny-cpu.yaml --set replay.url=redis://127.0.0.1:6379/0
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,8 +68,15 @@ log = logging.getLogger(__name__)
 # registered, a dependency gone longer than the worker waits, an error in the claim loop, a batch
 # the reward API failed on every try and prompt by prompt (left pending), and the
 # gRPC status codes (lower case) of failed calls, the common ones listed (any other may appear)
-ERROR_KINDS = ("waiting", "no_generation_server", "dependency", "loop", "reward_api", "unavailable",
-               "deadline_exceeded")
+ERROR_KINDS = (
+    "waiting",
+    "no_generation_server",
+    "dependency",
+    "loop",
+    "reward_api",
+    "unavailable",
+    "deadline_exceeded",
+)
 
 
 class WorkerMetrics:
@@ -87,19 +95,27 @@ class WorkerMetrics:
         self.produced = counter("rlhf_rollout_groups_produced_total", "trajectory groups appended")
         self.duplicates = counter("rlhf_rollout_duplicates_total", "prompt attempts that already had trajectories")
         self.dead = counter("rlhf_rollout_dead_letters_total", "prompts no worker can process")
-        self.score_retries = counter("rlhf_rollout_score_retries_total", "batches scored again after the reward "
-                                     "API failed them")
-        self.dropped = counter("rlhf_rollout_groups_dropped_total", "groups dropped (dead-lettered) because the "
-                               "reward API could not score them")
+        self.score_retries = counter(
+            "rlhf_rollout_score_retries_total", "batches scored again after the reward API failed them"
+        )
+        self.dropped = counter(
+            "rlhf_rollout_groups_dropped_total",
+            "groups dropped (dead-lettered) because the reward API could not score them",
+        )
         self.errors = Counter("rlhf_rollout_errors_total", "failed service calls", ["service", "kind"], registry=r)
         for kind in ERROR_KINDS:  # from 0, so an alert's rate exists before the first error
             self.error(kind)
         self.backpressure = counter("rlhf_rollout_backpressure_seconds_total", "seconds paused on a full buffer")
-        self.batch_seconds = Histogram("rlhf_rollout_batch_seconds", "claim to append, per batch", ["service"],
-                                       registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-                                       ).labels(service)
-        self.in_flight = Gauge("rlhf_rollout_batches_in_flight", "batches being processed", ["service"],
-                               registry=r).labels(service)
+        self.batch_seconds = Histogram(
+            "rlhf_rollout_batch_seconds",
+            "claim to append, per batch",
+            ["service"],
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        ).labels(service)
+        self.in_flight = Gauge(
+            "rlhf_rollout_batches_in_flight", "batches being processed", ["service"], registry=r
+        ).labels(service)
         register_process_metrics(r, service)
 
     def error(self, kind: str):
@@ -147,8 +163,14 @@ class _Scoring:
                 raise DependencyUnavailable(f"stopping; the reward API failed the batch: {error}")
             if attempt < self.retries:
                 self.metrics.score_retries.inc()
-                log.warning("the reward API failed a batch of %d samples (%s); scoring it again in %.1fs (%d/%d)",
-                            len(samples), error, self.wait_s, attempt + 1, self.retries)
+                log.warning(
+                    "the reward API failed a batch of %d samples (%s); scoring it again in %.1fs (%d/%d)",
+                    len(samples),
+                    error,
+                    self.wait_s,
+                    attempt + 1,
+                    self.retries,
+                )
                 self.stop_event.wait(self.wait_s)
         raise ScoringFailed(str(error))
 
@@ -189,15 +211,32 @@ class RolloutWorker:
         # (and while the reward API is down; a batch the API failed is scored again, then dropped)
         # (errors say which service answered them: `e.service`)
         reward_at = endpoint_address(cfg.rpc.reward)
-        self.reward = RewardClient(reward_at, cfg.rpc, interceptors=[
-            Tagged("reward"), RideThrough("reward server", reward_at, cfg.rpc, self.stop_event, on_wait=self._waiting,
-                                          final=[Reason.REWARD_API_FAILED])])
+        self.reward = RewardClient(
+            reward_at,
+            cfg.rpc,
+            interceptors=[
+                Tagged("reward"),
+                RideThrough(
+                    "reward server",
+                    reward_at,
+                    cfg.rpc,
+                    self.stop_event,
+                    on_wait=self._waiting,
+                    final=[Reason.REWARD_API_FAILED],
+                ),
+            ],
+        )
         self.critic = None
         if cfg.needs_critic:
             critic_at = endpoint_address(cfg.rpc.critic)
-            self.critic = CriticClient(critic_at, cfg.rpc, interceptors=[
-                Tagged("critic"), RideThrough("critic server", critic_at, cfg.rpc, self.stop_event,
-                                              on_wait=self._waiting)])
+            self.critic = CriticClient(
+                critic_at,
+                cfg.rpc,
+                interceptors=[
+                    Tagged("critic"),
+                    RideThrough("critic server", critic_at, cfg.rpc, self.stop_event, on_wait=self._waiting),
+                ],
+            )
         # which generation server to call: round robin, at the version if one is, avoiding failures
         self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self._lock = threading.Lock()
@@ -228,7 +267,7 @@ class RolloutWorker:
         retries = self.cfg.reward.group_retries if score_retries is None else score_retries
         scoring = _Scoring(self.reward, retries, self.cfg.reward.group_retry_wait_s, self.stop_event, self.metrics)
         for attempt in range(rc.retries + 1):
-            delay = min(rc.retry_backoff_s * 2 ** attempt, self.cfg.rpc.retry_max_backoff_s)
+            delay = min(rc.retry_backoff_s * 2**attempt, self.cfg.rpc.retry_max_backoff_s)
             if self.stop_event.is_set() and attempt:
                 return None
             address = self.servers.pick(min_version)
@@ -239,8 +278,16 @@ class RolloutWorker:
                 continue
             try:
                 generation = _OneBatch(self.servers.client(address), key, timeout)
-                groups, m = sample_groups([task_record(t) for t in tasks], [t.uid for t in tasks], generation,
-                                          scoring, self.tokenizer, params, self.critic, self.cfg.prompt_length)
+                groups, m = sample_groups(
+                    [task_record(t) for t in tasks],
+                    [t.uid for t in tasks],
+                    generation,
+                    scoring,
+                    self.tokenizer,
+                    params,
+                    self.critic,
+                    self.cfg.prompt_length,
+                )
             except DependencyUnavailable as e:  # reward or critic gone for longer than we wait
                 self.metrics.error("dependency").inc()
                 log.error("batch of %d prompts left pending: %s", len(tasks), e)
@@ -250,21 +297,40 @@ class RolloutWorker:
                 if reason is Reason.REWARD_FUNCTION_FAILED:
                     raise RewardFunctionFailed(e.details()) from None  # the user's function raised
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (
-                        source != "generation" or reason is Reason.PROMPT_INVALID):
+                    source != "generation" or reason is Reason.PROMPT_INVALID
+                ):
                     raise ValueError(e.details()) from None  # about a prompt: isolate it
                 self.metrics.error(e.code().name.lower()).inc()
                 if source != "generation":
-                    log.warning("batch of %d prompts: the %s server answered %s (%s); retry %d/%d", len(tasks),
-                                source, e.code().name, e.details(), attempt + 1, rc.retries)
+                    log.warning(
+                        "batch of %d prompts: the %s server answered %s (%s); retry %d/%d",
+                        len(tasks),
+                        source,
+                        e.code().name,
+                        e.details(),
+                        attempt + 1,
+                        rc.retries,
+                    )
                     self.stop_event.wait(delay)
                     continue
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    log.error("generation server %s refuses the request itself (%s): its limits differ from this "
-                              "worker's config; trying another", address, e.details())
+                    log.error(
+                        "generation server %s refuses the request itself (%s): its limits differ from this "
+                        "worker's config; trying another",
+                        address,
+                        e.details(),
+                    )
                     self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
                 else:
-                    log.warning("batch of %d prompts failed on %s (%s: %s); retry %d/%d", len(tasks), address,
-                                e.code().name, e.details(), attempt + 1, rc.retries)
+                    log.warning(
+                        "batch of %d prompts failed on %s (%s: %s); retry %d/%d",
+                        len(tasks),
+                        address,
+                        e.code().name,
+                        e.details(),
+                        attempt + 1,
+                        rc.retries,
+                    )
                     self.servers.avoid(address, delay)
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         timeout *= 2  # the server was slower than the budget: the same deadline would fail again
@@ -275,8 +341,13 @@ class RolloutWorker:
                 self.servers.avoid(address, self.cfg.replay.heartbeat_s)
                 time.sleep(0.05)
                 continue
-            log.debug("batch of %d: generate %.3fs score %.3fs values %.3fs", len(tasks), m["time/generate_s"],
-                      m["time/score_s"], m["time/values_s"])
+            log.debug(
+                "batch of %d: generate %.3fs score %.3fs values %.3fs",
+                len(tasks),
+                m["time/generate_s"],
+                m["time/score_s"],
+                m["time/values_s"],
+            )
             return [(g, address, m) for g in groups]
         return None
 
@@ -293,8 +364,11 @@ class RolloutWorker:
         try:
             result = self._sample(entries, score_retries)
         except RewardFunctionFailed as e:  # a bug in the user's code: no prompt is to blame, the run stops
-            log.error("the reward function failed; this worker stops, and `rlhf up` stops the run (the prompts "
-                      "stay pending):\n%s", e)
+            log.error(
+                "the reward function failed; this worker stops, and `rlhf up` stops the run (the prompts "
+                "stay pending):\n%s",
+                e,
+            )
             self.failure = str(e)
             self.stop_event.set()
             return 0, "pending"
@@ -312,20 +386,31 @@ class RolloutWorker:
             entry_id, task = entries[0]
             if not drop:
                 return 0, "unscored"
-            log.error("prompt %s: the reward API gave its group no reward on every try; the group is dropped "
-                      "(moved to the dead-letter stream, the learner feeds a replacement): %s", task.uid, e)
+            log.error(
+                "prompt %s: the reward API gave its group no reward on every try; the group is dropped "
+                "(moved to the dead-letter stream, the learner feeds a replacement): %s",
+                task.uid,
+                e,
+            )
             self.store.dead_letter(entry_id, task, f"reward API: {e}", self.name)
             self.metrics.dead.inc()
             self.metrics.dropped.inc()
             return 0, "dropped"
         if result is None:
-            log.error("giving up on a batch of %d prompts for now; they stay pending and will be reclaimed",
-                      len(entries))
+            log.error(
+                "giving up on a batch of %d prompts for now; they stay pending and will be reclaimed", len(entries)
+            )
             return 0, "pending"
         secs = time.perf_counter() - t0
-        added = self.store.produce([(entry_id, group_to_proto(group, task, self.name, address, m["time/generate_s"],
-                                                              int(m["rollout/tokens"])))
-                                    for (entry_id, task), (group, address, m) in zip(entries, result)])
+        added = self.store.produce(
+            [
+                (
+                    entry_id,
+                    group_to_proto(group, task, self.name, address, m["time/generate_s"], int(m["rollout/tokens"])),
+                )
+                for (entry_id, task), (group, address, m) in zip(entries, result)
+            ]
+        )
         appended = sum(added)
         self.metrics.duplicates.inc(len(added) - appended)
         self.metrics.produced.inc(appended)
@@ -341,8 +426,11 @@ class RolloutWorker:
         another of these prompts (then the failure is that input's; one that failed before gets one
         more try first); if it scores none, it fails everything (an outage, not an input), and the
         prompts stay pending for a later try. Returns groups appended."""
-        log.error("the reward API failed a batch of %d prompts on every try (%s); trying each prompt alone",
-                  len(entries), error)
+        log.error(
+            "the reward API failed a batch of %d prompts on every try (%s); trying each prompt alone",
+            len(entries),
+            error,
+        )
         appended, waiting, works = 0, [], False
         for i, entry in enumerate(entries):
             n, what = self._process([entry], 0, drop=works)
@@ -354,13 +442,17 @@ class RolloutWorker:
                 appended += sum(self._process([w], 0, drop=True)[0] for w in waiting)
                 waiting = []
             elif what == "pending":  # the reward server or its API down (breaker open) past the wait
-                log.error("the reward API is down: the %d prompts not tried alone yet stay pending",
-                          len(entries) - i - 1)
+                log.error(
+                    "the reward API is down: the %d prompts not tried alone yet stay pending", len(entries) - i - 1
+                )
                 break
         if waiting:
             self.metrics.error("reward_api").inc()
-            log.error("the reward API scored none of %d prompts alone either: it fails every request, not one "
-                      "input; they stay pending and are tried again later", len(waiting))
+            log.error(
+                "the reward API scored none of %d prompts alone either: it fails every request, not one "
+                "input; they stay pending and are tried again later",
+                len(waiting),
+            )
         return appended
 
     # ------------------------------------------------------------------ loops
@@ -373,8 +465,9 @@ class RolloutWorker:
                     self.stop_event.wait(rc.block_ms / 1000)
                     self.metrics.backpressure.inc(time.time() - t0)
                     continue
-                entries, reclaimed = self.store.claim_prompts(self.name, self.cfg.rollout.prompts_per_request,
-                                                              rc.block_ms)
+                entries, reclaimed = self.store.claim_prompts(
+                    self.name, self.cfg.rollout.prompts_per_request, rc.block_ms
+                )
                 if not entries:
                     continue
                 self.metrics.claimed.inc(len(entries))
@@ -397,8 +490,10 @@ class RolloutWorker:
 
     def run(self) -> None:
         """Run `rollout.concurrency` batch loops and a heartbeat until `stop()`."""
-        threads = [threading.Thread(target=self._loop, name=f"rollout-{i}", daemon=True)
-                   for i in range(self.cfg.rollout.concurrency)]
+        threads = [
+            threading.Thread(target=self._loop, name=f"rollout-{i}", daemon=True)
+            for i in range(self.cfg.rollout.concurrency)
+        ]
         for t in threads:
             t.start()
         while not self.stop_event.is_set():
@@ -434,8 +529,10 @@ class RolloutWorker:
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
         """/metrics on `port`, behind the bearer token unless rpc.open_metrics, and /healthz (open)."""
         from ..common.rpc.metrics_http import metrics_token, serve_metrics
-        self.metrics_httpd, bound = serve_metrics(self.metrics.registry, host, port, metrics_token(self.cfg.rpc),
-                                                  self.health)
+
+        self.metrics_httpd, bound = serve_metrics(
+            self.metrics.registry, host, port, metrics_token(self.cfg.rpc), self.health
+        )
         return bound
 
 

@@ -10,6 +10,7 @@ tokenizer's chat template; string prompts do when `chat_template` is on. `synthe
 the tiny default task: reverse a short string of letters; `synthetic:arithmetic` asks for the sum
 of two 2-digit numbers. Train and held-out prompts of a synthetic task are disjoint.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,14 @@ def arithmetic_task(split: str, n: int | None = None, seed: int = 0) -> list[Pro
     held_out = split == "eval"
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if _pair_held_out(a, b) == held_out]
     random.Random("arithmetic-eval" if held_out else f"arithmetic-train-{seed}").shuffle(pairs)
-    return [PromptRecord(id=f"arithmetic-{split}-{a}+{b}", prompt=f"What is {a} + {b}? Answer with the number only.",
-                         label=str(a + b)) for a, b in pairs[:n]]
+    return [
+        PromptRecord(
+            id=f"arithmetic-{split}-{a}+{b}",
+            prompt=f"What is {a} + {b}? Answer with the number only.",
+            label=str(a + b),
+        )
+        for a, b in pairs[:n]
+    ]
 
 
 SYNTHETIC_TASKS = {"reverse": reverse_task, "arithmetic": arithmetic_task}
@@ -107,8 +114,13 @@ def _local_dataset_dir(name: str) -> Path | None:
     return path if name.startswith(("/", "./", "../", "~")) or path.is_dir() else None
 
 
-def render_prompt(prompt: str | list, tokenizer, chat_template: bool = False, system_prompt: str | None = None,
-                  instruction: str | None = None) -> str:
+def render_prompt(
+    prompt: str | list,
+    tokenizer,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+) -> str:
     """The prompt text: a list of chat messages rendered through the tokenizer's chat template
     (with the generation prompt); a string (followed by `instruction`, after a space) as is, or,
     when `chat_template`, wrapped as one user message after an optional `system_prompt` message
@@ -123,14 +135,25 @@ def render_prompt(prompt: str | list, tokenizer, chat_template: bool = False, sy
     if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
         raise ValueError(f"a list prompt must be chat messages, each {{'role', 'content'}}; got {prompt[:2]!r}")
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat messages need a tokenizer with a chat template to render them; "
-                         + ("none was given" if tokenizer is None else "this tokenizer has none"))
+        raise ValueError(
+            "chat messages need a tokenizer with a chat template to render them; "
+            + ("none was given" if tokenizer is None else "this tokenizer has none")
+        )
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "prompt", label_key: str = "label",
-                 limit: int | None = None, seed: int = 0, chat_template: bool = False,
-                 system_prompt: str | None = None, instruction: str | None = None) -> list[PromptRecord]:
+def load_prompts(
+    source: str,
+    split: str,
+    tokenizer=None,
+    prompt_key: str = "prompt",
+    label_key: str = "label",
+    limit: int | None = None,
+    seed: int = 0,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+) -> list[PromptRecord]:
     """Load prompt records from `synthetic:<task>`, a JSON lines file, or a Hugging Face `datasets`
     source: `hf:<name>[:<config>][@<split>]` (a hub dataset or a local dataset directory) or a
     `.parquet`, `.csv` or `.json` file. The default split is the `split` argument; an `hf:` source
@@ -143,10 +166,18 @@ def load_prompts(source: str, split: str, tokenizer=None, prompt_key: str = "pro
         records = SYNTHETIC_TASKS[task](split, limit, seed)
         if not chat_template and not instruction:
             return records
-        return [dataclasses.replace(r, prompt=render_prompt(r.prompt, tokenizer, chat_template, system_prompt,
-                                                            instruction)) for r in records]
-    options = dict(tokenizer=tokenizer, prompt_key=prompt_key, label_key=label_key, chat_template=chat_template,
-                   system_prompt=system_prompt, instruction=instruction)
+        return [
+            dataclasses.replace(r, prompt=render_prompt(r.prompt, tokenizer, chat_template, system_prompt, instruction))
+            for r in records
+        ]
+    options = dict(
+        tokenizer=tokenizer,
+        prompt_key=prompt_key,
+        label_key=label_key,
+        chat_template=chat_template,
+        system_prompt=system_prompt,
+        instruction=instruction,
+    )
     return [_record(row, where, **options) for where, row in read_rows(source, split, limit)]
 
 
@@ -189,8 +220,9 @@ def _fields(record: dict, prompt_key: str, label_key: str) -> tuple[object, obje
     if messages is None and prompt_key not in record:
         if "question" in record and "answer" in record:
             return record["question"], gsm8k_label(record["answer"]), {"question", "answer"}
-        raise ValueError(f"record has neither {prompt_key!r} nor 'messages' (nor GSM8K's 'question' and 'answer'): "
-                         f"{sorted(record)}")
+        raise ValueError(
+            f"record has neither {prompt_key!r} nor 'messages' (nor GSM8K's 'question' and 'answer'): {sorted(record)}"
+        )
     reward_model = record.get("reward_model")
     truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
     label = next((v for v in (record.get(label_key), truth, record.get("solution")) if v is not None), None)
@@ -198,8 +230,16 @@ def _fields(record: dict, prompt_key: str, label_key: str) -> tuple[object, obje
     return (record[prompt_key] if messages is None else messages), label, used
 
 
-def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key: str, chat_template: bool,
-            system_prompt: str | None, instruction: str | None = None) -> PromptRecord:
+def _record(
+    record: dict,
+    default_id: str,
+    tokenizer,
+    prompt_key: str,
+    label_key: str,
+    chat_template: bool,
+    system_prompt: str | None,
+    instruction: str | None = None,
+) -> PromptRecord:
     """A row as a PromptRecord: its rendered prompt, its label, and its other fields (verl's
     `data_source` among them) as metadata."""
     prompt, label, used = _fields(record, prompt_key, label_key)
@@ -209,9 +249,14 @@ def _record(record: dict, default_id: str, tokenizer, prompt_key: str, label_key
     metadata = {k: v for k, v in record.items() if k not in used | {"id"}}
     if isinstance(label, (dict, list)):  # kept as stored for functions that take it so (reward/functions.py)
         metadata[STRUCTURED_LABEL] = label
-    return PromptRecord(id=rid, prompt=render_prompt(prompt if isinstance(prompt, list) else str(prompt), tokenizer,
-                                                     chat_template, system_prompt, instruction),
-                        label=None if label is None else label_text(label), metadata=metadata)
+    return PromptRecord(
+        id=rid,
+        prompt=render_prompt(
+            prompt if isinstance(prompt, list) else str(prompt), tokenizer, chat_template, system_prompt, instruction
+        ),
+        label=None if label is None else label_text(label),
+        metadata=metadata,
+    )
 
 
 def label_text(label) -> str:
@@ -257,8 +302,10 @@ def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) 
         if name in available:
             return name
     base = source.partition("@")[0]
-    raise ValueError(f"{source} has no {'/'.join(candidates)} split (it has {', '.join(available)}); "
-                     f"choose one with {base}@<split>, e.g. {base}@{available[0]}")
+    raise ValueError(
+        f"{source} has no {'/'.join(candidates)} split (it has {', '.join(available)}); "
+        f"choose one with {base}@<split>, e.g. {base}@{available[0]}"
+    )
 
 
 def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
@@ -270,14 +317,28 @@ def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
     held_out = split == "eval"
     from_train = d.eval is None and not d.train.startswith("synthetic:")
     source = d.eval if held_out and d.eval is not None else d.train
-    records = load_prompts(source, "train" if from_train else split, tokenizer, d.prompt_key, d.label_key,
-                           limit=d.eval_size if held_out and not from_train else None, seed=cfg.run.seed,
-                           chat_template=d.chat_template, system_prompt=d.system_prompt, instruction=d.instruction)
+    records = load_prompts(
+        source,
+        "train" if from_train else split,
+        tokenizer,
+        d.prompt_key,
+        d.label_key,
+        limit=d.eval_size if held_out and not from_train else None,
+        seed=cfg.run.seed,
+        chat_template=d.chat_template,
+        system_prompt=d.system_prompt,
+        instruction=d.instruction,
+    )
     if from_train:
         train, held = split_held_out(records, d.eval_size, d.train)
         if held_out:
-            log.info("data.eval is not set: %d of the %d prompts of %s are held out for evaluation (chosen by a "
-                     "hash of the prompt text) and never trained on", len(held), len(records), d.train)
+            log.info(
+                "data.eval is not set: %d of the %d prompts of %s are held out for evaluation (chosen by a "
+                "hash of the prompt text) and never trained on",
+                len(held),
+                len(records),
+                d.train,
+            )
         records = held if held_out else train
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
 
@@ -290,8 +351,9 @@ def held_out_source(cfg: Config) -> str:
     return f"{d.train} (its held-out split)"
 
 
-def split_held_out(records: list[PromptRecord], eval_size: int, source: str = "data.train"
-                   ) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def split_held_out(
+    records: list[PromptRecord], eval_size: int, source: str = "data.train"
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(training, held-out) records of one dataset: the held-out ones are the `eval_size` (at most a
     fifth of the distinct prompts) whose prompt text hashes lowest, so the split is the same in
     every run, for every seed and record order; a prompt repeated in the data is held out once, or
@@ -299,8 +361,10 @@ def split_held_out(records: list[PromptRecord], eval_size: int, source: str = "d
     texts = sorted({r.prompt for r in records}, key=lambda t: (zlib.crc32(t.encode()), t))
     n = min(eval_size, len(texts) // 5)
     if n == 0:
-        raise ValueError(f"{source} has {len(texts)} distinct prompts, too few to hold out a fifth for evaluation; "
-                         "set data.eval to a held-out set")
+        raise ValueError(
+            f"{source} has {len(texts)} distinct prompts, too few to hold out a fifth for evaluation; "
+            "set data.eval to a held-out set"
+        )
     held_texts = set(texts[:n])
     first: dict[str, PromptRecord] = {}  # one held-out record per prompt
     for r in records:
@@ -310,8 +374,9 @@ def split_held_out(records: list[PromptRecord], eval_size: int, source: str = "d
     return [r for r in records if r.prompt not in held_texts], held
 
 
-def drop_overlong(records: list[PromptRecord], tokenizer, prompt_length: int, mode: str = "filter",
-                  what: str = "training") -> list[PromptRecord]:
+def drop_overlong(
+    records: list[PromptRecord], tokenizer, prompt_length: int, mode: str = "filter", what: str = "training"
+) -> list[PromptRecord]:
     """The records whose tokenized prompt has at most `prompt_length` tokens. The longer ones are
     dropped with one warning when `mode` is "filter" and are a ValueError when it is "error"; so
     is a list in which none fits."""
@@ -321,8 +386,10 @@ def drop_overlong(records: list[PromptRecord], tokenizer, prompt_length: int, mo
     if not too_long:
         return kept
     examples = ", ".join(f"{i!r} ({n} tokens)" for i, n in too_long[:3])
-    msg = (f"{len(too_long)} of {len(records)} {what} prompts are longer than prompt_length={prompt_length} "
-           f"tokens, e.g. {examples}")
+    msg = (
+        f"{len(too_long)} of {len(records)} {what} prompts are longer than prompt_length={prompt_length} "
+        f"tokens, e.g. {examples}"
+    )
     if not kept:
         raise ValueError(f"{msg}; none is left: raise prompt_length")
     if mode == "error":
@@ -365,8 +432,7 @@ class EpochSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "order": list(self._order), "started": self._started,
-                "rng": self.rng.getstate()}
+        return {"epoch": self.epoch, "order": list(self._order), "started": self._started, "rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self._order, self._started = int(state["epoch"]), list(state["order"]), bool(state["started"])

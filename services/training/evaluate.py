@@ -7,6 +7,7 @@ directory.
 A generation row: {"id", "prompt", "response", "label", "reward", "components", "sample"}
 (`sample`: 0..n-1, the samples of one prompt).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,21 @@ from typing import Callable, Iterable
 from ..common.types import PromptRecord, RewardSample, SamplingParams
 
 
-def generate_and_score(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams,
-                       batch: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+def generate_and_score(
+    records: list[PromptRecord],
+    backend,
+    scorer,
+    tokenizer,
+    params: SamplingParams,
+    batch: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
     """`params.n` samples of each record's prompt, each scored: one row per sample, in record order.
     `batch`: prompts per generate call (None: all at once); `progress(done, total)` after each."""
     rows: list[dict] = []
     step = batch or max(1, len(records))
     for start in range(0, len(records), step):
-        chunk = records[start:start + step]
+        chunk = records[start : start + step]
         gen = backend.generate([tokenizer(r.prompt)["input_ids"] for r in chunk], params)
         texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps] for comps in gen.completions]
         samples = [RewardSample(r.prompt, t, r.label, r.metadata) for r, ts in zip(chunk, texts) for t in ts]
@@ -31,8 +39,17 @@ def generate_and_score(records: list[PromptRecord], backend, scorer, tokenizer, 
         for r, ts in zip(chunk, texts):
             for j, t in enumerate(ts):
                 s = next(scored)
-                rows.append({"id": r.id, "prompt": r.prompt, "response": t, "label": r.label, "reward": s.reward,
-                             "components": dict(s.components), "sample": j})
+                rows.append(
+                    {
+                        "id": r.id,
+                        "prompt": r.prompt,
+                        "response": t,
+                        "label": r.label,
+                        "reward": s.reward,
+                        "components": dict(s.components),
+                        "sample": j,
+                    }
+                )
         if progress is not None:
             progress(min(start + step, len(records)), len(records))
     return rows
@@ -41,8 +58,11 @@ def generate_and_score(records: list[PromptRecord], backend, scorer, tokenizer, 
 def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
     """reward_mean (mean@n: over every sample), and with `pass_reward`, pass@n: the share of prompts
     with at least one sample whose reward is at least that; the mean of each reward component."""
-    out: dict = {"reward_mean": sum(r["reward"] for r in rows) / len(rows) if rows else float("nan"),
-                 "prompts": len({r["id"] for r in rows}), "samples": len(rows)}
+    out: dict = {
+        "reward_mean": sum(r["reward"] for r in rows) / len(rows) if rows else float("nan"),
+        "prompts": len({r["id"] for r in rows}),
+        "samples": len(rows),
+    }
     for k in rows[0]["components"] if rows else []:
         out[k] = sum(r["components"].get(k, 0.0) for r in rows) / len(rows)
     if pass_reward is not None:

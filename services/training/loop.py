@@ -24,6 +24,7 @@ Each held-out eval writes what the policy said (`generations/iter_N.jsonl`: prom
 label, reward per prompt; run.save_generations) and, when it is the best so far, the policy as a
 Hugging Face directory (`best/`, with `best/best.json`: iteration and held-out reward; run.save_best).
 """
+
 from __future__ import annotations
 
 import json
@@ -69,6 +70,7 @@ class Trainer(Protocol):
     """The policy's trainer as the loop drives it (`learner/ppo_step.py:PolicyTrainer` and its
     sharded form): one PPO step on a rollout (the critic, if any, trains in it), the policy's
     weights for the sink, its directory for a checkpoint."""
+
     version: int  # the policy version it holds (the sink numbers each new one)
 
     def step(self, rollout: Rollout, critic=None) -> dict: ...  # the step's metrics
@@ -102,12 +104,26 @@ class TrainingLoop:
     `time/iteration_s` (the learner service); otherwise `time/iteration_s` ends before the eval.
     `stop_event` (a threading.Event) ends the loop after the iteration it is in."""
 
-    def __init__(self, cfg: Config, run_dir: Path, learner: Trainer, critic, tokenizer, source: RolloutSource,
-                 sink: WeightSink, evaluate: Callable[[], dict], *, logger: logging.Logger | None = None,
-                 keep_state: Callable[[Path, dict], None] | None = None,
-                 checkpoint: Callable[[int, Tick], None] | None = None,
-                 observe: Callable[[int, dict], None] | None = None, judged: Callable[[Verdict], None] | None = None,
-                 phase: Phase | None = None, stop_event=None, time_eval: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        learner: Trainer,
+        critic,
+        tokenizer,
+        source: RolloutSource,
+        sink: WeightSink,
+        evaluate: Callable[[], dict],
+        *,
+        logger: logging.Logger | None = None,
+        keep_state: Callable[[Path, dict], None] | None = None,
+        checkpoint: Callable[[int, Tick], None] | None = None,
+        observe: Callable[[int, dict], None] | None = None,
+        judged: Callable[[Verdict], None] | None = None,
+        phase: Phase | None = None,
+        stop_event=None,
+        time_eval: bool = False,
+    ):
         """`logger`: where the loop's warnings go (the entry point's, so its lines name it);
         `keep_state(dir, loop_state)`: writes what else a checkpoint needs to resume from, beside the
         policy the loop writes in `dir`; `checkpoint`: a checkpoint of the caller's own instead."""
@@ -139,13 +155,17 @@ class TrainingLoop:
             self.learner.save_policy(path, self.tokenizer)
             if self._keep_state is not None:
                 self._keep_state(path, self.loop_state())
-            for old in sorted(root.glob("iter_*"))[:-self.cfg.run.keep_checkpoints]:
+            for old in sorted(root.glob("iter_*"))[: -self.cfg.run.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
 
     def loop_state(self) -> dict:
         """The loop's own state, what a resumed run restores with `load_loop_state`."""
-        return {"iteration": self.iteration, "baseline": self.baseline, "last": dict(self.last),
-                "watch": self.watch.state_dict()}
+        return {
+            "iteration": self.iteration,
+            "baseline": self.baseline,
+            "last": dict(self.last),
+            "watch": self.watch.state_dict(),
+        }
 
     def load_loop_state(self, state: dict) -> None:
         self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
@@ -164,8 +184,9 @@ class TrainingLoop:
             best = self.run_dir / "best"
             self.learner.save_policy(best, self.tokenizer)
             (best / "best.json").write_text(json.dumps({"iteration": iteration, "eval/reward_mean": score}) + "\n")
-            self.log.info("iteration %d: held-out reward %.4f, the best so far: policy kept in %s", iteration, score,
-                          best)
+            self.log.info(
+                "iteration %d: held-out reward %.4f, the best so far: policy kept in %s", iteration, score, best
+            )
         self.best = max(self.best, score)
         return out
 
@@ -244,5 +265,6 @@ class TrainingLoop:
             self.critic.save(critic_dir)
         self.phase.enter("done")
         assert self.runlog is not None and self.baseline is not None, "begin() comes first"
-        return self.runlog.finish(baseline=self.baseline, final=self.last["eval"], iterations=iterations,
-                                  wall_s=wall_s, **extra)
+        return self.runlog.finish(
+            baseline=self.baseline, final=self.last["eval"], iterations=iterations, wall_s=wall_s, **extra
+        )

@@ -1,11 +1,12 @@
 """What a training run leaves in its run directory, and what it shows on the terminal.
 
-    DIR/config.yaml     the resolved config
-    DIR/metrics.jsonl   one JSON object per iteration (eval/* keys when evaluated)
-    DIR/summary.json    baseline_eval_reward, final_eval_reward, iterations, wall_s, ...
-    DIR/curves.png      train and held-out reward, and KL to the reference, per iteration
-    DIR/tensorboard/    every row's numbers as TensorBoard scalars (and W&B when configured; tracking.py)
+DIR/config.yaml     the resolved config
+DIR/metrics.jsonl   one JSON object per iteration (eval/* keys when evaluated)
+DIR/summary.json    baseline_eval_reward, final_eval_reward, iterations, wall_s, ...
+DIR/curves.png      train and held-out reward, and KL to the reference, per iteration
+DIR/tensorboard/    every row's numbers as TensorBoard scalars (and W&B when configured; tracking.py)
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROGRESS_KEYS = [("reward", "reward/score_mean", "{:.3f}"), ("eval", "eval/reward_mean", "{:.3f}"),
-                 ("kl", "ppo/kl_ref", "{:.4f}"), ("clip", "ppo/pg_clipfrac", "{:.3f}"),
-                 ("ent", "ppo/entropy_rollout", "{:.3f}"), ("vf", "critic/vf_loss", "{:.4f}"),
-                 ("ev", "critic/explained_variance", "{:.2f}"),
-                 ("tok/s", "rollout/tokens_per_s", "{:.0f}"), ("s/it", "time/iteration_s", "{:.2f}")]
+PROGRESS_KEYS = [
+    ("reward", "reward/score_mean", "{:.3f}"),
+    ("eval", "eval/reward_mean", "{:.3f}"),
+    ("kl", "ppo/kl_ref", "{:.4f}"),
+    ("clip", "ppo/pg_clipfrac", "{:.3f}"),
+    ("ent", "ppo/entropy_rollout", "{:.3f}"),
+    ("vf", "critic/vf_loss", "{:.4f}"),
+    ("ev", "critic/explained_variance", "{:.2f}"),
+    ("tok/s", "rollout/tokens_per_s", "{:.0f}"),
+    ("s/it", "time/iteration_s", "{:.2f}"),
+]
 
 
 def _clean(v):
@@ -75,8 +82,9 @@ class RunLog:
             try:
                 sink.log(row["iteration"], values)
             except Exception as e:
-                log.warning("%s tracking failed (%s: %s); it is off for the rest of the run", sink.name,
-                            type(e).__name__, e)
+                log.warning(
+                    "%s tracking failed (%s: %s); it is off for the rest of the run", sink.name, type(e).__name__, e
+                )
                 self.sinks.remove(sink)
                 self._close(sink)
 
@@ -109,22 +117,34 @@ class RunLog:
         print("  ".join(parts), file=self.stream, flush=True)
 
     def finish(self, baseline: float, final: float, iterations: int, wall_s: float, **extra) -> dict:
-        summary = {"mode": self.mode, "baseline_eval_reward": baseline, "final_eval_reward": final,
-                   "improvement": final - baseline, "iterations": iterations, "wall_s": round(wall_s, 2),
-                   "adv_estimator": self.cfg.adv_estimator, **extra}
+        summary = {
+            "mode": self.mode,
+            "baseline_eval_reward": baseline,
+            "final_eval_reward": final,
+            "improvement": final - baseline,
+            "iterations": iterations,
+            "wall_s": round(wall_s, 2),
+            "adv_estimator": self.cfg.adv_estimator,
+            **extra,
+        }
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
         try:
             plot_curves(self.rows, self.dir / "curves.png")
         except Exception as e:  # a plot is a convenience; the numbers are in metrics.jsonl
             print(f"warning: could not draw curves.png: {e}", file=sys.stderr)
-        print(f"done: held-out reward {baseline:.3f} -> {final:.3f} in {iterations} iterations, "
-              f"{wall_s:.0f}s; results in {self.dir}", file=self.stream, flush=True)
+        print(
+            f"done: held-out reward {baseline:.3f} -> {final:.3f} in {iterations} iterations, "
+            f"{wall_s:.0f}s; results in {self.dir}",
+            file=self.stream,
+            flush=True,
+        )
         return summary
 
 
 def plot_curves(rows: list[dict], out: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,5 +1,6 @@
 """When to evaluate, checkpoint and stop: one schedule for the in-process trainer and the
 learner service."""
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,12 @@ class Schedule:
         c = self.cfg
         out_of_time = c.max_wall_s is not None and time.time() - self.t_start > c.max_wall_s
         last = iteration >= c.iterations or out_of_time
-        return Tick(last, out_of_time,
-                    evaluate=last or bool(c.eval_interval and iteration % c.eval_interval == 0),
-                    checkpoint=last or bool(c.checkpoint_interval and iteration % c.checkpoint_interval == 0))
+        return Tick(
+            last,
+            out_of_time,
+            evaluate=last or bool(c.eval_interval and iteration % c.eval_interval == 0),
+            checkpoint=last or bool(c.checkpoint_interval and iteration % c.checkpoint_interval == 0),
+        )
 
 
 def planned_updates(cfg: Config) -> int:

@@ -9,6 +9,7 @@ in-process trainer track; a tracker that fails is dropped with one warning and t
 
     tensorboard --logdir runs/tiny-cpu/tensorboard
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -49,8 +50,10 @@ def installed(package: str) -> bool:
 def tracking_errors(cfg: Config) -> list[str]:
     """What stops the configured trackers from starting here: W&B asked for but not installed."""
     if cfg.run.wandb_project and not installed("wandb"):
-        return [f"run.wandb_project: {cfg.run.wandb_project!r} needs the wandb package, which is not installed: "
-                "`pip install wandb` (then `wandb login`), or set run.wandb_project: null"]
+        return [
+            f"run.wandb_project: {cfg.run.wandb_project!r} needs the wandb package, which is not installed: "
+            "`pip install wandb` (then `wandb login`), or set run.wandb_project: null"
+        ]
     return []
 
 
@@ -75,6 +78,7 @@ class TensorBoardSink:
 
     def __init__(self, run_dir: Path, resume_from: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
+
         purge = resume_from + 1 if resume_from is not None else None
         self.writer = SummaryWriter(str(Path(run_dir) / TB_DIR), purge_step=purge)
 
@@ -96,13 +100,21 @@ class WandbSink:
 
     def __init__(self, run_dir: Path, cfg: Config):
         import wandb
+
         rc = cfg.run
         id_file = Path(run_dir) / WANDB_ID_FILE
         if not id_file.exists():
             id_file.write_text(uuid.uuid4().hex[:12] + "\n")
-        self.run = wandb.init(project=rc.wandb_project, entity=rc.wandb_entity, mode=rc.wandb_mode,
-                              dir=str(run_dir), name=Path(run_dir).resolve().name, id=id_file.read_text().strip(),
-                              resume="allow", config=redacted(cfg.model_dump(mode="json")))
+        self.run = wandb.init(
+            project=rc.wandb_project,
+            entity=rc.wandb_entity,
+            mode=rc.wandb_mode,
+            dir=str(run_dir),
+            name=Path(run_dir).resolve().name,
+            id=id_file.read_text().strip(),
+            resume="allow",
+            config=redacted(cfg.model_dump(mode="json")),
+        )
         self.run.define_metric("iteration")
         self.run.define_metric("*", step_metric="iteration")
 
@@ -124,8 +136,10 @@ def open_sinks(run_dir: str | Path, cfg: Config, resume_from: int | None = None)
     makers: list[tuple[str, Callable[[], object]]] = []
     if cfg.run.tensorboard:
         if not installed("tensorboard"):
-            log.warning("run.tensorboard: the tensorboard package is not installed (`pip install tensorboard`); "
-                        "no event files are written")
+            log.warning(
+                "run.tensorboard: the tensorboard package is not installed (`pip install tensorboard`); "
+                "no event files are written"
+            )
         else:
             makers.append(("tensorboard", lambda: TensorBoardSink(Path(run_dir), resume_from)))
     if cfg.run.wandb_project:
@@ -134,6 +148,6 @@ def open_sinks(run_dir: str | Path, cfg: Config, resume_from: int | None = None)
     for name, make in makers:
         try:
             sinks.append(make())
-        except Exception as e:  # noqa: BLE001 - tracking never stops training
+        except Exception as e:  # tracking never stops training
             log.warning("%s tracking could not start, the run goes on without it: %s: %s", name, type(e).__name__, e)
     return sinks

@@ -14,6 +14,7 @@ trainer feed it and report what it says (log, status, metrics).
     verdict, row = judge(watch, 10, {"eval/reward_mean": 0.93}, log.warning)   # the same, and the
                                                                               # metrics row's entry
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ def trend(values: list[float]) -> float:
 @dataclass
 class Verdict:
     """What the watch says after one evaluation."""
+
     suspected: bool = False
     onset: bool = False  # suspected now and not after the evaluation before
     iterations: list[int] = field(default_factory=list)  # the evaluations compared
@@ -42,13 +44,19 @@ class Verdict:
 
     def message(self) -> str:
         its = self.iterations
-        return (f"reward hacking suspected: across the evaluations of iterations {its[0]}..{its[-1]} "
-                f"({len(its)} evaluations) the held-out reward fell by {-self.eval_change:.3f} while the train "
-                f"reward rose by {self.train_change:.3f}: the policy may be exploiting the training reward")
+        return (
+            f"reward hacking suspected: across the evaluations of iterations {its[0]}..{its[-1]} "
+            f"({len(its)} evaluations) the held-out reward fell by {-self.eval_change:.3f} while the train "
+            f"reward rose by {self.train_change:.3f}: the policy may be exploiting the training reward"
+        )
 
     def as_status(self) -> dict:
-        return {"suspected": self.suspected, "iterations": list(self.iterations),
-                "eval_change": round(self.eval_change, 6), "train_change": round(self.train_change, 6)}
+        return {
+            "suspected": self.suspected,
+            "iterations": list(self.iterations),
+            "eval_change": round(self.eval_change, 6),
+            "train_change": round(self.train_change, 6),
+        }
 
 
 class HackingWatch:
@@ -76,7 +84,7 @@ class HackingWatch:
         if not self.enabled or not self._train:
             return replace(self.last, onset=False)  # nothing new: no second warning for one onset
         self.points.append((iteration, float(eval_reward), sum(self._train) / len(self._train)))
-        self.points = self.points[-self.window:]
+        self.points = self.points[-self.window :]
         self._train = []
         was = self.last.suspected
         if len(self.points) < self.window:
@@ -86,8 +94,9 @@ class HackingWatch:
             train_change = trend([p[2] for p in self.points])
             fell, rose = -eval_change, train_change
             suspected = fell > 0 and rose > 0 and fell >= self.min_change and rose >= self.min_change
-            self.last = Verdict(suspected, suspected and not was, [p[0] for p in self.points], eval_change,
-                                train_change)
+            self.last = Verdict(
+                suspected, suspected and not was, [p[0] for p in self.points], eval_change, train_change
+            )
         if self.last.onset:
             self.since = iteration
         elif not self.last.suspected:
@@ -101,18 +110,27 @@ class HackingWatch:
         return {**self.last.as_status(), "since_iteration": self.since}
 
     def state_dict(self) -> dict:
-        return {"points": [list(p) for p in self.points], "train": list(self._train), "since": self.since,
-                "last": self.last.as_status()}
+        return {
+            "points": [list(p) for p in self.points],
+            "train": list(self._train),
+            "since": self.since,
+            "last": self.last.as_status(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved (a resumed learner goes on with the same window)."""
         self.points = [(int(i), float(e), float(t)) for i, e, t in state.get("points", [])]
-        self.points = self.points[-self.window:] if self.enabled else []
+        self.points = self.points[-self.window :] if self.enabled else []
         self._train = [float(v) for v in state.get("train", [])]
         self.since = state.get("since")
         last = state.get("last") or {}
-        self.last = Verdict(bool(last.get("suspected", False)), False, list(last.get("iterations", [])),
-                            float(last.get("eval_change", 0.0)), float(last.get("train_change", 0.0)))
+        self.last = Verdict(
+            bool(last.get("suspected", False)),
+            False,
+            list(last.get("iterations", [])),
+            float(last.get("eval_change", 0.0)),
+            float(last.get("train_change", 0.0)),
+        )
 
 
 def judge(watch: HackingWatch, iteration: int, evaluated: dict, warn) -> tuple[Verdict, dict]:

@@ -2,6 +2,7 @@
 update): its header; every tensor's name, shape and dtype against the model's
 (`parameter_specs`); that a "full" version covers every tensor of the model; and that floating
 tensors are finite. Anything wrong raises `BadRequest` (a ValueError) before anything is loaded."""
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,9 @@ def check_header(h: pb.WeightHeader, specs: Specs | None, max_bytes: int | None)
         if h.total_bytes > model_bytes:
             raise BadRequest(f"weights.header.total_bytes: {h.total_bytes}, more than the model's {model_bytes} bytes")
         if not 1 <= h.num_tensors <= len(specs):
-            raise BadRequest(f"weights.header.num_tensors: {h.num_tensors} outside [1, {len(specs)}] "
-                             f"(the model's tensors)")
+            raise BadRequest(
+                f"weights.header.num_tensors: {h.num_tensors} outside [1, {len(specs)}] (the model's tensors)"
+            )
     elif h.num_tensors < 1:
         raise BadRequest(f"weights.header.num_tensors: {h.num_tensors}, expected at least 1")
     if max_bytes is not None and h.total_bytes > max_bytes:
@@ -52,8 +54,9 @@ def check_tensor(name: str, shape, dtype, specs: Specs, where: str) -> None:
     if tuple(shape) != tuple(want_shape):
         raise BadRequest(f"{where}: tensor {name!r} has shape: {list(shape)}, expected {list(want_shape)}")
     if (DTYPES.get(dtype) if isinstance(dtype, str) else dtype) != want_dtype:
-        raise BadRequest(f"{where}: tensor {name!r} has dtype: {_dtype_name(dtype)}, expected "
-                         f"{_dtype_name(want_dtype)}")
+        raise BadRequest(
+            f"{where}: tensor {name!r} has dtype: {_dtype_name(dtype)}, expected {_dtype_name(want_dtype)}"
+        )
 
 
 def check_coverage(names: Iterable[str], specs: Specs, fmt: str, where: str, what: str = "version") -> None:
@@ -63,9 +66,11 @@ def check_coverage(names: Iterable[str], specs: Specs, fmt: str, where: str, wha
     names = set(names)
     missing = [k for k in specs if k not in names]
     if missing:
-        raise BadRequest(f"{where}: a full {what} without {len(missing)} of the model's tensors: "
-                         f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (format 'partial' "
-                         f"sends a subset)")
+        raise BadRequest(
+            f"{where}: a full {what} without {len(missing)} of the model's tensors: "
+            f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (format 'partial' "
+            f"sends a subset)"
+        )
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -78,8 +83,13 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
-def check_version(state: Mapping[str, torch.Tensor], specs: Specs, fmt: str | None = None, finite: bool = False,
-                  where: str = "weights") -> None:
+def check_version(
+    state: Mapping[str, torch.Tensor],
+    specs: Specs,
+    fmt: str | None = None,
+    finite: bool = False,
+    where: str = "weights",
+) -> None:
     """A state dict as a whole: every tensor's name, shape and dtype; with `fmt`, its coverage;
     with `finite`, no NaN or infinity. (The transports run the same checks piece by piece, as the
     bytes arrive, through `check_tensor`, `check_coverage` and `all_finite`.)"""
@@ -96,5 +106,8 @@ def check_version(state: Mapping[str, torch.Tensor], specs: Specs, fmt: str | No
 def check_newer(version: int, serving: int) -> None:
     """Versions only move forward: an older or equal one is refused with `Reason.VERSION_NOT_NEWER`."""
     if version <= serving:
-        raise BadRequest(f"weights: version {version} is not newer than the serving version {serving}",
-                         Reason.VERSION_NOT_NEWER, field="header.version")
+        raise BadRequest(
+            f"weights: version {version} is not newer than the serving version {serving}",
+            Reason.VERSION_NOT_NEWER,
+            field="header.version",
+        )

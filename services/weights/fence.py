@@ -1,5 +1,6 @@
 """The fence of a distributed run: a version (pushed, pulled or shared) is taken only from the
 run's learner, as the replay registry names it (its run id, epoch and version counter)."""
+
 from __future__ import annotations
 
 import redis
@@ -24,16 +25,23 @@ class LearnerFence:
             info = self.store.learner_info()
             counter = self.store.version()
         except (redis.RedisError, OSError) as e:
-            raise Unavailable(f"weights: the replay registry cannot be reached to check the push's writer: {e}") \
-                from None
+            raise Unavailable(
+                f"weights: the replay registry cannot be reached to check the push's writer: {e}"
+            ) from None
         writer = f"run_id={header.run_id!r}, epoch={header.epoch}"
         if not info:
-            raise BadRequest(f"weights: push from a writer that is not the run's learner ({writer}): no learner "
-                             f"has registered in the replay namespace {self.store.ns!r}")
+            raise BadRequest(
+                f"weights: push from a writer that is not the run's learner ({writer}): no learner "
+                f"has registered in the replay namespace {self.store.ns!r}"
+            )
         run_id, epoch = info.get("run_id", ""), int(info.get("epoch") or 0)
         if header.run_id != run_id or int(header.epoch) != epoch:
-            raise BadRequest(f"weights: push from a writer that is not the run's learner ({writer}; the learner "
-                             f"registered in {self.store.ns!r} has run_id={run_id!r}, epoch={epoch})")
+            raise BadRequest(
+                f"weights: push from a writer that is not the run's learner ({writer}; the learner "
+                f"registered in {self.store.ns!r} has run_id={run_id!r}, epoch={epoch})"
+            )
         if header.version > counter:
-            raise BadRequest(f"weights: push from a writer that is not the run's learner: version {header.version} "
-                             f"is above the run's version counter {counter}")
+            raise BadRequest(
+                f"weights: push from a writer that is not the run's learner: version {header.version} "
+                f"is above the run's version counter {counter}"
+            )

@@ -14,6 +14,7 @@ snapshots' worth of page-locked host memory: the one being served and the next, 
 rounded up by the allocator. Where none can be had, it falls back to pageable memory and logs
 why once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,12 @@ def to_host(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         try:
             dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         except RuntimeError as e:  # no page-locked memory to be had: the slow pageable copy
-            _once("pin", "weights to the host through pageable memory (no page-locked memory: %s); "
-                  "pushes from this GPU run at about 1 GB/s", e)
+            _once(
+                "pin",
+                "weights to the host through pageable memory (no page-locked memory: %s); "
+                "pushes from this GPU run at about 1 GB/s",
+                e,
+            )
             out[name] = t.cpu()
             continue
         dst.copy_(t, non_blocking=True)
@@ -97,8 +102,8 @@ class _Stager:
             if self.used[i]:
                 self.done[i].synchronize()  # the GPU is done reading this buffer's last chunk
             buf = self.bufs[i][:n]
-            buf.copy_(src[off:off + n])
-            dst[off:off + n].copy_(buf, non_blocking=True)
+            buf.copy_(src[off : off + n])
+            dst[off : off + n].copy_(buf, non_blocking=True)
             self.done[i].record(self.stream)
             self.used[i] = True
 

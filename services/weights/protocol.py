@@ -2,6 +2,7 @@
 (the wire's are `common.rpc.codec.DTYPES`; safetensors' for shared memory here), the checksums
 (xxh3_64, crc32 where the xxhash package is missing), the raw bytes of a tensor, and the names of
 the shared-memory files."""
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def hasher(kind: str):
         return xxhash.xxh3_64()
     if kind == "crc32":
         return Crc32()
-    raise BadRequest(f"shm.digest: {kind!r} is not available here (xxh3_64 needs the xxhash package; crc32 always "
-                     f"works)")
+    raise BadRequest(
+        f"shm.digest: {kind!r} is not available here (xxh3_64 needs the xxhash package; crc32 always works)"
+    )
 
 
 # ------------------------------------------------------------------ shared-memory files (safetensors layout)
@@ -68,8 +70,17 @@ PROBE_PREFIX, FILE_PREFIX = "rlhf-probe-", "rlhf-weights-"
 STEP = 2 << 20  # a piece is checked in steps this size: its checksum and finiteness read it from cache
 MIN_PIECE, MAX_PIECE = 1 << 16, 1 << 30
 MAX_HEADER = 100 << 20  # safetensors' own limit
-ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 

@@ -21,6 +21,7 @@ One weight push, hop by hop (docs/architecture.md, section 12):
       weights/receiver.py:WeightReceiver        fence, assemble and check, swap between batches
     learner/broadcast.py:_registered            the registry shows the version to the workers
 """
+
 from __future__ import annotations
 
 import enum
@@ -49,8 +50,9 @@ UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class Delivery(enum.Enum):
     """What became of one server's push, whichever transport carried it."""
-    TOOK = "took"              # the server serves the version (or a newer one already)
-    FAILED = "failed"          # unreachable, or its deadline passed: it pulls when it sees it is behind
+
+    TOOK = "took"  # the server serves the version (or a newer one already)
+    FAILED = "failed"  # unreachable, or its deadline passed: it pulls when it sees it is behind
     STREAM_INSTEAD = "stream"  # shared memory: the server refused the load; stream it over gRPC in this push
 
 
@@ -61,6 +63,7 @@ def _newer_already(e: grpc.RpcError) -> bool:
 
 class StreamTransport:
     """The gRPC stream: one encoding of a payload read by every server of the targets."""
+
     name = "grpc"
 
     def __init__(self, publisher: "Publisher"):
@@ -74,8 +77,11 @@ class StreamTransport:
         """Stream `state` to every (address, info) of `targets`: {address: future of a `Delivery`}."""
         run_id, epoch = self.pub.identity
         chunk = self.chunk_bytes()
-        fan = Fanout(encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch), len(targets),
-                     window=max(2, PUSH_WINDOW_BYTES // chunk))
+        fan = Fanout(
+            encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch),
+            len(targets),
+            window=max(2, PUSH_WINDOW_BYTES // chunk),
+        )
         self._fans.append(fan)
 
         def one(i, address, info):
@@ -83,6 +89,7 @@ class StreamTransport:
                 return self._push_one(address, fan.reader(i), version, info, kind)
             finally:
                 fan.detach(i)  # a failed stream no longer holds the others back
+
         return {a: pool.submit(one, i, a, info) for i, (a, info) in enumerate(targets)}
 
     def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> Delivery:
@@ -95,9 +102,17 @@ class StreamTransport:
             if _newer_already(e):
                 return Delivery.TOOK
             # all chunks out: the deadline passed while the server checked or swapped them in
-            log.warning("%s (it will pull when it sees it is behind)", wait_failed(
-                f"weight push v{version} to", address, sent.phase("stream", "apply"), e, time.monotonic() - t0,
-                client.timeout))
+            log.warning(
+                "%s (it will pull when it sees it is behind)",
+                wait_failed(
+                    f"weight push v{version} to",
+                    address,
+                    sent.phase("stream", "apply"),
+                    e,
+                    time.monotonic() - t0,
+                    client.timeout,
+                ),
+            )
             return Delivery.FAILED
         finally:
             self.pub.on_progress()
@@ -112,6 +127,7 @@ class StreamTransport:
 
 class SharedMemoryTransport:
     """One file in `rpc.shm_dir` per payload, loaded by every co-located server of the targets."""
+
     name = "shm"
 
     def __init__(self, publisher: "Publisher"):
@@ -134,8 +150,14 @@ class SharedMemoryTransport:
                 self.writer.cleanup()  # what an earlier learner process of this run left
             return self.writer.write(state, version, epoch, kind)
         except (OSError, TypeError) as e:
-            self.pub.tell(("shm-write", type(e)), "cannot write version %d into rpc.shm_dir %s (%s); streaming "
-                          "over gRPC", version, self.pub.cfg.rpc.shm_dir, e, level=logging.WARNING)
+            self.pub.tell(
+                ("shm-write", type(e)),
+                "cannot write version %d into rpc.shm_dir %s (%s); streaming over gRPC",
+                version,
+                self.pub.cfg.rpc.shm_dir,
+                e,
+                level=logging.WARNING,
+            )
             return None
 
     def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict | None:
@@ -156,11 +178,22 @@ class SharedMemoryTransport:
             if _newer_already(e):
                 return Delivery.TOOK
             if code in UNREACHABLE:
-                log.warning("%s (it will pull when it sees it is behind)", wait_failed(
-                    f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout))
+                log.warning(
+                    "%s (it will pull when it sees it is behind)",
+                    wait_failed(
+                        f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout
+                    ),
+                )
                 return Delivery.FAILED
-            self.pub.tell((address, "stream"), "shared-memory load of version %d refused by %s (%s: %s); streaming "
-                          "over gRPC instead", version, address, code.name, details, level=logging.WARNING)
+            self.pub.tell(
+                (address, "stream"),
+                "shared-memory load of version %d refused by %s (%s: %s); streaming over gRPC instead",
+                version,
+                address,
+                code.name,
+                details,
+                level=logging.WARNING,
+            )
             return Delivery.STREAM_INSTEAD
         finally:
             self.pub.on_progress()
@@ -177,8 +210,13 @@ class Publisher:
     version to every planned server at once. `identity` (run id, epoch) is the fence every
     version carries; `on_progress` runs as each server answers (the learner's heartbeat)."""
 
-    def __init__(self, cfg: Config, client: Callable, registered: Callable[[str, dict, int, str], None],
-                 on_progress: Progress = no_progress):
+    def __init__(
+        self,
+        cfg: Config,
+        client: Callable,
+        registered: Callable[[str, dict, int, str], None],
+        on_progress: Progress = no_progress,
+    ):
         self.cfg, self.client, self.registered, self.on_progress = cfg, client, registered, on_progress
         self.identity: tuple[str, int] = ("", 0)
         self.stream = StreamTransport(self)

@@ -5,6 +5,7 @@ backend atomically between batches, one update at a time, each wait bounded by t
 The generation server is a thin adapter over `WeightReceiver`: its RPCs call it, and it hands the
 receiver its backend, its compute thread (`run(fn, timeout=)`: fn runs between batches; a run that
 has not started within `timeout` is withdrawn and raises a TimeoutError) and its readiness."""
+
 from __future__ import annotations
 
 import contextlib
@@ -49,10 +50,18 @@ class WeightReceiver:
     is applied. `probe` is the server's proof of its shared-memory directory (`apply_shared` reads
     from there). `base` says where the weights outside a partial version come from: the model it
     loaded ("model:<model.path>") until a full version from a run replaces them ("run:<run_id>")."""
+
     NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
 
-    def __init__(self, backend, run: Callable, cfg: Config, fence: Fence | None = None, probe: Probe | None = None,
-                 readiness=None):
+    def __init__(
+        self,
+        backend,
+        run: Callable,
+        cfg: Config,
+        fence: Fence | None = None,
+        probe: Probe | None = None,
+        readiness=None,
+    ):
         self.backend, self.run, self.cfg, self.fence, self.probe = backend, run, cfg, fence, probe
         self.readiness = readiness  # the RPC server (set_ready, liveness), or None
         self.base = f"model:{cfg.model.path}"
@@ -65,18 +74,31 @@ class WeightReceiver:
         """Assemble a header/pieces/footer stream and apply it as one new policy version (a push,
         or a late server's pull). Its waits end with the call's deadline (`context`; without one,
         rpc.timeout_s)."""
-        return self._apply(lambda: contextlib.nullcontext(assemble_weights(
-            chunks, self.backend.parameter_specs(), self.max_bytes(), on_header=self.fence)),
-            context=context, origin=origin)
+        return self._apply(
+            lambda: contextlib.nullcontext(
+                assemble_weights(chunks, self.backend.parameter_specs(), self.max_bytes(), on_header=self.fence)
+            ),
+            context=context,
+            origin=origin,
+        )
 
     def apply_shared(self, request, context=None) -> tuple[int, int, float]:
         """Check and apply a version the co-located learner wrote into shared memory."""
         if self.probe is None:
             raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
         check_newer(request.header.version, self.backend.version)  # before reading anything
-        return self._apply(lambda: open_shared_weights(str(self.probe.dir), request, self.backend.parameter_specs(),
-                                                       self.max_bytes(), self.fence, self.probe.mappings),
-                           "shared memory", context=context)
+        return self._apply(
+            lambda: open_shared_weights(
+                str(self.probe.dir),
+                request,
+                self.backend.parameter_specs(),
+                self.max_bytes(),
+                self.fence,
+                self.probe.mappings,
+            ),
+            "shared memory",
+            context=context,
+        )
 
     def budget(self, context) -> float:
         """Seconds a weight update may wait: the call's remaining deadline; rpc.timeout_s for a
@@ -102,8 +124,14 @@ class WeightReceiver:
         peer = origin or (context.peer() if context is not None else "?")
         server = self.readiness
         if not self.lock.acquire(timeout=budget):
-            raise self._timed_out(f"weight update ({via}) from", peer, "wait-for-previous-update", t_mono, budget,
-                                  "another weight update held this server for the whole deadline")
+            raise self._timed_out(
+                f"weight update ({via}) from",
+                peer,
+                "wait-for-previous-update",
+                t_mono,
+                budget,
+                "another weight update held this server for the whole deadline",
+            )
         try:
             with source() as (version, fmt, state, nbytes, header):
                 started = []
@@ -115,6 +143,7 @@ class WeightReceiver:
                     self.backend.update_weights(state, version)
                     if fmt == "full":
                         self.base = f"run:{header.run_id}"
+
                 if server:
                     server.set_ready(False)  # alive, not ready, while the swap waits for the batch
                 try:
@@ -122,8 +151,9 @@ class WeightReceiver:
                 except TimeoutError as e:
                     if started:
                         raise
-                    raise self._timed_out(f"weight update v{version} ({via}) from", peer, "swap", t_mono, budget,
-                                          f"not applied: {e}") from None
+                    raise self._timed_out(
+                        f"weight update v{version} ({via}) from", peer, "swap", t_mono, budget, f"not applied: {e}"
+                    ) from None
                 except BadRequest:
                     raise
                 except (KeyError, ValueError) as e:
@@ -136,8 +166,14 @@ class WeightReceiver:
                         server.liveness()  # says why now, not at the next probe
         except grpc.RpcError:  # reading the pushed stream: gRPC ended the call (its deadline, a cancel)
             if context is not None and not context.is_active():
-                raise self._timed_out(f"weight update ({via}) from", peer, "stream", t_mono, budget,
-                                      "the call ended before the whole stream came") from None
+                raise self._timed_out(
+                    f"weight update ({via}) from",
+                    peer,
+                    "stream",
+                    t_mono,
+                    budget,
+                    "the call ended before the whole stream came",
+                ) from None
             raise
         finally:
             self.lock.release()

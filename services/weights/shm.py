@@ -28,6 +28,7 @@ writes; a reader holds a shared one from before its checks to the end of its swa
 reader still holds is not recycled (it is unlinked, the reader keeps its mapping) and a reader
 that finds a file locked refuses it. At most one file per format ("full", "partial") is kept.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -117,10 +118,11 @@ def _fill(out: np.ndarray, segments: list, piece: int, kind: str, pool) -> list[
             off, data = segments[k]
             for a in range(max(lo, off), min(hi, off + len(data)), STEP):
                 z = min(hi, off + len(data), a + STEP)
-                out[a:z] = data[a - off:z - off]
+                out[a:z] = data[a - off : z - off]
                 h.update(out[a:z])
             k += 1
         return h.intdigest()
+
     return list(pool.map(one, range(math.ceil(size / piece))))
 
 
@@ -200,8 +202,9 @@ class SharedWeightsWriter:
         self._maps[fmt] = (key, mm)
         return mm
 
-    def write(self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0,
-              fmt: str = "full") -> gpb.SharedWeights:
+    def write(
+        self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0, fmt: str = "full"
+    ) -> gpb.SharedWeights:
         """Write `state` as policy `version` and return the request that tells a server to load it.
         The tensors are copied into our mapping of the file in parallel, each piece checksummed
         from the copy."""
@@ -210,8 +213,13 @@ class SharedWeightsWriter:
         if bad:
             raise TypeError(f"dtype {tensors[bad[0]].dtype} of {bad[0]!r} cannot be shared")
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        meta = {"format": "pt", "rlhf.version": str(int(version)), "rlhf.run_id": self.run_id,
-                "rlhf.epoch": str(int(epoch)), "rlhf.format": fmt}
+        meta = {
+            "format": "pt",
+            "rlhf.version": str(int(version)),
+            "rlhf.run_id": self.run_id,
+            "rlhf.epoch": str(int(epoch)),
+            "rlhf.format": fmt,
+        }
         head, placed, size = _layout(tensors, meta)
         segments = [(0, np.frombuffer(head, dtype=np.uint8))] + [(off, raw_view(t)) for off, t in placed if t.numel()]
         name = weights_file_name(self.run_id, epoch, version, fmt)
@@ -232,10 +240,22 @@ class SharedWeightsWriter:
         os.close(fd)  # releases the lock; nobody opens a temporary name
         os.rename(tmp, self.dir / name)
         self._current[fmt] = name
-        header = pb.WeightHeader(version=int(version), format=fmt, num_tensors=len(tensors), total_bytes=total,
-                                 run_id=self.run_id, epoch=int(epoch))
-        return gpb.SharedWeights(file_name=name, file_bytes=size, header=header, piece_bytes=CHUNK_BYTES,
-                                 digest=self.digest, piece_digests=digests)
+        header = pb.WeightHeader(
+            version=int(version),
+            format=fmt,
+            num_tensors=len(tensors),
+            total_bytes=total,
+            run_id=self.run_id,
+            epoch=int(epoch),
+        )
+        return gpb.SharedWeights(
+            file_name=name,
+            file_bytes=size,
+            header=header,
+            piece_bytes=CHUNK_BYTES,
+            digest=self.digest,
+            piece_digests=digests,
+        )
 
 
 # ------------------------------------------------------------------ reading (the generation server)
@@ -299,7 +319,7 @@ def _parse(mm, size: int, where: str) -> tuple[list, dict, int]:
     if not 0 < n <= min(size - 8, MAX_HEADER):
         raise BadRequest(f"{where}: header length {n} does not fit the file's {size} bytes")
     try:
-        header = json.loads(bytes(mm[8:8 + n]))
+        header = json.loads(bytes(mm[8 : 8 + n]))
     except ValueError:
         raise BadRequest(f"{where}: the header is not JSON (not a safetensors file, or corrupt)") from None
     if not isinstance(header, dict):
@@ -309,18 +329,25 @@ def _parse(mm, size: int, where: str) -> tuple[list, dict, int]:
         raise BadRequest(f"{where}: __metadata__ must map names to strings")
     entries = []
     for name, e in header.items():
-        ok = isinstance(e, dict) and e.get("dtype") in ST_NAMES and isinstance(e.get("shape"), list) and \
-            isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 and \
-            all(isinstance(x, int) and x >= 0 for x in e["shape"] + e["data_offsets"])
+        ok = (
+            isinstance(e, dict)
+            and e.get("dtype") in ST_NAMES
+            and isinstance(e.get("shape"), list)
+            and isinstance(e.get("data_offsets"), list)
+            and len(e["data_offsets"]) == 2
+            and all(isinstance(x, int) and x >= 0 for x in e["shape"] + e["data_offsets"])
+        )
         if not ok:
             raise BadRequest(f"{where}: tensor {name!r}: bad entry {str(e)[:200]}")
         dtype, (b, end) = ST_NAMES[e["dtype"]], e["data_offsets"]
         # no more than the file spans, and nothing whose product overflows torch's sizes
-        checked_shape(e["shape"], dtype.itemsize, f"{where}: tensor {name!r}", max_bytes=max(size, 1 << 30),
-                      dtype_name=e["dtype"])
+        checked_shape(
+            e["shape"], dtype.itemsize, f"{where}: tensor {name!r}", max_bytes=max(size, 1 << 30), dtype_name=e["dtype"]
+        )
         if end - b != math.prod(e["shape"]) * dtype.itemsize:
-            raise BadRequest(f"{where}: tensor {name!r}: offsets [{b}, {end}) do not fit shape {e['shape']} of "
-                             f"{e['dtype']}")
+            raise BadRequest(
+                f"{where}: tensor {name!r}: offsets [{b}, {end}) do not fit shape {e['shape']} of {e['dtype']}"
+            )
         entries.append((b, end, name, dtype, tuple(e["shape"])))
     entries.sort(key=lambda x: (x[0], x[1]))
     pos, start = 0, 8 + n
@@ -334,8 +361,12 @@ def _parse(mm, size: int, where: str) -> tuple[list, dict, int]:
 
 
 def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -> None:
-    want = {"rlhf.version": str(h.version), "rlhf.run_id": h.run_id, "rlhf.epoch": str(h.epoch),
-            "rlhf.format": h.format}
+    want = {
+        "rlhf.version": str(h.version),
+        "rlhf.run_id": h.run_id,
+        "rlhf.epoch": str(h.epoch),
+        "rlhf.format": h.format,
+    }
     wrong = {k: meta.get(k) for k, v in want.items() if meta.get(k) != v}
     if wrong:
         raise BadRequest(f"{where}: metadata {wrong} disagree with the request ({want}): another version's file")
@@ -352,9 +383,14 @@ def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -
 
 
 @contextlib.contextmanager
-def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_bytes: int | None = None,
-                        on_header: Callable[[pb.WeightHeader], None] | None = None, mappings: Mappings | None = None,
-                        ) -> Iterator[tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]]:
+def open_shared_weights(
+    shm_dir: str,
+    req: gpb.SharedWeights,
+    specs=None,
+    max_bytes: int | None = None,
+    on_header: Callable[[pb.WeightHeader], None] | None = None,
+    mappings: Mappings | None = None,
+) -> Iterator[tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]]:
     """Check a version the learner wrote into `shm_dir` and yield (version, format, state dict,
     bytes, header), as `assemble_weights` returns them. The tensors view the file's mapping: use
     them (load them) inside the `with` block only, and drop them there; the file stays locked
@@ -394,8 +430,14 @@ def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_by
         mm = mappings.get(h.format, path, st) if mappings is not None else _map(path, st)
         entries, meta, start = _parse(mm, size, where)
         _check_entries(entries, meta, h, specs, where)
-        state = {name: (torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=start + b).reshape(shape)
-                        if end > b else torch.empty(shape, dtype=dtype)) for b, end, name, dtype, shape in entries}
+        state = {
+            name: (
+                torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=start + b).reshape(shape)
+                if end > b
+                else torch.empty(shape, dtype=dtype)
+            )
+            for b, end, name, dtype, shape in entries
+        }
         view = memoryview(mm)
         try:
             checked = _check_pieces(view, req, entries, start, state)
@@ -403,8 +445,10 @@ def open_shared_weights(shm_dir: str, req: gpb.SharedWeights, specs=None, max_by
             view.release()
         bad = [i for i, (ok, _) in enumerate(checked) if not ok]
         if bad:
-            raise BadRequest(f"{where}: {req.digest} mismatch in {len(bad)} piece(s), first bytes "
-                             f"[{bad[0] * piece}, {min(size, (bad[0] + 1) * piece)}): not the file the learner wrote")
+            raise BadRequest(
+                f"{where}: {req.digest} mismatch in {len(bad)} piece(s), first bytes "
+                f"[{bad[0] * piece}, {min(size, (bad[0] + 1) * piece)}): not the file the learner wrote"
+            )
         nonfinite = [name for _, names in checked for name in names]
         if nonfinite:
             raise BadRequest(f"{where}: tensor {nonfinite[0]!r} contains NaN or infinity")
@@ -465,11 +509,12 @@ def _check_pieces(view, req: gpb.SharedWeights, entries, start: int, state) -> l
             while k < len(spans) and spans[k][0] < z:
                 b, e, name, item = spans[k]
                 x, y = max(a, b), min(z, e)
-                if y > x and name not in bad and not all_finite(flat[name][(x - b) // item:(y - b) // item]):
+                if y > x and name not in bad and not all_finite(flat[name][(x - b) // item : (y - b) // item]):
                     bad.append(name)
                 if e > z:
                     break
                 k += 1
         return h.intdigest() == req.piece_digests[i], bad
+
     with ThreadPoolExecutor(threads()) as pool:
         return list(pool.map(one, range(len(req.piece_digests))))

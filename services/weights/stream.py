@@ -2,6 +2,7 @@
 `WeightChunk` messages (`encode_weights`: header with the writer's fence, checksummed pieces,
 footer), fanned out to many servers (`Fanout`); and on the server, the pieces decoded without a
 copy (`WeightChunkDecoder`) and collected into a checked state dict (`assemble_weights`)."""
+
 from __future__ import annotations
 
 import bisect
@@ -31,7 +32,6 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-
 def _read_varint(buf, i: int, end: int) -> tuple[int, int]:
     shift = value = 0
     while i < end and shift < 64:
@@ -42,7 +42,6 @@ def _read_varint(buf, i: int, end: int) -> tuple[int, int]:
             return value, i
         shift += 7
     raise ValueError("bad varint")
-
 
 
 _PIECE_TAG, _DATA_TAG = b"\x12", b"\x32"  # WeightChunk.piece (field 2), TensorPiece.data (field 6): length-delimited
@@ -85,8 +84,14 @@ class _InOrder:
         self._q.put(None)
 
 
-def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = CHUNK_BYTES,
-                   fmt: str = "full", run_id: str = "", epoch: int = 0) -> Iterator[bytes]:
+def encode_weights(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    fmt: str = "full",
+    run_id: str = "",
+    epoch: int = 0,
+) -> Iterator[bytes]:
     """A state dict as a push stream of serialised `WeightChunk` messages: header (with the
     writer's run id and epoch, the fencing token), pieces of at most `chunk_bytes`, each with the
     xxh3_64 of its data (~30 GB/s; with the receiver's exact coverage of every tensor, the whole
@@ -103,8 +108,11 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_b
         if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"dtype {t.dtype} cannot go on the wire")
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    yield pb.WeightChunk(header=pb.WeightHeader(version=version, format=fmt, num_tensors=len(tensors),
-                                                total_bytes=total, run_id=run_id, epoch=epoch)).SerializeToString()
+    yield pb.WeightChunk(
+        header=pb.WeightHeader(
+            version=version, format=fmt, num_tensors=len(tensors), total_bytes=total, run_id=run_id, epoch=epoch
+        )
+    ).SerializeToString()
     digest = hashlib.sha256()
     hasher = _InOrder(depth=64)  # holds views of `tensors`, no bytes
     try:
@@ -112,15 +120,22 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_b
             raw = raw_view(t)
             size = len(raw)
             for off in range(0, max(size, 1), chunk_bytes):
-                data = memoryview(raw[off:off + chunk_bytes])  # type: ignore[arg-type]  # an ndarray is a buffer
+                data = memoryview(raw[off : off + chunk_bytes])  # type: ignore[arg-type]  # an ndarray is a buffer
                 check: dict[str, int]
                 if xxhash is not None:
                     check = {"xxh3": xxhash.xxh3_64_intdigest(data)}
                 else:
                     hasher.submit(partial(digest.update, data))
                     check = {"crc32": zlib.crc32(data)}
-                meta = pb.TensorPiece(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=off,
-                                      total_bytes=size, **check).SerializeToString()  # type: ignore[arg-type]
+                shape = list(t.shape)
+                meta = pb.TensorPiece(
+                    name=name,
+                    dtype=DTYPE_NAMES[t.dtype],
+                    shape=shape,
+                    offset=off,
+                    total_bytes=size,
+                    **check,  # type: ignore[arg-type]
+                ).SerializeToString()
                 n = len(data)
                 field = _DATA_TAG + _varint(n) if n else b""
                 yield b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
@@ -132,8 +147,14 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], version: int, chunk_b
     yield pb.WeightChunk(footer=footer).SerializeToString()
 
 
-def weight_chunks(state_dict: Mapping[str, torch.Tensor], version: int, chunk_bytes: int = CHUNK_BYTES,
-                  fmt: str = "full", run_id: str = "", epoch: int = 0) -> Iterator[pb.WeightChunk]:
+def weight_chunks(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    chunk_bytes: int = CHUNK_BYTES,
+    fmt: str = "full",
+    run_id: str = "",
+    epoch: int = 0,
+) -> Iterator[pb.WeightChunk]:
     """`encode_weights` as `WeightChunk` messages (for a servicer's response stream and tests)."""
     for raw in encode_weights(state_dict, version, chunk_bytes, fmt, run_id, epoch):
         yield pb.WeightChunk.FromString(raw)
@@ -222,18 +243,18 @@ class Fanout:
         self._thread.join()
 
 
-
 class _PieceView:
     """A `WeightChunk` holding a piece, decoded without copying its data: the metadata is a
     `TensorPiece` (parsed by protobuf from the message without its data field) and `piece.data`
     a memoryview of the received message's bytes."""
+
     __slots__ = ("piece",)
 
     def __init__(self, piece):
         self.piece = piece
 
     @staticmethod
-    def WhichOneof(group: str) -> str:  # noqa: N802 (the protobuf name)
+    def WhichOneof(group: str) -> str:  # the protobuf name
         return "piece"
 
 
@@ -253,12 +274,13 @@ class WeightChunkDecoder:
     read of the field) but handed on as a memoryview of `raw`. Only the plain layout (one piece
     field filling the message, at most one data field, known wire types) takes the fast path;
     anything else is parsed by protobuf itself, so what is accepted or refused is unchanged."""
+
     DESCRIPTOR = pb.WeightChunk.DESCRIPTOR  # the message's name in decode errors
 
-    def FromString(self, raw: bytes):  # noqa: N802 (as protobuf's)
+    def FromString(self, raw: bytes):  # as protobuf's
         try:
             view = self._fast(raw)
-        except Exception:  # noqa: BLE001 (whatever is wrong, protobuf says it in its own words below)
+        except Exception:  # whatever is wrong, protobuf says it in its own words below
             view = None
         return view if view is not None else pb.WeightChunk.FromString(raw)
 
@@ -297,10 +319,8 @@ class WeightChunkDecoder:
         if data is None:
             return None
         mv = memoryview(raw)
-        meta = pb.TensorPiece.FromString(bytes(mv[start:data[0]]) + bytes(mv[data[2]:end]))
-        return _PieceView(_PieceMeta(meta, mv[data[1]:data[2]]))
-
-
+        meta = pb.TensorPiece.FromString(bytes(mv[start : data[0]]) + bytes(mv[data[2] : end]))
+        return _PieceView(_PieceMeta(meta, mv[data[1] : data[2]]))
 
 
 MAX_EMPTY_SPAN = 1 << 30  # what an empty tensor's other dimensions may span however small the push
@@ -315,14 +335,23 @@ def _check_piece(p: pb.TensorPiece, specs, header: pb.WeightHeader, max_bytes: i
     # before torch.empty: no negative dimension, nothing whose product overflows (Python integers);
     # the tensor at most the header's total and the push's limit (an empty one may span a little more)
     limit = header.total_bytes if max_bytes is None else min(header.total_bytes, max_bytes)
-    _, size = checked_shape(p.shape, DTYPES[p.dtype].itemsize, f"weights.piece[{p.name}]",
-                            max_bytes=max(limit, MAX_EMPTY_SPAN), dtype_name=p.dtype)
+    _, size = checked_shape(
+        p.shape,
+        DTYPES[p.dtype].itemsize,
+        f"weights.piece[{p.name}]",
+        max_bytes=max(limit, MAX_EMPTY_SPAN),
+        dtype_name=p.dtype,
+    )
     if p.total_bytes != size:
-        raise BadRequest(f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, but shape {list(p.shape)} of "
-                         f"{p.dtype} is {size} bytes")
+        raise BadRequest(
+            f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, but shape {list(p.shape)} of "
+            f"{p.dtype} is {size} bytes"
+        )
     if p.total_bytes > header.total_bytes:
-        raise BadRequest(f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, more than the "
-                         f"header's total_bytes={header.total_bytes}")
+        raise BadRequest(
+            f"weights.piece[{p.name}].total_bytes: {p.total_bytes}, more than the "
+            f"header's total_bytes={header.total_bytes}"
+        )
 
 
 def _cover(spans: list[list[int]], name: str, start: int, end: int) -> None:
@@ -331,8 +360,10 @@ def _cover(spans: list[list[int]], name: str, start: int, end: int) -> None:
         return
     i = bisect.bisect_right(spans, [start, end])
     if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
-        raise BadRequest(f"weights.piece[{name}]: bytes [{start}, {end}) were already received "
-                         f"(every byte of a tensor must come exactly once)")
+        raise BadRequest(
+            f"weights.piece[{name}]: bytes [{start}, {end}) were already received "
+            f"(every byte of a tensor must come exactly once)"
+        )
     if i > 0 and spans[i - 1][1] == start:
         spans[i - 1][1] = end
         if i < len(spans) and spans[i][0] == end:
@@ -343,9 +374,12 @@ def _cover(spans: list[list[int]], name: str, start: int, end: int) -> None:
         spans.insert(i, [start, end])
 
 
-def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple[tuple, torch.dtype]] | None = None,
-                     max_bytes: int | None = None, on_header: Callable[[pb.WeightHeader], None] | None = None,
-                     ) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
+def assemble_weights(
+    chunks: Iterable[pb.WeightChunk],
+    specs: Mapping[str, tuple[tuple, torch.dtype]] | None = None,
+    max_bytes: int | None = None,
+    on_header: Callable[[pb.WeightHeader], None] | None = None,
+) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
     """Collect a push stream into (version, format, state_dict, bytes, header).
 
     Checks every piece's xxh3_64 (or, from a writer without xxhash, every piece's crc32 and the
@@ -377,6 +411,7 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
         t = buffers[name]
         if t.is_floating_point() and not all_finite(t):
             nonfinite.add(name)
+
     try:
         for chunk in chunks:
             kind = chunk.WhichOneof("payload")
@@ -411,17 +446,21 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                 if name in meta:
                     if meta[name] != (p.dtype, tuple(p.shape), p.total_bytes):
                         dtype, shape, total = meta[name]
-                        raise BadRequest(f"weights.piece[{name}]: dtype {p.dtype}, shape {list(p.shape)}, total_bytes "
-                                         f"{p.total_bytes} disagree with the tensor's earlier pieces ({dtype}, "
-                                         f"{list(shape)}, {total})")
+                        raise BadRequest(
+                            f"weights.piece[{name}]: dtype {p.dtype}, shape {list(p.shape)}, total_bytes "
+                            f"{p.total_bytes} disagree with the tensor's earlier pieces ({dtype}, "
+                            f"{list(shape)}, {total})"
+                        )
                 else:
                     _check_piece(p, specs, header, max_bytes)
                     if len(buffers) >= header.num_tensors:
                         raise BadRequest(f"weights: more than the {header.num_tensors} tensors the header announced")
                     allocated += p.total_bytes
                     if allocated > header.total_bytes:
-                        raise BadRequest(f"weights: the tensors' sizes add up to more than the header's "
-                                         f"total_bytes={header.total_bytes}")
+                        raise BadRequest(
+                            f"weights: the tensors' sizes add up to more than the header's "
+                            f"total_bytes={header.total_bytes}"
+                        )
                     t = torch.empty([int(d) for d in p.shape], dtype=DTYPES[p.dtype])
                     buffers[name] = t
                     views[name] = raw_view(t)
@@ -429,11 +468,13 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                     spans[name] = []
                     filled[name] = 0
                 if p.offset < 0 or p.offset + n > p.total_bytes:
-                    raise BadRequest(f"weights.piece[{name}]: bytes [{p.offset}, {p.offset + n}) "
-                                     f"outside the tensor's {p.total_bytes} bytes")
+                    raise BadRequest(
+                        f"weights.piece[{name}]: bytes [{p.offset}, {p.offset + n}) "
+                        f"outside the tensor's {p.total_bytes} bytes"
+                    )
                 _cover(spans[name], name, p.offset, p.offset + n)
                 if n:
-                    views[name][p.offset:p.offset + n] = np.frombuffer(data, dtype=np.uint8)
+                    views[name][p.offset : p.offset + n] = np.frombuffer(data, dtype=np.uint8)
                 filled[name] += n
                 if not xxh3:
                     worker.submit(partial(digest.update, data))
@@ -471,11 +512,13 @@ def assemble_weights(chunks: Iterable[pb.WeightChunk], specs: Mapping[str, tuple
                 hole = (0, size)
             else:
                 hole = (0, s[0][0]) if s[0][0] > 0 else (s[0][1], s[1][0] if len(s) > 1 else size)
-            raise BadRequest(f"weights.piece[{name}]: {filled[name]} of {size} bytes received; "
-                             f"bytes [{hole[0]}, {hole[1]}) missing")
+            raise BadRequest(
+                f"weights.piece[{name}]: {filled[name]} of {size} bytes received; bytes [{hole[0]}, {hole[1]}) missing"
+            )
     if allocated != header.total_bytes:
-        raise BadRequest(f"weights: {allocated} bytes of tensors received, header announced "
-                         f"total_bytes={header.total_bytes}")
+        raise BadRequest(
+            f"weights: {allocated} bytes of tensors received, header announced total_bytes={header.total_bytes}"
+        )
     for name in buffers:  # every tensor is complete here, so each was checked
         if name in nonfinite:
             raise BadRequest(f"weights.piece[{name}]: contains NaN or infinity")

@@ -44,8 +44,9 @@ def test_every_config_field_has_a_description():
     models = _models(Config)
     names = {m.__name__ for m in models}
     assert {"ModelConfig", "LoraConfig", "RuleSpec", "RewardEndpoint", "LearnerEndpoint", "RPCConfig"} <= names
-    missing = [f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items()
-               if not (f.description or "").strip()]
+    missing = [
+        f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items() if not (f.description or "").strip()
+    ]
     assert not missing, f"fields without a description: {missing}"
 
 
@@ -53,8 +54,14 @@ def test_the_table_has_one_row_per_leaf_key():
     lines = describe_config("markdown").splitlines()[2:]
     keys = [line.strip("|").split(" | ")[0].strip() for line in lines]
     assert keys == _leaf_keys(Config)
-    assert {"generation.temperature", "rpc.reward.http_port", "model.lora.rank", "reward.rules",
-            "reward.rules[].name", "data.overlong"} <= set(keys)
+    assert {
+        "generation.temperature",
+        "rpc.reward.http_port",
+        "model.lora.rank",
+        "reward.rules",
+        "reward.rules[].name",
+        "data.overlong",
+    } <= set(keys)
     rows = _markdown_rows()
     assert all(row[3] for row in rows.values())
     assert rows["generation.temperature"][1:3] == ["1.0", "(0, 10]"]
@@ -85,8 +92,7 @@ def test_text_format_is_an_aligned_table():
     lines = describe_config("text").splitlines()
     assert len(lines) == 1 + len(_leaf_keys(Config))
     col = lines[0].index("default")
-    assert lines[0].startswith("key ") and all(line[col - 2:col] == "  " for line in lines)
+    assert lines[0].startswith("key ") and all(line[col - 2 : col] == "  " for line in lines)
     assert lines[1].split()[:3] == ["rollout_batch_size", "512", ">"]
     with pytest.raises(ValueError, match="markdown, text"):
         describe_config("html")
-

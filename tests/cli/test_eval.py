@@ -2,6 +2,7 @@
 summary whose mean is the rows'; `--baseline` scores two models on the same prompts; a training
 run writes each held-out eval's generations, keeps the best held-out policy in best/ (which `rlhf
 eval` scores exactly as the run did) and the newest run.keep_checkpoints checkpoints."""
+
 import contextlib
 import io
 import json
@@ -27,14 +28,31 @@ def _eval(*args) -> str:
 def run(tiny_model_dir, tmp_path_factory):
     """A short in-process run: an eval and a checkpoint every iteration, two checkpoints kept."""
     root = tmp_path_factory.mktemp("evalrun")
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
-        f"model.path={tiny_model_dir}", "run.iterations=6", "run.eval_interval=1", "run.checkpoint_interval=1",
-        "run.keep_checkpoints=2", "rollout_batch_size=16", "data.eval_size=32", "actor_lr=1e-3"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny-cpu.yaml",
+        [
+            f"model.path={tiny_model_dir}",
+            "run.iterations=6",
+            "run.eval_interval=1",
+            "run.checkpoint_interval=1",
+            "run.keep_checkpoints=2",
+            "rollout_batch_size=16",
+            "data.eval_size=32",
+            "actor_lr=1e-3",
+        ],
+    )
     run_local(cfg, root)
     config = root / "eval.yaml"
-    config.write_text(json.dumps({"model": {"path": tiny_model_dir, "device": "cpu"},
-                                  "data": {"eval": "synthetic:reverse", "eval_size": 32},
-                                  "reward": cfg.reward.model_dump(), "response_length": cfg.response_length}))
+    config.write_text(
+        json.dumps(
+            {
+                "model": {"path": tiny_model_dir, "device": "cpu"},
+                "data": {"eval": "synthetic:reverse", "eval_size": 32},
+                "reward": cfg.reward.model_dump(),
+                "response_length": cfg.response_length,
+            }
+        )
+    )
     return root, config
 
 
@@ -47,8 +65,22 @@ def test_eval_writes_a_row_per_sample_and_a_summary_of_them(run, tmp_path):
     assert all(set(r) == {"id", "prompt", "response", "label", "reward", "components", "sample"} for r in rows)
     assert summary["model"]["reward_mean"] == pytest.approx(sum(r["reward"] for r in rows) / 32, abs=1e-12)
     assert "32 prompts from synthetic:reverse, 1 sample(s) each (greedy)" in printed and "reward_mean" in printed
-    _eval("-c", str(config), "--out", str(tmp_path / "n4"), "--n", "4", "--temperature", "1", "--limit", "8",
-          "--rule", "exact_match", "--pass-reward", "1")
+    _eval(
+        "-c",
+        str(config),
+        "--out",
+        str(tmp_path / "n4"),
+        "--n",
+        "4",
+        "--temperature",
+        "1",
+        "--limit",
+        "8",
+        "--rule",
+        "exact_match",
+        "--pass-reward",
+        "1",
+    )
     rows = [json.loads(x) for x in (tmp_path / "n4" / "model.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "n4" / "summary.json").read_text())["model"]
     assert len(rows) == 32 and sorted({r["sample"] for r in rows}) == [0, 1, 2, 3]
@@ -59,8 +91,9 @@ def test_eval_writes_a_row_per_sample_and_a_summary_of_them(run, tmp_path):
 
 def test_baseline_and_model_on_the_same_prompts(run, untrained_model_dir, tmp_path):
     root, config = run
-    printed = _eval("-c", str(config), "--model", str(root / "final"), "--baseline", untrained_model_dir,
-                    "--out", str(tmp_path))
+    printed = _eval(
+        "-c", str(config), "--model", str(root / "final"), "--baseline", untrained_model_dir, "--out", str(tmp_path)
+    )
     base = [json.loads(x) for x in (tmp_path / "baseline.jsonl").read_text().splitlines()]
     model = [json.loads(x) for x in (tmp_path / "model.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in base] == [r["prompt"] for r in model]
@@ -100,6 +133,7 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
 
     from services.cli.eval_model import load_policy
     from services.learner.ppo_step import PolicyTrainer
+
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={tiny_model_dir}"])
     trainer = PolicyTrainer(cfg, total_updates=1)
     with torch.no_grad():
@@ -117,13 +151,16 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
     exported = load_policy(str(tmp_path / "hf"), tiny_model_dir).model.state_dict()
     for k, v in trainer.policy.state_dict().items():
         assert torch.equal(exported[k], v), k
-    lora = PolicyTrainer(load_config(ROOT / "configs" / "tiny-cpu.yaml",
-                                     [f"model.path={tiny_model_dir}", "model.lora.rank=4"]), total_updates=1)
+    lora = PolicyTrainer(
+        load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={tiny_model_dir}", "model.lora.rank=4"]),
+        total_updates=1,
+    )
     with torch.no_grad():
         for n, p in lora.policy.named_parameters():
             if "lora_B" in n:
                 p.add_(0.05)  # adapters that change something
     from services.common.modeling import load_tokenizer
+
     lora.save_policy(tmp_path / "final", load_tokenizer(tiny_model_dir))  # merged model, and adapter/ beside it
     merged = load_policy(str(tmp_path / "final"), tiny_model_dir).model.state_dict()
     from_adapter = load_policy(str(tmp_path / "final" / "adapter"), tiny_model_dir).model.state_dict()

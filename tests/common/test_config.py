@@ -10,12 +10,31 @@ from services.common.config import Config, ConfigError, config_from_dict, load_c
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "configs"
 SEED_DEFAULTS = {
-    "rollout_batch_size": 512, "prompt_length": 2048, "response_length": 4096, "adv_estimator": "gae",
-    "num_return_sequences_in_group": 1, "ppo_epochs": 1, "use_kl_loss": True, "kl_loss_coef": 0.001,
-    "loss_agg_mode": "seq-mean-token-sum", "whiten_advantages": True, "advantage_clip": 2.0, "reward_clip": None,
-    "dual_clip_loss": True, "lambd": 0.95, "gamma": 1.0, "pg_clip": 0.2, "value_clip": None, "kl_penalty": "kl",
-    "target_kl": None, "init_kl_coef": 0.2, "kl_horizon": 10000, "add_token_level_kl": False, "reward_norm": None,
-    "reward_shift": False, "reward_scale": False,
+    "rollout_batch_size": 512,
+    "prompt_length": 2048,
+    "response_length": 4096,
+    "adv_estimator": "gae",
+    "num_return_sequences_in_group": 1,
+    "ppo_epochs": 1,
+    "use_kl_loss": True,
+    "kl_loss_coef": 0.001,
+    "loss_agg_mode": "seq-mean-token-sum",
+    "whiten_advantages": True,
+    "advantage_clip": 2.0,
+    "reward_clip": None,
+    "dual_clip_loss": True,
+    "lambd": 0.95,
+    "gamma": 1.0,
+    "pg_clip": 0.2,
+    "value_clip": None,
+    "kl_penalty": "kl",
+    "target_kl": None,
+    "init_kl_coef": 0.2,
+    "kl_horizon": 10000,
+    "add_token_level_kl": False,
+    "reward_norm": None,
+    "reward_shift": False,
+    "reward_scale": False,
 }
 
 
@@ -46,17 +65,20 @@ def test_unknown_keys_name_the_closest_key():
     assert "model.pth: unknown key; did you mean 'model.path'?" in errors
 
 
-@pytest.mark.parametrize("data,fragment", [
-    ({"gamma": 1.5}, "gamma"),
-    ({"lambd": -0.1}, "lambd"),
-    ({"loss_agg_mode": "token-sum"}, "allowed: 'token-mean'"),
-    ({"adv_estimator": "ppo"}, "adv_estimator"),
-    ({"kl_penalty": "kl2"}, "kl_penalty"),
-    ({"reward_norm": "global"}, "reward_norm"),
-    ({"rollout_batch_size": 0}, "rollout_batch_size"),
-    ({"adv_estimator": "grpo"}, "num_return_sequences_in_group >= 2"),
-    ({"dual_clip_c": 1.0}, "dual_clip_c"),
-])
+@pytest.mark.parametrize(
+    "data,fragment",
+    [
+        ({"gamma": 1.5}, "gamma"),
+        ({"lambd": -0.1}, "lambd"),
+        ({"loss_agg_mode": "token-sum"}, "allowed: 'token-mean'"),
+        ({"adv_estimator": "ppo"}, "adv_estimator"),
+        ({"kl_penalty": "kl2"}, "kl_penalty"),
+        ({"reward_norm": "global"}, "reward_norm"),
+        ({"rollout_batch_size": 0}, "rollout_batch_size"),
+        ({"adv_estimator": "grpo"}, "num_return_sequences_in_group >= 2"),
+        ({"dual_clip_c": 1.0}, "dual_clip_c"),
+    ],
+)
 def test_out_of_range_values_are_errors(data, fragment):
     with pytest.raises(ConfigError, match=fragment):
         config_from_dict(data)
@@ -69,8 +91,9 @@ def test_every_error_is_reported_at_once():
 
 
 def test_overrides_typed_and_nested():
-    cfg = config_from_dict({}, ["pg_clip=0.1", "run.seed=7", "reward_clip=~", "model.lora.rank=8",
-                                "adam_betas=[0.8, 0.9]"])
+    cfg = config_from_dict(
+        {}, ["pg_clip=0.1", "run.seed=7", "reward_clip=~", "model.lora.rank=8", "adam_betas=[0.8, 0.9]"]
+    )
     assert cfg.pg_clip == 0.1 and cfg.run.seed == 7 and cfg.reward_clip is None
     assert cfg.model.lora.rank == 8 and cfg.adam_betas == (0.8, 0.9)
     with pytest.raises(ConfigError, match="key=value"):
@@ -103,7 +126,8 @@ def test_a_config_layered_on_a_preset_with_base(tmp_path, monkeypatch):
     replaced; a base may be a path from the file's directory, and may have a base of its own."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.yaml").write_text(
-        "base: smollm2-cpu\nmodel: {bf16: true}\nreward:\n  rules:\n    - {name: exact_match}\nrun: {iterations: 5}\n")
+        "base: smollm2-cpu\nmodel: {bf16: true}\nreward:\n  rules:\n    - {name: exact_match}\nrun: {iterations: 5}\n"
+    )
     cfg = load_config(tmp_path / "mine.yaml")
     preset = load_config(PRESETS / "smollm2-cpu.yaml")
     assert cfg.model.bf16 is True and cfg.model.path == preset.model.path  # merged into the section

@@ -11,6 +11,7 @@ def offline_hub(tmp_path, monkeypatch):
     """An empty hub cache in tmp_path with HF_HUB_OFFLINE set (huggingface_hub reads both at import,
     so its constants are patched too)."""
     from huggingface_hub import constants
+
     cache = tmp_path / "hub"
     cache.mkdir()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -36,8 +37,10 @@ def test_an_unreachable_hub_id_says_so(offline_hub):
         with pytest.raises(FileNotFoundError) as e:
             load("Qwen/Qwen2.5-0.5B-Instruct")
         msg = str(e.value)
-        assert "model 'Qwen/Qwen2.5-0.5B-Instruct' is neither a local directory nor reachable on the Hugging Face hub" \
+        assert (
+            "model 'Qwen/Qwen2.5-0.5B-Instruct' is neither a local directory nor reachable on the Hugging Face hub"
             in msg
+        )
         assert "HF_HOME" in msg and "init-model --out Qwen" not in msg
 
 

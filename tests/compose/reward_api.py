@@ -10,6 +10,7 @@ The reward for the tiny reverse task: 1 for the exact answer plus the character 
 (difflib), the same shape as the built-in exact_match + edit_distance rules, so a run learns;
 plus $REWARD_OFFSET (default 0), which makes its rewards recognisable in a run's metrics. With
 $API_KEY set, a POST without `Authorization: Bearer $API_KEY` gets 401 (counted in /stats)."""
+
 import difflib
 import json
 import os
@@ -23,13 +24,13 @@ API_KEY = os.environ.get("API_KEY", "")
 
 
 def reward(prompt: str, query: str, label: str) -> float:
-    response = (query[len(prompt):] if query.startswith(prompt) else query).strip()
+    response = (query[len(prompt) :] if query.startswith(prompt) else query).strip()
     label = label.strip()
     return OFFSET + float(response == label) + difflib.SequenceMatcher(None, response, label).ratio()
 
 
 class Handler(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         if self.path != "/get_reward":
             return self.reply(404, {"error": "POST /get_reward"})
         if API_KEY and self.headers.get("Authorization") != f"Bearer {API_KEY}":
@@ -44,7 +45,7 @@ class Handler(BaseHTTPRequestHandler):
             stats["samples"] += len(rewards)
         self.reply(200, {"rewards": rewards})
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         if self.path == "/stats":
             with lock:
                 return self.reply(200, dict(stats))

@@ -5,6 +5,7 @@ like a user's `.env`, and helpers to read what happened: the learner's /status o
 port, the run volume's files, the containers' state and Docker's event stream. The tests drive
 `docker-compose` (v1, what Debian ships); users run the same files with `docker compose` (v2).
 `make test-docker` (docker/ci-setup.sh) installs Docker, starts dockerd and builds the images."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,14 @@ class Project:
     def __init__(self, name: str, workdir: Path, files: tuple[str, ...], env: dict[str, str]):
         self.name, self.files = name, files
         self.status_port = free_port()
-        self.env = {"RLHF_AUTH_TOKEN": TOKEN, "RLHF_REDIS_PASSWORD": "compose-test-redis-password",
-                    "RLHF_RUN": "run", "RLHF_IMAGE": IMAGE, "RLHF_STATUS_PORT": str(self.status_port), **env}
+        self.env = {
+            "RLHF_AUTH_TOKEN": TOKEN,
+            "RLHF_REDIS_PASSWORD": "compose-test-redis-password",
+            "RLHF_RUN": "run",
+            "RLHF_IMAGE": IMAGE,
+            "RLHF_STATUS_PORT": str(self.status_port),
+            **env,
+        }
         self.env_file = workdir / "env"
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in self.env.items()))
         self.events: list[dict] = []
@@ -73,21 +80,34 @@ class Project:
             cmd += ["-f", str(ROOT / f)]
         proc = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
-            raise AssertionError(f"compose {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                                 f"{proc.stderr[-3000:]}")
+            raise AssertionError(
+                f"compose {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         return proc
 
     # ---------------------------------------------------------------- lifecycle
     def watch_events(self) -> None:
         """Record Docker's events for this project's containers (start, die, health_status) from now on."""
         self._events_proc = subprocess.Popen(
-            ["docker", "events", "--filter", f"label=com.docker.compose.project={self.name}",
-             "--filter", "type=container", "--format", "{{json .}}"], stdout=subprocess.PIPE, text=True)
+            [
+                "docker",
+                "events",
+                "--filter",
+                f"label=com.docker.compose.project={self.name}",
+                "--filter",
+                "type=container",
+                "--format",
+                "{{json .}}",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
         def pump(out):
             for line in out:
                 if line.strip():
                     self.events.append(json.loads(line))
+
         threading.Thread(target=pump, args=(self._events_proc.stdout,), daemon=True).start()
 
     def up(self, *args: str) -> None:
@@ -106,9 +126,14 @@ class Project:
     def leftovers(self) -> dict[str, list[str]]:
         """Containers, networks and volumes of this project that Docker still has."""
         label = f"label=com.docker.compose.project={self.name}"
-        return {kind: docker(*cmd, "--filter", label, "-q").stdout.split()
-                for kind, cmd in (("containers", ("ps", "-a")), ("networks", ("network", "ls")),
-                                  ("volumes", ("volume", "ls")))}
+        return {
+            kind: docker(*cmd, "--filter", label, "-q").stdout.split()
+            for kind, cmd in (
+                ("containers", ("ps", "-a")),
+                ("networks", ("network", "ls")),
+                ("volumes", ("volume", "ls")),
+            )
+        }
 
     # ---------------------------------------------------------------- reading state
     def container(self, service: str, index: int = 1) -> str:
@@ -123,8 +148,9 @@ class Project:
     def status(self) -> dict | None:
         """The learner's /status (JSON), or None while it is not answering."""
         try:
-            r = httpx.get(f"http://127.0.0.1:{self.status_port}/status",
-                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+            r = httpx.get(
+                f"http://127.0.0.1:{self.status_port}/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5
+            )
             return r.json() if r.status_code == 200 else None
         except (httpx.TransportError, ValueError):
             return None
@@ -135,8 +161,9 @@ class Project:
 
     def read(self, path: str) -> str:
         """A file of the `runs` volume (path under /runs), read by a throwaway container."""
-        proc = docker("run", "--rm", "--entrypoint", "cat", "-v", f"{self.name}_runs:/runs:ro", IMAGE, path,
-                      check=False)
+        proc = docker(
+            "run", "--rm", "--entrypoint", "cat", "-v", f"{self.name}_runs:/runs:ro", IMAGE, path, check=False
+        )
         if proc.returncode != 0:
             raise FileNotFoundError(f"{path} in volume {self.name}_runs: {proc.stderr.strip()}")
         return proc.stdout
@@ -148,14 +175,18 @@ class Project:
             if v:
                 return v
             time.sleep(0.5)
-        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n"
-                             f"{self.compose('ps', check=False).stdout}\n{self.logs('learner')[-4000:]}")
+        raise AssertionError(
+            f"timed out after {timeout_s:.0f} s waiting for {what}\n"
+            f"{self.compose('ps', check=False).stdout}\n{self.logs('learner')[-4000:]}"
+        )
 
     def wait_learner_done(self, timeout_s: float) -> int:
         """The learner's exit code once it has exited for good (not restarting)."""
+
         def done():
             st = self.state("learner")["State"]
             return st["Status"] == "exited" and not st["Restarting"] and (st["ExitCode"],)
+
         return self.wait_for(done, timeout_s, "the learner to finish")[0]
 
     def event_times(self, status: str) -> dict[str, list[float]]:

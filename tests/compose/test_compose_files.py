@@ -5,6 +5,7 @@ user's workspace and the repo's configs are mounted; HF_TOKEN reaches every serv
 model; every long-running service has a healthcheck (with a start period where it loads a model)
 and the learner waits for its dependencies to be healthy; the secrets must be set, and the image
 refuses placeholders; the GPU image's runtime can build a C extension (Triton's launcher)."""
+
 import json
 import os
 import subprocess
@@ -18,10 +19,18 @@ from tests.compose.support import CPU_FILES, GPU_FILES, ROOT, compose_binary
 
 pytestmark = pytest.mark.docker
 
-ENV = {"RLHF_AUTH_TOKEN": "compose-files-test-token", "RLHF_REDIS_PASSWORD": "compose-files-test-password",
-       "HF_TOKEN": "hf_compose_test_token"}
-SEVERAL_GPUS = {"RLHF_GENERATION_GPUS": "0,1", "RLHF_LEARNER_GPUS": "2", "RLHF_CRITIC_GPUS": "3",
-                "RLHF_REWARD_GPUS": "3", "RLHF_CONFIG": "gpu.yaml"}
+ENV = {
+    "RLHF_AUTH_TOKEN": "compose-files-test-token",
+    "RLHF_REDIS_PASSWORD": "compose-files-test-password",
+    "HF_TOKEN": "hf_compose_test_token",
+}
+SEVERAL_GPUS = {
+    "RLHF_GENERATION_GPUS": "0,1",
+    "RLHF_LEARNER_GPUS": "2",
+    "RLHF_CRITIC_GPUS": "3",
+    "RLHF_REWARD_GPUS": "3",
+    "RLHF_CONFIG": "gpu.yaml",
+}
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
 LOADS_A_MODEL = {"reward", "critic", "generation", "learner"}
 RLHF_SERVICES = LONG_RUNNING | {"init"}
@@ -35,8 +44,14 @@ def _compose(args: list[str], env: dict, env_file: Path | None = None) -> subpro
     with tempfile.TemporaryDirectory() as tmp:
         env_file = env_file or Path(tmp) / "empty.env"
         env_file.touch()
-        return subprocess.run([*compose_binary(), "--project-directory", str(ROOT), "--env-file", str(env_file),
-                               *args], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [*compose_binary(), "--project-directory", str(ROOT), "--env-file", str(env_file), *args],
+            cwd=ROOT,
+            env={**clean, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
 
 def _config(files, env: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -63,8 +78,9 @@ def test_config_quiet_passes(files):
     assert proc.returncode == 0 and proc.stdout == "", proc.stderr
 
 
-@pytest.mark.parametrize("compose_file", ["docker-compose.yml:docker-compose.gpu.yml",
-                                          "docker-compose.yml:docker-compose.cpu.yml"])
+@pytest.mark.parametrize(
+    "compose_file", ["docker-compose.yml:docker-compose.gpu.yml", "docker-compose.yml:docker-compose.cpu.yml"]
+)
 def test_env_example_needs_only_the_secrets(compose_file, tmp_path):
     """.env.example as a user copies it, with either COMPOSE_FILE it documents: refused until the
     two secrets are set, with a message that names them; valid once they are."""
@@ -134,8 +150,9 @@ def test_the_workspace_and_the_configs_are_mounted_read_only(gpu, cpu, tmp_path)
 
 def test_a_reward_api_on_the_host_is_reachable_with_its_key(gpu):
     reward = gpu["services"]["reward"]
-    assert reward["extra_hosts"] == {"host.docker.internal": "host-gateway"} or \
-        reward["extra_hosts"] == ["host.docker.internal:host-gateway"], reward["extra_hosts"]
+    assert reward["extra_hosts"] == {"host.docker.internal": "host-gateway"} or reward["extra_hosts"] == [
+        "host.docker.internal:host-gateway"
+    ], reward["extra_hosts"]
     proc = _config(GPU_FILES, {**ENV, "RLHF_REWARD_API_KEY": "api-key-of-the-user"})
     config = yaml.safe_load(proc.stdout)
     assert config["services"]["reward"]["environment"]["RLHF_REWARD_API_KEY"] == "api-key-of-the-user"
@@ -145,8 +162,10 @@ def test_a_reward_api_on_the_host_is_reachable_with_its_key(gpu):
 
 
 def test_the_learner_status_is_published_on_the_loopback_only(gpu):
-    assert gpu["services"]["learner"]["ports"] == ["127.0.0.1:8054:8054/tcp"] or \
-        gpu["services"]["learner"]["ports"][0]["host_ip"] == "127.0.0.1"
+    assert (
+        gpu["services"]["learner"]["ports"] == ["127.0.0.1:8054:8054/tcp"]
+        or gpu["services"]["learner"]["ports"][0]["host_ip"] == "127.0.0.1"
+    )
 
 
 def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
@@ -175,8 +194,11 @@ def test_every_long_running_service_has_a_healthcheck_and_a_restart_policy(varia
 def test_the_learner_waits_for_healthy_dependencies(gpu):
     deps = gpu["services"]["learner"]["depends_on"]
     assert {k: v["condition"] for k, v in deps.items()} == {
-        "redis": "service_healthy", "reward": "service_healthy", "critic": "service_healthy",
-        "generation": "service_healthy"}
+        "redis": "service_healthy",
+        "reward": "service_healthy",
+        "critic": "service_healthy",
+        "generation": "service_healthy",
+    }
     for name in ("reward", "critic", "generation"):
         assert gpu["services"][name]["depends_on"]["init"]["condition"] == "service_completed_successfully"
 
@@ -218,17 +240,39 @@ def test_learner_and_generation_share_a_tmpfs_for_weights(variant, gpu, cpu):
 
 def test_the_image_runs_rlhf_as_a_non_root_user():
     from tests.compose.support import IMAGE, docker, require_docker
+
     require_docker()
     config = json.loads(docker("image", "inspect", IMAGE).stdout)[0]["Config"]
     assert config["User"] == "rlhf" and config["Entrypoint"] == ["rlhf"]
     assert docker("run", "--rm", "--entrypoint", "id", IMAGE, "-u").stdout.strip() == "10001"
     # the healthcheck helper the compose file calls answers "not serving" with exit 1, not a traceback
-    probe = docker("run", "--rm", "--entrypoint", "python3", IMAGE, "-m", "services.common.rpc.health",
-                   "127.0.0.1:50051", check=False)
+    probe = docker(
+        "run",
+        "--rm",
+        "--entrypoint",
+        "python3",
+        IMAGE,
+        "-m",
+        "services.common.rpc.health",
+        "127.0.0.1:50051",
+        check=False,
+    )
     assert probe.returncode == 1 and "Traceback" not in probe.stderr, probe.stderr
     # a placeholder secret left from an example file stops a service at once, saying which
-    refused = docker("run", "--rm", "-e", "RLHF_AUTH_TOKEN=change-me", IMAGE, "serve", "reward", "-c",
-                     "tiny-cpu.yaml", "--host", "0.0.0.0", check=False)
+    refused = docker(
+        "run",
+        "--rm",
+        "-e",
+        "RLHF_AUTH_TOKEN=change-me",
+        IMAGE,
+        "serve",
+        "reward",
+        "-c",
+        "tiny-cpu.yaml",
+        "--host",
+        "0.0.0.0",
+        check=False,
+    )
     assert refused.returncode == 2 and "RLHF_AUTH_TOKEN is still the placeholder" in refused.stderr, refused.stderr
 
 
@@ -254,13 +298,26 @@ def test_the_gpu_runtime_can_build_tritons_launcher():
     cannot be pulled here) has the C compiler and headers Triton needs; the cpu flavour's has none
     (it is not needed there, and the image stays small)."""
     from tests.compose.support import docker, require_docker
+
     require_docker()
     base = os.environ.get("RLHF_TEST_BASE_IMAGE", "rlhf-base:bookworm")
     sizes = {}
     for flavour in ("gpu", "cpu"):
         tag = f"rlhf:runtime-base-{flavour}"
-        docker("build", "--quiet", "--target", "runtime-base", "--build-arg", f"FLAVOUR={flavour}",
-               "--build-arg", f"BASE_IMAGE={base}", "-t", tag, str(ROOT), timeout=900)
+        docker(
+            "build",
+            "--quiet",
+            "--target",
+            "runtime-base",
+            "--build-arg",
+            f"FLAVOUR={flavour}",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "-t",
+            tag,
+            str(ROOT),
+            timeout=900,
+        )
         sizes[flavour] = int(docker("image", "inspect", "-f", "{{.Size}}", tag).stdout)
         built = docker("run", "--rm", "--user", "rlhf", "--entrypoint", "sh", tag, "-c", TRITON_LIKE_BUILD, check=False)
         if flavour == "gpu":

@@ -13,6 +13,7 @@ docker-compose.cpu.yml) on the tiny default, from the image `make test-docker` b
   brings it back), then the whole system goes `down` and `up` again (keeping its volumes); the
   run resumes from its checkpoints each time, finishes, and its ledger shows every prompt of the
   run trained exactly once."""
+
 import json
 import os
 import re
@@ -44,8 +45,10 @@ def _workspace() -> Path:
     cfg["run"]["seed"] = 7
     (ws / "configs/my-tiny.yaml").write_text(yaml.safe_dump(cfg))
     for split, n in (("train", 4000), ("eval", 256)):
-        rows = [{"id": f"ws-{split}-{i}", "prompt": r.prompt, "label": r.label}
-                for i, r in enumerate(reverse_task(split, n, seed=3))]
+        rows = [
+            {"id": f"ws-{split}-{i}", "prompt": r.prompt, "label": r.label}
+            for i, r in enumerate(reverse_task(split, n, seed=3))
+        ]
         (ws / f"data/reverse-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for path in (ws, *ws.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -56,9 +59,16 @@ def _workspace() -> Path:
 def tiny(tmp_path_factory):
     require_docker()
     workspace = _workspace()
-    project = Project(f"rlhftiny{os.getpid()}", tmp_path_factory.mktemp("compose-tiny"), CPU_FILES,
-                      {"RLHF_OVERRIDES": "run.iterations=60 run.eval_interval=30 run.checkpoint_interval=0",
-                       "RLHF_WORKSPACE": str(workspace), "RLHF_CONFIG": "my-tiny.yaml"})
+    project = Project(
+        f"rlhftiny{os.getpid()}",
+        tmp_path_factory.mktemp("compose-tiny"),
+        CPU_FILES,
+        {
+            "RLHF_OVERRIDES": "run.iterations=60 run.eval_interval=30 run.checkpoint_interval=0",
+            "RLHF_WORKSPACE": str(workspace),
+            "RLHF_CONFIG": "my-tiny.yaml",
+        },
+    )
     project.watch_events()
     try:
         t0 = time.time()
@@ -68,18 +78,22 @@ def tiny(tmp_path_factory):
         t_first = time.time() - t0
         code = project.wait_learner_done(600)
         t_done = time.time() - t0
-        out = {"code": code, "summary": json.loads(project.read("/runs/run/summary.json")),
-               "config": yaml.safe_load(project.read("/runs/run/config.yaml")),
-               "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
-               "rollout_health": [project.state("rollout", i)["State"].get("Health", {}).get("Status")
-                                  for i in (1, 2)],
-               "learner_log": project.logs("learner")}
+        out = {
+            "code": code,
+            "summary": json.loads(project.read("/runs/run/summary.json")),
+            "config": yaml.safe_load(project.read("/runs/run/config.yaml")),
+            "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
+            "rollout_health": [project.state("rollout", i)["State"].get("Health", {}).get("Status") for i in (1, 2)],
+            "learner_log": project.logs("learner"),
+        }
         time.sleep(1)  # the last events reach the watcher
         out["events"] = {s: project.event_times(s) for s in ("start", "die", "health_status: healthy")}
         out["down"] = project.down(volumes=True)
         out["leftovers"] = project.leftovers()
-        print(f"compose tiny run: up -d returned after {t_up:.1f} s, first iteration at {t_first:.1f} s, "
-              f"learner done at {t_done:.1f} s; summary {out['summary']}")
+        print(
+            f"compose tiny run: up -d returned after {t_up:.1f} s, first iteration at {t_first:.1f} s, "
+            f"learner done at {t_done:.1f} s; summary {out['summary']}"
+        )
         yield out
     finally:
         project.close()
@@ -132,20 +146,31 @@ def _logs(container: str) -> str:
 
 
 def _stats(project: Project) -> dict:
-    out = project.compose("exec", "-T", "reward-api", "python3", "-c",
-                          "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/stats').read().decode())")
+    out = project.compose(
+        "exec",
+        "-T",
+        "reward-api",
+        "python3",
+        "-c",
+        "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/stats').read().decode())",
+    )
     return json.loads(out.stdout)
 
 
 @pytest.fixture(scope="module")
 def resilient(tmp_path_factory):
     require_docker()
-    project = Project(f"rlhfres{os.getpid()}", tmp_path_factory.mktemp("compose-res"),
-                      (*CPU_FILES, "tests/compose/reward-api.yml"),
-                      {"RLHF_REWARD_URL": "http://reward-api:8000/get_reward",
-                       "RLHF_REWARD_API_KEY": "compose-test-reward-api-key",
-                       "RLHF_OVERRIDES": f"run.iterations={ITERATIONS} run.eval_interval=20 "
-                                         "run.checkpoint_interval=5 data.eval_size=64"})
+    project = Project(
+        f"rlhfres{os.getpid()}",
+        tmp_path_factory.mktemp("compose-res"),
+        (*CPU_FILES, "tests/compose/reward-api.yml"),
+        {
+            "RLHF_REWARD_URL": "http://reward-api:8000/get_reward",
+            "RLHF_REWARD_API_KEY": "compose-test-reward-api-key",
+            "RLHF_OVERRIDES": f"run.iterations={ITERATIONS} run.eval_interval=20 "
+            "run.checkpoint_interval=5 data.eval_size=64",
+        },
+    )
     try:
         project.up("--scale", "rollout=2")
         # 1. the learner's process dies (as under the OOM killer): the restart policy brings it back
@@ -154,49 +179,73 @@ def resilient(tmp_path_factory):
         killed_at = project.iteration()
         os.kill(pid, 9)
         project.wait_for(lambda: project.state("learner")["RestartCount"] >= 1, 60, "the learner's restart")
-        resumed = project.wait_for(lambda: (s := project.status()) and s.get("resumed_from") is not None and s, 120,
-                                   "the restarted learner to resume")
+        resumed = project.wait_for(
+            lambda: (s := project.status()) and s.get("resumed_from") is not None and s,
+            120,
+            "the restarted learner to resume",
+        )
         # a second generation server joins late: it pulls the current policy from the learner
         # (at the address the learner advertises) before it serves
         project.up("--scale", "rollout=2", "--scale", "generation=2")
-        pulled = project.wait_for(lambda: re.search(r"pulled policy version (\d+) from the learner at (\S+)",
-                                                    _logs(project.container("generation", 2))), 180,
-                                   "the late generation server's pull")
+        pulled = project.wait_for(
+            lambda: re.search(
+                r"pulled policy version (\d+) from the learner at (\S+)", _logs(project.container("generation", 2))
+            ),
+            180,
+            "the late generation server's pull",
+        )
         # 2. `docker kill`: Docker counts it as a manual stop, so no restart policy brings the
         # container back; `up -d` does, and it resumes again
         project.wait_for(lambda: project.iteration() >= resumed["resumed_from"] + 8, 300, "progress after the restart")
         docker("kill", project.container("learner"))
-        project.wait_for(lambda: project.state("learner")["State"]["Status"] == "exited", 120,
-                         "the killed learner exited")
+        project.wait_for(
+            lambda: project.state("learner")["State"]["Status"] == "exited", 120, "the killed learner exited"
+        )
         time.sleep(3)  # and stays so: a restart policy would have brought it back by now
         after_kill = project.state("learner")["State"]
         project.up("--scale", "rollout=2", "--scale", "generation=2")
         resumed_after_kill = project.wait_for(
-            lambda: (s := project.status()) and (s.get("resumed_from") or 0) > resumed["resumed_from"] and s, 120,
-            "the learner to resume after docker kill and up -d")
+            lambda: (s := project.status()) and (s.get("resumed_from") or 0) > resumed["resumed_from"] and s,
+            120,
+            "the learner to resume after docker kill and up -d",
+        )
         # 3. the whole system down (SIGTERM: the learner writes a last checkpoint) and up again
-        project.wait_for(lambda: project.iteration() >= resumed_after_kill["resumed_from"] + 8, 300,
-                         "progress after docker kill")
+        project.wait_for(
+            lambda: project.iteration() >= resumed_after_kill["resumed_from"] + 8, 300, "progress after docker kill"
+        )
         stopped_at = project.iteration()
         assert stopped_at < ITERATIONS - 20, f"the run is too fast for the steps: at {stopped_at} of {ITERATIONS}"
         stats_before_down = _stats(project)
         project.down(volumes=False)
         project.up("--scale", "rollout=2", "--scale", "generation=2")
-        resumed_again = project.wait_for(lambda: (s := project.status()) and s.get("resumed_from") is not None and s,
-                                         300, "the learner to resume after down/up")
+        resumed_again = project.wait_for(
+            lambda: (s := project.status()) and s.get("resumed_from") is not None and s,
+            300,
+            "the learner to resume after down/up",
+        )
         code = project.wait_learner_done(600)
         stats_after = _stats(project)
         rows = [json.loads(x) for x in project.read("/runs/run/metrics.jsonl").splitlines() if x.strip()]
-        out = {"rows": rows, "code": code, "killed_at": killed_at, "resumed_from": resumed["resumed_from"],
-               "pulled": (int(pulled.group(1)), pulled.group(2)), "after_docker_kill": after_kill,
-               "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
-               "stopped_at": stopped_at, "resumed_again_from": resumed_again["resumed_from"],
-               "summary": json.loads(project.read("/runs/run/summary.json")),
-               "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
-               "reward_api": [stats_before_down, stats_after], "learner_log": project.logs("learner")}
-        print(f"compose resilient run: killed at {killed_at}, resumed from {out['resumed_from']}, after docker kill "
-              f"resumed from {out['resumed_after_docker_kill']}, stopped at "
-              f"{stopped_at}, resumed from {out['resumed_again_from']}; reward API {out['reward_api']}")
+        out = {
+            "rows": rows,
+            "code": code,
+            "killed_at": killed_at,
+            "resumed_from": resumed["resumed_from"],
+            "pulled": (int(pulled.group(1)), pulled.group(2)),
+            "after_docker_kill": after_kill,
+            "resumed_after_docker_kill": resumed_after_kill["resumed_from"],
+            "stopped_at": stopped_at,
+            "resumed_again_from": resumed_again["resumed_from"],
+            "summary": json.loads(project.read("/runs/run/summary.json")),
+            "ledger": [json.loads(x) for x in project.read("/runs/run/trained.jsonl").splitlines() if x.strip()],
+            "reward_api": [stats_before_down, stats_after],
+            "learner_log": project.logs("learner"),
+        }
+        print(
+            f"compose resilient run: killed at {killed_at}, resumed from {out['resumed_from']}, after docker kill "
+            f"resumed from {out['resumed_after_docker_kill']}, stopped at "
+            f"{stopped_at}, resumed from {out['resumed_again_from']}; reward API {out['reward_api']}"
+        )
         yield out
     finally:
         project.close()

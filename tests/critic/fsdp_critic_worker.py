@@ -6,6 +6,7 @@ Rank 0 drives (its calls are announced to rank 1): values; two train steps; save
 step; load the save back; the third step again; values. With ONE_PROCESS_CKPT it first loads a
 checkpoint a one-process critic wrote. Results go to OUT_DIR/results.pt.
 """
+
 import sys
 from pathlib import Path
 

@@ -12,6 +12,7 @@ def _batch(tok):
 
 def test_values_are_masked_and_training_fits_returns(tiny_model_dir, tmp_path):
     from services.common.modeling import load_tokenizer
+
     tok = load_tokenizer(tiny_model_dir)
     critic = Critic(tiny_model_dir, lr=3e-3, device="cpu")
     batch = _batch(tok)
@@ -32,6 +33,7 @@ def test_values_are_masked_and_training_fits_returns(tiny_model_dir, tmp_path):
 
 def test_value_clip_limits_the_step(tiny_model_dir):
     from services.common.modeling import load_tokenizer
+
     tok = load_tokenizer(tiny_model_dir)
     batch = _batch(tok)
     clipped = Critic(tiny_model_dir, lr=1e-2, value_clip=0.01, device="cpu")
@@ -48,6 +50,7 @@ def test_a_non_finite_step_is_not_taken(tiny_model_dir):
 
     from services.common.modeling import load_tokenizer
     from services.critic.critic import NonFiniteStep
+
     batch = _batch(load_tokenizer(tiny_model_dir))
     critic = Critic(tiny_model_dir, lr=1e-2, device="cpu")
     critic.train_step(batch, batch.response_mask, critic.values(batch))

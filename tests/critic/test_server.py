@@ -65,20 +65,43 @@ def test_bad_critic_input(server, cfg, tmp_path):
     call = lambda req: c.stub.Train(req, metadata=c.metadata)  # noqa: E731
     nan = b.response_mask.clone()
     nan[0, 0] = float("nan")
-    expect_code(lambda: call(cpb.TrainRequest(batch=batch_to_proto(b), returns=tensor_to_proto(nan),
-                                              old_values=tensor_to_proto(b.response_mask))),
-                grpc.StatusCode.INVALID_ARGUMENT, "returns: contains NaN")
-    expect_code(lambda: call(cpb.TrainRequest(batch=batch_to_proto(b), returns=tensor_to_proto(torch.zeros(2, 5)),
-                                              old_values=tensor_to_proto(b.response_mask))),
-                grpc.StatusCode.INVALID_ARGUMENT, "returns: shape [2, 5], expected [2, 3]")
+    expect_code(
+        lambda: call(
+            cpb.TrainRequest(
+                batch=batch_to_proto(b), returns=tensor_to_proto(nan), old_values=tensor_to_proto(b.response_mask)
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "returns: contains NaN",
+    )
+    expect_code(
+        lambda: call(
+            cpb.TrainRequest(
+                batch=batch_to_proto(b),
+                returns=tensor_to_proto(torch.zeros(2, 5)),
+                old_values=tensor_to_proto(b.response_mask),
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "returns: shape [2, 5], expected [2, 3]",
+    )
     big = build_token_batch([[1, 99999]], [[4]], 0)
-    expect_code(lambda: c.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(big)), metadata=c.metadata),
-                grpc.StatusCode.INVALID_ARGUMENT, "token id 99999 outside the vocabulary")
+    expect_code(
+        lambda: c.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(big)), metadata=c.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "token id 99999 outside the vocabulary",
+    )
     long = build_token_batch([[1] * 40], [[4]], 0)
-    expect_code(lambda: c.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(long)), metadata=c.metadata),
-                grpc.StatusCode.INVALID_ARGUMENT, "prompt_length=32")
-    expect_code(lambda: c.stub.Values(cpb.ValuesRequest(), metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
-                "batch.input_ids: missing")
+    expect_code(
+        lambda: c.stub.Values(cpb.ValuesRequest(batch=batch_to_proto(long)), metadata=c.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt_length=32",
+    )
+    expect_code(
+        lambda: c.stub.Values(cpb.ValuesRequest(), metadata=c.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "batch.input_ids: missing",
+    )
     expect_code(lambda: c.load("none"), grpc.StatusCode.INVALID_ARGUMENT, "no critic checkpoint")
     assert c.values(b).shape == (2, 3)  # still serving
 
@@ -104,15 +127,25 @@ def test_a_non_finite_step_is_refused_not_taken(cfg, tmp_path):
         c = CriticClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         b = _batch()
         before = c.values(b)
-        expect_code(lambda: c.train_step(b, b.response_mask * 3.4e38, before), grpc.StatusCode.INVALID_ARGUMENT,
-                    "critic step skipped")
+        expect_code(
+            lambda: c.train_step(b, b.response_mask * 3.4e38, before),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "critic step skipped",
+        )
         assert torch.equal(c.values(b), before) and c.info().step == 0
 
 
-BAD_PATHS = [("", "path: empty"), ("ABS", "must be relative"), ("../ck", "without '..'"),
-             ("a/../../ck", "without '..'"), ("a/../ck", "without '..'"), ("ck\0x", "NUL"),
-             ("c" * 1025, "more than 1024"), (".", "inside the checkpoint root"),
-             ("link/ck", "inside the checkpoint root")]  # link -> a directory outside the root
+BAD_PATHS = [
+    ("", "path: empty"),
+    ("ABS", "must be relative"),
+    ("../ck", "without '..'"),
+    ("a/../../ck", "without '..'"),
+    ("a/../ck", "without '..'"),
+    ("ck\0x", "NUL"),
+    ("c" * 1025, "more than 1024"),
+    (".", "inside the checkpoint root"),
+    ("link/ck", "inside the checkpoint root"),
+]  # link -> a directory outside the root
 
 
 def test_checkpoint_paths_stay_under_the_root(fresh, tmp_path):
@@ -137,10 +170,16 @@ def _reshape_optim_state(f):
     torch.save(state, f)
 
 
-@pytest.mark.parametrize("file, damage", [
-    ("critic_optim.pt", lambda f: f.unlink()), ("critic_optim.pt", lambda f: f.write_bytes(b"\0garbage" * 10)),
-    ("critic_optim.pt", _reshape_optim_state), ("value_head.safetensors", lambda f: f.write_bytes(b"\0garbage" * 10)),
-    ("model.safetensors", lambda f: f.write_bytes(b"\0garbage" * 10))])
+@pytest.mark.parametrize(
+    "file, damage",
+    [
+        ("critic_optim.pt", lambda f: f.unlink()),
+        ("critic_optim.pt", lambda f: f.write_bytes(b"\0garbage" * 10)),
+        ("critic_optim.pt", _reshape_optim_state),
+        ("value_head.safetensors", lambda f: f.write_bytes(b"\0garbage" * 10)),
+        ("model.safetensors", lambda f: f.write_bytes(b"\0garbage" * 10)),
+    ],
+)
 def test_a_failed_load_leaves_the_critic_unchanged(fresh, tmp_path, file, damage):
     b = _batch()
     _train(fresh, b)
@@ -148,8 +187,11 @@ def test_a_failed_load_leaves_the_critic_unchanged(fresh, tmp_path, file, damage
     _train(fresh, b, target=5.0)
     before = fresh.values(b)
     damage(tmp_path / "run" / "ck" / file)
-    expect_code(lambda: fresh.load("ck"), grpc.StatusCode.INVALID_ARGUMENT,
-                "backbone model files" if file == "model.safetensors" else file)
+    expect_code(
+        lambda: fresh.load("ck"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "backbone model files" if file == "model.safetensors" else file,
+    )
     assert torch.equal(fresh.values(b), before)
     info = fresh.info()
     assert info.step == 2 and info.loaded_from == ""
@@ -166,8 +208,7 @@ def test_info_names_the_incarnation_and_the_loaded_checkpoint(fresh):
     fresh.save("checkpoints/iter_000001/critic")
     assert fresh.load("checkpoints/iter_000001/critic") == 1
     again = fresh.info()
-    assert (again.step, again.loaded_from, again.incarnation) == (1, "checkpoints/iter_000001/critic",
-                                                                   info.incarnation)
+    assert (again.step, again.loaded_from, again.incarnation) == (1, "checkpoints/iter_000001/critic", info.incarnation)
 
 
 def test_a_restarted_critic_resumes_from_the_newest_complete_checkpoint(cfg, tmp_path):
@@ -199,6 +240,7 @@ def test_a_run_without_a_critic_gets_an_idle_critic_server(cfg, tmp_path):
     """adv_estimator grpo uses no critic: the critic server Docker Compose and Kubernetes always
     start is healthy but loads no model (here: none exists) and answers no Critic call."""
     from services.common.rpc import health
+
     idle = on_free_ports(cfg, "critic").model_copy(update={"adv_estimator": "grpo"})
     idle.model.path = str(tmp_path / "no-model")
     with serve(idle, root=tmp_path / "run") as svc:

@@ -1,6 +1,7 @@
 """The critic's value model sharded with FSDP2 across 2 CPU processes (gloo), against the
 one-process critic on the same batches: the same values, losses and steps; a checkpoint that
 resumes to the same state; checkpoints that load across 1 and 2 processes both ways."""
+
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,11 @@ def _one_process(model_dir: str, out: Path) -> tuple[Critic, dict]:
     torch.manual_seed(0)
     critic = Critic(model_dir, **critic_kwargs())
     (b1, r1, v1), (b2, r2, v2), (b3, r3, v3) = steps()
-    results = {"values": critic.values(b1), "values_one_row": critic.values(b1.select([2])),
-               "train": [critic.train_step(b1, r1, v1), critic.train_step(b2, r2, v2)]}
+    results = {
+        "values": critic.values(b1),
+        "values_one_row": critic.values(b1.select([2])),
+        "train": [critic.train_step(b1, r1, v1), critic.train_step(b2, r2, v2)],
+    }
     critic.save(out / "ckpt")
     results["third"] = critic.train_step(b3, r3, v3)
     results["values_third"] = critic.values(b1)
@@ -84,9 +88,11 @@ def test_checkpoints_load_across_one_and_two_processes(tiny_model_dir, tmp_path)
 def test_a_broken_sharded_checkpoint_is_refused_everywhere(tiny_model_dir, tmp_path):
     _two_processes(tiny_model_dir, tmp_path / "two")
     import shutil
+
     shutil.rmtree(tmp_path / "two" / "ckpt" / "optim")
     critic = Critic(tiny_model_dir, **critic_kwargs())
     from services.critic.critic import CheckpointError
+
     with pytest.raises(CheckpointError, match="optim"):
         critic.load(tmp_path / "two" / "ckpt")
     assert critic.steps == 0

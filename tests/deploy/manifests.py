@@ -2,6 +2,7 @@
 kustomize overlays with their components, and reading the rendered objects the way Kubernetes does
 (a container's environment, `$(VAR)` expansion in args and env, the rlhf command lines inside a
 `sh -c` script)."""
+
 from __future__ import annotations
 
 import base64
@@ -43,8 +44,9 @@ def _required() -> bool:
 
 
 def missing(what: str):
-    msg = (f"{what} is missing: run `bash deploy/k8s/tools.sh` (root on Debian installs everything the deploy "
-           "tests need)")
+    msg = (
+        f"{what} is missing: run `bash deploy/k8s/tools.sh` (root on Debian installs everything the deploy tests need)"
+    )
     if _required():
         pytest.fail(msg, pytrace=False)
     pytest.skip(msg)
@@ -62,8 +64,11 @@ def _version_ok(cmd: list[str], pattern: str, minimum: int) -> bool:
 def kubectl() -> str:
     """kubectl 1.27+ (RLHF_KUBECTL, deploy/k8s/.tools/bin/kubectl or the PATH's)."""
     for c in (os.environ.get("RLHF_KUBECTL"), str(TOOLS_BIN / "kubectl"), shutil.which("kubectl")):
-        if c and os.access(c, os.X_OK) and _version_ok([c, "version", "--client", "-o", "json"],
-                                                       r'"minor":\s*"(\d+)', KUBECTL_MIN_MINOR):
+        if (
+            c
+            and os.access(c, os.X_OK)
+            and _version_ok([c, "version", "--client", "-o", "json"], r'"minor":\s*"(\d+)', KUBECTL_MIN_MINOR)
+        ):
             return c
     missing(f"kubectl 1.{KUBECTL_MIN_MINOR}+")
 
@@ -106,8 +111,9 @@ def make_tree(dest: Path, secrets: dict | None = SECRETS) -> Path:
 def render(tree: Path, variant: str) -> str:
     """`kubectl kustomize` of a variant's overlay directory: the YAML stream `kubectl apply -k`
     would send."""
-    p = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / variant)], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [kubectl(), "kustomize", str(tree / "overlays" / variant)], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, f"kubectl kustomize overlays/{variant} failed:\n{p.stderr}"
     return p.stdout
 
@@ -132,8 +138,11 @@ def one(docs, kind, name) -> dict:
 
 def generated(docs, kind, base_name) -> dict:
     """A generated ConfigMap/Secret by its name before kustomize's hash suffix."""
-    found = [d for d in docs if d["kind"] == kind and re.fullmatch(re.escape(base_name) + r"(-[a-z0-9]{10})?",
-                                                                    d["metadata"]["name"])]
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind and re.fullmatch(re.escape(base_name) + r"(-[a-z0-9]{10})?", d["metadata"]["name"])
+    ]
     assert len(found) == 1, f"expected one generated {kind} {base_name}, found {[d['metadata']['name'] for d in found]}"
     return found[0]
 
@@ -172,7 +181,7 @@ def expand(text: str, env: dict) -> str:
             i += 2
         elif text.startswith("$(", i):
             end = text.find(")", i + 2)
-            name = text[i + 2:end] if end != -1 else None
+            name = text[i + 2 : end] if end != -1 else None
             if name is not None and name in env:
                 out.append(env[name])
                 i = end + 1
@@ -206,8 +215,11 @@ def container_env(container: dict, workload: dict, docs) -> dict:
             continue
         ref = var["valueFrom"]
         if "fieldRef" in ref:
-            env[var["name"]] = {"status.podIP": FAKE_POD_IP, "metadata.name": f"{meta['name']}-0",
-                                "metadata.namespace": meta.get("namespace", "default")}[ref["fieldRef"]["fieldPath"]]
+            env[var["name"]] = {
+                "status.podIP": FAKE_POD_IP,
+                "metadata.name": f"{meta['name']}-0",
+                "metadata.namespace": meta.get("namespace", "default"),
+            }[ref["fieldRef"]["fieldPath"]]
         elif "secretKeyRef" in ref:
             env[var["name"]] = data_of(one(docs, "Secret", ref["secretKeyRef"]["name"]))[ref["secretKeyRef"]["key"]]
         elif "configMapKeyRef" in ref:
@@ -254,7 +266,7 @@ def mounted_file(path: str, container: dict, workload: dict, docs) -> str | None
         prefix = m["mountPath"].rstrip("/") + "/"
         vol = volumes.get(m["name"], {})
         if path.startswith(prefix) and "configMap" in vol:
-            return data_of(one(docs, "ConfigMap", vol["configMap"]["name"])).get(path[len(prefix):])
+            return data_of(one(docs, "ConfigMap", vol["configMap"]["name"])).get(path[len(prefix) :])
     return None
 
 
@@ -292,8 +304,11 @@ def resolve(workload: dict, container: dict, docs, tmp_path: Path) -> list[Resol
     env = container_env(container, workload, docs)
     out = []
     capsys = _Capture()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(capsys.out), \
-            contextlib.redirect_stderr(capsys.err):
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        contextlib.redirect_stdout(capsys.out),
+        contextlib.redirect_stderr(capsys.err),
+    ):
         for k in [k for k in os.environ if k.startswith("RLHF_") and k not in env]:
             mp.delenv(k)
         for k, v in env.items():

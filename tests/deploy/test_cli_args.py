@@ -4,6 +4,7 @@ from the rendered ConfigMap it mounts, $RLHF_SET and --set applied by the CLI's 
 `rlhf config validate` run on the same file and overrides. Then what the services resolve must fit
 the manifests: the ports they bind are the ports the probes and Services use, the addresses they
 dial are Services that exist, and every service runs on the same model, run directory and secrets."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,13 @@ def resolved(docs, tmp_path_factory):
     out = {}
     for overlay in m.OVERLAYS:
         d = tmp_path_factory.mktemp(overlay)
-        out[overlay] = [r for w in m.workloads(docs[overlay]) for c in m.containers(w) if c["image"].startswith("rlhf")
-                        for r in m.resolve(w, c, docs[overlay], d)]
+        out[overlay] = [
+            r
+            for w in m.workloads(docs[overlay])
+            for c in m.containers(w)
+            if c["image"].startswith("rlhf")
+            for r in m.resolve(w, c, docs[overlay], d)
+        ]
     return out
 
 
@@ -130,8 +136,10 @@ def test_the_tiny_model_init_step_builds_once_and_atomically(docs, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
-    (bin_dir / "rlhf").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = init-model ] && [ "$2" = --out ] '
-                                  '&& mkdir -p "$3" && echo {} > "$3/config.json"\n')
+    (bin_dir / "rlhf").write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$1" = init-model ] && [ "$2" = --out ] '
+        '&& mkdir -p "$3" && echo {} > "$3/config.json"\n'
+    )
     (bin_dir / "rlhf").chmod(0o755)
     model = runs / "tiny-model"
     run_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RLHF_MODEL": str(model)}
@@ -143,8 +151,10 @@ def test_the_tiny_model_init_step_builds_once_and_atomically(docs, tmp_path):
     assert calls.read_text().count("init-model") == 1  # the second start found it
     assert sorted(x.name for x in runs.iterdir()) == ["tiny-model"]
     # a pod that lost the race (the model appeared while it built) keeps the winner's copy
-    (bin_dir / "rlhf").write_text(f'#!/bin/sh\nmkdir -p "$3" && echo mine > "$3/config.json" && '
-                                  f'mkdir -p {model} && echo winner > {model}/config.json\n')
+    (bin_dir / "rlhf").write_text(
+        f'#!/bin/sh\nmkdir -p "$3" && echo mine > "$3/config.json" && '
+        f"mkdir -p {model} && echo winner > {model}/config.json\n"
+    )
     shutil.rmtree(model)
     p = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr

@@ -6,6 +6,7 @@ the second trigger reads covers what lag cannot see: prompts claimed and not yet
 read as KEDA's scaler reads it (pkg/scalers/redis_streams_scaler.go: INFO's major version >= 7,
 XINFO GROUPS' entry for the consumer group, 0 when the stream does not exist, XLEN when the group
 does not; XPENDING's count in pending mode; active when above activationLagCount)."""
+
 from __future__ import annotations
 
 import math
@@ -52,12 +53,19 @@ def redis7(objs, tmp_path_factory):
     port = _free_port()
     mounts = {vm["mountPath"] for vm in c["volumeMounts"]}
     assert {"/run/redis", "/data"} <= mounts
-    for old, new in (("/run/redis", str(d / "conf")), ("dir /data", f"dir {d / 'data'}"),
-                     ("port 6379", f"port {port}\nbind 127.0.0.1")):
+    for old, new in (
+        ("/run/redis", str(d / "conf")),
+        ("dir /data", f"dir {d / 'data'}"),
+        ("port 6379", f"port {port}\nbind 127.0.0.1"),
+    ):
         assert old in script, old
         script = script.replace(old, new)
-    proc = subprocess.Popen([*c["command"], script], env={"PATH": f"{d / 'bin'}:{os.environ['PATH']}", **env},
-                            stdout=open(d / "redis.log", "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [*c["command"], script],
+        env={"PATH": f"{d / 'bin'}:{os.environ['PATH']}", **env},
+        stdout=open(d / "redis.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     password = env["RLHF_REDIS_PASSWORD"]
     client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=2)
     deadline, up = time.monotonic() + 120, False
@@ -155,8 +163,8 @@ def setup(objs, redis7, tmp_path):
 
     learner_w = m.one(objs, "StatefulSet", "learner")
     rollout_w = m.one(objs, "Deployment", "rollout")
-    learner, = [r for r in m.resolve(learner_w, m.pod_spec(learner_w)["containers"][0], objs, tmp_path)]
-    worker, = [r for r in m.resolve(rollout_w, m.pod_spec(rollout_w)["containers"][0], objs, tmp_path)]
+    (learner,) = [r for r in m.resolve(learner_w, m.pod_spec(learner_w)["containers"][0], objs, tmp_path)]
+    (worker,) = [r for r in m.resolve(rollout_w, m.pod_spec(rollout_w)["containers"][0], objs, tmp_path)]
     url = f"redis://127.0.0.1:{redis7['port']}/0"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(worker.cfg.replay.password_env, worker.env[worker.cfg.replay.password_env])
@@ -170,6 +178,7 @@ def setup(objs, redis7, tmp_path):
 
 def _group(task):
     from services.common.rpc.gen import replay_pb2 as rpb
+
     return rpb.TrajectoryGroup(task=task)
 
 
@@ -184,6 +193,7 @@ def _produce(store, entries):
 
 def test_lag_grows_as_prompts_are_fed_and_falls_to_zero_as_workers_consume_them(setup, objs):
     from services.common.replay.streams import WORKERS_GROUP
+
     store, feeder, cfg, keda = setup
     meta = keda.triggers["prompts-waiting"]
     assert (meta["stream"], meta["consumerGroup"]) == (store.prompts, WORKERS_GROUP)
@@ -219,6 +229,7 @@ def test_lag_cannot_see_claimed_prompts_the_pending_trigger_does(setup):
     (concurrent batches finishing out of order), Redis cannot count the lag (NULL) until the next
     claim: lag alone reads nothing waiting. Pending stays above zero in both, so KEDA keeps a worker."""
     from services.common.replay.store import ReplayStore
+
     store, feeder, cfg, keda = setup
     n = 6
     feeder._feed(n, version=0)

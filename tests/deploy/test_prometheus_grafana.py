@@ -2,6 +2,7 @@
 (and the rules' own unit tests), the Grafana dashboard is what deploy/grafana/dashboard.py writes
 and every query in it parses, and every metric a panel or an alert names is exported by the
 services of a live tiny run (`rlhf up`, scraped with the run's token)."""
+
 import json
 import re
 import shutil
@@ -66,13 +67,17 @@ def test_dashboard_is_generated_and_every_query_parses(tmp_path):
         import dashboard
     finally:
         sys.path.remove(str(GRAFANA))
-    assert (GRAFANA / "dashboards" / "rlhf.json").read_text() == dashboard.render(), \
+    assert (GRAFANA / "dashboards" / "rlhf.json").read_text() == dashboard.render(), (
         "run `python deploy/grafana/dashboard.py`"
+    )
     exprs = _dashboard_exprs()
     assert len(exprs) >= 20
     # each query as a recording rule: promtool parses it as Prometheus would
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": e}
-                                                          for i, e in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": e} for i, e in enumerate(exprs)]}
+        ]
+    }
     (tmp_path / "q.yml").write_text(yaml.safe_dump(rules))
     proc = promtool("check", "rules", "q.yml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -80,8 +85,14 @@ def test_dashboard_is_generated_and_every_query_parses(tmp_path):
 
 def _exported(text: str) -> set[str]:
     """Metric names a /metrics page exports, with the sample suffixes of each family's type."""
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "summary": ("_sum", "_count", "_created"), "gauge": (), "info": ("_info",), "untyped": ()}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("_sum", "_count", "_created"),
+        "gauge": (),
+        "info": ("_info",),
+        "untyped": (),
+    }
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -98,9 +109,28 @@ def live_metrics(tiny_model_dir, tmp_path_factory):
     """service -> names exported, scraped from every process of a tiny `rlhf up` run mid-run."""
     run_dir = tmp_path_factory.mktemp("monitoring") / "run"
     log = run_dir.parent / "up.log"
-    cmd = [sys.executable, "-m", "services.cli", "up", "-c", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-           "--workers", "1", "--set", f"model.path={tiny_model_dir}", "--set", "run.iterations=400",
-           "--set", "run.eval_interval=2", "--set", "rollout_batch_size=16", "--set", "ppo_mini_batch_size=16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "-c",
+        "configs/tiny-cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--workers",
+        "1",
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        "run.iterations=400",
+        "--set",
+        "run.eval_interval=2",
+        "--set",
+        "rollout_batch_size=16",
+        "--set",
+        "ppo_mini_batch_size=16",
+    ]
     with log.open("w") as f:
         up = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     try:

@@ -3,6 +3,7 @@ component, through `kubectl kustomize` and `kubernetes-validate --strict` (the o
 these manifests claim, 1.27, the first with GA gRPC probes, and the newest the validator knows);
 plus what a schema cannot see: references that resolve, selectors that select, probes on the
 services' real health names, security contexts that meet the "restricted" Pod Security Standard."""
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,13 @@ def validation(rendered, tmp_path_factory):
     for variant, text in rendered.items():
         (d / f"{variant}.yaml").write_text(text)
     args = [a for v in K8S_VERSIONS for a in ("-k", v)]
-    p = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", *args,
-                        *[f"{v}.yaml" for v in rendered]], cwd=d, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", *args, *[f"{v}.yaml" for v in rendered]],
+        cwd=d,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, f"kubernetes-validate failed:\n{p.stdout}\n{p.stderr}"
     out = {v: [] for v in rendered}
     for line in p.stdout.splitlines():
@@ -60,11 +66,20 @@ def test_every_core_object_passes_strict_schema_validation(variant, docs, valida
 def test_the_validator_is_strict(tmp_path):
     """--strict rejects a misspelt field: passing means the manifests have none."""
     m.kubernetes_validate_version()
-    bad = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
-           "spec": {"ports": [{"port": 1, "targetPort": "grpc", "protocl": "TCP"}]}}
+    bad = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "x"},
+        "spec": {"ports": [{"port": 1, "targetPort": "grpc", "protocl": "TCP"}]},
+    }
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
-    p = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSIONS[0], "bad.yaml"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSIONS[0], "bad.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "protocl" in p.stdout
 
 
@@ -76,7 +91,8 @@ def test_base_configs_are_the_repositorys_configs():
     assert copies == ours, "run: rm deploy/k8s/base/configs/*.yaml; cp configs/*.yaml deploy/k8s/base/configs/"
     for name in ours:
         assert (m.K8S / "base" / "configs" / name).read_bytes() == (m.ROOT / "configs" / name).read_bytes(), (
-            f"deploy/k8s/base/configs/{name} differs from configs/{name}: cp configs/{name} deploy/k8s/base/configs/")
+            f"deploy/k8s/base/configs/{name} differs from configs/{name}: cp configs/{name} deploy/k8s/base/configs/"
+        )
     kust = yaml.safe_load((m.K8S / "base" / "kustomization.yaml").read_text())
     files = next(g["files"] for g in kust["configMapGenerator"] if g["name"] == "rlhf-config")
     assert sorted(Path(f).name for f in files) == ours
@@ -94,8 +110,9 @@ def test_the_secret_comes_from_an_ignored_local_file_with_the_names_the_services
     assert p.returncode == 1
     # no secrets.env, no render: nothing falls back to a default secret
     tree = m.make_tree(tmp_path, secrets=None)
-    p = subprocess.run([m.kubectl(), "kustomize", str(tree / "overlays" / "gpu")], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [m.kubectl(), "kustomize", str(tree / "overlays" / "gpu")], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode != 0 and "secrets.env" in p.stderr
 
 
@@ -150,8 +167,16 @@ def test_pods_meet_the_restricted_pod_security_standard(overlay, docs):
     objs = docs[overlay]
     ns = m.one(objs, "Namespace", "rlhf")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
-    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                       "projected", "secret"}
+    allowed_volumes = {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
     for w in m.workloads(objs):
         spec, name = m.pod_spec(w), w["metadata"]["name"]
         assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name

@@ -1,6 +1,7 @@
 """Your reward function and prompts on the cluster (deploy/k8s/overlays/my-code): the files go into
 the rlhf-config ConfigMap that every service mounts at /etc/rlhf, the config there names them by
 that path, and what the cluster would run validates."""
+
 from __future__ import annotations
 
 import os
@@ -23,14 +24,19 @@ def test_the_my_code_overlay_ships_your_files_to_every_service(k8s_tree, tmp_pat
     assert "tiny-cpu.yaml" in config["data"]
     env = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rlhf-env"))
     assert env["data"]["RLHF_CONFIG"] == "/etc/rlhf/my-run.yaml"
-    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")
-                 and d["metadata"].get("labels", {}).get("app.kubernetes.io/component") in
-                 ("generation", "reward", "critic", "learner", "rollout")]
+    workloads = [
+        d
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        and d["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        in ("generation", "reward", "critic", "learner", "rollout")
+    ]
     assert len(workloads) == 5
     for w in workloads:
         spec = w["spec"]["template"]["spec"]
-        volume = next(v["name"] for v in spec["volumes"]
-                      if v.get("configMap", {}).get("name") == config["metadata"]["name"])
+        volume = next(
+            v["name"] for v in spec["volumes"] if v.get("configMap", {}).get("name") == config["metadata"]["name"]
+        )
         mounts = [vm for c in spec["containers"] for vm in c.get("volumeMounts", []) if vm["name"] == volume]
         assert [vm["mountPath"] for vm in mounts] == ["/etc/rlhf"], w["metadata"]["name"]
 
@@ -39,7 +45,12 @@ def test_the_my_code_overlay_ships_your_files_to_every_service(k8s_tree, tmp_pat
     etc.mkdir()
     for name, text in config["data"].items():
         (etc / name).write_text(text.replace("/etc/rlhf/", f"{etc}/"))
-    r = subprocess.run([sys.executable, "-m", "services.cli", "config", "validate", str(etc / "my-run.yaml")],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "config", "validate", str(etc / "my-run.yaml")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert f"{etc}/my_reward.py:score" in r.stdout

@@ -1,6 +1,7 @@
 """The documentation: the MkDocs site (mkdocs.yml, docs/) builds with --strict, offline; the
 configuration reference is what the config schema describes; every page is in the navigation;
 every relative link of README.md (and its anchor) points at something that exists."""
+
 import os
 import re
 import subprocess
@@ -53,8 +54,24 @@ def test_the_site_builds_strictly_and_offline(tmp_path):
     env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2.0 (what `mkdocs build` prints says so)
     for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         env[var] = "http://127.0.0.1:9"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(MKDOCS_YML),
-                           "--site-dir", str(site)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(MKDOCS_YML),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (site / "index.html").is_file() and (site / "configuration" / "index.html").is_file()
     assert "rollout_batch_size" in (site / "configuration" / "index.html").read_text()
@@ -76,8 +93,9 @@ def test_configuration_page_is_the_generated_one():
     """docs/configuration.md is what the config schema describes: a key added, removed or
     described anew without regenerating the page fails here."""
     assert DOCS_PAGE == DOCS / "configuration.md"
-    assert DOCS_PAGE.read_text() == configuration_page(), \
+    assert DOCS_PAGE.read_text() == configuration_page(), (
         f"docs/configuration.md is out of date; run `.venv/bin/{REGENERATE}` to regenerate it"
+    )
 
 
 def test_configuration_page_holds_every_key_once():
@@ -103,8 +121,18 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
     pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
     assert sorted(pages - set(nav)) == [], "pages in docs/ that no nav entry names (orphans)"
     assert sorted(set(nav) - pages) == [], "nav entries without their page"
-    assert {"index.md", "configuration.md", "resume.md", "speed.md", "reward-functions.md", "evaluate.md",
-            "metrics.md", "reward-model.md", "rlhf-smollm2.md", "architecture.md"} <= pages
+    assert {
+        "index.md",
+        "configuration.md",
+        "resume.md",
+        "speed.md",
+        "reward-functions.md",
+        "evaluate.md",
+        "metrics.md",
+        "reward-model.md",
+        "rlhf-smollm2.md",
+        "architecture.md",
+    } <= pages
 
 
 def test_readme_links_point_at_files_and_headings_that_exist():

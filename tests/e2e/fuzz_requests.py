@@ -2,6 +2,7 @@
 descriptors (extreme, negative, NaN/inf, non-UTF-8, long, deeply nested JSON), near-valid token
 batches, tensors, prompts and weight pushes with one thing wrong, raw bytes that are not a message,
 and a one-line summary of a request for the failure list."""
+
 import hashlib
 import math
 import random
@@ -14,30 +15,100 @@ from google.protobuf import descriptor as pbd
 from google.protobuf import message_factory, text_format
 
 FLOAT32_MAX = 3.4028234663852886e38
-NP_NAMES = {"float32": "float32", "float64": "float64", "int64": "int64", "int32": "int32", "int8": "int8",
-            "uint8": "uint8", "bool": "bool", "int16": "bfloat16"}
-DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
-          "bool": 1}
+NP_NAMES = {
+    "float32": "float32",
+    "float64": "float64",
+    "int64": "int64",
+    "int32": "int32",
+    "int8": "int8",
+    "uint8": "uint8",
+    "bool": "bool",
+    "int16": "bfloat16",
+}
+DTYPES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def message_class(desc: pbd.Descriptor):
     return message_factory.GetMessageClass(desc)
 
 
-
 # ------------------------------------------------------------------ random values
 INT_RANGES = {
-    pbd.FieldDescriptor.TYPE_INT32: (-2**31, 2**31 - 1), pbd.FieldDescriptor.TYPE_SINT32: (-2**31, 2**31 - 1),
-    pbd.FieldDescriptor.TYPE_SFIXED32: (-2**31, 2**31 - 1), pbd.FieldDescriptor.TYPE_INT64: (-2**63, 2**63 - 1),
-    pbd.FieldDescriptor.TYPE_SINT64: (-2**63, 2**63 - 1), pbd.FieldDescriptor.TYPE_SFIXED64: (-2**63, 2**63 - 1),
-    pbd.FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), pbd.FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
-    pbd.FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), pbd.FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    pbd.FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    pbd.FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    pbd.FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    pbd.FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    pbd.FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    pbd.FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    pbd.FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    pbd.FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    pbd.FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    pbd.FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
-FLOATS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 1e-30, 1e-8, 0.5, 1.0, 1.5, 10.0, 11.0, -1.0, 3.4e38, 1e30,
-          -1e30, 65504.0]
-STRINGS = ["", " ", "abc=", "hgfed=", "a", "\x00", "\n", "é☃𝄞", "user", "assistant", "system", "float32", "bfloat16",
-           "int64", "complex64", "{}", "[]", "null", '{"a": 1}', '{"a": {"b": [1, 2]}}', "{", '"x"', "NaN", "1e999",
-           "<s>", "</s>", "<pad>", "answer: 7", "\\boxed{3}", "full", "partial", "model.embed_tokens.weight"]
+FLOATS = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    0.0,
+    -0.0,
+    1e-45,
+    1e-30,
+    1e-8,
+    0.5,
+    1.0,
+    1.5,
+    10.0,
+    11.0,
+    -1.0,
+    3.4e38,
+    1e30,
+    -1e30,
+    65504.0,
+]
+STRINGS = [
+    "",
+    " ",
+    "abc=",
+    "hgfed=",
+    "a",
+    "\x00",
+    "\n",
+    "é☃𝄞",
+    "user",
+    "assistant",
+    "system",
+    "float32",
+    "bfloat16",
+    "int64",
+    "complex64",
+    "{}",
+    "[]",
+    "null",
+    '{"a": 1}',
+    '{"a": {"b": [1, 2]}}',
+    "{",
+    '"x"',
+    "NaN",
+    "1e999",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "answer: 7",
+    "\\boxed{3}",
+    "full",
+    "partial",
+    "model.embed_tokens.weight",
+]
 
 
 def _deep_json(rng):
@@ -49,8 +120,9 @@ def rand_int(rng, lo, hi, small_hi=100):
     if r < 0.45:
         return max(lo, min(hi, rng.randint(-3, small_hi)))
     if r < 0.75:
-        return rng.choice([v for v in (lo, hi, -1, 0, 1, 2, 2**31 - 1, -2**31, 2**32, 2**53, 2**62, -2**62)
-                           if lo <= v <= hi])
+        return rng.choice(
+            [v for v in (lo, hi, -1, 0, 1, 2, 2**31 - 1, -(2**31), 2**32, 2**53, 2**62, -(2**62)) if lo <= v <= hi]
+        )
     return rng.randint(lo, hi)
 
 
@@ -65,8 +137,9 @@ def rand_str(rng):
     if r < 0.6:
         return "".join(rng.choice("abcdefghij0123456789=+ ") for _ in range(rng.randint(1, 40)))
     if r < 0.75:  # any code point but surrogates
-        return "".join(chr(rng.choice([rng.randint(1, 0xD7FF), rng.randint(0xE000, 0x10FFFF)]))
-                       for _ in range(rng.randint(1, 30)))
+        return "".join(
+            chr(rng.choice([rng.randint(1, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])) for _ in range(rng.randint(1, 30))
+        )
     if r < 0.85:
         return "a" * rng.choice([33, 500, 5000, 50_000])
     if r < 0.95:
@@ -91,10 +164,15 @@ class Fuzz:
         self.pb, self.rng = pb, rng
         self.vocab, self.prompt_len, self.response_len, self.state = vocab, prompt_len, response_len, state
         self.version = 0  # the generation server's policy version as far as the pushes know
-        self.near = {"rlhf.v1.Tensor": self.tensor, "rlhf.v1.TokenBatch": self.token_batch,
-                     "rlhf.v1.TrainRequest": self.train_request, "rlhf.v1.Prompt": self.prompt,
-                     "rlhf.v1.SamplingParams": self.params, "rlhf.v1.CheckpointRequest": self.checkpoint_request,
-                     "rlhf.v1.RewardSample": self.reward_sample}
+        self.near = {
+            "rlhf.v1.Tensor": self.tensor,
+            "rlhf.v1.TokenBatch": self.token_batch,
+            "rlhf.v1.TrainRequest": self.train_request,
+            "rlhf.v1.Prompt": self.prompt,
+            "rlhf.v1.SamplingParams": self.params,
+            "rlhf.v1.CheckpointRequest": self.checkpoint_request,
+            "rlhf.v1.RewardSample": self.reward_sample,
+        }
 
     # ---- generic
     def message(self, desc: pbd.Descriptor, depth: int = 0):
@@ -159,8 +237,12 @@ class Fuzz:
         rng = self.rng
         dtype = rng.choice(list(DTYPES) + ["", "complex64", "float", "FLOAT32", "int4", "x" * 100])
         ndim = rng.choice([0, 1, 2, 2, 2, 3, 4])
-        shape = [rng.choice([0, 1, 2, 3, 5, 8, -1, -2**63, 2**31, 2**40, 2**62, 2**63 - 1]) if rng.random() < 0.2
-                 else rng.randint(1, 6) for _ in range(ndim)]
+        shape = [
+            rng.choice([0, 1, 2, 3, 5, 8, -1, -(2**63), 2**31, 2**40, 2**62, 2**63 - 1])
+            if rng.random() < 0.2
+            else rng.randint(1, 6)
+            for _ in range(ndim)
+        ]
         try:
             expected = math.prod(shape) * DTYPES.get(dtype, 4)
         except OverflowError:
@@ -168,8 +250,9 @@ class Fuzz:
         n = rng.choice([expected, expected, expected + 1, expected - 1, 0, rng.randint(0, 64)])
         n = n if 0 <= n <= 1 << 16 else rng.randint(0, 64)
         if dtype.startswith("float") and rng.random() < 0.5 and n % 4 == 0:  # non-finite values on purpose
-            data = struct.pack(f"<{n // 4}f",
-                               *[rng.choice([math.nan, math.inf, -math.inf, 1.0]) for _ in range(n // 4)])
+            data = struct.pack(
+                f"<{n // 4}f", *[rng.choice([math.nan, math.inf, -math.inf, 1.0]) for _ in range(n // 4)]
+            )
         else:
             data = rng.randbytes(n)
         return self.pb["common"].Tensor(dtype=dtype, shape=shape, data=data)
@@ -187,9 +270,11 @@ class Fuzz:
 
     def token_batch(self):
         rng = self.rng
-        ids, attn, pos, rmask, P = self.valid_batch(B=rng.choice([None] * 4 + [64]),
-                                                    T=rng.choice([None] * 9 + [self.response_len + 1]),
-                                                    P=rng.choice([None] * 9 + [self.prompt_len + 1]))
+        ids, attn, pos, rmask, P = self.valid_batch(
+            B=rng.choice([None] * 4 + [64]),
+            T=rng.choice([None] * 9 + [self.response_len + 1]),
+            P=rng.choice([None] * 9 + [self.prompt_len + 1]),
+        )
         arrays = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "response_mask": rmask}
         dtypes = {}
         for _ in range(rng.choice([0, 1, 1, 2])):
@@ -198,19 +283,29 @@ class Fuzz:
             a = arrays[name]
             if what == 0 and a.size:  # ids outside the vocabulary
                 a = a.astype(np.int64)
-                a.flat[rng.randrange(a.size)] = rng.choice([-1, self.vocab, self.vocab + 1, 2**31 - 1, -2**31, 2**40,
-                                                            2**62])
+                a.flat[rng.randrange(a.size)] = rng.choice(
+                    [-1, self.vocab, self.vocab + 1, 2**31 - 1, -(2**31), 2**40, 2**62]
+                )
             elif what == 1:  # another dtype
                 dtypes[name] = rng.choice(["float32", "float64", "bool", "uint8", "int8", "int64", "bfloat16"])
-                a = a.astype({"float32": np.float32, "float64": np.float64, "bool": np.bool_, "uint8": np.uint8,
-                              "int8": np.int8, "int64": np.int64, "bfloat16": np.int16}[dtypes[name]])
+                a = a.astype(
+                    {
+                        "float32": np.float32,
+                        "float64": np.float64,
+                        "bool": np.bool_,
+                        "uint8": np.uint8,
+                        "int8": np.int8,
+                        "int64": np.int64,
+                        "bfloat16": np.int16,
+                    }[dtypes[name]]
+                )
             elif what == 2 and a.ndim == 2 and a.size:  # a column short, or transposed, or one more dimension
                 a = rng.choice([a[:, :-1], a.T.copy(), a[None], a[0]])
             elif what == 3:  # values of a mask outside {0, 1}
                 a = a.astype(np.int8)
                 a[...] = rng.choice([0, 2, -1, 127])
             elif what == 4:  # positions far outside the model's range, or negative
-                a = a.astype(np.int64) + rng.choice([-10**6, 10**6, 2**40, 2**62 - 100])
+                a = a.astype(np.int64) + rng.choice([-(10**6), 10**6, 2**40, 2**62 - 100])
             elif what == 5 and a.size:  # non-finite floats
                 a = a.astype(np.float32)
                 a.flat[rng.randrange(a.size)] = rng.choice([math.nan, math.inf, -math.inf, 1e30])
@@ -222,11 +317,12 @@ class Fuzz:
         for name, a in arrays.items():
             if rng.random() < 0.03:
                 continue  # missing
-            tensor = (self.raw_tensor(np.ascontiguousarray(a), dtypes.get(name)) if rng.random() > 0.05
-                      else self.tensor())
+            tensor = (
+                self.raw_tensor(np.ascontiguousarray(a), dtypes.get(name)) if rng.random() > 0.05 else self.tensor()
+            )
             getattr(msg, name).CopyFrom(tensor)
         if rng.random() < 0.15:
-            msg.prompt_width = rng.choice([0, -1, P - 1, P + 1, ids.shape[1], 2**31 - 1, -2**31])
+            msg.prompt_width = rng.choice([0, -1, P - 1, P + 1, ids.shape[1], 2**31 - 1, -(2**31)])
         return msg
 
     def train_request(self):
@@ -260,26 +356,35 @@ class Fuzz:
             n = rng.choice([0, 1, 4, self.prompt_len, self.prompt_len + 1, 200])
             ids = [rng.randint(3, self.vocab - 1) for _ in range(n)]
             if ids and rng.random() < 0.3:
-                ids[rng.randrange(n)] = rng.choice([-1, self.vocab, 2**31 - 1, -2**31, 0, 1, 2])
+                ids[rng.randrange(n)] = rng.choice([-1, self.vocab, 2**31 - 1, -(2**31), 0, 1, 2])
             return gpb.Prompt(tokens=gpb.TokenIds(ids=ids))
         if kind == "text":
             return gpb.Prompt(text=rand_str(rng) if rng.random() < 0.6 else "abc=")
         if kind == "chat":
-            return gpb.Prompt(chat=gpb.Chat(messages=[
-                gpb.ChatMessage(role=rand_str(rng) if rng.random() < 0.3 else "user",
-                                content=rand_str(rng) if rng.random() < 0.5 else "ab")
-                for _ in range(rng.choice([0, 1, 1, 2, 5]))]))
+            return gpb.Prompt(
+                chat=gpb.Chat(
+                    messages=[
+                        gpb.ChatMessage(
+                            role=rand_str(rng) if rng.random() < 0.3 else "user",
+                            content=rand_str(rng) if rng.random() < 0.5 else "ab",
+                        )
+                        for _ in range(rng.choice([0, 1, 1, 2, 5]))
+                    ]
+                )
+            )
         return gpb.Prompt()
 
     def params(self):
         rng, gpb = self.rng, self.pb["generation"]
         m = gpb.SamplingParams()
-        picks = {"n": [0, 1, 2, 8, 9, -1, 2**31 - 1, -2**31],
-                 "temperature": [0.0, 1.0, 0.7, 1e-30, 1e-8, 1e-45, 10.0, 10.1, -1.0, math.nan, math.inf, 3.4e38],
-                 "top_p": [1.0, 0.5, 1e-30, 1e-45, 0.0, 1.01, -0.5, math.nan, math.inf],
-                 "top_k": [0, 1, 2, self.vocab, self.vocab + 1, -1, 2**31 - 1, -2**31],
-                 "max_new_tokens": [0, 1, self.response_len, self.response_len + 1, -1, 2**31 - 1, -2**31],
-                 "seed": [0, 1, -1, 2**32, 2**63 - 1, -2**63, 2**53 + 1]}
+        picks = {
+            "n": [0, 1, 2, 8, 9, -1, 2**31 - 1, -(2**31)],
+            "temperature": [0.0, 1.0, 0.7, 1e-30, 1e-8, 1e-45, 10.0, 10.1, -1.0, math.nan, math.inf, 3.4e38],
+            "top_p": [1.0, 0.5, 1e-30, 1e-45, 0.0, 1.01, -0.5, math.nan, math.inf],
+            "top_k": [0, 1, 2, self.vocab, self.vocab + 1, -1, 2**31 - 1, -(2**31)],
+            "max_new_tokens": [0, 1, self.response_len, self.response_len + 1, -1, 2**31 - 1, -(2**31)],
+            "seed": [0, 1, -1, 2**32, 2**63 - 1, -(2**63), 2**53 + 1],
+        }
         for name, values in picks.items():
             if rng.random() < 0.6:
                 setattr(m, name, rng.choice(values))
@@ -298,30 +403,68 @@ class Fuzz:
         if rng.random() < 0.8:
             s.label = rand_str(rng)
         if rng.random() < 0.5:
-            s.metadata_json = rng.choice(['{"k": 1}', "", "[]", "{", "null", "1e999", '{"a": NaN}', _deep_json(rng),
-                                          rand_str(rng)])
+            s.metadata_json = rng.choice(
+                ['{"k": 1}', "", "[]", "{", "null", "1e999", '{"a": NaN}', _deep_json(rng), rand_str(rng)]
+            )
         return s
 
     def checkpoint_request(self):
         """Paths that stay inside the temp cwd (a/b/c) whatever the server does with them."""
         rng = self.rng
         name = "".join(rng.choice("abcdef0123") for _ in range(6))
-        path = rng.choice(["", ".", "..", "ck", f"ck-{name}", "ck/sub/deeper", "../up", "../../up2", "a-file",
-                           "a-file/sub", "a\x00b", "x" * 300, f"ck/{'y' * 300}", " ", "\n", "~", "é☃", "ck\\..\\x",
-                           "./ck", "ck/", "//", "../..", "../../../fuzz-cwd-escape"])
+        path = rng.choice(
+            [
+                "",
+                ".",
+                "..",
+                "ck",
+                f"ck-{name}",
+                "ck/sub/deeper",
+                "../up",
+                "../../up2",
+                "a-file",
+                "a-file/sub",
+                "a\x00b",
+                "x" * 300,
+                f"ck/{'y' * 300}",
+                " ",
+                "\n",
+                "~",
+                "é☃",
+                "ck\\..\\x",
+                "./ck",
+                "ck/",
+                "//",
+                "../..",
+                "../../../fuzz-cwd-escape",
+            ]
+        )
         return self.pb["critic"].CheckpointRequest(path=path)
 
     # ---- weight pushes
     def chunks(self, state, version, fmt="full", chunk_bytes=1 << 16):
         cpb = self.pb["common"]
-        out = [cpb.WeightChunk(header=cpb.WeightHeader(version=version, format=fmt, num_tensors=len(state),
-                                                        total_bytes=sum(a.nbytes for a, _ in state.values())))]
+        out = [
+            cpb.WeightChunk(
+                header=cpb.WeightHeader(
+                    version=version,
+                    format=fmt,
+                    num_tensors=len(state),
+                    total_bytes=sum(a.nbytes for a, _ in state.values()),
+                )
+            )
+        ]
         for name, (a, dtype) in state.items():
             raw = a.tobytes()
             for off in range(0, max(len(raw), 1), chunk_bytes):
-                data = raw[off:off + chunk_bytes]
-                out.append(cpb.WeightChunk(piece=cpb.TensorPiece(name=name, dtype=dtype, shape=list(a.shape),
-                                                                 offset=off, total_bytes=len(raw), data=data)))
+                data = raw[off : off + chunk_bytes]
+                out.append(
+                    cpb.WeightChunk(
+                        piece=cpb.TensorPiece(
+                            name=name, dtype=dtype, shape=list(a.shape), offset=off, total_bytes=len(raw), data=data
+                        )
+                    )
+                )
         out.append(cpb.WeightChunk(footer=cpb.WeightFooter()))
         return self.reseal(out)
 
@@ -350,21 +493,31 @@ class Fuzz:
         what = rng.randrange(16)
         fmt = "partial" if len(names) < len(self.state) else "full"
         if what == 0:
-            version = rng.choice([0, -1, self.version, -2**63])
+            version = rng.choice([0, -1, self.version, -(2**63)])
         elif what == 1:
             fmt = rng.choice(["", "garbage", "partial" if fmt == "full" else "full"])
         chunks = self.chunks(state, version, fmt)
         pieces = [c for c in chunks if c.WhichOneof("payload") == "piece"]
         p = rng.choice(pieces).piece
         if what == 2:
-            chunks = rng.choice([chunks[1:], chunks[:-1], chunks[:1] + chunks, chunks + chunks[-1:],
-                                 chunks + [chunks[1]], chunks[:1] + [cpb.WeightChunk()] + chunks[1:], [], chunks[::-1]])
+            chunks = rng.choice(
+                [
+                    chunks[1:],
+                    chunks[:-1],
+                    chunks[:1] + chunks,
+                    chunks + chunks[-1:],
+                    chunks + [chunks[1]],
+                    chunks[:1] + [cpb.WeightChunk()] + chunks[1:],
+                    [],
+                    chunks[::-1],
+                ]
+            )
         elif what == 3:
             p.crc32 ^= 1
         elif what == 4:
             chunks[-1].footer.sha256 = rng.choice(["", "0" * 64, "zz"])
         elif what == 5:
-            p.offset = rng.choice([-1, -2**63, p.total_bytes, p.total_bytes - 1, 2**62])
+            p.offset = rng.choice([-1, -(2**63), p.total_bytes, p.total_bytes - 1, 2**62])
         elif what == 6:
             p.total_bytes = rng.choice([0, p.total_bytes - 1, p.total_bytes + 1, -1, 2**62])
         elif what == 7:
@@ -448,8 +601,11 @@ class Fuzz:
         rng, gpb = self.rng, self.pb["generation"]
         req = self.valid(gpb.GenerateRequest.DESCRIPTOR)
         p = req.params
-        for field, values in (("n", [2**31 - 1, -2**31, 2**30]), ("max_new_tokens", [2**31 - 1, -1, 2**30]),
-                              ("top_k", [2**31 - 1, -2**31])):
+        for field, values in (
+            ("n", [2**31 - 1, -(2**31), 2**30]),
+            ("max_new_tokens", [2**31 - 1, -1, 2**30]),
+            ("top_k", [2**31 - 1, -(2**31)]),
+        ):
             if rng.random() < 0.6:
                 setattr(p, field, rng.choice(values))
         if p.n <= 8 and 0 < p.max_new_tokens <= self.response_len:  # still valid: a prompt too long, or n too big
@@ -491,34 +647,55 @@ class Fuzz:
             for _ in range(rng.randint(1, 4)):
                 kind = rng.choice(["tokens", "text", "chat"])
                 if kind == "tokens":
-                    prompts.append(gpb.Prompt(tokens=gpb.TokenIds(ids=[rng.randint(3, self.vocab - 1) for _ in range(
-                        rng.randint(1, self.prompt_len))])))
+                    prompts.append(
+                        gpb.Prompt(
+                            tokens=gpb.TokenIds(
+                                ids=[rng.randint(3, self.vocab - 1) for _ in range(rng.randint(1, self.prompt_len))]
+                            )
+                        )
+                    )
                 elif kind == "text":
                     prompts.append(gpb.Prompt(text=self.short_text()))
                 else:
                     message = gpb.ChatMessage(role="user", content=self.short_text(1, 4))
                     prompts.append(gpb.Prompt(chat=gpb.Chat(messages=[message])))
-            params = gpb.SamplingParams(n=rng.randint(1, 4), max_new_tokens=rng.randint(1, self.response_len),
-                                        top_k=rng.choice([0, 0, 5]))
+            params = gpb.SamplingParams(
+                n=rng.randint(1, 4), max_new_tokens=rng.randint(1, self.response_len), top_k=rng.choice([0, 0, 5])
+            )
             for field, values in (("temperature", [0.0, 0.7, 1.0]), ("top_p", [0.5, 0.9, 1.0]), ("seed", [1, 2**40])):
                 if rng.random() < 0.5:
                     setattr(params, field, rng.choice(values))
             return gpb.GenerateRequest(prompts=prompts, params=params)
         if name == "rlhf.v1.ScoreRequest":
-            return rpb.ScoreRequest(samples=[rpb.RewardSample(
-                prompt=self.short_text(), response=self.short_text(0, 8), label=self.short_text(0, 8),
-                metadata_json=rng.choice(["", "{}", '{"k": 1}'])) for _ in range(rng.randint(1, 8))])
+            return rpb.ScoreRequest(
+                samples=[
+                    rpb.RewardSample(
+                        prompt=self.short_text(),
+                        response=self.short_text(0, 8),
+                        label=self.short_text(0, 8),
+                        metadata_json=rng.choice(["", "{}", '{"k": 1}']),
+                    )
+                    for _ in range(rng.randint(1, 8))
+                ]
+            )
         if name in ("rlhf.v1.ValuesRequest", "rlhf.v1.TrainRequest"):
             ids, attn, pos, rmask, P = self.valid_batch()
-            batch = common.TokenBatch(input_ids=self.raw_tensor(ids), attention_mask=self.raw_tensor(attn),
-                                      position_ids=self.raw_tensor(pos), response_mask=self.raw_tensor(rmask),
-                                      prompt_width=P)
+            batch = common.TokenBatch(
+                input_ids=self.raw_tensor(ids),
+                attention_mask=self.raw_tensor(attn),
+                position_ids=self.raw_tensor(pos),
+                response_mask=self.raw_tensor(rmask),
+                prompt_width=P,
+            )
             if name == "rlhf.v1.ValuesRequest":
                 return cpb.ValuesRequest(batch=batch)
-            targets = [np.array([rng.uniform(-2, 2) for _ in range(rmask.size)], dtype=np.float32).reshape(rmask.shape)
-                       for _ in range(2)]
-            return cpb.TrainRequest(batch=batch, returns=self.raw_tensor(targets[0]),
-                                    old_values=self.raw_tensor(targets[1]))
+            targets = [
+                np.array([rng.uniform(-2, 2) for _ in range(rmask.size)], dtype=np.float32).reshape(rmask.shape)
+                for _ in range(2)
+            ]
+            return cpb.TrainRequest(
+                batch=batch, returns=self.raw_tensor(targets[0]), old_values=self.raw_tensor(targets[1])
+            )
         if name == "rlhf.v1.CheckpointRequest":
             return cpb.CheckpointRequest(path="ck-" + self.short_text(1, 3).replace("=", "e"))
         if name == "rlhf.v1.PullWeightsRequest":
@@ -539,6 +716,7 @@ class Fuzz:
                         walk(sub)
                 elif m.HasField(f.name):
                     walk(getattr(m, f.name))
+
         walk(msg)
         if sites:
             m, f = self.rng.choice(sites)
@@ -567,14 +745,15 @@ class Fuzz:
         valid = self.message(desc).SerializeToString() or b"\x08\x01"
         b = bytearray(valid)
         if r < 0.5:
-            return bytes(b[:rng.randrange(len(b))] + b"\xff")
+            return bytes(b[: rng.randrange(len(b))] + b"\xff")
         if r < 0.7:
             for _ in range(rng.randint(1, 4)):
                 b[rng.randrange(len(b))] = rng.getrandbits(8)
             return bytes(b)
         if r < 0.85:  # a length-delimited field claiming more bytes than there are / deep nesting
-            return rng.choice([b"\x0a\xff\xff\xff\xff\x0f" + bytes(b), b"\x0a\x02" * 200 + b"\x00",
-                               b"\x0a\x80\x01" + bytes(b)])
+            return rng.choice(
+                [b"\x0a\xff\xff\xff\xff\x0f" + bytes(b), b"\x0a\x02" * 200 + b"\x00", b"\x0a\x80\x01" + bytes(b)]
+            )
         return bytes(b) + b"\xa0\x06" + rng.randbytes(8)  # unknown field 100
 
 

@@ -7,6 +7,7 @@ and never renews its claim, so the prompts must be reclaimed by the live workers
 
 Prints `HOLDING <n>` (flushed) once it holds prompts, then sleeps until it is killed.
 """
+
 from __future__ import annotations
 
 import sys

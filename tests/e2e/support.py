@@ -1,4 +1,5 @@
 """What the end-to-end tests of `rlhf up` share: the training data file and the run's progress."""
+
 import json
 from pathlib import Path
 
@@ -18,6 +19,6 @@ def run_iterations(run_dir: Path) -> int:
     if not p.exists():
         return 0
     text = p.read_text()
-    complete = text[:text.rfind("\n") + 1]  # a row being appended right now is not read half-written
+    complete = text[: text.rfind("\n") + 1]  # a row being appended right now is not read half-written
     rows = [json.loads(x) for x in complete.splitlines() if x.strip()]
     return max((r["iteration"] for r in rows), default=0)

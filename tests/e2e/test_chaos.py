@@ -11,6 +11,7 @@ prompt of every epoch trained exactly once.
 Also: no secret on any process's command line, the files that hold them are 0600, and a finished
 run stays finished.
 """
+
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from tests.e2e.support import run_iterations, write_train_data
 
 BATCH, PROMPTS = 8, 40
 RESTART_DELAY_S = 10.0  # how long the launcher leaves a killed generation server down (run "two"; an
-                        # iteration takes ~0.2 s here, two of them must fit in it)
+# iteration takes ~0.2 s here, two of them must fit in it)
 
 
 def _wait(pred, timeout_s, what, up, log):
@@ -46,29 +47,70 @@ def _manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "services.json").read_text())
 
 
-def _start(root: Path, tiny_model_dir: str, iterations: int, gen_servers: int, max_restarts: int = 2,
-           heartbeat_ttl_s: float = 3.0, eval_interval: int = 4, restart_delay_s: float = 0.0):
+def _start(
+    root: Path,
+    tiny_model_dir: str,
+    iterations: int,
+    gen_servers: int,
+    max_restarts: int = 2,
+    heartbeat_ttl_s: float = 3.0,
+    eval_interval: int = 4,
+    restart_delay_s: float = 0.0,
+):
     run_dir = root / "run"
     data = root / "train.jsonl"
     records = write_train_data(data, PROMPTS, seed=1)
     config = root / "chaos.yaml"
-    config.write_text(yaml.safe_dump({
-        "rollout_batch_size": BATCH, "prompt_length": 16, "response_length": 8, "adv_estimator": "gae",
-        "ppo_epochs": 1, "ppo_mini_batch_size": 8, "actor_lr": 2e-4,
-        "model": {"path": tiny_model_dir, "device": "cpu"}, "critic": {"lr": 1e-3},
-        "data": {"train": str(data), "eval": "synthetic:reverse", "eval_size": 8},
-        "run": {"iterations": iterations, "eval_interval": eval_interval, "checkpoint_interval": 2, "seed": 0},
-        "replay": {"namespace": "chaos", "claim_idle_s": 3.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": heartbeat_ttl_s,
-                   "block_ms": 200},
-        "rollout": {"prompts_per_request": 4, "concurrency": 2},
-        "rpc": {"retry_max_backoff_s": 1.0},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "rollout_batch_size": BATCH,
+                "prompt_length": 16,
+                "response_length": 8,
+                "adv_estimator": "gae",
+                "ppo_epochs": 1,
+                "ppo_mini_batch_size": 8,
+                "actor_lr": 2e-4,
+                "model": {"path": tiny_model_dir, "device": "cpu"},
+                "critic": {"lr": 1e-3},
+                "data": {"train": str(data), "eval": "synthetic:reverse", "eval_size": 8},
+                "run": {"iterations": iterations, "eval_interval": eval_interval, "checkpoint_interval": 2, "seed": 0},
+                "replay": {
+                    "namespace": "chaos",
+                    "claim_idle_s": 3.0,
+                    "heartbeat_s": 0.5,
+                    "heartbeat_ttl_s": heartbeat_ttl_s,
+                    "block_ms": 200,
+                },
+                "rollout": {"prompts_per_request": 4, "concurrency": 2},
+                "rpc": {"retry_max_backoff_s": 1.0},
+            }
+        )
+    )
     log = root / "up.log"
     with log.open("w") as f:
-        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir", str(run_dir),
-                               "--workers", "1", "--generation-servers", str(gen_servers),
-                               "--max-restarts", str(max_restarts), "--restart-delay", str(restart_delay_s)],
-                              stdout=f, stderr=subprocess.STDOUT)
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "-c",
+                str(config),
+                "--run-dir",
+                str(run_dir),
+                "--workers",
+                "1",
+                "--generation-servers",
+                str(gen_servers),
+                "--max-restarts",
+                str(max_restarts),
+                "--restart-delay",
+                str(restart_delay_s),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     return up, run_dir, log, records
 
 
@@ -79,9 +121,14 @@ def _finish(up, run_dir, log, records) -> dict:
         if up.poll() is None:
             up.send_signal(signal.SIGINT)
             up.wait(timeout=120)
-    return {"code": code, "log": log.read_text(), "run_dir": run_dir, "records": records,
-            "summary": json.loads((run_dir / "summary.json").read_text()),
-            "ledger": [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]}
+    return {
+        "code": code,
+        "log": log.read_text(),
+        "run_dir": run_dir,
+        "records": records,
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+        "ledger": [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()],
+    }
 
 
 def _kill(pid: int) -> None:
@@ -94,8 +141,9 @@ def _command_lines(run_dir: Path) -> dict[str, str] | None:
     pids = {name: s["pid"] for name, s in m["services"].items()}
     pids["redis"] = m["redis_pid"]
     try:
-        return {name: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                for name, pid in pids.items()}
+        return {
+            name: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for name, pid in pids.items()
+        }
     except FileNotFoundError:
         return None
 
@@ -111,16 +159,26 @@ def one_server(tiny_model_dir, tmp_path_factory):
         command_lines = _wait(lambda: _command_lines(run_dir), 120, "every process's command line", up, log)
         for name in ("generation-0", "reward", "critic", "redis"):
             _wait(lambda: (run_dir / "services.json").exists(), 600, "the system to start", up, log)
-            it = _wait(lambda: run_iterations(run_dir) >= 3 + 4 * len(kills) and run_iterations(run_dir), 300,
-                       f"progress before killing {name}", up, log)
+            it = _wait(
+                lambda: run_iterations(run_dir) >= 3 + 4 * len(kills) and run_iterations(run_dir),
+                300,
+                f"progress before killing {name}",
+                up,
+                log,
+            )
             assert it < iterations - 8, f"the run is too fast for the kills: at {it} of {iterations}"
             m = _manifest(run_dir)
             pid = m["redis_pid"] if name == "redis" else m["services"][name]["pid"]
             _kill(pid)
             kills.append((name, it))
             # back: the launcher restarted it and the learner trained 2 more iterations
-            _wait(lambda: f"{name} exited with code -9; restarting it" in log.read_text(), 60,
-                  f"the launcher to restart {name}", up, log)
+            _wait(
+                lambda: f"{name} exited with code -9; restarting it" in log.read_text(),
+                60,
+                f"the launcher to restart {name}",
+                up,
+                log,
+            )
             _wait(lambda: run_iterations(run_dir) >= it + 2, 600, f"iterations after the restart of {name}", up, log)
     except BaseException:
         up.kill()
@@ -128,12 +186,26 @@ def one_server(tiny_model_dir, tmp_path_factory):
     out = _finish(up, run_dir, log, records)
     out["kills"], out["iterations"] = kills, iterations
     out["secrets"], out["command_lines"] = secrets, command_lines
-    out["modes"] = {f: (run_dir / f).stat().st_mode & 0o777 for f in ("secrets.env", "services.json",
-                                                                         "redis/redis.conf")}
+    out["modes"] = {
+        f: (run_dir / f).stat().st_mode & 0o777 for f in ("secrets.env", "services.json", "redis/redis.conf")
+    }
     # the same command on the finished run: it says so and leaves everything as it is
     summary = (run_dir / "summary.json").read_bytes()
-    again = subprocess.run([sys.executable, "-m", "services.cli", "up", "-c", str(run_dir.parent / "chaos.yaml"),
-                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "-c",
+            str(run_dir.parent / "chaos.yaml"),
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out["again"], out["summary_unchanged"] = again, (run_dir / "summary.json").read_bytes() == summary
     return out
 
@@ -144,8 +216,15 @@ def two_servers(tiny_model_dir, tmp_path_factory):
     # the dead server stays in the registry (no heartbeat expiry within the test): workers must
     # step around it, not wait for the registry to forget it. The launcher restarts it only after
     # RESTART_DELAY_S, so it is down for that long whatever the machine's speed
-    up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-two"), tiny_model_dir, iterations, 2,
-                                       heartbeat_ttl_s=60.0, eval_interval=1, restart_delay_s=RESTART_DELAY_S)
+    up, run_dir, log, records = _start(
+        tmp_path_factory.mktemp("chaos-two"),
+        tiny_model_dir,
+        iterations,
+        2,
+        heartbeat_ttl_s=60.0,
+        eval_interval=1,
+        restart_delay_s=RESTART_DELAY_S,
+    )
     try:
         _wait(lambda: run_iterations(run_dir) >= 3, 600, "iteration 3", up, log)
         services = _manifest(run_dir)["services"]
@@ -153,11 +232,21 @@ def two_servers(tiny_model_dir, tmp_path_factory):
         victim = min(("generation-0", "generation-1"), key=lambda n: f"127.0.0.1:{services[n]['port']}")
         _kill(services[victim]["pid"])
         # dead, and seen dead by the launcher: from here it is down for RESTART_DELAY_S at least
-        _wait(lambda: f"{victim} exited with code -9; restarting it in" in log.read_text(), 60,
-              f"the launcher to see {victim} die", up, log)
+        _wait(
+            lambda: f"{victim} exited with code -9; restarting it in" in log.read_text(),
+            60,
+            f"the launcher to see {victim} die",
+            up,
+            log,
+        )
         it_dead = run_iterations(run_dir)
-        it_on = _wait(lambda: run_iterations(run_dir) >= it_dead + 2 and run_iterations(run_dir), 300,
-                      f"two iterations with {victim} down", up, log)
+        it_on = _wait(
+            lambda: run_iterations(run_dir) >= it_dead + 2 and run_iterations(run_dir),
+            300,
+            f"two iterations with {victim} down",
+            up,
+            log,
+        )
         back_before = f"{victim} is back" in log.read_text()
     except BaseException:
         up.kill()
@@ -257,6 +346,9 @@ def test_a_stop_with_the_critic_gone_says_so_in_one_line(no_restarts):
     assert "Traceback" not in learner, learner[-3000:]
     # stopped in the middle of an update or at its checkpoint: either way one line that says what
     # is missing and where a restart resumes
-    m = re.search(r"ERROR .*stopped without a final checkpoint: .*the critic server at \S+ did not answer "
-                  r"(train_step|save|info) .*The newest checkpoint is (iter_\d+|none)", learner)
+    m = re.search(
+        r"ERROR .*stopped without a final checkpoint: .*the critic server at \S+ did not answer "
+        r"(train_step|save|info) .*The newest checkpoint is (iter_\d+|none)",
+        learner,
+    )
     assert m, learner[-3000:]

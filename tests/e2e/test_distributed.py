@@ -10,6 +10,7 @@ The run must still complete, every prompt of every epoch must be trained on exac
 learner's ledger of checkpointed prompt ids), and weight versions must advance on every
 generation server.
 """
+
 import json
 import os
 import re
@@ -50,8 +51,10 @@ class _Process:
 
     def __init__(self, cmd, ready_prefix, env=None):
         import threading
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})}
+        )
         self.prefix = ready_prefix
         self.lines: list[str] = []
         self.ready: dict = {}
@@ -85,8 +88,11 @@ class _Process:
 
 def _serve(kind, config, url, *extra, env=None) -> _Process:
     """`rlhf serve KIND`, ready at its LISTENING line."""
-    return _Process([sys.executable, "-m", "services.cli", "serve", kind, "-c", str(config),
-                     "--set", f"replay.url={url}", *extra], "LISTENING ", env)
+    return _Process(
+        [sys.executable, "-m", "services.cli", "serve", kind, "-c", str(config), "--set", f"replay.url={url}", *extra],
+        "LISTENING ",
+        env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,30 +102,62 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
     data = root / "train.jsonl"
     records = write_train_data(data, PROMPTS, seed=0)
     config = root / "e2e.yaml"
-    config.write_text(yaml.safe_dump({
-        "rollout_batch_size": BATCH, "prompt_length": 16, "response_length": 8, "adv_estimator": "gae",
-        "ppo_epochs": 1, "ppo_mini_batch_size": 8, "actor_lr": 2e-4,
-        "model": {"path": tiny_model_dir, "device": "cpu"}, "critic": {"lr": 1e-3},
-        "data": {"train": str(data), "eval": "synthetic:reverse", "eval_size": 16},
-        "run": {"iterations": ITERATIONS, "eval_interval": 0, "checkpoint_interval": 2, "seed": 0},
-        "replay": {"namespace": NS, "claim_idle_s": 2.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0, "block_ms": 200},
-        "rollout": {"prompts_per_request": 4, "concurrency": 2},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "rollout_batch_size": BATCH,
+                "prompt_length": 16,
+                "response_length": 8,
+                "adv_estimator": "gae",
+                "ppo_epochs": 1,
+                "ppo_mini_batch_size": 8,
+                "actor_lr": 2e-4,
+                "model": {"path": tiny_model_dir, "device": "cpu"},
+                "critic": {"lr": 1e-3},
+                "data": {"train": str(data), "eval": "synthetic:reverse", "eval_size": 16},
+                "run": {"iterations": ITERATIONS, "eval_interval": 0, "checkpoint_interval": 2, "seed": 0},
+                "replay": {
+                    "namespace": NS,
+                    "claim_idle_s": 2.0,
+                    "heartbeat_s": 0.5,
+                    "heartbeat_ttl_s": 3.0,
+                    "block_ms": 200,
+                },
+                "rollout": {"prompts_per_request": 4, "concurrency": 2},
+            }
+        )
+    )
     url = redis_server.url
     out = {"run_dir": run_dir, "config": config, "records": records}
     up_log = root / "up.log"
     with up_log.open("w") as log:
-        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir",
-                               str(run_dir), "--workers", "1", "--set", f"replay.url={url}"],
-                              stdout=log, stderr=subprocess.STDOUT)
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "-c",
+                str(config),
+                "--run-dir",
+                str(run_dir),
+                "--workers",
+                "1",
+                "--set",
+                f"replay.url={url}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     # services started by hand need the secrets `rlhf up` generated (the auth token)
     _wait(lambda: (run_dir / "secrets.env").exists(), 300, "secrets.env", up, up_log)
     secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
     # a worker that claims prompts and hangs with them (tests/e2e/stalled_worker.py), started
     # alongside the system; it says HOLDING once it holds prompts (the event itself, not a poll of
     # Redis keys that may exist before their consumer group)
-    doomed = _Process([sys.executable, "-m", "tests.e2e.stalled_worker", str(config), url, "doomed"], "HOLDING ",
-                      env=secrets)
+    doomed = _Process(
+        [sys.executable, "-m", "tests.e2e.stalled_worker", str(config), url, "doomed"], "HOLDING ", env=secrets
+    )
     late = None
     try:
         # (its claim is not checked in Redis here: after claim_idle_s a live worker may already
@@ -132,8 +170,10 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         status = json.loads((run_dir / "services.json").read_text())
         learner_http = status["services"]["learner"]["http_port"]
         import urllib.request
-        status_request = urllib.request.Request(f"http://127.0.0.1:{learner_http}/status",
-                                                headers={"Authorization": f"Bearer {secrets['RLHF_AUTH_TOKEN']}"})
+
+        status_request = urllib.request.Request(
+            f"http://127.0.0.1:{learner_http}/status", headers={"Authorization": f"Bearer {secrets['RLHF_AUTH_TOKEN']}"}
+        )
         before = json.load(urllib.request.urlopen(status_request, timeout=10))
         late = _serve("generation", config, url, "--port", "0", "--metrics-port", "-1", env=secrets)
         port = late.wait_ready()["port"]
@@ -155,8 +195,11 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
             try:
                 return client.version == final
             except grpc.RpcError as e:  # say why, with what the server printed
-                raise AssertionError(f"the late server did not answer ({e.code().name}: {e.details()}); its "
-                                     f"output:\n{''.join(late.lines[-40:])}") from None
+                raise AssertionError(
+                    f"the late server did not answer ({e.code().name}: {e.details()}); its "
+                    f"output:\n{''.join(late.lines[-40:])}"
+                ) from None
+
         _wait(late_at_final, 600, "the late server at the final version")
         out["late_version_at_end"] = client.version
         client.close()

@@ -2,6 +2,7 @@
 on the tiny model, beside the same run with 1 process each: it learns like it. Mid-run the follower rank is killed with
 SIGKILL: the learner group goes down, `rlhf up` restarts it, it resumes from its sharded
 checkpoint, and every prompt is still trained exactly once."""
+
 import json
 import os
 import signal
@@ -48,9 +49,26 @@ def _wait_for(run_dir: Path, iteration: int, up, log_path: Path) -> int:
 
 def _up(tiny_model_dir, run_dir: Path, nproc: int, kill_follower_at: int | None = None) -> dict:
     """A run with the learner and the critic server each in `nproc` processes."""
-    cmd = [sys.executable, "-m", "services.cli", "up", "-c", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir),
-           "--set", f"model.path={tiny_model_dir}", "--set", f"run.iterations={ITERATIONS}",
-           "--set", "run.checkpoint_interval=5", "--set", f"model.nproc={nproc}", "--set", f"critic.nproc={nproc}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "-c",
+        "configs/tiny-cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        f"run.iterations={ITERATIONS}",
+        "--set",
+        "run.checkpoint_interval=5",
+        "--set",
+        f"model.nproc={nproc}",
+        "--set",
+        f"critic.nproc={nproc}",
+    ]
     log_path = run_dir.parent / f"up-{nproc}.log"
     out: dict = {}
     with log_path.open("w") as log:

@@ -1,6 +1,7 @@
 """`rlhf up` with vLLM generation servers (vLLM's CPU build here) learns the tiny task like the
 `hf` backend: the held-out reward rises by at least 0.25 over the run's baseline, and the
 sampler's log-probs agree with the learner's (truncated importance sampling on, ratio 1)."""
+
 import json
 import subprocess
 import sys
@@ -15,9 +16,17 @@ pytestmark = pytest.mark.vllm
 
 def test_distributed_run_with_vllm_generation_learns(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    sets = [f"model.path={tiny_model_dir}", "generation.backend=vllm", "generation.dtype=float32",
-            "generation.vllm.enforce_eager=true", "generation.vllm.cpu_kvcache_space_gb=1",
-            "run.iterations=60", "run.eval_interval=30", "run.checkpoint_interval=0", "rollout_is=true"]
+    sets = [
+        f"model.path={tiny_model_dir}",
+        "generation.backend=vllm",
+        "generation.dtype=float32",
+        "generation.vllm.enforce_eager=true",
+        "generation.vllm.cpu_kvcache_space_gb=1",
+        "run.iterations=60",
+        "run.eval_interval=30",
+        "run.checkpoint_interval=0",
+        "rollout_is=true",
+    ]
     cmd = [sys.executable, "-m", "services.cli", "up", "-c", "configs/tiny-cpu.yaml", "--run-dir", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
@@ -36,5 +45,6 @@ def test_distributed_run_with_vllm_generation_learns(tiny_model_dir, tmp_path):
     # learner's recomputed log-probs and vLLM's stays at 1 and truncation never bites
     trained = [r for r in rows if "ppo/is_ratio_mean" in r]
     assert len(trained) == 60
-    assert all(abs(r["ppo/is_ratio_mean"] - 1) < 1e-3 and r["ppo/is_clipped_frac"] == 0 for r in trained), \
-        [(r["iteration"], r["ppo/is_ratio_mean"], r["ppo/is_ratio_max"]) for r in trained][:5]
+    assert all(abs(r["ppo/is_ratio_mean"] - 1) < 1e-3 and r["ppo/is_clipped_frac"] == 0 for r in trained), [
+        (r["iteration"], r["ppo/is_ratio_mean"], r["ppo/is_ratio_max"]) for r in trained
+    ][:5]

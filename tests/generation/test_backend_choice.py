@@ -1,4 +1,5 @@
 """Asking for a backend gets that backend or a clear error, and GetInfo tells the truth."""
+
 import importlib.util
 import subprocess
 import sys
@@ -20,9 +21,29 @@ def test_vllm_not_installed_is_a_one_line_error_saying_how_to_install(tiny_model
     cfg = config_from_dict({"model": {"path": tiny_model_dir}, "generation": {"backend": "vllm"}})
     with pytest.raises(ValueError, match=r"generation.backend: vllm needs vLLM, which is not installed"):
         make_backend(cfg)
-    p = subprocess.run([sys.executable, "-m", "services.cli", "serve", "generation", "-c", "configs/tiny-cpu.yaml",
-                        "--set", f"model.path={tiny_model_dir}", "--set", "generation.backend=vllm", "--port", "0",
-                        "--metrics-port", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "generation",
+            "-c",
+            "configs/tiny-cpu.yaml",
+            "--set",
+            f"model.path={tiny_model_dir}",
+            "--set",
+            "generation.backend=vllm",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr
     assert "pip install '.[vllm]'" in p.stderr and "make vllm-venv" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

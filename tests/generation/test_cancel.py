@@ -3,6 +3,7 @@ second copy of work still running: a real `hf` server on a loopback port, called
 No check is timed: the test holds a big batch at a decoding step until the server has seen its
 caller leave (or until the test releases it), so what happens next never depends on how fast
 the machine is."""
+
 import threading
 import time
 from concurrent.futures import Future
@@ -23,8 +24,10 @@ from tests.waits import wait_until
 MAX_NEW = 64
 # temperature 10 samples nearly uniformly: among 512 rows some never draw EOS, so the uncancelled
 # request decodes all MAX_NEW steps (seeded: the same every time)
-BIG = gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30]))] * 64,
-                          params=gpb.SamplingParams(n=8, temperature=10.0, max_new_tokens=MAX_NEW, seed=1))
+BIG = gpb.GenerateRequest(
+    prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30]))] * 64,
+    params=gpb.SamplingParams(n=8, temperature=10.0, max_new_tokens=MAX_NEW, seed=1),
+)
 BIG_ROWS = 64 * 8
 
 
@@ -37,10 +40,15 @@ def big(seed=1):
 
 @pytest.fixture(scope="module")
 def cfg(tiny_model_dir):
-    return config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}, "prompt_length": 32,
-                             "response_length": MAX_NEW,
-                             "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
-                             "generation": {"batch_window_ms": 50}})
+    return config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "prompt_length": 32,
+            "response_length": MAX_NEW,
+            "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
+            "generation": {"batch_window_ms": 50},
+        }
+    )
 
 
 class Calls:
@@ -67,8 +75,7 @@ class Calls:
         self.go.set()
 
     def __call__(self, prompts, params, stop=None):
-        call = {"rows": len(prompts) * params.n, "start": time.perf_counter(), "end": None, "steps": 0,
-                "outcome": None}
+        call = {"rows": len(prompts) * params.n, "start": time.perf_counter(), "end": None, "steps": 0, "outcome": None}
 
         def counted():
             call["steps"] += 1
@@ -79,6 +86,7 @@ class Calls:
                 while not stop() and not self.go.is_set() and time.monotonic() < deadline:
                     time.sleep(0.005)
             return stop()
+
         with self.lock:
             self.log.append(call)
             self.changed.notify_all()
@@ -181,8 +189,10 @@ def test_a_request_whose_caller_left_while_it_queued_never_runs(served):
     queued = client.stub.Generate.future(big(seed=2), metadata=keyed(client, "queued"))
     wait_until(lambda: work(servicer, "queued") is not None, "the queued request in the server")
     queued.cancel()
-    wait_until(lambda: not any(c.is_active() for c in work(servicer, "queued").contexts),
-               "the server to see the queued caller gone")
+    wait_until(
+        lambda: not any(c.is_active() for c in work(servicer, "queued").contexts),
+        "the server to see the queued caller gone",
+    )
     calls.release()
     assert len(running.result(timeout=120).results) == 64
     small_answers(client)  # the batcher took the cancelled job from its queue before this one
@@ -223,8 +233,9 @@ def test_a_retry_after_the_work_stopped_starts_anew_and_a_key_never_mixes_reques
     again = client.stub.Generate.future(big(seed=3), metadata=keyed(client, "batch-2"))
     other = client.stub.Generate.future(big(seed=4), metadata=keyed(client, "batch-2"))
     a, b = again.result(timeout=120), other.result(timeout=120)
-    assert [list(c.token_ids) for r in a.results for c in r.completions] != \
-        [list(c.token_ids) for r in b.results for c in r.completions]
+    assert [list(c.token_ids) for r in a.results for c in r.completions] != [
+        list(c.token_ids) for r in b.results for c in r.completions
+    ]
     calls.wait_idle()
     assert [c["outcome"] for c in calls.big()[before:]] == ["stopped", "done", "done"]
 
@@ -291,7 +302,7 @@ def test_in_flight_attaches_while_a_caller_lives_and_forgets_abandoned_work():
 def _raises(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 (the test reads it)
+    except Exception as e:  # the test reads it
         return e
     return None
 
@@ -324,6 +335,7 @@ def test_vllm_backend_aborts_the_requests_of_a_job_nobody_waits_for():
     import queue
 
     from services.generation import vllm_backend as vb  # imports no vLLM until an engine is built
+
     b = vb.VLLMBackend.__new__(vb.VLLMBackend)
     b.engine, b.version, b.broken, b.eos_token_id = FakeEngine(), 0, None, 2
     b._sampling_params, b._final_only = (lambda **kw: kw), None

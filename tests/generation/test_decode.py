@@ -2,6 +2,7 @@
 for its group, the KV cache copied to its samples, finished rows dropped from the batch, and the
 sampled tokens' log-probs kept step by step. Checked against transformers' `generate` (greedy) and
 against a full forward of every sampled sequence without any cache (sampling)."""
+
 import pytest
 import torch
 
@@ -23,15 +24,23 @@ def test_greedy_matches_generate_on_the_expanded_batch(tiny_model_dir):
     1e-3 (a near-tie that float rounding of another batch shape may flip)."""
     b = HFBackend(tiny_model_dir, "cpu")
     prompts, n, T = _prompts(b), 3, 12
-    out = decode(b.model, prompts, SamplingParams(n=n, temperature=0, max_new_tokens=T), b.pad_token_id,
-                 [b.eos_token_id])
+    out = decode(
+        b.model, prompts, SamplingParams(n=n, temperature=0, max_new_tokens=T), b.pad_token_id, [b.eos_token_id]
+    )
     ids, attn = pad_left([p for p in prompts for _ in range(n)], b.pad_token_id)
     with torch.no_grad():
-        ref = b.model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=T,
-                               eos_token_id=b.eos_token_id, pad_token_id=b.pad_token_id, output_scores=True,
-                               return_dict_in_generate=True)
+        ref = b.model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=False,
+            max_new_tokens=T,
+            eos_token_id=b.eos_token_id,
+            pad_token_id=b.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     scores = torch.stack(ref.scores, 1).float()  # (N, steps, V)
-    seqs = ref.sequences[:, ids.shape[1]:]
+    seqs = ref.sequences[:, ids.shape[1] :]
     compared = 0
     for i in range(len(prompts) * n):
         for j, tok in enumerate(out.tokens[i]):
@@ -58,8 +67,9 @@ def test_sampled_log_probs_match_a_forward_without_cache(tiny_model_dir):
     prompts = _prompts(b)
     params = SamplingParams(n=4, temperature=0.8, top_k=20, top_p=0.95, max_new_tokens=10)
     torch.manual_seed(3)
-    first = decode(b.model, prompts, SamplingParams(n=16, temperature=1.0, max_new_tokens=1), b.pad_token_id,
-                   [b.eos_token_id])
+    first = decode(
+        b.model, prompts, SamplingParams(n=16, temperature=1.0, max_new_tokens=1), b.pad_token_id, [b.eos_token_id]
+    )
     common = max(set(t[0] for t in first.tokens), key=[t[0] for t in first.tokens].count)
     torch.manual_seed(4)
     out = decode(b.model, prompts, params, b.pad_token_id, [b.eos_token_id, common])
@@ -68,7 +78,7 @@ def test_sampled_log_probs_match_a_forward_without_cache(tiny_model_dir):
     for i, (toks, lps) in enumerate(zip(out.tokens, out.logps)):
         prompt = prompts[i // params.n]
         with torch.no_grad():
-            logits = b.model(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1:-1]
+            logits = b.model(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1 : -1]
         want = torch.log_softmax(sampling_logits(logits, params), -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(lps), want, atol=1e-4), i
         assert all(t not in (b.eos_token_id, common) for t in toks[:-1])
@@ -124,8 +134,10 @@ def test_sampler_dtype_apart_from_the_learners(tiny_model_dir, dtype, expect):
     float32 sampler is what follows the policy's small steps (docs/speed.md)."""
     from services.common.config import config_from_dict
     from services.generation.server import make_backend
-    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu", "bf16": True},
-                            "generation": {"dtype": dtype}})
+
+    cfg = config_from_dict(
+        {"model": {"path": tiny_model_dir, "device": "cpu", "bf16": True}, "generation": {"dtype": dtype}}
+    )
     backend = make_backend(cfg)
     assert backend.info()["dtype"] == expect
     assert next(backend.model.parameters()).dtype == getattr(torch, expect)
@@ -133,5 +145,6 @@ def test_sampler_dtype_apart_from_the_learners(tiny_model_dir, dtype, expect):
 
 def test_the_old_vllm_dtype_key_says_where_it_went():
     from services.common.config import ConfigError, config_from_dict
+
     with pytest.raises(ConfigError, match="generation.vllm.dtype is now generation.dtype"):
         config_from_dict({"generation": {"vllm": {"dtype": "float32"}}})

@@ -1,6 +1,7 @@
 """Replicas of one scaled generation service take one GPU each (services/generation/gpu_slot.py):
 real processes contending for real `flock`s in a shared directory, as containers on one volume do.
 No GPU is needed: the slot is what CUDA_VISIBLE_DEVICES is set to before CUDA starts."""
+
 import os
 import subprocess
 import sys
@@ -12,15 +13,23 @@ import pytest
 from services.generation.gpu_slot import claim_gpu, visible_gpus
 
 ROOT = Path(__file__).resolve().parents[2]
-HOLD = ("import os, sys, time; from services.generation.gpu_slot import claim_gpu; "
-        "slot = claim_gpu(sys.argv[1]); print(slot, os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); "
-        "time.sleep(60)")
+HOLD = (
+    "import os, sys, time; from services.generation.gpu_slot import claim_gpu; "
+    "slot = claim_gpu(sys.argv[1]); print(slot, os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); "
+    "time.sleep(60)"
+)
 
 
 def _replica(claim_dir, gpus: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    return subprocess.Popen([sys.executable, "-c", HOLD, str(claim_dir)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**env, "NVIDIA_VISIBLE_DEVICES": gpus})
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(claim_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "NVIDIA_VISIBLE_DEVICES": gpus},
+    )
 
 
 def test_visible_gpus_reads_what_docker_sets():

@@ -6,6 +6,7 @@ or the thread that runs every batch and swap gone. Then Kubernetes restarts it.
 
 The vLLM backend runs here on `FakeEngine`, a fake standing in for vLLM's `LLMEngine` (the real
 engine's tests carry the `vllm` mark and run in .venv-vllm)."""
+
 import threading
 import time
 from types import SimpleNamespace
@@ -49,9 +50,15 @@ class FakeEngine:
             raise self.step_error
         out = []
         for rid, sp in self.requests.items():
-            comps = [SimpleNamespace(index=i, token_ids=[5, 6], finish_reason="length",
-                                     logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {6: SimpleNamespace(logprob=-2.0)}])
-                     for i in range(sp.n)]
+            comps = [
+                SimpleNamespace(
+                    index=i,
+                    token_ids=[5, 6],
+                    finish_reason="length",
+                    logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {6: SimpleNamespace(logprob=-2.0)}],
+                )
+                for i in range(sp.n)
+            ]
             out.append(SimpleNamespace(request_id=rid, finished=True, outputs=comps))
         self.requests.clear()
         return out
@@ -127,15 +134,19 @@ def test_an_engine_broken_by_a_failed_reload_fails_liveness(served, caplog):
     assert backend.broken and "failed while loading policy version 1" in backend.broken
     assert not _alive(svc) and not _ready(svc)  # liveness too: only a restart brings the engine back
     assert any("liveness fails" in r.getMessage() and "policy version 1" in r.getMessage() for r in caplog.records)
-    expect_code(lambda: client.generate([[1, 4, 5]], SamplingParams(max_new_tokens=2)), grpc.StatusCode.UNAVAILABLE,
-                "failed while loading policy version 1")
+    expect_code(
+        lambda: client.generate([[1, 4, 5]], SamplingParams(max_new_tokens=2)),
+        grpc.StatusCode.UNAVAILABLE,
+        "failed while loading policy version 1",
+    )
 
 
 def test_an_engine_whose_core_died_fails_liveness(served):
     svc, backend, client = served
     backend.engine.step_error = EngineDeadError("EngineCore encountered an issue (fake)")
-    expect_code(lambda: client.generate([[1, 4, 5]], SamplingParams(max_new_tokens=2)), grpc.StatusCode.INTERNAL,
-                "EngineCore")
+    expect_code(
+        lambda: client.generate([[1, 4, 5]], SamplingParams(max_new_tokens=2)), grpc.StatusCode.INTERNAL, "EngineCore"
+    )
     assert backend.broken and not _alive(svc)
 
 
@@ -146,6 +157,7 @@ def test_an_engine_thread_that_exited_fails_liveness(served):
 
     def gone():  # raised by the engine thread's loop outside its guarded step: the thread ends
         raise RuntimeError("fake: the engine went away")
+
     backend.engine.has_unfinished_requests = gone
     deadline = time.monotonic() + 10
     while backend._thread.is_alive() and time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """The generation server's contract, run against both backends (`hf` and `vllm`): a real server
 on a loopback port, called through the generated client. The `vllm` cases carry the `vllm`
 mark and run in the vLLM environment (`make test` runs them with .venv-vllm's Python)."""
+
 import math
 import resource
 import threading
@@ -29,8 +30,18 @@ VLLM_CPU = {"enforce_eager": True, "cpu_kvcache_space_gb": 1}
 
 
 def backend_cfg(cfg, backend: str, **generation):
-    return config_from_dict({**cfg.model_dump(), "generation": {
-        **cfg.generation.model_dump(), "backend": backend, "dtype": "float32", "vllm": VLLM_CPU, **generation}})
+    return config_from_dict(
+        {
+            **cfg.model_dump(),
+            "generation": {
+                **cfg.generation.model_dump(),
+                "backend": backend,
+                "dtype": "float32",
+                "vllm": VLLM_CPU,
+                **generation,
+            },
+        }
+    )
 
 
 class Served:
@@ -82,10 +93,14 @@ def push(client, served, state, version, **kw):
 
 def test_generate_tokens_text_and_chat(client, server):
     stub, md = client.stub, client.metadata
-    req = gpb.GenerateRequest(prompts=[gpb.Prompt(text="abc="), gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30])),
-                                       gpb.Prompt(chat=gpb.Chat(
-                                           messages=[gpb.ChatMessage(role="user", content="ab")]))],
-                              params=gpb.SamplingParams(n=2, max_new_tokens=5, seed=3))
+    req = gpb.GenerateRequest(
+        prompts=[
+            gpb.Prompt(text="abc="),
+            gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30])),
+            gpb.Prompt(chat=gpb.Chat(messages=[gpb.ChatMessage(role="user", content="ab")])),
+        ],
+        params=gpb.SamplingParams(n=2, max_new_tokens=5, seed=3),
+    )
     resp = stub.Generate(req, metadata=md)
     assert len(resp.results) == 3 and all(len(r.completions) == 2 for r in resp.results)
     assert list(resp.results[0].prompt_token_ids) == client_tokens("abc=", server)
@@ -108,33 +123,56 @@ def test_auth_refused_without_token(server, cfg):
     ch = grpc.insecure_channel(f"127.0.0.1:{server[0].port}")
     stub = generation_pb2_grpc.GenerationStub(ch)
     expect_code(lambda: stub.GetInfo(gpb.InfoRequest()), grpc.StatusCode.UNAUTHENTICATED, "bearer")
-    expect_code(lambda: stub.GetInfo(gpb.InfoRequest(), metadata=(("authorization", "Bearer nope"),)),
-                grpc.StatusCode.UNAUTHENTICATED)
+    expect_code(
+        lambda: stub.GetInfo(gpb.InfoRequest(), metadata=(("authorization", "Bearer nope"),)),
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
     # health stays open for probes
     h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="rlhf.v1.Generation"))
     assert h.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # (request, a fragment of the message, the field of a per-prompt error: Reason.PROMPT_INVALID)
-@pytest.mark.parametrize("req,fragment,field", [
-    (gpb.GenerateRequest(), "prompts: empty batch", None),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))]),
-     "prompts[0].tokens: token id 99999", "prompts[0].tokens"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab="), gpb.Prompt(tokens=gpb.TokenIds(ids=[1, -3]))]),
-     "token id -3", "prompts[1].tokens"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="a" * 40)]), "more than prompt_length=32", "prompts[0]"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=9)),
-     "params.n: 9 outside [1, 8]", None),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=-1)), "params.n", None),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(temperature=float("nan"))),
-     "params.temperature: nan", None),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(top_p=1.5)), "params.top_p",
-     None),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(max_new_tokens=100)),
-     "response_length=8", None),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt()]), "prompts[0]: none of", "prompts[0]"),
-    (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds())]), "prompts[0]: empty prompt", "prompts[0]"),
-])
+@pytest.mark.parametrize(
+    "req,fragment,field",
+    [
+        (gpb.GenerateRequest(), "prompts: empty batch", None),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))]),
+            "prompts[0].tokens: token id 99999",
+            "prompts[0].tokens",
+        ),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab="), gpb.Prompt(tokens=gpb.TokenIds(ids=[1, -3]))]),
+            "token id -3",
+            "prompts[1].tokens",
+        ),
+        (gpb.GenerateRequest(prompts=[gpb.Prompt(text="a" * 40)]), "more than prompt_length=32", "prompts[0]"),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=9)),
+            "params.n: 9 outside [1, 8]",
+            None,
+        ),
+        (gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=-1)), "params.n", None),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(temperature=float("nan"))),
+            "params.temperature: nan",
+            None,
+        ),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(top_p=1.5)),
+            "params.top_p",
+            None,
+        ),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(max_new_tokens=100)),
+            "response_length=8",
+            None,
+        ),
+        (gpb.GenerateRequest(prompts=[gpb.Prompt()]), "prompts[0]: none of", "prompts[0]"),
+        (gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds())]), "prompts[0]: empty prompt", "prompts[0]"),
+    ],
+)
 def test_bad_generate_requests_are_invalid_argument_and_server_keeps_serving(client, req, fragment, field):
     """The reason a rollout worker acts on (isolate one prompt, or avoid the server) is in the
     status's error details, with the field; the message is for people."""
@@ -187,24 +225,36 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
 
     def corrupt(chunks):
         chunks[2].piece.data = bytes(len(chunks[2].piece.data))
+
     expect_code(lambda: push(_chunks_of(noisy, v + 1, corrupt)), grpc.StatusCode.INVALID_ARGUMENT, "xxh3 mismatch")
 
     def truncate(chunks):
         del chunks[3]
+
     expect_code(lambda: push(_chunks_of(noisy, v + 1, truncate)), grpc.StatusCode.INVALID_ARGUMENT, "missing")
-    expect_code(lambda: push(_chunks_of({"lm_head.bias": torch.zeros(3)}, v + 1)), grpc.StatusCode.INVALID_ARGUMENT,
-                "unknown tensor 'lm_head.bias'")
+    expect_code(
+        lambda: push(_chunks_of({"lm_head.bias": torch.zeros(3)}, v + 1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown tensor 'lm_head.bias'",
+    )
     name = "model.norm.weight"
-    expect_code(lambda: push(_chunks_of({name: torch.zeros(7)}, v + 1)), grpc.StatusCode.INVALID_ARGUMENT,
-                "shape: [7], expected [128]")
-    expect_code(lambda: push(_chunks_of({name: torch.zeros(128, dtype=torch.float16)}, v + 1)),
-                grpc.StatusCode.INVALID_ARGUMENT, "dtype: float16, expected float32")
+    expect_code(
+        lambda: push(_chunks_of({name: torch.zeros(7)}, v + 1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "shape: [7], expected [128]",
+    )
+    expect_code(
+        lambda: push(_chunks_of({name: torch.zeros(128, dtype=torch.float16)}, v + 1)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "dtype: float16, expected float32",
+    )
     with pytest.raises(grpc.RpcError) as refused:
         push(_chunks_of(noisy, v))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason_of(refused.value) is Reason.VERSION_NOT_NEWER  # what a publisher counts as delivered
-    expect_code(lambda: push(iter(list(weight_chunks(noisy, v + 1))[:-1])), grpc.StatusCode.INVALID_ARGUMENT,
-                "without a footer")
+    expect_code(
+        lambda: push(iter(list(weight_chunks(noisy, v + 1))[:-1])), grpc.StatusCode.INVALID_ARGUMENT, "without a footer"
+    )
     assert client.version == v
     assert client.generate(prompts, greedy).completions[0][0].token_ids == before
     server.assert_weights(good)
@@ -234,27 +284,42 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
     chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
     first, second = pieces_of(chunks)[:2]
     second.CopyFrom(first)
-    expect_code(lambda: push(iter(restream(chunks))), grpc.StatusCode.INVALID_ARGUMENT,
-                f"weights.piece[{name}]: bytes [0, {piece_bytes}) were already received")
+    expect_code(
+        lambda: push(iter(restream(chunks))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"weights.piece[{name}]: bytes [0, {piece_bytes}) were already received",
+    )
     # only the hole
     chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
     chunks.remove(pieces_of(chunks)[1])
-    expect_code(lambda: push(iter(restream(chunks))), grpc.StatusCode.INVALID_ARGUMENT,
-                f"bytes [{piece_bytes}, {2 * piece_bytes}) missing")
+    expect_code(
+        lambda: push(iter(restream(chunks))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"bytes [{piece_bytes}, {2 * piece_bytes}) missing",
+    )
     # a "full" push without a whole tensor
     without = {k: t for k, t in noisy.items() if k != "model.norm.weight"}
-    expect_code(lambda: push(iter(weight_chunks(without, v + 1))), grpc.StatusCode.INVALID_ARGUMENT,
-                "a full push without 1 of the model's tensors: model.norm.weight")
+    expect_code(
+        lambda: push(iter(weight_chunks(without, v + 1))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "a full push without 1 of the model's tensors: model.norm.weight",
+    )
     # a format the server does not know
-    expect_code(lambda: push(iter(weight_chunks(noisy, v + 1, fmt="delta"))), grpc.StatusCode.INVALID_ARGUMENT,
-                "weights.header.format: 'delta' is not one of full, partial")
+    expect_code(
+        lambda: push(iter(weight_chunks(noisy, v + 1, fmt="delta"))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "weights.header.format: 'delta' is not one of full, partial",
+    )
     # NaN or infinity anywhere in a floating tensor
     for bad in (float("nan"), float("inf")):
         poisoned = dict(noisy)
         poisoned[name] = noisy[name].clone()
         poisoned[name][5, 7] = bad
-        expect_code(lambda: push(iter(weight_chunks(poisoned, v + 1))), grpc.StatusCode.INVALID_ARGUMENT,
-                    f"weights.piece[{name}]: contains NaN or infinity")
+        expect_code(
+            lambda: push(iter(weight_chunks(poisoned, v + 1))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"weights.piece[{name}]: contains NaN or infinity",
+        )
     _serves_unchanged(client, server, good, v, prompts, before)
 
 
@@ -264,7 +329,8 @@ def test_partial_push_replaces_only_its_tensors(client, server):
     name = "model.norm.weight"
     new = good[name] * 1.5
     partial = lambda: client.stub.PushWeights(  # noqa: E731
-        weight_chunks({name: new}, v + 1, fmt="partial"), metadata=client.metadata)
+        weight_chunks({name: new}, v + 1, fmt="partial"), metadata=client.metadata
+    )
     if server.servicer.cfg.generation.backend == "vllm":
         # vLLM fuses q/k/v and gate/up projections: a layer loaded from part of its tensors would be
         # corrupt, so the vllm backend refuses partial pushes and keeps serving what it had
@@ -280,23 +346,29 @@ def test_partial_push_replaces_only_its_tensors(client, server):
     # each tensor of a partial push is still complete
     chunks = list(weight_chunks({name: good[name]}, v + 2, chunk_bytes=128, fmt="partial"))
     del chunks[2]
-    expect_code(lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
-                grpc.StatusCode.INVALID_ARGUMENT, "bytes [128, 256) missing")
+    expect_code(
+        lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "bytes [128, 256) missing",
+    )
     assert client.version == v + 1
 
 
-@pytest.mark.parametrize("where,value,fragment", [
-    ("piece.total_bytes", 1 << 32, ".total_bytes: 4294967296, but shape [66, 128] of float32 is 33792 bytes"),
-    ("piece.total_bytes", 1 << 62, ".total_bytes: 4611686018427387904, but shape"),
-    ("piece.total_bytes", -1, ".total_bytes: -1, but shape"),
-    ("piece.total_bytes", 33792 + 4, ".total_bytes: 33796, but shape"),
-    ("piece.offset", -8, "bytes [-8, "),
-    ("header.total_bytes", -1, "weights.header.total_bytes: -1 is negative"),
-    ("header.total_bytes", 1 << 62, "weights.header.total_bytes: 4611686018427387904, more than the model's"),
-    ("header.total_bytes", "model+1", "more than the model's"),
-    ("header.num_tensors", 0, "weights.header.num_tensors: 0 outside [1, 21]"),  # the tiny model has 21
-    ("header.num_tensors", 22, "weights.header.num_tensors: 22 outside [1, 21]"),
-])
+@pytest.mark.parametrize(
+    "where,value,fragment",
+    [
+        ("piece.total_bytes", 1 << 32, ".total_bytes: 4294967296, but shape [66, 128] of float32 is 33792 bytes"),
+        ("piece.total_bytes", 1 << 62, ".total_bytes: 4611686018427387904, but shape"),
+        ("piece.total_bytes", -1, ".total_bytes: -1, but shape"),
+        ("piece.total_bytes", 33792 + 4, ".total_bytes: 33796, but shape"),
+        ("piece.offset", -8, "bytes [-8, "),
+        ("header.total_bytes", -1, "weights.header.total_bytes: -1 is negative"),
+        ("header.total_bytes", 1 << 62, "weights.header.total_bytes: 4611686018427387904, more than the model's"),
+        ("header.total_bytes", "model+1", "more than the model's"),
+        ("header.num_tensors", 0, "weights.header.num_tensors: 0 outside [1, 21]"),  # the tiny model has 21
+        ("header.num_tensors", 22, "weights.header.num_tensors: 22 outside [1, 21]"),
+    ],
+)
 def test_declared_sizes_are_checked_against_the_model_before_allocating(client, server, where, value, fragment):
     state = server.state
     v = client.version
@@ -310,8 +382,11 @@ def test_declared_sizes_are_checked_against_the_model_before_allocating(client, 
             if c.WhichOneof("payload") == "piece" and c.piece.name == "model.embed_tokens.weight":
                 setattr(c.piece, where.split(".")[1], value)
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    expect_code(lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
-                grpc.StatusCode.INVALID_ARGUMENT, fragment)
+    expect_code(
+        lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        fragment,
+    )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_kb < 512 * 1024  # nothing of GiBs allocated
     assert client.version == v
 
@@ -319,12 +394,16 @@ def test_declared_sizes_are_checked_against_the_model_before_allocating(client, 
 @pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6])
 def test_tiny_temperatures_sample_greedily(client, temperature):
     prompts = [gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30])), gpb.Prompt(text="abc=")]
-    resp = client.stub.Generate(gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(
-        n=2, temperature=temperature, max_new_tokens=6)), metadata=client.metadata)
+    resp = client.stub.Generate(
+        gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(n=2, temperature=temperature, max_new_tokens=6)),
+        metadata=client.metadata,
+    )
     # the greedy reference with the same n: the same batch (hf decodes prompts x n rows), so the same
     # float32 reductions; with n=1 the batch has other rows and log-probs move by ~1e-6 (float noise)
-    greedy = client.stub.Generate(gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(
-        n=2, temperature=0, max_new_tokens=6)), metadata=client.metadata)
+    greedy = client.stub.Generate(
+        gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(n=2, temperature=0, max_new_tokens=6)),
+        metadata=client.metadata,
+    )
     for r, g in zip(resp.results, greedy.results):
         assert len(r.completions) == len(g.completions) == 2
         for c, ref in zip(r.completions, g.completions):
@@ -340,15 +419,24 @@ def test_prompt_errors_start_with_the_prompt_and_request_errors_do_not(client):
     bad = gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 99999]))
     generate = lambda req: lambda: client.stub.Generate(req, metadata=client.metadata)  # noqa: E731
     # a request-level error is reported as such even when a prompt is bad too
-    for params, fragment in [(gpb.SamplingParams(max_new_tokens=100), "params.max_new_tokens"),
-                             (gpb.SamplingParams(n=9), "params.n"), (gpb.SamplingParams(top_p=2), "params.top_p")]:
-        details = expect_code(generate(gpb.GenerateRequest(prompts=[ok, bad], params=params)),
-                              grpc.StatusCode.INVALID_ARGUMENT, fragment)
+    for params, fragment in [
+        (gpb.SamplingParams(max_new_tokens=100), "params.max_new_tokens"),
+        (gpb.SamplingParams(n=9), "params.n"),
+        (gpb.SamplingParams(top_p=2), "params.top_p"),
+    ]:
+        details = expect_code(
+            generate(gpb.GenerateRequest(prompts=[ok, bad], params=params)), grpc.StatusCode.INVALID_ARGUMENT, fragment
+        )
         assert not details.startswith("prompts["), details
     details = expect_code(generate(gpb.GenerateRequest()), grpc.StatusCode.INVALID_ARGUMENT, "prompts: empty")
     assert not details.startswith("prompts[")
-    for i, prompt in [(1, bad), (0, gpb.Prompt()), (2, gpb.Prompt(text="a" * 40)),
-                      (1, gpb.Prompt(chat=gpb.Chat())), (0, gpb.Prompt(tokens=gpb.TokenIds()))]:
+    for i, prompt in [
+        (1, bad),
+        (0, gpb.Prompt()),
+        (2, gpb.Prompt(text="a" * 40)),
+        (1, gpb.Prompt(chat=gpb.Chat())),
+        (0, gpb.Prompt(tokens=gpb.TokenIds())),
+    ]:
         prompts = [ok] * 3
         prompts[i] = prompt
         req = gpb.GenerateRequest(prompts=prompts, params=gpb.SamplingParams(max_new_tokens=2))
@@ -410,9 +498,12 @@ def test_a_seed_repeats_its_samples_and_n_samples_differ(client):
 @pytest.fixture(scope="module")
 def small_server(cfg):
     """A server that allows 200 token positions per request."""
-    with serve(on_free_ports(config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(),
-                                                                           "max_request_tokens": 200}}),
-                             "generation")) as svc:
+    with serve(
+        on_free_ports(
+            config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "max_request_tokens": 200}}),
+            "generation",
+        )
+    ) as svc:
         c = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
         yield svc.servicer, c
         c.close()
@@ -423,10 +514,12 @@ def test_one_request_may_not_cost_more_than_max_request_tokens(small_server, mon
     generate = lambda req: lambda: client.stub.Generate(req, metadata=client.metadata)  # noqa: E731
     tokens = gpb.Prompt(tokens=gpb.TokenIds(ids=[1, 4, 5, 6, 30]))
     # 4 prompts x n=4 x (5 + 8) = 208
-    expect_code(generate(gpb.GenerateRequest(prompts=[tokens] * 4, params=gpb.SamplingParams(n=4))),
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "request: 4 prompts x n=4 x (5 prompt tokens + max_new_tokens=8) = 208 token positions, more than "
-                "rpc.max_request_tokens=200")
+    expect_code(
+        generate(gpb.GenerateRequest(prompts=[tokens] * 4, params=gpb.SamplingParams(n=4))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "request: 4 prompts x n=4 x (5 prompt tokens + max_new_tokens=8) = 208 token positions, more than "
+        "rpc.max_request_tokens=200",
+    )
     # text prompts: refused from the prompt count alone, before anything is tokenized
     calls = []
     real = servicer.tok
@@ -438,19 +531,27 @@ def test_one_request_may_not_cost_more_than_max_request_tokens(small_server, mon
 
         def __getattr__(self, name):
             return getattr(real, name)
+
     monkeypatch.setattr(servicer, "tok", Spy())
-    expect_code(generate(gpb.GenerateRequest(prompts=[gpb.Prompt(text="abc=")] * 30)),
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "30 prompts x n=1 x (at least 1 prompt tokens")
+    expect_code(
+        generate(gpb.GenerateRequest(prompts=[gpb.Prompt(text="abc=")] * 30)),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "30 prompts x n=1 x (at least 1 prompt tokens",
+    )
     assert calls == []
     # ... and by their exact length once tokenized
     long_text = "abcdefghijklmnopqrst="
     width = len(real(long_text)["input_ids"])
     assert 10 * (1 + 8) <= 200 < 10 * (width + 8)
-    expect_code(generate(gpb.GenerateRequest(prompts=[gpb.Prompt(text=long_text)] * 10)),
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"10 prompts x n=1 x ({width} prompt tokens")
+    expect_code(
+        generate(gpb.GenerateRequest(prompts=[gpb.Prompt(text=long_text)] * 10)),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"10 prompts x n=1 x ({width} prompt tokens",
+    )
     # within the limit: served
-    resp = client.stub.Generate(gpb.GenerateRequest(prompts=[tokens] * 2, params=gpb.SamplingParams(n=2)),
-                                metadata=client.metadata)
+    resp = client.stub.Generate(
+        gpb.GenerateRequest(prompts=[tokens] * 2, params=gpb.SamplingParams(n=2)), metadata=client.metadata
+    )
     assert len(resp.results) == 2 and all(len(r.completions) == 2 for r in resp.results)
 
 
@@ -500,14 +601,22 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
 
 def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
     """The hf backend's window: calls that arrive together share a backend batch."""
-    with serve(on_free_ports(config_from_dict({**cfg.model_dump(), "generation": {
-            "batch_window_ms": 200, "max_batch_size": 64}}), "generation")) as svc:
+    with serve(
+        on_free_ports(
+            config_from_dict({**cfg.model_dump(), "generation": {"batch_window_ms": 200, "max_batch_size": 64}}),
+            "generation",
+        )
+    ) as svc:
         srv, servicer = svc.server, svc.servicer
         c = GenerationClient(f"127.0.0.1:{srv.port}", cfg.rpc)
         before = servicer.batcher.batches
         results = []
-        threads = [threading.Thread(target=lambda: results.append(
-            c.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=4)))) for _ in range(8)]
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(c.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=4)))
+            )
+            for _ in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -518,9 +627,11 @@ def test_concurrent_calls_are_batched(cfg, tiny_model_dir):
 
 def test_metrics_endpoint(server, client):
     import httpx
+
     client.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2))
-    text = httpx.get(f"http://127.0.0.1:{server[0].metrics_port}/metrics",
-                     headers={"Authorization": f"Bearer {TOKEN}"}).text
+    text = httpx.get(
+        f"http://127.0.0.1:{server[0].metrics_port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}
+    ).text
     assert 'rlhf_rpc_requests_total{code="OK",method="Generate",service="generation"}' in text
     assert 'code="INVALID_ARGUMENT"' in text and 'code="UNAUTHENTICATED"' in text
     assert "rlhf_rpc_latency_seconds_bucket" in text and "rlhf_generated_tokens_total" in text

@@ -2,6 +2,7 @@
 eval and its pushes): round robin preferring the servers at a version, a failed one avoided for a
 while, the registry re-read when it is old or a choice needs it. The live-server version of the
 worker's choice is tests/rollout/test_worker.py::test_pick_server_round_robin_version_preference_and_avoid."""
+
 import threading
 import time
 

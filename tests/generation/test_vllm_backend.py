@@ -1,5 +1,6 @@
 """The vllm backend directly (no server): a LoRA learner's merged policy loads into the running
 engine like any other, and the engine's parameter specs are the learner's state dict."""
+
 import pytest
 import torch
 
@@ -16,25 +17,45 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_backend(tiny_model_dir):
     from services.generation.vllm_backend import VLLMBackend
-    b = VLLMBackend(tiny_model_dir, config_from_dict({"generation": {"vllm": VLLM_CPU}}).generation.vllm,
-                    dtype="float32", max_model_len=64)
+
+    b = VLLMBackend(
+        tiny_model_dir,
+        config_from_dict({"generation": {"vllm": VLLM_CPU}}).generation.vllm,
+        dtype="float32",
+        max_model_len=64,
+    )
     yield b
     b.close()
 
 
 def _rollout(backend):
     from services.common.types import Rollout
+
     prompts = [backend.tokenizer(s)["input_ids"] for s in ["abc=", "hgfe=", "dada=", "bbcah="]]
     gen = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=0))
     rows = [(p, c) for p, cs in zip(prompts, gen.completions) for c in cs]
-    return Rollout([p for p, _ in rows], [c.token_ids for _, c in rows], [float(len(c.token_ids) % 3) for _, c in rows],
-                   [i // 2 for i in range(len(rows))], [c.log_probs for _, c in rows], None, [0] * len(rows))
+    return Rollout(
+        [p for p, _ in rows],
+        [c.token_ids for _, c in rows],
+        [float(len(c.token_ids) % 3) for _, c in rows],
+        [i // 2 for i in range(len(rows))],
+        [c.log_probs for _, c in rows],
+        None,
+        [0] * len(rows),
+    )
 
 
 def test_lora_merged_policy_loads_and_serves_the_adapted_model(vllm_backend, tiny_model_dir):
-    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
-                            "adv_estimator": "grpo", "num_return_sequences_in_group": 2, "actor_lr": 1e-2,
-                            "response_length": 8, "prompt_length": 16})
+    cfg = config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "actor_lr": 1e-2,
+            "response_length": 8,
+            "prompt_length": 16,
+        }
+    )
     learner = PolicyTrainer(cfg)
     learner.step(_rollout(vllm_backend))
     sd = learner.policy_state_dict()
@@ -47,15 +68,17 @@ def test_lora_merged_policy_loads_and_serves_the_adapted_model(vllm_backend, tin
     reference.update_weights(sd, 1)
     prompts = [vllm_backend.tokenizer(s)["input_ids"] for s in ["abcd=", "hgf=", "bab="]]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
-    assert [c[0].token_ids for c in vllm_backend.generate(prompts, greedy).completions] == \
-        [c[0].token_ids for c in reference.generate(prompts, greedy).completions]
+    assert [c[0].token_ids for c in vllm_backend.generate(prompts, greedy).completions] == [
+        c[0].token_ids for c in reference.generate(prompts, greedy).completions
+    ]
     res = vllm_backend.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=8, seed=2))
     assert res.policy_version == vllm_backend.version
     rows = [(p, c) for p, cs in zip(prompts, res.completions) for c in cs]
     learner.temperature = 0.8
     with torch.no_grad():
-        lp = response_log_probs(learner.policy, build_token_batch([p for p, _ in rows], [c.token_ids for _, c in rows],
-                                                                    0), 0.8)["log_probs"]
+        lp = response_log_probs(
+            learner.policy, build_token_batch([p for p, _ in rows], [c.token_ids for _, c in rows], 0), 0.8
+        )["log_probs"]
     worst = max(abs(lp[i, j].item() - x) for i, (_, c) in enumerate(rows) for j, x in enumerate(c.log_probs))
     assert worst < 1e-4, worst
 
@@ -64,6 +87,7 @@ def test_a_swap_waits_for_requests_in_flight_and_later_ones_see_the_new_version(
     """Calls queued behind a swap run after it; the calls already in flight finish before it."""
     import threading
     import time
+
     prompts = [[1, 4, 5, 6, 30]] * 16
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
     v0 = vllm_backend.version
@@ -75,6 +99,7 @@ def test_a_swap_waits_for_requests_in_flight_and_later_ones_see_the_new_version(
         order.append(("swap", first.done()))
         vllm_backend.version += 1
         swapped.set()
+
     t = threading.Thread(target=lambda: vllm_backend.call(swap))
     t.start()
     while not (vllm_backend._calls or swapped.is_set()):  # the swap is queued (or already done)
@@ -91,11 +116,13 @@ def test_an_engine_that_fails_midway_through_a_reload_serves_nothing(vllm_backen
     sampling from it under the old version number."""
     from services.common.modeling import load_causal_lm
     from services.common.rpc.errors import Unavailable
+
     state = load_causal_lm(tiny_model_dir).state_dict()
     v = vllm_backend.version
 
     def fail(*a, **kw):
         raise RuntimeError("device lost")
+
     monkeypatch.setattr(vllm_backend.engine, "collective_rpc", fail)
     try:
         with pytest.raises(RuntimeError, match="device lost"):
@@ -105,4 +132,3 @@ def test_an_engine_that_fails_midway_through_a_reload_serves_nothing(vllm_backen
             vllm_backend.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2))
     finally:
         vllm_backend.broken = None
-

@@ -1,4 +1,5 @@
 """The config and batches the FSDP2 tests run on one process and on two."""
+
 import torch
 
 from services.common.config import config_from_dict
@@ -6,9 +7,17 @@ from services.common.types import Rollout
 
 
 def learner_config(model_dir: str, overrides=()):
-    raw = {"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
-           "num_return_sequences_in_group": 2, "actor_lr": 1e-2, "response_length": 8, "prompt_length": 16,
-           "entropy_coef": 0.01, "kl_loss_coef": 0.1, "ppo_mini_batch_size": 8}
+    raw = {
+        "model": {"path": model_dir, "device": "cpu"},
+        "adv_estimator": "grpo",
+        "num_return_sequences_in_group": 2,
+        "actor_lr": 1e-2,
+        "response_length": 8,
+        "prompt_length": 16,
+        "entropy_coef": 0.01,
+        "kl_loss_coef": 0.1,
+        "ppo_mini_batch_size": 8,
+    }
     return config_from_dict(raw, list(overrides))
 
 

@@ -7,6 +7,7 @@ step on batch A; the full state dict; a sharded checkpoint; step on batch B; the
 load the checkpoint back; step on batch B again; the full state dict; the final policy saved.
 Everything rank 0 sees is saved to OUT_DIR/results.pt for the test to compare with one process.
 """
+
 import sys
 from pathlib import Path
 

@@ -3,6 +3,7 @@ rollout was given against the returns (1 = every return predicted, 0 = no better
 mean), the values' RMS error, the returns' spread; the critic reads each response token's value
 at the position GAE expects (the state before that token); on the tiny model the explained
 variance rises over a short run."""
+
 import json
 import math
 from pathlib import Path
@@ -48,8 +49,10 @@ def test_values_are_read_at_the_state_before_each_response_token():
 
 
 def test_the_critics_explained_variance_rises_on_the_tiny_model(tiny_model_dir, tmp_path):
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={tiny_model_dir}", "adv_estimator=gae",
-                                                            "run.iterations=30", "run.eval_interval=0"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny-cpu.yaml",
+        [f"model.path={tiny_model_dir}", "adv_estimator=gae", "run.iterations=30", "run.eval_interval=0"],
+    )
     run_local(cfg, tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
     ev = [r["critic/explained_variance"] for r in rows]

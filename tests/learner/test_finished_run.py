@@ -1,4 +1,5 @@
 """A finished run stays finished: `finished_run` finds its summary; more iterations continue it."""
+
 import json
 
 from services.learner.checkpoint import finished_run

@@ -2,6 +2,7 @@
 batches: the same losses and updated weights, the same full state dict for a push, a sharded
 checkpoint that resumes to the same state (in 2 processes, and in 1: resharded), and a final
 model that is the trained one."""
+
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # two mini-batches per step of 10 rows, or one (the fused old log-probs) in micro-batches;
 # 3 rows per mini-batch split 2/1 across the processes, the last mini-batch of 1 row leaves
 # rank 1 a weightless micro-batch
-CASES = {"two-minibatches": ["ppo_mini_batch_size=8"], "fused-micro": ["ppo_mini_batch_size=16", "micro_batch_size=2"],
-         "uneven": ["ppo_mini_batch_size=3", "actor_lr=0.001"]}
+CASES = {
+    "two-minibatches": ["ppo_mini_batch_size=8"],
+    "fused-micro": ["ppo_mini_batch_size=16", "micro_batch_size=2"],
+    "uneven": ["ppo_mini_batch_size=3", "actor_lr=0.001"],
+}
 
 
 def _two_processes(model_dir: str, out: Path, overrides: list[str]) -> dict:
@@ -67,8 +71,17 @@ def _close(got: dict, want: dict, lr: float, steps: int) -> None:
 # zero: pg_loss, whose terms nearly cancel) leave a factor of 10 or more for a slower or faster
 # CPU's kernels (measured on this test's cases: at most 1e-5 relative, ppo/grad_norm); a wrong
 # gradient, weight or mask moves them by 1e-2 or more.
-EXACT = ("ppo/pg_loss", "ppo/kl_loss", "ppo/entropy_loss", "ppo/grad_norm", "reward/score_mean",
-         "ppo/advantages_mean", "ppo/returns_mean", "ppo/entropy_rollout", "ppo/kl_ref")
+EXACT = (
+    "ppo/pg_loss",
+    "ppo/kl_loss",
+    "ppo/entropy_loss",
+    "ppo/grad_norm",
+    "reward/score_mean",
+    "ppo/advantages_mean",
+    "ppo/returns_mean",
+    "ppo/entropy_rollout",
+    "ppo/kl_ref",
+)
 LOSS_TOL = dict(rel=1e-3, abs=1e-4)
 
 

@@ -1,6 +1,7 @@
 """A stuck stale-drop loop is reported: when every trajectory is dropped as stale (the generation
 servers do not serve the learner's weights, or serve weights it never pushed), the intake says so
 in one error line per doubling of the streak, with the reason, and counts it for the status."""
+
 import logging
 import threading
 
@@ -39,6 +40,7 @@ def _collect_until(intake, drops: int):
         orig(entry_id, refeed)
         if intake.store.discarded >= drops:
             stop.set()
+
     intake.store.discard = discard
     assert intake.collect(version=10, stop_event=stop) is None
 
@@ -57,7 +59,7 @@ def test_a_streak_of_stale_drops_is_reported_with_its_reason(caplog):
 
 def test_trajectories_from_the_future_name_a_rogue_writer(caplog):
     cfg = config_from_dict({"rollout_batch_size": 4, "max_staleness": 0})
-    intake = TrajectoryIntake(cfg, _Store(policy_version=2 ** 63 - 1), _Feeder())
+    intake = TrajectoryIntake(cfg, _Store(policy_version=2**63 - 1), _Feeder())
     with caplog.at_level(logging.ERROR, logger="services.learner.intake"):
         _collect_until(intake, 20)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

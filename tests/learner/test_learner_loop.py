@@ -1,6 +1,7 @@
 """The learner loop's batch assembly on a real Redis: stale groups are dropped and their
 prompts fed again, a prompt is never trained twice, the prompt feed stays `max_staleness`
 batches ahead, and a checkpoint acknowledges what it includes and resumes exactly."""
+
 import json
 import logging
 
@@ -13,10 +14,18 @@ from services.learner.loop import LearnerLoop
 
 
 def _cfg(model_dir, url, **over):
-    d = {"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo", "num_return_sequences_in_group": 2,
-         "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4, "ppo_mini_batch_size": 8,
-         "replay": {"url": url, "namespace": "svc", "block_ms": 50}, "run": {"iterations": 5},
-         "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": None}}}
+    d = {
+        "model": {"path": model_dir, "device": "cpu"},
+        "adv_estimator": "grpo",
+        "num_return_sequences_in_group": 2,
+        "rollout_batch_size": 4,
+        "prompt_length": 16,
+        "response_length": 4,
+        "ppo_mini_batch_size": 8,
+        "replay": {"url": url, "namespace": "svc", "block_ms": 50},
+        "run": {"iterations": 5},
+        "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": None}},
+    }
     d.update(over)
     return config_from_dict(d)
 
@@ -34,8 +43,15 @@ def _produce(store, version: int, n: int):
     claimed, _ = store.claim_prompts("w", n, block_ms=100)
     items = []
     for e, t in claimed:
-        g = SampleGroup(t.uid, None, [3, 4], [Completion([5, 2], [-1.0, -0.5], "stop")] * 2,
-                        [ScoreResult(1.0, {}), ScoreResult(0.0, {})], None, version)
+        g = SampleGroup(
+            t.uid,
+            None,
+            [3, 4],
+            [Completion([5, 2], [-1.0, -0.5], "stop")] * 2,
+            [ScoreResult(1.0, {}), ScoreResult(0.0, {})],
+            None,
+            version,
+        )
         items.append((e, group_to_proto(g, t)))
     store.produce(items)
     return [t for _, t in claimed]
@@ -114,6 +130,7 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
 
 def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(loop, caplog):
     from services.learner.server import LearnerServicer
+
     assert loop.status()["reward_hacking"] is None and loop.status()["reward_hacking_suspected"] is False
     rows = []
     with caplog.at_level(logging.WARNING):

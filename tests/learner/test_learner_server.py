@@ -1,6 +1,7 @@
 """The learner service's lifecycle on real servers: it reports ready on the gRPC health service
 once it has resumed and published the current policy (probes depend on it), serves PullWeights
 as a stream the interceptor accounts for, and drains to a checkpoint."""
+
 import threading
 import time
 
@@ -17,13 +18,21 @@ from tests.grpc_helpers import on_free_ports
 
 @pytest.fixture
 def cfg(tiny_model_dir, redis_server, tmp_path):
-    return config_from_dict({
-        "model": {"path": tiny_model_dir, "device": "cpu"}, "adv_estimator": "grpo",
-        "num_return_sequences_in_group": 2, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
-        "ppo_mini_batch_size": 8, "data": {"eval_size": 4},
-        "replay": {"url": redis_server.url, "namespace": "lifecycle", "block_ms": 50, "heartbeat_s": 0.2},
-        "run": {"iterations": 3, "run_dir": str(tmp_path / "run")},
-        "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": None}}})
+    return config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "rollout_batch_size": 4,
+            "prompt_length": 16,
+            "response_length": 4,
+            "ppo_mini_batch_size": 8,
+            "data": {"eval_size": 4},
+            "replay": {"url": redis_server.url, "namespace": "lifecycle", "block_ms": 50, "heartbeat_s": 0.2},
+            "run": {"iterations": 3, "run_dir": str(tmp_path / "run")},
+            "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": None}},
+        }
+    )
 
 
 def test_learner_reports_ready_serves_pulls_and_drains(cfg):
@@ -46,8 +55,9 @@ def test_learner_reports_ready_serves_pulls_and_drains(cfg):
             assert chunks and chunks[0].WhichOneof("payload") == "header" and chunks[0].header.version == 0
             assert list(client.pull_weights(0)) == []  # already current
             samples = learner.server.metrics.registry.get_sample_value
-            assert samples("rlhf_rpc_requests_total", {"service": "learner", "method": "PullWeights",
-                                                       "code": "OK"}) == 2
+            assert (
+                samples("rlhf_rpc_requests_total", {"service": "learner", "method": "PullWeights", "code": "OK"}) == 2
+            )
             # no worker runs: the learner waits for trajectories until drained, then checkpoints
             while learner.loop.state != "waiting" and time.time() < deadline:
                 time.sleep(0.1)

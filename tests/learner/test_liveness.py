@@ -3,6 +3,7 @@ probe, deploy/k8s/base/learner.yaml) and the gRPC health service's "" answer 200
 the loop advances, waiting for rollouts that do not come included (its wait ticks), and 503 /
 NOT_SERVING with the reason once it has not advanced for the liveness bound: a loop blocked
 inside one call forever. The bound is run.liveness_s, else derived from the configuration."""
+
 import threading
 import time
 
@@ -53,6 +54,7 @@ def test_a_client_beats_with_every_answer_and_every_error():
 
     from services.common.rpc.retry import EachAnswer
     from services.reward.client import RewardClient  # any client: its channel carries the raw calls
+
     clock = Clock()
     hb = Heartbeat(10.0, clock=clock)
 
@@ -65,8 +67,14 @@ def test_a_client_beats_with_every_answer_and_every_error():
         context.abort(grpc.StatusCode.INTERNAL, "no")
 
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", {
-        "Ok": grpc.unary_unary_rpc_method_handler(ok), "Fails": grpc.unary_unary_rpc_method_handler(fails)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "t.T",
+                {"Ok": grpc.unary_unary_rpc_method_handler(ok), "Fails": grpc.unary_unary_rpc_method_handler(fails)},
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     client = RewardClient(f"127.0.0.1:{port}", config_from_dict({}).rpc, interceptors=[EachAnswer(hb)])
@@ -100,6 +108,7 @@ def test_healthz_answers_503_with_the_reason():
 
         def status(self):
             return {}
+
     service = Service()
     httpd = status_http(service, "127.0.0.1", 0, "tok")
     try:
@@ -118,13 +127,21 @@ BOUND_S = 6.0  # the loop ticks every 50 ms while it waits: only a 6 s stall of 
 
 @pytest.fixture
 def cfg(tiny_model_dir, redis_server, tmp_path):
-    return config_from_dict({
-        "model": {"path": tiny_model_dir, "device": "cpu"}, "adv_estimator": "grpo",
-        "num_return_sequences_in_group": 2, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
-        "ppo_mini_batch_size": 8, "data": {"eval_size": 4},
-        "replay": {"url": redis_server.url, "namespace": "liveness", "block_ms": 50, "heartbeat_s": 0.2},
-        "run": {"iterations": 3, "run_dir": str(tmp_path / "run"), "liveness_s": BOUND_S},
-        "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": 0}}})
+    return config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "rollout_batch_size": 4,
+            "prompt_length": 16,
+            "response_length": 4,
+            "ppo_mini_batch_size": 8,
+            "data": {"eval_size": 4},
+            "replay": {"url": redis_server.url, "namespace": "liveness", "block_ms": 50, "heartbeat_s": 0.2},
+            "run": {"iterations": 3, "run_dir": str(tmp_path / "run"), "liveness_s": BOUND_S},
+            "rpc": {"learner": {"port": 0, "metrics_port": None, "http_port": 0}},
+        }
+    )
 
 
 def _wait_for(predicate, timeout_s: float) -> bool:
@@ -164,6 +181,7 @@ def test_a_waiting_learner_is_alive_and_a_frozen_one_fails_liveness_within_the_b
                     frozen.set()
                     release.wait(120)
                     return real_read(*args, **kwargs)
+
                 service.store.read_trajectories = blocked
                 assert frozen.wait(120)
                 t_frozen, age = time.monotonic(), service.heartbeat.age_s()  # the last beat: age ago

@@ -1,5 +1,6 @@
 """`rlhf train --local` goes on from its checkpoint: stopped (here: its iterations raised after it
 finished) and started again, its metrics rows continue; `run.resume_from` picks a checkpoint."""
+
 import json
 import os
 import subprocess
@@ -10,10 +11,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(tiny_model_dir, run_dir, iterations, *sets):
-    cmd = [sys.executable, "-m", "services.cli", "train", "--local", "-c", str(ROOT / "configs" / "tiny-cpu.yaml"),
-           "--run-dir", str(run_dir), "--set", f"model.path={tiny_model_dir}", "--set", f"run.iterations={iterations}",
-           "--set", "run.checkpoint_interval=2", "--set", "run.eval_interval=2", "--set", "rollout_batch_size=8",
-           "--set", "ppo_mini_batch_size=8", "--set", "data.eval_size=4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "train",
+        "--local",
+        "-c",
+        str(ROOT / "configs" / "tiny-cpu.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        f"run.iterations={iterations}",
+        "--set",
+        "run.checkpoint_interval=2",
+        "--set",
+        "run.eval_interval=2",
+        "--set",
+        "rollout_batch_size=8",
+        "--set",
+        "ppo_mini_batch_size=8",
+        "--set",
+        "data.eval_size=4",
+    ]
     for s in sets:
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
@@ -61,13 +83,15 @@ def test_a_branch_keeps_the_reference_it_is_told(tiny_model_dir, tmp_path):
 
     from services.common.config import config_from_dict
     from services.learner.ppo_step import PolicyTrainer
+
     run = tmp_path / "run"
     _train(tiny_model_dir, run, 2, "actor_lr=1e-3")
     final = str(run / "final")
     base = {"use_kl_loss": True, "run": {"seed": 0}}
     moved = PolicyTrainer(config_from_dict({**base, "model": {"path": final, "device": "cpu"}}))
-    kept = PolicyTrainer(config_from_dict({**base, "model": {"path": final, "device": "cpu",
-                                                                 "reference_path": tiny_model_dir}}))
+    kept = PolicyTrainer(
+        config_from_dict({**base, "model": {"path": final, "device": "cpu", "reference_path": tiny_model_dir}})
+    )
     sft = PolicyTrainer(config_from_dict({**base, "model": {"path": tiny_model_dir, "device": "cpu"}}))
     name, w = next((n, p) for n, p in sft.ref.named_parameters() if p.ndim == 2)
     assert torch.equal(dict(kept.ref.named_parameters())[name], w)  # the SFT model, as told
@@ -82,6 +106,7 @@ def test_saved_model_files_are_readable_as_the_umask_allows(tiny_model_dir, tmp_
 
     from services.common.config import config_from_dict
     from services.learner.ppo_step import PolicyTrainer
+
     old = os.umask(0o022)
     try:
         trainer = PolicyTrainer(config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"}}))

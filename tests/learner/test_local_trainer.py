@@ -1,4 +1,5 @@
 """The in-process trainer end to end on the tiny model: it learns, and it leaves its results."""
+
 import json
 import math
 from pathlib import Path
@@ -15,11 +16,14 @@ def _cfg(model_dir, *overrides):
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={model_dir}", *overrides])
 
 
-@pytest.mark.parametrize("estimator,overrides,min_gain", [
-    ("gae", [], 0.3),
-    ("grpo", ["num_return_sequences_in_group=4", "rollout_batch_size=16"], 0.1),
-    ("reinforce", [], 0.3),
-])
+@pytest.mark.parametrize(
+    "estimator,overrides,min_gain",
+    [
+        ("gae", [], 0.3),
+        ("grpo", ["num_return_sequences_in_group=4", "rollout_batch_size=16"], 0.1),
+        ("reinforce", [], 0.3),
+    ],
+)
 def test_each_estimator_learns(tiny_model_dir, tmp_path, estimator, overrides, min_gain):
     cfg = _cfg(tiny_model_dir, f"adv_estimator={estimator}", "run.iterations=60", "run.eval_interval=30", *overrides)
     summary = run_local(cfg, tmp_path)
@@ -34,8 +38,15 @@ def test_run_directory_contents(tiny_model_dir, tmp_path):
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["iteration"] for r in rows if "eval/reward_mean" in r] == [0, 2, 4]
     for r in rows[1:]:
-        for key in ("reward/score_mean", "ppo/kl_ref", "ppo/pg_clipfrac", "ppo/entropy", "critic/vf_loss",
-                    "rollout/tokens_per_s", "policy/version"):
+        for key in (
+            "reward/score_mean",
+            "ppo/kl_ref",
+            "ppo/pg_clipfrac",
+            "ppo/entropy",
+            "critic/vf_loss",
+            "rollout/tokens_per_s",
+            "policy/version",
+        ):
             assert key in r and math.isfinite(r[key]), key
     assert rows[-1]["policy/version"] == 4
     saved = json.loads((tmp_path / "summary.json").read_text())
@@ -48,18 +59,27 @@ def test_run_directory_contents(tiny_model_dir, tmp_path):
     assert (tmp_path / "final_critic" / "value_head.safetensors").exists()
 
 
-@pytest.mark.parametrize("overrides", [
-    ["add_token_level_kl=true", "target_kl=0.05", "kl_penalty=low_var_kl"],
-    ["kl_penalty=full", "use_kl_loss=true", "ref_model=mixture"],
-    ["ref_model=policy", "kl_penalty=mse"],
-    ["ptx_coef=0.5", "entropy_coef=0.01", "dual_clip_loss=false", "pg_clip_high=0.28"],
-    ["model.lora.rank=4", "model.lora.target_modules=[q_proj, v_proj]", "actor_lr=1e-3"],
-    ["model.gradient_checkpointing=true", "micro_batch_size=8", "lr_scheduler=cosine", "lr_warmup_steps=2"],
-    ["reward_norm=group", "num_return_sequences_in_group=2", "adv_estimator=rloo", "reward_clip=1.0"],
-    ["reward_norm=running", "reward_shift=true", "value_clip=0.2", "adv_estimator=reinforce_plus_plus",
-     "recompute_old_log_probs=false", "loss_agg_mode=seq-mean-token-sum-norm"],
-    ["model.bf16=true", "loss_agg_mode=token-mean"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["add_token_level_kl=true", "target_kl=0.05", "kl_penalty=low_var_kl"],
+        ["kl_penalty=full", "use_kl_loss=true", "ref_model=mixture"],
+        ["ref_model=policy", "kl_penalty=mse"],
+        ["ptx_coef=0.5", "entropy_coef=0.01", "dual_clip_loss=false", "pg_clip_high=0.28"],
+        ["model.lora.rank=4", "model.lora.target_modules=[q_proj, v_proj]", "actor_lr=1e-3"],
+        ["model.gradient_checkpointing=true", "micro_batch_size=8", "lr_scheduler=cosine", "lr_warmup_steps=2"],
+        ["reward_norm=group", "num_return_sequences_in_group=2", "adv_estimator=rloo", "reward_clip=1.0"],
+        [
+            "reward_norm=running",
+            "reward_shift=true",
+            "value_clip=0.2",
+            "adv_estimator=reinforce_plus_plus",
+            "recompute_old_log_probs=false",
+            "loss_agg_mode=seq-mean-token-sum-norm",
+        ],
+        ["model.bf16=true", "loss_agg_mode=token-mean"],
+    ],
+)
 def test_every_option_trains(tiny_model_dir, tmp_path, overrides):
     cfg = _cfg(tiny_model_dir, "run.iterations=2", "run.eval_interval=0", "rollout_batch_size=16", *overrides)
     summary = run_local(cfg, tmp_path)
@@ -79,9 +99,14 @@ def test_a_batch_crossing_an_epoch_is_labelled_per_record(tiny_model_dir, tmp_pa
     """Prompt uids are "<epoch>:<id>" with the epoch each record was drawn in: a batch larger than
     the dataset carries a prompt twice, under two uids (GRPO must not merge their groups)."""
     import services.local as local
+
     data = tmp_path / "three.jsonl"
-    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"{s}=", "label": s[::-1]}) + "\n"
-                            for i, s in enumerate(["abc", "bcd", "cde"])))
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"{s}=", "label": s[::-1]}) + "\n"
+            for i, s in enumerate(["abc", "bcd", "cde"])
+        )
+    )
     seen = []
     real = local.sample_groups
 
@@ -90,8 +115,16 @@ def test_a_batch_crossing_an_epoch_is_labelled_per_record(tiny_model_dir, tmp_pa
         return real(records, uids, *a, **kw)
 
     monkeypatch.setattr(local, "sample_groups", spy)
-    cfg = _cfg(tiny_model_dir, "run.iterations=2", "run.eval_interval=0", "rollout_batch_size=4",
-               "adv_estimator=grpo", "num_return_sequences_in_group=2", f"data.train={data}", f"data.eval={data}")
+    cfg = _cfg(
+        tiny_model_dir,
+        "run.iterations=2",
+        "run.eval_interval=0",
+        "rollout_batch_size=4",
+        "adv_estimator=grpo",
+        "num_return_sequences_in_group=2",
+        f"data.train={data}",
+        f"data.eval={data}",
+    )
     run_local(cfg, tmp_path / "run")
     first, second = seen
     assert len(set(first)) == 4  # one prompt twice, in two epochs

@@ -3,6 +3,7 @@ whose other tensors are provably the run's base (it loaded model.path, or holds 
 this run) gets only those ("partial"), over gRPC or shared memory alike, and ends with exactly the
 full merged policy. A server that cannot take partial versions (vLLM) or whose base is not
 provably this run's gets the full policy; PullWeights still serves the full policy."""
+
 import os
 from types import SimpleNamespace
 
@@ -20,8 +21,13 @@ from tests.weights.test_publisher import Registry, _serves, with_shm
 
 @pytest.fixture(scope="module")
 def learner(tiny_model_dir):
-    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
-                            "adv_estimator": "grpo", "num_return_sequences_in_group": 2})
+    cfg = config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+        }
+    )
     return PolicyTrainer(cfg)
 
 
@@ -60,8 +66,10 @@ class _Registry(Registry):
 
 def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner, tiny_model_dir, tmp_path):
     local, remote = with_shm(cfg, tmp_path / "shm"), with_shm(cfg, tmp_path / "elsewhere")
-    servers = [serve(on_free_ports(c, "generation"), backend=HFBackend(tiny_model_dir, "cpu")).start()
-               for c in (local, remote, remote, remote)]
+    servers = [
+        serve(on_free_ports(c, "generation"), backend=HFBackend(tiny_model_dir, "cpu")).start()
+        for c in (local, remote, remote, remote)
+    ]
     # 0: co-located, fresh (model.path); 1: remote, fresh; 2: a vLLM server (whole policies only);
     # 3: its weights came from another run
     registry = _Registry(servers, {2: {"partial": False}, 3: {"base": "run:another-run"}})
@@ -91,8 +99,9 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
         # late joiners pull the full policy
         version, pulled = bc.snapshot
         assert version == 2 and set(pulled) == set(full) and all(torch.equal(pulled[k], full[k]) for k in full)
-        assert [p for p in os.listdir(tmp_path / "shm") if p.startswith("rlhf-weights-")] == \
-            ["rlhf-weights-run_a-e1-v2-partial.safetensors"]
+        assert [p for p in os.listdir(tmp_path / "shm") if p.startswith("rlhf-weights-")] == [
+            "rlhf-weights-run_a-e1-v2-partial.safetensors"
+        ]
     finally:
         bc.close()
         for s in servers:
@@ -102,8 +111,9 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
 def test_without_lora_every_push_is_full(cfg, tiny_model_dir):
     with serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as svc:
         state = {k: v + 0.01 for k, v in svc.servicer.backend.model.state_dict().items()}
-        learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False,
-                                  policy_delta_state_dict=lambda: {})
+        learner = SimpleNamespace(
+            policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False, policy_delta_state_dict=lambda: {}
+        )
         bc = WeightBroadcaster(cfg, Registry([svc]), learner)
         try:
             out = bc.push(1, "learner:1")

@@ -3,6 +3,7 @@ layer gives the full-logits log-probs, entropy and gradients; trimmed padding ch
 micro-batched no-grad passes, policy updates and critic steps equal one pass (float tolerance:
 a micro-batch of other rows is a matmul of another shape, summed in another order) in every
 `loss_agg_mode`."""
+
 import pytest
 import torch
 
@@ -93,6 +94,7 @@ def _gradients_at_each_step(optimizer, model) -> list:
     def recording_step(*args, **kwargs):
         seen.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         return step(*args, **kwargs)
+
     optimizer.step = recording_step
     return seen
 
@@ -106,8 +108,17 @@ def _close(a: dict, b: dict):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batched_learner_step_equals_one_pass(tiny_model_dir, rollout, mode):
     def cfg(micro):
-        return _cfg(tiny_model_dir, loss_agg_mode=mode, micro_batch_size=micro, log_prob_micro_batch_size=micro,
-                    fuse_old_log_probs=False, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+        return _cfg(
+            tiny_model_dir,
+            loss_agg_mode=mode,
+            micro_batch_size=micro,
+            log_prob_micro_batch_size=micro,
+            fuse_old_log_probs=False,
+            entropy_coef=0.01,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+        )
+
     torch.manual_seed(0)
     first = PolicyTrainer(cfg(None))
     first.step(rollout)  # away from the reference: the KL terms are not zero
@@ -136,8 +147,9 @@ def test_micro_batched_critic_step_equals_one_pass(tiny_model_dir, rollout, mode
     old = torch.randn(batch.response_mask.shape, generator=g) * 0.1 * batch.response_mask
     out = []
     for micro in (None, 3):
-        critic = Critic(tiny_model_dir, lr=1e-2, value_clip=0.05, loss_agg_mode=mode, device="cpu",
-                        micro_batch_size=micro)
+        critic = Critic(
+            tiny_model_dir, lr=1e-2, value_clip=0.05, loss_agg_mode=mode, device="cpu", micro_batch_size=micro
+        )
         torch.nn.init.normal_(critic.model.value_head.weight, std=0.1, generator=torch.Generator().manual_seed(2))
         grads = _gradients_at_each_step(critic.optimizer, critic.model)
         values = critic.values(batch)
@@ -156,8 +168,9 @@ def test_critic_bf16_and_checkpointing_train(tiny_model_dir, rollout):
     returns = torch.ones(batch.response_mask.shape) * batch.response_mask
     losses = []
     for bf16 in (False, True):
-        critic = Critic(tiny_model_dir, lr=1e-2, device="cpu", micro_batch_size=4, bf16=bf16,
-                        gradient_checkpointing=bf16)
+        critic = Critic(
+            tiny_model_dir, lr=1e-2, device="cpu", micro_batch_size=4, bf16=bf16, gradient_checkpointing=bf16
+        )
         assert critic.model.backbone.is_gradient_checkpointing == bf16
         losses.append(critic.train_step(batch, returns, torch.zeros_like(returns))["critic/vf_loss"])
         assert critic.steps == 1
@@ -169,14 +182,14 @@ def test_critic_bf16_and_checkpointing_train(tiny_model_dir, rollout):
     assert losses[1] == pytest.approx(losses[0], rel=0.05)
 
 
-def test_bf16_learner_step_agrees_with_float32_and_keeps_float32_where_it_must(tiny_model_dir, rollout,
-                                                                              monkeypatch):
+def test_bf16_learner_step_agrees_with_float32_and_keeps_float32_where_it_must(tiny_model_dir, rollout, monkeypatch):
     """model.bf16: the backbone runs under bf16 autocast, but the output layer's logits, the
     log-probs, the loss and the optimiser's state stay float32 (each would fail this test in
     bf16), and one step agrees with the float32 step: log-probs within 0.05 (bf16 keeps 8 bits of
     mantissa: ~0.4% per op through 2 layers), the losses within 5%, the gradient's direction
     within cosine 0.99."""
     from transformers import AutoConfig
+
     vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
     head_logits: list[torch.dtype] = []
     linear = torch.nn.functional.linear
@@ -186,11 +199,20 @@ def test_bf16_learner_step_agrees_with_float32_and_keeps_float32_where_it_must(t
         if w.shape[0] == vocab:  # the output layer (vocabulary rows)
             head_logits.append(out.dtype)
         return out
+
     monkeypatch.setattr(torch.nn.functional, "linear", spy)
 
     def cfg(bf16):
-        return _cfg(tiny_model_dir, micro_batch_size=4, fuse_old_log_probs=False, entropy_coef=0.01,
-                    use_kl_loss=True, kl_loss_coef=0.1, model={"path": tiny_model_dir, "device": "cpu", "bf16": bf16})
+        return _cfg(
+            tiny_model_dir,
+            micro_batch_size=4,
+            fuse_old_log_probs=False,
+            entropy_coef=0.01,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            model={"path": tiny_model_dir, "device": "cpu", "bf16": bf16},
+        )
+
     runs = []
     for bf16 in (False, True):
         torch.manual_seed(0)
@@ -202,8 +224,9 @@ def test_bf16_learner_step_agrees_with_float32_and_keeps_float32_where_it_must(t
         assert head_logits and set(head_logits) == {torch.float32}, (bf16, set(head_logits))
         assert exp.old_log_probs.dtype == torch.float32
         assert {p.dtype for p in learner.policy.parameters()} == {torch.float32}
-        state = [t for s in learner.optimizer.state.values() for t in s.values()
-                 if torch.is_tensor(t) and t.numel() > 1]
+        state = [
+            t for s in learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1
+        ]
         assert state and {t.dtype for t in state} == {torch.float32}
         runs.append((exp, metrics, grads[0]))
     (e32, m32, g32), (e16, m16, g16) = runs

@@ -1,5 +1,6 @@
 """The learner step's contracts: weights it pushes are the weights it trains, LoRA stays LoRA,
 rollout_is weights the loss by the sampler/learner importance ratio."""
+
 import math
 
 import pytest
@@ -26,9 +27,17 @@ def _rollout(backend, n=8, seed=0):
 
 
 def _cfg(model_dir, **kw):
-    return config_from_dict({"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
-                             "num_return_sequences_in_group": 2, "actor_lr": 1e-3, "response_length": 8,
-                             "prompt_length": 16, **kw})
+    return config_from_dict(
+        {
+            "model": {"path": model_dir, "device": "cpu"},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "actor_lr": 1e-3,
+            "response_length": 8,
+            "prompt_length": 16,
+            **kw,
+        }
+    )
 
 
 def test_sampler_log_probs_match_recomputed_old_log_probs(tiny_model_dir):
@@ -37,7 +46,7 @@ def test_sampler_log_probs_match_recomputed_old_log_probs(tiny_model_dir):
     ro = _rollout(backend)
     exp = learner.make_experience(ro)
     for i, lp in enumerate(ro.gen_log_probs):
-        assert torch.allclose(exp.old_log_probs[i, :len(lp)], torch.tensor(lp), atol=1e-4)
+        assert torch.allclose(exp.old_log_probs[i, : len(lp)], torch.tensor(lp), atol=1e-4)
 
 
 def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_model_dir):
@@ -50,17 +59,23 @@ def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_mo
     backend.update_weights(learner.policy_state_dict(), 1)
     after = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
     assert after.policy_version == 1
-    out = learner.policy.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False,
-                                  eos_token_id=backend.eos_token_id, pad_token_id=backend.pad_token_id)
-    expected = out[0, len(prompts[0]):].tolist()
-    assert after.completions[0][0].token_ids == expected[:len(after.completions[0][0].token_ids)]
+    out = learner.policy.generate(
+        torch.tensor(prompts),
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=backend.eos_token_id,
+        pad_token_id=backend.pad_token_id,
+    )
+    expected = out[0, len(prompts[0]) :].tolist()
+    assert after.completions[0][0].token_ids == expected[: len(after.completions[0][0].token_ids)]
     with pytest.raises(ValueError, match="not newer"):
         backend.update_weights(learner.policy_state_dict(), 1)
 
 
 def test_lora_trains_only_adapters_and_pushes_merged_weights(tiny_model_dir):
-    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
-                                                      "lora": {"rank": 4}}, use_kl_loss=True))
+    learner = PolicyTrainer(
+        _cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}}, use_kl_loss=True)
+    )
     backend = HFBackend(tiny_model_dir, "cpu")
     base = {k: v.clone() for k, v in backend.model.state_dict().items()}
     learner.step(_rollout(backend))
@@ -90,8 +105,7 @@ def test_update_with_an_unknown_tensor_changes_nothing(tiny_model_dir):
 
 
 def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
-    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
-                                                      "lora": {"rank": 4}}))
+    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}}))
     backend = HFBackend(tiny_model_dir, "cpu")
     learner.step(_rollout(backend))
     backend.update_weights(learner.policy_state_dict(), 1)
@@ -106,7 +120,7 @@ def test_lora_merged_push_reproduces_the_adapted_policy(tiny_model_dir):
 def _shifted(ro, old_log_probs, shifts):
     """`ro` with the sampler's log-probs set to the learner's minus shifts[i] on sequence i, so the
     importance ratio pi_old / mu of every token of sequence i is exp(shifts[i])."""
-    gen = [(old_log_probs[i, :len(r)] - shifts[i]).tolist() for i, r in enumerate(ro.response_ids)]
+    gen = [(old_log_probs[i, : len(r)] - shifts[i]).tolist() for i, r in enumerate(ro.response_ids)]
     return Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, gen, None, ro.versions)
 
 
@@ -164,8 +178,8 @@ def test_rollout_is_without_sampler_log_probs_raises(tiny_model_dir):
 def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu",
-                                                      "lora": {"rank": 4}}))
+
+    learner = PolicyTrainer(_cfg(tiny_model_dir, model={"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}}))
     backend = HFBackend(tiny_model_dir, "cpu")
     learner.step(_rollout(backend))
     learner.save_policy(tmp_path / "final", backend.tokenizer)
@@ -173,8 +187,9 @@ def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert not any("lora_" in k for k in merged.state_dict())
     # what a PEFT user does: the base model plus the run's adapter
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                        tmp_path / "final" / "adapter")
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "final" / "adapter"
+    )
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.tensor([backend.tokenizer("abcdh=dc")["input_ids"]])
     with torch.no_grad():

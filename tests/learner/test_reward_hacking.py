@@ -5,6 +5,7 @@ exact_match + edit_distance). The policy learns to run on past the reversed stri
 reward rises, the held-out reward falls, and the watch says so (a WARNING per onset, and
 `eval/hacking_suspected` in metrics.jsonl). Trained on the task's own reward, the same run never
 raises it."""
+
 import json
 import logging
 from pathlib import Path
@@ -23,9 +24,21 @@ def _run(model_dir, run_dir, *overrides):
     # 128 held-out prompts and lr 1e-4: an honest run's held-out reward then rises without dips of
     # the watch's size (with 32 prompts and lr 2e-4, 3 of 4 seeds dipped by > 0.05 while the train
     # reward rose: the watch rightly flagged noise), and the hacking run is flagged in every seed
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
-        f"model.path={model_dir}", "adv_estimator=reinforce", "rollout_batch_size=32", "run.iterations=30",
-        "run.eval_interval=3", "data.eval_size=128", "actor_lr=1e-4", "run.tensorboard=false", GOLD, *overrides])
+    cfg = load_config(
+        ROOT / "configs" / "tiny-cpu.yaml",
+        [
+            f"model.path={model_dir}",
+            "adv_estimator=reinforce",
+            "rollout_batch_size=32",
+            "run.iterations=30",
+            "run.eval_interval=3",
+            "data.eval_size=128",
+            "actor_lr=1e-4",
+            "run.tensorboard=false",
+            GOLD,
+            *overrides,
+        ],
+    )
     assert cfg.run.hacking_window == 3  # the default
     run_local(cfg, run_dir)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -44,13 +57,18 @@ def test_the_watch_catches_a_policy_that_games_its_training_reward(tiny_model_di
     assert sum(train[-5:]) / 5 > sum(train[:5]) / 5 + 0.1  # while the paid reward got better
     # the same held-out responses, scored by the training reward too: the proxy rose where the gold fell
     assert evals[-1]["eval/proxy_reward_mean"] > evals[0]["eval/proxy_reward_mean"] + 0.1
-    last = [json.loads(line) for line in (tmp_path / "generations" / f"iter_{evals[-1]['iteration']:06d}.jsonl")
-            .read_text().splitlines()]
+    last = [
+        json.loads(line)
+        for line in (tmp_path / "generations" / f"iter_{evals[-1]['iteration']:06d}.jsonl").read_text().splitlines()
+    ]
     assert sum(r["proxy_reward"] for r in last) / len(last) == pytest.approx(evals[-1]["eval/proxy_reward_mean"])
     flags = [r["eval/hacking_suspected"] for r in evals]
     assert set(flags) == {0, 1} and flags[:3] == [0, 0, 0]  # baseline + two: the window is not full before
-    onsets = [r["iteration"] for prev, r in zip(evals, evals[1:])
-              if r["eval/hacking_suspected"] and not prev["eval/hacking_suspected"]]
+    onsets = [
+        r["iteration"]
+        for prev, r in zip(evals, evals[1:])
+        if r["eval/hacking_suspected"] and not prev["eval/hacking_suspected"]
+    ]
     warnings = _warnings(caplog)
     assert len(warnings) == len(onsets) >= 1  # one line per onset, not one per suspected evaluation
     assert f"..{onsets[0]} (3 evaluations)" in warnings[0] and "held-out reward fell by" in warnings[0]
@@ -69,9 +87,17 @@ def test_an_honest_run_raises_no_alarm(tiny_model_dir, tmp_path, caplog):
 def test_without_eval_rules_the_eval_uses_the_training_reward(tiny_model_dir, tmp_path):
     """Without reward.eval_rules the held-out evaluation is scored by the training reward: its
     components are the training rules'."""
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
-        f"model.path={tiny_model_dir}", "run.iterations=1", "rollout_batch_size=8", "data.eval_size=8",
-        "run.tensorboard=false", HACKABLE])
+    cfg = load_config(
+        ROOT / "configs" / "tiny-cpu.yaml",
+        [
+            f"model.path={tiny_model_dir}",
+            "run.iterations=1",
+            "rollout_batch_size=8",
+            "data.eval_size=8",
+            "run.tensorboard=false",
+            HACKABLE,
+        ],
+    )
     run_local(cfg, tmp_path)
     (base, _) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "eval/length" in base and "eval/exact_match" not in base

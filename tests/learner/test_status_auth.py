@@ -1,5 +1,6 @@
 """The learner's HTTP status page asks for the bearer token like the reward HTTP API when one is
 configured; /healthz stays open for liveness probes."""
+
 import httpx
 import pytest
 

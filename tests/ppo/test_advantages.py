@@ -33,7 +33,7 @@ def test_gae_hand_computed():
     v = torch.tensor([[0.5, 0.6, 0.7]])
     m = torch.ones(1, 3)
     adv, ret = compute_gae_advantage_return(r, v, m, gamma=0.9, lam=0.5)
-    d2 = 1.0 - 0.7                      # last step: no bootstrap
+    d2 = 1.0 - 0.7  # last step: no bootstrap
     d1 = 0.0 + 0.9 * 0.7 - 0.6
     d0 = 0.0 + 0.9 * 0.6 - 0.5
     a2 = d2
@@ -87,8 +87,9 @@ def test_gae_skips_a_hole_as_if_it_were_not_there():
     r = torch.tensor([[0.0, 9.0, 1.0]])
     v = torch.tensor([[0.2, 5.0, 0.4]])
     adv, _ = compute_gae_advantage_return(r, v, torch.tensor([[1.0, 0.0, 1.0]]), 0.9, 0.7)
-    dense, _ = compute_gae_advantage_return(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.2, 0.4]]),
-                                            torch.ones(1, 2), 0.9, 0.7)
+    dense, _ = compute_gae_advantage_return(
+        torch.tensor([[0.0, 1.0]]), torch.tensor([[0.2, 0.4]]), torch.ones(1, 2), 0.9, 0.7
+    )
     assert torch.allclose(adv[:, [0, 2]], dense) and adv[0, 1] == 0
 
 
@@ -142,8 +143,9 @@ def test_reinforce_plus_plus_is_whitened():
 
 def test_dispatch_names_and_errors():
     r, m = torch.ones(2, 2), torch.ones(2, 2)
-    with pytest.raises(ValueError, match="unknown adv_estimator 'ppo2'; valid: gae, reinforce, grpo, rloo, "
-                                         "reinforce_plus_plus"):
+    with pytest.raises(
+        ValueError, match="unknown adv_estimator 'ppo2'; valid: gae, reinforce, grpo, rloo, reinforce_plus_plus"
+    ):
         compute_advantages("ppo2", r, m)
     with pytest.raises(ValueError, match="critic"):
         compute_advantages("gae", r, m)

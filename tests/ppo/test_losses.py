@@ -20,14 +20,17 @@ def _pl(ratio, adv, **kw):
     return compute_policy_loss(old, ratio.log(), adv, torch.ones(1, 1), **kw)
 
 
-@pytest.mark.parametrize("ratio,adv,expected", [
-    (1.0, 1.0, -1.0),     # on-policy: -A
-    (1.5, 1.0, -1.2),     # A > 0: ratio clipped at 1 + eps
-    (0.5, 1.0, -0.5),     # A > 0 below the range: unclipped (pessimistic min)
-    (0.5, -1.0, 0.8),     # A < 0: ratio clipped at 1 - eps
-    (2.0, -1.0, 2.0),     # A < 0 above the range: unclipped, below the dual clip bound 3
-    (100.0, -10.0, 30.0),  # the seed's example: dual clip bounds -A*ratio=1000 at -A*c=30
-])
+@pytest.mark.parametrize(
+    "ratio,adv,expected",
+    [
+        (1.0, 1.0, -1.0),  # on-policy: -A
+        (1.5, 1.0, -1.2),  # A > 0: ratio clipped at 1 + eps
+        (0.5, 1.0, -0.5),  # A > 0 below the range: unclipped (pessimistic min)
+        (0.5, -1.0, 0.8),  # A < 0: ratio clipped at 1 - eps
+        (2.0, -1.0, 2.0),  # A < 0 above the range: unclipped, below the dual clip bound 3
+        (100.0, -10.0, 30.0),  # the seed's example: dual clip bounds -A*ratio=1000 at -A*c=30
+    ],
+)
 def test_policy_loss_hand_cases(ratio, adv, expected):
     pg_loss, *_ = _pl(ratio, adv)
     assert pg_loss.item() == pytest.approx(expected, rel=1e-5)
@@ -48,8 +51,8 @@ def test_clip_fractions_and_ppo_kl():
     ratio = torch.tensor([[1.0, 1.5, 0.5, 10.0]])
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     pg, clipfrac, ppo_kl, lower = compute_policy_loss(old, ratio.log(), adv, torch.ones(1, 4), cliprange=0.2)
-    assert clipfrac.item() == pytest.approx(0.5)   # tokens 2 and 3 clipped
-    assert lower.item() == pytest.approx(0.25)     # token 4 hits the dual clip
+    assert clipfrac.item() == pytest.approx(0.5)  # tokens 2 and 3 clipped
+    assert lower.item() == pytest.approx(0.25)  # token 4 hits the dual clip
     assert ppo_kl.item() == pytest.approx(-ratio.log().mean().item(), rel=1e-5)
 
 
@@ -79,8 +82,9 @@ def test_masked_tokens_do_not_change_policy_loss():
     m = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float)
     a = compute_policy_loss(old, new, adv, m, cliprange=0.2, loss_agg_mode="seq-mean-token-sum")
     junk = torch.where(m.bool(), new, torch.full_like(new, 50.0))
-    b = compute_policy_loss(old, junk, torch.where(m.bool(), adv, -adv * 1e3), m, cliprange=0.2,
-                            loss_agg_mode="seq-mean-token-sum")
+    b = compute_policy_loss(
+        old, junk, torch.where(m.bool(), adv, -adv * 1e3), m, cliprange=0.2, loss_agg_mode="seq-mean-token-sum"
+    )
     for x, y in zip(a, b):
         assert torch.allclose(x, y)
 

@@ -39,8 +39,9 @@ def test_running_statistics_accumulate_and_checkpoint():
     x = torch.tensor([2.0])
     rs_copy = RunningMeanStd()
     rs_copy.load_state_dict(rs.state_dict())
-    assert torch.equal(normalize_rewards(x, "running", running=restored),
-                       normalize_rewards(x, "running", running=rs_copy))
+    assert torch.equal(
+        normalize_rewards(x, "running", running=restored), normalize_rewards(x, "running", running=rs_copy)
+    )
 
 
 def test_clip_after_normalisation():

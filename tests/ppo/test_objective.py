@@ -1,6 +1,7 @@
 """The full PPO objective of one micro-batch (services/ppo/objective.py): each term's sign and
 coefficient, masking, the GSPO fixed aggregation, the dual clip, and gradient accumulation over
 micro-batches equal to one pass in every `loss_agg_mode`."""
+
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -15,8 +16,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _close(a, b, **tol):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
-                               **(tol or TOL))
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), **(tol or TOL)
+    )
 
 
 def _two_by_three():
@@ -30,8 +32,12 @@ def _two_by_three():
 
 # per-token losses with clip 0.2 and dual clip 3: -1, -1.2 (clipped), 0.8 (clipped), 2.0, -1.8; padded
 # row sums -1.4 and 0.2 over 3 and 2 tokens
-HAND_PG = {"token-mean": -1.2 / 5, "seq-mean-token-sum": (-1.4 + 0.2) / 2,
-           "seq-mean-token-mean": (-1.4 / 3 + 0.2 / 2) / 2, "seq-mean-token-sum-norm": (-1.4 + 0.2) / 3}
+HAND_PG = {
+    "token-mean": -1.2 / 5,
+    "seq-mean-token-sum": (-1.4 + 0.2) / 2,
+    "seq-mean-token-mean": (-1.4 / 3 + 0.2 / 2) / 2,
+    "seq-mean-token-sum-norm": (-1.4 + 0.2) / 3,
+}
 
 
 def _batch(B=6, T=5, seed=0):
@@ -41,10 +47,15 @@ def _batch(B=6, T=5, seed=0):
     mask = (torch.arange(T).expand(B, T) < lengths.unsqueeze(1)).float()
     old = -torch.rand(B, T, generator=g) * 3
     log_prob = old + torch.randn(B, T, generator=g) * 0.3
-    return dict(log_prob=log_prob, entropy=torch.rand(B, T, generator=g) * 2, old_log_prob=old,
-                advantages=torch.randn(B, T, generator=g), mask=mask,
-                ref_log_prob=old + torch.randn(B, T, generator=g) * 0.2,
-                ptx_rows=torch.rand(B, generator=g) + 1.0)  # each row's SFT example loss
+    return dict(
+        log_prob=log_prob,
+        entropy=torch.rand(B, T, generator=g) * 2,
+        old_log_prob=old,
+        advantages=torch.randn(B, T, generator=g),
+        mask=mask,
+        ref_log_prob=old + torch.randn(B, T, generator=g) * 0.2,
+        ptx_rows=torch.rand(B, generator=g) + 1.0,
+    )  # each row's SFT example loss
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -54,8 +65,7 @@ def test_loss_is_the_policy_loss_alone_when_other_terms_are_off(mode):
     ref = log_prob - 0.7
     # use_kl_loss False: kl_loss_coef has no effect; ptx_coef 0: a given ptx_loss has no effect
     s = ObjectiveSettings(loss_agg_mode=mode, entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.5, ptx_coef=0.0)
-    loss, metrics = ppo_objective(s, log_prob, entropy, old, adv, mask, ref_log_prob=ref,
-                                  ptx_loss=torch.tensor(7.0))
+    loss, metrics = ppo_objective(s, log_prob, entropy, old, adv, mask, ref_log_prob=ref, ptx_loss=torch.tensor(7.0))
     assert loss.item() == pytest.approx(HAND_PG[mode], rel=1e-5)
     expected, *_ = compute_policy_loss(old, log_prob, adv, mask, cliprange=0.2, clip_ratio_c=3.0, loss_agg_mode=mode)
     _close(loss, expected)
@@ -100,8 +110,9 @@ def test_terms_on_the_hand_example():
     entropy = torch.tensor([[0.5, 1.0, 2.0], [3.0, 4.0, 99.0]])  # 99 is padded
     ref = log_prob - torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 99.0]])  # k1 = log_prob - ref
     s = ObjectiveSettings(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_penalty="kl", ptx_coef=0.5)
-    loss, _ = ppo_objective(s, log_prob, entropy, old, adv, mask, ref_log_prob=ref, ptx_loss=torch.tensor(2.0),
-                            ptx_share=0.5)
+    loss, _ = ppo_objective(
+        s, log_prob, entropy, old, adv, mask, ref_log_prob=ref, ptx_loss=torch.tensor(2.0), ptx_share=0.5
+    )
     expected = -1.2 / 5 - 0.01 * (10.5 / 5) + 0.1 * (1.5 / 5) + 0.5 * 2.0 * 0.5
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
@@ -126,10 +137,18 @@ def test_full_kl_loss_uses_the_vocabulary_log_probs():
 def test_rollout_is_weights_multiply_the_policy_loss():
     b = _batch(seed=4)
     w = torch.rand(6, 5, generator=torch.Generator().manual_seed(5)) + 0.5
-    loss, _ = ppo_objective(ObjectiveSettings(), b["log_prob"], b["entropy"], b["old_log_prob"], b["advantages"],
-                            b["mask"], rollout_is_weights=w)
-    expected, *_ = compute_policy_loss(b["old_log_prob"], b["log_prob"], b["advantages"], b["mask"], cliprange=0.2,
-                                       rollout_is_weights=w)
+    loss, _ = ppo_objective(
+        ObjectiveSettings(),
+        b["log_prob"],
+        b["entropy"],
+        b["old_log_prob"],
+        b["advantages"],
+        b["mask"],
+        rollout_is_weights=w,
+    )
+    expected, *_ = compute_policy_loss(
+        b["old_log_prob"], b["log_prob"], b["advantages"], b["mask"], cliprange=0.2, rollout_is_weights=w
+    )
     unweighted, *_ = compute_policy_loss(b["old_log_prob"], b["log_prob"], b["advantages"], b["mask"], cliprange=0.2)
     _close(loss, expected)
     assert abs(loss.item() - unweighted.item()) > 1e-3
@@ -139,17 +158,31 @@ def test_rollout_is_weights_multiply_the_policy_loss():
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_masked_positions_change_neither_loss_nor_gradient(mode, policy_loss):
     b = _batch(seed=1)
-    s = ObjectiveSettings(policy_loss=policy_loss, loss_agg_mode=mode, entropy_coef=0.05, use_kl_loss=True,
-                          kl_loss_coef=0.1, kl_penalty="low_var_kl")
+    s = ObjectiveSettings(
+        policy_loss=policy_loss,
+        loss_agg_mode=mode,
+        entropy_coef=0.05,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_penalty="low_var_kl",
+    )
     pad = ~b["mask"].bool()
 
     def run(junk: bool):
         def j(x, v):
             return torch.where(pad, torch.full_like(x, v), x) if junk else x.clone()
+
         log_prob = j(b["log_prob"], -1e4).requires_grad_()
         entropy = j(b["entropy"], 1e6).requires_grad_()
-        loss, metrics = ppo_objective(s, log_prob, entropy, j(b["old_log_prob"], 50.0), j(b["advantages"], -1e3),
-                                      b["mask"], ref_log_prob=j(b["ref_log_prob"], 60.0))
+        loss, metrics = ppo_objective(
+            s,
+            log_prob,
+            entropy,
+            j(b["old_log_prob"], 50.0),
+            j(b["advantages"], -1e3),
+            b["mask"],
+            ref_log_prob=j(b["ref_log_prob"], 60.0),
+        )
         loss.backward()
         return loss, metrics, log_prob.grad, entropy.grad
 
@@ -170,8 +203,7 @@ def _nan_padded_run(policy_loss):
     s = ObjectiveSettings(policy_loss=policy_loss, entropy_coef=0.05, use_kl_loss=True, kl_loss_coef=0.1)
     log_prob = torch.where(pad, torch.full_like(b["log_prob"], -math.inf), b["log_prob"]).requires_grad_()
     old = torch.where(pad, torch.full_like(b["old_log_prob"], math.nan), b["old_log_prob"])
-    loss, _ = ppo_objective(s, log_prob, b["entropy"], old, b["advantages"], b["mask"],
-                            ref_log_prob=b["ref_log_prob"])
+    loss, _ = ppo_objective(s, log_prob, b["entropy"], old, b["advantages"], b["mask"], ref_log_prob=b["ref_log_prob"])
     loss.backward()
     return loss, log_prob.grad
 
@@ -193,16 +225,32 @@ MICRO_BATCHES = [[0, 1], [2, 3, 4], [5]]  # row 2 has no token; rows 1, 2, 4 giv
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batches_sum_to_the_one_pass_loss_and_gradient(mode, policy_loss):
     b = _batch()
-    s = ObjectiveSettings(policy_loss=policy_loss, loss_agg_mode=mode, entropy_coef=0.03, use_kl_loss=True,
-                          kl_loss_coef=0.2, kl_penalty="low_var_kl", ptx_coef=0.4)
+    s = ObjectiveSettings(
+        policy_loss=policy_loss,
+        loss_agg_mode=mode,
+        entropy_coef=0.03,
+        use_kl_loss=True,
+        kl_loss_coef=0.2,
+        kl_penalty="low_var_kl",
+        ptx_coef=0.4,
+    )
     B = b["mask"].shape[0]
 
     def leaves():
         return b["log_prob"].clone().requires_grad_(), b["entropy"].clone().requires_grad_()
 
     lp, ent = leaves()
-    whole, whole_metrics = ppo_objective(s, lp, ent, b["old_log_prob"], b["advantages"], b["mask"],
-                                         ref_log_prob=b["ref_log_prob"], ptx_loss=b["ptx_rows"].mean(), ptx_share=1.0)
+    whole, whole_metrics = ppo_objective(
+        s,
+        lp,
+        ent,
+        b["old_log_prob"],
+        b["advantages"],
+        b["mask"],
+        ref_log_prob=b["ref_log_prob"],
+        ptx_loss=b["ptx_rows"].mean(),
+        ptx_share=1.0,
+    )
     whole.backward()
     whole_grads = (lp.grad, ent.grad)
 
@@ -215,9 +263,19 @@ def test_micro_batches_sum_to_the_one_pass_loss_and_gradient(mode, policy_loss):
 
         def cut(x, r=r, t=t):
             return x[r, :t]
-        loss, metrics = ppo_objective(s, cut(lp), cut(ent), cut(b["old_log_prob"]), cut(b["advantages"]),
-                                      cut(b["mask"]), norm, ref_log_prob=cut(b["ref_log_prob"]),
-                                      ptx_loss=b["ptx_rows"][r].mean(), ptx_share=len(rows) / B)
+
+        loss, metrics = ppo_objective(
+            s,
+            cut(lp),
+            cut(ent),
+            cut(b["old_log_prob"]),
+            cut(b["advantages"]),
+            cut(b["mask"]),
+            norm,
+            ref_log_prob=cut(b["ref_log_prob"]),
+            ptx_loss=b["ptx_rows"][r].mean(),
+            ptx_share=len(rows) / B,
+        )
         loss.backward()
         total = total + loss.detach()
         for k, (v, w) in metrics.items():
@@ -263,15 +321,22 @@ def test_gspo_micro_batch_weight_is_its_sequence_share_not_its_token_share():
     assert metrics["ppo/pg_loss"] == (pytest.approx(-3.0), pytest.approx(0.5))
     assert metrics["ppo/entropy_loss"] == (pytest.approx(2.0), pytest.approx(0.25))  # entropy keeps token-mean
     assert loss.item() == pytest.approx(-3.0 * 0.5 - 0.1 * 2.0 * 0.25, rel=1e-6)
-    vanilla, _ = ppo_objective(replace(s, policy_loss="vanilla"), log_prob, entropy, old, torch.tensor([[3.0]]),
-                               mask[1:, :1], norm)
+    vanilla, _ = ppo_objective(
+        replace(s, policy_loss="vanilla"), log_prob, entropy, old, torch.tensor([[3.0]]), mask[1:, :1], norm
+    )
     assert vanilla.item() == pytest.approx(-3.0 * 0.25 - 0.1 * 2.0 * 0.25, rel=1e-6)
 
 
 def _one_token(ratio, adv, **settings):
     log_prob = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, metrics = ppo_objective(ObjectiveSettings(**settings), log_prob, torch.zeros(1, 1), torch.zeros(1, 1),
-                                  torch.tensor([[adv]]), torch.ones(1, 1))
+    loss, metrics = ppo_objective(
+        ObjectiveSettings(**settings),
+        log_prob,
+        torch.zeros(1, 1),
+        torch.zeros(1, 1),
+        torch.tensor([[adv]]),
+        torch.ones(1, 1),
+    )
     loss.backward()
     return loss.item(), metrics, log_prob.grad.item()
 
@@ -302,9 +367,19 @@ def test_gspo_ignores_the_dual_clip():
 
 
 def test_settings_from_config():
-    cfg = SimpleNamespace(policy_loss="gspo", clip_low=0.2, clip_high=0.28, dual_clip_loss=False, dual_clip_c=3.0,
-                          loss_agg_mode="seq-mean-token-sum", entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-                          kl_penalty="low_var_kl", ptx_coef=0.5)
+    cfg = SimpleNamespace(
+        policy_loss="gspo",
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip_loss=False,
+        dual_clip_c=3.0,
+        loss_agg_mode="seq-mean-token-sum",
+        entropy_coef=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_penalty="low_var_kl",
+        ptx_coef=0.5,
+    )
     s = ObjectiveSettings.from_config(cfg)
     assert s.dual_clip_c is None and s.clip_high == 0.28 and s.loss_agg_mode == "seq-mean-token-sum"
     assert ObjectiveSettings.from_config(replace_ns(cfg, dual_clip_loss=True, dual_clip_c=4.0)).dual_clip_c == 4.0

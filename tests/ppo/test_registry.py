@@ -1,4 +1,5 @@
 """The algorithm's registries: lookup, aliases, errors, and the config's choices coming from them."""
+
 import typing
 
 import pytest
@@ -36,9 +37,14 @@ def _choices(field: str) -> tuple:
     return typing.get_args(ann)
 
 
-@pytest.mark.parametrize("field,registry_names", [
-    ("adv_estimator", ADV_ESTIMATORS.names()), ("kl_penalty", KL_ESTIMATORS.choices()),
-    ("policy_loss", POLICY_LOSSES.names())])
+@pytest.mark.parametrize(
+    "field,registry_names",
+    [
+        ("adv_estimator", ADV_ESTIMATORS.names()),
+        ("kl_penalty", KL_ESTIMATORS.choices()),
+        ("policy_loss", POLICY_LOSSES.names()),
+    ],
+)
 def test_config_choices_are_the_registry_names(field, registry_names):
     assert _choices(field) == registry_names
     with pytest.raises(ConfigError, match=field):

@@ -1,5 +1,6 @@
 """Truncated importance sampling between the sampler's and the learner's log-probs: the weights,
 their metrics, and the policy losses that take them."""
+
 import math
 
 import pytest
@@ -21,8 +22,12 @@ def test_weights_are_one_when_the_log_probs_agree():
     mask[1, 4:] = 0
     w, m = rollout_importance_weights(lp, lp.clone(), mask, 2.0)
     assert torch.equal(w, mask)
-    assert m == {"ppo/is_ratio_mean": 1.0, "ppo/is_ratio_max": 1.0, "ppo/is_clipped_frac": 0.0,
-                 "ppo/is_weight_mean": 1.0}
+    assert m == {
+        "ppo/is_ratio_mean": 1.0,
+        "ppo/is_ratio_max": 1.0,
+        "ppo/is_clipped_frac": 0.0,
+        "ppo/is_weight_mean": 1.0,
+    }
 
 
 def test_weights_are_the_ratio_truncated_at_the_threshold():
@@ -35,8 +40,9 @@ def test_weights_are_the_ratio_truncated_at_the_threshold():
     assert m["ppo/is_clipped_frac"] == pytest.approx(0.5)
     assert m["ppo/is_weight_mean"] == pytest.approx((0.5 + 1.5 + 2.0 + 2.0) / 4, rel=1e-6)
     # a lower threshold truncates more; the log-ratio is clamped, so huge gaps stay finite
-    w, m = rollout_importance_weights(torch.tensor([[0.0, 500.0]]), torch.tensor([[0.0, -500.0]]),
-                                      torch.ones(1, 2), 0.8)
+    w, m = rollout_importance_weights(
+        torch.tensor([[0.0, 500.0]]), torch.tensor([[0.0, -500.0]]), torch.ones(1, 2), 0.8
+    )
     assert torch.allclose(w, torch.tensor([[0.8, 0.8]]))
     assert m["ppo/is_ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
     assert m["ppo/is_clipped_frac"] == 1.0
@@ -103,8 +109,9 @@ def _batch(seed=2):
 def test_weighted_policy_loss_equals_the_hand_computed_one(mode):
     old, new, adv, mask, weights = _batch()
     new = new.requires_grad_(True)
-    loss, clipfrac, kl, lower = compute_policy_loss(old, new, adv, mask, cliprange=0.2, clip_ratio_c=3.0,
-                                                    loss_agg_mode=mode, rollout_is_weights=weights)
+    loss, clipfrac, kl, lower = compute_policy_loss(
+        old, new, adv, mask, cliprange=0.2, clip_ratio_c=3.0, loss_agg_mode=mode, rollout_is_weights=weights
+    )
     ratio = torch.exp(new.detach() - old)
     clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     per_token = torch.where(adv < 0, torch.minimum(clipped, -adv * 3.0), clipped)
@@ -132,9 +139,14 @@ def test_weighted_gspo_loss_equals_the_hand_computed_one():
     assert loss.item() != pytest.approx(agg_loss(per_token, mask, "seq-mean-token-mean").item(), rel=1e-3)
 
 
-@pytest.mark.parametrize("loss_fn,kw", [(compute_policy_loss, {"clip_ratio_c": 3.0}),
-                                        (compute_policy_loss, {"clip_ratio_c": None}),
-                                        (compute_gspo_policy_loss, {})])
+@pytest.mark.parametrize(
+    "loss_fn,kw",
+    [
+        (compute_policy_loss, {"clip_ratio_c": 3.0}),
+        (compute_policy_loss, {"clip_ratio_c": None}),
+        (compute_gspo_policy_loss, {}),
+    ],
+)
 def test_no_weights_reproduce_the_old_loss_exactly(loss_fn, kw):
     old, new, adv, mask, _ = _batch(4)
     default = loss_fn(old, new, adv, mask, cliprange=0.2, **kw)

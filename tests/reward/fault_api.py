@@ -14,6 +14,7 @@ prompts is `poison[0]`, else `mode`:
     close     the connection closed without an answer
     bad       one reward short
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ class FaultAPI:
             def log_message(self, *a):
                 pass
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with api._lock:
                     if api.script:
@@ -47,8 +48,15 @@ class FaultAPI:
                         mode = api.poison[1]
                     else:
                         mode = api.mode
-                    api.requests.append({"t": time.monotonic(), "mode": mode, "headers": dict(self.headers),
-                                         "n": len(body["query"]), "prompts": body.get("prompts")})
+                    api.requests.append(
+                        {
+                            "t": time.monotonic(),
+                            "mode": mode,
+                            "headers": dict(self.headers),
+                            "n": len(body["query"]),
+                            "prompts": body.get("prompts"),
+                        }
+                    )
                     api.in_flight += 1
                     api.max_in_flight = max(api.max_in_flight, api.in_flight)
                 try:
@@ -74,8 +82,13 @@ class FaultAPI:
                     self.end_headers()
                     return
                 if mode in ("400", "422", "401", "403", "404"):
-                    data = json.dumps({"error": "no", "your_auth": self.headers.get("Authorization"),
-                                       "your_headers": dict(self.headers)}).encode()
+                    data = json.dumps(
+                        {
+                            "error": "no",
+                            "your_auth": self.headers.get("Authorization"),
+                            "your_headers": dict(self.headers),
+                        }
+                    ).encode()
                     return self._send(int(mode), data)
                 if api.gate is not None:
                     api.gate.wait(api.hang_s)

@@ -1,5 +1,6 @@
 """Your reward function by file path or module, in its three signatures; what `config validate`
 says of each mistake; an exception in it stops `train --local` with its own traceback."""
+
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from services.reward.scorer import RuleScorer
 
 ROOT = Path(__file__).resolve().parents[2]
 
-USER_CODE = textwrap.dedent('''
+USER_CODE = textwrap.dedent("""
     import helper  # a neighbour of this file: the file's own directory is importable
 
     def score(prompt, response, label, metadata, bonus=0.0):
@@ -36,7 +37,7 @@ USER_CODE = textwrap.dedent('''
 
     def two_args(a, b):
         return 0.0
-''')
+""")
 
 
 @pytest.fixture
@@ -50,11 +51,15 @@ def user_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-SAMPLES = [RewardSample("p", "4", "4", {"topic": "ab", "extra_info": {"w": 0.5}}),
-           RewardSample("p", "5", "4", {"topic": ""})]
+SAMPLES = [
+    RewardSample("p", "4", "4", {"topic": "ab", "extra_info": {"w": 0.5}}),
+    RewardSample("p", "5", "4", {"topic": ""}),
+]
 # a label stored as a structure (verl's reward_model.ground_truth): its JSON is the label string
-STRUCTURED = [RewardSample("p", "four", json.dumps(t), {"ground_truth": t, "extra_info": {"w": 0.5}})
-              for t in ({"answers": ["4", "four"]}, {"answers": ["4"]})]
+STRUCTURED = [
+    RewardSample("p", "four", json.dumps(t), {"ground_truth": t, "extra_info": {"w": 0.5}})
+    for t in ({"answers": ["4", "four"]}, {"answers": ["4"]})
+]
 
 
 def test_the_three_signatures_by_file_path_and_by_module(user_dir):
@@ -89,9 +94,14 @@ def test_over_grpc_it_is_failed_precondition_with_its_reason(user_dir, tiny_mode
     from services.common.rpc.errors import Reason, reason_of
     from services.reward.client import RewardClient
     from services.reward.server import serve
-    cfg = config_from_dict({"model": {"path": tiny_model_dir, "device": "cpu"},
-                            "reward": {"type": "rules", "rules": [{"name": "rewards.py:boom"}]},
-                            "rpc": {"reward": {"port": 0, "metrics_port": None, "http_port": None}}})
+
+    cfg = config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "reward": {"type": "rules", "rules": [{"name": "rewards.py:boom"}]},
+            "rpc": {"reward": {"port": 0, "metrics_port": None, "http_port": None}},
+        }
+    )
     with serve(cfg) as svc:
         with pytest.raises(grpc.RpcError) as e:
             RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc).score(SAMPLES)
@@ -106,18 +116,22 @@ def test_a_builtin_rules_complaint_about_a_sample_stays_a_value_error():
     assert not isinstance(e.value, RewardFunctionError)
 
 
-@pytest.mark.parametrize("ref, message", [
-    ("no_such_module:score", "cannot be imported: No module named 'no_such_module'"),
-    ("missing.py:score", "no such file missing.py"),
-    ("rewards.py:nothing", "has no 'nothing'"),
-])
+@pytest.mark.parametrize(
+    "ref, message",
+    [
+        ("no_such_module:score", "cannot be imported: No module named 'no_such_module'"),
+        ("missing.py:score", "no such file missing.py"),
+        ("rewards.py:nothing", "has no 'nothing'"),
+    ],
+)
 def test_what_cannot_be_loaded_says_why(user_dir, ref, message):
     with pytest.raises(ValueError, match=message):
         load_function(ref)
 
 
 def test_config_validate_reports_every_mistake_in_one_run_naming_each_key(user_dir):
-    (user_dir / "c.yaml").write_text(textwrap.dedent('''
+    (user_dir / "c.yaml").write_text(
+        textwrap.dedent("""
         gama: 1.5
         data: {train: nothere.jsonl}
         reward:
@@ -128,38 +142,99 @@ def test_config_validate_reports_every_mistake_in_one_run_naming_each_key(user_d
             - {name: exact_match, kwargs: {lowercse: true}}
             - {name: rewards.py:two_args}
             - {name: rewards.py:score}
-    '''))
-    r = subprocess.run([sys.executable, "-m", "services.cli", "config", "validate", "c.yaml"], capture_output=True,
-                       text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    """)
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "config", "validate", "c.yaml"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 2, r.stderr
     lines = [line.strip() for line in r.stderr.splitlines()[1:]]
     assert [line.split(":")[0] for line in lines] == [
-        "gama", "data.train", "reward.rules[0].name", "reward.rules[1].name", "reward.rules[2].kwargs",
-        "reward.rules[3].kwargs", "reward.rules[4].kwargs"], r.stderr
+        "gama",
+        "data.train",
+        "reward.rules[0].name",
+        "reward.rules[1].name",
+        "reward.rules[2].kwargs",
+        "reward.rules[3].kwargs",
+        "reward.rules[4].kwargs",
+    ], r.stderr
     assert "did you mean 'gamma'? (gamma: Input should be less than or equal to 1" in lines[0]
     assert "unknown answer mode 'flexibel'" in lines[4] and "lowercse" in lines[5]
     assert "cannot be called as fn(prompt, response, label, metadata, **kwargs)" in lines[6]
     # $RLHF_CONFIG is the file when none is given
-    r = subprocess.run([sys.executable, "-m", "services.cli", "config", "validate"], capture_output=True, text=True,
-                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "RLHF_CONFIG": "c.yaml"})
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "config", "validate"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "RLHF_CONFIG": "c.yaml"},
+    )
     assert r.returncode == 2 and "reward.rules[0].name" in r.stderr
 
 
 def test_train_local_with_a_function_by_path_and_one_that_raises(user_dir, tiny_model_dir):
-    rows = [{"prompt": f"{w}=", "label": w[::-1]} for w in ("abc", "bca", "cab", "aab", "bba", "abb", "bab", "aba",
-                                                              "ccb", "cbc", "bcc", "acc", "cac", "cca", "bcb", "cbb")]
+    rows = [
+        {"prompt": f"{w}=", "label": w[::-1]}
+        for w in (
+            "abc",
+            "bca",
+            "cab",
+            "aab",
+            "bba",
+            "abb",
+            "bab",
+            "aba",
+            "ccb",
+            "cbc",
+            "bcc",
+            "acc",
+            "cac",
+            "cca",
+            "bcb",
+            "cbb",
+        )
+    ]
     (user_dir / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = [sys.executable, "-m", "services.cli", "train", "--local", "-c", str(ROOT / "configs" / "tiny-cpu.yaml"),
-            "--set", f"model.path={tiny_model_dir}", "--set", "data.train=p.jsonl", "--set", "data.eval=null",
-            "--set", "data.eval_size=2", "--set", "run.iterations=1", "--set", "rollout_batch_size=4",
-            "--set", "ppo_mini_batch_size=4"]
+    base = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "train",
+        "--local",
+        "-c",
+        str(ROOT / "configs" / "tiny-cpu.yaml"),
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        "data.train=p.jsonl",
+        "--set",
+        "data.eval=null",
+        "--set",
+        "data.eval_size=2",
+        "--set",
+        "run.iterations=1",
+        "--set",
+        "rollout_batch_size=4",
+        "--set",
+        "ppo_mini_batch_size=4",
+    ]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run(base + ["--run-dir", "ok", "--set", "reward.rules=[{name: rewards.py:score}]"],
-                        capture_output=True, text=True, env=env)
+    ok = subprocess.run(
+        base + ["--run-dir", "ok", "--set", "reward.rules=[{name: rewards.py:score}]"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "data.eval is not set: 2 of the 16 prompts of p.jsonl are held out" in ok.stderr
-    bad = subprocess.run(base + ["--run-dir", "bad", "--set", "reward.rules=[{name: rewards.py:boom}]"],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        base + ["--run-dir", "bad", "--set", "reward.rules=[{name: rewards.py:boom}]"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 1
     assert "error: the run stopped: reward function 'rewards.py:boom' raised ZeroDivisionError" in bad.stderr
     assert "return a / b" in bad.stderr  # the user's traceback, as it is
@@ -170,18 +245,48 @@ def test_up_with_a_function_by_path_and_one_that_raises(user_dir, tiny_model_dir
     function that raises stops the run (the worker exits, `up` stops everything), with its
     traceback in the output, instead of dead-lettering prompts one by one."""
     import os
-    base = [sys.executable, "-m", "services.cli", "up", "-c", str(ROOT / "configs" / "tiny-cpu.yaml"),
-            "--set", f"model.path={tiny_model_dir}", "--set", "run.iterations=1", "--set", "rollout_batch_size=4",
-            "--set", "ppo_mini_batch_size=4", "--set", "data.eval_size=4", "--set", "run.eval_interval=0"]
+
+    base = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "-c",
+        str(ROOT / "configs" / "tiny-cpu.yaml"),
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        "run.iterations=1",
+        "--set",
+        "rollout_batch_size=4",
+        "--set",
+        "ppo_mini_batch_size=4",
+        "--set",
+        "data.eval_size=4",
+        "--set",
+        "run.eval_interval=0",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run(base + ["--run-dir", "ok", "--set", "reward.rules=[{name: rewards.py:score}]"],
-                        capture_output=True, text=True, env=env, timeout=900)
+    ok = subprocess.run(
+        base + ["--run-dir", "ok", "--set", "reward.rules=[{name: rewards.py:score}]"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert ok.returncode == 0, (ok.stdout[-3000:], ok.stderr[-3000:])
-    bad = subprocess.run(base + ["--run-dir", "bad", "--set", "reward.rules=[{name: rewards.py:boom}]"],
-                         capture_output=True, text=True, env=env, timeout=900)
+    bad = subprocess.run(
+        base + ["--run-dir", "bad", "--set", "reward.rules=[{name: rewards.py:boom}]"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     out = bad.stdout + bad.stderr
     assert bad.returncode == 3, out[-3000:]
     assert "rollout-0 stopped the run" in out or "stopped the run" in out
     assert "reward function 'rewards.py:boom' raised ZeroDivisionError" in out and "return a / b" in out
-    assert not (user_dir / "bad" / "metrics.jsonl").exists() or "ppo/pg_loss" not in \
-        (user_dir / "bad" / "metrics.jsonl").read_text()  # nothing was trained on
+    assert (
+        not (user_dir / "bad" / "metrics.jsonl").exists()
+        or "ppo/pg_loss" not in (user_dir / "bad" / "metrics.jsonl").read_text()
+    )  # nothing was trained on

@@ -1,4 +1,5 @@
 """The GSM8K-style `math_answer` rule and its answer extraction."""
+
 import pytest
 
 from services.reward.rules import RULES, extract_answer, last_boxed

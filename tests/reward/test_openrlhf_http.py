@@ -1,6 +1,7 @@
 """The reward server's HTTP endpoint as OpenRLHF calls it: the query is the prompt and response
 token ids decoded with their special tokens kept, so it ends with EOS (and, from a padded batch,
 pad tokens) and may start with pads and BOS. The rewards must be those of the bare response."""
+
 import time
 from pathlib import Path
 
@@ -23,8 +24,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reward_url(tiny_model_dir):
     scorer = build_scorer(load_config(TINY_CPU).reward)  # exact_match + edit_distance: 2.0 at best
-    http = HTTPServerThread(build_http_app(scorer, strip_tokens=special_token_strings(tiny_model_dir)),
-                            "127.0.0.1", 0)
+    http = HTTPServerThread(build_http_app(scorer, strip_tokens=special_token_strings(tiny_model_dir)), "127.0.0.1", 0)
     port = http.start()
     yield f"http://127.0.0.1:{port}"
     http.stop()
@@ -40,9 +40,13 @@ def openrlhf_query(tokenizer, prompt: str, response: str) -> str:
 
 def padded_query(tokenizer, prompt: str, response: str, pad: int) -> str:
     """A row of a left/right-padded batch (BOS-prefixed prompt) decoded with special tokens kept."""
-    ids = ([tokenizer.pad_token_id] * pad + tokenizer(prompt)["input_ids"]
-           + tokenizer(response, add_special_tokens=False)["input_ids"]
-           + [tokenizer.eos_token_id] + [tokenizer.pad_token_id] * pad)
+    ids = (
+        [tokenizer.pad_token_id] * pad
+        + tokenizer(prompt)["input_ids"]
+        + tokenizer(response, add_special_tokens=False)["input_ids"]
+        + [tokenizer.eos_token_id]
+        + [tokenizer.pad_token_id] * pad
+    )
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -70,9 +74,11 @@ def test_eos_suffixed_query_of_a_correct_reversal_scores_two(reward_url, tokeniz
 
 def test_padded_and_bos_prefixed_queries_score_their_bare_response(reward_url, tokenizer):
     bos = tokenizer.bos_token
-    queries = [padded_query(tokenizer, "abcd=", "dcba", pad=2),
-               openrlhf_query(tokenizer, bos + "xyz=", "zyx"),
-               openrlhf_query(tokenizer, "abcd=", "dcbx")]
+    queries = [
+        padded_query(tokenizer, "abcd=", "dcba", pad=2),
+        openrlhf_query(tokenizer, bos + "xyz=", "zyx"),
+        openrlhf_query(tokenizer, "abcd=", "dcbx"),
+    ]
     assert queries[0].startswith(tokenizer.pad_token + tokenizer.pad_token + bos)
     body = post(reward_url + "/get_reward", queries, ["abcd=", bos + "xyz=", "abcd="], ["dcba", "zyx", "dcba"])
     assert body["rewards"] == [2.0, 2.0, 0.75]  # the wrong one: no exact match, 3 of 4 characters

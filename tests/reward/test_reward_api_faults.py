@@ -5,6 +5,7 @@ timeouts, lost connections, 5xx and 429, with backoff or Retry-After; no sample 
 default reward (a batch is scored whole or not at all); the concurrency cap holds across
 concurrent calls; the circuit breaker opens, fails fast, lets one probe through and closes, in
 the log, /status and the metrics; the auth header arrives and its token never shows."""
+
 import email.utils
 import json
 import logging
@@ -78,8 +79,16 @@ def value(registry, name, **labels):
 
 
 # ------------------------------------------------------------------------------------------- what is retried
-@pytest.mark.parametrize("mode, error", [("500", "HTTP 500"), ("503", "HTTP 503"), ("429", "HTTP 429"),
-                                         ("hang", "ReadTimeout"), ("close", "RemoteProtocolError")])
+@pytest.mark.parametrize(
+    "mode, error",
+    [
+        ("500", "HTTP 500"),
+        ("503", "HTTP 503"),
+        ("429", "HTTP 429"),
+        ("hang", "ReadTimeout"),
+        ("close", "RemoteProtocolError"),
+    ],
+)
 def test_timeouts_lost_connections_5xx_and_429_are_retried_then_fail_loudly(api, mode, error):
     api.mode = mode
     # a hang needs a timeout short enough to wait out three times, and long enough that the loopback
@@ -93,12 +102,17 @@ def test_timeouts_lost_connections_5xx_and_429_are_retried_then_fail_loudly(api,
     assert api.count() == 6
 
 
-@pytest.mark.parametrize("mode, kind, what", [("400", RewardRejected, "rejected the request: HTTP 400"),
-                                              ("422", RewardRejected, "rejected the request: HTTP 422"),
-                                              ("401", RewardUnavailable, "refuses the request: HTTP 401"),
-                                              ("403", RewardUnavailable, "refuses the request: HTTP 403"),
-                                              ("404", RewardUnavailable, "refuses the request: HTTP 404"),
-                                              ("bad", RewardAPIFailed, "1 rewards for 2 samples")])
+@pytest.mark.parametrize(
+    "mode, kind, what",
+    [
+        ("400", RewardRejected, "rejected the request: HTTP 400"),
+        ("422", RewardRejected, "rejected the request: HTTP 422"),
+        ("401", RewardUnavailable, "refuses the request: HTTP 401"),
+        ("403", RewardUnavailable, "refuses the request: HTTP 403"),
+        ("404", RewardUnavailable, "refuses the request: HTTP 404"),
+        ("bad", RewardAPIFailed, "1 rewards for 2 samples"),
+    ],
+)
 def test_other_4xx_and_answers_that_are_not_rewards_are_never_retried(api, mode, kind, what):
     api.mode = mode
     with pytest.raises(kind, match=what) as e:
@@ -166,6 +180,7 @@ def test_the_concurrency_cap_holds_across_concurrent_calls(api):
 
     def call(k):
         out[k] = [r.reward for r in s.score([RewardSample("p" * k, "r" * i) for i in range(6)])]
+
     threads = [threading.Thread(target=call, args=(k,)) for k in range(1, 5)]
     for t in threads:
         t.start()
@@ -257,8 +272,15 @@ TOKEN_VALUE = "sk-test-3f9a1c77e2b04d1d"
 def test_the_auth_header_arrives_and_its_token_never_shows(api, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("MY_REWARD_KEY", TOKEN_VALUE)
-    cfg = RewardConfig(type="http", http_url=api.url, http_auth_env="MY_REWARD_KEY", http_retries=1,
-                       http_timeout_s=30.0, http_backoff_s=0.01, http_breaker_failures=2)
+    cfg = RewardConfig(
+        type="http",
+        http_url=api.url,
+        http_auth_env="MY_REWARD_KEY",
+        http_retries=1,
+        http_timeout_s=30.0,
+        http_backoff_s=0.01,
+        http_breaker_failures=2,
+    )
     s = HTTPScorer.from_config(cfg)
     assert [r.reward for r in s.score(SAMPLES)] == REWARDS
     assert api.requests[-1]["headers"]["Authorization"] == f"Bearer {TOKEN_VALUE}"
@@ -292,18 +314,32 @@ def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, m
     batch the API failed is UNAVAILABLE saying so (the client turns it into `RewardAPIFailure`:
     a worker scores it again, then drops it); an API that is down is a plain UNAVAILABLE (callers
     wait; its own HTTP API answers 503). /status and /metrics show the breaker."""
-    cfg = config_from_dict({"model": {"path": model_dir, "device": "cpu"},
-                            "reward": {"type": "http", "http_url": api.url, "http_retries": 1, "http_timeout_s": 30.0,
-                                       "http_backoff_s": 0.01, "http_breaker_failures": 3,
-                                       "http_breaker_cooldown_s": 0.5},
-                            "rpc": {"auth_token": TOKEN, "reward": {"port": 0, "metrics_port": 0, "http_port": 0}}})
+    cfg = config_from_dict(
+        {
+            "model": {"path": model_dir, "device": "cpu"},
+            "reward": {
+                "type": "http",
+                "http_url": api.url,
+                "http_retries": 1,
+                "http_timeout_s": 30.0,
+                "http_backoff_s": 0.01,
+                "http_breaker_failures": 3,
+                "http_breaker_cooldown_s": 0.5,
+            },
+            "rpc": {"auth_token": TOKEN, "reward": {"port": 0, "metrics_port": 0, "http_port": 0}},
+        }
+    )
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serve(cfg) as svc:
         client = RewardClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
-        status = lambda: httpx.get(f"http://127.0.0.1:{svc.server.http_port}/status", headers=auth,  # noqa: E731
-                                   timeout=5).json()["reward_api"][0]["breaker"]
-        metrics = lambda: httpx.get(f"http://127.0.0.1:{svc.server.metrics_port}/metrics", headers=auth,  # noqa
-                                    timeout=5).text
+
+        def status():
+            url = f"http://127.0.0.1:{svc.server.http_port}/status"
+            return httpx.get(url, headers=auth, timeout=5).json()["reward_api"][0]["breaker"]
+
+        def metrics():
+            return httpx.get(f"http://127.0.0.1:{svc.server.metrics_port}/metrics", headers=auth, timeout=5).text
+
         assert [r.reward for r in client.score(SAMPLES)] == REWARDS
         assert status()["state"] == "closed" and 'rlhf_reward_api_breaker_state{service="reward"} 0.0' in metrics()
         assert httpx.get(f"http://127.0.0.1:{svc.server.http_port}/status", timeout=5).status_code == 401
@@ -325,8 +361,12 @@ def test_the_reward_server_tells_each_failure_apart_and_shows_the_breaker(api, m
         assert st["state"] == "open" and st["last_error"] == "HTTP 503"
         assert 'rlhf_reward_api_breaker_state{service="reward"} 2.0' in metrics()
         assert 'rlhf_reward_api_breaker_opened_total{service="reward"} 1.0' in metrics()
-        r = httpx.post(f"http://127.0.0.1:{svc.server.http_port}/score", headers=auth, timeout=5,
-                       json={"query": ["abc=cba"], "prompts": ["abc="], "labels": ["cba"]})
+        r = httpx.post(
+            f"http://127.0.0.1:{svc.server.http_port}/score",
+            headers=auth,
+            timeout=5,
+            json={"query": ["abc=cba"], "prompts": ["abc="], "labels": ["cba"]},
+        )
         assert r.status_code == 503 and "circuit open" in r.text  # its own HTTP API says so too
         api.mode = "ok"
         time.sleep(0.55)  # past the cooldown (a busy machine only makes it longer): the probe goes through

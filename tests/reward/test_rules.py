@@ -58,8 +58,18 @@ def _reference_levenshtein(a: str, b: str) -> int:
     return prev[-1]
 
 
-@pytest.mark.parametrize("response, label", [("kitten", "sitting"), ("", "abc"), ("abc", ""), ("flaw", "lawn"),
-                                             ("héllo wörld", "hello world"), ("ab" * 40, "ba" * 37), ("x", "x")])
+@pytest.mark.parametrize(
+    "response, label",
+    [
+        ("kitten", "sitting"),
+        ("", "abc"),
+        ("abc", ""),
+        ("flaw", "lawn"),
+        ("héllo wörld", "hello world"),
+        ("ab" * 40, "ba" * 37),
+        ("x", "x"),
+    ],
+)
 def test_edit_distance_is_one_minus_levenshtein_over_the_longer(response, label):
     expected = 1.0 - _reference_levenshtein(response, label) / max(len(response), len(label))
     assert RULES["edit_distance"]("p", response, label, {}, strip=False) == expected
@@ -68,6 +78,7 @@ def test_edit_distance_is_one_minus_levenshtein_over_the_longer(response, label)
 def test_edit_distance_of_long_texts_is_fast():
     import random
     import time
+
     rng = random.Random(0)
     a, b = ("".join(rng.choice("abcd") for _ in range(20_000)) for _ in range(2))
     t0 = time.perf_counter()

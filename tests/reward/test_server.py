@@ -1,5 +1,6 @@
 """The reward server over gRPC and over its own HTTP endpoint, and the `http` scorer against a
 real local HTTP reward API that fails, stalls and recovers."""
+
 import json
 import threading
 import time
@@ -116,8 +117,12 @@ def test_http_scorer_batches_and_limits_concurrency(api):
 
 @pytest.fixture()
 def reward_server(cfg, api):
-    scorer = CombinedScorer([("rules", 1.0, RuleScorer([("exact_match", 1.0, {}), ("edit_distance", 0.5, {})])),
-                             ("http", 0.1, HTTPScorer(api.url, timeout_s=30, retries=1, backoff_s=0.01))])
+    scorer = CombinedScorer(
+        [
+            ("rules", 1.0, RuleScorer([("exact_match", 1.0, {}), ("edit_distance", 0.5, {})])),
+            ("http", 0.1, HTTPScorer(api.url, timeout_s=30, retries=1, backoff_s=0.01)),
+        ]
+    )
     with serve(on_free_ports(cfg, "reward", http=True), scorer) as svc:
         yield svc.server
 
@@ -131,11 +136,17 @@ def test_grpc_score_with_components(reward_server, cfg):
 
 def test_grpc_bad_input_and_auth(reward_server, cfg, api):
     c = RewardClient(f"127.0.0.1:{reward_server.port}", cfg.rpc)
-    expect_code(lambda: c.stub.Score(rpb.ScoreRequest(), metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
-                "samples: empty batch")
+    expect_code(
+        lambda: c.stub.Score(rpb.ScoreRequest(), metadata=c.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "samples: empty batch",
+    )
     bad_meta = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="a", response="b", label="b", metadata_json="{x")])
-    expect_code(lambda: c.stub.Score(bad_meta, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
-                "samples[0].metadata_json")
+    expect_code(
+        lambda: c.stub.Score(bad_meta, metadata=c.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "samples[0].metadata_json",
+    )
     no_label = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="a", response="b")])
     expect_code(lambda: c.stub.Score(no_label, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT, "needs a label")
     expect_code(lambda: c.stub.Score(no_label), grpc.StatusCode.UNAUTHENTICATED)
@@ -152,8 +163,9 @@ def test_reward_server_speaks_openrlhf_http(reward_server):
     rewards = r.json()["rewards"]
     assert rewards[0] == pytest.approx(1.5 + 0.7) and rewards[1] == pytest.approx(0.5 * 0.0 + 0.5)
     assert httpx.post(f"{url}/score", json=body).status_code == 401
-    assert httpx.post(f"{url}/score", json={"query": []},
-                      headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
+    assert (
+        httpx.post(f"{url}/score", json={"query": []}, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
+    )
     # our own http scorer can use our own reward server as its external API
     own = HTTPScorer(f"{url}/score", headers={"Authorization": f"Bearer {TOKEN}"})
     assert [x.reward for x in own.score([RewardSample("abc=", "cba", "cba")])] == pytest.approx([2.2])
@@ -162,17 +174,28 @@ def test_reward_server_speaks_openrlhf_http(reward_server):
 def test_grpc_refuses_oversized_texts_and_metadata(reward_server, cfg):
     c = RewardClient(f"127.0.0.1:{reward_server.port}", cfg.rpc)
     long = "x" * (cfg.reward.max_text_chars + 1)
-    for field, sample in (("prompt", rpb.RewardSample(prompt=long, response="r", label="r")),
-                          ("response", rpb.RewardSample(prompt="p", response=long, label="r")),
-                          ("label", rpb.RewardSample(prompt="p", response="r", label=long))):
+    for field, sample in (
+        ("prompt", rpb.RewardSample(prompt=long, response="r", label="r")),
+        ("response", rpb.RewardSample(prompt="p", response=long, label="r")),
+        ("label", rpb.RewardSample(prompt="p", response="r", label=long)),
+    ):
         req = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="p", response="r", label="r"), sample])
-        expect_code(lambda: c.stub.Score(req, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
-                    f"samples[1].{field}: {len(long)} characters, more than reward.max_text_chars")
-    for meta, fragment in (("[" * 100_000, "100000 characters, more than 65536"), ("[" * 10_000, "nested too deeply"),
-                           ('{"a": "' + "x" * 70_000 + '"}', "70009 characters, more than 65536")):
+        expect_code(
+            lambda: c.stub.Score(req, metadata=c.metadata),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"samples[1].{field}: {len(long)} characters, more than reward.max_text_chars",
+        )
+    for meta, fragment in (
+        ("[" * 100_000, "100000 characters, more than 65536"),
+        ("[" * 10_000, "nested too deeply"),
+        ('{"a": "' + "x" * 70_000 + '"}', "70009 characters, more than 65536"),
+    ):
         req = rpb.ScoreRequest(samples=[rpb.RewardSample(prompt="p", response="r", label="r", metadata_json=meta)])
-        expect_code(lambda: c.stub.Score(req, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT,
-                    f"samples[0].metadata_json: {fragment}")
+        expect_code(
+            lambda: c.stub.Score(req, metadata=c.metadata),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"samples[0].metadata_json: {fragment}",
+        )
     ok = "y" * cfg.reward.max_text_chars
     assert c.score([RewardSample("p", ok, ok)])[0].components["rules/exact_match"] == 1.0
 
@@ -191,8 +214,12 @@ class SlowScorer:
 
 def _handled(server, method: str) -> float:
     """How many `method` calls the server has finished, whatever their status."""
-    return sum(s.value for m in server.metrics.requests.collect() for s in m.samples
-               if s.name.endswith("_total") and s.labels["method"] == method)
+    return sum(
+        s.value
+        for m in server.metrics.requests.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels["method"] == method
+    )
 
 
 def test_grpc_score_stops_when_the_deadline_passes(cfg):
@@ -210,19 +237,28 @@ def test_grpc_score_stops_when_the_deadline_passes(cfg):
 def test_http_refuses_bad_json_cleanly(reward_server, cfg):
     url = f"http://127.0.0.1:{reward_server.http_port}/get_reward"
     http = httpx.Client(headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-    for body, code in ((b'{"query": ["a=b"], "labels": [NaN]}', 400), (b'{"query": [Infinity]}', 400),
-                       (b'{"query": ["a"], "prompts": [-Infinity]}', 400), (b'{"query": ["\xff"]}', 400),
-                       (b"[" * 100_000, 400), (b'{"query": ["a"', 400), (b'{"query": "a=b"}', 422),
-                       (b'{"query": [1]}', 422), (b'{"quer": ["a"]}', 422)):
+    for body, code in (
+        (b'{"query": ["a=b"], "labels": [NaN]}', 400),
+        (b'{"query": [Infinity]}', 400),
+        (b'{"query": ["a"], "prompts": [-Infinity]}', 400),
+        (b'{"query": ["\xff"]}', 400),
+        (b"[" * 100_000, 400),
+        (b'{"query": ["a"', 400),
+        (b'{"query": "a=b"}', 422),
+        (b'{"query": [1]}', 422),
+        (b'{"quer": ["a"]}', 422),
+    ):
         r = http.post(url, content=body)
         assert r.status_code == code, (body[:40], r.status_code, r.text)
         assert r.json()["detail"], r.text
     assert httpx.post(url, content=b'{"query": [NaN]}', headers={"Content-Type": "application/json"}).status_code == 401
     long = "x" * (cfg.reward.max_text_chars + 1)
-    for body, fragment in (({"query": ["p=" + long], "prompts": ["p="], "labels": ["r"]}, "query[0]'s response"),
-                           ({"query": ["p=r"], "prompts": ["p="], "labels": [long]}, "labels[0]"),
-                           ({"query": [long + "r"], "prompts": [long], "labels": ["r"]}, "prompts[0]"),
-                           ({"query": [long * 2], "labels": ["r"]}, "query[0]")):
+    for body, fragment in (
+        ({"query": ["p=" + long], "prompts": ["p="], "labels": ["r"]}, "query[0]'s response"),
+        ({"query": ["p=r"], "prompts": ["p="], "labels": [long]}, "labels[0]"),
+        ({"query": [long + "r"], "prompts": [long], "labels": ["r"]}, "prompts[0]"),
+        ({"query": [long * 2], "labels": ["r"]}, "query[0]"),
+    ):
         r = http.post(url, json=body)
         assert r.status_code == 422 and fragment in r.json()["detail"], r.text
     r = http.post(url, json={"query": ["abc=cba"], "prompts": ["abc="], "labels": ["cba"]})

@@ -2,6 +2,7 @@
 string of z's) is learned to a high held-out pairwise accuracy; the written directory loads in
 the reward server's scorer (`reward.type: model`) and scores exactly what the trainer's forward
 gave; reward_stats.json normalises it; the command prints its progress."""
+
 import contextlib
 import io
 import json
@@ -30,9 +31,22 @@ def trained(untrained_model_dir, tmp_path_factory):
     _pairs(root / "train.jsonl", "train", 64)
     held = _pairs(root / "eval.jsonl", "eval", 24)
     config = root / "rm.yaml"
-    config.write_text(json.dumps({"model": {"path": untrained_model_dir, "device": "cpu"}, "reward_model": {
-        "train": str(root / "train.jsonl"), "eval": str(root / "eval.jsonl"), "epochs": 3, "batch_size": 8,
-        "micro_batch_size": 4, "lr": 1e-3, "head_lr": 1e-2}}))
+    config.write_text(
+        json.dumps(
+            {
+                "model": {"path": untrained_model_dir, "device": "cpu"},
+                "reward_model": {
+                    "train": str(root / "train.jsonl"),
+                    "eval": str(root / "eval.jsonl"),
+                    "epochs": 3,
+                    "batch_size": 8,
+                    "micro_batch_size": 4,
+                    "lr": 1e-3,
+                    "head_lr": 1e-2,
+                },
+            }
+        )
+    )
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["train-rm", "-c", str(config), "--out", str(root / "rm")]) == 0
@@ -57,8 +71,9 @@ def test_train_rm_learns_a_separable_set_and_says_so(trained):
 
 def test_the_reward_server_scores_what_the_trainer_gave(trained):
     rm_dir, _, held = trained
-    samples = [RewardSample(r["prompt"], r["chosen"], None) for r in held] + \
-        [RewardSample(r["prompt"], r["rejected"], None) for r in held]
+    samples = [RewardSample(r["prompt"], r["chosen"], None) for r in held] + [
+        RewardSample(r["prompt"], r["rejected"], None) for r in held
+    ]
     cfg = config_from_dict({"reward": {"type": "model", "model_path": str(rm_dir)}})
     served = [s.reward for s in build_scorer(cfg.reward, "cpu").score(samples)]
     rm = RewardModel(str(rm_dir))  # the written directory, through the trainer's forward
@@ -68,7 +83,7 @@ def test_the_reward_server_scores_what_the_trainer_gave(trained):
     # the same texts: the scorer batches them 32 + 16, the trainer's forward all 48 at once, so the
     # padding widths differ: float32 noise of another shape, nothing more
     assert served == pytest.approx(trainer, rel=1e-5, abs=1e-5)
-    assert all(c > r for c, r in zip(served[:len(held)], served[len(held):]))  # it prefers the right ones
+    assert all(c > r for c, r in zip(served[: len(held)], served[len(held) :]))  # it prefers the right ones
     stats = json.loads((rm_dir / "reward_stats.json").read_text())
     cfg = config_from_dict({"reward": {"type": "model", "model_path": str(rm_dir), "model_normalize": True}})
     normalised = [s.reward for s in build_scorer(cfg.reward, "cpu").score(samples)]

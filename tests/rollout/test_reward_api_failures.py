@@ -9,6 +9,7 @@ waited for (breaker open), and nothing is dropped.
 batches scored again, the groups dropped and the times to detect and recover
 (`pytest -s tests/rollout/test_reward_api_failures.py -k measure`; with RLHF_REWARD_API_BENCH=1
 also with one request per Score call, the least load)."""
+
 import itertools
 import logging
 import os
@@ -32,8 +33,16 @@ GROUP = 2
 _ns = itertools.count()
 # the HTTP timeout is long: a loopback answer on a busy machine must never look like a failure (the
 # exact request counts below would change); only the measurement's "hang" mode waits one out
-REWARD = {"http_timeout_s": 10.0, "http_retries": 1, "http_backoff_s": 0.01, "http_max_backoff_s": 0.05,
-          "http_breaker_failures": 3, "http_breaker_cooldown_s": 0.5, "group_retries": 1, "group_retry_wait_s": 0.05}
+REWARD = {
+    "http_timeout_s": 10.0,
+    "http_retries": 1,
+    "http_backoff_s": 0.01,
+    "http_max_backoff_s": 0.05,
+    "http_breaker_failures": 3,
+    "http_breaker_cooldown_s": 0.5,
+    "group_retries": 1,
+    "group_retry_wait_s": 0.05,
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +58,27 @@ def api():
 
 
 def _cfg(model_dir, redis_url, api_url, reward=None, rpc=None):
-    return config_from_dict({
-        "model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo", "num_return_sequences_in_group": GROUP,
-        "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
-        "reward": {"type": "http", "http_url": api_url, **REWARD, **(reward or {})},
-        "replay": {"url": redis_url, "namespace": f"rewardapi{next(_ns)}", "block_ms": 50, "heartbeat_s": 0.2},
-        "rollout": {"retries": 2, "retry_backoff_s": 0.05},
-        "rpc": {"generation": {"port": 0, "metrics_port": None},
+    return config_from_dict(
+        {
+            "model": {"path": model_dir, "device": "cpu"},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": GROUP,
+            "rollout_batch_size": 4,
+            "prompt_length": 16,
+            "response_length": 4,
+            "reward": {"type": "http", "http_url": api_url, **REWARD, **(reward or {})},
+            "replay": {"url": redis_url, "namespace": f"rewardapi{next(_ns)}", "block_ms": 50, "heartbeat_s": 0.2},
+            "rollout": {"retries": 2, "retry_backoff_s": 0.05},
+            "rpc": {
+                "generation": {"port": 0, "metrics_port": None},
                 "reward": {"port": 0, "metrics_port": None, "http_port": None},
                 "critic": {"port": 0, "metrics_port": None},
-                "retry_backoff_s": 0.05, "retry_max_backoff_s": 0.2, **(rpc or {})}})
+                "retry_backoff_s": 0.05,
+                "retry_max_backoff_s": 0.2,
+                **(rpc or {}),
+            },
+        }
+    )
 
 
 class System:
@@ -66,8 +86,10 @@ class System:
 
     def __init__(self, cfg, n=4):
         self.cfg = cfg
-        self._reward, self._generation = serve_reward(on_free_ports(cfg, "reward")), \
-            serve_generation(on_free_ports(cfg, "generation"))
+        self._reward, self._generation = (
+            serve_reward(on_free_ports(cfg, "reward")),
+            serve_generation(on_free_ports(cfg, "generation")),
+        )
         self.reward = self._reward.__enter__()
         cfg.rpc.reward.port = self.reward.server.port
         self.generation = self._generation.__enter__()
@@ -103,6 +125,7 @@ def system(model_dir, redis_server, api):
     def make(reward=None, rpc=None, n=4):
         made.append(System(_cfg(model_dir, redis_server.url, api.url, reward, rpc), n))
         return made[-1]
+
     yield make
     for s in made:
         s.close()
@@ -133,9 +156,12 @@ def test_a_group_the_api_keeps_failing_is_dropped_and_counted_the_others_are_kep
     dead = s.store.read_dead()
     assert [t.uid for _, t, _ in dead] == [f"0:{poison.id}"]
     assert "reward API" in dead[0][2] and "HTTP 500" in dead[0][2]
-    assert (s.metric("rlhf_rollout_groups_dropped_total"), s.metric("rlhf_rollout_dead_letters_total"),
-            s.metric("rlhf_rollout_score_retries_total"), s.metric("rlhf_rollout_groups_produced_total")) == \
-        (1, 1, 1, 3)
+    assert (
+        s.metric("rlhf_rollout_groups_dropped_total"),
+        s.metric("rlhf_rollout_dead_letters_total"),
+        s.metric("rlhf_rollout_score_retries_total"),
+        s.metric("rlhf_rollout_groups_produced_total"),
+    ) == (1, 1, 1, 3)
     # the batch: 2 tries of 2 attempts; alone: 3 prompts answered, the poison twice (1 + 1 retry)
     assert api.count() == 2 * 2 + 3 + 2
     assert s.breaker()["state"] == "closed"
@@ -229,9 +255,19 @@ def test_measure_each_failure_mode(system, api, capsys):
     for (name, how, outage), per_request in itertools.product(MODES, loads):
         api.requests.clear()
         api.mode, api.poison, api.retry_after, api.script = "ok", None, None, []
-        s = system(reward={"http_timeout_s": 2.0, "http_retries": 3, "http_backoff_s": 0.05,
-                           "http_max_backoff_s": 0.5, "http_breaker_failures": 5, "http_breaker_cooldown_s": 1.0,
-                           "group_retries": 2, "group_retry_wait_s": 0.5}, rpc={"dependency_wait_s": 60})
+        s = system(
+            reward={
+                "http_timeout_s": 2.0,
+                "http_retries": 3,
+                "http_backoff_s": 0.05,
+                "http_max_backoff_s": 0.5,
+                "http_breaker_failures": 5,
+                "http_breaker_cooldown_s": 1.0,
+                "group_retries": 2,
+                "group_retry_wait_s": 0.5,
+            },
+            rpc={"dependency_wait_s": 60},
+        )
         s.reward.servicer.scorer.batch_size = per_request  # 8 samples: 1 request per Score call, or 4
         watch = _Opened()
         logging.getLogger("services.reward.http_scorer").addHandler(watch)
@@ -260,14 +296,28 @@ def test_measure_each_failure_mode(system, api, capsys):
         else:
             assert appended == 3 and [t.uid for _, t, _ in dead] == [f"0:{poison.id}"], name
             in_outage = None
-        rows.append((name + (f", {outage:g} s" if outage else ""), 8 // per_request, len(api.requests), in_outage,
-                     int(s.metric("rlhf_rollout_score_retries_total")), len(dead), dropped,
-                     f"{watch.opened - t0:.2f}" if watch.opened else "-",
-                     f"{t_done - (t0 + outage):.2f}" if outage is not None else "-", f"{t_done - t0:.2f}"))
+        rows.append(
+            (
+                name + (f", {outage:g} s" if outage else ""),
+                8 // per_request,
+                len(api.requests),
+                in_outage,
+                int(s.metric("rlhf_rollout_score_retries_total")),
+                len(dead),
+                dropped,
+                f"{watch.opened - t0:.2f}" if watch.opened else "-",
+                f"{t_done - (t0 + outage):.2f}" if outage is not None else "-",
+                f"{t_done - t0:.2f}",
+            )
+        )
     with capsys.disabled():
-        print("\n| API fails | requests per Score | API requests (in the outage) | batches scored again | "
-              "dead-lettered | of which dropped by the reward API | breaker open after s | appended s after the "
-              "API is back | batch s |\n|" + "---|" * 9)
+        print(
+            "\n| API fails | requests per Score | API requests (in the outage) | batches scored again | "
+            "dead-lettered | of which dropped by the reward API | breaker open after s | appended s after the "
+            "API is back | batch s |\n|" + "---|" * 9
+        )
         for r in rows:
-            print(f"| {r[0]} | {r[1]} | {r[2]} ({r[3] if r[3] is not None else '-'}) | {r[4]} | {r[5]} | {r[6]} | "
-                  f"{r[7]} | {r[8]} | {r[9]} |")
+            print(
+                f"| {r[0]} | {r[1]} | {r[2]} ({r[3] if r[3] is not None else '-'}) | {r[4]} | {r[5]} | {r[6]} | "
+                f"{r[7]} | {r[8]} | {r[9]} |"
+            )

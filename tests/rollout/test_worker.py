@@ -3,6 +3,7 @@ real Redis (each test in its own replay namespace). Covers server choice (round 
 policy version a prompt needs, avoided servers), retries on a dead server, giving up with the
 prompts left pending for another worker, dead letters for prompts a server rejects, and servers
 that answer with an older policy than a prompt needs."""
+
 import itertools
 import time
 
@@ -34,14 +35,29 @@ def model_dir(untrained_model_dir):
 
 def _cfg(model_dir, url, namespace, reward_port=0, **over):
     # entries the tests register by hand live a minute: they never expire while a test runs
-    replay = {"url": url, "namespace": namespace, "block_ms": 50, "heartbeat_s": 0.2, "heartbeat_ttl_s": 60.0,
-              **over.pop("replay", {})}
-    d = {"model": {"path": model_dir, "device": "cpu"}, "adv_estimator": "grpo",
-         "num_return_sequences_in_group": GROUP, "rollout_batch_size": 4, "prompt_length": 16, "response_length": 4,
-         "replay": replay, "rollout": {"retries": 2, "retry_backoff_s": 0.05},
-         "rpc": {"generation": {"port": 0, "metrics_port": None},
-                 "reward": {"port": reward_port, "metrics_port": None, "http_port": None},
-                 "critic": {"port": 0, "metrics_port": None}}}
+    replay = {
+        "url": url,
+        "namespace": namespace,
+        "block_ms": 50,
+        "heartbeat_s": 0.2,
+        "heartbeat_ttl_s": 60.0,
+        **over.pop("replay", {}),
+    }
+    d = {
+        "model": {"path": model_dir, "device": "cpu"},
+        "adv_estimator": "grpo",
+        "num_return_sequences_in_group": GROUP,
+        "rollout_batch_size": 4,
+        "prompt_length": 16,
+        "response_length": 4,
+        "replay": replay,
+        "rollout": {"retries": 2, "retry_backoff_s": 0.05},
+        "rpc": {
+            "generation": {"port": 0, "metrics_port": None},
+            "reward": {"port": reward_port, "metrics_port": None, "http_port": None},
+            "critic": {"port": 0, "metrics_port": None},
+        },
+    }
     d.update(over)
     return config_from_dict(d)
 
@@ -89,8 +105,10 @@ def _claim_all(store, consumer, count):
 
 
 def _errors(worker, kind):
-    return worker.metrics.registry.get_sample_value("rlhf_rollout_errors_total",
-                                                    {"service": "rollout", "kind": kind}) or 0.0
+    return (
+        worker.metrics.registry.get_sample_value("rlhf_rollout_errors_total", {"service": "rollout", "kind": kind})
+        or 0.0
+    )
 
 
 def _pending(store, consumer=None):
@@ -157,8 +175,9 @@ def test_dead_server_in_registry_is_retried_around(make_cfg):
         assert produced == 8 and worker.produced == 8
         assert store.backlog() == 8
         assert _errors(worker, "unavailable") >= 1  # the dead server's failure was counted
-        assert worker.metrics.registry.get_sample_value("rlhf_rollout_groups_produced_total",
-                                                        {"service": "rollout"}) == 8
+        assert (
+            worker.metrics.registry.get_sample_value("rlhf_rollout_groups_produced_total", {"service": "rollout"}) == 8
+        )
         groups = _trajectories(store)
         assert sorted(m.task.uid for _, m in groups) == sorted(uids)
         for _, m in groups:
@@ -190,8 +209,9 @@ def test_no_generation_server_gives_up_and_leaves_prompts_pending(make_cfg):
     patient = ReplayStore(store.r, namespace=store.ns, claim_idle_s=60.0)  # a worker that waits a minute
     assert patient.claim_prompts("w2", 10, block_ms=10) == ([], 0)  # not idle long enough yet
     # claim_idle_s (1 s) after the claim, they are taken over
-    taken, reclaimed = wait_until(lambda: (got := store.claim_prompts("w2", 10, block_ms=50))[1] and got,
-                                  "the prompts reclaimed", every_s=0)
+    taken, reclaimed = wait_until(
+        lambda: (got := store.claim_prompts("w2", 10, block_ms=50))[1] and got, "the prompts reclaimed", every_s=0
+    )
     assert reclaimed == 3
     assert sorted(t.uid for _, t in taken) == sorted(uids)
     assert _pending(store, "w2") == 3 and _pending(store, "w1") == 0
@@ -219,8 +239,9 @@ class _Expired(grpc.RpcError):
 def test_a_generate_past_its_deadline_is_retried_with_the_same_key_and_twice_the_deadline(make_cfg):
     """The retry carries the first attempt's idempotency key (a server still working on the batch
     lets it wait for that work) and twice the deadline (the same one would pass again)."""
-    cfg = make_cfg(rollout={"retries": 4, "retry_backoff_s": 0.05, "generate_timeout_s": 30,
-                            "generate_timeout_per_token_s": 0.5})
+    cfg = make_cfg(
+        rollout={"retries": 4, "retry_backoff_s": 0.05, "generate_timeout_s": 30, "generate_timeout_per_token_s": 0.5}
+    )
     store = ReplayStore.from_config(cfg)
     with _generation(cfg) as g:
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
@@ -236,6 +257,7 @@ def test_a_generate_past_its_deadline_is_retried_with_the_same_key_and_twice_the
                 if len(calls) == 1:
                     raise _Expired()
                 return real.generate(prompts, params, timeout=timeout, key=key)
+
         spy = Spy()
         worker.servers.client = lambda address: spy
         _feed(store, reverse_task("train", 3))
@@ -294,8 +316,9 @@ def _push(svc, version):
         store.raise_version_to(version)
     client = GenerationClient(_addr(svc), cfg.rpc)
     try:
-        return client.update_weights(svc.servicer.backend.model.state_dict(), version, run_id=run_id,
-                                     epoch=epoch).version
+        return client.update_weights(
+            svc.servicer.backend.model.state_dict(), version, run_id=run_id, epoch=epoch
+        ).version
     finally:
         client.close()
 
@@ -362,11 +385,19 @@ def test_a_request_the_server_refuses_as_a_whole_dead_letters_nothing(make_cfg):
 
 
 def test_a_reward_server_failure_does_not_blame_the_generation_server(make_cfg, model_dir):
-    cfg = _cfg(model_dir, make_cfg().replay.url, make_cfg().replay.namespace, reward_port=1,
-               rpc={"generation": {"port": 0, "metrics_port": None},
-                    "reward": {"port": 1, "metrics_port": None, "http_port": None},
-                    "critic": {"port": 0, "metrics_port": None},
-                    "dependency_wait_s": 0.5, "retry_backoff_s": 0.05})
+    cfg = _cfg(
+        model_dir,
+        make_cfg().replay.url,
+        make_cfg().replay.namespace,
+        reward_port=1,
+        rpc={
+            "generation": {"port": 0, "metrics_port": None},
+            "reward": {"port": 1, "metrics_port": None, "http_port": None},
+            "critic": {"port": 0, "metrics_port": None},
+            "dependency_wait_s": 0.5,
+            "retry_backoff_s": 0.05,
+        },
+    )
     store = ReplayStore.from_config(cfg)
     with _generation(cfg) as g:
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")

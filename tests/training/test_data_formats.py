@@ -1,5 +1,6 @@
 """Peers' data formats (verl's parquet, OpenRLHF's jsonl, GSM8K's rows), the chat-template
 options and the synthetic arithmetic task: records in, prompt text and label out."""
+
 import json
 import re
 
@@ -29,20 +30,36 @@ def _not_a_list_repr(text):
 
 def test_verl_parquet_prompt_messages_ground_truth_and_data_source(tok, tmp_path):
     import datasets
-    rows = [{"data_source": "openai/gsm8k", "ability": "math",
-             "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": QUESTION}],
-             "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "train", "index": 0}},
-            {"data_source": "openai/gsm8k", "ability": "math",
-             "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1 + 1?"}],
-             "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"split": "train", "index": 1}}]
+
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "ability": "math",
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": QUESTION}],
+            "reward_model": {"style": "rule", "ground_truth": "72"},
+            "extra_info": {"split": "train", "index": 0},
+        },
+        {
+            "data_source": "openai/gsm8k",
+            "ability": "math",
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1 + 1?"}],
+            "reward_model": {"style": "rule", "ground_truth": "2"},
+            "extra_info": {"split": "train", "index": 1},
+        },
+    ]
     path = str(tmp_path / "train.parquet")
     datasets.Dataset.from_list(rows).to_parquet(path)
     recs = load_prompts(path, "train", tok)
-    assert [r.prompt for r in recs] == [f"system: be brief\nuser: {QUESTION}\nassistant: ",
-                                        "system: be brief\nuser: 1 + 1?\nassistant: "]
+    assert [r.prompt for r in recs] == [
+        f"system: be brief\nuser: {QUESTION}\nassistant: ",
+        "system: be brief\nuser: 1 + 1?\nassistant: ",
+    ]
     assert [r.label for r in recs] == ["72", "2"] and [r.id for r in recs] == ["train.parquet:0", "train.parquet:1"]
-    assert recs[0].metadata == {"data_source": "openai/gsm8k", "ability": "math",
-                                "extra_info": {"split": "train", "index": 0}}
+    assert recs[0].metadata == {
+        "data_source": "openai/gsm8k",
+        "ability": "math",
+        "extra_info": {"split": "train", "index": 0},
+    }
     for r in recs:
         _not_a_list_repr(r.prompt)
     # chat_template only adds to string prompts: list prompts render the same with it on
@@ -64,8 +81,10 @@ def test_a_list_prompt_without_a_chat_template_is_a_clear_error(tok, tmp_path):
 
 
 def test_openrlhf_jsonl_with_custom_input_and_label_keys(tok, tmp_path):
-    rows = [{"input": "2 + 3 =", "target": 5, "source": "toy"},
-            {"input": [{"role": "user", "content": "4 + 4 ="}], "target": "8", "source": "toy"}]
+    rows = [
+        {"input": "2 + 3 =", "target": 5, "source": "toy"},
+        {"input": [{"role": "user", "content": "4 + 4 ="}], "target": "8", "source": "toy"},
+    ]
     path = _jsonl(tmp_path / "o.jsonl", rows)
     recs = load_prompts(path, "train", tok, prompt_key="input", label_key="target")
     assert [r.prompt for r in recs] == ["2 + 3 =", "user: 4 + 4 =\nassistant: "]
@@ -76,8 +95,11 @@ def test_openrlhf_jsonl_with_custom_input_and_label_keys(tok, tmp_path):
 
 def test_gsm8k_rows_question_and_the_number_after_the_marks(tok, tmp_path):
     import datasets
-    rows = [{"question": QUESTION, "answer": "48 / 2 = <<48/2=24>>24\n48 + 24 = <<48+24=72>>72\n#### 72"},
-            {"question": "How many cents?", "answer": "It is 1,234 cents.\n#### 1,234"}]
+
+    rows = [
+        {"question": QUESTION, "answer": "48 / 2 = <<48/2=24>>24\n48 + 24 = <<48+24=72>>72\n#### 72"},
+        {"question": "How many cents?", "answer": "It is 1,234 cents.\n#### 1,234"},
+    ]
     path = _jsonl(tmp_path / "gsm8k.jsonl", rows)
     recs = load_prompts(path, "train", tok)
     assert [(r.prompt, r.label, r.metadata) for r in recs] == [(QUESTION, "72", {}), ("How many cents?", "1234", {})]
@@ -98,13 +120,18 @@ def test_gsm8k_label_and_the_hub_source_string():
 
 
 def test_plain_string_prompts_with_and_without_the_chat_template(tok, tmp_path):
-    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "abc=", "label": "cba"},
-                                         {"messages": [{"role": "user", "content": "x"}], "solution": 4}])
+    path = _jsonl(
+        tmp_path / "p.jsonl",
+        [{"prompt": "abc=", "label": "cba"}, {"messages": [{"role": "user", "content": "x"}], "solution": 4}],
+    )
     assert [r.prompt for r in load_prompts(path, "train", tok)] == ["abc=", "user: x\nassistant: "]
     assert [r.prompt for r in load_prompts(path, "train", tok, chat_template=True)] == [
-        "user: abc=\nassistant: ", "user: x\nassistant: "]
+        "user: abc=\nassistant: ",
+        "user: x\nassistant: ",
+    ]
     assert load_prompts(path, "train", tok, chat_template=True, system_prompt="S")[0].prompt == (
-        "system: S\nuser: abc=\nassistant: ")
+        "system: S\nuser: abc=\nassistant: "
+    )
     assert render_prompt("abc=", None) == "abc="
     with pytest.raises(ValueError, match="prompt is null"):
         load_prompts(_jsonl(tmp_path / "n.jsonl", [{"prompt": None}]), "train", tok)

@@ -19,11 +19,14 @@ def _errors(data: dict) -> list[str]:
 def test_missing_data_sources_are_config_errors_naming_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert _errors({"train": "missing.jsonl", "eval": "hf:/no/such/dir"}) == [
-        "data.train: no such file missing.jsonl", "data.eval: no such dataset directory /no/such/dir"]
+        "data.train: no such file missing.jsonl",
+        "data.eval: no such dataset directory /no/such/dir",
+    ]
     assert _errors({"train": "p.parquet"}) == ["data.train: no such file p.parquet"]
     assert _errors({"eval": "hf:./dsdir@test"}) == ["data.eval: no such dataset directory dsdir"]
     assert _errors({"train": "synthetic:sort"}) == [
-        "data.train: unknown synthetic task 'sort'; valid: reverse, arithmetic"]
+        "data.train: unknown synthetic task 'sort'; valid: reverse, arithmetic"
+    ]
 
 
 def test_existing_relative_sources_and_hub_names_validate(tmp_path, monkeypatch):
@@ -36,17 +39,33 @@ def test_existing_relative_sources_and_hub_names_validate(tmp_path, monkeypatch)
 
 
 def test_cli_validate_rejects_a_missing_data_file():
-    r = subprocess.run([sys.executable, "-m", "services.cli", "config", "validate", "configs/tiny-cpu.yaml",
-                        "--set", "data.train=missing.jsonl", "--set", "data.eval=hf:/no/such/dir"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "config",
+            "validate",
+            "configs/tiny-cpu.yaml",
+            "--set",
+            "data.train=missing.jsonl",
+            "--set",
+            "data.eval=hf:/no/such/dir",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert r.returncode == 2
     assert "data.train: no such file missing.jsonl" in r.stderr and "data.eval: no such dataset directory" in r.stderr
 
 
 def _save(path: Path, splits: dict[str, list[str]]) -> str:
     import datasets
-    datasets.DatasetDict({name: datasets.Dataset.from_list([{"prompt": p} for p in prompts])
-                          for name, prompts in splits.items()}).save_to_disk(str(path))
+
+    datasets.DatasetDict(
+        {name: datasets.Dataset.from_list([{"prompt": p} for p in prompts]) for name, prompts in splits.items()}
+    ).save_to_disk(str(path))
     return str(path)
 
 
@@ -105,6 +124,7 @@ def test_drop_overlong_error_mode_and_all_overlong():
 
 def test_drop_overlong_counts_the_tokenizers_tokens(tiny_model_dir):
     from services.common.modeling import load_tokenizer
+
     tok = load_tokenizer(tiny_model_dir)
     recs = _records("abc=", "abcd=")  # the tiny tokenizer adds a BOS token: 5 and 6 tokens
     assert [r.id for r in drop_overlong(recs, tok, 5, "filter")] == ["r0"]
@@ -114,14 +134,16 @@ def test_data_train_alone_holds_out_a_split_of_it_never_the_synthetic_task(tmp_p
     """A config with data.train and no data.eval evaluates on a split of data.train that training
     never sees: the same prompts for every seed, repeated prompts on one side, said in the log."""
     from services.training.data import config_prompts
+
     rows = [{"prompt": f"What is {a} + {a + 1}?", "label": str(2 * a + 1)} for a in range(200)]
     rows += rows[:20]  # repeated prompts (a second copy of some)
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     splits = {}
     for seed in (0, 1):
-        cfg = config_from_dict({"data": {"train": str(data), "eval_size": 32}, "prompt_length": 512,
-                                "run": {"seed": seed}})
+        cfg = config_from_dict(
+            {"data": {"train": str(data), "eval_size": 32}, "prompt_length": 512, "run": {"seed": seed}}
+        )
         with caplog.at_level(logging.INFO, logger="services.training.data"):
             held = config_prompts(cfg, "eval", _whitespace_tokenizer())
             train = config_prompts(cfg, "train", _whitespace_tokenizer())
@@ -135,6 +157,7 @@ def test_data_train_alone_holds_out_a_split_of_it_never_the_synthetic_task(tmp_p
 
 def test_a_dataset_too_small_to_split_says_to_set_data_eval(tmp_path):
     from services.training.data import config_prompts
+
     data = tmp_path / "few.jsonl"
     data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     cfg = config_from_dict({"data": {"train": str(data)}})

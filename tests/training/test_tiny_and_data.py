@@ -21,8 +21,9 @@ def test_train_and_held_out_prompts_are_disjoint():
 def test_jsonl_prompts_with_messages_and_labels(tiny_model_dir, tmp_path):
     tok = load_tokenizer(tiny_model_dir)
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "abc=", "label": "cba"}\n\n'
-                 '{"messages": [{"role": "user", "content": "x"}], "solution": 4}\n')
+    f.write_text(
+        '{"prompt": "abc=", "label": "cba"}\n\n{"messages": [{"role": "user", "content": "x"}], "solution": 4}\n'
+    )
     recs = load_prompts(str(f), "train", tok)
     assert [r.prompt for r in recs] == ["abc=", "user: x\nassistant: "] and [r.label for r in recs] == ["cba", "4"]
 
@@ -38,9 +39,12 @@ def test_epoch_sampler_uses_every_record_once_per_epoch():
 
 def test_datasets_sources_parquet_csv_and_a_local_dataset_directory(tiny_model_dir, tmp_path):
     import datasets
+
     tok = load_tokenizer(tiny_model_dir)
-    rows = [{"id": "q1", "messages": [{"role": "user", "content": "abc="}], "solution": "cba", "level": 2},
-            {"id": "q2", "messages": [{"role": "user", "content": "de="}], "solution": "ed", "level": 1}]
+    rows = [
+        {"id": "q1", "messages": [{"role": "user", "content": "abc="}], "solution": "cba", "level": 2},
+        {"id": "q2", "messages": [{"role": "user", "content": "de="}], "solution": "ed", "level": 1},
+    ]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
     recs = load_prompts(str(tmp_path / "p.parquet"), "train", tok)
     assert [r.id for r in recs] == ["q1", "q2"] and [r.label for r in recs] == ["cba", "ed"]

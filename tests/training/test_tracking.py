@@ -3,6 +3,7 @@ metrics.jsonl's numbers at step = iteration, and logs the same rows to Weights &
 `wandb` module stands in: the real one needs an account). W&B asked for but not installed is a
 one-line config error; a tracker that fails is dropped and the run goes on; a resumed run hides
 the steps it redoes."""
+
 import io
 import json
 import logging
@@ -47,6 +48,7 @@ def fake_wandb_module() -> types.ModuleType:
         run = FakeWandbRun(**kwargs)
         fake.runs.append(run)
         return run
+
     fake.init = init
     return fake
 
@@ -62,14 +64,26 @@ def _tensorboard(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def test_scalars_keeps_the_numbers_of_a_row():
-    row = {"iteration": 3, "wall_s": 1.5, "reward/score_mean": 0.25, "eval/hacking_suspected": 1, "flag": True,
-           "missing": None, "name": "x", "bad": float("nan")}
+    row = {
+        "iteration": 3,
+        "wall_s": 1.5,
+        "reward/score_mean": 0.25,
+        "eval/hacking_suspected": 1,
+        "flag": True,
+        "missing": None,
+        "name": "x",
+        "bad": float("nan"),
+    }
     assert scalars(row) == {"wall_s": 1.5, "reward/score_mean": 0.25, "eval/hacking_suspected": 1.0, "flag": 1.0}
 
 
 def test_redacted_hides_the_secrets_only():
-    cfg = config_from_dict({"rpc": {"auth_token": "s3cret-token"}, "replay": {
-        "password": "s3cret-pass", "url": "redis://:s3cret-pass@redis:6379/0"}})
+    cfg = config_from_dict(
+        {
+            "rpc": {"auth_token": "s3cret-token"},
+            "replay": {"password": "s3cret-pass", "url": "redis://:s3cret-pass@redis:6379/0"},
+        }
+    )
     out = redacted(cfg.model_dump(mode="json"))
     assert out["rpc"]["auth_token"] == out["replay"]["password"] == "<redacted>"
     assert out["replay"]["url"] == "redis://<redacted>@redis:6379/0"
@@ -83,10 +97,20 @@ def test_redacted_hides_the_secrets_only():
 def test_a_short_run_logs_every_row_to_tensorboard_and_wandb(tiny_model_dir, tmp_path, monkeypatch):
     fake = fake_wandb_module()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
-        f"model.path={tiny_model_dir}", "run.iterations=3", "run.eval_interval=2", "rollout_batch_size=8",
-        "data.eval_size=8", "run.wandb_project=rlhf-test", "run.wandb_entity=team", "run.wandb_mode=offline",
-        "rpc.auth_token=s3cret"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny-cpu.yaml",
+        [
+            f"model.path={tiny_model_dir}",
+            "run.iterations=3",
+            "run.eval_interval=2",
+            "rollout_batch_size=8",
+            "data.eval_size=8",
+            "run.wandb_project=rlhf-test",
+            "run.wandb_entity=team",
+            "run.wandb_mode=offline",
+            "rpc.auth_token=s3cret",
+        ],
+    )
     run_local(cfg, tmp_path)
     rows = _rows(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
@@ -130,6 +154,7 @@ def test_a_failing_tracker_is_dropped_and_the_run_log_goes_on(tmp_path, monkeypa
 
     def broken(values):
         raise ConnectionError("wandb is down")
+
     fake.runs[0].log = broken
     with caplog.at_level(logging.WARNING):
         log.log_iteration(1, {"reward/score_mean": 0.5})
@@ -140,8 +165,7 @@ def test_a_failing_tracker_is_dropped_and_the_run_log_goes_on(tmp_path, monkeypa
 
 
 def test_tensorboard_off_writes_no_event_files(tmp_path):
-    log = RunLog(tmp_path, config_from_dict({"run": {"tensorboard": False}}), mode="local",
-                 stream=io.StringIO())
+    log = RunLog(tmp_path, config_from_dict({"run": {"tensorboard": False}}), mode="local", stream=io.StringIO())
     log.log_iteration(1, {"reward/score_mean": 0.5})
     log.close()
     assert not (tmp_path / TB_DIR).exists()
@@ -166,6 +190,7 @@ def test_a_tracker_that_cannot_start_is_dropped_and_the_run_goes_on(tmp_path, mo
 
     def no_key(**kwargs):
         raise RuntimeError("api_key not configured (no-tty)")
+
     fake.init = no_key
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = config_from_dict({"run": {"wandb_project": "p", "tensorboard": False}})
@@ -187,5 +212,5 @@ def test_wandb_plots_by_iteration_so_a_resume_keeps_the_redone_iterations(tmp_pa
     again.log_iteration(3, {"reward/score_mean": 0.35})
     assert fake.runs[0].metrics == {"iteration": None, "*": "iteration"} == fake.runs[1].metrics
     assert fake.runs[1].init["id"] == fake.runs[0].init["id"]
-    (step, values), = fake.runs[1].logged
+    ((step, values),) = fake.runs[1].logged
     assert step == 3 and values["reward/score_mean"] == 0.35  # W&B keeps it, though step 3 was logged before

@@ -1,6 +1,7 @@
 """The reward-hacking watch on sequences of evaluations: it fires when the held-out reward falls
 while the train reward rises, by at least the threshold across a full window, and only then; it
 warns once per onset; its state survives a checkpoint."""
+
 import pytest
 
 from services.training.watch import HackingWatch, judge, trend
@@ -34,13 +35,21 @@ def test_fires_on_falling_eval_and_rising_train():
     assert v.eval_change == pytest.approx(-0.3) and v.train_change == pytest.approx(0.4)
     msg = v.message()
     assert "iterations 2..6" in msg and "fell by 0.300" in msg and "rose by 0.400" in msg
-    assert watch.status() == {"suspected": True, "iterations": [2, 4, 6], "eval_change": pytest.approx(-0.3),
-                              "train_change": pytest.approx(0.4), "since_iteration": 6}
+    assert watch.status() == {
+        "suspected": True,
+        "iterations": [2, 4, 6],
+        "eval_change": pytest.approx(-0.3),
+        "train_change": pytest.approx(0.4),
+        "since_iteration": 6,
+    }
 
 
 def test_not_when_both_rise_or_both_fall():
-    for points in ([(0.5, 0.1), (0.7, 0.3), (0.9, 0.5)], [(0.9, 0.5), (0.7, 0.3), (0.5, 0.1)],
-                   [(0.9, 0.5), (0.7, 0.5), (0.5, 0.5)]):  # eval falls, train flat: a bad run, not hacking
+    for points in (
+        [(0.5, 0.1), (0.7, 0.3), (0.9, 0.5)],
+        [(0.9, 0.5), (0.7, 0.3), (0.5, 0.1)],
+        [(0.9, 0.5), (0.7, 0.5), (0.5, 0.5)],
+    ):  # eval falls, train flat: a bad run, not hacking
         watch = HackingWatch(window=3, min_change=0.05)
         assert not any(v.suspected for v in _feed(watch, points)), points
         assert watch.status() is None
@@ -79,8 +88,9 @@ def test_warns_once_per_onset_and_clears():
     watch = HackingWatch(window=2, min_change=0.05)
     warnings = []
     rows = []
-    for it, (eval_reward, train_reward) in enumerate([(0.9, 0.1), (0.7, 0.3), (0.5, 0.5), (0.6, 0.5), (0.4, 0.7)],
-                                                     start=1):
+    for it, (eval_reward, train_reward) in enumerate(
+        [(0.9, 0.1), (0.7, 0.3), (0.5, 0.5), (0.6, 0.5), (0.4, 0.7)], start=1
+    ):
         watch.train(train_reward)
         rows.append(judge(watch, it, {"eval/reward_mean": eval_reward}, warnings.append)[1])
     assert [r["eval/hacking_suspected"] for r in rows] == [0, 1, 1, 0, 1]

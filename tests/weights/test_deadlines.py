@@ -4,6 +4,7 @@ and which peer: the learner ('weight push v3 to 127.0.0.1:PORT: phase=apply time
 timed out ...'). A swap that had not started when the deadline passed (the running batch still
 decoding) is withdrawn: the server keeps serving the version it had, and pulls the new one when
 it finds itself behind. A registry that does not answer after a push is logged with its phase."""
+
 import logging
 import threading
 import time
@@ -50,8 +51,11 @@ def busy_server(short_cfg, tiny_model_dir):
 
 
 def _broadcaster(cfg, address, state, beats):
-    store = SimpleNamespace(live=lambda kind: {address: {}}, publish_learner=lambda *a: None,
-                            heartbeat=lambda kind, addr, **f: beats.append((addr, f["version"])))
+    store = SimpleNamespace(
+        live=lambda kind: {address: {}},
+        publish_learner=lambda *a: None,
+        heartbeat=lambda kind, addr, **f: beats.append((addr, f["version"])),
+    )
     learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
     return WeightBroadcaster(cfg, store, learner)
 
@@ -69,13 +73,22 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
         bc.close()
     assert out["push/servers"] == 1 and out["push/failed"] == 1 and beats == []
     learner_side = [r.getMessage() for r in caplog.records if r.name == "services.weights.publisher"]
-    assert any(m.startswith(f"weight push v3 to {address}: phase=apply timed out after") and
-               f"(deadline {DEADLINE_S:g} s)" in m and "DEADLINE_EXCEEDED" in m for m in learner_side), learner_side
+    assert any(
+        m.startswith(f"weight push v3 to {address}: phase=apply timed out after")
+        and f"(deadline {DEADLINE_S:g} s)" in m
+        and "DEADLINE_EXCEEDED" in m
+        for m in learner_side
+    ), learner_side
 
     def server_said():  # the server's own wait ends with the same deadline, a moment apart
-        return [m for m in (r.getMessage() for r in caplog.records if r.name == "services.weights.receiver")
-                if "weight update v3 (stream) from ipv4:127.0.0.1:" in m and "phase=swap timed out after" in m
-                and "not applied" in m]
+        return [
+            m
+            for m in (r.getMessage() for r in caplog.records if r.name == "services.weights.receiver")
+            if "weight update v3 (stream) from ipv4:127.0.0.1:" in m
+            and "phase=swap timed out after" in m
+            and "not applied" in m
+        ]
+
     deadline = time.monotonic() + 60
     while not server_said() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -83,8 +96,9 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
     release.set()
     # the withdrawn swap never ran: the server still serves what it had, and takes the next push
     assert backend.version == 0
-    bc = _broadcaster(short_cfg.model_copy(update={"rpc": short_cfg.rpc.model_copy(update={"timeout_s": 30})}),
-                      address, state, beats)
+    bc = _broadcaster(
+        short_cfg.model_copy(update={"rpc": short_cfg.rpc.model_copy(update={"timeout_s": 30})}), address, state, beats
+    )
     try:
         assert bc.push(4, "learner:1")["push/failed"] == 0
     finally:
@@ -98,9 +112,12 @@ def test_a_push_waiting_for_an_earlier_update_names_that_phase(short_cfg, busy_s
     caplog.set_level(logging.WARNING)
 
     def server_said():
-        return [m for m in (r.getMessage() for r in caplog.records if r.name == "services.weights.receiver")
-                if "weight update (stream) from ipv4:127.0.0.1:" in m and "phase=wait-for-previous-update timed "
-                "out" in m]
+        return [
+            m
+            for m in (r.getMessage() for r in caplog.records if r.name == "services.weights.receiver")
+            if "weight update (stream) from ipv4:127.0.0.1:" in m and "phase=wait-for-previous-update timed out" in m
+        ]
+
     svc.servicer.receiver.lock.acquire()  # an earlier update holds the server (until the server gave up)
     try:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", short_cfg.rpc)
@@ -121,8 +138,10 @@ def test_a_registry_that_does_not_answer_after_a_push_is_logged_with_its_phase(c
         state = {k: v.clone() for k, v in svc.servicer.backend.model.state_dict().items()}
 
         def silent(*a, **kw):
-            raise redis.exceptions.TimeoutError("replay store heartbeat on redis 10.0.0.7:6379: Timeout reading "
-                                                "from 10.0.0.7:6379")
+            raise redis.exceptions.TimeoutError(
+                "replay store heartbeat on redis 10.0.0.7:6379: Timeout reading from 10.0.0.7:6379"
+            )
+
         bc = _broadcaster(cfg, address, state, [])
         bc.store.heartbeat = silent
         caplog.set_level(logging.WARNING)
@@ -131,5 +150,8 @@ def test_a_registry_that_does_not_answer_after_a_push_is_logged_with_its_phase(c
         finally:
             bc.close()
         assert out["push/failed"] == 0 and svc.servicer.backend.version == 2  # the server took it
-        assert any(r.getMessage().startswith(f"weight push v2 to {address}: phase=register timed out after")
-                   and "10.0.0.7:6379" in r.getMessage() for r in caplog.records)
+        assert any(
+            r.getMessage().startswith(f"weight push v2 to {address}: phase=register timed out after")
+            and "10.0.0.7:6379" in r.getMessage()
+            for r in caplog.records
+        )

@@ -1,5 +1,6 @@
 """WeightBroadcaster.push: one encoding of a version streamed to every live server in parallel;
 a server that cannot be reached fails alone, the others serve the new version."""
+
 from types import SimpleNamespace
 
 import torch
@@ -11,14 +12,19 @@ from tests.grpc_helpers import on_free_ports
 
 def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_model_dir):
     from services.generation.backend import HFBackend
-    with serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as a, \
-            serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as b:
+
+    with (
+        serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as a,
+        serve(on_free_ports(cfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as b,
+    ):
         state = {k: v.clone() + 0.01 for k, v in a.servicer.backend.model.state_dict().items()}
         servers = [f"127.0.0.1:{a.server.port}", "127.0.0.1:1", f"127.0.0.1:{b.server.port}"]
         beats = []
-        store = SimpleNamespace(live=lambda kind: {s: {} for s in servers},
-                                heartbeat=lambda kind, addr, version: beats.append((addr, version)),
-                                publish_learner=lambda *a: None)
+        store = SimpleNamespace(
+            live=lambda kind: {s: {} for s in servers},
+            heartbeat=lambda kind, addr, version: beats.append((addr, version)),
+            publish_learner=lambda *a: None,
+        )
         learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
         bc = WeightBroadcaster(cfg, store, learner)
         bc.cfg = cfg.model_copy(update={"rpc": cfg.rpc.model_copy(update={"timeout_s": 5})})

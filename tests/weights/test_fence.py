@@ -1,6 +1,7 @@
 """Version fencing: a generation server in a distributed run (replay.url set) applies weights only
 from the run's learner, as the replay registry names it (run id, epoch, version counter); pushes
 and pulls alike. A real server on a loopback port and a real Redis."""
+
 import copy
 import itertools
 import socket
@@ -30,8 +31,9 @@ _ns = itertools.count()
 
 @pytest.fixture(scope="module")
 def fenced(cfg, redis_server):
-    c = config_from_dict({**cfg.model_dump(), "replay": {"url": redis_server.url, "namespace": "fence",
-                                                         "heartbeat_s": 60}})
+    c = config_from_dict(
+        {**cfg.model_dump(), "replay": {"url": redis_server.url, "namespace": "fence", "heartbeat_s": 60}}
+    )
     store = ReplayStore.from_config(c)
     store.reset()
     with serve(on_free_ports(c, "generation")) as svc:
@@ -57,17 +59,25 @@ def test_only_the_runs_learner_may_push(fenced):
     v = client.version
     state = _state(servicer, 0.01)
     store.r.delete(store.learner_key)  # no learner yet
-    expect_code(lambda: client.update_weights(state, v + 1, run_id="run-a", epoch=1), grpc.StatusCode.INVALID_ARGUMENT,
-                "no learner has registered")
+    expect_code(
+        lambda: client.update_weights(state, v + 1, run_id="run-a", epoch=1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "no learner has registered",
+    )
     epoch = _learner_starts(store)
     store.raise_version_to(v + 1)  # the learner raises the counter before it pushes
-    for run_id, ep, version, why in [("run-b", epoch, v + 1, "the learner registered in 'fence' has run_id='run-a'"),
-                                     ("run-a", epoch - 1, v + 1, f"epoch={epoch})"),
-                                     ("", 0, v + 1, "run_id='', epoch=0"),
-                                     ("run-a", epoch, v + 2, f"version {v + 2} is above the run's version counter"),
-                                     ("run-a", epoch, 2 ** 63 - 1, "above the run's version counter")]:
-        details = expect_code(lambda: client.update_weights(state, version, run_id=run_id, epoch=ep),
-                              grpc.StatusCode.INVALID_ARGUMENT, why)
+    for run_id, ep, version, why in [
+        ("run-b", epoch, v + 1, "the learner registered in 'fence' has run_id='run-a'"),
+        ("run-a", epoch - 1, v + 1, f"epoch={epoch})"),
+        ("", 0, v + 1, "run_id='', epoch=0"),
+        ("run-a", epoch, v + 2, f"version {v + 2} is above the run's version counter"),
+        ("run-a", epoch, 2**63 - 1, "above the run's version counter"),
+    ]:
+        details = expect_code(
+            lambda: client.update_weights(state, version, run_id=run_id, epoch=ep),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            why,
+        )
         assert NOT_THE_LEARNER in details
     assert client.version == v
     # the run's learner: applied (a refused push at 2^63-1 did not lock the run)
@@ -75,12 +85,18 @@ def test_only_the_runs_learner_may_push(fenced):
     # the learner restarts: the old process's pushes are refused from now on
     new_epoch = _learner_starts(store)
     store.raise_version_to(v + 2)
-    expect_code(lambda: client.update_weights(state, v + 2, run_id="run-a", epoch=epoch),
-                grpc.StatusCode.INVALID_ARGUMENT, NOT_THE_LEARNER)
+    expect_code(
+        lambda: client.update_weights(state, v + 2, run_id="run-a", epoch=epoch),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        NOT_THE_LEARNER,
+    )
     assert client.update_weights(state, v + 2, run_id="run-a", epoch=new_epoch).version == v + 2
     # versions still only move forward
-    expect_code(lambda: client.update_weights(state, v + 2, run_id="run-a", epoch=new_epoch),
-                grpc.StatusCode.INVALID_ARGUMENT, "not newer")
+    expect_code(
+        lambda: client.update_weights(state, v + 2, run_id="run-a", epoch=new_epoch),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not newer",
+    )
 
 
 def test_the_header_is_checked_before_the_pieces_are_read(fenced):
@@ -90,8 +106,11 @@ def test_the_header_is_checked_before_the_pieces_are_read(fenced):
     store.raise_version_to(v + 1)
     chunks = list(weight_chunks(_state(servicer), v + 1, run_id="run-a", epoch=epoch - 1))
     chunks[1].piece.data = b"garbage"  # never read: the header is refused first
-    expect_code(lambda: client.stub.PushWeights(iter(chunks), metadata=client.metadata),
-                grpc.StatusCode.INVALID_ARGUMENT, NOT_THE_LEARNER)
+    expect_code(
+        lambda: client.stub.PushWeights(iter(chunks), metadata=client.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        NOT_THE_LEARNER,
+    )
 
 
 def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
@@ -107,6 +126,7 @@ def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
     def fence(header):
         real(header)
         header_checked.set()
+
     monkeypatch.setattr(servicer, "fence", fence)
 
     def stream():
@@ -115,8 +135,12 @@ def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
         assert header_checked.wait(120)
         _learner_starts(store)  # a new learner process starts while the old one still pushes
         yield from chunks
-    expect_code(lambda: client.stub.PushWeights(stream(), metadata=client.metadata),
-                grpc.StatusCode.INVALID_ARGUMENT, NOT_THE_LEARNER)
+
+    expect_code(
+        lambda: client.stub.PushWeights(stream(), metadata=client.metadata),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        NOT_THE_LEARNER,
+    )
     assert client.version == v
 
 
@@ -129,11 +153,13 @@ def test_registry_unreachable_is_unavailable(fenced, monkeypatch):
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
     dead = copy.copy(store)
-    dead.r = redis.Redis(host="127.0.0.1", port=dead_port, socket_connect_timeout=1,
-                         retry=Retry(NoBackoff(), 0))
+    dead.r = redis.Redis(host="127.0.0.1", port=dead_port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     monkeypatch.setattr(servicer, "fence", LearnerFence(dead))
-    expect_code(lambda: client.update_weights(_state(servicer), v + 1, run_id="run-a", epoch=epoch),
-                grpc.StatusCode.UNAVAILABLE, "the replay registry cannot be reached")
+    expect_code(
+        lambda: client.update_weights(_state(servicer), v + 1, run_id="run-a", epoch=epoch),
+        grpc.StatusCode.UNAVAILABLE,
+        "the replay registry cannot be reached",
+    )
     assert client.version == v
 
 

@@ -1,6 +1,7 @@
 """Weight copies between a GPU and the host (services/weights/hostcopy.py). The CPU cases run
 everywhere; the CUDA cases need a GPU (CI has none: they ran on a lent H100, see
 docs/measurements.md)."""
+
 import mmap
 import os
 
@@ -15,10 +16,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 def _state(device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(300, 70, generator=g).to(device), "b": torch.randn(11, generator=g).to(device),
-            "h": torch.randn(5, 9, generator=g).to(torch.bfloat16).to(device),
-            "i": torch.arange(7).to(device), "flag": torch.tensor([True, False]).to(device),
-            "empty": torch.zeros(0, 4).to(device)}
+    return {
+        "w": torch.randn(300, 70, generator=g).to(device),
+        "b": torch.randn(11, generator=g).to(device),
+        "h": torch.randn(5, 9, generator=g).to(torch.bfloat16).to(device),
+        "i": torch.arange(7).to(device),
+        "flag": torch.tensor([True, False]).to(device),
+        "empty": torch.zeros(0, 4).to(device),
+    }
 
 
 def test_to_host_keeps_host_tensors_without_a_copy():
@@ -62,11 +67,15 @@ def test_copy_to_device_stages_through_page_locked_buffers(monkeypatch, tmp_path
     mm = mmap.mmap(fd, flat.numel() * 4, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(fd)
     mapped = torch.frombuffer(mm, dtype=torch.float32)
-    src["w"], src["b"] = mapped[:src["w"].numel()].view(300, 70), mapped[src["w"].numel():]
+    src["w"], src["b"] = mapped[: src["w"].numel()].view(300, 70), mapped[src["w"].numel() :]
     src["strided"] = torch.randn(40, 30).t()
     src["pinned"] = torch.randn(1000).pin_memory()
-    dst = {k: torch.full(v.shape, 7, dtype=v.dtype, device="cuda") if v.dtype != torch.bool
-           else torch.zeros(v.shape, dtype=torch.bool, device="cuda") for k, v in src.items()}
+    dst = {
+        k: torch.full(v.shape, 7, dtype=v.dtype, device="cuda")
+        if v.dtype != torch.bool
+        else torch.zeros(v.shape, dtype=torch.bool, device="cuda")
+        for k, v in src.items()
+    }
     copy_to_device((dst[k], v) for k, v in src.items())
     for k, v in src.items():
         assert torch.equal(dst[k].cpu(), v), k
@@ -78,6 +87,7 @@ def test_hf_backend_on_a_gpu_serves_pushed_weights(tiny_model_dir):
     """A GPU generation server's swap (page-locked staging) gives the pushed weights exactly."""
     from services.common.modeling import load_causal_lm
     from services.generation.backend import HFBackend
+
     backend = HFBackend(tiny_model_dir, "cuda")
     model = load_causal_lm(tiny_model_dir, "cpu")
     with torch.no_grad():

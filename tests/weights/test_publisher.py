@@ -2,6 +2,7 @@
 the version from shared memory, a server whose probe is elsewhere gets the stream; bad files are
 refused with nothing applied; a refused load is retried over gRPC; a server killed mid-push fails
 alone; the learner's files are bounded and removed."""
+
 import errno
 import os
 import threading
@@ -33,8 +34,10 @@ class Registry:
         self.services, self.beats = list(services), []
 
     def live(self, kind):
-        return {f"127.0.0.1:{s.server.port}": {"version": s.servicer.backend.version, **s.servicer.registry_info()}
-                for s in self.services}
+        return {
+            f"127.0.0.1:{s.server.port}": {"version": s.servicer.backend.version, **s.servicer.registry_info()}
+            for s in self.services
+        }
 
     def heartbeat(self, kind, address, **info):
         self.beats.append((address, info))
@@ -69,8 +72,7 @@ def _weight_files(directory):
 
 def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_stream(cfg, tiny_model_dir, tmp_path):
     local, remote = with_shm(cfg, tmp_path / "shm"), with_shm(cfg, tmp_path / "other-host")
-    with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b, \
-            _server(remote, tiny_model_dir) as c:
+    with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b, _server(remote, tiny_model_dir) as c:
         state = _state(a, 0.01)
         bc = _broadcaster(local, [a, b, c], state)
         try:
@@ -86,6 +88,7 @@ def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_str
             assert bc.shm.recycled == 3 and len(_weight_files(tmp_path / "shm")) == 1
             client = GenerationClient(f"127.0.0.1:{a.server.port}", local.rpc)
             from services.common.types import SamplingParams
+
             assert client.generate([[1, 4, 5]], SamplingParams(max_new_tokens=4, temperature=0)).policy_version == 4
             client.close()
             # the learner's heartbeat keeps what the server advertised (its probe, its base)
@@ -117,6 +120,7 @@ def test_bad_shared_files_are_refused_and_the_old_weights_keep_serving(cfg, tiny
                 byte = f.read(1)
                 f.seek(req.file_bytes // 2)
                 f.write(bytes([byte[0] ^ 0xFF]))
+
         good = _state(svc, 0.02)
         refused(good, 1, "mismatch", flip)
         refused(good, 1, "truncated", lambda path, req: os.truncate(path, req.file_bytes - 1))
@@ -131,6 +135,7 @@ def test_bad_shared_files_are_refused_and_the_old_weights_keep_serving(cfg, tiny
         def fence(header):
             if header.run_id != "run-b":
                 raise BadRequest("weights: push from a writer that is not the run's learner")
+
         svc.servicer.fence = fence
         refused(good, 1, "not the run's learner")
         svc.servicer.fence = None
@@ -149,6 +154,7 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
 
         def refuse(request):
             raise BadRequest("shm: simulated refusal")
+
         monkeypatch.setattr(b.servicer, "apply_shared", refuse)
         try:
             out = bc.push(1, "learner:1")
@@ -157,6 +163,7 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
 
             def full(*args, **kw):
                 raise OSError(errno.ENOSPC, "No space left on device")
+
             monkeypatch.setattr(shm.SharedWeightsWriter, "write", full)
             out = bc.push(2, "learner:1")
             assert (out["push/failed"], out["push/shm"]) == (0, 0)
@@ -167,8 +174,7 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
 
 def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, monkeypatch):
     local = with_shm(cfg, tmp_path)
-    with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b, \
-            _server(local, tiny_model_dir) as c:
+    with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b, _server(local, tiny_model_dir) as c:
         state = _state(a, 0.04)
         bc = _broadcaster(local, [a, b, c], state)
         entered, release = threading.Event(), threading.Event()
@@ -178,6 +184,7 @@ def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, mon
             entered.set()
             release.wait(120)
             return swap(*args)
+
         monkeypatch.setattr(c.servicer.backend, "update_weights", stuck)
 
         def kill():
@@ -185,6 +192,7 @@ def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, mon
             c.server.grpc.stop(0)  # gone mid-swap: its in-flight load and any retry fail
             time.sleep(0.2)
             release.set()
+
         killer = threading.Thread(target=kill)
         killer.start()
         try:

@@ -3,6 +3,7 @@ reads back exactly (and is a safetensors file any reader takes); a file that is 
 corrupt, of another version, of the wrong shapes or dtypes, not finite, or being rewritten is
 refused before a tensor is handed out; pages are recycled only when no reader holds the file;
 co-location is proven by the probe file."""
+
 import fcntl
 import os
 
@@ -12,9 +13,14 @@ import torch
 from services.common.rpc.errors import BadRequest
 from services.weights import shm
 
-STATE = {"big": torch.randn(300, 400), "half": torch.randn(70_001).to(torch.bfloat16),
-         "ids": torch.arange(5, dtype=torch.int64), "empty": torch.zeros(0, 3), "flag": torch.tensor(True),
-         "odd": torch.randn(3)}
+STATE = {
+    "big": torch.randn(300, 400),
+    "half": torch.randn(70_001).to(torch.bfloat16),
+    "ids": torch.arange(5, dtype=torch.int64),
+    "empty": torch.zeros(0, 3),
+    "flag": torch.tensor(True),
+    "odd": torch.randn(3),
+}
 SPECS = {k: (tuple(t.shape), t.dtype) for k, t in STATE.items()}
 
 
@@ -40,6 +46,7 @@ def test_a_written_version_reads_back_exactly_and_is_safetensors(tmp_path, diges
     assert (version, fmt, nbytes) == (7, "full", sum(t.numel() * t.element_size() for t in STATE.values()))
     assert all(torch.equal(state[k], STATE[k]) and state[k].dtype == STATE[k].dtype for k in STATE)
     from safetensors import safe_open  # vLLM's workers read this layout
+
     with safe_open(str(tmp_path / req.file_name), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(k), STATE[k]) for k in STATE)
         assert f.metadata()["rlhf.version"] == "7"
@@ -74,10 +81,12 @@ def test_a_corrupt_or_truncated_file_is_refused(tmp_path, writer):
 
 def test_wrong_shapes_dtypes_names_and_coverage_are_refused(tmp_path, writer):
     without_odd = {k: v for k, v in STATE.items() if k != "odd"}
-    for state, fragment in [({**STATE, "big": torch.randn(400, 300)}, "has shape"),
-                            ({**STATE, "big": torch.zeros(300, 400, dtype=torch.int32)}, "has dtype"),
-                            ({**without_odd, "extra": torch.randn(3)}, "unknown tensor"),
-                            (without_odd, "full version without")]:
+    for state, fragment in [
+        ({**STATE, "big": torch.randn(400, 300)}, "has shape"),
+        ({**STATE, "big": torch.zeros(300, 400, dtype=torch.int32)}, "has dtype"),
+        ({**without_odd, "extra": torch.randn(3)}, "unknown tensor"),
+        (without_odd, "full version without"),
+    ]:
         req = writer.write(state, 1)
         with pytest.raises(BadRequest, match=fragment):
             _load(tmp_path, req)
@@ -103,6 +112,7 @@ def test_another_versions_file_and_the_fence(tmp_path, writer):
     def fence(header):
         if header.run_id != "run-b":
             raise BadRequest("weights: push from a writer that is not the run's learner")
+
     with pytest.raises(BadRequest, match="not the run's learner"):
         _load(tmp_path, req2, on_header=fence)
     stale = shm.SharedWeightsWriter(tmp_path, "run-a").write(STATE, 3, epoch=0)
@@ -142,6 +152,7 @@ def test_a_full_volume_is_an_os_error_and_leaves_no_file(tmp_path, writer, monke
 
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space"):
         writer.write(STATE, 1)

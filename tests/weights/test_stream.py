@@ -1,6 +1,7 @@
 """The fast weight-push path: `encode_weights` (serialised once), `Fanout` (one encoding read by
 many streams, bounded), `WeightChunkDecoder` (pieces decoded without copying their data) and the
 finiteness check; each must accept and refuse exactly what the plain protobuf path does."""
+
 import threading
 
 import pytest
@@ -11,8 +12,13 @@ from services.common.rpc.gen import common_pb2 as pb
 from services.weights.check import all_finite
 from services.weights.stream import Fanout, WeightChunkDecoder, _varint, assemble_weights, encode_weights, weight_chunks
 
-STATE = {"big": torch.randn(300, 400), "half": torch.randn(70_001).to(torch.bfloat16),
-         "ids": torch.arange(5, dtype=torch.int64), "empty": torch.zeros(0, 3), "flag": torch.tensor(True)}
+STATE = {
+    "big": torch.randn(300, 400),
+    "half": torch.randn(70_001).to(torch.bfloat16),
+    "ids": torch.arange(5, dtype=torch.int64),
+    "empty": torch.zeros(0, 3),
+    "flag": torch.tensor(True),
+}
 SPECS = {k: (tuple(t.shape), t.dtype) for k, t in STATE.items()}
 
 
@@ -20,15 +26,23 @@ SPECS = {k: (tuple(t.shape), t.dtype) for k, t in STATE.items()}
 def test_encoded_stream_is_the_protobuf_stream(chunk_bytes):
     raw = list(encode_weights(STATE, 4, chunk_bytes, run_id="r", epoch=2))
     msgs = [pb.WeightChunk.FromString(b) for b in raw]
-    assert [m.SerializeToString() for m in msgs] == [m.SerializeToString() for m in
-                                                      weight_chunks(STATE, 4, chunk_bytes, run_id="r", epoch=2)]
+    assert [m.SerializeToString() for m in msgs] == [
+        m.SerializeToString() for m in weight_chunks(STATE, 4, chunk_bytes, run_id="r", epoch=2)
+    ]
     decoded = [WeightChunkDecoder().FromString(b) for b in raw]
     for fast, slow in zip(decoded, msgs):
         assert fast.WhichOneof("payload") == slow.WhichOneof("payload")
         if slow.WhichOneof("payload") == "piece":
             f, s = fast.piece, slow.piece
-            assert (f.name, f.dtype, list(f.shape), f.offset, f.total_bytes, f.xxh3, bytes(f.data)) == \
-                   (s.name, s.dtype, list(s.shape), s.offset, s.total_bytes, s.xxh3, s.data)
+            assert (f.name, f.dtype, list(f.shape), f.offset, f.total_bytes, f.xxh3, bytes(f.data)) == (
+                s.name,
+                s.dtype,
+                list(s.shape),
+                s.offset,
+                s.total_bytes,
+                s.xxh3,
+                s.data,
+            )
     assert any(type(d).__name__ == "_PieceView" for d in decoded)  # the fast path was taken
     version, fmt, state, nbytes, _ = assemble_weights(iter(decoded), SPECS)
     assert version == 4 and all(torch.equal(state[k], STATE[k]) for k in STATE)
@@ -51,6 +65,7 @@ def test_fanout_reads_one_encoding_in_every_stream_with_a_bounded_window():
         for i in range(50):
             produced.append(i)
             yield bytes([i])
+
     fan = Fanout(source(), readers=3, window=4)
     seen = {i: [] for i in range(3)}
 
@@ -58,6 +73,7 @@ def test_fanout_reads_one_encoding_in_every_stream_with_a_bounded_window():
         for chunk in fan.reader(i):
             seen[i].append(chunk[0])
             assert len(produced) - len(seen[i]) <= 4 + 1  # never far ahead of any reader
+
     threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
@@ -80,6 +96,7 @@ def test_an_encoder_error_reaches_every_reader():
     def source():
         yield b"a"
         raise TypeError("dtype cannot go on the wire")
+
     fan = Fanout(source(), readers=2)
     for i in range(2):
         with pytest.raises(TypeError):
@@ -109,6 +126,7 @@ def test_non_finite_found_in_a_large_piece_is_refused():
 
 def test_the_piece_size_leaves_room_for_metadata_under_any_message_limit():
     from services.weights.protocol import CHUNK_BYTES, chunk_bytes
+
     for mb in (1, 2, 8, 31, 32, 33, 256, 2047):
         assert chunk_bytes(mb) <= mb * (1 << 20) // 2 and chunk_bytes(mb) <= CHUNK_BYTES
     assert chunk_bytes(256) == CHUNK_BYTES

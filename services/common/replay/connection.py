@@ -1,6 +1,7 @@
 """The Redis connection of the replay store's parts (streams.py, registry.py, fence.py): timeouts,
 retries through a Redis restart, errors that say which operation on which Redis failed, and the
 base every part shares (the client and the run's namespace)."""
+
 from __future__ import annotations
 
 import functools
@@ -57,19 +58,27 @@ def redis_error_code(e: BaseException) -> str | None:
 def connect(replay_cfg: ReplayConfig, url: str | None = None) -> redis.Redis:
     url = url or replay_cfg.url
     if not url:
-        raise ValueError("replay.url is not set: start the system with `rlhf up` (it runs an embedded Redis), "
-                         "or point replay.url at a Redis server (redis://host:6379/0)")
-    client = redis.Redis.from_url(url, password=replay_cfg.resolved_password() or None,
-                                  socket_keepalive=True, health_check_interval=30,
-                                  socket_timeout=socket_timeout_s(replay_cfg),
-                                  socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
-                                  retry=Retry(ExponentialBackoff(cap=REDIS_BACKOFF_CAP_S, base=0.05), REDIS_RETRIES),
-                                  retry_on_error=[RedisConnectionError, RedisTimeout, BusyLoadingError])
+        raise ValueError(
+            "replay.url is not set: start the system with `rlhf up` (it runs an embedded Redis), "
+            "or point replay.url at a Redis server (redis://host:6379/0)"
+        )
+    client = redis.Redis.from_url(
+        url,
+        password=replay_cfg.resolved_password() or None,
+        socket_keepalive=True,
+        health_check_interval=30,
+        socket_timeout=socket_timeout_s(replay_cfg),
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+        retry=Retry(ExponentialBackoff(cap=REDIS_BACKOFF_CAP_S, base=0.05), REDIS_RETRIES),
+        retry_on_error=[RedisConnectionError, RedisTimeout, BusyLoadingError],
+    )
     try:
         client.ping()
     except (RedisTimeout, RedisConnectionError) as e:
-        raise type(e)(f"replay store connect to redis {redis_peer(client)}: {e} (socket timeout "
-                      f"{socket_timeout_s(replay_cfg):g} s)") from e
+        raise type(e)(
+            f"replay store connect to redis {redis_peer(client)}: {e} (socket timeout "
+            f"{socket_timeout_s(replay_cfg):g} s)"
+        ) from e
     return client
 
 
@@ -84,6 +93,7 @@ def redis_peer(client) -> str:
 def says_where(fn):
     """A store method whose Redis timeouts and lost connections (after the client's retries) say
     which operation and which Redis: 'replay store read_trajectories on redis 10.0.0.7:6379: ...'."""
+
     @functools.wraps(fn)
     def inner(self, *args, **kwargs):
         try:
@@ -99,6 +109,7 @@ def says_where(fn):
                 raise e from None
             said.where = where
             raise said from e
+
     return inner
 
 

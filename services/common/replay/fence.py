@@ -8,6 +8,7 @@ Keys, under the run's namespace `ns`:
     ns:learner_epoch int                       the newest learner process's epoch
     ns:learner       hash                      the learner's address, version, run id and epoch
 """
+
 from __future__ import annotations
 
 import redis
@@ -41,8 +42,10 @@ class VersionFence(RedisPart):
     def publish_learner(self, address: str, version: int, run_id: str = "", epoch: int = 0) -> None:
         """The learner's address, its newest published policy version and its identity (run id,
         epoch): generation servers accept weight pushes only from this writer."""
-        self.r.hset(self.learner_key, mapping={"address": address, "version": version, "run_id": run_id,
-                                               "epoch": epoch, "ts": self.now()})
+        self.r.hset(
+            self.learner_key,
+            mapping={"address": address, "version": version, "run_id": run_id, "epoch": epoch, "ts": self.now()},
+        )
 
     def learner_info(self) -> dict:
         """{address, version, run_id, epoch, ts} as strings; {} before a learner published."""

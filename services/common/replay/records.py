@@ -1,5 +1,6 @@
 """Replay records <-> domain objects: PromptTask <-> PromptRecord, TrajectoryGroup <-> SampleGroup.
 Per-token numbers travel as raw little-endian float32 bytes."""
+
 from __future__ import annotations
 
 import json
@@ -13,29 +14,60 @@ from ..types import Completion, PromptRecord, SampleGroup, ScoreResult
 _F32 = np.dtype("<f4")
 
 
-def make_task(record: PromptRecord, epoch: int, version: int, min_version: int, group_size: int,
-              attempt: int = 0) -> rpb.PromptTask:
-    t = rpb.PromptTask(uid=f"{epoch}:{record.id}", attempt=attempt, record_id=record.id, epoch=epoch,
-                       prompt=record.prompt, metadata_json=json.dumps(record.metadata) if record.metadata else "",
-                       min_version=min_version, group_size=group_size, fed_at_version=version)
+def make_task(
+    record: PromptRecord, epoch: int, version: int, min_version: int, group_size: int, attempt: int = 0
+) -> rpb.PromptTask:
+    t = rpb.PromptTask(
+        uid=f"{epoch}:{record.id}",
+        attempt=attempt,
+        record_id=record.id,
+        epoch=epoch,
+        prompt=record.prompt,
+        metadata_json=json.dumps(record.metadata) if record.metadata else "",
+        min_version=min_version,
+        group_size=group_size,
+        fed_at_version=version,
+    )
     if record.label is not None:
         t.label = record.label
     return t
 
 
 def task_record(task: rpb.PromptTask) -> PromptRecord:
-    return PromptRecord(task.record_id, task.prompt, task.label if task.HasField("label") else None,
-                        json.loads(task.metadata_json) if task.metadata_json else {})
+    return PromptRecord(
+        task.record_id,
+        task.prompt,
+        task.label if task.HasField("label") else None,
+        json.loads(task.metadata_json) if task.metadata_json else {},
+    )
 
 
-def group_to_proto(g: SampleGroup, task: rpb.PromptTask, worker: str = "", server: str = "",
-                   generate_seconds: float = 0.0, batch_tokens: int = 0) -> rpb.TrajectoryGroup:
-    out = rpb.TrajectoryGroup(task=task, prompt_ids=g.prompt_ids, policy_version=g.version, worker=worker,
-                              generation_server=server, created_at=time.time(), generate_seconds=generate_seconds,
-                              tokens=sum(len(c.token_ids) for c in g.completions), batch_tokens=batch_tokens)
+def group_to_proto(
+    g: SampleGroup,
+    task: rpb.PromptTask,
+    worker: str = "",
+    server: str = "",
+    generate_seconds: float = 0.0,
+    batch_tokens: int = 0,
+) -> rpb.TrajectoryGroup:
+    out = rpb.TrajectoryGroup(
+        task=task,
+        prompt_ids=g.prompt_ids,
+        policy_version=g.version,
+        worker=worker,
+        generation_server=server,
+        created_at=time.time(),
+        generate_seconds=generate_seconds,
+        tokens=sum(len(c.token_ids) for c in g.completions),
+        batch_tokens=batch_tokens,
+    )
     for j, c in enumerate(g.completions):
-        s = out.samples.add(response_ids=c.token_ids, log_probs=np.asarray(c.log_probs, _F32).tobytes(),
-                            score=g.scores[j].reward, finish_reason=c.finish_reason)
+        s = out.samples.add(
+            response_ids=c.token_ids,
+            log_probs=np.asarray(c.log_probs, _F32).tobytes(),
+            score=g.scores[j].reward,
+            finish_reason=c.finish_reason,
+        )
         s.components.update(g.scores[j].components)
         if g.values is not None:
             s.values = np.asarray(g.values[j], _F32).tobytes()
@@ -58,5 +90,6 @@ def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
             values.append(v.tolist())
     if values and len(values) != len(completions):
         raise ValueError(f"trajectory {m.task.uid}: values for only some samples")
-    return SampleGroup(m.task.uid, task_record(m.task), list(m.prompt_ids), completions, scores,
-                       values or None, int(m.policy_version))
+    return SampleGroup(
+        m.task.uid, task_record(m.task), list(m.prompt_ids), completions, scores, values or None, int(m.policy_version)
+    )

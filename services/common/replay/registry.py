@@ -8,6 +8,7 @@ Keys, under the run's namespace `ns`:
     ns:generation    hash  address -> json     generation servers, with a heartbeat
     ns:workers       hash  name -> json        rollout workers, with a heartbeat
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,9 @@ def registration_proof(secret: str, kind: str, name: str) -> str:
 
 
 class Registry(RedisPart):
-    def __init__(self, client: redis.Redis, namespace: str = "rlhf", heartbeat_ttl_s: float = 10.0,
-                 secret: str | None = None):
+    def __init__(
+        self, client: redis.Redis, namespace: str = "rlhf", heartbeat_ttl_s: float = 10.0, secret: str | None = None
+    ):
         super().__init__(client, namespace)
         self._setup_registry(heartbeat_ttl_s, secret)
 
@@ -55,8 +57,9 @@ class Registry(RedisPart):
         ok = hmac.compare_digest(str(info.get("proof", "")), registration_proof(self.secret, kind, name))
         if not ok and name not in self._refused:
             self._refused.add(name)
-            log.warning("ignoring the %s registration of %s: it does not prove it holds the run's auth token",
-                        kind, name)
+            log.warning(
+                "ignoring the %s registration of %s: it does not prove it holds the run's auth token", kind, name
+            )
         return ok
 
     def deregister(self, kind: str, name: str) -> None:
@@ -76,8 +79,9 @@ class Registry(RedisPart):
                 stale.append(name)
         if stale:
             self.r.hdel(key, *stale)
-            log.info("removed %d %s registration(s) without a heartbeat for %.0fs", len(stale), kind,
-                     self.heartbeat_ttl_s)
+            log.info(
+                "removed %d %s registration(s) without a heartbeat for %.0fs", len(stale), kind, self.heartbeat_ttl_s
+            )
         return out
 
 

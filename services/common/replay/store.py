@@ -8,6 +8,7 @@
 `ReplayStore` is all three on one connection (the learner uses every part; a worker or a
 generation server several), plus `reset` of the whole namespace.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,8 +25,14 @@ if TYPE_CHECKING:
 
 
 class ReplayStore(ReplayStreams, Registry, VersionFence):
-    def __init__(self, client: redis.Redis, namespace: str = "rlhf", claim_idle_s: float = 30.0,
-                 heartbeat_ttl_s: float = 10.0, secret: str | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str = "rlhf",
+        claim_idle_s: float = 30.0,
+        heartbeat_ttl_s: float = 10.0,
+        secret: str | None = None,
+    ):
         RedisPart.__init__(self, client, namespace)
         self._setup_registry(heartbeat_ttl_s, secret)
         self._setup_fence()
@@ -34,8 +41,9 @@ class ReplayStore(ReplayStreams, Registry, VersionFence):
     @classmethod
     def from_config(cls, cfg: Config, url: str | None = None) -> "ReplayStore":
         rc = cfg.replay
-        return cls(connect(rc, url), rc.namespace, rc.claim_idle_s, rc.heartbeat_ttl_s,
-                   secret=cfg.rpc.resolved_auth_token())
+        return cls(
+            connect(rc, url), rc.namespace, rc.claim_idle_s, rc.heartbeat_ttl_s, secret=cfg.rpc.resolved_auth_token()
+        )
 
     def reset(self) -> int:
         """Delete every key of this namespace (a fresh run); returns how many."""

@@ -20,6 +20,7 @@ The contracts (docs/architecture.md, "Data contracts that keep samples safe"):
   `claim_idle_s` (XAUTOCLAIM) before reading new ones.
 Records are protobuf (`proto/rlhf/v1/replay.proto`); nothing is pickled.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -48,7 +49,6 @@ redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[2], ARGV[2])
 return 1
 """
-
 
 
 class ReplayStreams(RedisPart):
@@ -121,19 +121,23 @@ class ReplayStreams(RedisPart):
         attempt of the prompt already had its trajectories (nothing appended)."""
         pipe = self.r.pipeline(transaction=False)
         for entry_id, group in items:
-            self._produce(keys=[self.produced, self.trajectories, self.prompts],
-                          args=[WORKERS_GROUP, entry_id, f"{group.task.uid}#{group.task.attempt}",
-                                group.SerializeToString()], client=pipe)
+            self._produce(
+                keys=[self.produced, self.trajectories, self.prompts],
+                args=[WORKERS_GROUP, entry_id, f"{group.task.uid}#{group.task.attempt}", group.SerializeToString()],
+                client=pipe,
+            )
         return [bool(x) for x in pipe.execute()]
 
     def dead_letter(self, prompt_entry_id: bytes, task: rpb.PromptTask, error: str, worker: str) -> None:
-        self._dead_letter(keys=[self.dead, self.prompts],
-                          args=[WORKERS_GROUP, prompt_entry_id, task.SerializeToString(), error[:2000], worker])
+        self._dead_letter(
+            keys=[self.dead, self.prompts],
+            args=[WORKERS_GROUP, prompt_entry_id, task.SerializeToString(), error[:2000], worker],
+        )
 
     def read_dead(self, after: bytes | str = "0-0", count: int = 1000) -> list[tuple[bytes, rpb.PromptTask, str]]:
         res = self.r.xread({self.dead: after}, count=count)
         out = []
-        for entry_id, fields in (res[0][1] if res else []):
+        for entry_id, fields in res[0][1] if res else []:
             t = rpb.PromptTask()
             t.ParseFromString(fields[b"d"])
             out.append((entry_id, t, fields.get(b"error", b"").decode()))
@@ -159,8 +163,13 @@ class ReplayStreams(RedisPart):
     def read_trajectories(self, count: int, block_ms: int = 500, pending: bool = False) -> list:
         """Up to `count` groups. pending=True re-reads the learner's own unacknowledged entries
         (after a restart) instead of new ones."""
-        res = self.r.xreadgroup(LEARNER_GROUP, LEARNER_CONSUMER, {self.trajectories: "0" if pending else ">"},
-                                count=count, block=None if pending else block_ms)
+        res = self.r.xreadgroup(
+            LEARNER_GROUP,
+            LEARNER_CONSUMER,
+            {self.trajectories: "0" if pending else ">"},
+            count=count,
+            block=None if pending else block_ms,
+        )
         return self._decode(res[0][1], rpb.TrajectoryGroup) if res else []
 
     def learner_pending(self) -> int:

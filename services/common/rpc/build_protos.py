@@ -6,6 +6,7 @@
 protoc writes absolute imports (`from rlhf.v1 import common_pb2`); they are rewritten to
 relative ones so the stubs live inside this package. Never edit the generated files by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,19 @@ OUT_DIR = Path(__file__).resolve().parent / "gen"
 def generate(out_dir: Path) -> list[Path]:
     import grpc_tools
     from grpc_tools import protoc
+
     protos = sorted((PROTO_DIR / "rlhf" / "v1").glob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *[str(p.relative_to(PROTO_DIR)) for p in protos]]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *[str(p.relative_to(PROTO_DIR)) for p in protos],
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)

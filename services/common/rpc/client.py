@@ -1,6 +1,7 @@
 """The client side of every gRPC call between services: the channel (TLS when configured, quick
 reconnects), the bearer token, a default deadline, and the interceptors a caller stacks on it
 (retry.py); the address to dial for a configured endpoint."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +25,8 @@ def client_channel(address: str, rpc_cfg: RPCConfig) -> grpc.Channel:
     opts = channel_options(rpc_cfg.max_message_mb) + [
         ("grpc.initial_reconnect_backoff_ms", min(200, reconnect_ms)),
         ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
-        ("grpc.max_reconnect_backoff_ms", reconnect_ms)]
+        ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+    ]
     if rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file:
         ca = Path(rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file).read_bytes()
         return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), opts)
@@ -53,8 +55,13 @@ class RPCClient:
 
     stub_class: type = object
 
-    def __init__(self, address: str, rpc_cfg: RPCConfig, timeout_s: float | None = None,
-                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()):
+    def __init__(
+        self,
+        address: str,
+        rpc_cfg: RPCConfig,
+        timeout_s: float | None = None,
+        interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = (),
+    ):
         self.address = address
         self._channel = client_channel(address, rpc_cfg)
         self.channel = grpc.intercept_channel(self._channel, *interceptors) if interceptors else self._channel

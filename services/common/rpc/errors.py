@@ -10,6 +10,7 @@ grpcio-status), never the message: the message is for people and may be reworded
     client:  except grpc.RpcError as e:
                  if reason_of(e) is Reason.PROMPT_INVALID: ...      # details_of(e).violations too
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,6 +28,7 @@ DOMAIN = "rlhf.services"  # ErrorInfo.domain of every reason below
 
 class Reason(enum.Enum):
     """Why a call failed, where another service acts on it (each is pinned by a test)."""
+
     PROMPT_INVALID = "PROMPT_INVALID"
     """Generation: one prompt of the request breaks the contract (the field names which); the
     rest of the request is fine. A rollout worker isolates and dead-letters that prompt; any other
@@ -46,6 +48,7 @@ class Reason(enum.Enum):
 @dataclass(frozen=True)
 class Violation:
     """One field of a request that broke the contract (`google.rpc.BadRequest.FieldViolation`)."""
+
     field: str
     description: str
 
@@ -53,8 +56,13 @@ class Violation:
 class ServiceError(Exception):
     """An error with a reason and the fields it is about: what travels as error details."""
 
-    def __init__(self, message: str, reason: Reason | None = None, field: str | None = None,
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        reason: Reason | None = None,
+        field: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.reason, self.metadata = reason, dict(metadata or {})
         self.violations = (Violation(field, message),) if field is not None else ()
@@ -85,8 +93,9 @@ class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_me
     pass
 
 
-def status_for(code: grpc.StatusCode, message: str, error: BaseException | None = None,
-               trailing: tuple = ()) -> grpc.Status:
+def status_for(
+    code: grpc.StatusCode, message: str, error: BaseException | None = None, trailing: tuple = ()
+) -> grpc.Status:
     """The status a server aborts with: `code`, `message` and, for a `ServiceError`, its
     `ErrorInfo` (reason, metadata) and `BadRequest` (field violations) details. (They travel in
     a trailer, 8 KiB by default: each violation's description is cut to 500 characters.)
@@ -97,9 +106,12 @@ def status_for(code: grpc.StatusCode, message: str, error: BaseException | None 
             info = error_details_pb2.ErrorInfo(reason=error.reason.value, domain=DOMAIN, metadata=error.metadata)
             status.details.append(_packed(any_pb2.Any(), info))
         if error.violations:
-            bad = error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description[:500])
-                for v in error.violations])
+            bad = error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description[:500])
+                    for v in error.violations
+                ]
+            )
             status.details.append(_packed(any_pb2.Any(), bad))
     plain = rpc_status.to_status(status)  # the details as the standard trailer
     return _Status(plain.code, plain.details, tuple(plain.trailing_metadata) + tuple(trailing))
@@ -113,6 +125,7 @@ def _packed(holder, message):
 @dataclass(frozen=True)
 class ErrorDetails:
     """What a failed call's status says beyond its code."""
+
     reason: Reason | None = None
     metadata: dict[str, str] = dc_field(default_factory=dict)
     violations: tuple[Violation, ...] = ()

@@ -3,6 +3,7 @@ healthcheck runs (`python -m services.common.rpc.health HOST:PORT [SERVICE]`, ex
 
 SERVICE "" asks liveness; `rlhf.v1.<Name>` (e.g. rlhf.v1.Generation) asks readiness.
 """
+
 from __future__ import annotations
 
 import sys
@@ -19,11 +20,15 @@ def readiness_name(service: str) -> str:
 def status(address: str, service: str = "", timeout_s: float = 2.0, tls_ca: bytes | None = None) -> str:
     """What `address` answers for `service`: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", ...;
     raises `grpc.RpcError` when it gives no answer within `timeout_s`."""
-    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca)) if tls_ca
-               else grpc.insecure_channel(address))
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca))
+        if tls_ca
+        else grpc.insecure_channel(address)
+    )
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                          timeout=timeout_s)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     finally:
         channel.close()

@@ -8,6 +8,7 @@
 A scraper sends `Authorization: Bearer <token>` (Prometheus: `authorization: {credentials: ...}`
 in its scrape config); `rpc.open_metrics: true` serves it without (a default scrape).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -37,8 +38,13 @@ class MetricsServer(ThreadingHTTPServer):
         self.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int, token: str | None = None,
-                  health: Callable[[], str | None] | None = None) -> tuple[MetricsServer, int]:
+def serve_metrics(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    token: str | None = None,
+    health: Callable[[], str | None] | None = None,
+) -> tuple[MetricsServer, int]:
     """Serve `registry` on http://host:port/metrics from a background thread; with a `token`, a
     request without `Authorization: Bearer <token>` gets 401. `/healthz` is open (for probes): 200
     "ok", or 503 with the reason `health()` returns when it returns one. Other paths are 404.
@@ -46,7 +52,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, token: str 
     expected = f"Bearer {token}".encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             path = self.path.split("?")[0]
             if path == "/healthz":
                 problem = health() if health is not None else None
@@ -54,9 +60,13 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, token: str 
             if path != "/metrics":
                 return self._reply(404, b"not found; try /metrics or /healthz\n")
             if expected is not None and not hmac.compare_digest(
-                    self.headers.get("Authorization", "").encode("utf-8", "replace"), expected):
-                return self._reply(401, b"missing or wrong bearer token (header 'Authorization: Bearer ...')\n",
-                                   extra=(("WWW-Authenticate", "Bearer"),))
+                self.headers.get("Authorization", "").encode("utf-8", "replace"), expected
+            ):
+                return self._reply(
+                    401,
+                    b"missing or wrong bearer token (header 'Authorization: Bearer ...')\n",
+                    extra=(("WWW-Authenticate", "Bearer"),),
+                )
             return self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
 
         def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra=()):

@@ -18,6 +18,7 @@ the caller handles itself (`final`: a reward API that failed a batch is the work
 drop, not a server to wait for). Anything else is the caller's to handle: INVALID_ARGUMENT is a
 bug in the request and never gets better by repeating it. Only unary calls are intercepted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,7 +54,7 @@ def backoff_delays(initial_s: float, max_s: float):
 
 
 def _method(details: grpc.ClientCallDetails) -> str:
-    """"/rlhf.v1.Critic/Values" -> "Values"."""
+    """ "/rlhf.v1.Critic/Values" -> "Values"."""
     method = details.method
     return (method.decode() if isinstance(method, bytes) else method).rsplit("/", 1)[-1]
 
@@ -70,9 +71,17 @@ class RideThrough(grpc.UnaryUnaryClientInterceptor):
     `DependencyUnavailable`. `on_wait(msg)` is told what it waits for (None once it is answered
     again). `what` and `address` name the service in what it says."""
 
-    def __init__(self, what: str, address: str, rpc_cfg: RPCConfig, stop_event: threading.Event | None = None,
-                 on_wait: Callable[[str | None], None] | None = None, wait_s: float | None = -1,
-                 idempotent: Iterable[str] = IDEMPOTENT, final: Iterable[Reason] = ()):
+    def __init__(
+        self,
+        what: str,
+        address: str,
+        rpc_cfg: RPCConfig,
+        stop_event: threading.Event | None = None,
+        on_wait: Callable[[str | None], None] | None = None,
+        wait_s: float | None = -1,
+        idempotent: Iterable[str] = IDEMPOTENT,
+        final: Iterable[Reason] = (),
+    ):
         self.what, self.address = what, address
         self.initial_s, self.max_s = rpc_cfg.retry_backoff_s, rpc_cfg.retry_max_backoff_s
         self.wait_s = rpc_cfg.dependency_wait_s if wait_s == -1 else wait_s
@@ -96,8 +105,7 @@ class RideThrough(grpc.UnaryUnaryClientInterceptor):
             if e is None or not self.repeats(e, method):
                 if waited:
                     if e is None:
-                        log.info("%s at %s answers again after %.1fs", self.what, self.address,
-                                 time.monotonic() - t0)
+                        log.info("%s at %s answers again after %.1fs", self.what, self.address, time.monotonic() - t0)
                     self.on_wait(None)
                 return outcome
             elapsed = time.monotonic() - t0
@@ -106,7 +114,8 @@ class RideThrough(grpc.UnaryUnaryClientInterceptor):
             if self.stop_event.is_set() or (self.wait_s is not None and elapsed >= self.wait_s):
                 raise DependencyUnavailable(
                     f"the {self.what} at {self.address} did not answer {method} "
-                    f"({why}) for {elapsed:.0f}s" + ("; stopping" if self.stop_event.is_set() else "")) from None
+                    f"({why}) for {elapsed:.0f}s" + ("; stopping" if self.stop_event.is_set() else "")
+                ) from None
             msg = f"waiting for the {self.what} at {self.address} ({why})"
             waited = True
             self.on_wait(msg)

@@ -11,6 +11,7 @@ loop that stopped advancing), so that a supervisor (Kubernetes' liveness probe) 
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.grpc)
     server.start(); server.set_ready(True); server.wait()
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,12 +63,19 @@ class ServiceMetrics:
 
     def __init__(self, service: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        self.requests = Counter("rlhf_rpc_requests_total", "RPCs handled", ["service", "method", "code"],
-                                registry=self.registry)
-        self.latency = Histogram("rlhf_rpc_latency_seconds", "RPC latency", ["service", "method"],
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("rlhf_rpc_in_flight", "RPCs being handled now", ["service", "method"],
-                               registry=self.registry)
+        self.requests = Counter(
+            "rlhf_rpc_requests_total", "RPCs handled", ["service", "method", "code"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "rlhf_rpc_latency_seconds",
+            "RPC latency",
+            ["service", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "rlhf_rpc_in_flight", "RPCs being handled now", ["service", "method"], registry=self.registry
+        )
         register_process_metrics(self.registry, service)
         self.service = service
 
@@ -75,8 +83,13 @@ class ServiceMetrics:
 def batch_size_histogram(metrics: ServiceMetrics, what: str):
     """`rlhf_batch_size{service, what}` in a batching server's registry (generation: prompts,
     reward: samples, critic: sequences); the child to observe."""
-    family = Histogram("rlhf_batch_size", "items per batch", ["service", "what"],
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=metrics.registry)
+    family = Histogram(
+        "rlhf_batch_size",
+        "items per batch",
+        ["service", "what"],
+        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+        registry=metrics.registry,
+    )
     return family.labels(metrics.service, what)
 
 
@@ -102,6 +115,7 @@ def _lenient(deserialize):
             return deserialize(data)
         except Exception as e:  # DecodeError, bad UTF-8, nesting too deep, ...
             return _Undecodable(f"request: not a valid {name} ({str(e)[:200]})")
+
     return inner
 
 
@@ -147,31 +161,37 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler  # health stays open for probes (kubelet sends no token)
         method = details.method.rsplit("/", 1)[-1]
-        authorized = (self.token is None
-                      or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}")
+        authorized = (
+            self.token is None or dict(details.invocation_metadata).get("authorization") == f"Bearer {self.token}"
+        )
 
         def wrap_unary(fn, decode):
             def inner(request_or_iterator, context):
                 with self._accounted(method, authorized, context):
                     return fn(decode(request_or_iterator), context)
+
             return inner
 
         def wrap_stream(fn):
             def inner(request, context):
                 with self._accounted(method, authorized, context):
                     yield from fn(_decoded(request), context)
+
             return inner
 
         deserialize = _lenient(handler.request_deserializer)
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary, _decoded), deserialize,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary, _decoded), deserialize, handler.response_serializer
+            )
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary, _decoded_stream),
-                                                        deserialize, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary, _decoded_stream), deserialize, handler.response_serializer
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), deserialize,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream), deserialize, handler.response_serializer
+            )
         return handler
 
     @contextlib.contextmanager
@@ -194,8 +214,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             code = next(c for classes, c in STATUS_OF if isinstance(e, classes))
             builtin = isinstance(e, (RecursionError, OverflowError))
             if builtin and self._first(method, e):
-                log.warning("%s/%s: %s: %s (answered %s; request %s)", self.service, method, type(e).__name__, e,
-                            code.name, request_id)
+                log.warning(
+                    "%s/%s: %s: %s (answered %s; request %s)",
+                    self.service,
+                    method,
+                    type(e).__name__,
+                    e,
+                    code.name,
+                    request_id,
+                )
             message = _brief(f"request: {type(e).__name__}: {e}" if builtin else str(e))
             # with its reason and fields; aborting with a status replaces the trailing metadata
             context.abort_with_status(status_for(code, message, e, trailing=(("x-request-id", request_id),)))
@@ -210,8 +237,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                         log.exception("%s/%s failed (request %s)", self.service, method, request_id)
                     else:
                         where = "%s:%d" % _raised_at(e)
-                        log.error("%s/%s failed (request %s): %s: %s at %s (traceback logged once)", self.service,
-                                  method, request_id, type(e).__name__, _brief(str(e), 300), where)
+                        log.error(
+                            "%s/%s failed (request %s): %s: %s at %s (traceback logged once)",
+                            self.service,
+                            method,
+                            request_id,
+                            type(e).__name__,
+                            _brief(str(e), 300),
+                            where,
+                        )
                     context.abort(code, _brief(f"internal error: {type(e).__name__}: {e}"))
             raise
         finally:
@@ -227,8 +261,6 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 return False
             self._seen.add(key)
             return True
-
-
 
 
 class _Health(health.HealthServicer):
@@ -257,11 +289,12 @@ class _Health(health.HealthServicer):
                 log.warning("%s: alive again (the liveness check passes)", self.service)
             self._reason = reason
             if not self._stopping:  # Watch subscribers hear it too
-                self.set("", health_pb2.HealthCheckResponse.NOT_SERVING if reason
-                         else health_pb2.HealthCheckResponse.SERVING)
+                self.set(
+                    "", health_pb2.HealthCheckResponse.NOT_SERVING if reason else health_pb2.HealthCheckResponse.SERVING
+                )
         return reason
 
-    def Check(self, request, context):  # noqa: N802 (gRPC's name)
+    def Check(self, request, context):  # gRPC's name
         if request.service == "" and not self._stopping and self.liveness is not None and self.live():
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return super().Check(request, context)
@@ -272,14 +305,24 @@ class _Health(health.HealthServicer):
 
 
 class RPCServer:
-    def __init__(self, service: str, rpc_cfg: RPCConfig, port: int, metrics_port: int | None = None,
-                 host: str | None = None, max_workers: int = 16, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        service: str,
+        rpc_cfg: RPCConfig,
+        port: int,
+        metrics_port: int | None = None,
+        host: str | None = None,
+        max_workers: int = 16,
+        registry: CollectorRegistry | None = None,
+    ):
         self.service, self.cfg = service, rpc_cfg
         self.metrics = ServiceMetrics(service, registry)
         token = rpc_cfg.resolved_auth_token()
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                                interceptors=[_ServerInterceptor(service, token, self.metrics)],
-                                options=channel_options(rpc_cfg.max_message_mb))
+        self.grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            interceptors=[_ServerInterceptor(service, token, self.metrics)],
+            options=channel_options(rpc_cfg.max_message_mb),
+        )
         self.health = _Health(service)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{host or rpc_cfg.host}:{port}"
@@ -295,8 +338,9 @@ class RPCServer:
             raise OSError(f"cannot bind {address}")
         self.metrics_port = None
         if metrics_port is not None:  # /metrics asks for the bearer token unless rpc.open_metrics
-            self._metrics_httpd, self.metrics_port = serve_metrics(self.metrics.registry, self.host, metrics_port,
-                                                                   metrics_token(rpc_cfg))
+            self._metrics_httpd, self.metrics_port = serve_metrics(
+                self.metrics.registry, self.host, metrics_port, metrics_token(rpc_cfg)
+            )
         self.ready_name = f"rlhf.v1.{service.capitalize()}"
         self._stopped = threading.Event()
         self._ready = False
@@ -305,16 +349,23 @@ class RPCServer:
     def start(self) -> "RPCServer":
         self.grpc.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)  # alive
-        log.info("%s server listening on %s:%d%s", self.service, self.host, self.port,
-                 f" (metrics on :{self.metrics_port})" if self.metrics_port else "")
+        log.info(
+            "%s server listening on %s:%d%s",
+            self.service,
+            self.host,
+            self.port,
+            f" (metrics on :{self.metrics_port})" if self.metrics_port else "",
+        )
         return self
 
     def set_ready(self, ready: bool) -> None:
         """Readiness on the health service's `rlhf.v1.<Name>`; a stopping server is never ready."""
         ready = ready and not self._stopped.is_set()
         self._ready = ready
-        self.health.set(self.ready_name, health_pb2.HealthCheckResponse.SERVING if ready
-                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(
+            self.ready_name,
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
 
     def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, let in-flight calls finish (up to `grace` seconds), then stop."""

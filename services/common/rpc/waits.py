@@ -7,6 +7,7 @@ which wait, which phase and which peer, in one shape:
 `wait_failed` writes that line; `Counted` tells a stream's phases apart (still sending, or
 everything sent and the peer working on it).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator
@@ -27,8 +28,9 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def wait_failed(what: str, peer: str, phase: str, error: BaseException, elapsed_s: float,
-                deadline_s: float | None = None) -> str:
+def wait_failed(
+    what: str, peer: str, phase: str, error: BaseException, elapsed_s: float, deadline_s: float | None = None
+) -> str:
     """'<what> <peer>: phase=<phase> timed out after N s (deadline D s): <error>' (or 'failed
     after'), e.g. what='weight push v12 to', peer='10.0.0.5:50051', phase='stream'."""
     if is_timeout(error):

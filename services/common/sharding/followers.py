@@ -1,5 +1,6 @@
 """Rank 0 and its followers: ranks 1..N-1 started by rank 0 (or torchrun), running the calls rank 0
 announces (`collective` methods) until it releases them; a broken group exits so that it is restarted whole."""
+
 from __future__ import annotations
 
 import ctypes
@@ -38,11 +39,16 @@ def collective(method):
             return method(self, *args, **kwargs)
         except Exception as e:
             if group_broken(e):
-                log.critical("%s: a process of the group is gone (%s); exiting so that the whole group is "
-                             "restarted (it resumes from the newest checkpoint)", method.__name__, e)
+                log.critical(
+                    "%s: a process of the group is gone (%s); exiting so that the whole group is "
+                    "restarted (it resumes from the newest checkpoint)",
+                    method.__name__,
+                    e,
+                )
                 logging.shutdown()
                 os._exit(EXIT_GROUP_BROKEN)
             raise
+
     return wrapper
 
 
@@ -54,8 +60,9 @@ def group_broken(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "Connection closed by peer",
-                                                                   "Connection reset by peer"))
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+    )
 
 
 LOCAL_KWARGS = ("critic", "tokenizer")
@@ -87,9 +94,11 @@ def release_followers(owner, timeout_s: float = 10.0) -> None:
         return
     owner.dist = None  # once
     _released.set()  # the followers' exits that follow are expected
+
     def release():
         d.announce(STOP)
         _leave(d)
+
     t = threading.Thread(target=release, daemon=True, name="release-followers")
     t.start()
     t.join(timeout_s)
@@ -122,14 +131,19 @@ def start_followers(nproc: int, argv: list[str]) -> list[subprocess.Popen]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return []  # under torchrun: the ranks exist already
     port = free_port()
-    common = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              "LOCAL_WORLD_SIZE": str(nproc)}
+    common = {
+        "WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
     os.environ.update({**common, "RANK": "0", "LOCAL_RANK": "0"})
     procs = []
     for rank in range(1, nproc):
         env = {**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), "RLHF_FOLLOWER": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env,
-                                      preexec_fn=_die_with_parent))
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env, preexec_fn=_die_with_parent)
+        )
     log.info("started %d follower rank(s) (pids %s)", len(procs), [p.pid for p in procs])
     threading.Thread(target=_watch_followers, args=(procs,), daemon=True, name="followers-watchdog").start()
     return procs
@@ -144,8 +158,12 @@ def _watch_followers(procs: list[subprocess.Popen]) -> None:
     while not _released.is_set():
         for p in procs:
             if p.poll() is not None and not _released.is_set():
-                log.critical("follower rank (pid %d) exited with code %s; exiting so that the whole group is "
-                             "restarted (it resumes from the newest checkpoint)", p.pid, p.returncode)
+                log.critical(
+                    "follower rank (pid %d) exited with code %s; exiting so that the whole group is "
+                    "restarted (it resumes from the newest checkpoint)",
+                    p.pid,
+                    p.returncode,
+                )
                 logging.shutdown()
                 os._exit(EXIT_GROUP_BROKEN)
         _released.wait(0.5)

@@ -1,5 +1,6 @@
 """A model's shards and its state (FSDP2): sharding it, loading it with one full copy on the host,
 its full state dict, and its checkpoints, sharded or full."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,11 +21,15 @@ def shard(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     backbone inside it: the decoder layers) is a unit of its own, then the root (embeddings, final
     norm, heads). Parameters on the CPU move to the mesh's device shard by shard."""
     from torch.distributed.fsdp import fully_shard
+
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        log.warning("%s names no blocks to shard (_no_split_modules): the whole model is one FSDP unit, "
-                    "gathered whole in every forward", type(model).__name__)
+        log.warning(
+            "%s names no blocks to shard (_no_split_modules): the whole model is one FSDP unit, "
+            "gathered whole in every forward",
+            type(model).__name__,
+        )
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -38,6 +43,7 @@ def load_and_shard(load, build_empty, d: "Dist") -> torch.nn.Module:
     then rank 0's weights are broadcast into every rank's shards, and its buffers (the
     non-persistent ones too, such as rotary frequencies) into every rank's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     if d.main:
         model = load()
         full = dict(model.state_dict())  # keeps the loaded weights alive through sharding
@@ -62,9 +68,11 @@ def full_state_dict(model: torch.nn.Module, to_host=None) -> dict[str, torch.Ten
     the host through it, one gathered tensor at a time, as torch's own gather does into pageable
     memory (4-5x slower)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     if to_host is None:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     from torch.distributed.tensor import DTensor
+
     main, out = dist.get_rank() == 0, {}
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):
@@ -89,6 +97,7 @@ def save_sharded(model, optimizer, path: Path) -> None:
     shards; any number of processes can load it (resharded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, optimizer)
     with quiet_single_process():
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
@@ -97,6 +106,7 @@ def save_sharded(model, optimizer, path: Path) -> None:
 def load_sharded(model, optimizer, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     with quiet_single_process():
@@ -110,6 +120,7 @@ def read_sharded_optimizer(model, optimizer, path: Path) -> dict:
     `set_optimizer_state_dict` applies it. A missing or unreadable directory is a ValueError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     if not path.is_dir():
         raise ValueError(f"{path.name}/: missing")
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
@@ -128,6 +139,7 @@ def load_full(model, optimizer, state: dict) -> None:
     the full tensors (every rank reads them) go to the shards; the optimiser state is mapped by
     the parameters' order."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     set_model_state_dict(model, state["policy"], options=StateDictOptions(full_state_dict=True))
     load_full_optimizer(model, optimizer, state["optimizer"])
 
@@ -135,8 +147,12 @@ def load_full(model, optimizer, state: dict) -> None:
 def load_full_optimizer(model, optimizer, saved: dict) -> None:
     """A one-process `optimizer.state_dict()` (keyed by parameter order) into a sharded one."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    osd = {"state": {names[int(i)]: s for i, s in saved["state"].items()},
-           "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]]}
+    osd = {
+        "state": {names[int(i)]: s for i, s in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
+    }
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
     set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))

@@ -1,5 +1,6 @@
 """The process group of a sharded model (`Dist`, from torchrun's environment) and the rows of a
 batch each rank runs."""
+
 from __future__ import annotations
 
 import logging
@@ -33,6 +34,7 @@ class Dist:
         would take any accelerator present, even for a CPU run)."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
+
             self._mesh = init_device_mesh(self.device_type, (self.world,))
         return self._mesh
 
@@ -70,10 +72,10 @@ class Dist:
         """The (n, ...) tensor whose rows each rank holds a share of (`rows(n)`), on every rank."""
         base, extra = divmod(n, self.world)
         padded = torch.zeros((base + (extra > 0), *local.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[:local.shape[0]] = local
+        padded[: local.shape[0]] = local
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded)
-        return torch.cat([part[:base + (r < extra)] for r, part in enumerate(parts)])
+        return torch.cat([part[: base + (r < extra)] for r, part in enumerate(parts)])
 
 
 def from_env(device: str, nproc: int | None = None) -> Dist | None:
@@ -83,8 +85,10 @@ def from_env(device: str, nproc: int | None = None) -> Dist | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         if nproc is not None and nproc > 1:
-            raise ValueError(f"nproc {nproc} needs {nproc} processes: start the service with `rlhf serve` (it "
-                             f"starts them) or under torchrun --nproc-per-node {nproc}")
+            raise ValueError(
+                f"nproc {nproc} needs {nproc} processes: start the service with `rlhf serve` (it "
+                f"starts them) or under torchrun --nproc-per-node {nproc}"
+            )
         return None
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = device == "cuda" or device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())

@@ -1,6 +1,7 @@
 """The replay buffer's contracts on a real Redis: atomic produce-and-acknowledge, no duplicate
 trajectories for one prompt attempt, reclaiming a dead consumer's prompts, commit, stale refeed,
 backlog, and the liveness registry. Records are protobuf: no pickle."""
+
 import json
 import time
 
@@ -14,15 +15,27 @@ from tests.waits import wait_until
 
 
 def _task(i: int, epoch: int = 0, attempt: int = 0) -> rpb.PromptTask:
-    return make_task(PromptRecord(f"p{i}", f"abc{i}=", label=f"{i}cba", metadata={"k": i}), epoch, version=3,
-                     min_version=3, group_size=2, attempt=attempt)
+    return make_task(
+        PromptRecord(f"p{i}", f"abc{i}=", label=f"{i}cba", metadata={"k": i}),
+        epoch,
+        version=3,
+        min_version=3,
+        group_size=2,
+        attempt=attempt,
+    )
 
 
 def _group(task: rpb.PromptTask, version: int = 3, values: bool = True) -> rpb.TrajectoryGroup:
     comps = [Completion([5, 6, 2], [-0.5, -1.25, -0.125], "stop"), Completion([7], [-2.0], "length")]
-    g = SampleGroup(task.uid, task_record(task), [1, 2, 3], comps,
-                    [ScoreResult(1.0, {"exact_match": 1.0}), ScoreResult(0.25, {"exact_match": 0.0})],
-                    [[0.1, 0.2, 0.3], [0.4]] if values else None, version)
+    g = SampleGroup(
+        task.uid,
+        task_record(task),
+        [1, 2, 3],
+        comps,
+        [ScoreResult(1.0, {"exact_match": 1.0}), ScoreResult(0.25, {"exact_match": 0.0})],
+        [[0.1, 0.2, 0.3], [0.4]] if values else None,
+        version,
+    )
     return group_to_proto(g, task, worker="w", server="s:1")
 
 
@@ -54,12 +67,12 @@ def test_produce_appends_and_acknowledges_atomically_and_once_per_attempt(store)
     assert store.backlog() == 3
     # the same attempt again (a reclaimed prompt whose first worker was only slow): nothing appended
     store.feed([_task(0)])
-    (e, t), = store.claim_prompts("w2", 10, block_ms=100)[0]
+    ((e, t),) = store.claim_prompts("w2", 10, block_ms=100)[0]
     assert store.produce([(e, _group(t))]) == [False]
     assert store.backlog() == 3 and store.prompt_backlog() == 0
     # a re-fed attempt (after a stale drop) is a new attempt and does produce
     store.feed([_task(0, attempt=1)])
-    (e, t), = store.claim_prompts("w2", 10, block_ms=100)[0]
+    ((e, t),) = store.claim_prompts("w2", 10, block_ms=100)[0]
     assert store.produce([(e, _group(t))]) == [True]
     assert store.backlog() == 4
 
@@ -67,13 +80,17 @@ def test_produce_appends_and_acknowledges_atomically_and_once_per_attempt(store)
 def _view(store, claim_idle_s: float):
     """The same namespace on the same Redis, with another claim_idle_s (a worker's setting)."""
     from services.common.replay import ReplayStore
+
     return ReplayStore(store.r, namespace=store.ns, claim_idle_s=claim_idle_s)
 
 
 def _reclaim(store, consumer: str, count: int) -> tuple[list, int]:
     """Claims until something is reclaimed from another consumer."""
-    return wait_until(lambda: (got := store.claim_prompts(consumer, count, block_ms=50))[1] and got,
-                      "prompts reclaimed from another consumer", every_s=0)
+    return wait_until(
+        lambda: (got := store.claim_prompts(consumer, count, block_ms=50))[1] and got,
+        "prompts reclaimed from another consumer",
+        every_s=0,
+    )
 
 
 def test_a_dead_consumers_prompts_are_reclaimed_by_another(store):
@@ -115,10 +132,10 @@ def test_learner_reads_commits_and_refeeds(store):
 
 def test_dead_letters_are_acknowledged_and_readable(store):
     store.feed([_task(7)])
-    (e, t), = store.claim_prompts("w", 1, block_ms=100)[0]
+    ((e, t),) = store.claim_prompts("w", 1, block_ms=100)[0]
     store.dead_letter(e, t, "prompts[0]: 40 tokens, more than prompt_length=32", "w")
     assert store.r.xpending(store.prompts, "workers")["pending"] == 0
-    (entry, task, error), = store.read_dead()
+    ((entry, task, error),) = store.read_dead()
     assert task.uid == "0:p7" and "prompt_length" in error
     assert store.read_dead(entry) == []
 
@@ -141,7 +158,7 @@ def test_registry_forgets_services_without_a_heartbeat(store, monkeypatch):
 
 def test_nothing_in_redis_is_pickled(store):
     store.feed([_task(1)])
-    (e, t), = store.claim_prompts("w", 1, block_ms=100)[0]
+    ((e, t),) = store.claim_prompts("w", 1, block_ms=100)[0]
     store.produce([(e, _group(t))])
     for key in (store.trajectories,):
         for _, fields in store.r.xrange(key):
@@ -153,6 +170,7 @@ def test_a_live_consumer_that_renews_its_claim_keeps_its_prompts(store):
     """Renewing every 0.1 s against a claim_idle_s of 3 s: held through four seconds (a renewal
     would have to be late by thirty periods to lose them); once renewal stops, they are reclaimed."""
     from services.rollout.worker import _ClaimRenewal
+
     other = _view(store, claim_idle_s=3.0)
     store.feed([_task(i) for i in range(3)])
     taken, _ = store.claim_prompts("slow", 3, block_ms=100)
@@ -167,12 +185,17 @@ def test_registry_ignores_registrations_without_proof_of_the_token(store):
     import redis
 
     from services.common.replay import ReplayStore
-    secured = ReplayStore(redis.Redis(connection_pool=store.r.connection_pool), namespace=store.ns,
-                          heartbeat_ttl_s=1.0, secret="the-token")
-    secured.heartbeat("generation", "10.0.0.1:50051", version=1)   # holds the token
-    store.heartbeat("generation", "10.6.6.6:50051", version=99)    # Redis access, no token
+
+    secured = ReplayStore(
+        redis.Redis(connection_pool=store.r.connection_pool),
+        namespace=store.ns,
+        heartbeat_ttl_s=1.0,
+        secret="the-token",
+    )
+    secured.heartbeat("generation", "10.0.0.1:50051", version=1)  # holds the token
+    store.heartbeat("generation", "10.6.6.6:50051", version=99)  # Redis access, no token
     rogue = ReplayStore(redis.Redis(connection_pool=store.r.connection_pool), namespace=store.ns, secret="guess")
-    rogue.heartbeat("generation", "10.6.6.7:50051", version=99)    # a wrong token
+    rogue.heartbeat("generation", "10.6.6.7:50051", version=99)  # a wrong token
     assert set(secured.live("generation")) == {"10.0.0.1:50051"}
     # a copied proof does not carry over to another address
     raw = json.loads(store.r.hget(store.generation_key, "10.0.0.1:50051"))

@@ -2,6 +2,7 @@
 timeout (longer than the longest blocking stream read) and a connect timeout, so a Redis that
 accepts connections and never answers (stopped, partitioned) ends each call in bounded time
 instead of blocking its caller forever; the error then names the store operation and the Redis."""
+
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ def silent_redis():
                 held.append(srv.accept()[0])
             except OSError:
                 pass
+
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     yield srv.getsockname()[1]
@@ -67,8 +69,14 @@ def test_connecting_to_a_redis_that_never_answers_ends_in_bounded_time(silent_re
 
 
 def test_a_store_call_that_times_out_names_the_operation_and_the_redis(silent_redis):
-    client = redis.Redis(host="127.0.0.1", port=silent_redis, socket_timeout=0.3, socket_connect_timeout=1,
-                         retry=Retry(NoBackoff(), 1), retry_on_error=[redis.exceptions.TimeoutError])
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=silent_redis,
+        socket_timeout=0.3,
+        socket_connect_timeout=1,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[redis.exceptions.TimeoutError],
+    )
     t0 = time.monotonic()
     with pytest.raises(redis.exceptions.TimeoutError) as e:
         ReplayStore(client, namespace="silent")  # its first command: ensure_groups
@@ -81,8 +89,15 @@ def test_a_method_calling_another_says_where_once(silent_redis):
     """heartbeat reads the server's clock first (`now`, itself wrapped): the error names one
     operation and one Redis, not a prefix per wrapped call."""
     from services.common.replay.registry import Registry
-    client = redis.Redis(host="127.0.0.1", port=silent_redis, socket_timeout=0.3, socket_connect_timeout=1,
-                         retry=Retry(NoBackoff(), 1), retry_on_error=[redis.exceptions.TimeoutError])
+
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=silent_redis,
+        socket_timeout=0.3,
+        socket_connect_timeout=1,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[redis.exceptions.TimeoutError],
+    )
     with pytest.raises(redis.exceptions.TimeoutError) as e:
         Registry(client, namespace="silent").heartbeat("generation", "gen-1")
     assert str(e.value).count("replay store ") == 1 and str(e.value).count("(socket timeout") == 1, str(e.value)

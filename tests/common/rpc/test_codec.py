@@ -1,5 +1,6 @@
 """assemble_weights on its own: the rules that hold with or without the model's specs (the servers
 always pass specs; tests/generation/test_server.py pushes the same cases over gRPC)."""
+
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ def test_the_header_callback_runs_before_any_piece():
     def on_header(h):
         seen.append(h.version)
         raise BadRequest("refused")
+
     chunks = list(weight_chunks(STATE, 3))
     chunks[1].piece.xxh3 ^= 1  # would be refused if read
     with pytest.raises(BadRequest, match="refused"):
@@ -39,21 +41,29 @@ def test_the_header_callback_runs_before_any_piece():
 
 
 @pytest.mark.parametrize("specs", [SPECS, None])
-@pytest.mark.parametrize("tamper,fragment", [
-    (lambda ch: _pieces(ch, "a")[1].CopyFrom(_pieces(ch, "a")[0]), "bytes [0, 8) were already received"),
-    (lambda ch: setattr(_pieces(ch, "a")[1], "offset", 4), "bytes [4, 12) were already received"),
-    (lambda ch: ch.remove(next(c for c in ch if c.piece.name == "a" and c.piece.offset == 16)),
-     "bytes [16, 24) missing"),
-    (lambda ch: setattr(_pieces(ch, "a")[2], "total_bytes", 64), "total_bytes 64 disagree with the tensor's earlier"),
-    (lambda ch: setattr(_pieces(ch, "a")[2], "dtype", "int32"), "disagree with the tensor's earlier pieces"),
-    (lambda ch: _pieces(ch, "a")[2].shape.__setitem__(0, 6), "disagree with the tensor's earlier pieces"),
-    (lambda ch: setattr(_pieces(ch, "a")[0], "total_bytes", 2 ** 62), ".total_bytes: 4611686018427387904"),
-    (lambda ch: setattr(_pieces(ch, "a")[0], "offset", -8), "bytes [-8, 0) outside"),
-    (lambda ch: setattr(ch[0].header, "total_bytes", -1), "weights.header.total_bytes: -1 is negative"),
-    (lambda ch: setattr(ch[0].header, "total_bytes", 200), "total_bytes"),
-    (lambda ch: setattr(ch[0].header, "num_tensors", 0), "weights.header.num_tensors: 0"),
-    (lambda ch: setattr(ch[0].header, "format", ""), "weights.header.format: '' is not one of full, partial"),
-])
+@pytest.mark.parametrize(
+    "tamper,fragment",
+    [
+        (lambda ch: _pieces(ch, "a")[1].CopyFrom(_pieces(ch, "a")[0]), "bytes [0, 8) were already received"),
+        (lambda ch: setattr(_pieces(ch, "a")[1], "offset", 4), "bytes [4, 12) were already received"),
+        (
+            lambda ch: ch.remove(next(c for c in ch if c.piece.name == "a" and c.piece.offset == 16)),
+            "bytes [16, 24) missing",
+        ),
+        (
+            lambda ch: setattr(_pieces(ch, "a")[2], "total_bytes", 64),
+            "total_bytes 64 disagree with the tensor's earlier",
+        ),
+        (lambda ch: setattr(_pieces(ch, "a")[2], "dtype", "int32"), "disagree with the tensor's earlier pieces"),
+        (lambda ch: _pieces(ch, "a")[2].shape.__setitem__(0, 6), "disagree with the tensor's earlier pieces"),
+        (lambda ch: setattr(_pieces(ch, "a")[0], "total_bytes", 2**62), ".total_bytes: 4611686018427387904"),
+        (lambda ch: setattr(_pieces(ch, "a")[0], "offset", -8), "bytes [-8, 0) outside"),
+        (lambda ch: setattr(ch[0].header, "total_bytes", -1), "weights.header.total_bytes: -1 is negative"),
+        (lambda ch: setattr(ch[0].header, "total_bytes", 200), "total_bytes"),
+        (lambda ch: setattr(ch[0].header, "num_tensors", 0), "weights.header.num_tensors: 0"),
+        (lambda ch: setattr(ch[0].header, "format", ""), "weights.header.format: '' is not one of full, partial"),
+    ],
+)
 def test_refused(specs, tamper, fragment):
     chunks = list(weight_chunks(STATE, 1, chunk_bytes=8))
     tamper(chunks)
@@ -84,6 +94,7 @@ def _legacy(chunks):
     """`chunks` as a writer without xxhash sends them: crc32 per piece, sha256 in the footer."""
     import hashlib
     import zlib
+
     digest = hashlib.sha256()
     for c in chunks:
         if c.WhichOneof("payload") == "piece":

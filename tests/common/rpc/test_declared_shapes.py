@@ -3,6 +3,7 @@ from them: shapes whose product overflows 64 bits (or wraps to a small number), 
 beside huge dimensions, too many dimensions, all refused with `BadRequest` (INVALID_ARGUMENT) by
 the codec (critic Values/Train), a weight push with or without the model's specs, and a
 shared-memory weights file. tests/e2e/test_fuzz.py sends the same over gRPC."""
+
 import json
 import math
 
@@ -27,7 +28,7 @@ OVERFLOWING = [
     [0, 2**31, 2**31, 2**31],
     [1] * (MAX_NDIM + 1),
     [-1, 4],
-    [4, -2**63],
+    [4, -(2**63)],
 ]
 
 
@@ -91,8 +92,9 @@ def test_a_push_without_specs_still_takes_an_ordinary_empty_tensor():
 @pytest.mark.parametrize("shape", [s for s in OVERFLOWING if min(s) >= 0 and len(s) <= MAX_NDIM])
 def test_a_shared_memory_file_with_an_overflowing_shape_is_refused(shape):
     wrapped = _wrapped(shape, 4)
-    header = json.dumps({"__metadata__": {}, "e": {"dtype": "F32", "shape": shape,
-                                                   "data_offsets": [0, wrapped]}}).encode()
+    header = json.dumps(
+        {"__metadata__": {}, "e": {"dtype": "F32", "shape": shape, "data_offsets": [0, wrapped]}}
+    ).encode()
     buf = len(header).to_bytes(8, "little") + header + bytes(wrapped)
     with pytest.raises(BadRequest, match=r"shm\[f\]: tensor 'e'"):
         shm._parse(buf, len(buf), "shm[f]")

@@ -2,6 +2,7 @@
 the method's message are INVALID_ARGUMENT without a traceback (unary and client-streaming); the
 exceptions of errors.py and the input-driven RecursionError / OverflowError get their own
 status; INTERNAL logs its traceback once per method, exception type and raising line."""
+
 import logging
 
 import grpc
@@ -24,8 +25,8 @@ from services.common.rpc.server import RPCServer
 
 TOKEN = "s3cret"
 MD = (("authorization", f"Bearer {TOKEN}"),)
-GARBAGE = b"\xff\xff\xff\xff\x0f"            # not protobuf wire format
-BAD_UTF8 = b"\x0a\x04\x0a\x02\xc3\x28"       # samples[0].prompt: invalid UTF-8 in a string field
+GARBAGE = b"\xff\xff\xff\xff\x0f"  # not protobuf wire format
+BAD_UTF8 = b"\x0a\x04\x0a\x02\xc3\x28"  # samples[0].prompt: invalid UTF-8 in a string field
 
 
 @pytest.fixture()
@@ -52,10 +53,18 @@ def served():
         yield rpb.ScoreResponse()
 
     kw = dict(request_deserializer=rpb.ScoreRequest.FromString, response_serializer=rpb.ScoreResponse.SerializeToString)
-    server.grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary, **kw),
-        "Push": grpc.stream_unary_rpc_method_handler(push, **kw),
-        "Pull": grpc.unary_stream_rpc_method_handler(pull, **kw)}),))
+    server.grpc.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "test.Echo",
+                {
+                    "Unary": grpc.unary_unary_rpc_method_handler(unary, **kw),
+                    "Push": grpc.stream_unary_rpc_method_handler(push, **kw),
+                    "Pull": grpc.unary_stream_rpc_method_handler(pull, **kw),
+                },
+            ),
+        )
+    )
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     state.server, state.channel = server, channel
@@ -85,8 +94,12 @@ def test_undecodable_unary_request_is_invalid_argument_without_a_traceback(serve
         assert details.startswith("request: not a valid ScoreRequest (")
     assert served.received == []
     assert _errors(caplog) == []
-    assert served.server.metrics.registry.get_sample_value(
-        "rlhf_rpc_requests_total", {"service": "reward", "method": "Unary", "code": "INVALID_ARGUMENT"}) == 3
+    assert (
+        served.server.metrics.registry.get_sample_value(
+            "rlhf_rpc_requests_total", {"service": "reward", "method": "Unary", "code": "INVALID_ARGUMENT"}
+        )
+        == 3
+    )
     # a good message still goes through, and without the token garbage is refused before decoding matters
     assert _code(lambda: call(rpb.ScoreRequest().SerializeToString(), metadata=MD, timeout=10))[0] == grpc.StatusCode.OK
     assert _code(lambda: call(GARBAGE, timeout=10))[0] == grpc.StatusCode.UNAUTHENTICATED
@@ -109,14 +122,20 @@ def test_undecodable_request_of_a_server_stream_is_invalid_argument(served, capl
     assert served.received == [] and _errors(caplog) == []
 
 
-@pytest.mark.parametrize("error, code", [
-    (BadRequest("samples: empty"), grpc.StatusCode.INVALID_ARGUMENT),
-    (Unavailable("reward API down"), grpc.StatusCode.UNAVAILABLE),
-    (ResourceExhausted("prompts x n x tokens above the limit"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DeadlineExceeded("the caller's deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED),
-    (RecursionError("maximum recursion depth exceeded while decoding a JSON array"), grpc.StatusCode.INVALID_ARGUMENT),
-    (OverflowError("Python int too large to convert to C long"), grpc.StatusCode.INVALID_ARGUMENT),
-])
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (BadRequest("samples: empty"), grpc.StatusCode.INVALID_ARGUMENT),
+        (Unavailable("reward API down"), grpc.StatusCode.UNAVAILABLE),
+        (ResourceExhausted("prompts x n x tokens above the limit"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (DeadlineExceeded("the caller's deadline passed"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (
+            RecursionError("maximum recursion depth exceeded while decoding a JSON array"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (OverflowError("Python int too large to convert to C long"), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
 def test_exceptions_map_to_their_status(served, caplog, error, code):
     served.raise_ = error
     call = served.channel.unary_unary("/test.Echo/Unary")
@@ -143,15 +162,20 @@ def test_a_reason_and_a_field_travel_as_standard_error_details(served):
     """`google.rpc.ErrorInfo` (the reason, in this system's domain) and `google.rpc.BadRequest`
     (the field) in the status: what callers act on, whatever the message says; the request id
     stays in the trailer beside them."""
-    call = served.channel.unary_unary("/test.Echo/Unary", request_serializer=rpb.ScoreRequest.SerializeToString,
-                                      response_deserializer=rpb.ScoreResponse.FromString)
-    served.raise_ = BadRequest("prompts[2]: reworded at will", Reason.PROMPT_INVALID, field="prompts[2]",
-                               metadata={"index": "2"})
+    call = served.channel.unary_unary(
+        "/test.Echo/Unary",
+        request_serializer=rpb.ScoreRequest.SerializeToString,
+        response_deserializer=rpb.ScoreResponse.FromString,
+    )
+    served.raise_ = BadRequest(
+        "prompts[2]: reworded at will", Reason.PROMPT_INVALID, field="prompts[2]", metadata={"index": "2"}
+    )
     with pytest.raises(grpc.RpcError) as e:
         call(rpb.ScoreRequest(), metadata=MD, timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "prompts[2]: reworded at will"
-    assert details_of(e.value) == ErrorDetails(Reason.PROMPT_INVALID, {"index": "2"},
-                                               (Violation("prompts[2]", "prompts[2]: reworded at will"),))
+    assert details_of(e.value) == ErrorDetails(
+        Reason.PROMPT_INVALID, {"index": "2"}, (Violation("prompts[2]", "prompts[2]: reworded at will"),)
+    )
     assert dict(e.value.trailing_metadata())["x-request-id"]
     served.raise_ = Unavailable("reward API failed: HTTP 500", Reason.REWARD_API_FAILED)
     with pytest.raises(grpc.RpcError) as e:
@@ -174,12 +198,16 @@ def test_a_reason_of_another_domain_is_not_ours(served):
     def foreign(request, context):
         detail = any_pb2.Any()
         detail.Pack(error_details_pb2.ErrorInfo(reason="PROMPT_INVALID", domain="example.com"))
-        context.abort_with_status(rpc_status.to_status(status_pb2.Status(
-            code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="theirs", details=[detail])))
+        context.abort_with_status(
+            rpc_status.to_status(
+                status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="theirs", details=[detail])
+            )
+        )
 
     server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Foreign", {
-        "Unary": grpc.unary_unary_rpc_method_handler(foreign)}),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("test.Foreign", {"Unary": grpc.unary_unary_rpc_method_handler(foreign)}),)
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

@@ -1,6 +1,7 @@
 """The interceptor's accounting and error mapping for server-streaming RPCs (e.g. PullWeights):
 status and latency are recorded when the stream ends, and an exception raised while streaming
 gets the same status as one raised before the first item."""
+
 import time
 
 import grpc
@@ -17,6 +18,7 @@ METHOD = "/test.Stream/Pull"
 
 def chunks_then(error):
     """A stream handler: two chunks PAUSE_S apart, then `error` raised (or the end)."""
+
     def pull(request, context):
         yield b"chunk-0"
         time.sleep(PAUSE_S)
@@ -24,6 +26,7 @@ def chunks_then(error):
         time.sleep(PAUSE_S)
         if error is not None:
             raise error
+
     return pull
 
 
@@ -36,8 +39,9 @@ def serve():
     def start(pull):
         cfg = config_from_dict({"rpc": {"auth_token": TOKEN}})
         server = RPCServer("learner", cfg.rpc, port=0, host="127.0.0.1")
-        server.grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "test.Stream", {"Pull": grpc.unary_stream_rpc_method_handler(pull)}),))
+        server.grpc.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("test.Stream", {"Pull": grpc.unary_stream_rpc_method_handler(pull)}),)
+        )
         server.start()
         servers.append(server)
         channels.append(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
@@ -54,12 +58,15 @@ def sample(server, name, **labels):
     return server.metrics.registry.get_sample_value(name, {"service": "learner", "method": "Pull", **labels})
 
 
-@pytest.mark.parametrize("error, code", [
-    (None, grpc.StatusCode.OK),
-    (BadRequest("weights: version went backwards"), grpc.StatusCode.INVALID_ARGUMENT),
-    (Unavailable("snapshot store unreachable"), grpc.StatusCode.UNAVAILABLE),
-    (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (None, grpc.StatusCode.OK),
+        (BadRequest("weights: version went backwards"), grpc.StatusCode.INVALID_ARGUMENT),
+        (Unavailable("snapshot store unreachable"), grpc.StatusCode.UNAVAILABLE),
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_stream_status_and_latency_cover_the_whole_stream(serve, caplog, error, code):
     server, pull = serve(chunks_then(error))
     received = []

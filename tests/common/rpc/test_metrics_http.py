@@ -1,5 +1,6 @@
 """/metrics asks for the RPCs' bearer token (a container binds 0.0.0.0) unless `rpc.open_metrics`;
 `serve_metrics` is the one server for it (RPCServer and the rollout worker)."""
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
@@ -47,12 +48,15 @@ def test_serve_metrics_without_token_is_open(registry):
         httpd.stop()
 
 
-@pytest.mark.parametrize("rpc, env, want", [
-    ({"auth_token": TOKEN}, None, TOKEN),
-    ({"auth_token": TOKEN, "open_metrics": True}, None, None),
-    ({}, None, None),
-    ({"auth_token_env": "RLHF_TEST_METRICS_TOKEN"}, "from-env", "from-env"),
-])
+@pytest.mark.parametrize(
+    "rpc, env, want",
+    [
+        ({"auth_token": TOKEN}, None, TOKEN),
+        ({"auth_token": TOKEN, "open_metrics": True}, None, None),
+        ({}, None, None),
+        ({"auth_token_env": "RLHF_TEST_METRICS_TOKEN"}, "from-env", "from-env"),
+    ],
+)
 def test_metrics_token(monkeypatch, rpc, env, want):
     if env is not None:
         monkeypatch.setenv("RLHF_TEST_METRICS_TOKEN", env)

@@ -1,5 +1,6 @@
 """`rlhf serve` as its own process: LISTENING line, graceful SIGTERM (in-flight calls finish, new
 ones are refused); and TLS on the wire."""
+
 import shutil
 import signal
 import subprocess
@@ -26,18 +27,42 @@ ROOT = Path(__file__).resolve().parents[3]
 def _wait_in_flight(metrics_port: int, method: str, timeout_s: float = 120.0) -> None:
     """Until the server's rlhf_rpc_in_flight shows a `method` call being handled."""
     want = f'rlhf_rpc_in_flight{{method="{method}",service="generation"}} 1.0'
-    wait_until(lambda: want in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30,
-                                         headers={"Authorization": f"Bearer {TOKEN}"}).text,
-               f"a {method} call in flight", timeout_s, every_s=0.05)
+    wait_until(
+        lambda: want
+        in httpx.get(
+            f"http://127.0.0.1:{metrics_port}/metrics", timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}
+        ).text,
+        f"a {method} call in flight",
+        timeout_s,
+        every_s=0.05,
+    )
 
 
 def test_serve_process_graceful_sigterm(cfg, tmp_path):
     conf = tmp_path / "c.yaml"
-    conf.write_text(f"model: {{path: {cfg.model.path}, device: cpu}}\nprompt_length: 32\nresponse_length: 8\n"
-                    f"rpc: {{auth_token: {TOKEN}, max_samples_per_prompt: 64, grace_s: 120}}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "generation", "-c", str(conf),
-                             "--port", "0", "--metrics-port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    conf.write_text(
+        f"model: {{path: {cfg.model.path}, device: cpu}}\nprompt_length: 32\nresponse_length: 8\n"
+        f"rpc: {{auth_token: {TOKEN}, max_samples_per_prompt: 64, grace_s: 120}}\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "generation",
+            "-c",
+            str(conf),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = ""
         t0 = time.time()
@@ -77,11 +102,31 @@ def test_serve_process_graceful_sigterm(cfg, tmp_path):
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 def test_tls(cfg, tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    tls_cfg = config_from_dict({**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "tls_cert_file": str(cert),
-                                                             "tls_key_file": str(key)}})
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls_cfg = config_from_dict(
+        {**cfg.model_dump(), "rpc": {**cfg.rpc.model_dump(), "tls_cert_file": str(cert), "tls_key_file": str(key)}}
+    )
     with serve(on_free_ports(tls_cfg, "generation")) as svc:
         srv = svc.server
         secure = GenerationClient(f"localhost:{srv.port}", tls_cfg.rpc)
@@ -93,6 +138,7 @@ def test_tls(cfg, tmp_path):
 
 
 def test_generated_stubs_match_the_protos():
-    r = subprocess.run([sys.executable, "-m", "services.common.rpc.build_protos", "--check"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.common.rpc.build_protos", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,5 +1,6 @@
 """The shared gRPC server module and its exceptions load without torch (a service that needs
 no tensors, such as a rule-based reward server, starts without it)."""
+
 import subprocess
 import sys
 
@@ -20,5 +21,6 @@ def test_rpc_server_imports_without_torch():
 
 def test_bad_request_is_one_class_everywhere():
     from services.common.rpc import codec, errors, server
+
     assert codec.BadRequest is errors.BadRequest is server.BadRequest
     assert server.Unavailable is errors.Unavailable
