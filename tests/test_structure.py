@@ -286,3 +286,37 @@ def test_every_reason_a_service_acts_on_is_pinned_by_a_test():
     texts = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != "test_structure.py")
     unpinned = [r.name for r in Reason if f"Reason.{r.name}" not in texts]
     assert not unpinned, unpinned
+
+
+def _back_references(tree: ast.AST) -> list[str]:
+    """`Part(self)` inside a class: the class hands itself to a part it builds, which can then
+    reach back into its owner (a part that must do that is two parts in one place)."""
+    found = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id[:1].isupper():
+                passed = [*node.args, *(k.value for k in node.keywords)]
+                if any(isinstance(a, ast.Name) and a.id == "self" for a in passed):
+                    found.append(f"{cls.name}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_part_is_handed_its_owner():
+    """Parts are composed: an owner hands a part what it needs (data, callables, other parts),
+    never itself; and the training loop is not subclassed (the learner service composes it)."""
+    assert _back_references(ast.parse("class A:\n    def __init__(self):\n        self.b = Part(self)\n"))
+    bad = {}
+    for path in (ROOT / "services").rglob("*.py"):
+        if "/gen/" not in str(path):
+            tree = ast.parse(path.read_text())
+            found = _back_references(tree)
+            found += [
+                f"{n.name} subclasses {ast.unparse(b)}"
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ClassDef)
+                for b in n.bases
+                if ast.unparse(b).split(".")[-1] == "TrainingLoop"
+            ]
+            if found:
+                bad[_module_name(path)] = found
+    assert not bad, bad

@@ -28,6 +28,7 @@ import enum
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import grpc
@@ -61,21 +62,42 @@ def _newer_already(e: grpc.RpcError) -> bool:
     return reason_of(e) is Reason.VERSION_NOT_NEWER
 
 
+@dataclass
+class Reach:
+    """How the transports reach the servers and report, shared by them (not the publisher
+    itself): `client(address)`, `registered(address, info, version, kind)` once a server took a
+    version, `on_progress()` as each server answers, `identity` (run id, epoch) the fence every
+    version carries, and `tell` (a log line once per key)."""
+
+    cfg: Config
+    client: Callable
+    registered: Callable[[str, dict, int, str], None]
+    on_progress: Progress = no_progress
+    identity: tuple[str, int] = ("", 0)
+    told: set = field(default_factory=set)
+
+    def tell(self, key, msg: str, *args, level=logging.INFO) -> None:
+        """Log `msg` once per `key` (a server's fallback, a plan's reason)."""
+        if key not in self.told:
+            self.told.add(key)
+            log.log(level, msg, *args)
+
+
 class StreamTransport:
     """The gRPC stream: one encoding of a payload read by every server of the targets."""
 
     name = "grpc"
 
-    def __init__(self, publisher: "Publisher"):
-        self.pub = publisher
+    def __init__(self, reach: Reach):
+        self.reach = reach
         self._fans: list[Fanout] = []
 
     def chunk_bytes(self) -> int:
-        return chunk_bytes(self.pub.cfg.rpc.max_message_mb)
+        return chunk_bytes(self.reach.cfg.rpc.max_message_mb)
 
     def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict:
         """Stream `state` to every (address, info) of `targets`: {address: future of a `Delivery`}."""
-        run_id, epoch = self.pub.identity
+        run_id, epoch = self.reach.identity
         chunk = self.chunk_bytes()
         fan = Fanout(
             encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch),
@@ -95,7 +117,7 @@ class StreamTransport:
     def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> Delivery:
         """Push one server the (already encoded) stream `chunks`."""
         sent, t0 = Counted(chunks), time.monotonic()
-        client = self.pub.client(address)
+        client = self.reach.client(address)
         try:
             client.push_encoded(sent)
         except grpc.RpcError as e:
@@ -115,8 +137,8 @@ class StreamTransport:
             )
             return Delivery.FAILED
         finally:
-            self.pub.on_progress()
-        self.pub.registered(address, info, version, kind)
+            self.reach.on_progress()
+        self.reach.registered(address, info, version, kind)
         return Delivery.TOOK
 
     def finish(self) -> None:
@@ -130,18 +152,18 @@ class SharedMemoryTransport:
 
     name = "shm"
 
-    def __init__(self, publisher: "Publisher"):
-        self.pub = publisher
+    def __init__(self, reach: Reach):
+        self.reach = reach
         self.writer: shm.SharedWeightsWriter | None = None
 
     def colocated(self, info: dict) -> bool:
-        return shm.colocated(self.pub.cfg.rpc.shm_dir, info.get("shm"))
+        return shm.colocated(self.reach.cfg.rpc.shm_dir, info.get("shm"))
 
     def _write(self, state: dict, version: int, kind: str):
         """The version written into shared memory (the request that points a server at it); None
         when it cannot be written (then its servers get the stream)."""
-        run_id, epoch = self.pub.identity
-        shm_dir = self.pub.cfg.rpc.shm_dir
+        run_id, epoch = self.reach.identity
+        shm_dir = self.reach.cfg.rpc.shm_dir
         if shm_dir is None:  # no server is co-located without one
             return None
         try:
@@ -150,11 +172,11 @@ class SharedMemoryTransport:
                 self.writer.cleanup()  # what an earlier learner process of this run left
             return self.writer.write(state, version, epoch, kind)
         except (OSError, TypeError) as e:
-            self.pub.tell(
+            self.reach.tell(
                 ("shm-write", type(e)),
                 "cannot write version %d into rpc.shm_dir %s (%s); streaming over gRPC",
                 version,
-                self.pub.cfg.rpc.shm_dir,
+                self.reach.cfg.rpc.shm_dir,
                 e,
                 level=logging.WARNING,
             )
@@ -170,7 +192,7 @@ class SharedMemoryTransport:
     def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> Delivery:
         """Point one co-located server at the shared file."""
         t0 = time.monotonic()
-        client = self.pub.client(address)
+        client = self.reach.client(address)
         try:
             client.load_shared(request)
         except grpc.RpcError as e:
@@ -185,7 +207,7 @@ class SharedMemoryTransport:
                     ),
                 )
                 return Delivery.FAILED
-            self.pub.tell(
+            self.reach.tell(
                 (address, "stream"),
                 "shared-memory load of version %d refused by %s (%s: %s); streaming over gRPC instead",
                 version,
@@ -196,8 +218,8 @@ class SharedMemoryTransport:
             )
             return Delivery.STREAM_INSTEAD
         finally:
-            self.pub.on_progress()
-        self.pub.registered(address, info, version, kind)
+            self.reach.on_progress()
+        self.reach.registered(address, info, version, kind)
         return Delivery.TOOK
 
     def close(self) -> None:
@@ -217,17 +239,20 @@ class Publisher:
         registered: Callable[[str, dict, int, str], None],
         on_progress: Progress = no_progress,
     ):
-        self.cfg, self.client, self.registered, self.on_progress = cfg, client, registered, on_progress
-        self.identity: tuple[str, int] = ("", 0)
-        self.stream = StreamTransport(self)
-        self.shared = SharedMemoryTransport(self)
-        self._told: set = set()
+        self.reach = Reach(cfg, client, registered, on_progress)  # what both transports use
+        self.stream = StreamTransport(self.reach)
+        self.shared = SharedMemoryTransport(self.reach)
+
+    @property
+    def identity(self) -> tuple[str, int]:
+        return self.reach.identity
+
+    @identity.setter
+    def identity(self, value: tuple[str, int]) -> None:
+        self.reach.identity = value
 
     def tell(self, key, msg: str, *args, level=logging.INFO) -> None:
-        """Log `msg` once per `key` (a server's fallback, a plan's reason)."""
-        if key not in self._told:
-            self._told.add(key)
-            log.log(level, msg, *args)
+        self.reach.tell(key, msg, *args, level=level)
 
     def via(self, info: dict) -> str:
         """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
