@@ -78,12 +78,15 @@ class Critic:
         )
 
     def _prepare(self, model: ValueModel) -> ValueModel:
-        if self.gradient_checkpointing:
-            model.backbone.gradient_checkpointing_enable()
+        if self.gradient_checkpointing:  # a transformers model's (nn.Module's attributes type as Tensor | Module)
+            getattr(model.backbone, "gradient_checkpointing_enable")()
         return model
 
     # one process: every row here; the sharded critic overrides these three
-    world = 1
+    @property
+    def world(self) -> int:
+        """The processes a step's rows are split across (the sharded critic's group)."""
+        return 1
 
     def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, bool]]:
         return micro_batches(n, self.micro_batch_size or n)
@@ -145,8 +148,8 @@ class Critic:
                 clipfrac += vf_clipfrac.item() * float(mask.sum())
                 vpred_sum += float((vpreds.detach().float() * mask).sum())
                 tokens += float(mask.sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
+        grad_norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # a DTensor under FSDP
         loss, clipfrac, vpred_sum, tokens = self._all_sum([loss, clipfrac, vpred_sum, tokens])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)

@@ -143,7 +143,7 @@ def follower_main(cfg: Config) -> int:
     from ..common.sharding.group import from_env
     from .sharded import ShardedCritic
 
-    return follow(ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc)))
+    return follow(ShardedCritic.from_config(cfg, dist=from_env(cfg.model.device, cfg.critic.nproc)))
 
 
 def serve(cfg: Config, critic=None, root: str | Path | None = None) -> GrpcService:
@@ -161,7 +161,7 @@ def serve(cfg: Config, critic=None, root: str | Path | None = None) -> GrpcServi
             from ..common.sharding.group import from_env
             from .sharded import ShardedCritic
 
-            c = ShardedCritic.from_config(cfg, from_env(cfg.model.device, cfg.critic.nproc))
+            c = ShardedCritic.from_config(cfg, dist=from_env(cfg.model.device, cfg.critic.nproc))
         elif c is None:
             from .critic import Critic
 

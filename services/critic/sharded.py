@@ -44,8 +44,11 @@ class ShardedCritic(Critic):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def from_config(cls, cfg: Config, dist=None) -> "ShardedCritic":
-        return super().from_config(cfg, dist=dist)
+    def from_config(cls, cfg: Config, **kwargs) -> "ShardedCritic":
+        """`dist=`: this process's group."""
+        critic = super().from_config(cfg, **kwargs)
+        assert isinstance(critic, ShardedCritic)
+        return critic
 
     @property
     def load_device(self) -> torch.device:
@@ -54,7 +57,7 @@ class ShardedCritic(Critic):
     def _optimizer(self, model: ValueModel) -> torch.optim.Optimizer:
         if not getattr(model, "_sharded", False):
             shard(model, self.dist.mesh())
-            model._sharded = True
+            setattr(model, "_sharded", True)  # once per model (the optimiser is rebuilt on load)
         return super()._optimizer(model)
 
     # each rank runs its share of a batch's rows; a step equals the one-process step

@@ -30,7 +30,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ..common.types import STRUCTURED_LABEL, RewardSample
 
@@ -92,6 +92,8 @@ def _import_file(ref: str, path: Path):
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{ref!r}: {path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))  # the file's own imports of its neighbours
     try:
@@ -120,6 +122,7 @@ def check_call(fn: Callable, kind: Kind, kwargs: dict) -> None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # a builtin or C function: nothing to check
+    args: tuple
     if kind == "sample":
         args, named = ("prompt", "response", "label", {}), kwargs
     elif kind == "batched":
@@ -188,6 +191,7 @@ class RewardFunction:
                 fn("", "0", "0", {}, **kwargs)
             except Exception as e:
                 raise RuleKwargsError(f"reward rule {name!r} with kwargs {kwargs}: {e}") from None
+        params: Mapping[str, inspect.Parameter]
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):  # a builtin or C function

@@ -299,6 +299,8 @@ class HTTPScorer:
 
     @classmethod
     def from_config(cls, reward_cfg: RewardConfig, metrics=None) -> "HTTPScorer":
+        if not reward_cfg.http_url:
+            raise ValueError("reward.http_url is not set: the URL of your reward API")
         return cls(
             reward_cfg.http_url,
             reward_cfg.http_timeout_s,
@@ -458,9 +460,9 @@ class HTTPScorer:
         if down is not None and not any(type(e) is RewardUnavailable for e in errors):
             errors.insert(0, down)
         for kind in (RewardUnavailable, RewardRejected, RewardAPIFailed):
-            for e in errors:
-                if type(e) is kind:
-                    raise e
+            for error in errors:
+                if type(error) is kind:
+                    raise error
         raise errors[0]
 
     def status(self) -> dict:

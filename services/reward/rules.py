@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Protocol
+from typing import Callable
 
 from rapidfuzz.distance import Levenshtein
 
 from .functions import is_reference, load_function
 
-
-class RuleFn(Protocol):
-    def __call__(self, prompt: str, response: str, label: str | None, metadata: dict, **kwargs) -> float: ...
+# (prompt, response, label, metadata, **the rule's kwargs) -> reward
+RuleFn = Callable[..., float]
 
 
 RULES: dict[str, RuleFn] = {}
