@@ -164,7 +164,9 @@ class GenerationBackend(Protocol):
 
     def dead(self) -> str | None: ...  # why it can never serve again (liveness fails); None while alive
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult: ...
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
+    ) -> GenerationResult: ...  # `stop()` true: every caller left, the batch may end early
 
     def update_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None: ...
 
