@@ -41,6 +41,9 @@ class Experience:
     values: torch.Tensor | None  # (B, T)
     metrics: dict
     rollout_is_weights: torch.Tensor | None = None  # (B, T) truncated pi_old / sampler weights (rollout_is)
+    # the sequence KL to the reference and the sequences it is over, for the KL controller (None:
+    # the update measures it on its own forward, with fused old log-probs)
+    kl_measured: tuple[float, int] | None = None
 
 
 def forward_in_micro_batches(learner, forward, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -73,9 +76,7 @@ def make_experience(learner, rollout: Rollout) -> Experience:
     fused = learner.fuses_old_log_probs(mask.shape[0])
     learner.policy.eval()
     cur = None
-    if fused:
-        learner.forwards_saved += 1
-    else:
+    if not fused:
         cur = forward_in_micro_batches(
             learner,
             lambda b: response_log_probs(learner.policy, b, learner.temperature, with_entropy=True, full=full),
@@ -156,6 +157,14 @@ def make_experience(learner, rollout: Rollout) -> Experience:
         metrics["critic/value_error"] = masked_mean((values - returns) ** 2, mask).sqrt().item()
     if rollout.versions:
         metrics["rollout/staleness_max"] = max(learner.version - v for v in rollout.versions)
-    if not fused:  # else the update measures the KL and updates the controller
-        learner.kl_ctl.update(seq_kl, n_steps=len(rollout.scores))
-    return Experience(batch, old_log_probs, ref_log_probs, advantages, returns, values, metrics, rollout_is_weights)
+    return Experience(
+        batch,
+        old_log_probs,
+        ref_log_probs,
+        advantages,
+        returns,
+        values,
+        metrics,
+        rollout_is_weights,
+        kl_measured=None if fused else (seq_kl, len(rollout.scores)),
+    )

@@ -185,11 +185,20 @@ class PolicyTrainer:
                     return response_log_probs(self.policy, batch, self.temperature, full=full)
             return response_log_probs(self.ref, batch, self.temperature, full=full)
 
+    # the step: experience, then the update; what they measure, the trainer's state takes here
     def make_experience(self, rollout: Rollout) -> Experience:
-        return make_experience(self, rollout)
+        exp = make_experience(self, rollout)
+        if exp.kl_measured is not None:
+            self.kl_ctl.update(exp.kl_measured[0], n_steps=exp.kl_measured[1])
+        else:  # the old log-probs (and the KL) come with the update's forward
+            self.forwards_saved += 1
+        return exp
 
     def update(self, exp: Experience, critic=None) -> dict:
-        return run_update(self, exp, critic)
+        metrics = run_update(self, exp, critic)
+        if exp.kl_measured is None:
+            self.kl_ctl.update(metrics["ppo/kl_ref"], n_steps=exp.batch.input_ids.shape[0])
+        return metrics
 
     def step(self, rollout: Rollout, critic=None) -> dict:
         exp = self.make_experience(rollout)

@@ -163,7 +163,6 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     out["ppo/lr"] = learner.scheduler.get_last_lr()[0]
     if fused:  # what make_experience measures on its own forward otherwise
         out["ppo/entropy_rollout"], out["ppo/kl_ref"] = rollout_stats.entropy(), rollout_stats.seq_kl()
-        learner.kl_ctl.update(out["ppo/kl_ref"], n_steps=B)
     return out
 
 
