@@ -120,7 +120,7 @@ def measure(model: str, batch: int, prompt: int, response: int, micro: int, voca
     from services.common.config import config_from_dict
     from services.common.types import Rollout
     from services.critic.critic import Critic
-    from services.learner.ppo_step import PolicyTrainer
+    from services.learner.trainer import PolicyTrainer
 
     cfg = config_from_dict(
         {

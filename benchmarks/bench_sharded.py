@@ -123,8 +123,8 @@ def worker(
     from services.common.config import config_from_dict
     from services.common.sharding.followers import follow, release_followers
     from services.common.sharding.group import from_env
-    from services.learner.ppo_step import PolicyTrainer
     from services.learner.sharded import ShardedPolicyTrainer
+    from services.learner.trainer import PolicyTrainer
 
     cfg = config_from_dict(
         {

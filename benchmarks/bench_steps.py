@@ -144,7 +144,7 @@ def main() -> None:
 
     from services.common.config import load_config
     from services.critic.critic import Critic
-    from services.learner.ppo_step import PolicyTrainer
+    from services.learner.trainer import PolicyTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()

@@ -19,7 +19,7 @@ from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
 from .learner.checkpoint import Checkpointer, finished_run
-from .learner.ppo_step import PolicyTrainer, ptx_examples_for
+from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.scorer import build_eval_scorer, build_scorer
 from .rollout.step import sample_groups
 from .training.data import EpochSampler, config_prompts

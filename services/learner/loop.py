@@ -12,7 +12,7 @@ around it. One iteration, hop by hop:
       feeder.feed                 prompts max_staleness batches ahead             (feeder.py)
       intake.collect              rollout_batch_size fresh, unique groups         (intake.py)
     learner.step                  experience, then the PPO update; the critic
-                                  trains over gRPC                   (ppo_step.py, experience.py, update.py)
+                                  trains over gRPC                   (trainer.py, experience.py, update.py)
     PushSink.publish              the next version from Redis's counter, then
       broadcaster.push            snapshot, plan, deliver to every live server    (broadcast.py, weights/publisher.py)
     ReplaySource.trained          acknowledge the groups as trained               (intake.py)
@@ -57,8 +57,8 @@ from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .liveness import Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
-from .ppo_step import PolicyTrainer, ptx_examples_for
 from .sharded import ShardedPolicyTrainer
+from .trainer import PolicyTrainer, ptx_examples_for
 
 if TYPE_CHECKING:
     from ..common.config import Config

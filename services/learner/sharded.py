@@ -24,7 +24,7 @@ from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
 from ..common.sharding.group import Dist, micro_batches
 from ..common.types import Progress, Rollout, no_progress
 from ..weights.hostcopy import to_host
-from .ppo_step import PolicyTrainer
+from .trainer import PolicyTrainer
 
 if TYPE_CHECKING:
     from ..common.config import Config

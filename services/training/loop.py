@@ -67,7 +67,7 @@ class RolloutSource(Protocol):
 
 
 class Trainer(Protocol):
-    """The policy's trainer as the loop drives it (`learner/ppo_step.py:PolicyTrainer` and its
+    """The policy's trainer as the loop drives it (`learner/trainer.py:PolicyTrainer` and its
     sharded form): one PPO step on a rollout (the critic, if any, trains in it), the policy's
     weights for the sink, its directory for a checkpoint."""
 

@@ -132,7 +132,7 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
     import torch
 
     from services.cli.eval_model import load_policy
-    from services.learner.ppo_step import PolicyTrainer
+    from services.learner.trainer import PolicyTrainer
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={tiny_model_dir}"])
     trainer = PolicyTrainer(cfg, total_updates=1)

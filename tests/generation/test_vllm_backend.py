@@ -8,7 +8,7 @@ from services.common.config import config_from_dict
 from services.common.modeling import build_token_batch, response_log_probs
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PolicyTrainer
+from services.learner.trainer import PolicyTrainer
 from tests.generation.test_server import VLLM_CPU
 
 pytestmark = pytest.mark.vllm

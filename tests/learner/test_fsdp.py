@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.learner.ppo_step import PolicyTrainer
+from services.learner.trainer import PolicyTrainer
 from tests.distributed_helpers import torchrun
 from tests.learner.fsdp_cases import batches, learner_config
 

@@ -8,8 +8,8 @@ import torch
 from services.common.config import config_from_dict
 from services.common.modeling import has_dropout
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PolicyTrainer
-from tests.learner.test_ppo_step import _rollout
+from services.learner.trainer import PolicyTrainer
+from tests.learner.test_trainer import _rollout
 
 
 def _cfg(model_dir, **kw):

@@ -82,7 +82,7 @@ def test_a_branch_keeps_the_reference_it_is_told(tiny_model_dir, tmp_path):
     import torch
 
     from services.common.config import config_from_dict
-    from services.learner.ppo_step import PolicyTrainer
+    from services.learner.trainer import PolicyTrainer
 
     run = tmp_path / "run"
     _train(tiny_model_dir, run, 2, "actor_lr=1e-3")
@@ -105,7 +105,7 @@ def test_saved_model_files_are_readable_as_the_umask_allows(tiny_model_dir, tmp_
     import stat
 
     from services.common.config import config_from_dict
-    from services.learner.ppo_step import PolicyTrainer
+    from services.learner.trainer import PolicyTrainer
 
     old = os.umask(0o022)
     try:

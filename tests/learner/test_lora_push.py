@@ -14,7 +14,7 @@ from services.common.config import config_from_dict
 from services.generation.backend import HFBackend
 from services.generation.server import serve
 from services.learner.broadcast import WeightBroadcaster
-from services.learner.ppo_step import PolicyTrainer
+from services.learner.trainer import PolicyTrainer
 from tests.grpc_helpers import on_free_ports
 from tests.weights.test_publisher import Registry, _serves, with_shm
 

@@ -11,9 +11,9 @@ from services.common import modeling
 from services.common.modeling import build_token_batch, response_log_probs, response_logits
 from services.critic.critic import Critic
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PolicyTrainer
+from services.learner.trainer import PolicyTrainer
 from services.ppo import LOSS_AGG_MODES, AggNorm, agg_loss, entropy_from_logits, logprobs_from_logits
-from tests.learner.test_ppo_step import _cfg, _rollout
+from tests.learner.test_trainer import _cfg, _rollout
 
 # float32 through a 2-layer model in other batch shapes and reduction orders: differences of a
 # few 1e-7 per op; 1e-5 absolute on log-probs, values and weights after a step is ample and far

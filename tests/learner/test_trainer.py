@@ -9,7 +9,7 @@ import torch
 from services.common.config import config_from_dict
 from services.common.types import Rollout, SamplingParams
 from services.generation.backend import HFBackend
-from services.learner.ppo_step import PolicyTrainer
+from services.learner.trainer import PolicyTrainer
 
 
 def _rollout(backend, n=8, seed=0):

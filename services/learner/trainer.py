@@ -1,11 +1,14 @@
-"""The learner's PPO step: from a batch of scored rollouts to one policy update.
+"""The policy's trainer: `PolicyTrainer` holds the models, the optimiser and the learner's state
+(the KL controller, the reward statistics, the version), and runs the PPO step, whose parts are
+modules of their own that take what they read and return what they measure:
 
-    rollout --make_experience--> old/ref log-probs, token rewards (+KL), advantages, returns
-            --update-----------> ppo_epochs x mini-batches of (policy loss + KL loss - entropy
-                                 + PTX loss), each followed by a critic step on the same rows
+    rollout --experience.py:make_experience--> old/ref log-probs, token rewards (+KL), advantages,
+                                               returns (and the KL measured, for the controller)
+            --update.py:run_update-----------> ppo_epochs x mini-batches of (policy loss + KL loss
+                                               - entropy + PTX loss, ppo/objective.py), each followed
+                                               by a critic step on the same rows; its metrics
 
-`PolicyTrainer` owns the models, the optimiser and the learner's state; making experience is
-`experience.py`, the update loop `update.py` and the objective `ppo/objective.py`.
+The trainer takes what the two measured into its state (`make_experience`, `update`).
 
 The in-process trainer and the learner service both call `PolicyTrainer.step`; the critic is any
 object with `train_step` (the in-process `Critic`, a gRPC client, or `OverlappedCritic`, whose
