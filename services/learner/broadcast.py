@@ -69,7 +69,10 @@ class WeightBroadcaster:
     def snapshot(self) -> tuple[int, dict]:
         """(version, the full state dict) of the newest version, for PullWeights."""
         version, state, partial = self._snap
-        return (version, {**self._base, **state}) if partial else (version, state)
+        if not partial:
+            return version, state
+        assert self._base is not None  # built with the first partial snapshot
+        return version, {**self._base, **state}
 
     def take_snapshot(self, version: int) -> dict:
         """Snapshot policy `version`; its full state dict. With LoRA only the targets are taken

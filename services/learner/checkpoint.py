@@ -60,8 +60,8 @@ class Checkpointer:
             tmp.rename(final)
         self.store.commit(commit)
         if commit:
-            with (self.run_dir / "trained.jsonl").open("a") as f:
-                f.write(json.dumps({"iteration": iteration, "uids": [u for _, u in commit]}) + "\n")
+            with (self.run_dir / "trained.jsonl").open("a") as ledger:
+                ledger.write(json.dumps({"iteration": iteration, "uids": [u for _, u in commit]}) + "\n")
         for old in self.complete()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s written; trained trajectories acknowledged", final.name)

@@ -93,11 +93,13 @@ def make_experience(learner, rollout: Rollout) -> Experience:
     if fused:
         old_log_probs = None  # the update takes them from its forward
     elif cfg.recompute_old_log_probs or gen_log_probs is None:
+        assert cur is not None  # computed above unless fused
         old_log_probs = cur["log_probs"]
     else:
         old_log_probs = gen_log_probs
     rollout_is_weights, is_metrics = None, {}
     if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
+        assert old_log_probs is not None and gen_log_probs is not None  # rollout_is: never fused, checked above
         rollout_is_weights, is_metrics = rollout_importance_weights(
             old_log_probs, gen_log_probs, mask, cfg.rollout_is_threshold
         )
@@ -110,7 +112,7 @@ def make_experience(learner, rollout: Rollout) -> Experience:
             else None
         )
         sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
-        ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)
+        ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)  # type: ignore[arg-type]
 
     raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=learner.device)
     scores = postprocess_rewards(
@@ -122,7 +124,11 @@ def make_experience(learner, rollout: Rollout) -> Experience:
         rollout.index,
         learner.reward_stats,
     )
-    kl = kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty) if ref_log_probs is not None and not fused else None
+    kl = (
+        kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty)
+        if ref_log_probs is not None and old_for_ref is not None and not fused
+        else None
+    )
     token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None, learner.kl_ctl.value)
     values = pad_right(rollout.values, T).to(learner.device) if rollout.values is not None else None
     advantages, returns = compute_advantages(

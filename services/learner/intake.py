@@ -57,7 +57,8 @@ class TrajectoryIntake:
         SampleGroup)]; None when `stop_event` is set first."""
         cfg = self.cfg
         want = cfg.rollout_batch_size
-        batch, uids = [], set()
+        batch: list = []
+        uids: set = set()
         self.gen_rates = []
         t0 = last_report = time.time()
         while len(batch) < want:

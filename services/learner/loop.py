@@ -93,12 +93,14 @@ def make_trainer(cfg: Config, ptx_examples, on_progress: Progress = no_progress)
     (model.nproc > 1), or the whole actor in one process."""
     updates = planned_updates(cfg)
     if cfg.model.nproc > 1:
+        dist = from_env(cfg.model.device, cfg.model.nproc)
+        assert dist is not None  # nproc > 1: from_env returns the group or raises saying how to start the ranks
         return ShardedPolicyTrainer(
             cfg,
             total_updates=updates,
             ptx_examples=ptx_examples,
             on_progress=on_progress,
-            dist=from_env(cfg.model.device, cfg.model.nproc),
+            dist=dist,
         )
     return PolicyTrainer(cfg, total_updates=updates, ptx_examples=ptx_examples, on_progress=on_progress)
 
@@ -469,6 +471,7 @@ class LearnerLoop:
             )
             return {"stopped_at": training.iteration}
         # the critic's is relative to the run directory, the critic server's root
+        assert training.runlog is not None  # begin() set it
         return training.finish(
             it,
             time.time() - training.runlog.t0,

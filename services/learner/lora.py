@@ -15,9 +15,9 @@ def merged_lora_weights(policy) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, module in policy.get_base_model().named_modules():
             if isinstance(module, LoraLayer):
-                w = module.get_base_layer().weight.detach().to("cpu", copy=True)
-                for adapter in module.active_adapters:
-                    w = w + module.get_delta_weight(adapter).detach().cpu().to(w.dtype)
+                w = getattr(module.get_base_layer(), "weight").detach().to("cpu", copy=True)
+                for adapter in module.active_adapters:  # each LoRA layer type has its own delta (peft)
+                    w = w + getattr(module, "get_delta_weight")(adapter).detach().cpu().to(w.dtype)
                 out[f"{name}.weight"] = w
     return out
 

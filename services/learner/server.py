@@ -106,26 +106,34 @@ class LearnerService(Service):
         threading.Thread(target=self._report_ready, name="learner-ready", daemon=True).start()
         return self
 
+    def _started(self) -> tuple[LearnerLoop, RPCServer]:
+        if self.loop is None or self.server is None:
+            raise RuntimeError("LearnerService.start() first")
+        return self.loop, self.server
+
     def _report_ready(self) -> None:
-        self.loop.ready.wait()
-        self.server.set_ready(True)
+        loop, server = self._started()
+        loop.ready.wait()
+        server.set_ready(True)
 
     @property
     def ready(self) -> bool:
         return self.server is not None and self.server.is_ready()
 
     def endpoints(self) -> dict:
+        _, server = self._started()
         return {
-            "port": self.server.port,
-            "metrics_port": self.server.metrics_port,
+            "port": server.port,
+            "metrics_port": server.metrics_port,
             "http_port": self.http.server_address[1] if self.http else None,
         }
 
     def run(self) -> int:
         from ..common.rpc.retry import DependencyUnavailable
 
+        loop, _ = self._started()
         try:
-            self.loop.run()
+            loop.run()
         except DependencyUnavailable:
             return 1  # the service logged what is missing and what a restart does
         return 0

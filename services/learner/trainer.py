@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,7 +75,7 @@ class PolicyTrainer:
         """`on_progress`: called at each micro-batch forward and optimiser step."""
         self.cfg, self.on_progress = cfg, on_progress
         self.device = self._device()
-        self.policy = self._load_model()
+        self.policy: Any = self._load_model()  # a transformers model, or PEFT's around it (LoRA)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
         if self.lora:
@@ -85,7 +85,10 @@ class PolicyTrainer:
             self.policy = get_peft_model(
                 self.policy,
                 LoraConfig(
-                    r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=list(lc.target_modules)
+                    r=lc.rank,
+                    lora_alpha=lc.alpha,  # type: ignore[arg-type]  # peft annotates int, takes a float
+                    lora_dropout=lc.dropout,
+                    target_modules=list(lc.target_modules),
                 ),
             )
         if cfg.model.gradient_checkpointing:
@@ -96,7 +99,7 @@ class PolicyTrainer:
         self.ref = self._reference()
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.actor_lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+            params, lr=cfg.actor_lr, betas=(cfg.adam_betas[0], cfg.adam_betas[1]), weight_decay=cfg.weight_decay
         )
         from transformers import get_scheduler
 
@@ -133,7 +136,7 @@ class PolicyTrainer:
     def _device(self) -> torch.device:
         return resolve_device(self.cfg.model.device)
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self) -> Any:  # a transformers PreTrainedModel
         """The SFT model (`model.path`) on this trainer's device: the policy's starting weights."""
         return load_causal_lm(self.cfg.model.path, self.device)
 
@@ -154,7 +157,10 @@ class PolicyTrainer:
 
     # ---------------------------------------------------------------- the processes (ShardedPolicyTrainer overrides)
     # one process: every row of a batch is here; sharded, each process runs its share of the rows
-    world = 1  # FSDP averages the processes' gradients: each one's loss is scaled up by this
+    @property
+    def world(self) -> int:
+        """FSDP averages the processes' gradients: each one's loss is scaled up by this."""
+        return 1
 
     def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
         """The row positions of each micro-batch of at most `size` rows (of `n`) this process runs,
@@ -186,6 +192,7 @@ class PolicyTrainer:
             if self.lora:
                 with self.policy.disable_adapter():
                     return response_log_probs(self.policy, batch, self.temperature, full=full)
+            assert self.ref is not None  # needs_ref: loaded
             return response_log_probs(self.ref, batch, self.temperature, full=full)
 
     # the step: experience, then the update; what they measure, the trainer's state takes here

@@ -105,6 +105,7 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
                     if real:
                         rollout_stats.add(cfg, out, old, exp, m, sub.response_mask, t)
                 else:
+                    assert exp.old_log_probs is not None  # not fused
                     old = exp.old_log_probs[m, :t]
                 ptx = ptx_loss(learner, [picks[i] for i in pos.tolist()] if picks else [])
                 loss, terms = ppo_objective(
