@@ -199,9 +199,7 @@ class ServerPool:
             if (deadline is not None and self.clock() > deadline) or stop.is_set():
                 return None
             on_tick()
-            stop.wait(0.2)
-            with self._lock:
-                self._read_at = None  # look at the registry again
+            stop.wait(0.2)  # the next pick reads the registry again (none was at the version)
 
     def close(self) -> None:
         with self._lock:

@@ -13,9 +13,20 @@ if TYPE_CHECKING:
     from ..config_sections import RPCConfig
 
 
+# metadata (headers, and the trailer with a status's message and error details) a peer may send:
+# past gRPC's default (8 KiB soft, 16 KiB hard) the receiver drops the call's status
+METADATA_BYTES = 64 << 10
+
+
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+    """Message and metadata limits, the same for clients and servers."""
     limit = max_message_mb * 1024 * 1024
-    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_metadata_size", METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", METADATA_BYTES),
+    ]
 
 
 def client_channel(address: str, rpc_cfg: RPCConfig) -> grpc.Channel:

@@ -20,6 +20,7 @@ from dataclasses import field as dc_field
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -98,7 +99,7 @@ def status_for(
 ) -> grpc.Status:
     """The status a server aborts with: `code`, `message` and, for a `ServiceError`, its
     `ErrorInfo` (reason, metadata) and `BadRequest` (field violations) details. (They travel in
-    a trailer, 8 KiB by default: each violation's description is cut to 500 characters.)
+    a trailer beside the message: each violation's description is cut to 200 characters.)
     `trailing`: more trailing metadata (aborting replaces what the call had set)."""
     status = status_pb2.Status(code=code.value[0], message=message)
     if isinstance(error, ServiceError):
@@ -108,7 +109,7 @@ def status_for(
         if error.violations:
             bad = error_details_pb2.BadRequest(
                 field_violations=[
-                    error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description[:500])
+                    error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description[:200])
                     for v in error.violations
                 ]
             )
@@ -136,23 +137,21 @@ def details_of(e: BaseException) -> ErrorDetails:
     status without details, or a reason of another domain or version of this system."""
     if not isinstance(e, grpc.Call):
         return ErrorDetails()
+    reason, metadata, violations = None, {}, []
     try:
         status = rpc_status.from_call(e)
-    except ValueError:  # a status whose code or message disagrees with the call's
+        for detail in status.details if status is not None else ():
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                if info.domain == DOMAIN and info.reason in Reason.__members__:
+                    reason, metadata = Reason[info.reason], dict(info.metadata)
+            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                violations += [Violation(v.field, v.description) for v in bad.field_violations]
+    except (ValueError, DecodeError):  # a status that disagrees with the call's, or bytes that are no Status
         return ErrorDetails()
-    if status is None:
-        return ErrorDetails()
-    reason, metadata, violations = None, {}, []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            if info.domain == DOMAIN and info.reason in Reason.__members__:
-                reason, metadata = Reason[info.reason], dict(info.metadata)
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            violations += [Violation(v.field, v.description) for v in bad.field_violations]
     return ErrorDetails(reason, metadata, tuple(violations))
 
 

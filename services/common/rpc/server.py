@@ -131,9 +131,21 @@ def _decoded_stream(requests):
         yield _decoded(r)
 
 
-def _brief(text: str, limit: int = 2000) -> str:
-    """`text` cut to `limit` characters: status details travel in a trailer (8 KiB by default)."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+# a status message's budget in UTF-8 bytes: it travels in the trailer twice (grpc-message, where
+# gRPC writes each non-ASCII byte as three, and inside the error details), and a trailer past the
+# receiver's metadata limit loses the whole status (its code, reason and message)
+MESSAGE_BYTES = 1200
+
+
+def _brief(text: str, limit: int = MESSAGE_BYTES) -> str:
+    """`text` within `limit` UTF-8 bytes: its start and its end (a traceback's last line says
+    what was raised), the middle elided."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    head, tail = raw[: limit // 4], raw[-(limit - limit // 4 - 40) :]
+    cut = head.decode(errors="ignore") + f" ... ({len(raw)} bytes, cut) ... " + tail.decode(errors="ignore")
+    return cut
 
 
 def _raised_at(e: BaseException) -> tuple[str, int]:
@@ -243,7 +255,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                             method,
                             request_id,
                             type(e).__name__,
-                            _brief(str(e), 300),
+                            _brief(str(e), 400),
                             where,
                         )
                     context.abort(code, _brief(f"internal error: {type(e).__name__}: {e}"))

@@ -217,3 +217,35 @@ def test_a_reason_of_another_domain_is_not_ours(served):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason_of(e.value) is None
     finally:
         server.stop(0)
+
+
+def test_a_long_non_ascii_message_keeps_its_status_reason_and_last_line(served):
+    """A reward function's traceback quoting a model's reply in Cyrillic: the message goes twice
+    into the trailer (grpc-message writes each non-ASCII byte as three), so it is cut to a byte
+    budget, keeping its start and its end (the line that says what was raised); the status and
+    its reason arrive whole, 20 times in a row (past the trailer limit gRPC drops a status at random)."""
+    from services.common.rpc.client import client_channel
+    from services.common.rpc.errors import FailedPrecondition
+
+    reply = "Ответ модели: " * 300  # ~4,000 characters, ~7,800 UTF-8 bytes
+    served.raise_ = FailedPrecondition(
+        f"reward function 'r.py:f' raised\n{reply}\nValueError: последняя строка", Reason.REWARD_FUNCTION_FAILED
+    )
+    cfg = config_from_dict({"rpc": {"auth_token": TOKEN}})
+    channel = client_channel(f"127.0.0.1:{served.server.port}", cfg.rpc)
+    call = channel.unary_unary(
+        "/test.Echo/Unary",
+        request_serializer=rpb.ScoreRequest.SerializeToString,
+        response_deserializer=rpb.ScoreResponse.FromString,
+    )
+    try:
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError) as e:
+                call(rpb.ScoreRequest(), metadata=MD, timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert reason_of(e.value) is Reason.REWARD_FUNCTION_FAILED
+            details = e.value.details()
+            assert details.startswith("reward function 'r.py:f' raised") and "bytes, cut" in details
+            assert details.endswith("ValueError: последняя строка") and len(details.encode()) <= 1200
+    finally:
+        channel.close()
