@@ -348,7 +348,7 @@ def test_a_stop_with_the_critic_gone_says_so_in_one_line(no_restarts):
     # is missing and where a restart resumes
     m = re.search(
         r"ERROR .*stopped without a final checkpoint: .*the critic server at \S+ did not answer "
-        r"(train_step|save|info) .*The newest checkpoint is (iter_\d+|none)",
+        r"(Train|Save|Info) .*The newest checkpoint is (iter_\d+|none)",
         learner,
     )
     assert m, learner[-3000:]

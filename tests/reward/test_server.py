@@ -12,7 +12,7 @@ import pytest
 
 from services.common.rpc.gen import reward_pb2 as rpb
 from services.common.types import RewardSample, ScoreResult
-from services.reward.client import RewardClient
+from services.reward.client import RewardAPIFailure, RewardClient
 from services.reward.http_scorer import HTTPScorer, RewardUnavailable
 from services.reward.scorer import CombinedScorer, RuleScorer
 from services.reward.server import serve
@@ -151,7 +151,8 @@ def test_grpc_bad_input_and_auth(reward_server, cfg, api):
     expect_code(lambda: c.stub.Score(no_label, metadata=c.metadata), grpc.StatusCode.INVALID_ARGUMENT, "needs a label")
     expect_code(lambda: c.stub.Score(no_label), grpc.StatusCode.UNAUTHENTICATED)
     api.script = ["fail", "fail"]
-    expect_code(lambda: c.score(SAMPLES), grpc.StatusCode.UNAVAILABLE, "reward API")
+    with pytest.raises(RewardAPIFailure, match="reward API failed"):  # UNAVAILABLE with Reason.REWARD_API_FAILED
+        c.score(SAMPLES)
     assert len(c.score(SAMPLES)) == 2  # recovered, still serving
 
 
