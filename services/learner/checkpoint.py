@@ -5,7 +5,8 @@ optimiser, scheduler, KL controller, reward statistics, RNG, the feeder's positi
 and the trajectories its updates include) and `critic/` (written by the critic server; shared
 disk). It is written under a temporary name and renamed, so a crash leaves no half checkpoint.
 Only then are its trajectories acknowledged in Redis and their prompt ids recorded as trained,
-in one transaction, and appended to `run_dir/trained.jsonl`. The newest `keep` are kept.
+in one transaction, and appended to `run_dir/trained.jsonl` (once: loading a checkpoint appends
+its line when a crash came between the rename and the append). The newest `keep` are kept.
 """
 
 from __future__ import annotations
@@ -59,19 +60,36 @@ class Checkpointer:
         else:
             tmp.rename(final)
         self.store.commit(commit)
-        if commit:
-            with (self.run_dir / "trained.jsonl").open("a") as ledger:
-                ledger.write(json.dumps({"iteration": iteration, "uids": [u for _, u in commit]}) + "\n")
+        self._record(iteration, commit)
         for old in self.complete()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s written; trained trajectories acknowledged", final.name)
         return final
 
+    def _record(self, iteration: int, commit: list[tuple]) -> None:
+        """Append the checkpoint's prompt ids to the ledger, once: a crash between the checkpoint's
+        rename and this append is mended when the checkpoint is loaded."""
+        if not commit:
+            return
+        ledger = self.run_dir / "trained.jsonl"
+        text = ledger.read_text() if ledger.exists() else ""
+        if text and not text.endswith("\n"):  # a crash cut the last line short: it is rewritten
+            text = text[: text.rfind("\n") + 1]
+            ledger.write_text(text)
+        if any(json.loads(line)["iteration"] == iteration for line in text.splitlines() if line.strip()):
+            return
+        with ledger.open("a") as f:
+            f.write(json.dumps({"iteration": iteration, "uids": [u for _, u in commit]}) + "\n")
+
     def load(self, path: Path) -> dict:
         """The learner state saved in `path`; loads the critic's too, and acknowledges the
         checkpoint's trajectories in case the crash came between writing it and committing."""
         state = torch.load(path / "learner.pt", map_location="cpu", weights_only=True)  # never N copies on one GPU
-        self.store.commit([(e, u) for e, u in state["commit"]])
+        commit = [(e, u) for e, u in state["commit"]]
+        self.store.commit(commit)
+        iteration = checkpoint_iteration(path)
+        if iteration is not None:
+            self._record(iteration, commit)
         if self.critic is not None and (path / "critic").exists():
             self.critic.load(self.critic_path(path))
         return state

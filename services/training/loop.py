@@ -247,9 +247,9 @@ class TrainingLoop:
                 metrics["time/iteration_s"] = time.perf_counter() - t0
             if self._observe is not None:
                 self._observe(it, metrics)
-            if tick.checkpoint:
+            runlog.log_iteration(it, metrics)  # before the checkpoint: a crash between the two
+            if tick.checkpoint:  # redoes this iteration, whose row a resumed run drops and writes again
                 self.checkpoint(it, tick)
-            runlog.log_iteration(it, metrics)
             if tick.out_of_time:
                 self.log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
                 break

@@ -55,7 +55,10 @@ class RunLog:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.rows: list[dict] = []
         if resume_from is not None and self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
+            text = self.metrics_path.read_text()
+            if not text.endswith("\n"):  # a crash cut the last row short: its iteration is redone
+                text = text[: text.rfind("\n") + 1]
+            for line in text.splitlines():
                 if line.strip():
                     row = json.loads(line)
                     if row.get("iteration", 0) <= resume_from:
