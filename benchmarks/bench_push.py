@@ -7,7 +7,7 @@ loopback TCP copy of the same bytes and a memory copy.
 For each size (random float32 state dicts of 16 MiB tensors plus a few small ones) and each
 server count, in one run on one machine:
 
-- grpc: `WeightBroadcaster.push` (encode once, fan out to every server in parallel) to N
+- grpc: `Publisher.push` (encode once, fan out to every server in parallel) to N
   in-process generation servers on loopback, end to end: until every server serves the new
   version (assembled, checked, swapped in by the backend);
 - shm: the same push to the same servers registered as co-located (`rpc.shm_dir` on a tmpfs,
@@ -209,7 +209,6 @@ def main() -> None:
 
     from services.common.config import config_from_dict
     from services.generation.server import serve
-    from services.learner.broadcast import WeightBroadcaster
     from services.weights.hostcopy import to_host
 
     shm_dir = tempfile.mkdtemp(prefix="rlhf-bench-", dir=args.shm_dir)
@@ -223,7 +222,7 @@ def main() -> None:
     rows = []
     try:
         for size_mb in [int(s) for s in args.sizes_mb.split(",")]:
-            rows += bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host)
+            rows += bench_size(size_mb, args, cfg, serve, limit, to_host)
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +241,10 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> list[dict]:
+def bench_size(size_mb, args, cfg, serve, limit, to_host) -> list[dict]:
+    from services.generation.client import ServerPool
+    from services.weights.publisher import Publisher
+
     state = random_state(size_mb << 20, dtype=getattr(torch, args.dtype), device=args.device)
     host = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -293,7 +295,9 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
                     heartbeat=lambda *a, **kw: None,
                     publish_learner=lambda *a, **kw: None,
                 )
-                bc = WeightBroadcaster(cfg, store, learner)
+                bc = Publisher(
+                    cfg, store, learner, ServerPool(lambda store=store: store.live("generation"), cfg.rpc, 1.0)
+                )
                 bc.identity = ("bench", 1)
                 runs, version, out = timed_pushes(bc, services, args.repeats, version)
                 assert out["push/shm"] == (n if method == "shm" else 0), out
@@ -301,6 +305,7 @@ def bench_size(size_mb, args, cfg, serve, WeightBroadcaster, limit, to_host) -> 
                 assert all(torch.equal(check[k], state[k]) for k in state)
                 del check
                 bc.close()
+                bc.servers.close()
                 s = statistics.median(runs)
                 row.update({f"{method}_s": s, f"{method}_mb_s": nbytes * n / s / 1e6, f"{method}_runs_s": runs})
             for s in services:

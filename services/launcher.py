@@ -35,6 +35,7 @@ from .common.rpc import health
 
 if TYPE_CHECKING:
     from .common.config import Config
+    from .common.replay.embedded import EmbeddedRedis
 
 NICE_SAMPLERS = 10
 PROGRESS_MARKERS = ("iter ", "done:", "resumed from", "stopped at", "Traceback", "Error", "ERROR")
@@ -82,6 +83,7 @@ class Child:
         return self
 
     def _pump(self, proc: subprocess.Popen, listening: threading.Event) -> None:
+        assert proc.stdout is not None  # started with stdout=PIPE
         with self.log_path.open("ab") as log:
             for raw in proc.stdout:
                 log.write(raw)
@@ -101,13 +103,15 @@ class Child:
         return health.check(f"127.0.0.1:{self.endpoints['port']}", health.readiness_name(self.kind))
 
     def wait_ready(self, timeout_s: float) -> dict:
+        proc = self.proc
+        assert proc is not None, f"{self.name} waited for before it was started"
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self._is_ready():
                 return self.endpoints
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise RuntimeError(
-                    f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                    f"{self.name} exited with code {proc.returncode} before it was ready; "
                     f"last lines of {self.log_path}:\n{tail(self.log_path)}"
                 )
             self.listening.wait(0.2) if not self.listening.is_set() else time.sleep(0.2)
@@ -125,20 +129,22 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             try:
                 self.proc.send_signal(sig)
             except ProcessLookupError:
                 pass
 
     def stop(self, timeout_s: float) -> None:
+        proc = self.proc
+        assert proc is not None, f"{self.name} stopped before it was started"
         self.signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout_s)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             print(f"{self.name} did not stop in {timeout_s:.0f}s; killing it", flush=True)
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
     def info(self) -> dict:
         return {
@@ -177,6 +183,7 @@ def split_url_password(url: str | None) -> tuple[str | None, str | None]:
     parts = urlsplit(url)
     if parts.password is None:
         return url, None
+    assert parts.hostname is not None, "a Redis URL with a password must name its host"
     host = parts.hostname + (f":{parts.port}" if parts.port else "")
     user = f"{parts.username}@" if parts.username else ""
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment)), parts.password
@@ -188,7 +195,7 @@ class Launcher:
         self.run_dir = Path(cfg.run.run_dir).resolve()
         self.log_dir = self.run_dir / "logs"
         self.children: dict[str, Child] = {}
-        self.redis = None
+        self.redis: EmbeddedRedis | None = None
         self.redis_restarts = 0
         self.url, url_password = split_url_password(cfg.replay.url)
         self.overrides = [o for o in args.overrides if o.split("=", 1)[0].rsplit(".", 1)[-1] not in SECRET_KEYS]
@@ -260,6 +267,7 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.url:
             self._start_redis()
+            assert self.redis is not None  # set by _start_redis
             print(
                 f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {self.run_dir / 'redis'})", flush=True
             )
@@ -348,6 +356,7 @@ class Launcher:
             code = self.supervise_once(time.time())
             if code is not None:
                 return code
+        assert learner.proc is not None  # started by start()
         return learner.proc.returncode if learner.proc.poll() is not None else 130
 
     def supervise_once(self, now: float) -> int | None:
@@ -358,6 +367,7 @@ class Launcher:
         if failed is not None:
             return failed
         for name, c in list(self.children.items()):
+            assert c.proc is not None  # every child is started when spawned
             code = c.proc.poll()
             if code is None:
                 self._check_back(c)

@@ -65,3 +65,18 @@ def held_backend(model_dir: str, hold_s: float):
 
     backend.generate = held_generate
     return backend, started, release
+
+
+def publisher(cfg, store, learner):
+    """A weight `Publisher` over `store`'s registry with a `ServerPool` of its own, as the learner
+    builds one; `closed(p)` closes both."""
+    from services.generation.client import ServerPool
+    from services.weights.publisher import Publisher
+
+    pool = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+    return Publisher(cfg, store, learner, pool)
+
+
+def closed(p) -> None:
+    p.close()
+    p.servers.close()

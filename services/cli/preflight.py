@@ -74,13 +74,17 @@ def backend_errors(cfg: Config) -> list[str]:
 def raw_errors(data: dict) -> list[str]:
     """What can be checked of a config that does not validate: its data sources and rule names."""
     errors = []
-    section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    section = data.get("data")
+    if not isinstance(section, dict):
+        section = {}
     for key in ("train", "eval"):
         source = section.get(key)
         problem = source_problem(source) if isinstance(source, str) else None
         if problem:
             errors.append(f"data.{key}: {problem}")
-    reward = data.get("reward") if isinstance(data.get("reward"), dict) else {}
+    reward = data.get("reward")
+    if not isinstance(reward, dict):
+        reward = {}
     for key in ("rules", "eval_rules"):
         rules = reward.get(key)
         if not isinstance(rules, list):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -39,6 +39,9 @@ from .config_sections import (  # noqa: F401 (the sections are importable from h
     VLLMConfig,
 )
 
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
 # the algorithm's choices come from its registries: one list of names, not two
 ADV_ESTIMATOR_NAMES = ADV_ESTIMATORS.names()
 KL_PENALTY_NAMES = KL_ESTIMATORS.choices()
@@ -47,125 +50,135 @@ POLICY_LOSS_NAMES = POLICY_LOSSES.names()
 
 class Config(Strict):
     # --- ppo related (names and defaults of ROLL's PPO table) ---------------------------------
-    rollout_batch_size: int = Field(512, gt=0, description="prompts sampled per iteration")
-    prompt_length: int = Field(2048, gt=0, description="most tokens of a prompt")
-    response_length: int = Field(4096, gt=0, description="most generated tokens of a response")
+    rollout_batch_size: int = Field(default=512, gt=0, description="prompts sampled per iteration")
+    prompt_length: int = Field(default=2048, gt=0, description="most tokens of a prompt")
+    response_length: int = Field(default=4096, gt=0, description="most generated tokens of a response")
     adv_estimator: Literal[ADV_ESTIMATOR_NAMES] = Field(  # type: ignore[valid-type]
-        "gae", description="advantage estimator: gae uses the critic, the others are critic-free"
+        default="gae", description="advantage estimator: gae uses the critic, the others are critic-free"
     )
     num_return_sequences_in_group: int = Field(
-        1, gt=0, description="responses sampled per prompt (>= 2 for grpo and rloo)"
+        default=1, gt=0, description="responses sampled per prompt (>= 2 for grpo and rloo)"
     )
-    ppo_epochs: int = Field(1, gt=0, description="optimisation passes over each rollout batch")
-    use_kl_loss: bool = Field(True, description="add kl_loss_coef x KL to the reference as a loss term")
-    kl_loss_coef: float = Field(0.001, ge=0, description="weight of the KL loss term")
+    ppo_epochs: int = Field(default=1, gt=0, description="optimisation passes over each rollout batch")
+    use_kl_loss: bool = Field(default=True, description="add kl_loss_coef x KL to the reference as a loss term")
+    kl_loss_coef: float = Field(default=0.001, ge=0, description="weight of the KL loss term")
     loss_agg_mode: Literal[LOSS_AGG_MODES] = Field(  # type: ignore[valid-type]
-        "seq-mean-token-sum",
+        default="seq-mean-token-sum",
         description="reduction of per-token losses: mean over all tokens (token-mean), "
         "per-sequence sum or mean then mean over sequences (seq-mean-token-sum/-mean), or total / padded length "
         "(seq-mean-token-sum-norm, Dr. GRPO)",
     )
-    whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, std 1 over the batch")
-    advantage_clip: Optional[float] = Field(2.0, gt=0, description="clamp advantages to [-x, x]; null = off")
-    reward_clip: Optional[float] = Field(None, gt=0, description="clamp rewards to [-x, x]; null = off")
+    whiten_advantages: bool = Field(default=True, description="normalise advantages to mean 0, std 1 over the batch")
+    advantage_clip: Optional[float] = Field(default=2.0, gt=0, description="clamp advantages to [-x, x]; null = off")
+    reward_clip: Optional[float] = Field(default=None, gt=0, description="clamp rewards to [-x, x]; null = off")
     dual_clip_loss: bool = Field(
-        True, description="dual-clip PPO: bound the loss of negative-advantage tokens at dual_clip_c x advantage"
+        default=True,
+        description="dual-clip PPO: bound the loss of negative-advantage tokens at dual_clip_c x advantage",
     )
-    lambd: float = Field(0.95, ge=0, le=1, description="GAE lambda")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount factor")
+    lambd: float = Field(default=0.95, ge=0, le=1, description="GAE lambda")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="discount factor")
     pg_clip: float = Field(
-        0.2, gt=0, lt=1, description="PPO clip range: the ratio is clipped to [1 - pg_clip, 1 + pg_clip]"
+        default=0.2, gt=0, lt=1, description="PPO clip range: the ratio is clipped to [1 - pg_clip, 1 + pg_clip]"
     )
     value_clip: Optional[float] = Field(
-        None, gt=0, description="clip new values to old values +- this (PPO2); null = off"
+        default=None, gt=0, description="clip new values to old values +- this (PPO2); null = off"
     )
     kl_penalty: Literal[KL_PENALTY_NAMES] = Field(  # type: ignore[valid-type]
-        "kl",
+        default="kl",
         description="per-token KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), or full (exact, over "
         "the whole vocabulary)",
     )
     target_kl: Optional[float] = Field(
-        None, gt=0, description="target KL of the adaptive KL controller; null = the coefficient stays init_kl_coef"
+        default=None,
+        gt=0,
+        description="target KL of the adaptive KL controller; null = the coefficient stays init_kl_coef",
     )
-    init_kl_coef: float = Field(0.2, ge=0, description="(initial) coefficient of the per-token KL in the reward")
+    init_kl_coef: float = Field(
+        default=0.2, ge=0, description="(initial) coefficient of the per-token KL in the reward"
+    )
     kl_horizon: int = Field(
-        10000,
+        default=10000,
         gt=0,
         description="adaptive KL horizon, in sequences: each update moves the "
         "coefficient by at most 20% x sequences / horizon",
     )
-    add_token_level_kl: bool = Field(False, description="subtract the KL coefficient x per-token KL from the reward")
+    add_token_level_kl: bool = Field(
+        default=False, description="subtract the KL coefficient x per-token KL from the reward"
+    )
     # normalize
     reward_norm: Optional[Literal[REWARD_NORMS]] = Field(  # type: ignore[valid-type]
-        None,
+        default=None,
         description="normalise rewards with statistics of the batch, of each prompt's group, or running "
         "ones; null = off",
     )
-    reward_shift: bool = Field(False, description="with reward_norm: only subtract the mean")
-    reward_scale: bool = Field(False, description="with reward_norm: only divide by the std")
+    reward_shift: bool = Field(default=False, description="with reward_norm: only subtract the mean")
+    reward_scale: bool = Field(default=False, description="with reward_norm: only divide by the std")
     # --- beyond ROLL's table: loss terms, dual clip, asymmetric clip, reference choice ------
-    dual_clip_c: float = Field(3.0, gt=1, description="c of dual-clip PPO (clip_ratio_c)")
+    dual_clip_c: float = Field(default=3.0, gt=1, description="c of dual-clip PPO (clip_ratio_c)")
     pg_clip_low: Optional[float] = Field(
-        None, gt=0, lt=1, description="lower clip range (ratio >= 1 - this); null = pg_clip"
+        default=None, gt=0, lt=1, description="lower clip range (ratio >= 1 - this); null = pg_clip"
     )
     pg_clip_high: Optional[float] = Field(
-        None, gt=0, description="upper clip range (ratio <= 1 + this; DAPO clip-higher); null = pg_clip"
+        default=None, gt=0, description="upper clip range (ratio <= 1 + this; DAPO clip-higher); null = pg_clip"
     )
     policy_loss: Literal[POLICY_LOSS_NAMES] = Field(  # type: ignore[valid-type]
-        "vanilla",
+        default="vanilla",
         description="policy objective: 'vanilla' = PPO clip on the token ratio (dual clip when "
         "dual_clip_loss), 'gspo' = clip on the sequence ratio (GSPO)",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
-    ptx_coef: float = Field(0.0, ge=0, description="PTX/SFT next-token loss weight (InstructGPT)")
+    entropy_coef: float = Field(default=0.0, ge=0, description="weight of the entropy bonus")
+    ptx_coef: float = Field(default=0.0, ge=0, description="PTX/SFT next-token loss weight (InstructGPT)")
     ref_model: Literal[REFERENCE_CHOICES] = Field(  # type: ignore[valid-type]
-        "sft", description="KL reference: the frozen initial model, the policy before this update, or a mixture of both"
+        default="sft",
+        description="KL reference: the frozen initial model, the policy before this update, or a mixture of both",
     )
-    ref_mix_coef: float = Field(0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
+    ref_mix_coef: float = Field(default=0.5, ge=0, le=1, description="weight of the SFT model in 'mixture'")
     recompute_old_log_probs: bool = Field(
-        True,
+        default=True,
         description="recompute the sampled tokens' old log-probs with the training model; false = use the sampler's",
     )
     fuse_old_log_probs: bool = Field(
-        True,
+        default=True,
         description="skip the forward that recomputes old log-probs when it "
         "provably equals the training forward (one epoch, one mini-batch, no KL in "
         "the reward, reference 'sft', kl_penalty not 'full', no rollout_is, no "
         "dropout) and take them from the training forward; false = always recompute",
     )
     rollout_is: bool = Field(
-        False,
+        default=False,
         description="truncated importance sampling: weight each token's policy "
         "loss by min(exp(old_log_prob - sampler's log_prob), rollout_is_threshold), "
         "correcting for a sampler that differs from the learner (bf16 vLLM, staleness); "
         "needs the sampler's log-probs; with recompute_old_log_probs false every weight is 1",
     )
-    rollout_is_threshold: float = Field(2.0, gt=0, description="cap of the truncated importance weight")
+    rollout_is_threshold: float = Field(default=2.0, gt=0, description="cap of the truncated importance weight")
     max_staleness: int = Field(
-        0,
+        default=0,
         ge=0,
         description="policy versions a trajectory may lag the learner; "
         "0 = synchronous on-policy PPO, >= 1 overlaps generation and training",
     )
     # --- optimisation --------------------------------------------------------------------------
-    actor_lr: float = Field(1e-6, gt=0, description="policy learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the policy and the critic")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas of the policy")
-    lr_warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear learning-rate warmup")
+    actor_lr: float = Field(default=1e-6, gt=0, description="policy learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay of the policy and the critic")
+    adam_betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas of the policy")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="optimiser steps of linear learning-rate warmup")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="policy learning-rate schedule after the warmup"
+        default="constant", description="policy learning-rate schedule after the warmup"
     )
-    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="clip the policy's gradient norm to this; null = off")
-    ppo_mini_batch_size: int = Field(64, gt=0, description="sequences per optimiser step")
+    max_grad_norm: Optional[float] = Field(
+        default=1.0, gt=0, description="clip the policy's gradient norm to this; null = off"
+    )
+    ppo_mini_batch_size: int = Field(default=64, gt=0, description="sequences per optimiser step")
     micro_batch_size: Optional[int] = Field(
-        None,
+        default=None,
         gt=0,
         description="sequences per forward and backward "
         "(gradient accumulation, exact in every loss_agg_mode); "
         "null = ppo_mini_batch_size",
     )
     log_prob_micro_batch_size: Optional[int] = Field(
-        None,
+        default=None,
         gt=0,
         description="sequences per forward of the "
         "passes without gradients (old log-probs, reference, "
@@ -229,7 +242,7 @@ def _fields_at(path: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _describe(err: dict, data: dict | None = None) -> str:
+def _describe(err: ErrorDetails, data: dict | None = None) -> str:
     loc = tuple(err["loc"])
     key = ".".join(str(p) for p in loc) or "<root>"
     if err["type"] == "extra_forbidden":
@@ -370,7 +383,9 @@ def _file_data(p: Path, seen: tuple[Path, ...]) -> dict:
     if found.resolve() in seen or found.resolve() == p.resolve():
         raise ConfigError([f"{p}: base: {base!r} leads back to itself"])
     under = _file_data(found, (*seen, p.resolve()))
-    mine = data.get("data") if isinstance(data.get("data"), dict) else {}
+    mine = data.get("data")
+    if not isinstance(mine, dict):
+        mine = {}
     if "train" in mine and "eval" not in mine and isinstance(under.get("data"), dict):
         # the base's held-out prompts belong to the base's training prompts: with prompts of your
         # own and none held out, a split of yours is (never the preset's task)

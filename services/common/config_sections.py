@@ -17,12 +17,14 @@ class Strict(BaseModel):
 # ------------------------------------------ the policy (learner and generation)
 class LoraConfig(Strict):
     rank: int = Field(
-        0,
+        default=0,
         ge=0,
         description="LoRA rank; 0 trains the full model (with LoRA the KL reference is the base model, adapters off)",
     )
-    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability on the adapters' input")
+    alpha: float = Field(
+        default=16.0, gt=0, description="LoRA scale numerator: the adapters' output is scaled by alpha / rank"
+    )
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout probability on the adapters' input")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="names of the linear layers that get adapters",
@@ -31,29 +33,31 @@ class LoraConfig(Strict):
 
 class ModelConfig(Strict):
     path: str = Field(
-        "runs/tiny-model",
+        default="runs/tiny-model",
         description="the policy: a local directory with config, weights and "
         "tokenizer, or a Hugging Face hub id (org/name)",
     )
-    device: str = Field("auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = Field(
+        default="auto", description="torch device: 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ..."
+    )
     bf16: bool = Field(
-        False,
+        default=False,
         description="train in bfloat16 autocast (master weights, optimiser state and the "
         "log-prob head stay float32); generation.dtype auto samples in bfloat16 too",
     )
     reference_path: Optional[str] = Field(
-        None,
+        default=None,
         description="the KL reference (ref_model 'sft'): this model "
         "instead of model.path as loaded; set it to the original SFT model when "
         "model.path is an earlier run's final/ (a branch), or the reference moves "
         "with the policy",
     )
     gradient_checkpointing: bool = Field(
-        False, description="recompute activations in the backward pass: less memory, more compute"
+        default=False, description="recompute activations in the backward pass: less memory, more compute"
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
     nproc: int = Field(
-        1,
+        default=1,
         ge=1,
         description="learner processes (one per GPU) the actor and its optimiser state "
         "are sharded across with FSDP2; `rlhf serve learner` starts them (gloo on the CPU)",
@@ -66,20 +70,22 @@ class VLLMConfig(Strict):
     build, generation.dtype float32 and a few GiB of KV cache (`cpu_kvcache_space_gb`) are what to set."""
 
     gpu_memory_utilization: float = Field(
-        0.85, gt=0, le=1, description="share of the GPU's memory vLLM takes (weights + KV cache)"
+        default=0.85, gt=0, le=1, description="share of the GPU's memory vLLM takes (weights + KV cache)"
     )
     max_model_len: Optional[int] = Field(
-        None, gt=0, description="longest sequence the engine serves; null = prompt_length + response_length"
+        default=None, gt=0, description="longest sequence the engine serves; null = prompt_length + response_length"
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model across")
-    enforce_eager: bool = Field(False, description="no CUDA graphs (slower decoding, faster start, less memory)")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs one engine shards the model across")
+    enforce_eager: bool = Field(
+        default=False, description="no CUDA graphs (slower decoding, faster start, less memory)"
+    )
     enable_prefix_caching: bool = Field(
-        True, description="reuse the KV cache of shared prompt prefixes (reset at every weight swap)"
+        default=True, description="reuse the KV cache of shared prompt prefixes (reset at every weight swap)"
     )
     cpu_kvcache_space_gb: float = Field(
-        1.0, gt=0, description="KV cache GiB of the CPU build (VLLM_CPU_KVCACHE_SPACE); unused on a GPU"
+        default=1.0, gt=0, description="KV cache GiB of the CPU build (VLLM_CPU_KVCACHE_SPACE); unused on a GPU"
     )
-    seed: int = Field(0, description="engine seed (requests with their own seed use theirs)")
+    seed: int = Field(default=0, description="engine seed (requests with their own seed use theirs)")
 
     @model_validator(mode="before")
     @classmethod
@@ -91,30 +97,30 @@ class VLLMConfig(Strict):
 
 class GenerationConfig(Strict):
     backend: Literal["hf", "vllm"] = Field(
-        "hf",
+        default="hf",
         description="sampling engine: transformers (CPU or GPU) or vLLM "
         "(its continuous batching; GPU, or its CPU build)",
     )
-    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of training rollouts")
+    temperature: float = Field(default=1.0, gt=0, le=10, description="sampling temperature of training rollouts")
     top_p: float = Field(
-        1.0,
+        default=1.0,
         gt=0,
         le=1,
         description="nucleus sampling: sample from the most likely tokens holding this much probability; 1 = off",
     )
-    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens; 0 = off")
+    top_k: int = Field(default=0, ge=0, description="sample from the k most likely tokens; 0 = off")
     eval_temperature: float = Field(
-        0.0, ge=0, le=10, description="sampling temperature of the held-out eval; 0 = greedy"
+        default=0.0, ge=0, le=10, description="sampling temperature of the held-out eval; 0 = greedy"
     )
-    max_batch_size: int = Field(256, ge=1, description="most prompts a generation server decodes in one batch")
+    max_batch_size: int = Field(default=256, ge=1, description="most prompts a generation server decodes in one batch")
     batch_window_ms: float = Field(
-        5.0,
+        default=5.0,
         ge=0,
         description="milliseconds a generation server waits to batch "
         "concurrent calls together (hf; vLLM batches continuously)",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto",
+        default="auto",
         description="the sampler's weights and arithmetic, either backend: auto = bfloat16 with model.bf16, "
         "else float32; float32 with model.bf16 trains in bfloat16 and samples in float32 (docs/speed.md)",
     )
@@ -132,13 +138,13 @@ class RuleSpec(Strict):
         description="a registered rule (exact_match, verifiable_answer, math_answer, "
         "edit_distance, repetition, length, regex_format) or 'module.path:function'",
     )
-    weight: float = Field(1.0, description="weight of this rule's score in the reward")
+    weight: float = Field(default=1.0, description="weight of this rule's score in the reward")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the rule")
 
 
 class RewardConfig(Strict):
     type: Literal["rules", "model", "http", "combined"] = Field(
-        "rules",
+        default="rules",
         description="reward source: rule verifiers, a reward model, an HTTP reward API, or the weighted "
         "sum of those configured",
     )
@@ -147,63 +153,66 @@ class RewardConfig(Strict):
         description="rule scorers, each {name, weight, kwargs}; their weighted sum",
     )
     model_path: Optional[str] = Field(
-        None, description="reward model directory (AutoModelForSequenceClassification); null = none"
+        default=None, description="reward model directory (AutoModelForSequenceClassification); null = none"
     )
-    model_weight: float = Field(1.0, description="weight of the reward model's score in 'combined'")
+    model_weight: float = Field(default=1.0, description="weight of the reward model's score in 'combined'")
     model_normalize: bool = Field(
-        False,
+        default=False,
         description="score (r - mean) / std with the mean and std of the reward "
         "model on its training pairs (reward_stats.json, written by `rlhf train-rm`)",
     )
     http_url: Optional[str] = Field(
-        None, description="reward API URL (OpenRLHF protocol: POST {query, prompts, labels} -> {rewards}); null = none"
+        default=None,
+        description="reward API URL (OpenRLHF protocol: POST {query, prompts, labels} -> {rewards}); null = none",
     )
-    http_weight: float = Field(1.0, description="weight of the HTTP reward in 'combined'")
+    http_weight: float = Field(default=1.0, description="weight of the HTTP reward in 'combined'")
     http_timeout_s: float = Field(
-        30.0,
+        default=30.0,
         gt=0,
         description="seconds one HTTP reward request may take (connect, "
         "send, and each wait for the answer); keep (http_retries + 1) x this below "
         "rpc.timeout_s",
     )
     http_retries: int = Field(
-        3,
+        default=3,
         ge=0,
         description="retries of an HTTP reward request that timed out, lost its "
         "connection or got 5xx or 429 (never another 4xx), after a backoff with jitter or "
         "the answer's Retry-After",
     )
     http_backoff_s: float = Field(
-        0.5,
+        default=0.5,
         gt=0,
         description="least wait before a retry; each wait is drawn between this and 3x the last (decorrelated jitter)",
     )
-    http_max_backoff_s: float = Field(10.0, gt=0, description="longest wait before a retry, without Retry-After")
+    http_max_backoff_s: float = Field(
+        default=10.0, gt=0, description="longest wait before a retry, without Retry-After"
+    )
     http_retry_after_max_s: float = Field(
-        60.0,
+        default=60.0,
         ge=0,
         description="longest Retry-After (of a 429 or 503, in "
         "seconds or an HTTP date) honoured; a longer one waits this long",
     )
     http_concurrency: int = Field(
-        8,
+        default=8,
         ge=1,
         description="most HTTP reward requests in flight at once, across all the Score calls a reward server runs",
     )
     http_auth_env: Optional[str] = Field(
-        "RLHF_REWARD_API_KEY",
+        default="RLHF_REWARD_API_KEY",
         description="environment variable holding the "
         "reward API's token; when it is set and not empty, every request "
         "carries it in http_auth_header (it is never logged); null = none",
     )
-    http_auth_header: str = Field("Authorization", min_length=1, description="header the token goes in")
+    http_auth_header: str = Field(default="Authorization", min_length=1, description="header the token goes in")
     http_auth_scheme: str = Field(
-        "Bearer",
+        default="Bearer",
         description="word before the token in the header ('Bearer "
         "<token>'); empty = the bare token (e.g. for X-API-Key)",
     )
     http_breaker_failures: int = Field(
-        5,
+        default=5,
         ge=0,
         description="failed reward API requests in a row (timeouts, "
         "lost connections, 5xx, 429, 401/403/404/405/407, answers that are not rewards; "
@@ -212,13 +221,13 @@ class RewardConfig(Strict):
         "reaching it, and callers wait; 0 = no breaker",
     )
     http_breaker_cooldown_s: float = Field(
-        30.0,
+        default=30.0,
         gt=0,
         description="seconds the breaker stays open before one "
         "probe request goes through; its success closes the breaker",
     )
     group_retries: int = Field(
-        2,
+        default=2,
         ge=0,
         description="rollout workers: times a batch is scored again (not "
         "generated again) when the reward API failed it after its own HTTP retries; "
@@ -228,16 +237,18 @@ class RewardConfig(Strict):
         "default reward",
     )
     group_retry_wait_s: float = Field(
-        10.0, ge=0, description="rollout workers: seconds before a batch is scored again after the reward API failed it"
+        default=10.0,
+        ge=0,
+        description="rollout workers: seconds before a batch is scored again after the reward API failed it",
     )
     max_text_chars: int = Field(
-        100_000,
+        default=100_000,
         ge=1,
         description="longest prompt, response or label one sample may "
         "carry (characters); a longer one is refused with INVALID_ARGUMENT",
     )
     eval_rules: Optional[list[RuleSpec]] = Field(
-        None,
+        default=None,
         description="rule scorers of the held-out evaluation "
         "only, each {name, weight, kwargs} as in reward.rules: a gold "
         "reward the policy is not trained on (the reward-hacking watch "
@@ -250,50 +261,57 @@ class RewardModelConfig(Strict):
     """A scalar reward head on a causal LM backbone, trained on preference pairs with the pairwise
     loss -log sigmoid(r_chosen - r_rejected - margin); its directory is what reward.model_path loads."""
 
-    base: Optional[str] = Field(None, description="the backbone: a causal LM directory or hub id; null = model.path")
+    base: Optional[str] = Field(
+        default=None, description="the backbone: a causal LM directory or hub id; null = model.path"
+    )
     train: Optional[str] = Field(
-        None,
+        default=None,
         description="preference pairs: a .jsonl, .parquet, .csv or .json file, or "
         "hf:DATASET[:CONFIG][@SPLIT]; rows {prompt, chosen, rejected} (strings or chat "
         "messages), or {chosen, rejected} whose shared leading messages are the prompt",
     )
     eval: Optional[str] = Field(
-        None, description="held-out pairs, in the forms of train; null = hold out eval_fraction of train's prompts"
+        default=None,
+        description="held-out pairs, in the forms of train; null = hold out eval_fraction of train's prompts",
     )
-    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of train's prompts held out when eval is null")
-    prompt_key: str = Field("prompt", description="field with the prompt (absent in a row: the implicit form)")
-    chosen_key: str = Field("chosen", description="field with the preferred answer")
-    rejected_key: str = Field("rejected", description="field with the other answer")
+    eval_fraction: float = Field(
+        default=0.1, ge=0, lt=1, description="share of train's prompts held out when eval is null"
+    )
+    prompt_key: str = Field(default="prompt", description="field with the prompt (absent in a row: the implicit form)")
+    chosen_key: str = Field(default="chosen", description="field with the preferred answer")
+    rejected_key: str = Field(default="rejected", description="field with the other answer")
     margin_key: Optional[str] = Field(
-        None,
+        default=None,
         description="field with a per-pair margin added to the loss's "
         "(r_chosen - r_rejected must exceed it); null = none",
     )
-    margin: float = Field(0.0, ge=0, description="a margin every pair's loss asks for, beside margin_key's")
+    margin: float = Field(default=0.0, ge=0, description="a margin every pair's loss asks for, beside margin_key's")
     chat_template: bool = Field(
-        False,
+        default=False,
         description="render string prompts as one user message through the chat "
         "template, as data.chat_template does for the policy (chat-message prompts "
         "always are)",
     )
     max_length: int = Field(
-        512, ge=8, description="longest prompt + answer in tokens; longer pairs are dropped with a warning"
+        default=512, ge=8, description="longest prompt + answer in tokens; longer pairs are dropped with a warning"
     )
-    epochs: int = Field(1, ge=1, description="passes over the training pairs")
-    batch_size: int = Field(32, ge=1, description="pairs per optimiser step")
-    micro_batch_size: int = Field(8, ge=1, description="pairs per forward and backward (gradients accumulate)")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the backbone; the new head gets head_lr")
-    head_lr: Optional[float] = Field(None, gt=0, description="learning rate of the new reward head; null = lr")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    warmup_steps: int = Field(0, ge=0, description="linear warmup steps, then a cosine decay to 0")
-    bf16: bool = Field(False, description="forward and backward in bfloat16 autocast (weights and Adam in float32)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    epochs: int = Field(default=1, ge=1, description="passes over the training pairs")
+    batch_size: int = Field(default=32, ge=1, description="pairs per optimiser step")
+    micro_batch_size: int = Field(default=8, ge=1, description="pairs per forward and backward (gradients accumulate)")
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate of the backbone; the new head gets head_lr")
+    head_lr: Optional[float] = Field(default=None, gt=0, description="learning rate of the new reward head; null = lr")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(default=0, ge=0, description="linear warmup steps, then a cosine decay to 0")
+    bf16: bool = Field(
+        default=False, description="forward and backward in bfloat16 autocast (weights and Adam in float32)"
+    )
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations in the backward pass")
     lora: LoraConfig = Field(
         default_factory=LoraConfig,
         description="LoRA adapters on the backbone (the head is trained whole); merged into the written model",
     )
-    out: str = Field("runs/reward-model", description="where the reward model directory is written")
-    seed: int = Field(0, description="seed of the head's initialisation, the shuffling and the held-out split")
+    out: str = Field(default="runs/reward-model", description="where the reward model directory is written")
+    seed: int = Field(default=0, description="seed of the head's initialisation, the shuffling and the held-out split")
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "RewardModelConfig":
@@ -308,29 +326,29 @@ class RewardModelConfig(Strict):
 # ------------------------------------------ the critic server
 class CriticConfig(Strict):
     model_path: Optional[str] = Field(
-        None, description="value model backbone to start from (a local directory or hub id); null = model.path"
+        default=None, description="value model backbone to start from (a local directory or hub id); null = model.path"
     )
-    lr: float = Field(1e-4, gt=0, description="critic learning rate")
-    value_loss_coef: float = Field(1.0, gt=0, description="scales the value loss (c1 in PPO)")
+    lr: float = Field(default=1e-4, gt=0, description="critic learning rate")
+    value_loss_coef: float = Field(default=1.0, gt=0, description="scales the value loss (c1 in PPO)")
     nproc: int = Field(
-        1,
+        default=1,
         ge=1,
         description="critic server processes (one per GPU) the value model and its "
         "optimiser state are sharded across with FSDP2; `rlhf serve critic` starts them",
     )
     overlap_training: bool = Field(
-        True,
+        default=True,
         description="learner service: the critic server trains on each "
         "mini-batch while the actor does (a win when they have their own devices)",
     )
     max_abs_target: float = Field(
-        1e6,
+        default=1e6,
         gt=0,
         description="largest |return| or |old value| Train accepts; "
         "beyond it (or non-finite) the step is refused with INVALID_ARGUMENT",
     )
     micro_batch_size: Optional[int] = Field(
-        None,
+        default=None,
         gt=0,
         description="sequences per forward and backward of a "
         "critic step (gradient accumulation, exact) and per values "
@@ -341,47 +359,47 @@ class CriticConfig(Strict):
 # ------------------------------------------ the training loop (learner, rlhf train --local)
 class DataConfig(Strict):
     train: str = Field(
-        "synthetic:reverse",
+        default="synthetic:reverse",
         description="training prompts: synthetic:TASK (reverse, arithmetic), a "
         ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
         "directory)",
     )
     eval: Optional[str] = Field(
-        None,
+        default=None,
         description="held-out prompts, in the forms of data.train; an hf: source "
         "without @split reads its eval, test or validation split; null = a split of "
         "data.train held out of training (a synthetic task: its own held-out prompts)",
     )
-    eval_size: int = Field(128, ge=1, description="held-out prompts evaluated (the first N)")
+    eval_size: int = Field(default=128, ge=1, description="held-out prompts evaluated (the first N)")
     prompt_key: str = Field(
-        "prompt",
+        default="prompt",
         description="record field with the prompt: a string, or a list of chat "
         "messages (verl) rendered through the chat template, as are records with 'messages'; "
         "GSM8K rows without it (question, answer) use 'question'",
     )
     label_key: str = Field(
-        "label",
+        default="label",
         description="record field with the reference answer (else verl's "
         "reward_model.ground_truth, else 'solution'; GSM8K rows: the number after '####')",
     )
     chat_template: bool = Field(
-        False,
+        default=False,
         description="wrap each string prompt as one user message and render it "
         "through the tokenizer's chat template; records whose prompt is a list of "
         "messages always use it",
     )
     system_prompt: Optional[str] = Field(
-        None,
+        default=None,
         description="with chat_template: a system message put before each string prompt's user message; null = none",
     )
     instruction: Optional[str] = Field(
-        None,
+        default=None,
         description="text appended (after a space) to each string prompt, "
         "before the chat template: e.g. GSM8K's 'Let's think step by step and "
         'output the final answer after "####".\'; null = none',
     )
     overlong: Literal["filter", "error"] = Field(
-        "filter",
+        default="filter",
         description="prompts longer than prompt_length tokens: "
         "'filter' drops them with a warning, 'error' stops the run",
     )
@@ -394,42 +412,44 @@ class DataConfig(Strict):
 
 
 class RunConfig(Strict):
-    run_dir: str = Field("runs/default", description="directory for metrics, checkpoints, logs and the final model")
-    iterations: int = Field(100, ge=1, description="PPO iterations: one rollout batch and its updates each")
-    eval_interval: int = Field(10, ge=0, description="evaluate every N iterations; 0 = only first/last")
+    run_dir: str = Field(
+        default="runs/default", description="directory for metrics, checkpoints, logs and the final model"
+    )
+    iterations: int = Field(default=100, ge=1, description="PPO iterations: one rollout batch and its updates each")
+    eval_interval: int = Field(default=10, ge=0, description="evaluate every N iterations; 0 = only first/last")
     checkpoint_interval: int = Field(
-        10,
+        default=10,
         ge=0,
         description="checkpoint every N iterations (and at the end and "
         "on SIGTERM); the learner service acknowledges trained trajectories "
         "at each checkpoint; 0 = only at the end",
     )
     resume_from: Optional[str] = Field(
-        None,
+        default=None,
         description="`rlhf train --local`: go on from this checkpoint "
         "(RUN_DIR/checkpoints/iter_N) instead of the run directory's newest; null = "
         "the newest, or a fresh start when there is none",
     )
     keep_checkpoints: int = Field(
-        2,
+        default=2,
         ge=1,
         description="checkpoints kept under checkpoints/ (the newest); older ones are deleted as new ones are written",
     )
     save_best: bool = Field(
-        True,
+        default=True,
         description="keep the policy of the best held-out evaluation so far as a Hugging "
         "Face directory in best/ (best/best.json: its iteration and held-out reward)",
     )
     save_generations: bool = Field(
-        True,
+        default=True,
         description="write each held-out evaluation's prompts, responses, labels "
         "and rewards to generations/iter_N.jsonl",
     )
-    seed: int = Field(0, description="random seed of sampling, data order and initialisation")
-    log_every: int = Field(1, ge=1, description="print a progress line every N iterations (and at each eval)")
-    max_wall_s: Optional[float] = Field(None, gt=0, description="stop after this many seconds; null = no limit")
+    seed: int = Field(default=0, description="random seed of sampling, data order and initialisation")
+    log_every: int = Field(default=1, ge=1, description="print a progress line every N iterations (and at each eval)")
+    max_wall_s: Optional[float] = Field(default=None, gt=0, description="stop after this many seconds; null = no limit")
     liveness_s: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description="learner service: its liveness (/healthz, gRPC "
         "health '') fails once the training loop has not advanced (a phase, a "
@@ -438,32 +458,32 @@ class RunConfig(Strict):
         "retries)",
     )
     hacking_window: int = Field(
-        3,
+        default=3,
         ge=0,
         description="reward-hacking watch: held-out evaluations compared (>= 2); "
         "it warns while across them the held-out reward falls and the train reward rises; "
         "0 = off",
     )
     hacking_min_change: float = Field(
-        0.05,
+        default=0.05,
         ge=0,
         description="reward-hacking watch: least fall of the held-out "
         "reward and least rise of the train reward across the window (their "
         "least-squares trends, in reward units) that count",
     )
     tensorboard: bool = Field(
-        True,
+        default=True,
         description="write every metric of metrics.jsonl as TensorBoard scalars "
         "into DIR/tensorboard (when the tensorboard package is installed)",
     )
     wandb_project: Optional[str] = Field(
-        None,
+        default=None,
         description="log every metric of metrics.jsonl to this Weights & "
         "Biases project (needs `pip install wandb`); null = off",
     )
-    wandb_entity: Optional[str] = Field(None, description="W&B entity (user or team); null = your default")
+    wandb_entity: Optional[str] = Field(default=None, description="W&B entity (user or team); null = your default")
     wandb_mode: Optional[Literal["online", "offline", "disabled"]] = Field(
-        None, description="W&B mode; null = wandb's default ($WANDB_MODE, else online)"
+        default=None, description="W&B mode; null = wandb's default ($WANDB_MODE, else online)"
     )
 
     @field_validator("hacking_window")
@@ -477,28 +497,32 @@ class RunConfig(Strict):
 # ------------------------------------------ the replay buffer and rollout workers
 class ReplayConfig(Strict):
     url: Optional[str] = Field(
-        None,
+        default=None,
         description="redis://[:password@]host:port/db; null = an embedded "
         "redis-server that `rlhf up` starts in the run directory",
     )
-    password: Optional[str] = Field(None, description="Redis password; null = read password_env")
-    password_env: str = Field("RLHF_REDIS_PASSWORD", description="env var read when password is null")
-    namespace: str = Field("rlhf", min_length=1, description="key prefix; one namespace per run")
+    password: Optional[str] = Field(default=None, description="Redis password; null = read password_env")
+    password_env: str = Field(default="RLHF_REDIS_PASSWORD", description="env var read when password is null")
+    namespace: str = Field(default="rlhf", min_length=1, description="key prefix; one namespace per run")
     max_backlog: Optional[int] = Field(
-        None,
+        default=None,
         gt=0,
         description="trajectory groups not yet read by the learner "
         "at which rollout workers pause; default (max_staleness + 1) x "
         "rollout_batch_size",
     )
     claim_idle_s: float = Field(
-        30.0, gt=0, description="a prompt pending this long at a silent worker is reclaimed (XAUTOCLAIM) by another"
+        default=30.0,
+        gt=0,
+        description="a prompt pending this long at a silent worker is reclaimed (XAUTOCLAIM) by another",
     )
-    heartbeat_s: float = Field(2.0, gt=0, description="generation servers and workers report this often")
-    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a server silent this long is taken off the registry")
-    block_ms: int = Field(500, ge=1, description="longest blocking read on a stream, in milliseconds")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="generation servers and workers report this often")
+    heartbeat_ttl_s: float = Field(
+        default=10.0, gt=0, description="a server silent this long is taken off the registry"
+    )
+    block_ms: int = Field(default=500, ge=1, description="longest blocking read on a stream, in milliseconds")
     appendfsync: Literal["everysec", "always", "no"] = Field(
-        "everysec",
+        default="everysec",
         description="embedded Redis AOF fsync policy: everysec survives a crash of Redis itself "
         "with nothing acknowledged lost (at most ~1 s of writes on a crash of the machine); always fsyncs "
         "every write (nothing acknowledged lost even then; slower)",
@@ -511,24 +535,26 @@ class ReplayConfig(Strict):
 
 
 class RolloutConfig(Strict):
-    prompts_per_request: int = Field(32, ge=1, description="prompts a worker claims and sends in one Generate")
-    concurrency: int = Field(2, ge=1, description="batches each worker keeps in flight")
+    prompts_per_request: int = Field(default=32, ge=1, description="prompts a worker claims and sends in one Generate")
+    concurrency: int = Field(default=2, ge=1, description="batches each worker keeps in flight")
     retries: int = Field(
-        6,
+        default=6,
         ge=0,
         description="retries of a failing batch (a service unavailable or "
         "restarting) before it is left pending for later",
     )
     retry_backoff_s: float = Field(
-        0.5, gt=0, description="seconds before the first retry; doubles with each retry up to rpc.retry_max_backoff_s"
+        default=0.5,
+        gt=0,
+        description="seconds before the first retry; doubles with each retry up to rpc.retry_max_backoff_s",
     )
     generate_timeout_s: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description="deadline of a worker's Generate call before the per-token part, in seconds; null = rpc.timeout_s",
     )
     generate_timeout_per_token_s: float = Field(
-        0.05,
+        default=0.05,
         ge=0,
         description="seconds a Generate call's deadline "
         "grows per token it asks for (prompts x n x max_new_tokens): a "
@@ -536,83 +562,88 @@ class RolloutConfig(Strict):
         "the work; a retry after a passed deadline gets twice the last",
     )
     metrics_port: Optional[int] = Field(
-        None, ge=0, le=65535, description="port of each worker's Prometheus /metrics; null = off"
+        default=None, ge=0, le=65535, description="port of each worker's Prometheus /metrics; null = off"
     )
 
 
 # ------------------------------------------ the network: every server's address and the RPC plumbing
 class Endpoint(Strict):
     host: str = Field(
-        "127.0.0.1", description="address this server binds and clients dial (0.0.0.0 binds all, dialled on loopback)"
+        default="127.0.0.1",
+        description="address this server binds and clients dial (0.0.0.0 binds all, dialled on loopback)",
     )
     port: int = Field(..., ge=0, le=65535, description="gRPC port; 0 picks a free port")
-    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="port of Prometheus /metrics; null = off")
+    metrics_port: Optional[int] = Field(
+        default=None, ge=0, le=65535, description="port of Prometheus /metrics; null = off"
+    )
 
 
 class RewardEndpoint(Endpoint):
     http_port: Optional[int] = Field(
-        8052, ge=0, le=65535, description="port of the OpenRLHF-style HTTP reward API; null = off"
+        default=8052, ge=0, le=65535, description="port of the OpenRLHF-style HTTP reward API; null = off"
     )
 
 
 class LearnerEndpoint(Endpoint):
     http_port: Optional[int] = Field(
-        8054, ge=0, le=65535, description="port of the JSON status page (/status); null = off"
+        default=8054, ge=0, le=65535, description="port of the JSON status page (/status); null = off"
     )
 
 
 class RPCConfig(Strict):
-    host: str = Field("127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
+    host: str = Field(default="127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
     advertise_host: Optional[str] = Field(
-        None, description="address other services reach this one at (the pod IP in Kubernetes); default the bind host"
+        default=None,
+        description="address other services reach this one at (the pod IP in Kubernetes); default the bind host",
     )
-    auth_token: Optional[str] = Field(None, description="bearer token every call must carry")
-    auth_token_env: str = Field("RLHF_AUTH_TOKEN", description="env var read when auth_token is null")
+    auth_token: Optional[str] = Field(default=None, description="bearer token every call must carry")
+    auth_token_env: str = Field(default="RLHF_AUTH_TOKEN", description="env var read when auth_token is null")
     tls_cert_file: Optional[str] = Field(
-        None, description="PEM certificate servers present; with tls_key_file, servers speak TLS; null = plaintext"
+        default=None,
+        description="PEM certificate servers present; with tls_key_file, servers speak TLS; null = plaintext",
     )
-    tls_key_file: Optional[str] = Field(None, description="PEM private key of tls_cert_file")
-    tls_ca_file: Optional[str] = Field(None, description="clients: CA to trust (default the cert itself)")
-    max_message_mb: int = Field(256, ge=1, le=2047, description="largest gRPC message, in MiB")
+    tls_key_file: Optional[str] = Field(default=None, description="PEM private key of tls_cert_file")
+    tls_ca_file: Optional[str] = Field(default=None, description="clients: CA to trust (default the cert itself)")
+    max_message_mb: int = Field(default=256, ge=1, le=2047, description="largest gRPC message, in MiB")
     shm_dir: Optional[str] = Field(
-        None,
+        default=None,
         description="learner and generation servers: a directory on a tmpfs "
         "they share when they run on one host (a compose tmpfs volume, a pod's "
         "emptyDir with medium Memory); a co-located server then loads each version "
         "from a file the learner writes there once, instead of the gRPC stream; "
         "null = off (every push is streamed)",
     )
-    grace_s: float = Field(10.0, ge=0, description="shutdown: seconds in-flight calls may take")
-    timeout_s: float = Field(120.0, gt=0, description="client deadline per call, in seconds")
+    grace_s: float = Field(default=10.0, ge=0, description="shutdown: seconds in-flight calls may take")
+    timeout_s: float = Field(default=120.0, gt=0, description="client deadline per call, in seconds")
     retry_backoff_s: float = Field(
-        0.2,
+        default=0.2,
         gt=0,
         description="clients: seconds before the first retry of a call "
         "that found its service unavailable; doubles with each retry",
     )
-    retry_max_backoff_s: float = Field(5.0, gt=0, description="clients: longest wait between retries")
+    retry_max_backoff_s: float = Field(default=5.0, gt=0, description="clients: longest wait between retries")
     dependency_wait_s: Optional[float] = Field(
-        600.0,
+        default=600.0,
         gt=0,
         description="learner: how long it waits for an "
         "unavailable critic, reward or generation server (saying so in "
         "its status) before it fails; null = forever",
     )
     max_request_tokens: int = Field(
-        4_194_304,
+        default=4_194_304,
         ge=1,
         description="most token positions one Generate may cost "
         "(prompts x n x (prompt tokens + max_new_tokens)); beyond it "
         "RESOURCE_EXHAUSTED",
     )
     open_metrics: bool = Field(
-        False,
+        default=False,
         description="serve /metrics without the bearer token (what a default "
         "Prometheus scrape sends); false = scrapers send 'Authorization: Bearer <token>' "
         "when rpc auth is on",
     )
-    max_samples_per_prompt: int = Field(64, ge=1, description="limit on Generate's n")
-    max_prompts_per_request: int = Field(4096, ge=1, description="limit on the prompts of one Generate")
+    max_samples_per_prompt: int = Field(default=64, ge=1, description="limit on Generate's n")
+    max_prompts_per_request: int = Field(default=4096, ge=1, description="limit on the prompts of one Generate")
     generation: Endpoint = Field(
         default_factory=lambda: Endpoint(port=50051, metrics_port=9101), description="the generation server"
     )

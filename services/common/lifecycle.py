@@ -17,7 +17,10 @@ import logging
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .rpc.server import RPCServer
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +79,10 @@ class GrpcService(Service):
     critic. `build` runs at start: it loads the model, binds the ports, starts serving and
     returns (server, servicer, the callables that release the rest, in order)."""
 
-    def __init__(self, name: str, build: Callable[[], tuple]):
+    def __init__(self, name: str, build: Callable[[], tuple[RPCServer, Any, list[Callable[[], None]]]]):
         self.name, self._build = name, build
-        self.server = self.servicer = None
+        self.server: RPCServer | None = None
+        self.servicer: Any = None  # the service's own servicer
         self._closers: list[Callable[[], None]] = []
         self._stopped = False
 
@@ -87,6 +91,7 @@ class GrpcService(Service):
         return self
 
     def run(self) -> int:
+        assert self.server is not None  # start() built it
         self.server.wait()
         return 0
 
@@ -109,9 +114,11 @@ class GrpcService(Service):
 
     def endpoints(self) -> dict:
         s = self.server
+        assert s is not None  # start() built it
         out = {"port": s.port, "metrics_port": s.metrics_port}
-        if getattr(s, "http_port", None):
-            out["http_port"] = s.http_port
+        http_port = getattr(s, "http_port", None)  # set by a server that also serves HTTP (reward)
+        if http_port:
+            out["http_port"] = http_port
         return out
 
 

@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Protocol, Sequence, cast
 
 import torch
 import torch.utils.checkpoint
@@ -41,7 +41,7 @@ def has_dropout(model: torch.nn.Module) -> bool:
     call in most transformers models, not a module)."""
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
         return True
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     items = config.to_dict().items() if hasattr(config, "to_dict") else ()
     return any(
         ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
@@ -134,7 +134,7 @@ def save_model_dir(model, path: str | Path, tokenizer=None, **kwargs) -> None:
 def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype)
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype)
     return model.to(device)
 
 
@@ -269,7 +269,8 @@ def response_log_probs(
         if full:
             out["full"] = torch.log_softmax(logits, dim=-1)
         return out
-    head = model.get_output_embeddings()
+    # a Linear (`_head_is_plain`), whose forward is replaced below
+    head: Any = cast(_PretrainedModel, model).get_output_embeddings()
     T = batch.response_mask.shape[1]
     targets = batch.responses
 
@@ -324,33 +325,44 @@ def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy
     return torch.cat(cols, dim=-1)
 
 
+class _PretrainedModel(Protocol):
+    """What is called here on a transformers model, or on PEFT's wrapper of one, beyond nn.Module's
+    own methods (nn.Module's type says any other attribute is a Tensor or a Module)."""
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+    def get_base_model(self) -> nn.Module: ...  # PEFT's wrapper's only
+
+
 def _base_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+    # the model inside PEFT's wrapper
+    return cast(_PretrainedModel, model).get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _keep_kwargs(model: nn.Module, batch: TokenBatch) -> dict:
     """`logits_to_keep`: only the last T + 1 positions reach the output layer, where the model
     takes it (transformers' causal LMs do)."""
-    keeps = _takes_logits_to_keep(type(_base_model(model)))
+    keeps = _takes_logits_to_keep(type(_base_model(model)))  # type: ignore[arg-type]  # python/mypy#11470
     return {"logits_to_keep": batch.response_mask.shape[1] + 1} if keeps else {}
 
 
 @functools.cache
-def _takes_logits_to_keep(cls: type) -> bool:
+def _takes_logits_to_keep(cls: type[nn.Module]) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def last_logits_kwargs(model: nn.Module) -> dict:
     """`logits_to_keep=1` where the model takes it: a prefill computes the output layer for the
     last position only."""
-    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(_base_model(model))) else {}
+    keeps = _takes_logits_to_keep(type(_base_model(model)))  # type: ignore[arg-type]  # python/mypy#11470
+    return {"logits_to_keep": 1} if keeps else {}
 
 
 def _head_is_plain(model: nn.Module) -> bool:
     """Whether the model's logits are its output layer's plain output (a Linear), so that the
     layer can be replaced for the forward by the chunked log-prob computation: not with logit
     soft-capping (Gemma 2) or a scaled or non-linear head."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast(_PretrainedModel, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = getattr(_base_model(model), "config", None)
     scaled = any(
         getattr(config, k, None) not in (None, 1.0, 1)

@@ -134,17 +134,20 @@ class Rollout:
 
     @classmethod
     def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
-        out = cls([], [], [], [], [], [] if groups and groups[0].values is not None else None, [])
+        gen_log_probs: list[list[float]] = []
+        values: list[list[float]] | None = [] if groups and groups[0].values is not None else None
+        out = cls([], [], [], [], gen_log_probs, values, [])
         for g in groups:
             for j, c in enumerate(g.completions):
                 out.prompt_ids.append(g.prompt_ids)
                 out.response_ids.append(c.token_ids)
-                out.gen_log_probs.append(c.log_probs)
+                gen_log_probs.append(c.log_probs)
                 out.scores.append(g.scores[j].reward)
                 out.index.append(g.uid)
                 out.versions.append(g.version)
-                if out.values is not None:
-                    out.values.append(g.values[j])
+                if values is not None:
+                    assert g.values is not None  # the groups of one batch all have values, or none
+                    values.append(g.values[j])
         return out
 
 

@@ -76,7 +76,7 @@ class Batcher(ActiveCalls):
 
     def __init__(self, backend: GenerationBackend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
-        self.q: queue.Queue[_Job | None] = queue.Queue()
+        self.q: queue.Queue[_Job | _Call | None] = queue.Queue()
         self.batches = 0
         super().__init__()
         self._closed = False
@@ -245,28 +245,33 @@ class InFlight:
     retry either attaches to work that will deliver or starts anew, never joins work that is
     stopping. Work without a key is the same, with its one caller."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[str, _Work] = {}
 
     def run(self, key: str | None, context, start: Callable[[Callable[[], bool]], Future]) -> GenerationResult:
         """The result of the work under `key`: running work's, or `start(stopped)`'s (a future)."""
         with self._lock:
-            work = self._by_key.get(key) if key is not None else None
-            new = work is None
-            if new:
+            running = self._by_key.get(key) if key is not None else None
+            new = running is None
+            if running is None:
                 work = _Work(key)
+                # start only queues the work (it calls nothing back before returning); work it
+                # refuses (a full queue, a stopping server) never enters the table
+                work.future = start(lambda: self._stopped(work))
                 if key is not None:
                     self._by_key[key] = work
-                # start only queues the work (it calls nothing back before returning)
-                work.future = start(lambda: self._stopped(work))
+            else:
+                work = running
             work.contexts.append(context)
+        future = work.future
+        assert future is not None  # set under the lock, before any other call can find the work
         if new and key is not None:
-            work.future.add_done_callback(lambda _: self._forget(work))
+            future.add_done_callback(lambda _: self._forget(work))
         elif not new:
             log.info("Generate %s: a retry of work still running; it waits for that work", key)
         try:
-            return work.future.result()
+            return future.result()
         except GenerationStopped:
             raise DeadlineExceeded(
                 "request: its caller left (deadline passed or call cancelled), so its generation was stopped"

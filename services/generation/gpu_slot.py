@@ -16,13 +16,14 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Mapping, MutableMapping
 
 log = logging.getLogger(__name__)
 
 _held: list = []  # the open lock file: kept for the life of the process
 
 
-def visible_gpus(env: dict | None = None) -> list[str]:
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     """The GPU ids Docker gave this container (NVIDIA_VISIBLE_DEVICES), [] when unknown or all."""
     value = (os.environ if env is None else env).get("NVIDIA_VISIBLE_DEVICES", "")
     if value.strip().lower() in ("", "all", "void", "none"):
@@ -30,13 +31,13 @@ def visible_gpus(env: dict | None = None) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def claim_gpu(claim_dir: str | os.PathLike, env: dict | None = None) -> int | None:
+def claim_gpu(claim_dir: str | os.PathLike, env: MutableMapping[str, str] | None = None) -> int | None:
     """Take a free GPU slot among the container's GPUs and point CUDA_VISIBLE_DEVICES at it; the
     slot index, or None when there is nothing to choose (one GPU or none, or CUDA_VISIBLE_DEVICES
     already set by the user). Raises RuntimeError when every slot is taken."""
-    env = os.environ if env is None else env
-    gpus = visible_gpus(env)
-    if len(gpus) < 2 or env.get("CUDA_VISIBLE_DEVICES"):
+    environ: MutableMapping[str, str] = os.environ if env is None else env
+    gpus = visible_gpus(environ)
+    if len(gpus) < 2 or environ.get("CUDA_VISIBLE_DEVICES"):
         return None
     directory = Path(claim_dir)
     directory.mkdir(parents=True, exist_ok=True)
@@ -52,8 +53,8 @@ def claim_gpu(claim_dir: str | os.PathLike, env: dict | None = None) -> int | No
         f.write(f"{socket.gethostname()} pid {os.getpid()}\n")
         f.flush()
         _held.append(f)
-        env["CUDA_VISIBLE_DEVICES"] = str(slot)
-        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # slot i is the i-th id of the list
+        environ["CUDA_VISIBLE_DEVICES"] = str(slot)
+        environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # slot i is the i-th id of the list
         log.info(
             "generation replica on GPU slot %d of the %d this service has (NVIDIA_VISIBLE_DEVICES=%s)",
             slot,

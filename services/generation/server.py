@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import grpc
 
@@ -36,7 +36,21 @@ from .decode import GREEDY_BELOW
 from .metrics import GenerationMetrics
 
 if TYPE_CHECKING:
+    from typing import Mapping, Protocol, Sequence
+
     from ..common.config import Config
+
+    class _Tokenizer(Protocol):
+        """What the server uses of a backend's tokenizer (a Hugging Face one: `load_tokenizer`)."""
+
+        def __call__(self, text: str, add_special_tokens: bool = True) -> Mapping[str, list[int]]: ...
+
+        def apply_chat_template(
+            self, conversation: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
+        ) -> str: ...
+
+        def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +78,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         probe: Probe | None = None,
     ):
         self.backend, self.cfg, self.server = backend, cfg, server
-        self.tok = backend.tokenizer
+        self.tok = cast("_Tokenizer", backend.tokenizer)
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
         metrics = GenerationMetrics(server.metrics) if server else None

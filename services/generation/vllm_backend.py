@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -69,6 +69,12 @@ class WeightSwapExtension:
     safetensors file, in place, through the worker's own reload path. Used when the engine's
     workers are other processes (tensor parallel); called by name through `collective_rpc`."""
 
+    if TYPE_CHECKING:  # the vLLM worker's own method (defined here, it would shadow the worker's)
+
+        def reload_weights(
+            self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None, is_checkpoint_format: bool = True
+        ) -> None: ...
+
     def rlhf_load_weights(self, path: str) -> None:
         from safetensors import safe_open
 
@@ -94,7 +100,7 @@ class _Job:
 
 @dataclass
 class _Call:
-    fn: object
+    fn: Callable[[], object]
     future: Future
 
 
@@ -205,10 +211,14 @@ class VLLMBackend:
             self._q.put(_Job([list(p) for p in prompts], params, fut, stopped=stopped))
         return fut
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
+    ) -> GenerationResult:
+        """`stop`, when given, is `submit`'s `stopped`: once True the requests are aborted and
+        `GenerationStopped` is raised."""
         if not prompts:
             return GenerationResult([], self.version, 0, 0.0)
-        return self.submit(prompts, params).result()
+        return self.submit(prompts, params, stop).result()
 
     def call(self, fn, *args, timeout: float | None = None):
         """Run fn(*args) on the engine thread with nothing in flight (pause, drain, run, resume).
@@ -403,7 +413,7 @@ class VLLMBackend:
             return
         self._stops_checked_at = now
         jobs = {id(j): j for j, _ in self._inflight.values() if j.stopped is not None}
-        gone = {k for k, j in jobs.items() if j.stopped()}
+        gone = {k for k, j in jobs.items() if j.stopped is not None and j.stopped()}
         if not gone:
             return
         rids = [rid for rid, (j, _) in self._inflight.items() if id(j) in gone]
@@ -429,7 +439,8 @@ class VLLMBackend:
 
     def _fail_all(self, e: Exception) -> None:
         self._fail_inflight(e)
-        for item in [*self._held, *self._calls]:
+        pending: list[_Job | _Call] = [*self._held, *self._calls]
+        for item in pending:
             if not item.future.done():  # a withdrawn call is done (cancelled)
                 item.future.set_exception(e)
         while True:

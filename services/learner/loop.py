@@ -6,7 +6,7 @@ new policy to the generation servers, checkpoints, evaluates and reports status.
 
 Composed, nothing calling back into its owner: the training loop of the in-process trainer
 (`TrainingLoop`, services/training/loop.py) with a `ReplaySource` (feeder + intake) and a
-`PushSink` (numbers versions, broadcaster), and the learner's checkpoints, status and metrics
+`PushSink` (numbers versions, the weights' publisher), and the learner's checkpoints, status and metrics
 around it. One iteration, hop by hop:
     ReplaySource.collect          critic restarted? (CriticWatch.check, this file)
       feeder.feed                 prompts max_staleness batches ahead             (feeder.py)
@@ -14,7 +14,7 @@ around it. One iteration, hop by hop:
     learner.step                  experience, then the PPO update; the critic
                                   trains over gRPC                   (trainer.py, experience.py, update.py)
     PushSink.publish              the next version from Redis's counter, then
-      broadcaster.push            snapshot, plan, deliver to every live server    (broadcast.py, weights/publisher.py)
+      publisher.push              snapshot, plan, deliver to every live server    (weights/publisher.py)
     ReplaySource.trained          acknowledge the groups as trained               (intake.py)
     LearnerLoop.evaluate          on the schedule: through a server of `ServerPool` (generation/client.py)
     LearnerLoop.checkpoint        on the schedule; then the trajectories in it
@@ -51,7 +51,7 @@ from ..training.evaluate import evaluate
 from ..training.loop import Batch, Phase, TrainingLoop
 from ..training.runlog import RunLog
 from ..training.schedule import Schedule, Tick, planned_updates
-from .broadcast import WeightBroadcaster
+from ..weights.publisher import Publisher
 from .checkpoint import Checkpointer, finished_run
 from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
@@ -195,8 +195,8 @@ class PushSink:
     generation server and published in the registry, with `address` (where servers pull from:
     set by the server before the run starts)."""
 
-    def __init__(self, store: ReplayStore, broadcaster: WeightBroadcaster):
-        self.store, self.broadcaster = store, broadcaster
+    def __init__(self, store: ReplayStore, publisher: Publisher):
+        self.store, self.publisher = store, publisher
         self.address = ""
 
     def next_version(self) -> int:
@@ -204,16 +204,16 @@ class PushSink:
 
     def publish(self, learner) -> tuple[int, dict]:
         version = self.next_version()
-        return version, self.broadcaster.push(version, self.address)
+        return version, self.publisher.push(version, self.address)
 
     def publish_current(self, version: int) -> None:
         """At the start: the policy the learner holds (version 0, the initial weights every server
         loads, is only published; a restored one is pushed)."""
         if version > 0:
-            self.store.publish_learner(self.address, version, *self.broadcaster.identity)
-            self.broadcaster.push(version, self.address)
+            self.store.publish_learner(self.address, version, *self.publisher.identity)
+            self.publisher.push(version, self.address)
         else:
-            self.broadcaster.publish_initial(self.address)
+            self.publisher.publish_initial(self.address)
 
 
 class LearnerLoop:
@@ -257,8 +257,8 @@ class LearnerLoop:
         # the live generation servers: pushed to, and one at the current version for the eval
         self.servers = ServerPool(lambda: self.store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         # the heartbeat as each server's push is answered
-        self.broadcaster = WeightBroadcaster(cfg, self.store, self.learner, self.servers, on_progress=self.heartbeat)
-        self.sink = PushSink(self.store, self.broadcaster)
+        self.publisher = Publisher(cfg, self.store, self.learner, self.servers, on_progress=self.heartbeat)
+        self.sink = PushSink(self.store, self.publisher)
         self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
         self.training = TrainingLoop(
@@ -440,7 +440,7 @@ class LearnerLoop:
         start_it = self.resume()
         self.heartbeat.beat("resumed")
         self.fence_epoch = self.store.new_learner_epoch()
-        self.broadcaster.identity = (self.run_id, self.fence_epoch)
+        self.publisher.identity = (self.run_id, self.fence_epoch)
         if self.critic_watch is not None:
             self.critic_watch.check(start_it)
         self.phase.enter("pushing")
@@ -524,5 +524,5 @@ class LearnerLoop:
             self.poller.stop()
         if self.training.runlog is not None:
             self.training.runlog.close()
-        self.broadcaster.close()
+        self.publisher.close()
         self.servers.close()

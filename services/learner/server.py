@@ -28,7 +28,7 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         self.loop, self.chunk_bytes = loop, chunk_bytes  # PullWeights' pieces
 
     def PullWeights(self, request, context):
-        version, state = self.loop.broadcaster.snapshot
+        version, state = self.loop.publisher.snapshot
         if not state or request.have_version >= version:
             return
         yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch)

@@ -1,47 +1,58 @@
-"""The learner's side of a weight push: one version delivered to many servers at once, each by the
-transport its plan names, the transports being strategies with one interface (`start`: a future
-per server of the targets; `finish`):
-- `StreamTransport`: the gRPC stream, encoded once per payload and read by all its servers
-  (`stream.Fanout`);
-- `SharedMemoryTransport`: one file in `rpc.shm_dir` for every server proven to share the
-  directory (`shm.colocated`), each told where it is by a `SharedWeights` request. A load a
-  server refuses (other than by being unreachable) is streamed to it in the same push; a file
-  that cannot be written sends its servers the stream.
+"""The learner's side of a weight push, in one place: `Publisher.push` snapshots the new policy,
+plans each live server's push, delivers it to every server at once, registers each server that
+took it, and publishes the version.
 
-What a push sends (the snapshot, full or partial, the plan per server) is the learner's
-(`learner/broadcast.py`); this module moves bytes. A server is reached through `client(address)`
-(`push_encoded(chunks)`, `load_shared(request)`, `timeout`), and `registered(address, info,
-version, kind)` runs once a server took a version. Each server's push ends as a `Delivery`.
+Each push is planned per server, from its registry entry:
+- what: the full policy, or with LoRA only the merged target modules ("partial", what training
+  changes) when the server's other tensors are provably this run's base: it loaded `model.path`
+  (the base) and has had only partial versions since, or it holds a full version of this run; and
+  its backend takes partial versions (vLLM's does not: it gets full ones);
+- how: by one of two transports, strategies with one interface (`jobs`: one callable per server,
+  each ending in a `Delivery`; `finish`):
+  - `SharedMemoryTransport`: one file in `rpc.shm_dir` for every server proven to share the
+    directory (`shm.colocated`: its probe file), each told where it is by a `SharedWeights`
+    request. A load a server refuses (other than by being unreachable) is streamed to it in the
+    same push; a file that cannot be written sends its servers the stream.
+  - `StreamTransport`: the gRPC stream, encoded once per payload and read by all its servers
+    (`stream.Fanout`).
 
 One weight push, hop by hop (docs/architecture.md, section 12):
     learner/loop.py:PushSink.publish            the version, from Redis's counter (common/replay/fence.py)
-    learner/broadcast.py:WeightBroadcaster.push snapshot; plan each server; the live ones from ServerPool
-    Publisher.deliver                           every server at once, by its transport (this file)
-    generation/server.py:PushWeights, LoadSharedWeights
-      weights/receiver.py:WeightReceiver        fence, assemble and check, swap between batches
-    learner/broadcast.py:_registered            the registry shows the version to the workers
+    Publisher.push                              this file, from here on
+      Publisher.take_snapshot                   the policy's state dict (LoRA: the targets over the base)
+      ServerPool.live                           the live servers (generation/client.py)
+      Publisher.plan                            full or partial, shared memory or the stream
+      Publisher.deliver                         every server at once, by its transport's jobs
+        generation/server.py:PushWeights, LoadSharedWeights
+          weights/receiver.py:WeightReceiver    fence, assemble and check, swap between batches
+      Publisher.register                        each server that took it: the registry shows it
+      store.publish_learner                     the version and where to pull it from
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
+import redis
 
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.waits import Counted, wait_failed
 from ..common.types import Progress, no_progress
 from . import shm
-from .protocol import chunk_bytes
+from .protocol import chunk_bytes, nbytes
 from .stream import Fanout, encode_weights
 
 if TYPE_CHECKING:
     from ..common.config import Config
+
+Job = Callable[[], "Delivery"]  # one server's push, run on the publisher's pool
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +63,8 @@ UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class Delivery(enum.Enum):
     """What became of one server's push, whichever transport carried it."""
 
-    TOOK = "took"  # the server serves the version (or a newer one already)
+    TOOK = "took"  # the server serves the version: register it
+    HELD = "held"  # it refused the version as not newer: it pulled it (or a newer one) itself
     FAILED = "failed"  # unreachable, or its deadline passed: it pulls when it sees it is behind
     STREAM_INSTEAD = "stream"  # shared memory: the server refused the load; stream it over gRPC in this push
 
@@ -65,13 +77,12 @@ def _newer_already(e: grpc.RpcError) -> bool:
 @dataclass
 class Reach:
     """How the transports reach the servers and report, shared by them (not the publisher
-    itself): `client(address)`, `registered(address, info, version, kind)` once a server took a
-    version, `on_progress()` as each server answers, `identity` (run id, epoch) the fence every
-    version carries, and `tell` (a log line once per key)."""
+    itself): `client(address)` (`push_encoded(chunks)`, `load_shared(request)`, `timeout`),
+    `on_progress()` as each server answers, `identity` (run id, epoch) the fence every version
+    carries, and `tell` (a log line once per key)."""
 
     cfg: Config
     client: Callable
-    registered: Callable[[str, dict, int, str], None]
     on_progress: Progress = no_progress
     identity: tuple[str, int] = ("", 0)
     told: set = field(default_factory=set)
@@ -95,8 +106,9 @@ class StreamTransport:
     def chunk_bytes(self) -> int:
         return chunk_bytes(self.reach.cfg.rpc.max_message_mb)
 
-    def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict:
-        """Stream `state` to every (address, info) of `targets`: {address: future of a `Delivery`}."""
+    def jobs(self, targets: list[str], state: dict, kind: str, version: int) -> dict[str, Job]:
+        """Stream `state` to every address of `targets`: {address: its job}; the jobs run at once
+        (the encoding waits for its slowest reader)."""
         run_id, epoch = self.reach.identity
         chunk = self.chunk_bytes()
         fan = Fanout(
@@ -106,15 +118,15 @@ class StreamTransport:
         )
         self._fans.append(fan)
 
-        def one(i, address, info):
+        def one(i: int, address: str) -> Delivery:
             try:
-                return self._push_one(address, fan.reader(i), version, info, kind)
+                return self._push_one(address, fan.reader(i), version)
             finally:
                 fan.detach(i)  # a failed stream no longer holds the others back
 
-        return {a: pool.submit(one, i, a, info) for i, (a, info) in enumerate(targets)}
+        return {a: functools.partial(one, i, a) for i, a in enumerate(targets)}
 
-    def _push_one(self, address: str, chunks, version: int, info: dict, kind: str) -> Delivery:
+    def _push_one(self, address: str, chunks, version: int) -> Delivery:
         """Push one server the (already encoded) stream `chunks`."""
         sent, t0 = Counted(chunks), time.monotonic()
         client = self.reach.client(address)
@@ -122,7 +134,7 @@ class StreamTransport:
             client.push_encoded(sent)
         except grpc.RpcError as e:
             if _newer_already(e):
-                return Delivery.TOOK
+                return Delivery.HELD
             # all chunks out: the deadline passed while the server checked or swapped them in
             log.warning(
                 "%s (it will pull when it sees it is behind)",
@@ -138,7 +150,6 @@ class StreamTransport:
             return Delivery.FAILED
         finally:
             self.reach.on_progress()
-        self.reach.registered(address, info, version, kind)
         return Delivery.TOOK
 
     def finish(self) -> None:
@@ -182,14 +193,14 @@ class SharedMemoryTransport:
             )
             return None
 
-    def start(self, pool, targets: list, state: dict, kind: str, version: int) -> dict | None:
-        """{address: future of a `Delivery`}; None when the file cannot be written."""
+    def jobs(self, targets: list[str], state: dict, kind: str, version: int) -> dict[str, Job] | None:
+        """{address: its job}; None when the file cannot be written."""
         request = self._write(state, version, kind)
         if request is None:
             return None
-        return {a: pool.submit(self._load_one, a, request, version, info, kind) for a, info in targets}
+        return {a: functools.partial(self._load_one, a, request, version) for a in targets}
 
-    def _load_one(self, address: str, request, version: int, info: dict, kind: str) -> Delivery:
+    def _load_one(self, address: str, request, version: int) -> Delivery:
         """Point one co-located server at the shared file."""
         t0 = time.monotonic()
         client = self.reach.client(address)
@@ -198,7 +209,7 @@ class SharedMemoryTransport:
         except grpc.RpcError as e:
             code, details = e.code(), e.details() or ""
             if _newer_already(e):
-                return Delivery.TOOK
+                return Delivery.HELD
             if code in UNREACHABLE:
                 log.warning(
                     "%s (it will pull when it sees it is behind)",
@@ -219,7 +230,6 @@ class SharedMemoryTransport:
             return Delivery.STREAM_INSTEAD
         finally:
             self.reach.on_progress()
-        self.reach.registered(address, info, version, kind)
         return Delivery.TOOK
 
     def close(self) -> None:
@@ -227,19 +237,26 @@ class SharedMemoryTransport:
             self.writer.cleanup()
 
 
-class Publisher:
-    """Delivers versions: `via(info)` says which transport reaches a server, `deliver` sends a
-    version to every planned server at once. `identity` (run id, epoch) is the fence every
-    version carries; `on_progress` runs as each server answers (the learner's heartbeat)."""
+class Servers(Protocol):
+    """What a push asks of the pool of generation servers (generation/client.py:ServerPool)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        client: Callable,
-        registered: Callable[[str, dict, int, str], None],
-        on_progress: Progress = no_progress,
-    ):
-        self.reach = Reach(cfg, client, registered, on_progress)  # what both transports use
+    def live(self, fresh: bool = False) -> dict[str, dict]: ...  # address -> its registry entry
+
+    def client(self, address: str): ...  # push_encoded(chunks), load_shared(request), timeout
+
+
+class Publisher:
+    """Publishes each new policy of `learner` to the live generation servers of `servers`
+    (`push`), registering each server that took it in `store`'s registry, and keeps the newest
+    snapshot, which `Learner.PullWeights` serves (`snapshot`). `identity` (run id, epoch) is the
+    fence every version carries; `on_progress` runs as each server answers (the learner's
+    heartbeat)."""
+
+    def __init__(self, cfg: Config, store, learner, servers: Servers, on_progress: Progress = no_progress):
+        self.cfg, self.store, self.learner, self.servers = cfg, store, learner, servers
+        self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
+        self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
+        self.reach = Reach(cfg, servers.client, on_progress)  # what both transports use
         self.stream = StreamTransport(self.reach)
         self.shared = SharedMemoryTransport(self.reach)
 
@@ -251,48 +268,155 @@ class Publisher:
     def identity(self, value: tuple[str, int]) -> None:
         self.reach.identity = value
 
-    def tell(self, key, msg: str, *args, level=logging.INFO) -> None:
-        self.reach.tell(key, msg, *args, level=level)
+    # ------------------------------------------------------------------ the push, in its order
+    def push(self, version: int, learner_address: str) -> dict:
+        """Push policy `version` to every live generation server, in parallel; then publish it.
+        The push's metrics."""
+        t0 = time.perf_counter()
+        full = self.take_snapshot(version)
+        payloads = {"full": full}
+        if self._snap[2]:
+            payloads["partial"] = self._snap[1]
+        servers = self.servers.live(fresh=True)
+        plan = {a: self.plan(a, info, "partial" in payloads) for a, info in servers.items()}
+        ok = self.deliver(servers, plan, payloads, version) if servers else {}
+        self.store.publish_learner(learner_address, version, *self.identity)
+        sizes = {k: nbytes(s) for k, s in payloads.items()}
+        sent = sum(sizes[kind] for kind, _ in plan.values()) if servers else sizes["full"]
+        secs = time.perf_counter() - t0
+        took = {a for a, (d, _) in ok.items() if d in (Delivery.TOOK, Delivery.HELD)}
+        return {
+            "time/push_s": secs,
+            "push/servers": len(servers),
+            "push/failed": len(ok) - len(took),
+            "push/shm": sum(a in took and via == "shm" for a, (_, via) in ok.items()),
+            "push/partial": sum(a in took and kind == "partial" for a, (kind, _) in plan.items()),
+            "push/bytes": sent,
+            "push/mb_per_s": sent / max(secs, 1e-9) / 1e6,
+        }
+
+    def publish_initial(self, learner_address: str) -> None:
+        """Version 0 (the initial weights every server loads): nothing to push, only to publish."""
+        self.take_snapshot(0)
+        self.store.publish_learner(learner_address, 0, *self.identity)
+
+    @property
+    def delta_capable(self) -> bool:
+        return bool(getattr(self.learner, "lora", False)) and hasattr(self.learner, "policy_delta_state_dict")
+
+    def take_snapshot(self, version: int) -> dict:
+        """Snapshot policy `version`; its full state dict. With LoRA only the targets are taken
+        (`policy_delta_state_dict`), laid over the base, which is built once."""
+        if self.delta_capable:
+            if self._base is None:
+                self._base = self.learner.policy_state_dict()
+            self._snap = (version, self.learner.policy_delta_state_dict(), True)
+            return self.snapshot[1]
+        state = self.learner.policy_state_dict()
+        if self.learner.device.type == "cpu" and not self.learner.lora and not getattr(self.learner, "sharded", False):
+            # views of the live parameters (a sharded learner's gathered state is a copy already)
+            state = {k: v.clone() for k, v in state.items()}
+        self._snap = (version, state, False)
+        return state
+
+    @property
+    def snapshot(self) -> tuple[int, dict]:
+        """(version, the full state dict) of the newest version, for PullWeights."""
+        version, state, partial = self._snap
+        if not partial:
+            return version, state
+        assert self._base is not None  # built with the first partial snapshot
+        return version, {**self._base, **state}
+
+    def plan(self, address: str, info: dict, partial: bool) -> tuple[str, str]:
+        """(payload, transport) for one server: ("full" | "partial", "shm" | "grpc")."""
+        run_id = self.identity[0]
+        kind = "full"
+        if partial:
+            base = info.get("base", "")
+            if not info.get("partial", False):
+                self.reach.tell(
+                    (address, "whole"), "%s gets full versions: its backend loads whole policies only", address
+                )
+            elif base not in (f"run:{run_id}", f"model:{self.cfg.model.path}"):
+                self.reach.tell(
+                    (address, base),
+                    "%s gets a full version: its weights come from %s, not this run's base (%s)",
+                    address,
+                    base or "an unknown source",
+                    self.cfg.model.path,
+                )
+            else:
+                kind = "partial"
+        return kind, self.via(info)
 
     def via(self, info: dict) -> str:
         """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
         return self.shared.name if self.shared.colocated(info) else self.stream.name
 
     def deliver(self, servers: dict, plan: dict, payloads: dict, version: int) -> dict[str, tuple[Delivery, str]]:
-        """Every server's push as `plan` says ({address: (kind, via)}): {address: (what became of it,
-        the transport that carried it: "shm" | "grpc")}."""
-        groups: dict[tuple[str, str], list] = {}
+        """Every server's push as `plan` says ({address: (kind, via)}), each registered as it
+        takes the version: {address: (what became of it, the transport that carried it)}."""
+        groups: dict[tuple[str, str], list[str]] = {}
         for a, (kind, via) in plan.items():
-            groups.setdefault((kind, via), []).append((a, servers[a]))
+            groups.setdefault((kind, via), []).append(a)
         ok: dict[str, tuple[Delivery, str]] = {}
         # every server's stream or load runs at once (a Fanout needs all its readers reading)
         try:
             with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
-                futures = {}
+
+                def run(jobs: dict[str, Job], kind: str) -> dict:
+                    return {a: pool.submit(self._settled, job, a, servers[a], version, kind) for a, job in jobs.items()}
+
+                futures: dict = {}
+                shared: set[str] = set()
                 for (kind, via), targets in groups.items():
                     if via == self.stream.name:
-                        futures.update(self.stream.start(pool, targets, payloads[kind], kind, version))
-                shared: set = set()
+                        futures.update(run(self.stream.jobs(targets, payloads[kind], kind, version), kind))
                 for (kind, via), targets in groups.items():
                     if via == self.shared.name:
-                        loads = self.shared.start(pool, targets, payloads[kind], kind, version)
+                        loads = self.shared.jobs(targets, payloads[kind], kind, version)
                         if loads is None:
-                            futures.update(self.stream.start(pool, targets, payloads[kind], kind, version))
+                            futures.update(run(self.stream.jobs(targets, payloads[kind], kind, version), kind))
                         else:
                             shared.update(loads)
-                            futures.update(loads)
-                retry: dict[str, list] = {}
+                            futures.update(run(loads, kind))
+                retry: dict[str, list[str]] = {}
                 for a, f in futures.items():
                     result = f.result()
                     if result is Delivery.STREAM_INSTEAD:
-                        retry.setdefault(plan[a][0], []).append((a, servers[a]))
+                        retry.setdefault(plan[a][0], []).append(a)
                     ok[a] = (result, self.shared.name if a in shared else self.stream.name)
                 for kind, targets in retry.items():
-                    streams = self.stream.start(pool, targets, payloads[kind], kind, version)
+                    streams = run(self.stream.jobs(targets, payloads[kind], kind, version), kind)
                     ok.update({a: (f.result(), self.stream.name) for a, f in streams.items()})
         finally:
             self.stream.finish()
         return ok
+
+    def _settled(self, job: Job, address: str, info: dict, version: int, kind: str) -> Delivery:
+        """One server's job, then its registration if it took the version."""
+        delivery = job()
+        if delivery is Delivery.TOOK:
+            self.register(address, info, version, kind)
+        return delivery
+
+    def register(self, address: str, info: dict, version: int, kind: str) -> None:
+        """The server's registry entry after it took `version`: workers see the version at once,
+        and the next push plans with what this one changed. A registry that does not answer (its
+        socket timeout) is logged: the server took the version, and its own heartbeat says so."""
+        fields = {k: v for k, v in info.items() if k not in ("ts", "proof")}
+        fields["version"] = version
+        if kind == "full" and "base" in info:
+            fields["base"] = f"run:{self.identity[0]}"
+        t0 = time.monotonic()
+        try:
+            self.store.heartbeat("generation", address, **fields)
+        except (redis.RedisError, OSError) as e:
+            log.warning(
+                "%s (the server took it; its own heartbeat registers it)",
+                wait_failed(f"weight push v{version} to", address, "register", e, time.monotonic() - t0),
+            )
 
     def close(self) -> None:
         self.shared.close()

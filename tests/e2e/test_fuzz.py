@@ -105,7 +105,7 @@ class FakeLearner:
     run_id, fence_epoch = "fuzz-run", 1
 
     def __init__(self, state):
-        self.broadcaster = type("Broadcaster", (), {"snapshot": (3, state)})()
+        self.publisher = type("Publisher", (), {"snapshot": (3, state)})()
 
     def status(self):
         return {

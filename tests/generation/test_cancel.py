@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from services.common.config import config_from_dict
+from services.common.rpc.errors import ResourceExhausted
 from services.common.rpc.gen import generation_pb2 as gpb
 from services.common.types import SamplingParams
 from services.generation.backend import GenerationStopped
@@ -362,3 +363,19 @@ def test_vllm_backend_aborts_the_requests_of_a_job_nobody_waits_for():
     b.close()
     with pytest.raises(Exception, match="stopping"):
         kept.result(timeout=10)
+
+
+def test_work_whose_start_is_refused_leaves_no_entry_behind():
+    """A call refused as it starts (a full queue) leaves nothing under its key: its retry starts
+    anew, instead of finding work without a future (an INTERNAL error for good)."""
+    table = InFlight()
+
+    def refused(stopped):
+        raise ResourceExhausted("the queue is full")
+
+    with pytest.raises(ResourceExhausted):
+        table.run("k", Ctx(), refused)
+    assert len(table) == 0
+    done: Future = Future()
+    done.set_result("R")
+    assert table.run("k", Ctx(), lambda stopped: done) == "R"

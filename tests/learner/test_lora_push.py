@@ -13,9 +13,8 @@ import torch
 from services.common.config import config_from_dict
 from services.generation.backend import HFBackend
 from services.generation.server import serve
-from services.learner.broadcast import WeightBroadcaster
 from services.learner.trainer import PolicyTrainer
-from tests.grpc_helpers import on_free_ports
+from tests.grpc_helpers import closed, on_free_ports, publisher
 from tests.weights.test_publisher import Registry, _serves, with_shm
 
 
@@ -73,7 +72,7 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
     # 0: co-located, fresh (model.path); 1: remote, fresh; 2: a vLLM server (whole policies only);
     # 3: its weights came from another run
     registry = _Registry(servers, {2: {"partial": False}, 3: {"base": "run:another-run"}})
-    bc = WeightBroadcaster(local, registry, learner)
+    bc = publisher(local, registry, learner)
     bc.identity = ("run-a", 1)
     try:
         _train(learner, 1)
@@ -103,7 +102,7 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
             "rlhf-weights-run_a-e1-v2-partial.safetensors"
         ]
     finally:
-        bc.close()
+        closed(bc)
         for s in servers:
             s.stop()
 
@@ -114,9 +113,9 @@ def test_without_lora_every_push_is_full(cfg, tiny_model_dir):
         learner = SimpleNamespace(
             policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False, policy_delta_state_dict=lambda: {}
         )
-        bc = WeightBroadcaster(cfg, Registry([svc]), learner)
+        bc = publisher(cfg, Registry([svc]), learner)
         try:
             out = bc.push(1, "learner:1")
         finally:
-            bc.close()
+            closed(bc)
         assert out["push/partial"] == 0 and _serves(svc, state)

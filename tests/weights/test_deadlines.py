@@ -20,8 +20,7 @@ from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
-from services.learner.broadcast import WeightBroadcaster
-from tests.grpc_helpers import expect_code, held_backend, on_free_ports
+from tests.grpc_helpers import closed, expect_code, held_backend, on_free_ports, publisher
 
 # long enough for the stream and its checks of the tiny model on a busy machine (tens of ms idle),
 # so the deadline passes where the test holds the push: at the swap, or behind an earlier update
@@ -50,14 +49,14 @@ def busy_server(short_cfg, tiny_model_dir):
             client.close()
 
 
-def _broadcaster(cfg, address, state, beats):
+def _publisher(cfg, address, state, beats):
     store = SimpleNamespace(
         live=lambda kind: {address: {}},
         publish_learner=lambda *a: None,
         heartbeat=lambda kind, addr, **f: beats.append((addr, f["version"])),
     )
     learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
-    return WeightBroadcaster(cfg, store, learner)
+    return publisher(cfg, store, learner)
 
 
 def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(short_cfg, busy_server, caplog):
@@ -65,12 +64,12 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
     address = f"127.0.0.1:{svc.server.port}"
     state = {k: v.clone() + 0.01 for k, v in backend.model.state_dict().items()}
     beats = []
-    bc = _broadcaster(short_cfg, address, state, beats)
+    bc = _publisher(short_cfg, address, state, beats)
     caplog.set_level(logging.WARNING)
     try:
         out = bc.push(3, "learner:1")
     finally:
-        bc.close()
+        closed(bc)
     assert out["push/servers"] == 1 and out["push/failed"] == 1 and beats == []
     learner_side = [r.getMessage() for r in caplog.records if r.name == "services.weights.publisher"]
     assert any(
@@ -96,13 +95,13 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
     release.set()
     # the withdrawn swap never ran: the server still serves what it had, and takes the next push
     assert backend.version == 0
-    bc = _broadcaster(
+    bc = _publisher(
         short_cfg.model_copy(update={"rpc": short_cfg.rpc.model_copy(update={"timeout_s": 30})}), address, state, beats
     )
     try:
         assert bc.push(4, "learner:1")["push/failed"] == 0
     finally:
-        bc.close()
+        closed(bc)
     assert backend.version == 4 and beats == [(address, 4)]
 
 
@@ -142,13 +141,13 @@ def test_a_registry_that_does_not_answer_after_a_push_is_logged_with_its_phase(c
                 "replay store heartbeat on redis 10.0.0.7:6379: Timeout reading from 10.0.0.7:6379"
             )
 
-        bc = _broadcaster(cfg, address, state, [])
+        bc = _publisher(cfg, address, state, [])
         bc.store.heartbeat = silent
         caplog.set_level(logging.WARNING)
         try:
             out = bc.push(2, "learner:1")
         finally:
-            bc.close()
+            closed(bc)
         assert out["push/failed"] == 0 and svc.servicer.backend.version == 2  # the server took it
         assert any(
             r.getMessage().startswith(f"weight push v2 to {address}: phase=register timed out after")

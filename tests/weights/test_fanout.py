@@ -1,4 +1,4 @@
-"""WeightBroadcaster.push: one encoding of a version streamed to every live server in parallel;
+"""Publisher.push: one encoding of a version streamed to every live server in parallel;
 a server that cannot be reached fails alone, the others serve the new version."""
 
 from types import SimpleNamespace
@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from services.generation.server import serve
-from services.learner.broadcast import WeightBroadcaster
-from tests.grpc_helpers import on_free_ports
+from tests.grpc_helpers import closed, on_free_ports, publisher
 
 
 def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_model_dir):
@@ -26,12 +25,11 @@ def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_
             publish_learner=lambda *a: None,
         )
         learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
-        bc = WeightBroadcaster(cfg, store, learner)
-        bc.cfg = cfg.model_copy(update={"rpc": cfg.rpc.model_copy(update={"timeout_s": 5})})
+        bc = publisher(cfg.model_copy(update={"rpc": cfg.rpc.model_copy(update={"timeout_s": 5})}), store, learner)
         try:
             out = bc.push(3, "learner:1")
         finally:
-            bc.close()
+            closed(bc)
         assert out["push/servers"] == 3 and out["push/failed"] == 1
         assert sorted(beats) == sorted([(servers[0], 3), (servers[2], 3)])
         for svc in (a, b):

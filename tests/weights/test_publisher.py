@@ -17,9 +17,8 @@ from services.common.rpc.errors import BadRequest
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
-from services.learner.broadcast import WeightBroadcaster
 from services.weights import shm
-from tests.grpc_helpers import expect_code, on_free_ports
+from tests.grpc_helpers import closed, expect_code, on_free_ports, publisher
 
 
 def with_shm(cfg, directory):
@@ -27,7 +26,7 @@ def with_shm(cfg, directory):
 
 
 class Registry:
-    """The replay registry as the broadcaster reads it: each server's entry as its `Registration`
+    """The replay registry as the publisher reads it: each server's entry as its `Registration`
     heartbeats it (`registry_info`), and the learner's own heartbeats after a push."""
 
     def __init__(self, services):
@@ -59,9 +58,9 @@ def _serves(svc, state) -> bool:
     return all(torch.equal(got[k], state[k]) for k in state)
 
 
-def _broadcaster(cfg, services, state):
+def _publisher(cfg, services, state):
     learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
-    bc = WeightBroadcaster(cfg, Registry(services), learner)
+    bc = publisher(cfg, Registry(services), learner)
     bc.identity = ("run-a", 1)
     return bc
 
@@ -74,7 +73,7 @@ def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_str
     local, remote = with_shm(cfg, tmp_path / "shm"), with_shm(cfg, tmp_path / "other-host")
     with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b, _server(remote, tiny_model_dir) as c:
         state = _state(a, 0.01)
-        bc = _broadcaster(local, [a, b, c], state)
+        bc = _publisher(local, [a, b, c], state)
         try:
             out = bc.push(1, "learner:1")
             assert (out["push/servers"], out["push/failed"], out["push/shm"]) == (3, 0, 2)
@@ -85,7 +84,7 @@ def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_str
                 bc.learner.policy_state_dict = lambda state=state: state
                 assert bc.push(i, "learner:1")["push/shm"] == 2
                 assert _serves(a, state) and _serves(c, state)
-            assert bc.shm.recycled == 3 and len(_weight_files(tmp_path / "shm")) == 1
+            assert bc.shared.writer.recycled == 3 and len(_weight_files(tmp_path / "shm")) == 1
             client = GenerationClient(f"127.0.0.1:{a.server.port}", local.rpc)
             from services.common.types import SamplingParams
 
@@ -95,7 +94,7 @@ def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_str
             address, info = bc.store.beats[-1]
             assert info["version"] == 4 and info["base"] == "run:run-a" and "shm" in info
         finally:
-            bc.close()
+            closed(bc)
         assert _weight_files(tmp_path / "shm") == []
     assert os.listdir(tmp_path / "shm") == []  # the servers' probes go with them
 
@@ -150,7 +149,7 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
     local = with_shm(cfg, tmp_path)
     with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b:
         state = _state(a, 0.03)
-        bc = _broadcaster(local, [a, b], state)
+        bc = _publisher(local, [a, b], state)
 
         def refuse(request):
             raise BadRequest("shm: simulated refusal")
@@ -169,14 +168,14 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
             assert (out["push/failed"], out["push/shm"]) == (0, 0)
             assert a.servicer.backend.version == b.servicer.backend.version == 2
         finally:
-            bc.close()
+            closed(bc)
 
 
 def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, monkeypatch):
     local = with_shm(cfg, tmp_path)
     with _server(local, tiny_model_dir) as a, _server(local, tiny_model_dir) as b, _server(local, tiny_model_dir) as c:
         state = _state(a, 0.04)
-        bc = _broadcaster(local, [a, b, c], state)
+        bc = _publisher(local, [a, b, c], state)
         entered, release = threading.Event(), threading.Event()
         swap = c.servicer.backend.update_weights
 
@@ -199,7 +198,7 @@ def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, mon
             out = bc.push(1, "learner:1")
         finally:
             killer.join()
-            bc.close()
+            closed(bc)
         assert (out["push/servers"], out["push/failed"]) == (3, 1)
         assert a.servicer.backend.version == b.servicer.backend.version == 1
         assert _serves(a, state) and _serves(b, state)

@@ -93,9 +93,9 @@ class EmbeddedRedis:
         import redis
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        fixed = self.port is not None
-        for _ in range(1 if fixed else 5):  # a probed free port can be taken before redis binds it
-            port = self.port if fixed else free_port(self.host)
+        fixed = self.port  # None: probe a free port
+        for _ in range(1 if fixed is not None else 5):  # a probed free port can be taken before redis binds it
+            port = fixed if fixed is not None else free_port(self.host)
             args = [redis_server_binary(), str(self._write_conf(port))]
             # a session of its own: Ctrl-C in the terminal reaches the launcher only, which stops
             # Redis last (after the learner's final checkpoint, which needs it)

@@ -11,6 +11,8 @@ Keys, under the run's namespace `ns`:
 
 from __future__ import annotations
 
+from typing import cast
+
 import redis
 
 from .connection import RedisPart, says_where_everywhere
@@ -49,7 +51,7 @@ class VersionFence(RedisPart):
 
     def learner_info(self) -> dict:
         """{address, version, run_id, epoch, ts} as strings; {} before a learner published."""
-        raw = self.r.hgetall(self.learner_key)
+        raw = cast("dict[bytes, bytes]", self.r.hgetall(self.learner_key))  # the client decodes no replies
         return {k.decode(): v.decode() for k, v in raw.items()}
 
 

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+from typing import cast
 
 import redis
 
@@ -70,7 +71,8 @@ class Registry(RedisPart):
         key = self._key(kind)
         now = self.now()
         out, stale = {}, []
-        for name, raw in self.r.hgetall(key).items():
+        # bytes: the client decodes no replies (`connect`)
+        for name, raw in cast("dict[bytes, bytes]", self.r.hgetall(key)).items():
             info = json.loads(raw)
             if now - info["ts"] <= self.heartbeat_ttl_s:
                 if self._proven(kind, name.decode(), info):

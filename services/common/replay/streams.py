@@ -23,12 +23,22 @@ Records are protobuf (`proto/rlhf/v1/replay.proto`); nothing is pickled.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable, TypeVar, cast
 
 import redis
 
 from ..rpc.gen import replay_pb2 as rpb
 from .connection import RedisPart, redis_error_code, says_where_everywhere
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
+
+_M = TypeVar("_M", bound="Message")
+
+# the reply of a stream read (XREAD, XREADGROUP) in RESP2, the protocol of the clients `connect`
+# makes: [[stream, [(entry id, fields), ...]], ...] (redis-py's type is the union of the RESP2 and
+# RESP3 replies)
+_StreamsReply = list[list[Any]]
 
 WORKERS_GROUP = "workers"
 LEARNER_GROUP = "learner"
@@ -84,7 +94,7 @@ class ReplayStreams(RedisPart):
         return n
 
     @staticmethod
-    def _decode(entries, cls) -> list[tuple[bytes, object]]:
+    def _decode(entries: Iterable[Any], cls: type[_M]) -> list[tuple[bytes, _M]]:
         out = []
         for entry_id, fields in entries:
             if not fields:  # deleted while pending (XAUTOCLAIM reports it with no fields)
@@ -105,7 +115,10 @@ class ReplayStreams(RedisPart):
         got = self.reclaim_prompts(consumer, count)
         if got:
             return got, len(got)
-        res = self.r.xreadgroup(WORKERS_GROUP, consumer, {self.prompts: ">"}, count=count, block=block_ms)
+        res = cast(
+            _StreamsReply,
+            self.r.xreadgroup(WORKERS_GROUP, consumer, {self.prompts: ">"}, count=count, block=block_ms),
+        )
         return (self._decode(res[0][1], rpb.PromptTask) if res else []), 0
 
     def renew_claims(self, consumer: str, entry_ids: list) -> int:
@@ -135,7 +148,7 @@ class ReplayStreams(RedisPart):
         )
 
     def read_dead(self, after: bytes | str = "0-0", count: int = 1000) -> list[tuple[bytes, rpb.PromptTask, str]]:
-        res = self.r.xread({self.dead: after}, count=count)
+        res = cast(_StreamsReply, self.r.xread({self.dead: after}, count=count))
         out = []
         for entry_id, fields in res[0][1] if res else []:
             t = rpb.PromptTask()
@@ -163,12 +176,15 @@ class ReplayStreams(RedisPart):
     def read_trajectories(self, count: int, block_ms: int = 500, pending: bool = False) -> list:
         """Up to `count` groups. pending=True re-reads the learner's own unacknowledged entries
         (after a restart) instead of new ones."""
-        res = self.r.xreadgroup(
-            LEARNER_GROUP,
-            LEARNER_CONSUMER,
-            {self.trajectories: "0" if pending else ">"},
-            count=count,
-            block=None if pending else block_ms,
+        res = cast(
+            _StreamsReply,
+            self.r.xreadgroup(
+                LEARNER_GROUP,
+                LEARNER_CONSUMER,
+                {self.trajectories: "0" if pending else ">"},
+                count=count,
+                block=None if pending else block_ms,
+            ),
         )
         return self._decode(res[0][1], rpb.TrajectoryGroup) if res else []
 

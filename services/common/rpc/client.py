@@ -38,8 +38,9 @@ def client_channel(address: str, rpc_cfg: RPCConfig) -> grpc.Channel:
         ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms),
     ]
-    if rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file:
-        ca = Path(rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file).read_bytes()
+    ca_file = rpc_cfg.tls_ca_file or rpc_cfg.tls_cert_file
+    if ca_file:
+        ca = Path(ca_file).read_bytes()
         return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), opts)
     return grpc.insecure_channel(address, opts)
 

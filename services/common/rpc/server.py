@@ -384,6 +384,7 @@ class RPCServer:
         address = f"{host or rpc_cfg.host}:{port}"
         self.host = host or rpc_cfg.host
         if rpc_cfg.tls_cert_file:
+            assert rpc_cfg.tls_key_file is not None  # RPCConfig: set together with tls_cert_file
             key = Path(rpc_cfg.tls_key_file).read_bytes()
             cert = Path(rpc_cfg.tls_cert_file).read_bytes()
             creds = grpc.ssl_server_credentials([(key, cert)])

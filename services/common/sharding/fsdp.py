@@ -7,11 +7,15 @@ import contextlib
 import logging
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from .group import Dist
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,11 @@ def full_state_dict(model: torch.nn.Module, to_host=None) -> dict[str, torch.Ten
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if to_host is None:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # full (not sharded) and on the CPU: plain tensors
+        return cast(
+            "dict[str, torch.Tensor]",
+            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+        )
     from torch.distributed.tensor import DTensor
 
     main, out = dist.get_rank() == 0, {}
@@ -108,7 +116,7 @@ def load_sharded(model, optimizer, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
+    state: dict[str, Any] = {"model": msd, "optim": osd}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -149,7 +157,7 @@ def load_full_optimizer(model, optimizer, saved: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    osd = {
+    osd: OptimizerStateType = {
         "state": {names[int(i)]: s for i, s in saved["state"].items()},
         "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in saved["param_groups"]],
     }

@@ -7,9 +7,14 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +30,11 @@ class Dist:
     rank: int
     world: int
     local_rank: int
-    control: object  # the gloo process group of the control channel and the metric reductions
+    control: ProcessGroup  # the gloo process group of the control channel and the metric reductions
     device_type: str = "cpu"
-    _mesh: object = None
+    _mesh: DeviceMesh | None = None
 
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         """The 1-D device mesh FSDP shards over: this group on `device_type` (FSDP's default
         would take any accelerator present, even for a CPU run)."""
         if self._mesh is None:
@@ -51,9 +56,9 @@ class Dist:
         dist.broadcast_object_list([(name, kwargs or {})], src=0, group=self.control)
 
     def receive(self) -> tuple[str, dict]:
-        box = [None]
+        box: list[tuple[str, dict] | None] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        return cast("tuple[str, dict]", box[0])  # rank 0's `announce`
 
     def all_sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over the ranks (on the control group: CPU tensors on any backend)."""
