@@ -5,17 +5,14 @@ current policy from the learner when it starts late or finds it missed a push.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING
 
 import grpc
 
 from ..common.replay import ReplayStore
-from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
-from ..common.rpc.waits import Counted, wait_failed
+from ..common.rpc.errors import Unavailable
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -32,46 +29,18 @@ class Registration:
         self._behind_since: int | None = None  # learner version we first saw ourselves behind
 
     def sync(self) -> bool:
-        """Pull the learner's policy if it is newer than ours. True if weights were applied. The
-        pull's stream has the learner client's deadline (rpc.timeout_s), the apply its own; one
-        that passes (or a learner gone) is logged with its phase and the learner's address."""
+        """Pull the learner's policy if it is newer than ours (`WeightReceiver.pull`). True if
+        weights were applied."""
         info = self.store.learner_info()
         if not info or int(info.get("version", 0)) <= self.backend.version:
             return False
         from ..learner.client import LearnerClient
 
-        address = info["address"]
-        client = LearnerClient(address, self.cfg.rpc)
-        t0 = time.monotonic()
-        stream = Counted(())
+        client = LearnerClient(info["address"], self.cfg.rpc)
         try:
-            stream = Counted(client.pull_weights(self.backend.version))
-            first = next(stream, None)
-            if first is None:
-                return False
-            version, nbytes, secs = self.servicer.apply_chunks(itertools.chain([first], stream), origin=address)
-            log.info(
-                "pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, address, nbytes / 1e6, secs
+            return self.servicer.receiver.pull(
+                lambda: client.pull_weights(self.backend.version), info["address"], client.timeout, info.get("version")
             )
-            return True
-        except DeadlineExceeded:  # the apply's wait (logged with its phase where it passed)
-            return False
-        except BadRequest as e:  # a push of the same version won the race, or the fence refused it
-            log.info("pull skipped: %s", e)
-            return False
-        except grpc.RpcError as e:
-            log.warning(
-                "%s (it pulls again when it finds itself behind)",
-                wait_failed(
-                    f"weight pull v{info.get('version')} from the learner at",
-                    address,
-                    stream.phase("stream", "apply"),
-                    e,
-                    time.monotonic() - t0,
-                    client.timeout,
-                ),
-            )
-            return False
         finally:
             client.close()
 

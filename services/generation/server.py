@@ -339,7 +339,7 @@ def serve(cfg: Config, backend=None) -> GrpcService:
         store = None
         if cfg.replay.url:  # weights only from the learner the registry names (LearnerFence)
             from ..common.replay import ReplayStore
-            from ..weights.fence import LearnerFence
+            from ..weights.receiver import LearnerFence
 
             store = ReplayStore.from_config(cfg)
         probe = shm_probe(cfg.rpc.shm_dir)

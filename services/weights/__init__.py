@@ -7,7 +7,8 @@ receiver.
     stream.py     the gRPC push stream, both ends: encode, fan out, decode, assemble
     shm.py        shared memory on one host, both ends: writer, co-location probe, checked read
     hostcopy.py   GPU <-> host copies through page-locked memory
-    fence.py      a version is taken only from the run's learner (the replay registry says which)
-    publisher.py  the learner's side: one version to many servers, transports as strategies
-    receiver.py   the server's side: receive by any transport, check, swap atomically on a backend
+    publisher.py  the learner's side: snapshot, plan, deliver to many servers (transports as
+                  strategies), register
+    receiver.py   the server's side: the fence (only the run's learner), receive by any transport
+                  or pull, check, swap atomically on a backend
 """

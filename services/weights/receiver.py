@@ -1,6 +1,8 @@
-"""The server's side of a weight push, whatever the transport: a version received (the gRPC
-stream, `apply_chunks`; a file in shared memory, `apply_shared`), checked, and swapped into the
-backend atomically between batches, one update at a time, each wait bounded by the call's deadline.
+"""The server's side of a weight push, whatever the transport, in one place: the fence (a
+version is taken only from the run's learner, `LearnerFence`), a version received (the gRPC
+stream, `apply_chunks`; a file in shared memory, `apply_shared`; a late server's `pull` from the
+learner), checked, and swapped into the backend atomically between batches, one update at a time,
+each wait bounded by the call's deadline.
 
 The generation server is a thin adapter over `WeightReceiver`: its RPCs call it, and it hands the
 receiver its backend, its compute thread (`run(fn, timeout=)`: fn runs between batches; a run that
@@ -9,16 +11,19 @@ has not started within `timeout` is withdrawn and raises a TimeoutError) and its
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
+import redis
 
-from ..common.rpc.errors import BadRequest, DeadlineExceeded
+from ..common.replay import ReplayStore
+from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
 from ..common.rpc.gen import common_pb2
-from ..common.rpc.waits import wait_failed
+from ..common.rpc.waits import Counted, wait_failed
 from .check import check_newer
 from .shm import Probe, open_shared_weights
 from .stream import assemble_weights
@@ -29,6 +34,43 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Fence = Callable[[common_pb2.WeightHeader], None]
+
+
+class LearnerFence:
+    """The generation server's check of a weight push's (or pull's) header in a distributed run:
+    it comes from the run's learner (run_id and epoch as the learner published them in the replay
+    registry) and its version is not above the registry's version counter (the learner raises it
+    before each push). Anything else is refused with `BadRequest`; a registry that cannot be
+    reached gives `Unavailable`."""
+
+    def __init__(self, store: ReplayStore):
+        self.store = store
+
+    def __call__(self, header: common_pb2.WeightHeader) -> None:
+        try:
+            info = self.store.learner_info()
+            counter = self.store.version()
+        except (redis.RedisError, OSError) as e:
+            raise Unavailable(
+                f"weights: the replay registry cannot be reached to check the push's writer: {e}"
+            ) from None
+        writer = f"run_id={header.run_id!r}, epoch={header.epoch}"
+        if not info:
+            raise BadRequest(
+                f"weights: push from a writer that is not the run's learner ({writer}): no learner "
+                f"has registered in the replay namespace {self.store.ns!r}"
+            )
+        run_id, epoch = info.get("run_id", ""), int(info.get("epoch") or 0)
+        if header.run_id != run_id or int(header.epoch) != epoch:
+            raise BadRequest(
+                f"weights: push from a writer that is not the run's learner ({writer}; the learner "
+                f"registered in {self.store.ns!r} has run_id={run_id!r}, epoch={epoch})"
+            )
+        if header.version > counter:
+            raise BadRequest(
+                f"weights: push from a writer that is not the run's learner: version {header.version} "
+                f"is above the run's version counter {counter}"
+            )
 
 
 def shm_probe(shm_dir: str | None) -> Probe | None:
@@ -99,6 +141,42 @@ class WeightReceiver:
             "shared memory",
             context=context,
         )
+
+    def pull(self, open_stream: Callable[[], Iterator], origin: str, timeout: float, wanted) -> bool:
+        """Pull version `wanted` from the learner at `origin` (`open_stream()`: its PullWeights
+        stream, whose deadline is `timeout`) and apply it; True if it was applied. A stream that
+        fails, or an apply whose wait passes, is logged with its phase and the learner's address;
+        a version the fence refuses, or one a push applied first, is skipped."""
+        t0 = time.monotonic()
+        stream = Counted(())
+        try:
+            stream = Counted(open_stream())
+            first = next(stream, None)
+            if first is None:
+                return False
+            version, nbytes, secs = self.apply_chunks(itertools.chain([first], stream), origin=origin)
+            log.info(
+                "pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, origin, nbytes / 1e6, secs
+            )
+            return True
+        except DeadlineExceeded:  # the apply's wait (logged with its phase where it passed)
+            return False
+        except BadRequest as e:  # a push of the same version won the race, or the fence refused it
+            log.info("pull skipped: %s", e)
+            return False
+        except grpc.RpcError as e:
+            log.warning(
+                "%s (it pulls again when it finds itself behind)",
+                wait_failed(
+                    f"weight pull v{wanted} from the learner at",
+                    origin,
+                    stream.phase("stream", "apply"),
+                    e,
+                    time.monotonic() - t0,
+                    timeout,
+                ),
+            )
+            return False
 
     def budget(self, context) -> float:
         """Seconds a weight update may wait: the call's remaining deadline; rpc.timeout_s for a

@@ -21,7 +21,7 @@ from services.common.rpc.server import RPCServer
 from services.generation.client import GenerationClient
 from services.generation.registration import Registration
 from services.generation.server import serve
-from services.weights.fence import LearnerFence
+from services.weights.receiver import LearnerFence
 from services.weights.stream import weight_chunks
 from tests.grpc_helpers import expect_code, on_free_ports
 
