@@ -12,12 +12,12 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.compute import ComputeThread
 from ..common.lifecycle import GrpcService
 from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb
 from ..common.rpc.gen import critic_pb2_grpc
 from ..common.rpc.server import RPCServer, batch_size_histogram
-from .compute import ComputeThread
 from .critic import CheckpointError, NonFiniteStep
 
 if TYPE_CHECKING:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -25,34 +23,6 @@ from .decode import decode
 class GenerationStopped(Exception):
     """A batch given up before its end because `stop()` said nobody waits for it any more (every
     caller of the generation server left: deadline passed or call cancelled)."""
-
-
-class CallNotStarted(TimeoutError):
-    """A call for the compute thread (a weight swap) that had not started when its wait's deadline
-    passed (the running batch was still decoding): it was withdrawn, nothing changed."""
-
-
-def wait_for_call(fut: Future, timeout: float | None):
-    """The result of a call queued for the compute thread: waiting up to `timeout` seconds for it
-    to start (None = as long as it takes); one still queued then is withdrawn (`CallNotStarted`);
-    one that has started is waited for to the end (it holds what it was given)."""
-    try:
-        return fut.result(timeout)
-    except FutureTimeout:
-        if fut.cancel():
-            raise CallNotStarted(f"it waited {timeout:.0f} s for the running batch to finish and never ran") from None
-        return fut.result()
-
-
-def run_call(fut: Future, fn: Callable[[], object]) -> None:
-    """The compute thread's side of `wait_for_call`: `fn()` into `fut`, unless its caller withdrew
-    it (then nothing runs); an exception goes to the caller."""
-    if not fut.set_running_or_notify_cancel():
-        return  # withdrawn by its caller, whose wait ran out
-    try:
-        fut.set_result(fn())
-    except BaseException as e:  # the caller sees it
-        fut.set_exception(e)
 
 
 class HFBackend:

@@ -13,9 +13,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+from ..common.compute import Call, run_call, wait_for_call
 from ..common.rpc.errors import DeadlineExceeded
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
-from .backend import GenerationStopped, run_call, wait_for_call
+from .backend import GenerationStopped
 from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,6 @@ class _Job:
     params: SamplingParams
     future: Future
     stopped: Callable[[], bool] = _never  # True once nobody waits for this job (sticky)
-
-
-@dataclass
-class _Call:
-    """Other work for the batcher's thread (a weight swap): it runs between batches."""
-
-    fn: Callable[[], object]
-    future: Future
 
 
 class ActiveCalls:
@@ -72,11 +65,11 @@ class Batcher(ActiveCalls):
     dropped or stopped raise `GenerationStopped`.
 
     The batcher's own thread is the server's one compute thread (the reason is in
-    `services/critic/compute.py`): weight swaps run on it too (`call`), between batches."""
+    `services/common/compute.py`): weight swaps run on it too (`call`), between batches."""
 
     def __init__(self, backend: GenerationBackend, max_batch_size: int, window_s: float, metrics=None):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
-        self.q: queue.Queue[_Job | _Call | None] = queue.Queue()
+        self.q: queue.Queue[_Job | Call | None] = queue.Queue()
         self.batches = 0
         super().__init__()
         self._closed = False
@@ -104,7 +97,7 @@ class Batcher(ActiveCalls):
         `timeout`: not started within it (the running batch still decoding), it is withdrawn and
         `CallNotStarted` raised (`wait_for_call`)."""
         fut: Future = Future()
-        self.q.put(_Call(lambda: fn(*args), fut))
+        self.q.put(Call(lambda: fn(*args), fut))
         return wait_for_call(fut, timeout)
 
     def _loop(self) -> None:
@@ -112,11 +105,11 @@ class Batcher(ActiveCalls):
             job = self.q.get()
             if job is None:
                 return
-            if isinstance(job, _Call):
+            if isinstance(job, Call):
                 run_call(job.future, job.fn)
                 continue
             jobs = [job]
-            deferred: list[_Call] = []
+            deferred: list[Call] = []
             size = len(job.prompts)
             deadline = time.monotonic() + self.window_s
             while size < self.max_batch_size:
@@ -130,7 +123,7 @@ class Batcher(ActiveCalls):
                 if nxt is None:
                     self.q.put(None)
                     break
-                if isinstance(nxt, _Call):
+                if isinstance(nxt, Call):
                     deferred.append(nxt)
                     break
                 jobs.append(nxt)

@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ..common.compute import Call, run_call, wait_for_call
 from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.check import check_newer, check_version
-from .backend import GenerationStopped, run_call, wait_for_call
+from .backend import GenerationStopped
 from .decode import GREEDY_BELOW
 
 if TYPE_CHECKING:
@@ -96,12 +97,6 @@ class _Job:
     left: int = 0
     t0: float = 0.0
     stopped: Callable[[], bool] | None = None  # True once nobody waits for it: its requests are aborted
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], object]
-    future: Future
 
 
 class VLLMBackend:
@@ -172,7 +167,7 @@ class VLLMBackend:
         self._ids = itertools.count()
         self._inflight: dict[str, tuple[_Job, int]] = {}
         self._held: list[_Job] = []
-        self._calls: list[_Call] = []
+        self._calls: list[Call] = []
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -227,7 +222,7 @@ class VLLMBackend:
         if threading.current_thread() is self._thread:
             return fn(*args)
         fut: Future = Future()
-        self._q.put(_Call(lambda: fn(*args), fut))
+        self._q.put(Call(lambda: fn(*args), fut))
         return wait_for_call(fut, timeout)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -327,7 +322,7 @@ class VLLMBackend:
             block = False
             if item is None:
                 return False
-            if isinstance(item, _Call):
+            if isinstance(item, Call):
                 self._calls.append(item)
             elif self._calls:
                 self._held.append(item)  # admission is paused until the calls have run
@@ -439,7 +434,7 @@ class VLLMBackend:
 
     def _fail_all(self, e: Exception) -> None:
         self._fail_inflight(e)
-        pending: list[_Job | _Call] = [*self._held, *self._calls]
+        pending: list[_Job | Call] = [*self._held, *self._calls]
         for item in pending:
             if not item.future.done():  # a withdrawn call is done (cancelled)
                 item.future.set_exception(e)

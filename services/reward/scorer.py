@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from ..common.compute import ComputeThread
 from ..common.types import RewardSample, Scorer, ScoreResult
 from .functions import RewardFunction
 from .rules import RULES
@@ -51,7 +52,8 @@ class ModelScorer:
     """A sequence-classification reward model (any AutoModelForSequenceClassification directory
     with one label, such as `rlhf train-rm` writes), batched, with its own tokenizer. Reward =
     logit of the single class, read at the last non-padding token of prompt + response; with
-    `normalize`, (logit - mean) / std from the directory's reward_stats.json."""
+    `normalize`, (logit - mean) / std from the directory's reward_stats.json. Every forward runs
+    on the scorer's one compute thread (`common/compute.py`), whichever gRPC thread asked."""
 
     def __init__(
         self, path: str, device: str = "cpu", batch_size: int = 32, max_length: int = 4096, normalize: bool = False
@@ -74,9 +76,13 @@ class ModelScorer:
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.batch_size, self.max_length = device, batch_size, max_length
+        self.compute = ComputeThread("reward-model")
+
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+        return self.compute.run(self._score, samples)
 
     @torch.no_grad()
-    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+    def _score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         out = []
         for i in range(0, len(samples), self.batch_size):
             chunk = samples[i : i + self.batch_size]

@@ -88,3 +88,28 @@ def test_the_reward_server_scores_what_the_trainer_gave(trained):
     cfg = config_from_dict({"reward": {"type": "model", "model_path": str(rm_dir), "model_normalize": True}})
     normalised = [s.reward for s in build_scorer(cfg.reward, "cpu").score(samples)]
     assert normalised == pytest.approx([(v - stats["mean"]) / stats["std"] for v in served], rel=1e-5, abs=1e-5)
+
+
+def test_the_model_scorer_runs_every_forward_on_its_one_compute_thread(trained):
+    """Concurrent Score calls (the gRPC server's threads) each get their scores, and the model runs
+    on one thread, so the process keeps one OpenMP team instead of one per handler thread."""
+    import threading
+
+    rm_dir, _, held = trained
+    scorer = build_scorer(config_from_dict({"reward": {"type": "model", "model_path": str(rm_dir)}}).reward, "cpu")
+    ran_on: set[str] = set()
+    scorer.model.register_forward_hook(lambda *_: ran_on.add(threading.current_thread().name))
+    samples = [RewardSample(r["prompt"], r["chosen"], None) for r in held]
+    alone = [s.reward for s in scorer.score(samples)]
+    results: dict[int, list[float]] = {}
+    callers = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, [s.reward for s in scorer.score(samples)]))
+        for i in range(3)
+    ]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(120)
+    assert sorted(results) == [0, 1, 2]
+    assert all(r == pytest.approx(alone, rel=1e-5, abs=1e-5) for r in results.values())
+    assert len(ran_on) == 1 and next(iter(ran_on)).startswith("reward-model"), ran_on
