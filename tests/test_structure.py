@@ -78,7 +78,7 @@ def _service_of(mod: str) -> str | None:
 
 def test_the_graph_sees_the_project():
     assert len(GRAPH) > 40
-    assert "services.learner.loop" in GRAPH and "services.generation.client" in GRAPH["services.learner.loop"]
+    assert "services.learner.run" in GRAPH and "services.generation.client" in GRAPH["services.learner.run"]
 
 
 def test_common_and_ppo_import_no_service():

@@ -433,7 +433,7 @@ def cmd_serve(args) -> int:
 
         ignore_stop_signals()  # a follower rank: no ports, no signals of its own; it ends with rank 0
         return import_module(
-            f"..{args.service}.{'loop' if args.service == 'learner' else 'server'}", __package__
+            f"..{args.service}.{'run' if args.service == 'learner' else 'server'}", __package__
         ).follower_main(cfg)
     problem = _serve_problem(cfg, args)
     if problem:

@@ -17,7 +17,7 @@ from ..common.rpc.gen import learner_pb2_grpc
 from ..common.rpc.server import RPCServer, advertised_address
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import weight_chunks
-from .loop import LearnerLoop
+from .run import LearnerLoop
 
 if TYPE_CHECKING:
     from ..common.config import Config

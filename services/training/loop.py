@@ -1,5 +1,5 @@
 """The training loop, one for `rlhf train --local` (services/local.py) and the learner service
-(services/learner/loop.py). What differs between them is handed in as parts:
+(services/learner/run.py). What differs between them is handed in as parts:
 
     source.collect(iteration, version)  a batch to train on: sampled and scored in-process, or the
                                         trajectories rollout workers left in Redis (None: a stop was

@@ -17,7 +17,7 @@ Each push is planned per server, from its registry entry:
     (`stream.Fanout`).
 
 One weight push, hop by hop (docs/architecture.md, section 12):
-    learner/loop.py:PushSink.publish            the version, from Redis's counter (common/replay/fence.py)
+    learner/run.py:PushSink.publish            the version, from Redis's counter (common/replay/fence.py)
     Publisher.push                              this file, from here on
       Publisher.take_snapshot                   the policy's state dict (LoRA: the targets over the base)
       ServerPool.live                           the live servers (generation/client.py)

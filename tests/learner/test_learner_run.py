@@ -10,7 +10,7 @@ import pytest
 from services.common.config import config_from_dict
 from services.common.replay.records import group_to_proto
 from services.common.types import Completion, SampleGroup, ScoreResult
-from services.learner.loop import LearnerLoop
+from services.learner.run import LearnerLoop
 
 
 def _cfg(model_dir, url, **over):
