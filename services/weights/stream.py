@@ -394,133 +394,168 @@ def assemble_weights(
     straight into it: the pushed bytes plus a few pieces in flight is all the memory it takes.
     sha256 and the finiteness checks run on a worker thread, in stream order, overlapping the
     receiving, piece checks and copies."""
-    header = None
-    buffers: dict[str, torch.Tensor] = {}  # destination tensors, allocated once from the checked specs
-    views: dict[str, np.ndarray] = {}  # their raw bytes (uint8 views, no copy)
-    meta: dict[str, tuple[str, tuple, int]] = {}
-    spans: dict[str, list[list[int]]] = {}
-    filled: dict[str, int] = {}
-    digest = hashlib.sha256()
-    nonfinite: set[str] = set()
-    received = allocated = 0
-    footer = None
-    xxh3 = None  # whether this push's pieces carry xxh3 (decided by its first piece)
-    worker = _InOrder(depth=4)  # holds at most a few pieces' data
-
-    def check_finite(name: str) -> None:
-        t = buffers[name]
-        if t.is_floating_point() and not all_finite(t):
-            nonfinite.add(name)
-
+    push = _Assembly(specs, max_bytes, on_header)
     try:
         for chunk in chunks:
             kind = chunk.WhichOneof("payload")
             if kind == "header":
-                if header is not None:
-                    raise BadRequest("weights: a second header in one push")
-                header = chunk.header
-                check_header(header, specs, max_bytes)
-                if on_header is not None:
-                    on_header(header)
+                push.take_header(chunk.header)
             elif kind == "piece":
-                if header is None:
-                    raise BadRequest("weights: a tensor piece before the header")
-                if footer is not None:
-                    raise BadRequest("weights: a tensor piece after the footer")
-                p = chunk.piece
-                data = p.data  # read once: every read of a bytes field is a new copy
-                n = len(data)
-                has_xxh3 = p.HasField("xxh3")
-                if xxh3 is None:
-                    xxh3 = has_xxh3
-                    if xxh3 and xxhash is None:
-                        raise BadRequest("weights.piece.xxh3: this server cannot check xxh3_64 (install xxhash)")
-                elif has_xxh3 != xxh3:
-                    raise BadRequest(f"weights.piece[{p.name}]: xxh3 on some pieces of a push and not on others")
-                if xxh3:
-                    if xxhash.xxh3_64_intdigest(data) != p.xxh3:
-                        raise BadRequest(f"weights.piece[{p.name}]: xxh3 mismatch at offset {p.offset}")
-                elif zlib.crc32(data) != p.crc32:
-                    raise BadRequest(f"weights.piece[{p.name}]: crc32 mismatch at offset {p.offset}")
-                name = p.name
-                if name in meta:
-                    if meta[name] != (p.dtype, tuple(p.shape), p.total_bytes):
-                        dtype, shape, total = meta[name]
-                        raise BadRequest(
-                            f"weights.piece[{name}]: dtype {p.dtype}, shape {list(p.shape)}, total_bytes "
-                            f"{p.total_bytes} disagree with the tensor's earlier pieces ({dtype}, "
-                            f"{list(shape)}, {total})"
-                        )
-                else:
-                    _check_piece(p, specs, header, max_bytes)
-                    if len(buffers) >= header.num_tensors:
-                        raise BadRequest(f"weights: more than the {header.num_tensors} tensors the header announced")
-                    allocated += p.total_bytes
-                    if allocated > header.total_bytes:
-                        raise BadRequest(
-                            f"weights: the tensors' sizes add up to more than the header's "
-                            f"total_bytes={header.total_bytes}"
-                        )
-                    t = torch.empty([int(d) for d in p.shape], dtype=DTYPES[p.dtype])
-                    buffers[name] = t
-                    views[name] = raw_view(t)
-                    meta[name] = (p.dtype, tuple(p.shape), p.total_bytes)
-                    spans[name] = []
-                    filled[name] = 0
-                if p.offset < 0 or p.offset + n > p.total_bytes:
-                    raise BadRequest(
-                        f"weights.piece[{name}]: bytes [{p.offset}, {p.offset + n}) "
-                        f"outside the tensor's {p.total_bytes} bytes"
-                    )
-                _cover(spans[name], name, p.offset, p.offset + n)
-                if n:
-                    views[name][p.offset : p.offset + n] = np.frombuffer(data, dtype=np.uint8)
-                filled[name] += n
-                if not xxh3:
-                    worker.submit(partial(digest.update, data))
-                if filled[name] == p.total_bytes:  # complete (coverage is exact): check it meanwhile
-                    worker.submit(partial(check_finite, name))
-                received += n
-                if max_bytes is not None and received > max_bytes:
-                    raise BadRequest(f"weights: more than {max_bytes} bytes")
+                push.take_piece(chunk.piece)
             elif kind == "footer":
-                if footer is not None:
-                    raise BadRequest("weights: a second footer in one push")
-                footer = chunk.footer
+                push.take_footer(chunk.footer)
             else:
                 raise BadRequest("weights: an empty chunk")
     except BaseException:
-        worker.abandon()
+        push.worker.abandon()
         raise
-    worker.finish()
-    if header is None or footer is None:
-        raise BadRequest("weights: the push ended without " + ("a header" if header is None else "a footer"))
-    if xxh3:
-        if footer.sha256:
-            raise BadRequest("weights.footer.sha256: set in a push whose pieces carry xxh3")
-    elif footer.sha256 != digest.hexdigest() and not (xxh3 is None and not footer.sha256):  # None: no piece
-        raise BadRequest("weights.footer.sha256: checksum mismatch; the push is incomplete or corrupt")
-    if len(buffers) != header.num_tensors:
-        raise BadRequest(f"weights: {len(buffers)} tensors received, header announced {header.num_tensors}")
-    if specs is not None:
-        check_coverage(buffers, specs, header.format, "weights", what="push")
-    for name in buffers:
-        size = meta[name][2]
-        if filled[name] != size:
-            s = spans[name]
+    push.worker.finish()
+    return push.result()
+
+
+class _Assembly:
+    """One push being assembled (`assemble_weights`): each chunk checked and copied as it comes,
+    then the whole checked at its end (`result`)."""
+
+    def __init__(self, specs, max_bytes: int | None, on_header):
+        self.specs, self.max_bytes, self.on_header = specs, max_bytes, on_header
+        self.header: pb.WeightHeader | None = None
+        self.footer: pb.WeightFooter | None = None
+        self.buffers: dict[str, torch.Tensor] = {}  # destination tensors, allocated once from the checked specs
+        self.views: dict[str, np.ndarray] = {}  # their raw bytes (uint8 views, no copy)
+        self.meta: dict[str, tuple[str, tuple, int]] = {}
+        self.spans: dict[str, list[list[int]]] = {}
+        self.filled: dict[str, int] = {}
+        self.digest = hashlib.sha256()
+        self.nonfinite: set[str] = set()
+        self.received = self.allocated = 0
+        self.xxh3: bool | None = None  # whether this push's pieces carry xxh3 (decided by its first piece)
+        self.worker = _InOrder(depth=4)  # holds at most a few pieces' data
+
+    def take_header(self, header: pb.WeightHeader) -> None:
+        if self.header is not None:
+            raise BadRequest("weights: a second header in one push")
+        self.header = header
+        check_header(header, self.specs, self.max_bytes)
+        if self.on_header is not None:
+            self.on_header(header)
+
+    def take_piece(self, p: pb.TensorPiece) -> None:
+        header = self.header
+        if header is None:
+            raise BadRequest("weights: a tensor piece before the header")
+        if self.footer is not None:
+            raise BadRequest("weights: a tensor piece after the footer")
+        data = p.data  # read once: every read of a bytes field is a new copy
+        n = len(data)
+        self._check_sum(p, data)
+        name = p.name
+        if name in self.meta:
+            if self.meta[name] != (p.dtype, tuple(p.shape), p.total_bytes):
+                dtype, shape, total = self.meta[name]
+                raise BadRequest(
+                    f"weights.piece[{name}]: dtype {p.dtype}, shape {list(p.shape)}, total_bytes "
+                    f"{p.total_bytes} disagree with the tensor's earlier pieces ({dtype}, "
+                    f"{list(shape)}, {total})"
+                )
+        else:
+            self._allocate(p, header)
+        if p.offset < 0 or p.offset + n > p.total_bytes:
+            raise BadRequest(
+                f"weights.piece[{name}]: bytes [{p.offset}, {p.offset + n}) outside the tensor's {p.total_bytes} bytes"
+            )
+        _cover(self.spans[name], name, p.offset, p.offset + n)
+        if n:
+            self.views[name][p.offset : p.offset + n] = np.frombuffer(data, dtype=np.uint8)
+        self.filled[name] += n
+        if not self.xxh3:
+            self.worker.submit(partial(self.digest.update, data))
+        if self.filled[name] == p.total_bytes:  # complete (coverage is exact): check it meanwhile
+            self.worker.submit(partial(self._check_finite, name))
+        self.received += n
+        if self.max_bytes is not None and self.received > self.max_bytes:
+            raise BadRequest(f"weights: more than {self.max_bytes} bytes")
+
+    def _check_sum(self, p: pb.TensorPiece, data: bytes) -> None:
+        """The piece's xxh3_64, or its crc32 (one kind per push, decided by its first piece)."""
+        has_xxh3 = p.HasField("xxh3")
+        if self.xxh3 is None:
+            self.xxh3 = has_xxh3
+            if has_xxh3 and xxhash is None:
+                raise BadRequest("weights.piece.xxh3: this server cannot check xxh3_64 (install xxhash)")
+        elif has_xxh3 != self.xxh3:
+            raise BadRequest(f"weights.piece[{p.name}]: xxh3 on some pieces of a push and not on others")
+        if self.xxh3:
+            if xxhash.xxh3_64_intdigest(data) != p.xxh3:
+                raise BadRequest(f"weights.piece[{p.name}]: xxh3 mismatch at offset {p.offset}")
+        elif zlib.crc32(data) != p.crc32:
+            raise BadRequest(f"weights.piece[{p.name}]: crc32 mismatch at offset {p.offset}")
+
+    def _allocate(self, p: pb.TensorPiece, header: pb.WeightHeader) -> None:
+        """A tensor's first piece: its declared name, shape, dtype and size checked, then its
+        destination allocated once."""
+        _check_piece(p, self.specs, header, self.max_bytes)
+        if len(self.buffers) >= header.num_tensors:
+            raise BadRequest(f"weights: more than the {header.num_tensors} tensors the header announced")
+        self.allocated += p.total_bytes
+        if self.allocated > header.total_bytes:
+            raise BadRequest(
+                f"weights: the tensors' sizes add up to more than the header's total_bytes={header.total_bytes}"
+            )
+        t = torch.empty([int(d) for d in p.shape], dtype=DTYPES[p.dtype])
+        self.buffers[p.name] = t
+        self.views[p.name] = raw_view(t)
+        self.meta[p.name] = (p.dtype, tuple(p.shape), p.total_bytes)
+        self.spans[p.name] = []
+        self.filled[p.name] = 0
+
+    def _check_finite(self, name: str) -> None:
+        t = self.buffers[name]
+        if t.is_floating_point() and not all_finite(t):
+            self.nonfinite.add(name)
+
+    def take_footer(self, footer: pb.WeightFooter) -> None:
+        if self.footer is not None:
+            raise BadRequest("weights: a second footer in one push")
+        self.footer = footer
+
+    def result(self) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
+        """The whole push checked (its checksum, its tensors' count, coverage, bytes and values)."""
+        header, footer = self.header, self.footer
+        if header is None or footer is None:
+            raise BadRequest("weights: the push ended without " + ("a header" if header is None else "a footer"))
+        if self.xxh3:
+            if footer.sha256:
+                raise BadRequest("weights.footer.sha256: set in a push whose pieces carry xxh3")
+        elif footer.sha256 != self.digest.hexdigest() and not (self.xxh3 is None and not footer.sha256):
+            # (xxh3 None: no piece came)
+            raise BadRequest("weights.footer.sha256: checksum mismatch; the push is incomplete or corrupt")
+        if len(self.buffers) != header.num_tensors:
+            raise BadRequest(f"weights: {len(self.buffers)} tensors received, header announced {header.num_tensors}")
+        if self.specs is not None:
+            check_coverage(self.buffers, self.specs, header.format, "weights", what="push")
+        for name in self.buffers:
+            self._check_complete(name)
+        if self.allocated != header.total_bytes:
+            raise BadRequest(
+                f"weights: {self.allocated} bytes of tensors received, "
+                f"header announced total_bytes={header.total_bytes}"
+            )
+        for name in self.buffers:  # every tensor is complete here, so each was checked
+            if name in self.nonfinite:
+                raise BadRequest(f"weights.piece[{name}]: contains NaN or infinity")
+        return int(header.version), header.format, self.buffers, self.received, header
+
+    def _check_complete(self, name: str) -> None:
+        """Every byte of the tensor came (pieces never overlap, so a count short means a hole)."""
+        size = self.meta[name][2]
+        if self.filled[name] != size:
+            s = self.spans[name]
             if not s:
                 hole = (0, size)
             else:
                 hole = (0, s[0][0]) if s[0][0] > 0 else (s[0][1], s[1][0] if len(s) > 1 else size)
             raise BadRequest(
-                f"weights.piece[{name}]: {filled[name]} of {size} bytes received; bytes [{hole[0]}, {hole[1]}) missing"
+                f"weights.piece[{name}]: {self.filled[name]} of {size} bytes received; "
+                f"bytes [{hole[0]}, {hole[1]}) missing"
             )
-    if allocated != header.total_bytes:
-        raise BadRequest(
-            f"weights: {allocated} bytes of tensors received, header announced total_bytes={header.total_bytes}"
-        )
-    for name in buffers:  # every tensor is complete here, so each was checked
-        if name in nonfinite:
-            raise BadRequest(f"weights.piece[{name}]: contains NaN or infinity")
-    state = buffers
-    return int(header.version), header.format, state, received, header
