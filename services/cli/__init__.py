@@ -9,7 +9,7 @@ rlhf train-rm -c FILE [--out DIR]               a reward model from preference p
 rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
 rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
 rlhf make-prefs -c FILE --out PAIRS.jsonl       preference pairs labelled by a judge (RLAIF)
-rlhf serve generation|reward|critic|learner|rollout -c FILE   one service, until SIGTERM
+rlhf serve generation|reward|critic|learner|rollout|gateway -c FILE   one service, until SIGTERM
 rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
 
@@ -374,6 +374,8 @@ def _serve_problem(cfg: Config, args) -> str | None:
         return problem
     if args.service == "rollout":
         ports = [("metrics", "--metrics-port, rollout.metrics_port", host, cfg.rollout.metrics_port)]
+    elif args.service == "gateway":
+        ports = [("HTTP", "--port, rpc.gateway.port", host, cfg.rpc.gateway.port)]
     else:
         ep, key = getattr(cfg.rpc, args.service), f"rpc.{args.service}"
         ports = [
@@ -410,6 +412,8 @@ def _flag_problem(args) -> str | None:
             return problem
     if args.http_port is not None and args.service not in ("reward", "learner"):
         return f"--http-port is for the reward server and the learner (not the {args.service})"
+    if args.metrics_port is not None and args.service == "gateway":
+        return "--metrics-port: the gateway serves no /metrics of its own yet (its --port is its HTTP port)"
     if args.port is not None and args.service == "rollout":
         return "--port: a rollout worker serves no gRPC (its /metrics port is --metrics-port)"
     if args.nproc is not None and args.service not in ("learner", "critic"):
@@ -568,10 +572,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_rm)
 
     p = sub.add_parser("serve", help="run one service: generation, reward, critic, learner or rollout")
-    p.add_argument("service", choices=["generation", "reward", "critic", "learner", "rollout"])
+    p.add_argument("service", choices=["generation", "reward", "critic", "learner", "rollout", "gateway"])
     _add_config_args(p)
     p.add_argument("--host")
-    p.add_argument("--port", type=int, help="gRPC port (0 = a free one)")
+    p.add_argument("--port", type=int, help="gRPC port (the gateway: its HTTP port; 0 = a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (0 = a free one, -1 = off)")
     p.add_argument(
         "--http-port", type=int, help="reward: OpenRLHF HTTP API; learner: JSON status (0 = a free port, -1 = off)"

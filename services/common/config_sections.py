@@ -590,6 +590,13 @@ class LearnerEndpoint(Endpoint):
     )
 
 
+class GatewayEndpoint(Strict):
+    host: str = Field(default="127.0.0.1", description="address the OpenAI-compatible endpoint binds")
+    port: int = Field(default=8090, ge=0, le=65535, description="its HTTP port; 0 picks a free port")
+    session_ttl_s: float = Field(default=3600.0, gt=0, description="a session idle this long is forgotten")
+    max_sessions: int = Field(default=10_000, ge=1, description="sessions kept at once (the longest idle goes first)")
+
+
 class RPCConfig(Strict):
     host: str = Field(default="127.0.0.1", description="address servers bind; 0.0.0.0 in containers")
     advertise_host: Optional[str] = Field(
@@ -655,6 +662,9 @@ class RPCConfig(Strict):
     )
     learner: LearnerEndpoint = Field(
         default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104), description="the learner service"
+    )
+    gateway: GatewayEndpoint = Field(
+        default_factory=GatewayEndpoint, description="the OpenAI-compatible endpoint for agents (rlhf serve gateway)"
     )
 
     @model_validator(mode="before")

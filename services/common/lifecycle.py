@@ -146,3 +146,31 @@ def run_service(svc: Service, out=None) -> int:
         except RunFailed as e:
             log.error("%s: the run cannot go on:\n%s", svc.name, e)
             return EXIT_RUN_FAILED
+
+
+class HTTPServerThread:
+    """An ASGI app (FastAPI) served by uvicorn in a background thread, stoppable: the HTTP side of
+    a service (the reward server's OpenRLHF protocol, the gateway's OpenAI API)."""
+
+    def __init__(self, app, host: str, port: int, name: str = "http"):
+        import uvicorn
+
+        self.name = name
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+
+    def start(self, timeout: float = 10.0) -> int:
+        """Serve; the bound port (a free one for port 0)."""
+        import time
+
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > timeout or not self.thread.is_alive():
+                raise RuntimeError(f"the {self.name} HTTP server did not start")
+            time.sleep(0.02)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -13,14 +13,13 @@ import hmac
 import json
 import logging
 import math
-import threading
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import Request  # at module level: FastAPI resolves the handlers' annotations here
 
-from ..common.lifecycle import GrpcService
+from ..common.lifecycle import GrpcService, HTTPServerThread
 from ..common.modeling import load_tokenizer
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Reason, Unavailable
 from ..common.rpc.gen import reward_pb2 as rpb
@@ -269,31 +268,6 @@ def build_http_app(
     return app
 
 
-class HTTPServerThread:
-    """uvicorn in a background thread, stoppable."""
-
-    def __init__(self, app, host: str, port: int):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="reward-http", daemon=True)
-
-    def start(self, timeout: float = 10.0) -> int:
-        import time
-
-        self.thread.start()
-        t0 = time.time()
-        while not self.server.started:
-            if time.time() - t0 > timeout or not self.thread.is_alive():
-                raise RuntimeError("the reward HTTP server did not start")
-            time.sleep(0.02)
-        return self.server.servers[0].sockets[0].getsockname()[1]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def serve(cfg: Config, scorer=None) -> GrpcService:
     """The reward service: builds the scorer `reward` describes (or uses `scorer`), then binds
     `rpc.reward`'s ports and serves gRPC and, unless `rpc.reward.http_port` is null, OpenRLHF's
@@ -328,7 +302,7 @@ def serve(cfg: Config, scorer=None) -> GrpcService:
                 max_text_chars=cfg.reward.max_text_chars,
                 metrics=http_metrics,
             )
-            http = HTTPServerThread(app, ep.host, ep.http_port)
+            http = HTTPServerThread(app, ep.host, ep.http_port, name="reward-http")
             server.http_port = http.start()
             closers.append(http.stop)
         server.set_ready(True)

@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from services.common.config import load_config
+from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
 from services.reward.scorer import build_scorer
-from services.reward.server import HTTPServerThread, build_http_app, special_token_strings
+from services.reward.server import build_http_app, special_token_strings
 
 TINY_CPU = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml"
 

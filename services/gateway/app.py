@@ -1,0 +1,309 @@
+"""The OpenAI-compatible HTTP API of the gateway: `/v1/chat/completions`, `/v1/completions`,
+`/v1/models`, and the sessions an agent's requests make (`/v1/sessions/{id}`).
+
+One request, hop by hop:
+    chat_completions              auth (the run's bearer token), the request checked
+      Session.prompt              token-exact: the session's tokens so far + the new messages'
+                                  (sessions.py)
+      Sampler.generate            the session's generation server while it lives, else another
+                                  (ServerPool: pick, avoid); gRPC Generate on token ids
+      _choices                    stop strings cut, text decoded, log-probs kept
+      Session.sampled             the turn's choices pending until the next request takes one
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any, Union
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..common.rpc.errors import Reason, reason_of
+from ..common.types import SamplingParams
+from .sessions import ChatTokens, Choice, Session, Sessions
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+VERSION_HEADER = "x-policy-version"
+AVOID_S = 10.0  # a generation server that failed a call is left out this long
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: Union[str, list[str], None] = None
+    n: int = Field(default=1, ge=1)
+    logprobs: Any = None  # chat: a bool; completions: an int (how many alternatives; only the sampled one is given)
+    seed: int | None = None
+    stream: bool = False
+    session_id: str | None = None  # or the x-session-id header
+
+
+class ChatRequest(_Request):
+    messages: list[dict] = Field(min_length=1)
+    tools: list[dict] | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[int]]
+
+
+class GatewayError(Exception):
+    """An OpenAI-style error answer: HTTP `status`, `kind` (its "type") and a message."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class Sampler:
+    """Generate calls for sessions: each session's requests go to one generation server while it
+    answers (its prefix cache stays warm); one that fails is avoided for a while and the call goes
+    to another. `servers`: the pool of generation servers (generation/client.py:ServerPool)."""
+
+    def __init__(self, servers, timeout_s: float):
+        self.servers, self.timeout_s = servers, timeout_s
+
+    def generate(self, session: Session, prompt: list[int], params: SamplingParams):
+        tried: set[str] = set()
+        key = uuid.uuid4().hex  # one request: a retry on the same server joins its work
+        while True:
+            address = session.server if session.server not in (None, *tried) else self.servers.pick()
+            if address is None or address in tried:
+                raise GatewayError(503, "no generation server is available", "service_unavailable")
+            try:
+                result = self.servers.client(address).generate([prompt], params, timeout=self.timeout_s, key=key)
+            except grpc.RpcError as e:
+                if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise GatewayError(400, f"the request: {e.details()}") from None
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise GatewayError(429, f"the generation server is full: {e.details()}", "rate_limit") from None
+                log.warning("generation server %s failed (%s); the session goes on on another", address, e.code().name)
+                self.servers.avoid(address, AVOID_S)
+                tried.add(address)
+                session.server = None
+                continue
+            session.server = address
+            return result
+
+
+def _stop_list(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise GatewayError(400, "stop: an empty string")
+    if len(stops) > 4:
+        raise GatewayError(400, f"stop: {len(stops)} sequences, at most 4")
+    return stops
+
+
+class Gateway:
+    """What the routes call: the sessions, the chat template and the tokenizer, the sampler."""
+
+    def __init__(self, tokenizer, sampler: Sampler, sessions: Sessions, model_name: str, max_tokens: int, max_n: int):
+        self.tok, self.sampler, self.sessions = tokenizer, sampler, sessions
+        self.chat = ChatTokens(tokenizer)
+        self.model_name, self.max_tokens, self.max_n = model_name, max_tokens, max_n
+
+    def _params(self, req: _Request, stops: list[str]) -> SamplingParams:
+        if req.stream:
+            raise GatewayError(400, "stream: streaming answers are not supported; send stream=false")
+        if req.n > self.max_n:
+            raise GatewayError(400, f"n: {req.n}, more than this server's {self.max_n}")
+        single = [self.tok(s, add_special_tokens=False)["input_ids"] for s in stops]
+        return SamplingParams(
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_new_tokens=min(req.max_completion_tokens or req.max_tokens or self.max_tokens, self.max_tokens),
+            stop_token_ids=[ids[0] for ids in single if len(ids) == 1],
+            seed=req.seed,
+        )
+
+    def _choices(self, completions, version: int, stops: list[str]) -> list[Choice]:
+        """Each completion as returned: cut before its first stop string (its tokens up to the one
+        that completes it are kept: the policy sampled them), its text without special tokens."""
+        out = []
+        for c in completions:
+            ids, log_probs, reason = list(c.token_ids), list(c.log_probs), c.finish_reason
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+                k = next(k for k in range(1, len(ids) + 1) if self._has_stop(ids[:k], stops))
+                ids, log_probs = ids[:k], log_probs[:k]
+            out.append(Choice(ids, log_probs, text, reason, version))
+        return out
+
+    def _has_stop(self, ids: list[int], stops: list[str]) -> bool:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    def _logprobs(self, choice: Choice) -> list[dict]:
+        out = []
+        for t, lp in zip(choice.ids, choice.log_probs):
+            token = self.tok.decode([t])
+            out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
+        return out
+
+    def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
+        stops = _stop_list(req.stop)
+        params = self._params(req, stops)
+        session = self.sessions.get(session_id or req.session_id)
+        with session.lock:
+            try:
+                prompt, went_on = session.prompt(self.chat, req.messages, req.tools)
+            except Exception as e:  # the template refused the messages (a role it does not know)
+                raise GatewayError(400, f"messages: the chat template cannot render them ({e})") from None
+            result = self.sampler.generate(session, prompt, params)
+            choices = self._choices(result.completions[0], result.policy_version, stops)
+            session.sampled(choices)
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model or self.model_name,
+            "system_fingerprint": f"policy-v{result.policy_version}",
+            "session_id": session.id,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": {"content": self._logprobs(c)} if req.logprobs else None,
+                }
+                for i, c in enumerate(choices)
+            ],
+            "usage": _usage(prompt, choices),
+        }
+        if not went_on and len(session.segments) > 1:
+            log.info("session %s: its messages do not extend its last turn; a new segment starts", session.id)
+        return body, session, result.policy_version
+
+    def completion(self, req: CompletionRequest, session_id: str | None) -> tuple[dict, Session, int]:
+        stops = _stop_list(req.stop)
+        params = self._params(req, stops)
+        prompt = list(req.prompt) if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
+        if not prompt:
+            raise GatewayError(400, "prompt: empty")
+        session = self.sessions.get(session_id or req.session_id)
+        with session.lock:
+            session.begin(prompt)
+            result = self.sampler.generate(session, prompt, params)
+            choices = self._choices(result.completions[0], result.policy_version, stops)
+            session.sampled(choices)
+        body = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model or self.model_name,
+            "system_fingerprint": f"policy-v{result.policy_version}",
+            "session_id": session.id,
+            "choices": [
+                {
+                    "index": i,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": (
+                        {"tokens": [self.tok.decode([t]) for t in c.ids], "token_logprobs": c.log_probs}
+                        if req.logprobs
+                        else None
+                    ),
+                }
+                for i, c in enumerate(choices)
+            ],
+            "usage": _usage(prompt, choices),
+        }
+        return body, session, result.policy_version
+
+
+def _usage(prompt: list[int], choices: list[Choice]) -> dict:
+    completion = sum(len(c.ids) for c in choices)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+
+
+def build_app(gateway: Gateway, token: str | None, version=lambda: None):
+    """The FastAPI app over `gateway`; every route but /health asks for the bearer `token` (when
+    set). `version()`: the policy version the servers serve now (for /v1/models)."""
+    from fastapi import FastAPI, Header, Request
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="rlhf gateway", description="OpenAI-compatible endpoint with token-exact sessions")
+
+    def check(authorization: str | None) -> None:
+        if token is not None and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
+            raise GatewayError(
+                401, "missing or wrong bearer token (Authorization: Bearer <token>)", "authentication_error"
+            )
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, e: GatewayError):
+        return JSONResponse({"error": {"message": str(e), "type": e.kind, "code": e.status}}, status_code=e.status)
+
+    def answer(body: dict, session: Session, version: int) -> JSONResponse:
+        return JSONResponse(body, headers={SESSION_HEADER: session.id, VERSION_HEADER: str(version)})
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(
+        req: ChatRequest,
+        authorization: str | None = Header(None),
+        x_session_id: str | None = Header(None),
+    ):
+        check(authorization)
+        return answer(*gateway.chat_completion(req, x_session_id))
+
+    @app.post("/v1/completions")
+    def completions(
+        req: CompletionRequest,
+        authorization: str | None = Header(None),
+        x_session_id: str | None = Header(None),
+    ):
+        check(authorization)
+        return answer(*gateway.completion(req, x_session_id))
+
+    @app.get("/v1/models")
+    def models(authorization: str | None = Header(None)):
+        check(authorization)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": gateway.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "rlhf",
+                    "policy_version": version(),
+                }
+            ],
+        }
+
+    @app.get("/v1/sessions/{session_id}")
+    def session_record(session_id: str, authorization: str | None = Header(None)):
+        check(authorization)
+        session = gateway.sessions.find(session_id)
+        if session is None:
+            raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
+        return session.record()
+
+    @app.delete("/v1/sessions/{session_id}")
+    def end_session(session_id: str, authorization: str | None = Header(None)):
+        check(authorization)
+        session = gateway.sessions.end(session_id)
+        if session is None:
+            raise GatewayError(404, f"no session {session_id!r}", "not_found")
+        return session.record()
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "sessions": len(gateway.sessions)}
+
+    return app

@@ -1,0 +1,94 @@
+"""`rlhf serve gateway`: the OpenAI-compatible endpoint as a service of its own.
+
+It holds the sessions, so a session outlives the generation server it was on: its next request
+goes to another server with the same tokens. It reaches the generation servers through the replay
+registry in a distributed run (`replay.url`: every live server, as the rollout workers do), else
+the one at `rpc.generation`. It loads only the model's tokenizer and chat template."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from ..common.lifecycle import HTTPServerThread, Service
+from ..common.modeling import load_tokenizer
+from ..common.rpc.client import endpoint_address
+from ..generation.client import ServerPool
+from .app import Gateway, Sampler, build_app
+from .sessions import Sessions
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class GatewayService(Service):
+    name = "gateway"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.http: HTTPServerThread | None = None
+        self.servers: ServerPool | None = None
+        self.store: object | None = None  # the replay store whose registry lists the servers
+        self.port: int | None = None
+        self._done = threading.Event()
+
+    def start(self) -> "GatewayService":
+        cfg, ep = self.cfg, self.cfg.rpc.gateway
+        if cfg.replay.url:
+            from ..common.replay import ReplayStore
+
+            store = self.store = ReplayStore.from_config(cfg)
+            self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+        else:
+            address = endpoint_address(cfg.rpc.generation)
+            self.servers = ServerPool(lambda: {address: {}}, cfg.rpc, 60.0)
+        gateway = Gateway(
+            load_tokenizer(cfg.model.path),
+            Sampler(self.servers, cfg.rpc.timeout_s),
+            Sessions(ep.session_ttl_s, ep.max_sessions),
+            model_name=cfg.model.path,
+            max_tokens=cfg.response_length,
+            max_n=cfg.rpc.max_samples_per_prompt,
+        )
+        app = build_app(gateway, cfg.rpc.resolved_auth_token(), version=self._version)
+        self.http = HTTPServerThread(app, ep.host, ep.port, name="gateway-http")
+        self.port = self.http.start()
+        log.info("gateway: the OpenAI-compatible endpoint is on http://%s:%d/v1", ep.host, self.port)
+        return self
+
+    def _version(self) -> int | None:
+        """The newest policy version a live generation server reports (None when unknown)."""
+        assert self.servers is not None
+        versions = [int(e["version"]) for e in self.servers.live().values() if "version" in e]
+        return max(versions) if versions else None
+
+    def run(self) -> int:
+        self._done.wait()
+        return 0
+
+    def drain(self) -> None:
+        self._done.set()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
+        if self.servers is not None:
+            self.servers.close()
+            self.servers = None
+        self.store = None
+
+    @property
+    def ready(self) -> bool:
+        return self.http is not None
+
+    def endpoints(self) -> dict:
+        return {"http_port": self.port}
+
+
+def serve(cfg: Config) -> GatewayService:
+    return GatewayService(cfg)

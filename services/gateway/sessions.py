@@ -1,0 +1,233 @@
+"""Token-exact sessions: what the policy saw and sampled, turn by turn, whatever the agent sends.
+
+A session is one rollout of an agent (a conversation). Its first request's messages go through the
+model's chat template and the tokenizer; from then on a request whose messages extend the session
+(the earlier messages unchanged, then the assistant message the server returned, then new messages:
+tool results, user turns) keeps every token already in context as it was: the assistant turns are
+the token ids the policy sampled, never re-tokenised from their text, and only the new messages are
+tokenised (the template's text after the conversation so far). So the trajectory is
+
+    prompt tokens (mask 0) + sampled tokens (mask 1) + environment tokens (mask 0) + sampled ...
+
+and each sampled token keeps its log-prob and the policy version that sampled it.
+
+A request that does not extend the session (the agent rewrote its history, or chose none of the
+returned choices) starts a new segment: the earlier one is kept as it was, and the new one is
+tokenised afresh. With `n` > 1 each choice is a branch; the next request's assistant message says
+which one the session goes on with (the others stay recorded, each its own trajectory).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MARK = "\u2063rlhf-assistant-content\u2063"  # stands in for an assistant turn's content when reading the template
+
+
+@dataclass
+class Choice:
+    """One sampled completion of a turn: its tokens as kept (a stop string cuts them), their
+    log-probs, the text returned for them, why it ended, and the policy version that sampled it."""
+
+    ids: list[int]
+    log_probs: list[float]
+    text: str
+    finish_reason: str
+    version: int
+
+
+@dataclass
+class Segment:
+    """A token-exact trajectory: `ids` (every token in context), `mask` (1 where the policy
+    sampled the token), `log_probs` (the sampled tokens'; 0.0 elsewhere), `versions` (the policy
+    version of each sampled turn), and the `messages` those tokens are."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    pending: list[Choice] = field(default_factory=list)  # the last turn's choices, not yet taken
+
+    def extend(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+
+    def trajectories(self) -> list[dict]:
+        """What a trainer reads: this segment once per pending choice (each its own branch), or
+        once as it stands when no turn is pending."""
+        if not self.pending:
+            return [self._as_dict(self.ids, self.mask, self.log_probs, self.versions, None)]
+        return [
+            self._as_dict(
+                self.ids + c.ids,
+                self.mask + [1] * len(c.ids),
+                self.log_probs + c.log_probs,
+                self.versions + [c.version],
+                c.finish_reason,
+            )
+            for c in self.pending
+        ]
+
+    @staticmethod
+    def _as_dict(ids, mask, log_probs, versions, finish_reason) -> dict:
+        return {
+            "token_ids": list(ids),
+            "loss_mask": list(mask),
+            "log_probs": list(log_probs),
+            "versions": list(versions),
+            "turns": len(versions),
+            "finish_reason": finish_reason,
+        }
+
+
+class ChatTokens:
+    """The chat template and the tokenizer of the served model, read the way a session needs
+    them: the prompt of a new conversation, and the tokens of the messages that extend one."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "the model's tokenizer has no chat template: /v1/chat/completions needs one "
+                "(tokenizer_config.json's chat_template, or chat_template.jinja in the model directory)"
+            )
+        probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}], False)
+        self.closing = probe[probe.index(MARK) + len(MARK) :]  # what the template puts after an assistant turn
+        eos = tokenizer.eos_token_id
+        self.eos_text = tokenizer.decode([eos]) if eos is not None else ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """A new conversation's prompt: the template with the generation prompt, tokenised once."""
+        return self.encode(self.render(messages, True, tools))
+
+    def continuation(
+        self, before: list[dict], after: list[dict], last: Choice, tools: list | None = None
+    ) -> list[int] | None:
+        """The tokens that follow the sampled turn `last` (the last message of `before`) when the
+        conversation goes on with `after`: the rest of the template's closing of that turn (its end
+        of turn, unless the policy sampled it), then `after` as the template renders it, up to the
+        next generation prompt. None when the template does not render `before` as a prefix of
+        `before + after` (then the session cannot go on token-exact)."""
+        head = self.render(before, False, tools)
+        full = self.render(before + after, True, tools)
+        if not full.startswith(head) or not head.endswith(self.closing):
+            return None
+        closing = self.closing
+        if last.finish_reason == "stop" and self.eos_text and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text) :]  # the policy sampled the end of its turn itself
+        return self.encode(closing + full[len(head) :])
+
+
+def same_message(a: dict, b: dict) -> bool:
+    """Two messages are the same turn: role, content and tool calls (as an agent echoes them)."""
+    return (
+        a.get("role") == b.get("role")
+        and (a.get("content") or "") == (b.get("content") or "")
+        and (a.get("tool_calls") or None) == (b.get("tool_calls") or None)
+    )
+
+
+@dataclass
+class Session:
+    id: str
+    segments: list[Segment] = field(default_factory=list)
+    server: str | None = None  # the generation server its requests go to while it lives
+    used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one request of a session at a time
+
+    def prompt(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> tuple[list[int], bool]:
+        """The prompt tokens of a request with `messages`, and whether it went on token-exact from
+        the session's last turn (else a new segment was started)."""
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and seg.pending:
+            n = len(seg.messages)
+            if len(messages) > n + 1 and all(same_message(a, b) for a, b in zip(messages[:n], seg.messages)):
+                reply = messages[n]
+                taken = next(
+                    (
+                        c
+                        for c in seg.pending
+                        if reply.get("role") == "assistant" and (reply.get("content") or "") == c.text
+                    ),
+                    None,
+                )
+                if taken is not None:
+                    rest = chat.continuation(messages[: n + 1], messages[n + 1 :], taken, tools)
+                    if rest is not None:
+                        seg.extend(taken.ids, True, taken.log_probs)
+                        seg.versions.append(taken.version)
+                        seg.extend(rest, False)
+                        seg.messages, seg.pending = list(messages), []
+                        return list(seg.ids), True
+        seg = Segment(messages=list(messages))
+        seg.extend(chat.prompt(messages, tools), False)
+        self.segments.append(seg)
+        return list(seg.ids), False
+
+    def begin(self, prompt: list[int]) -> None:
+        """A raw prompt (/v1/completions): a new segment of exactly these tokens."""
+        seg = Segment()
+        seg.extend(prompt, False)
+        self.segments.append(seg)
+
+    def sampled(self, choices: list[Choice]) -> None:
+        """The turn's choices: pending until the next request says which one the session took."""
+        self.segments[-1].pending = choices
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "server": self.server,
+            "trajectories": [t for seg in self.segments for t in seg.trajectories()],
+        }
+
+
+class Sessions:
+    """The gateway's sessions by id, each forgotten after `ttl_s` idle; at most `limit` (the
+    longest idle goes first)."""
+
+    def __init__(self, ttl_s: float = 3600.0, limit: int = 10_000):
+        self.ttl_s, self.limit = ttl_s, limit
+        self._by_id: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str | None) -> Session:
+        """The session `session_id` names, new if unknown (a fresh id when None)."""
+        now = time.monotonic()
+        with self._lock:
+            for sid in [s for s, v in self._by_id.items() if now - v.used > self.ttl_s]:
+                del self._by_id[sid]
+            sid = session_id or uuid.uuid4().hex
+            session = self._by_id.get(sid)
+            if session is None:
+                while len(self._by_id) >= self.limit:
+                    del self._by_id[min(self._by_id, key=lambda s: self._by_id[s].used)]
+                session = self._by_id[sid] = Session(sid)
+            session.used = now
+            return session
+
+    def find(self, session_id: str) -> Session | None:
+        with self._lock:
+            return self._by_id.get(session_id)
+
+    def end(self, session_id: str) -> Session | None:
+        with self._lock:
+            return self._by_id.pop(session_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)

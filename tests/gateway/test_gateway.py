@@ -1,0 +1,247 @@
+"""The gateway's OpenAI-compatible endpoint, through the official `openai` client, over real HTTP,
+in front of real generation servers (gRPC over loopback, the tiny model): chat and completions,
+n > 1, stop strings, auth; token-exact sessions (a 3-turn conversation's trajectory is the
+sampled tokens and the environment's tokens, and the model's own log-probs of the sampled ones
+are the recorded ones); a session whose server dies goes on on another."""
+
+import httpx
+import openai
+import pytest
+import torch
+
+from services.common.config import config_from_dict
+from services.common.lifecycle import HTTPServerThread
+from services.common.modeling import load_tokenizer
+from services.gateway.app import Gateway, Sampler, build_app
+from services.gateway.sessions import Sessions
+from services.generation.backend import HFBackend
+from services.generation.client import ServerPool
+from services.generation.server import serve
+from tests.grpc_helpers import TOKEN, on_free_ports
+
+
+@pytest.fixture(scope="module")
+def gcfg(tiny_model_dir):
+    return config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "prompt_length": 256,
+            "response_length": 12,
+            "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
+            "generation": {"batch_window_ms": 5},
+        }
+    )
+
+
+class Running:
+    """Generation servers and a gateway in front of them (its pool lists the servers alive)."""
+
+    def __init__(self, cfg, model_dir, servers: int = 1):
+        self.cfg = cfg
+        self.gen = [
+            serve(on_free_ports(cfg, "generation"), backend=HFBackend(model_dir, "cpu")).start() for _ in range(servers)
+        ]
+        self.pool = ServerPool(self._live, cfg.rpc, 0.0)
+        self.tok = load_tokenizer(model_dir)
+        self.gateway = Gateway(self.tok, Sampler(self.pool, 60), Sessions(), "tiny", cfg.response_length, 8)
+        self.http = HTTPServerThread(build_app(self.gateway, TOKEN), "127.0.0.1", 0, name="gateway-test")
+        self.url = f"http://127.0.0.1:{self.http.start()}/v1"
+        self.client = openai.OpenAI(base_url=self.url, api_key=TOKEN, max_retries=0, timeout=120)
+
+    def address(self, i: int) -> str:
+        return f"127.0.0.1:{self.gen[i].server.port}"
+
+    def _live(self):
+        return {self.address(i): {"version": 0} for i, s in enumerate(self.gen) if s.server is not None and s.ready}
+
+    def close(self):
+        self.http.stop()
+        self.pool.close()
+        for s in self.gen:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def one(gcfg, tiny_model_dir):
+    r = Running(gcfg, tiny_model_dir)
+    yield r
+    r.close()
+
+
+def test_chat_and_completions_through_the_openai_client(one):
+    c = one.client
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "abc="}], max_tokens=8, temperature=0, n=1
+    )
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.system_fingerprint == "policy-v0" and chat.usage.completion_tokens >= 1
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    many = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello="}],
+        max_tokens=6,
+        temperature=1.0,
+        n=4,
+        logprobs=True,
+    )
+    assert len(many.choices) == 4 and [ch.index for ch in many.choices] == [0, 1, 2, 3]
+    for ch in many.choices:
+        assert all(lp.logprob <= 0 for lp in ch.logprobs.content) and len(ch.logprobs.content) >= 1
+    done = c.completions.create(model="tiny", prompt="user: xyz=\nassistant: ", max_tokens=8, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].finish_reason in ("stop", "length")
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_a_stop_string_ends_the_text_before_it(one):
+    c = one.client
+    plain = c.completions.create(model="tiny", prompt="user: abcd=\nassistant: ", max_tokens=8, temperature=0)
+    text = plain.choices[0].text
+    assert len(text) >= 2, text
+    stop = text[1]  # the second character the model writes greedily
+    cut = c.completions.create(
+        model="tiny", prompt="user: abcd=\nassistant: ", max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_a_request_without_the_token_is_refused(one):
+    bad = openai.OpenAI(base_url=one.url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a="}], max_tokens=2)
+    assert httpx.get(one.url.replace("/v1", "/health")).status_code == 200  # probes need no token
+    with pytest.raises(openai.BadRequestError, match="streaming"):
+        one.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a="}], max_tokens=2, stream=True
+        ).close()
+
+
+def _turn(client, session, messages, **kw):
+    return client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=1.0, extra_headers={"x-session-id": session}, **kw
+    )
+
+
+def test_a_three_turn_session_is_token_exact(one, tiny_model_dir):
+    c, tok = one.client, one.tok
+    messages = [{"role": "user", "content": "abc="}]
+    replies = []
+    for turn in range(3):
+        reply = _turn(c, "s-exact", messages).choices[0].message.content
+        replies.append(reply)
+        messages = messages + [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"again {turn}="},
+        ]
+    record = httpx.get(f"{one.url}/sessions/s-exact", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    (traj,) = record["trajectories"]
+    ids, mask, logp = traj["token_ids"], traj["loss_mask"], traj["log_probs"]
+    assert traj["turns"] == 3 and len(ids) == len(mask) == len(logp)
+    # the prompt is the template's, tokenised once; then sampled runs and environment runs alternate
+    first = tok.apply_chat_template([{"role": "user", "content": "abc="}], tokenize=False, add_generation_prompt=True)
+    p0 = tok(first, add_special_tokens=False)["input_ids"]
+    assert ids[: len(p0)] == p0 and mask[: len(p0)] == [0] * len(p0)
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], ids[start:i]))
+            start = i
+    assert [m for m, _ in runs] == [0, 1, 0, 1, 0, 1]
+    for (_, sampled), reply in zip(runs[1::2], replies):  # each sampled run is the reply it returned
+        assert tok.decode(sampled, skip_special_tokens=True) == reply
+    for (_, env), n in zip(runs[2::2], (0, 1)):  # the environment's runs are its messages, as templated
+        assert f"again {n}=" in tok.decode(env)
+        assert all(lp == 0.0 for lp, m in zip(logp, mask) if m == 0)
+    # the policy's own log-probs of its sampled tokens, recomputed on the whole sequence, are the recorded ones
+    model = HFBackend(tiny_model_dir, "cpu").model
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lps = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    sampled_at = [i for i, m in enumerate(mask) if m == 1]
+    recomputed = [lps[i - 1].item() for i in sampled_at]
+    assert recomputed == pytest.approx([logp[i] for i in sampled_at], abs=1e-4)
+
+
+def test_a_request_that_rewrites_the_history_starts_a_new_segment(one):
+    c = one.client
+    first = _turn(c, "s-branch", [{"role": "user", "content": "abc="}]).choices[0].message.content
+    _turn(
+        c,
+        "s-branch",
+        [
+            {"role": "user", "content": "abc="},
+            {"role": "assistant", "content": first + " (edited)"},
+            {"role": "user", "content": "more="},
+        ],
+    )
+    record = one.gateway.sessions.find("s-branch").record()
+    assert [t["turns"] for t in record["trajectories"]] == [1, 1]  # two single-turn segments, each exact
+
+
+def test_n_choices_are_branches_and_the_next_request_picks_one(one):
+    c = one.client
+    out = _turn(c, "s-n", [{"role": "user", "content": "abc="}], n=3)
+    texts = [ch.message.content for ch in out.choices]
+    record = one.gateway.sessions.find("s-n").record()
+    assert len(record["trajectories"]) == 3  # pending: each choice its own trajectory
+    chosen = texts[2]
+    _turn(
+        c,
+        "s-n",
+        [
+            {"role": "user", "content": "abc="},
+            {"role": "assistant", "content": chosen},
+            {"role": "user", "content": "next="},
+        ],
+    )
+    (traj,) = one.gateway.sessions.find("s-n").record()["trajectories"]
+    assert traj["turns"] == 2 and chosen in one.tok.decode(traj["token_ids"], skip_special_tokens=True)
+
+
+def test_a_session_whose_server_dies_goes_on_on_another(gcfg, tiny_model_dir):
+    r = Running(gcfg, tiny_model_dir, servers=2)
+    try:
+        messages = [{"role": "user", "content": "abc="}]
+        reply = _turn(r.client, "s-fail", messages).choices[0].message.content
+        session = r.gateway.sessions.find("s-fail")
+        first_server = session.server
+        assert first_server in (r.address(0), r.address(1))
+        reply2 = _turn(
+            r.client, "s-fail", messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "x="}]
+        )
+        assert session.server == first_server  # sticky while it lives
+        dead = [r.address(0), r.address(1)].index(first_server)
+        r.gen[dead].stop()
+        messages = messages + [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "x="},
+            {"role": "assistant", "content": reply2.choices[0].message.content},
+            {"role": "user", "content": "y="},
+        ]
+        _turn(r.client, "s-fail", messages)
+        assert session.server == r.address(1 - dead)
+        (traj,) = session.record()["trajectories"]
+        assert traj["turns"] == 3  # one token-exact trajectory across the two servers
+    finally:
+        r.close()
+
+
+def test_rlhf_serve_gateway_wires_the_endpoint_to_the_configured_server(gcfg, tiny_model_dir):
+    """The service `rlhf serve gateway` runs: its tokenizer, the generation server at
+    `rpc.generation`, its HTTP port (0: a free one, reported on the LISTENING line)."""
+    from services.common.lifecycle import listening_line
+    from services.gateway.server import serve as serve_gateway
+
+    with serve(on_free_ports(gcfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")) as gen:
+        cfg = gcfg.model_copy(deep=True)
+        cfg.rpc.generation.port = gen.server.port
+        cfg.rpc.gateway.port = 0
+        with serve_gateway(cfg) as gw:
+            line = listening_line(gw)
+            assert line.startswith("LISTENING service=gateway http_port=") and gw.ready
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.port}/v1", api_key=TOKEN, max_retries=0)
+            out = client.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": "abc="}], max_tokens=4, temperature=0
+            )
+            assert out.choices[0].message.content is not None
+            assert client.models.list().data[0].id == tiny_model_dir
