@@ -212,9 +212,16 @@ def widen(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def build_token_batch(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, response_width: int | None = None
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    response_width: int | None = None,
+    loss_masks: Sequence[Sequence[int]] | None = None,
 ) -> TokenBatch:
-    """Left-pad prompts and right-pad responses into one rectangle (see `TokenBatch`)."""
+    """Left-pad prompts and right-pad responses into one rectangle (see `TokenBatch`). With
+    `loss_masks` (multi-turn trajectories: 0 where the environment put a token in context),
+    `response_mask` is 0 on those tokens too: they stay in context (attention), but no loss, KL,
+    entropy, value or advantage is taken on them."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     T = max(max((len(r) for r in responses), default=0), 1)
@@ -227,6 +234,10 @@ def build_token_batch(
     attn = torch.cat([prompt_attn, response_attn], dim=1)
     P = prompt_ids.shape[1]
     response_mask = response_attn.float()
+    if loss_masks is not None:
+        if [len(m) for m in loss_masks] != [len(r) for r in responses]:
+            raise ValueError("loss_masks: one entry per response token of each response")
+        response_mask = response_mask * pad_right(loss_masks, T, 0, torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(ids, attn, position_ids, response_mask, P)
 

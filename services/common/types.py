@@ -82,6 +82,9 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]  # log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" (a stop token was sampled, and is included) or "length"
+    # a multi-turn trajectory: 1 where the policy sampled the token, 0 where the environment put it
+    # in context (a tool's result, a user's turn: no gradient, no KL); None: every token sampled
+    loss_mask: list[int] | None = None
 
 
 @dataclass
@@ -131,14 +134,21 @@ class Rollout:
     gen_log_probs: list[list[float]] | None = None  # the sampler's log-probs
     values: list[list[float]] | None = None  # critic values per response token, needed for GAE
     versions: list[int] = field(default_factory=list)
+    # per response token, 1 where trained (the policy sampled it), 0 where the environment put it;
+    # None: every response token is trained (single-turn rollouts)
+    loss_masks: list[list[int]] | None = None
 
     @classmethod
     def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
         gen_log_probs: list[list[float]] = []
         values: list[list[float]] | None = [] if groups and groups[0].values is not None else None
         out = cls([], [], [], [], gen_log_probs, values, [])
+        holes = any(c.loss_mask is not None for g in groups for c in g.completions)
+        masks: list[list[int]] = []
         for g in groups:
             for j, c in enumerate(g.completions):
+                if holes:
+                    masks.append(list(c.loss_mask) if c.loss_mask is not None else [1] * len(c.token_ids))
                 out.prompt_ids.append(g.prompt_ids)
                 out.response_ids.append(c.token_ids)
                 gen_log_probs.append(c.log_probs)
@@ -148,6 +158,7 @@ class Rollout:
                 if values is not None:
                     assert g.values is not None  # the groups of one batch all have values, or none
                     values.append(g.values[j])
+        out.loss_masks = masks if holes else None
         return out
 
 

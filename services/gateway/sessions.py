@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..common.types import Completion
+
 MARK = "\u2063rlhf-assistant-content\u2063"  # stands in for an assistant turn's content when reading the template
 
 
@@ -84,6 +86,16 @@ class Segment:
             "turns": len(versions),
             "finish_reason": finish_reason,
         }
+
+
+def as_sample(trajectory: dict) -> tuple[list[int], Completion]:
+    """A session's trajectory (`Segment.trajectories`) as the trainer takes a sample: the prompt
+    (the tokens before the policy's first) and a completion of the rest, whose loss mask keeps
+    the environment's tokens out of the loss (`Rollout.loss_masks`)."""
+    ids, mask, log_probs = trajectory["token_ids"], trajectory["loss_mask"], trajectory["log_probs"]
+    start = mask.index(1) if 1 in mask else len(mask)
+    completion = Completion(ids[start:], log_probs[start:], trajectory["finish_reason"] or "length", mask[start:])
+    return ids[:start], completion
 
 
 class ChatTokens:

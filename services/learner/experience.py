@@ -70,7 +70,9 @@ def make_experience(learner, rollout: Rollout) -> Experience:
     docstring); `learner` is the `PolicyTrainer` whose models run the forwards."""
     cfg = learner.cfg
     full = cfg.kl_penalty == "full"
-    batch = build_token_batch(rollout.prompt_ids, rollout.response_ids, learner.pad_id).to(learner.device)
+    batch = build_token_batch(
+        rollout.prompt_ids, rollout.response_ids, learner.pad_id, loss_masks=rollout.loss_masks
+    ).to(learner.device)
     mask = batch.response_mask
     T = mask.shape[1]
     fused = learner.fuses_old_log_probs(mask.shape[0])

@@ -12,11 +12,13 @@ import torch
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
+from services.common.types import Rollout
 from services.gateway.app import Gateway, Sampler, build_app
-from services.gateway.sessions import Sessions
+from services.gateway.sessions import Sessions, as_sample
 from services.generation.backend import HFBackend
 from services.generation.client import ServerPool
 from services.generation.server import serve
+from services.learner.trainer import PolicyTrainer
 from tests.grpc_helpers import TOKEN, on_free_ports
 
 
@@ -160,6 +162,28 @@ def test_a_three_turn_session_is_token_exact(one, tiny_model_dir):
     sampled_at = [i for i, m in enumerate(mask) if m == 1]
     recomputed = [lps[i - 1].item() for i in sampled_at]
     assert recomputed == pytest.approx([logp[i] for i in sampled_at], abs=1e-4)
+    # and the learner, given the session as a sample, computes the same old log-probs, and takes
+    # the environment's tokens out of its loss
+    prompt, completion = as_sample(traj)
+    rollout = Rollout([prompt], [completion.token_ids], [1.0], [0], [completion.log_probs], None, [0])
+    rollout.loss_masks = [completion.loss_mask]
+    learner = PolicyTrainer(
+        config_from_dict(
+            {
+                "model": {"path": tiny_model_dir, "device": "cpu"},
+                "adv_estimator": "reinforce",
+                "fuse_old_log_probs": False,
+                "prompt_length": 256,
+                "response_length": 256,
+            }
+        )
+    )
+    exp = learner.make_experience(rollout)
+    kept = exp.batch.response_mask[0].bool()
+    assert exp.batch.response_mask[0, : len(completion.loss_mask)].tolist() == [float(m) for m in completion.loss_mask]
+    assert exp.old_log_probs[0][kept].tolist() == pytest.approx(
+        [lp for lp, m in zip(completion.log_probs, completion.loss_mask) if m], abs=1e-4
+    )
 
 
 def test_a_request_that_rewrites_the_history_starts_a_new_segment(one):

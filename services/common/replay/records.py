@@ -69,6 +69,8 @@ def group_to_proto(
             finish_reason=c.finish_reason,
         )
         s.components.update(g.scores[j].components)
+        if c.loss_mask is not None:
+            s.loss_mask = np.asarray(c.loss_mask, np.uint8).tobytes()
         if g.values is not None:
             s.values = np.asarray(g.values[j], _F32).tobytes()
     return out
@@ -81,7 +83,10 @@ def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
         lp = np.frombuffer(s.log_probs, _F32)
         if len(lp) != len(ids):
             raise ValueError(f"trajectory {m.task.uid}: {len(lp)} log-probs for {len(ids)} tokens")
-        completions.append(Completion(ids, lp.tolist(), s.finish_reason))
+        mask = np.frombuffer(s.loss_mask, np.uint8).tolist() if s.loss_mask else None
+        if mask is not None and (len(mask) != len(ids) or not set(mask) <= {0, 1}):
+            raise ValueError(f"trajectory {m.task.uid}: a loss mask of {len(mask)} 0/1 entries for {len(ids)} tokens")
+        completions.append(Completion(ids, lp.tolist(), s.finish_reason, mask))
         scores.append(ScoreResult(s.score, dict(s.components)))
         if s.values:
             v = np.frombuffer(s.values, _F32)
