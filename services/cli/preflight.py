@@ -5,6 +5,7 @@ of `train`, `up`) reports every mistake it can find, each naming its key:
     trackers         W&B installed when asked for (training/tracking.py:tracking_errors)
     reward           rule names, your functions' files, modules and signatures, rule kwargs;
                      the reward model's path, the reward API's URL (reward_errors)
+    agent            rollout.agent loads and takes (client, sample) (agent_errors)
     sampler          the generation backend is installed here (backend_errors): the commands that
                      sample in this process (`train --local`, `up`, `make-prefs`); `config validate`
                      says it as a note, since a config is often checked away from where it runs
@@ -19,8 +20,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..common.config import Config, RewardConfig, RuleSpec
+from ..common.userfn import load_function
 from ..reward.functions import rule_errors
 from ..reward.rules import RULES
+from ..rollout.agents import AGENT_TAKES
 from ..training.data import data_source_errors, source_problem
 from ..training.tracking import tracking_errors
 
@@ -32,8 +35,20 @@ def preflight_errors(cfg: Config, sampler: bool = True) -> list[str]:
         data_source_errors(cfg)
         + tracking_errors(cfg)
         + reward_errors(cfg.reward)
+        + agent_errors(cfg)
         + (backend_errors(cfg) if sampler else [])
     )
+
+
+def agent_errors(cfg: Config) -> list[str]:
+    """`rollout.agent` loads and takes (client, sample)."""
+    if not cfg.rollout.agent:
+        return []
+    try:
+        load_function(cfg.rollout.agent, takes=AGENT_TAKES)
+    except ValueError as e:
+        return [f"rollout.agent: {e}"]
+    return []
 
 
 def reward_errors(rc: RewardConfig) -> list[str]:

@@ -536,6 +536,15 @@ class ReplayConfig(Strict):
 
 class RolloutConfig(Strict):
     prompts_per_request: int = Field(default=32, ge=1, description="prompts a worker claims and sends in one Generate")
+    agent: Optional[str] = Field(
+        default=None,
+        description="an agent function ('path/to/agent.py:run' or 'module:run'): each sample is a "
+        "session it runs against the worker's OpenAI-compatible endpoint, fn(client, sample) -> "
+        "reward (sync or async); null = one completion per sample, scored by the reward server",
+    )
+    agent_timeout_s: float = Field(
+        default=300.0, gt=0, description="seconds one agent session may take; past it the prompt is dead-lettered"
+    )
     concurrency: int = Field(default=2, ge=1, description="batches each worker keeps in flight")
     retries: int = Field(
         default=6,

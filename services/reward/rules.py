@@ -13,7 +13,7 @@ from typing import Callable
 
 from rapidfuzz.distance import Levenshtein
 
-from .functions import is_reference, load_function
+from ..common.userfn import is_reference, load_function
 
 # (prompt, response, label, metadata, **the rule's kwargs) -> reward
 RuleFn = Callable[..., float]

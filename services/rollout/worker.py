@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..common.lifecycle import RunFailed, Service
 from ..common.metrics import labelled, register_process_metrics
-from ..common.modeling import load_tokenizer
+from ..common.modeling import build_token_batch, load_tokenizer
 from ..common.replay import ReplayStore, redis_error_code
 from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.client import endpoint_address
@@ -57,6 +57,7 @@ from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient, ServerPool
 from ..reward.client import RewardAPIFailure, RewardClient
+from .agents import AgentRunner, GenerationDown, WorkerEndpoint, load_agent
 from .step import sample_groups
 
 if TYPE_CHECKING:
@@ -239,6 +240,23 @@ class RolloutWorker:
             )
         # which generation server to call: round robin, at the version if one is, avoiding failures
         self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+        self.endpoint: WorkerEndpoint | None = None
+        self.agents: AgentRunner | None = None
+        if cfg.rollout.agent:  # each sample a session of the user's agent, on an endpoint of its own
+            agent = load_agent(cfg.rollout.agent)
+            token = cfg.rpc.resolved_auth_token()
+            self.endpoint = WorkerEndpoint(
+                self.tokenizer,
+                self.servers,
+                cfg.model.path,
+                cfg.response_length,
+                cfg.rpc.max_samples_per_prompt,
+                token,
+                cfg.rpc.timeout_s,
+            )
+            self.agents = AgentRunner(
+                agent, self.endpoint.base_url, token, self.endpoint.sessions, cfg.rollout.agent_timeout_s
+            )
         self._lock = threading.Lock()
         self.produced = 0
         self.failure: str | None = None  # why the run cannot go on (the reward function failed)
@@ -260,6 +278,8 @@ class RolloutWorker:
         (the prompts stay pending and are reclaimed later). `ScoringFailed` when the reward API
         failed the batch `score_retries` + 1 times (default `reward.group_retries` + 1)."""
         tasks = [t for _, t in entries]
+        if self.agents is not None:
+            return self._sample_agents(tasks)
         min_version = max(t.min_version for t in tasks)
         params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
         rc = self.cfg.rollout
@@ -350,6 +370,38 @@ class RolloutWorker:
             )
             return [(g, address, m) for g in groups]
         return None
+
+    def _sample_agents(self, tasks: list) -> list | None:
+        """Groups of agent sessions (`rollout.agent`), one prompt after another; None = give up for
+        now (no generation server answered: the prompts stay pending). An agent that failed raises
+        `AgentFailed`, a ValueError: its prompt is dead-lettered like any prompt that cannot be
+        processed."""
+        assert self.agents is not None
+        out = []
+        for t in tasks:
+            t0 = time.perf_counter()
+            try:
+                group = self.agents.group(task_record(t), t.uid, t.group_size or self.cfg.num_return_sequences_in_group)
+            except GenerationDown as e:
+                self.metrics.error("no_generation_server").inc()
+                log.warning("prompt %s left pending: %s", t.uid, e)
+                return None
+            secs, t1 = time.perf_counter() - t0, time.perf_counter()
+            if self.critic is not None:
+                responses = [c.token_ids for c in group.completions]
+                v = self.critic.values(
+                    build_token_batch([group.prompt_ids] * len(responses), responses, self.tokenizer.pad_token_id)
+                )
+                group.values = [v[i, : len(r)].tolist() for i, r in enumerate(responses)]
+            tokens = sum(int(sum(c.loss_mask or [1] * len(c.token_ids))) for c in group.completions)
+            metrics = {
+                "time/generate_s": secs,
+                "time/score_s": 0.0,
+                "time/values_s": time.perf_counter() - t1,
+                "rollout/tokens": tokens,
+            }
+            out.append((group, "agent", metrics))
+        return out
 
     def process(self, entries: list) -> int:
         """Sample, append and acknowledge one claimed batch. Returns groups appended."""
@@ -525,6 +577,9 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
         """/metrics on `port`, behind the bearer token unless rpc.open_metrics, and /healthz (open)."""

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from services.common.types import RewardSample
-from services.reward.functions import RewardFunction, RewardFunctionError, load_function
+from services.common.userfn import load_function
+from services.reward.functions import RewardFunction, RewardFunctionError
 from services.reward.rules import RULES
 from services.reward.scorer import RuleScorer
 

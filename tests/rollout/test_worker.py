@@ -4,81 +4,23 @@ policy version a prompt needs, avoided servers), retries on a dead server, givin
 prompts left pending for another worker, dead letters for prompts a server rejects, and servers
 that answer with an older policy than a prompt needs."""
 
-import itertools
 import time
 
 import grpc
 import httpx
 import pytest
 
-from services.common.config import config_from_dict
 from services.common.replay import ReplayStore
 from services.common.replay.records import make_task
 from services.common.replay.streams import WORKERS_GROUP
 from services.common.types import PromptRecord, SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
-from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
 from services.training.data import reverse_task
 from tests.grpc_helpers import on_free_ports
+from tests.rollout.conftest import GROUP, _cfg
 from tests.waits import wait_until
-
-GROUP = 2
-_ns = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model_dir(untrained_model_dir):
-    return untrained_model_dir
-
-
-def _cfg(model_dir, url, namespace, reward_port=0, **over):
-    # entries the tests register by hand live a minute: they never expire while a test runs
-    replay = {
-        "url": url,
-        "namespace": namespace,
-        "block_ms": 50,
-        "heartbeat_s": 0.2,
-        "heartbeat_ttl_s": 60.0,
-        **over.pop("replay", {}),
-    }
-    d = {
-        "model": {"path": model_dir, "device": "cpu"},
-        "adv_estimator": "grpo",
-        "num_return_sequences_in_group": GROUP,
-        "rollout_batch_size": 4,
-        "prompt_length": 16,
-        "response_length": 4,
-        "replay": replay,
-        "rollout": {"retries": 2, "retry_backoff_s": 0.05},
-        "rpc": {
-            "generation": {"port": 0, "metrics_port": None},
-            "reward": {"port": reward_port, "metrics_port": None, "http_port": None},
-            "critic": {"port": 0, "metrics_port": None},
-        },
-    }
-    d.update(over)
-    return config_from_dict(d)
-
-
-@pytest.fixture(scope="module")
-def reward_port(model_dir):
-    cfg = _cfg(model_dir, None, "unused")
-    with serve_reward(on_free_ports(cfg, "reward")) as svc:
-        yield svc.server.port
-
-
-@pytest.fixture
-def make_cfg(model_dir, redis_server, reward_port):
-    """cfg(**overrides) in this test's own namespace; every namespace used is wiped afterwards."""
-    namespace = f"rollout{next(_ns)}"
-
-    def make(url=redis_server.url, **over):
-        return _cfg(model_dir, url, namespace, reward_port, **over)
-
-    yield make
-    ReplayStore.from_config(make()).reset()
 
 
 def _generation(cfg):
