@@ -156,71 +156,65 @@ class Gateway:
         return out
 
     def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
-        stops = _stop_list(req.stop)
-        params = self._params(req, stops)
-        session = self.sessions.get(session_id or req.session_id)
-        with session.lock:
+        def prompt_of(session: Session) -> list[int]:
             try:
                 prompt, went_on = session.prompt(self.chat, req.messages, req.tools)
             except Exception as e:  # the template refused the messages (a role it does not know)
                 raise GatewayError(400, f"messages: the chat template cannot render them ({e})") from None
-            result = self.sampler.generate(session, prompt, params)
-            choices = self._choices(result.completions[0], result.policy_version, stops)
-            session.sampled(choices)
-        body = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model or self.model_name,
-            "system_fingerprint": f"policy-v{result.policy_version}",
-            "session_id": session.id,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason,
-                    "logprobs": {"content": self._logprobs(c)} if req.logprobs else None,
-                }
-                for i, c in enumerate(choices)
-            ],
-            "usage": _usage(prompt, choices),
-        }
-        if not went_on and len(session.segments) > 1:
-            log.info("session %s: its messages do not extend its last turn; a new segment starts", session.id)
-        return body, session, result.policy_version
+            if not went_on and len(session.segments) > 1:
+                log.info("session %s: its messages do not extend its last turn; a new segment starts", session.id)
+            return prompt
+
+        def choice(i: int, c: Choice) -> dict:
+            return {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": {"content": self._logprobs(c)} if req.logprobs else None,
+            }
+
+        return self._answer(req, session_id, prompt_of, "chat.completion", "chatcmpl", choice)
 
     def completion(self, req: CompletionRequest, session_id: str | None) -> tuple[dict, Session, int]:
+        ids = list(req.prompt) if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
+        if not ids:
+            raise GatewayError(400, "prompt: empty")
+
+        def prompt_of(session: Session) -> list[int]:
+            session.begin(ids)
+            return ids
+
+        def choice(i: int, c: Choice) -> dict:
+            logprobs = {"tokens": [self.tok.decode([t]) for t in c.ids], "token_logprobs": c.log_probs}
+            return {
+                "index": i,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": logprobs if req.logprobs else None,
+            }
+
+        return self._answer(req, session_id, prompt_of, "text_completion", "cmpl", choice)
+
+    def _answer(self, req: _Request, session_id: str | None, prompt_of, kind: str, prefix: str, choice):
+        """One turn of a session: its prompt (`prompt_of(session)`), sampled, cut at the stop
+        strings, recorded; the answer's body (`choice(i, c)` shapes each choice), the session and
+        the policy version that sampled it."""
         stops = _stop_list(req.stop)
         params = self._params(req, stops)
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
-        if not prompt:
-            raise GatewayError(400, "prompt: empty")
         session = self.sessions.get(session_id or req.session_id)
         with session.lock:
-            session.begin(prompt)
+            prompt = prompt_of(session)
             result = self.sampler.generate(session, prompt, params)
             choices = self._choices(result.completions[0], result.policy_version, stops)
             session.sampled(choices)
         body = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
             "created": int(time.time()),
             "model": req.model or self.model_name,
             "system_fingerprint": f"policy-v{result.policy_version}",
             "session_id": session.id,
-            "choices": [
-                {
-                    "index": i,
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": (
-                        {"tokens": [self.tok.decode([t]) for t in c.ids], "token_logprobs": c.log_probs}
-                        if req.logprobs
-                        else None
-                    ),
-                }
-                for i, c in enumerate(choices)
-            ],
+            "choices": [choice(i, c) for i, c in enumerate(choices)],
             "usage": _usage(prompt, choices),
         }
         return body, session, result.policy_version
