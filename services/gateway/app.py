@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..common.rpc.errors import Reason, reason_of
 from ..common.types import SamplingParams
-from .sessions import ChatTokens, Choice, Session, Sessions
+from .sessions import ChatTokens, Choice, Plan, Session, Sessions
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,21 @@ def _stop_list(stop) -> list[str]:
 class Gateway:
     """What the routes call: the sessions, the chat template and the tokenizer, the sampler."""
 
-    def __init__(self, tokenizer, sampler: Sampler, sessions: Sessions, model_name: str, max_tokens: int, max_n: int):
+    def __init__(
+        self,
+        tokenizer,
+        sampler: Sampler,
+        sessions: Sessions,
+        model_name: str,
+        max_tokens: int,
+        max_n: int,
+        pinned: SamplingParams | None = None,
+    ):
+        """`pinned`: the temperature, top-p and top-k every request samples with, whatever it
+        asks (a rollout worker's endpoint: the learner's log-probs are of that distribution)."""
         self.tok, self.sampler, self.sessions = tokenizer, sampler, sessions
         self.chat = ChatTokens(tokenizer)
-        self.model_name, self.max_tokens, self.max_n = model_name, max_tokens, max_n
+        self.model_name, self.max_tokens, self.max_n, self.pinned = model_name, max_tokens, max_n, pinned
 
     def _params(self, req: _Request, stops: list[str]) -> SamplingParams:
         if req.stream:
@@ -120,10 +131,12 @@ class Gateway:
         if req.n > self.max_n:
             raise GatewayError(400, f"n: {req.n}, more than this server's {self.max_n}")
         single = [self.tok(s, add_special_tokens=False)["input_ids"] for s in stops]
+        pin = self.pinned
         return SamplingParams(
             n=req.n,
-            temperature=req.temperature,
-            top_p=req.top_p,
+            temperature=pin.temperature if pin else req.temperature,
+            top_p=pin.top_p if pin else req.top_p,
+            top_k=pin.top_k if pin else 0,
             max_new_tokens=min(req.max_completion_tokens or req.max_tokens or self.max_tokens, self.max_tokens),
             stop_token_ids=[ids[0] for ids in single if len(ids) == 1],
             seed=req.seed,
@@ -156,14 +169,14 @@ class Gateway:
         return out
 
     def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
-        def prompt_of(session: Session) -> list[int]:
+        def plan_of(session: Session) -> Plan:
             try:
-                prompt, went_on = session.prompt(self.chat, req.messages, req.tools)
+                plan = session.plan(self.chat, req.messages, req.tools)
             except Exception as e:  # the template refused the messages (a role it does not know)
                 raise GatewayError(400, f"messages: the chat template cannot render them ({e})") from None
-            if not went_on and len(session.segments) > 1:
+            if not plan.went_on and session.segments:
                 log.info("session %s: its messages do not extend its last turn; a new segment starts", session.id)
-            return prompt
+            return plan
 
         def choice(i: int, c: Choice) -> dict:
             return {
@@ -173,16 +186,15 @@ class Gateway:
                 "logprobs": {"content": self._logprobs(c)} if req.logprobs else None,
             }
 
-        return self._answer(req, session_id, prompt_of, "chat.completion", "chatcmpl", choice)
+        return self._answer(req, session_id, plan_of, "chat.completion", "chatcmpl", choice)
 
     def completion(self, req: CompletionRequest, session_id: str | None) -> tuple[dict, Session, int]:
         ids = list(req.prompt) if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
         if not ids:
             raise GatewayError(400, "prompt: empty")
 
-        def prompt_of(session: Session) -> list[int]:
-            session.begin(ids)
-            return ids
+        def plan_of(session: Session) -> Plan:
+            return session.plan_raw(ids)
 
         def choice(i: int, c: Choice) -> dict:
             logprobs = {"tokens": [self.tok.decode([t]) for t in c.ids], "token_logprobs": c.log_probs}
@@ -193,20 +205,24 @@ class Gateway:
                 "logprobs": logprobs if req.logprobs else None,
             }
 
-        return self._answer(req, session_id, prompt_of, "text_completion", "cmpl", choice)
+        return self._answer(req, session_id, plan_of, "text_completion", "cmpl", choice)
 
-    def _answer(self, req: _Request, session_id: str | None, prompt_of, kind: str, prefix: str, choice):
-        """One turn of a session: its prompt (`prompt_of(session)`), sampled, cut at the stop
-        strings, recorded; the answer's body (`choice(i, c)` shapes each choice), the session and
-        the policy version that sampled it."""
+    def _answer(self, req: _Request, session_id: str | None, plan_of, kind: str, prefix: str, choice):
+        """One turn of a session: its prompt (`plan_of(session)`), sampled, cut at the stop
+        strings, then recorded (a turn that fails changes nothing); the answer's body
+        (`choice(i, c)` shapes each choice), the session and the policy version that sampled it."""
         stops = _stop_list(req.stop)
         params = self._params(req, stops)
-        session = self.sessions.get(session_id or req.session_id)
+        sid = session_id or req.session_id
+        session = self.sessions.get(sid)
+        if session is None:
+            raise GatewayError(404, f"no session {sid!r} here (ended, or never opened)", "not_found")
         with session.lock:
-            prompt = prompt_of(session)
+            plan = plan_of(session)
+            prompt = plan.ids
             result = self.sampler.generate(session, prompt, params)
             choices = self._choices(result.completions[0], result.policy_version, stops)
-            session.sampled(choices)
+            plan.apply(choices)
         body = {
             "id": f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,

@@ -13,8 +13,9 @@ and each sampled token keeps its log-prob and the policy version that sampled it
 
 A request that does not extend the session (the agent rewrote its history, or chose none of the
 returned choices) starts a new segment: the earlier one is kept as it was, and the new one is
-tokenised afresh. With `n` > 1 each choice is a branch; the next request's assistant message says
-which one the session goes on with (the others stay recorded, each its own trajectory).
+tokenised afresh. With `n` > 1 each choice is a branch: until the next request, the record lists
+each as its own trajectory; the next request's assistant message says which one the session goes
+on with, and the others are dropped.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class ChatTokens:
         if not full.startswith(head) or not head.endswith(self.closing):
             return None
         closing = self.closing
-        if last.finish_reason == "stop" and self.eos_text and closing.startswith(self.eos_text):
+        sampled_eos = bool(last.ids) and last.ids[-1] == self.tok.eos_token_id
+        if sampled_eos and self.eos_text and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text) :]  # the policy sampled the end of its turn itself
         return self.encode(closing + full[len(head) :])
 
@@ -161,46 +163,33 @@ class Session:
     used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request of a session at a time
 
-    def prompt(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> tuple[list[int], bool]:
-        """The prompt tokens of a request with `messages`, and whether it went on token-exact from
-        the session's last turn (else a new segment was started)."""
+    def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
+        """The prompt of a request with `messages`, and what it does to the session once its turn
+        is sampled (`Plan.apply`): the taken choice and the new messages' tokens appended to the
+        last segment (it went on token-exact), else a new segment. Nothing changes until then, so
+        a request that fails (no server answered) can be sent again as it was."""
         seg = self.segments[-1] if self.segments else None
         if seg is not None and seg.pending:
             n = len(seg.messages)
             if len(messages) > n + 1 and all(same_message(a, b) for a, b in zip(messages[:n], seg.messages)):
                 reply = messages[n]
-                taken = next(
-                    (
-                        c
-                        for c in seg.pending
-                        if reply.get("role") == "assistant" and (reply.get("content") or "") == c.text
-                    ),
-                    None,
-                )
+                said = reply.get("content") or "" if reply.get("role") == "assistant" else None
+                taken = next((c for c in seg.pending if c.text == said), None)
                 if taken is not None:
                     rest = chat.continuation(messages[: n + 1], messages[n + 1 :], taken, tools)
                     if rest is not None:
-                        seg.extend(taken.ids, True, taken.log_probs)
-                        seg.versions.append(taken.version)
-                        seg.extend(rest, False)
-                        seg.messages, seg.pending = list(messages), []
-                        return list(seg.ids), True
-        seg = Segment(messages=list(messages))
-        seg.extend(chat.prompt(messages, tools), False)
-        self.segments.append(seg)
-        return list(seg.ids), False
+                        return Plan(self, seg.ids + taken.ids + rest, messages, seg, taken, rest)
+        return Plan(self, chat.prompt(messages, tools), messages)
 
-    def begin(self, prompt: list[int]) -> None:
+    def plan_raw(self, prompt: list[int]) -> "Plan":
         """A raw prompt (/v1/completions): a new segment of exactly these tokens."""
-        seg = Segment()
-        seg.extend(prompt, False)
-        self.segments.append(seg)
-
-    def sampled(self, choices: list[Choice]) -> None:
-        """The turn's choices: pending until the next request says which one the session took."""
-        self.segments[-1].pending = choices
+        return Plan(self, list(prompt), [])
 
     def record(self) -> dict[str, Any]:
+        with self.lock:
+            return self._record()
+
+    def _record(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "server": self.server,
@@ -208,17 +197,54 @@ class Session:
         }
 
 
+@dataclass
+class Plan:
+    """One request's prompt (`ids`) and how its sampled turn changes the session (`apply`)."""
+
+    session: Session
+    ids: list[int]
+    messages: list[dict]
+    segment: Segment | None = None  # the segment it goes on (None: a new one)
+    taken: Choice | None = None  # the choice of the last turn the request's messages took
+    rest: list[int] = field(default_factory=list)  # the environment's tokens after it
+
+    @property
+    def went_on(self) -> bool:
+        return self.segment is not None
+
+    def apply(self, choices: list[Choice]) -> None:
+        """The turn was sampled: record what the request took and its `choices` (pending until
+        the next request says which one the session goes on with)."""
+        seg = self.segment
+        if seg is None:
+            seg = Segment(messages=list(self.messages))
+            seg.extend(self.ids, False)
+            self.session.segments.append(seg)
+        else:
+            assert self.taken is not None
+            seg.extend(self.taken.ids, True, self.taken.log_probs)
+            seg.versions.append(self.taken.version)
+            seg.extend(self.rest, False)
+            seg.messages = list(self.messages)
+        seg.pending = choices
+
+
 class Sessions:
     """The gateway's sessions by id, each forgotten after `ttl_s` idle; at most `limit` (the
     longest idle goes first)."""
 
-    def __init__(self, ttl_s: float = 3600.0, limit: int = 10_000):
-        self.ttl_s, self.limit = ttl_s, limit
+    def __init__(self, ttl_s: float = 3600.0, limit: int = 10_000, create_unknown: bool = True):
+        """`create_unknown`: a request naming an unknown session starts it (the endpoint for any
+        client); False: only `open` starts one (a rollout worker's own endpoint, whose sessions
+        the worker opens and ends: a late request of an ended one is refused)."""
+        self.ttl_s, self.limit, self.create_unknown = ttl_s, limit, create_unknown
         self._by_id: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def get(self, session_id: str | None) -> Session:
-        """The session `session_id` names, new if unknown (a fresh id when None)."""
+    def get(self, session_id: str | None, create: bool | None = None) -> Session | None:
+        """The session `session_id` names; an unknown one is started (a fresh id when None) if
+        `create` (default `create_unknown`), else None."""
+        create = self.create_unknown if create is None else create
         now = time.monotonic()
         with self._lock:
             for sid in [s for s, v in self._by_id.items() if now - v.used > self.ttl_s]:
@@ -226,11 +252,18 @@ class Sessions:
             sid = session_id or uuid.uuid4().hex
             session = self._by_id.get(sid)
             if session is None:
+                if not create:
+                    return None
                 while len(self._by_id) >= self.limit:
                     del self._by_id[min(self._by_id, key=lambda s: self._by_id[s].used)]
                 session = self._by_id[sid] = Session(sid)
             session.used = now
             return session
+
+    def open(self, session_id: str) -> Session:
+        session = self.get(session_id, create=True)
+        assert session is not None
+        return session
 
     def find(self, session_id: str) -> Session | None:
         with self._lock:

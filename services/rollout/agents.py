@@ -22,7 +22,6 @@ import asyncio
 import inspect
 import logging
 import math
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +31,10 @@ from typing import Callable
 from ..common.lifecycle import HTTPServerThread
 from ..common.types import PromptRecord, SampleGroup, ScoreResult
 from ..common.userfn import load_function
-from ..gateway.app import Gateway, Sampler, build_app
+from ..gateway.app import SESSION_HEADER, Gateway, Sampler, build_app
 from ..gateway.sessions import Sessions, as_sample
 
 log = logging.getLogger(__name__)
-
-SESSION_HEADER = "x-session-id"
 
 
 class AgentFailed(ValueError):
@@ -62,10 +59,16 @@ class AgentRunner:
         """`n` sessions of the agent on `record`, as one group (its version: the oldest policy
         version that sampled any of its turns)."""
         ids = [f"{uid}/{j}/{uuid.uuid4().hex[:8]}" for j in range(n)]
-        rewards = self._run_all(record, ids)
+        for sid in ids:  # the endpoint serves only sessions opened here
+            self.sessions.open(sid)
+        try:
+            rewards = self._run_all(record, ids)
+            records = [self.sessions.find(sid) for sid in ids]
+        finally:  # ended, failed or not: a late request of its agent is refused, nothing kept
+            for sid in ids:
+                self.sessions.end(sid)
         prompts, completions, versions = [], [], []
-        for sid, reward in zip(ids, rewards):
-            session = self.sessions.end(sid)
+        for sid, reward, session in zip(ids, rewards, records):
             trajectories = session.record()["trajectories"] if session is not None else []
             if not trajectories or trajectories[-1]["turns"] == 0:
                 raise AgentFailed(f"agent session {sid}: it made no chat completion request")
@@ -87,7 +90,7 @@ class AgentRunner:
         if self.is_async:
             return asyncio.run(self._run_async(record, ids))
         # not `with`: its exit waits for every thread, and a hung agent's never ends (it is left
-        # to finish on its own; its session is gone, so nothing it does is recorded)
+        # to finish on its own; its session is ended, so the endpoint refuses what it asks next)
         pool = ThreadPoolExecutor(max_workers=len(ids), thread_name_prefix="agent")
         futures = [pool.submit(self._run_sync, record, sid) for sid in ids]
         deadline = time.monotonic() + self.timeout_s
@@ -97,8 +100,6 @@ class AgentRunner:
                 for sid, f in zip(ids, futures)
             ]
         except FutureTimeout:
-            for sid in ids:
-                self.sessions.end(sid)
             raise AgentFailed(
                 f"agent: a session of prompt {record.id!r} ran past rollout.agent_timeout_s={self.timeout_s:g}"
             ) from None
@@ -166,14 +167,17 @@ class AgentRunner:
 
 class WorkerEndpoint:
     """The OpenAI-compatible endpoint a rollout worker hosts for its agents: the gateway's app
-    over the worker's pool of generation servers, on a free loopback port."""
+    over the worker's pool of generation servers, on a free loopback port. Every request samples
+    with the training distribution (`pinned`: the learner's log-probs are of it), one choice at a
+    time (a sample is one conversation), and only in a session the worker opened."""
 
-    def __init__(self, tokenizer, servers, model_name: str, max_tokens: int, max_n: int, token: str | None, timeout_s):
-        self.sessions = Sessions()
-        gateway = Gateway(tokenizer, Sampler(servers, timeout_s), self.sessions, model_name, max_tokens, max_n)
+    def __init__(self, tokenizer, servers, model_name: str, max_tokens: int, pinned, token: str | None, timeout_s):
+        self.sessions = Sessions(create_unknown=False)
+        gateway = Gateway(
+            tokenizer, Sampler(servers, timeout_s), self.sessions, model_name, max_tokens, max_n=1, pinned=pinned
+        )
         self.http = HTTPServerThread(build_app(gateway, token), "127.0.0.1", 0, name="agent-endpoint")
         self.base_url = f"http://127.0.0.1:{self.http.start()}/v1"
-        self._lock = threading.Lock()
 
     def close(self) -> None:
         self.http.stop()

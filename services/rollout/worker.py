@@ -57,7 +57,7 @@ from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import GenerationClient, ServerPool
 from ..reward.client import RewardAPIFailure, RewardClient
-from .agents import AgentRunner, GenerationDown, WorkerEndpoint, load_agent
+from .agents import AgentFailed, AgentRunner, GenerationDown, WorkerEndpoint, load_agent
 from .step import sample_groups
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ class RolloutWorker:
                 self.servers,
                 cfg.model.path,
                 cfg.response_length,
-                cfg.rpc.max_samples_per_prompt,
+                SamplingParams.for_training(cfg, 1),
                 token,
                 cfg.rpc.timeout_s,
             )
@@ -385,13 +385,25 @@ class RolloutWorker:
             except GenerationDown as e:
                 self.metrics.error("no_generation_server").inc()
                 log.warning("prompt %s left pending: %s", t.uid, e)
+                self.stop_event.wait(self.cfg.rollout.retry_backoff_s)  # not straight on to the next claim
                 return None
+            longest = max(len(c.token_ids) for c in group.completions)
+            if len(group.prompt_ids) > self.cfg.prompt_length or longest > self.cfg.response_length:
+                raise AgentFailed(
+                    f"agent sessions of prompt {t.uid}: a prompt of {len(group.prompt_ids)} tokens and a "
+                    f"conversation of {longest} after it, more than prompt_length={self.cfg.prompt_length} / "
+                    f"response_length={self.cfg.response_length} (the learner and the critic take no more)"
+                )
             secs, t1 = time.perf_counter() - t0, time.perf_counter()
             if self.critic is not None:
                 responses = [c.token_ids for c in group.completions]
-                v = self.critic.values(
-                    build_token_batch([group.prompt_ids] * len(responses), responses, self.tokenizer.pad_token_id)
-                )
+                try:
+                    v = self.critic.values(
+                        build_token_batch([group.prompt_ids] * len(responses), responses, self.tokenizer.pad_token_id)
+                    )
+                except DependencyUnavailable as e:
+                    log.error("prompt %s left pending: %s", t.uid, e)
+                    return None
                 group.values = [v[i, : len(r)].tolist() for i, r in enumerate(responses)]
             tokens = sum(int(sum(c.loss_mask or [1] * len(c.token_ids))) for c in group.completions)
             metrics = {
@@ -556,6 +568,7 @@ class RolloutWorker:
             self.stop_event.wait(self.cfg.replay.heartbeat_s)
         for t in threads:
             t.join()
+        self.close()
         try:
             self.store.deregister("worker", self.name)
         except Exception:
@@ -577,6 +590,9 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def close(self) -> None:
+        """The agents' endpoint, once the loops have ended (the sessions in flight finish first)."""
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

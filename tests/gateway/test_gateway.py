@@ -269,3 +269,43 @@ def test_rlhf_serve_gateway_wires_the_endpoint_to_the_configured_server(gcfg, ti
             )
             assert out.choices[0].message.content is not None
             assert client.models.list().data[0].id == tiny_model_dir
+
+
+def test_the_end_of_turn_is_added_unless_the_policy_sampled_it(tiny_model_dir):
+    """A turn cut by a stop string (or a stop token other than EOS) did not sample its end of
+    turn: the environment's tokens start with the template's whole closing; one that sampled EOS
+    gets only the rest of it."""
+    from services.gateway.sessions import ChatTokens, Choice
+
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    chat = ChatTokens(tok)
+    assert chat.closing == "</s>\n" and chat.eos_text == "</s>"
+    before = [{"role": "user", "content": "abc="}, {"role": "assistant", "content": "cb"}]
+    after = [{"role": "user", "content": "again="}]
+    reply = tok("cb", add_special_tokens=False)["input_ids"]
+    with_eos = chat.continuation(before, after, Choice(reply + [tok.eos_token_id], [0.0] * 3, "cb", "stop", 0), None)
+    cut = chat.continuation(before, after, Choice(reply, [0.0] * 2, "cb", "stop", 0), None)
+    assert tok.decode(with_eos).startswith("\n<s>user")
+    assert tok.decode(cut).startswith("</s>\n<s>user")
+
+
+def test_a_turn_that_fails_changes_nothing_and_can_be_sent_again(gcfg, tiny_model_dir):
+    r = Running(gcfg, tiny_model_dir, servers=1)
+    try:
+        messages = [{"role": "user", "content": "abc="}]
+        reply = _turn(r.client, "s-retry", messages).choices[0].message.content
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "x="}]
+        r.gen[0].stop()  # no generation server left: the turn fails
+        with pytest.raises(openai.APIStatusError) as failed:
+            _turn(r.client, "s-retry", messages)
+        assert failed.value.status_code == 503
+        r.gen.append(serve(on_free_ports(gcfg, "generation"), backend=HFBackend(tiny_model_dir, "cpu")).start())
+        _turn(r.client, "s-retry", messages)  # the same request again, now a server answers
+        (traj,) = r.gateway.sessions.find("s-retry").record()["trajectories"]
+        assert traj["turns"] == 2  # it went on token-exact: the failure left no trace
+    finally:
+        r.close()

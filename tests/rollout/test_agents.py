@@ -90,6 +90,7 @@ def test_each_sample_is_a_token_exact_agent_session(make_cfg, agents_file, fn):
                     assert s.reward == len(tok.decode(second, skip_special_tokens=True)) or s.reward >= 0
     finally:
         worker.stop()
+        worker.close()
 
 
 @pytest.mark.parametrize(
@@ -113,6 +114,7 @@ def test_an_agent_that_fails_ends_as_a_dead_letter_saying_why(make_cfg, agents_f
             assert _trajectories(store) == []  # nothing with a made-up reward
     finally:
         worker.stop()
+        worker.close()
 
 
 def test_the_agent_is_checked_before_the_run_starts(agents_file, tmp_path):
@@ -129,3 +131,22 @@ def test_the_agent_is_checked_before_the_run_starts(agents_file, tmp_path):
     assert errors(f"{tmp_path}/one.py:run") == [
         f"rollout.agent: '{tmp_path}/one.py:run' takes (client); it must take (client, sample)"
     ]
+
+
+def test_a_conversation_longer_than_the_learner_takes_is_a_dead_letter(make_cfg, agents_file):
+    cfg = make_cfg(
+        prompt_length=128,
+        response_length=6,
+        rollout={"retries": 2, "retry_backoff_s": 0.05, "agent": f"{agents_file}:two_turns"},
+    )
+    worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+    store = ReplayStore.from_config(cfg)
+    try:
+        with _generation(cfg):
+            _feed(store, reverse_task("train", 1))
+            assert sum(worker.process(b) for b in _claim_all(store, "w1", 1)) == 0
+            (dead,) = store.read_dead()
+            assert "more than prompt_length=128 / response_length=6" in dead[2], dead[2]
+    finally:
+        worker.stop()
+        worker.close()
