@@ -222,7 +222,7 @@ class Gateway:
             prompt = plan.ids
             result = self.sampler.generate(session, prompt, params)
             choices = self._choices(result.completions[0], result.policy_version, stops)
-            plan.apply(choices)
+            session.apply(plan, choices)
         body = {
             "id": f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,

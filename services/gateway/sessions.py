@@ -165,7 +165,7 @@ class Session:
 
     def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
         """The prompt of a request with `messages`, and what it does to the session once its turn
-        is sampled (`Plan.apply`): the taken choice and the new messages' tokens appended to the
+        is sampled (`apply`): the taken choice and the new messages' tokens appended to the
         last segment (it went on token-exact), else a new segment. Nothing changes until then, so
         a request that fails (no server answered) can be sent again as it was."""
         seg = self.segments[-1] if self.segments else None
@@ -178,12 +178,28 @@ class Session:
                 if taken is not None:
                     rest = chat.continuation(messages[: n + 1], messages[n + 1 :], taken, tools)
                     if rest is not None:
-                        return Plan(self, seg.ids + taken.ids + rest, messages, seg, taken, rest)
-        return Plan(self, chat.prompt(messages, tools), messages)
+                        return Plan(seg.ids + taken.ids + rest, messages, seg, taken, rest)
+        return Plan(chat.prompt(messages, tools), messages)
 
     def plan_raw(self, prompt: list[int]) -> "Plan":
         """A raw prompt (/v1/completions): a new segment of exactly these tokens."""
-        return Plan(self, list(prompt), [])
+        return Plan(list(prompt), [])
+
+    def apply(self, plan: Plan, choices: list[Choice]) -> None:
+        """A request's turn was sampled: record what it took (`plan`) and its `choices` (pending
+        until the next request says which one the session goes on with)."""
+        seg = plan.segment
+        if seg is None:
+            seg = Segment(messages=list(plan.messages))
+            seg.extend(plan.ids, False)
+            self.segments.append(seg)
+        else:
+            assert plan.taken is not None
+            seg.extend(plan.taken.ids, True, plan.taken.log_probs)
+            seg.versions.append(plan.taken.version)
+            seg.extend(plan.rest, False)
+            seg.messages = list(plan.messages)
+        seg.pending = choices
 
     def record(self) -> dict[str, Any]:
         with self.lock:
@@ -199,34 +215,19 @@ class Session:
 
 @dataclass
 class Plan:
-    """One request's prompt (`ids`) and how its sampled turn changes the session (`apply`)."""
+    """One request's prompt (`ids`) and what its sampled turn changes in its session
+    (`Session.apply`): the segment it goes on (None: a new one), the last turn's choice its
+    messages took, and the environment's tokens after it."""
 
-    session: Session
     ids: list[int]
     messages: list[dict]
-    segment: Segment | None = None  # the segment it goes on (None: a new one)
-    taken: Choice | None = None  # the choice of the last turn the request's messages took
-    rest: list[int] = field(default_factory=list)  # the environment's tokens after it
+    segment: Segment | None = None
+    taken: Choice | None = None
+    rest: list[int] = field(default_factory=list)
 
     @property
     def went_on(self) -> bool:
         return self.segment is not None
-
-    def apply(self, choices: list[Choice]) -> None:
-        """The turn was sampled: record what the request took and its `choices` (pending until
-        the next request says which one the session goes on with)."""
-        seg = self.segment
-        if seg is None:
-            seg = Segment(messages=list(self.messages))
-            seg.extend(self.ids, False)
-            self.session.segments.append(seg)
-        else:
-            assert self.taken is not None
-            seg.extend(self.taken.ids, True, self.taken.log_probs)
-            seg.versions.append(self.taken.version)
-            seg.extend(self.rest, False)
-            seg.messages = list(self.messages)
-        seg.pending = choices
 
 
 class Sessions:
