@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for noisy in ("httpx", "urllib3", "transformers"):
+    for noisy in ("httpx", "httpx2", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from ..reward.functions import RewardFunctionError
 

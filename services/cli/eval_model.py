@@ -18,6 +18,7 @@ sample) and OUT/summary.json, and prints a summary (side by side with --baseline
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -105,7 +106,8 @@ def run_eval(
 ) -> dict:
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
-    scorer = _scorer(cfg, rule)
+    agent = cfg.rollout.agent if rule is None else None  # the agent's reward, or --rule on one reply
+    scorer = None if agent else _scorer(cfg, rule)
     models = {"model": model or cfg.model.path}
     if baseline is not None:
         models = {"baseline": baseline, **models}
@@ -125,10 +127,18 @@ def run_eval(
         def progress(done: int, total: int, name=name) -> None:
             say(f"  {name}: {done}/{total} prompts")
 
-        # as many prompts per generate call as a generation server takes: the in-process eval's shapes
-        rows = generate_and_score(
-            prompts, backend, scorer, backend.tokenizer, params, batch=cfg.generation.max_batch_size, progress=progress
-        )
+        if agent:
+            rows = _agent_rows(cfg, backend, prompts, params, progress)
+        else:  # as many prompts per generate call as a generation server takes: the in-process eval's shapes
+            rows = generate_and_score(
+                prompts,
+                backend,
+                scorer,
+                backend.tokenizer,
+                params,
+                batch=cfg.generation.max_batch_size,
+                progress=progress,
+            )
         rows_of[name] = rows
         write_rows(out / f"{name}.jsonl", rows)
         results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
@@ -137,7 +147,9 @@ def run_eval(
         "data": held_out_source(cfg),
         "n": n,
         "temperature": params.temperature,
-        "reward": rule or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
+        "reward": rule
+        or (f"rollout.agent ({agent})" if agent else None)
+        or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
         **results,
     }
     if baseline is not None:
@@ -166,6 +178,33 @@ def run_eval(
         f"summary: {out / 'summary.json'}"
     )
     return summary
+
+
+def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: SamplingParams, progress) -> list[dict]:
+    """`params.n` sessions of `rollout.agent` per prompt, against `backend` served over gRPC on a
+    free loopback port (the generation server a rollout worker's endpoint would call), every turn
+    sampled with `params`' temperature."""
+    from ..gateway.agents import agent_host, evaluate_agent
+    from ..generation.client import ServerPool
+    from ..generation.server import serve
+
+    local = cfg.model_copy(deep=True)
+    local.replay.url = None  # this process's own server, in no registry
+    ep = local.rpc.generation
+    ep.host, ep.port, ep.metrics_port = "127.0.0.1", 0, None
+    svc = serve(local, backend=backend).start()
+    assert svc.server is not None  # start() bound it
+    address = f"127.0.0.1:{svc.server.port}"
+    servers = ServerPool(lambda: {address: {"version": 0}}, cfg.rpc, refresh_s=3600.0)
+    host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None))
+    try:
+        return evaluate_agent(
+            host, prompts, backend.tokenizer, n=params.n, batch=cfg.generation.max_batch_size, progress=progress
+        )
+    finally:
+        host.close()
+        servers.close()
+        svc.stop()
 
 
 def make_preferences(

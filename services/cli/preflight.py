@@ -21,9 +21,9 @@ from urllib.parse import urlparse
 
 from ..common.config import Config, RewardConfig, RuleSpec
 from ..common.userfn import load_function
+from ..gateway.agents import AGENT_TAKES
 from ..reward.functions import rule_errors
 from ..reward.rules import RULES
-from ..rollout.agents import AGENT_TAKES
 from ..training.data import data_source_errors, source_problem
 from ..training.tracking import tracking_errors
 

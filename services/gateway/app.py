@@ -13,6 +13,7 @@ One request, hop by hop:
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import time
@@ -74,7 +75,8 @@ class Sampler:
     def __init__(self, servers, timeout_s: float):
         self.servers, self.timeout_s = servers, timeout_s
 
-    def generate(self, session: Session, prompt: list[int], params: SamplingParams):
+    def generate(self, session: Session, prompt: list[int], params: SamplingParams, first: int):
+        """`first`: how many of `prompt`'s tokens are its conversation's first prompt."""
         tried: set[str] = set()
         key = uuid.uuid4().hex  # one request: a retry on the same server joins its work
         while True:
@@ -82,7 +84,9 @@ class Sampler:
             if address is None or address in tried:
                 raise GatewayError(503, "no generation server is available", "service_unavailable")
             try:
-                result = self.servers.client(address).generate([prompt], params, timeout=self.timeout_s, key=key)
+                result = self.servers.client(address).generate(
+                    [prompt], params, timeout=self.timeout_s, key=key, first_prompt_tokens=[first]
+                )
             except grpc.RpcError as e:
                 if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise GatewayError(400, f"the request: {e.details()}") from None
@@ -220,7 +224,16 @@ class Gateway:
         with session.lock:
             plan = plan_of(session)
             prompt = plan.ids
-            result = self.sampler.generate(session, prompt, params)
+            room = self.max_tokens - (len(prompt) - plan.first)  # the session's budget: response_length
+            if room < 1:
+                raise GatewayError(
+                    400,
+                    f"session {session.id}: its conversation after the first prompt is {len(prompt) - plan.first} "
+                    f"tokens, no room for another reply in response_length={self.max_tokens} (what the learner "
+                    "trains on); end the session",
+                )
+            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            result = self.sampler.generate(session, prompt, params, plan.first)
             choices = self._choices(result.completions[0], result.policy_version, stops)
             session.apply(plan, choices)
         body = {

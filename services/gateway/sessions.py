@@ -178,12 +178,14 @@ class Session:
                 if taken is not None:
                     rest = chat.continuation(messages[: n + 1], messages[n + 1 :], taken, tools)
                     if rest is not None:
-                        return Plan(seg.ids + taken.ids + rest, messages, seg, taken, rest)
-        return Plan(chat.prompt(messages, tools), messages)
+                        first = seg.mask.index(1) if 1 in seg.mask else len(seg.ids)
+                        return Plan(seg.ids + taken.ids + rest, messages, first, seg, taken, rest)
+        ids = chat.prompt(messages, tools)
+        return Plan(ids, messages, len(ids))
 
     def plan_raw(self, prompt: list[int]) -> "Plan":
         """A raw prompt (/v1/completions): a new segment of exactly these tokens."""
-        return Plan(list(prompt), [])
+        return Plan(list(prompt), [], len(prompt))
 
     def apply(self, plan: Plan, choices: list[Choice]) -> None:
         """A request's turn was sampled: record what it took (`plan`) and its `choices` (pending
@@ -217,10 +219,12 @@ class Session:
 class Plan:
     """One request's prompt (`ids`) and what its sampled turn changes in its session
     (`Session.apply`): the segment it goes on (None: a new one), the last turn's choice its
-    messages took, and the environment's tokens after it."""
+    messages took, and the environment's tokens after it. `first`: how many of `ids` are the
+    conversation's first prompt (the rest count against response_length)."""
 
     ids: list[int]
     messages: list[dict]
+    first: int
     segment: Segment | None = None
     taken: Choice | None = None
     rest: list[int] = field(default_factory=list)

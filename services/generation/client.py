@@ -61,14 +61,20 @@ class GenerationClient(RPCClient):
         params: SamplingParams,
         timeout: float | None = None,
         key: str | None = None,
+        first_prompt_tokens: Sequence[int] | None = None,
     ) -> GenerationResult:
         """`timeout`: this call's deadline in seconds (default the client's). `key`: an idempotency
         key; a retry that sends the same request with the same key while the server still works on
-        the first call waits for that work instead of starting a second copy."""
+        the first call waits for that work instead of starting a second copy. `first_prompt_tokens`:
+        per prompt, for a later turn of a conversation, how many of its tokens are its first
+        prompt (0: all; generation.proto's `Prompt.first_prompt_tokens`)."""
         req = gpb.GenerateRequest(params=self.params_to_proto(params))
-        for p in prompts:
+        firsts = list(first_prompt_tokens or [0] * len(prompts))
+        for p, first in zip(prompts, firsts):
             req.prompts.append(
-                gpb.Prompt(text=p) if isinstance(p, str) else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p)))
+                gpb.Prompt(text=p, first_prompt_tokens=first)
+                if isinstance(p, str)
+                else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p)), first_prompt_tokens=first)
             )
         metadata = self.metadata + ((IDEMPOTENCY_KEY, key),) if key else self.metadata
         resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)

@@ -129,8 +129,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise _bad_prompt(f"prompts[{i}]", "none of tokens, text, chat is set")
         if not ids:
             raise _bad_prompt(f"prompts[{i}]", "empty prompt")
-        if len(ids) > self.cfg.prompt_length:
-            raise _bad_prompt(f"prompts[{i}]", f"{len(ids)} tokens, more than prompt_length={self.cfg.prompt_length}")
+        first = p.first_prompt_tokens or len(ids)
+        if first > len(ids):
+            raise _bad_prompt(f"prompts[{i}].first_prompt_tokens", f"{first}, more than the prompt's {len(ids)} tokens")
+        if first > self.cfg.prompt_length:
+            what = f"{len(ids)} tokens" if first == len(ids) else f"a conversation whose first prompt is {first} tokens"
+            raise _bad_prompt(f"prompts[{i}]", f"{what}, more than prompt_length={self.cfg.prompt_length}")
+        if len(ids) - first >= self.cfg.response_length:
+            raise _bad_prompt(
+                f"prompts[{i}]",
+                f"{len(ids) - first} tokens of conversation after its first prompt leave no room for a reply "
+                f"in response_length={self.cfg.response_length}",
+            )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise _bad_prompt(
@@ -213,7 +223,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         params = self._params(request.params)
         # a cheap lower bound before tokenizing anything: token prompts' lengths, 1 for text and chat
         known = [len(p.tokens.ids) for p in request.prompts if p.WhichOneof("input") == "tokens"]
-        width = min(max(known + [1]), self.cfg.prompt_length)  # a longer prompt is refused on its own
+        longest = self.cfg.prompt_length + self.cfg.response_length - 1  # a later turn's longest prompt
+        width = min(max(known + [1]), longest)  # a longer prompt is refused on its own
         self._check_cost(
             len(request.prompts), width, params, exact=len(known) == len(request.prompts) and width == max(known)
         )

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..common.lifecycle import RunFailed, Service
 from ..common.metrics import labelled, register_process_metrics
-from ..common.modeling import build_token_batch, load_tokenizer
+from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore, redis_error_code
 from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.client import endpoint_address
@@ -55,9 +55,10 @@ from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, RideThrough, Tagged
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
+from ..gateway.agents import agent_host
 from ..generation.client import GenerationClient, ServerPool
 from ..reward.client import RewardAPIFailure, RewardClient
-from .agents import AgentFailed, AgentRunner, GenerationDown, WorkerEndpoint, load_agent
+from .agents import AgentSampling
 from .step import sample_groups
 
 if TYPE_CHECKING:
@@ -240,22 +241,15 @@ class RolloutWorker:
             )
         # which generation server to call: round robin, at the version if one is, avoiding failures
         self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
-        self.endpoint: WorkerEndpoint | None = None
-        self.agents: AgentRunner | None = None
+        self.agents: AgentSampling | None = None
         if cfg.rollout.agent:  # each sample a session of the user's agent, on an endpoint of its own
-            agent = load_agent(cfg.rollout.agent)
-            token = cfg.rpc.resolved_auth_token()
-            self.endpoint = WorkerEndpoint(
+            self.agents = AgentSampling(
+                cfg,
+                agent_host(cfg, self.tokenizer, self.servers, SamplingParams.for_training(cfg, 1)),
                 self.tokenizer,
-                self.servers,
-                cfg.model.path,
-                cfg.response_length,
-                SamplingParams.for_training(cfg, 1),
-                token,
-                cfg.rpc.timeout_s,
-            )
-            self.agents = AgentRunner(
-                agent, self.endpoint.base_url, token, self.endpoint.sessions, cfg.rollout.agent_timeout_s
+                self.critic,
+                self.stop_event,
+                on_down=self.metrics.error("no_generation_server").inc,
             )
         self._lock = threading.Lock()
         self.produced = 0
@@ -279,7 +273,7 @@ class RolloutWorker:
         failed the batch `score_retries` + 1 times (default `reward.group_retries` + 1)."""
         tasks = [t for _, t in entries]
         if self.agents is not None:
-            return self._sample_agents(tasks)
+            return self.agents.sample(tasks)
         min_version = max(t.min_version for t in tasks)
         params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
         rc = self.cfg.rollout
@@ -370,50 +364,6 @@ class RolloutWorker:
             )
             return [(g, address, m) for g in groups]
         return None
-
-    def _sample_agents(self, tasks: list) -> list | None:
-        """Groups of agent sessions (`rollout.agent`), one prompt after another; None = give up for
-        now (no generation server answered: the prompts stay pending). An agent that failed raises
-        `AgentFailed`, a ValueError: its prompt is dead-lettered like any prompt that cannot be
-        processed."""
-        assert self.agents is not None
-        out = []
-        for t in tasks:
-            t0 = time.perf_counter()
-            try:
-                group = self.agents.group(task_record(t), t.uid, t.group_size or self.cfg.num_return_sequences_in_group)
-            except GenerationDown as e:
-                self.metrics.error("no_generation_server").inc()
-                log.warning("prompt %s left pending: %s", t.uid, e)
-                self.stop_event.wait(self.cfg.rollout.retry_backoff_s)  # not straight on to the next claim
-                return None
-            longest = max(len(c.token_ids) for c in group.completions)
-            if len(group.prompt_ids) > self.cfg.prompt_length or longest > self.cfg.response_length:
-                raise AgentFailed(
-                    f"agent sessions of prompt {t.uid}: a prompt of {len(group.prompt_ids)} tokens and a "
-                    f"conversation of {longest} after it, more than prompt_length={self.cfg.prompt_length} / "
-                    f"response_length={self.cfg.response_length} (the learner and the critic take no more)"
-                )
-            secs, t1 = time.perf_counter() - t0, time.perf_counter()
-            if self.critic is not None:
-                responses = [c.token_ids for c in group.completions]
-                try:
-                    v = self.critic.values(
-                        build_token_batch([group.prompt_ids] * len(responses), responses, self.tokenizer.pad_token_id)
-                    )
-                except DependencyUnavailable as e:
-                    log.error("prompt %s left pending: %s", t.uid, e)
-                    return None
-                group.values = [v[i, : len(r)].tolist() for i, r in enumerate(responses)]
-            tokens = sum(int(sum(c.loss_mask or [1] * len(c.token_ids))) for c in group.completions)
-            metrics = {
-                "time/generate_s": secs,
-                "time/score_s": 0.0,
-                "time/values_s": time.perf_counter() - t1,
-                "rollout/tokens": tokens,
-            }
-            out.append((group, "agent", metrics))
-        return out
 
     def process(self, entries: list) -> int:
         """Sample, append and acknowledge one claimed batch. Returns groups appended."""
@@ -593,9 +543,9 @@ class RolloutWorker:
 
     def close(self) -> None:
         """The agents' endpoint, once the loops have ended (the sessions in flight finish first)."""
-        if self.endpoint is not None:
-            self.endpoint.close()
-            self.endpoint = None
+        if self.agents is not None:
+            self.agents.host.close()
+            self.agents = None
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
         """/metrics on `port`, behind the bearer token unless rpc.open_metrics, and /healthz (open)."""

@@ -80,15 +80,21 @@ def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: Sa
     (`reward.eval_rules`): the same responses scored by it too, as `eval/proxy_reward_mean` and
     each row's `proxy_reward`, so a policy that pleases the proxy but not the gold shows."""
     rows = generate_and_score(records, backend, scorer, tokenizer, params)
-    summary = summarize(rows)
-    out: dict = {"eval/reward_mean": summary["reward_mean"]}
-    out.update({f"eval/{k}": v for k, v in summary.items() if k not in ("reward_mean", "prompts", "samples")})
+    out = eval_metrics(rows)
     if proxy is not None and rows:
         meta = {r.id: r.metadata for r in records}
         scored = proxy.score([RewardSample(r["prompt"], r["response"], r["label"], meta[r["id"]]) for r in rows])
         for r, s in zip(rows, scored):
             r["proxy_reward"] = s.reward
         out["eval/proxy_reward_mean"] = sum(s.reward for s in scored) / len(scored)
+    return out
+
+
+def eval_metrics(rows: list[dict]) -> dict:
+    """The training loop's `eval/...` metrics of scored rows (`summarize`), the rows under "generations"."""
+    summary = summarize(rows)
+    out: dict = {"eval/reward_mean": summary["reward_mean"]}
+    out.update({f"eval/{k}": v for k, v in summary.items() if k not in ("reward_mean", "prompts", "samples")})
     out["generations"] = rows
     return out
 

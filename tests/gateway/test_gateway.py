@@ -27,8 +27,8 @@ def gcfg(tiny_model_dir):
     return config_from_dict(
         {
             "model": {"path": tiny_model_dir, "device": "cpu"},
-            "prompt_length": 256,
-            "response_length": 12,
+            "prompt_length": 64,
+            "response_length": 192,
             "rpc": {"auth_token": TOKEN, "max_samples_per_prompt": 8},
             "generation": {"batch_window_ms": 5},
         }

@@ -134,6 +134,8 @@ def test_the_agent_is_checked_before_the_run_starts(agents_file, tmp_path):
 
 
 def test_a_conversation_longer_than_the_learner_takes_is_a_dead_letter(make_cfg, agents_file):
+    """The session's budget is response_length: the endpoint refuses the turn that has no room
+    left (400), and the agent's session ends as a dead letter saying so."""
     cfg = make_cfg(
         prompt_length=128,
         response_length=6,
@@ -146,7 +148,7 @@ def test_a_conversation_longer_than_the_learner_takes_is_a_dead_letter(make_cfg,
             _feed(store, reverse_task("train", 1))
             assert sum(worker.process(b) for b in _claim_all(store, "w1", 1)) == 0
             (dead,) = store.read_dead()
-            assert "more than prompt_length=128 / response_length=6" in dead[2], dead[2]
+            assert "no room for another reply in response_length=6" in dead[2], dead[2]
     finally:
         worker.stop()
         worker.close()

@@ -28,14 +28,16 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("tokens", "text", "chat")
+    __slots__ = ("tokens", "text", "chat", "first_prompt_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     text: str
     chat: Chat
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+    first_prompt_tokens: int
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., first_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed")

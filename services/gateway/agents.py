@@ -1,0 +1,322 @@
+"""Agent functions (`rollout.agent`) run against an OpenAI-compatible endpoint of their own: the
+rollout workers' samples, the learner's held-out eval and `rlhf eval` all run them through here.
+
+    def run(client: openai.OpenAI, sample: PromptRecord) -> float          # or
+    async def run(client: openai.AsyncOpenAI, sample: PromptRecord) -> float
+
+`client` is bound to one session (its requests carry the session's id); `sample` is the prompt's
+record (`prompt`, `label`, `metadata`); the return value is the session's reward. `AgentHost`
+hosts the gateway's app on a free loopback port over a pool of generation servers and runs the
+sessions, many at once (a thread each, or one event loop for async agents).
+
+A session whose agent raises, runs past its timeout, returns what is not a finite number, or made
+no request ends as `AgentFailed` (the worker dead-letters its prompt with that reason, never a
+reward of 0). One that failed because no generation server answered (`openai.APIConnectionError`,
+HTTP 429 or 503) ends as `GenerationDown`: an outage, not its input.
+
+The hops of one session:
+    AgentHost.run                 the sessions opened (the endpoint serves only those), run at once
+      agent(client, sample)       the user's code: chat completions through the endpoint (app.py)
+      Session.record              the token-exact trajectory the endpoint recorded (sessions.py)
+      Episode                     the reward or the failure, and the trajectory
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..common.lifecycle import HTTPServerThread
+from ..common.types import PromptRecord, SampleGroup, SamplingParams, ScoreResult
+from ..common.userfn import load_function
+from .app import SESSION_HEADER, Gateway, Sampler, build_app
+from .sessions import Sessions, as_sample
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+
+log = logging.getLogger(__name__)
+
+AGENT_TAKES = ("client", "sample")
+
+
+class AgentFailed(ValueError):
+    """The agent of a session failed in a way that is its input's (or its code's): the prompt
+    is dead-lettered with this message."""
+
+
+class GenerationDown(RuntimeError):
+    """The agent's requests found no generation server: the prompt stays pending."""
+
+
+def load_agent(ref: str) -> Callable:
+    """The agent function `ref` names (`rollout.agent`); ValueError saying why not."""
+    return load_function(ref, takes=AGENT_TAKES)
+
+
+@dataclass
+class Episode:
+    """One session's end: its reward, or why it failed (`error`: AgentFailed or GenerationDown),
+    and the trajectory the endpoint recorded (None when it made no request)."""
+
+    session_id: str
+    reward: float | None
+    error: Exception | None
+    trajectory: dict | None
+
+
+class AgentHost:
+    """An agent function and the endpoint it talks to: the gateway's app over `servers` (a
+    generation/client.py:ServerPool), on a free loopback port. Every request samples with
+    `params` (the training distribution for rollouts, the eval's for an eval: whatever the agent
+    asks, the learner's log-probs are of that distribution), one choice a request (a sample is one
+    conversation), and only in a session opened here (a request of an ended session: 404)."""
+
+    def __init__(
+        self,
+        agent: Callable,
+        tokenizer,
+        servers,
+        params: SamplingParams,
+        *,
+        model_name: str,
+        max_tokens: int,
+        token: str | None,
+        generate_timeout_s: float,
+        timeout_s: float,
+    ):
+        self.agent, self.token, self.timeout_s = agent, token or "unused", timeout_s
+        self.is_async = inspect.iscoroutinefunction(agent)
+        self.sessions = Sessions(create_unknown=False)
+        gateway = Gateway(
+            tokenizer,
+            Sampler(servers, generate_timeout_s),
+            self.sessions,
+            model_name,
+            max_tokens,
+            max_n=1,
+            pinned=params,
+        )
+        self.http = HTTPServerThread(build_app(gateway, token), "127.0.0.1", 0, name="agent-endpoint")
+        self.base_url = f"http://127.0.0.1:{self.http.start()}/v1"
+
+    def close(self) -> None:
+        self.http.stop()
+
+    # ------------------------------------------------------------------ sessions
+    def run(self, work: list[tuple[PromptRecord, str]]) -> list[Episode]:
+        """One session per (record, session id), all at once, each ended (failed or not: a late
+        request of its agent is refused, nothing more is kept); their episodes in order."""
+        ids = [sid for _, sid in work]
+        for sid in ids:  # the endpoint serves only sessions opened here
+            self.sessions.open(sid)
+        try:
+            outcomes = asyncio.run(self._run_async(work)) if self.is_async else self._run_threads(work)
+            sessions = [self.sessions.find(sid) for sid in ids]
+        finally:
+            for sid in ids:
+                self.sessions.end(sid)
+        episodes = []
+        for sid, outcome, session in zip(ids, outcomes, sessions):
+            trajectories = session.record()["trajectories"] if session is not None else []
+            trajectory = trajectories[-1] if trajectories and trajectories[-1]["turns"] else None
+            if isinstance(outcome, Exception):
+                episodes.append(Episode(sid, None, outcome, trajectory))
+            elif trajectory is None:
+                episodes.append(
+                    Episode(sid, None, AgentFailed(f"agent session {sid}: it made no chat completion request"), None)
+                )
+            elif len(trajectories) > 1:
+                why = AgentFailed(
+                    f"agent session {sid}: {len(trajectories)} trajectories (it rewrote its conversation "
+                    "or sent n > 1); a sample is one conversation that extends itself"
+                )
+                episodes.append(Episode(sid, None, why, trajectory))
+            else:
+                episodes.append(Episode(sid, outcome, None, trajectory))
+        return episodes
+
+    def group(self, record: PromptRecord, uid: str, n: int) -> SampleGroup:
+        """`n` sessions of the agent on `record`, as one group (its version: the oldest policy
+        version that sampled any of its turns); the first failure raised (an outage first)."""
+        return self.groups([(record, uid, n)])[0]
+
+    def groups(self, items: list[tuple[PromptRecord, str, int]]) -> list[SampleGroup]:
+        """The groups of several prompts, every session of them at once. Raises GenerationDown
+        when any session found no generation server, else the first AgentFailed."""
+        work = [(record, f"{uid}/{j}/{uuid.uuid4().hex[:8]}") for record, uid, n in items for j in range(n)]
+        episodes = iter(self.run(work))
+        chunks = [[next(episodes) for _ in range(n)] for _, _, n in items]
+        failures = [e.error for chunk in chunks for e in chunk if e.error is not None]
+        down = [f for f in failures if isinstance(f, GenerationDown)]
+        if failures:
+            raise (down or failures)[0]
+        out = []
+        for (record, uid, _), chunk in zip(items, chunks):
+            samples = [as_sample(e.trajectory) for e in chunk if e.trajectory is not None]
+            if len({tuple(p) for p, _ in samples}) != 1:
+                raise AgentFailed(f"prompt {uid}: its sessions began with different prompts; a group shares its prompt")
+            versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["versions"]]
+            scores = [ScoreResult(float(e.reward or 0.0), {"agent": float(e.reward or 0.0)}) for e in chunk]
+            out.append(SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions)))
+        return out
+
+    def _run_threads(self, work: list[tuple[PromptRecord, str]]) -> list:
+        # not `with`: its exit waits for every thread, and a hung agent's never ends (it is left
+        # to finish on its own; its session is ended, so the endpoint refuses what it asks next)
+        pool = ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="agent")
+        futures = [pool.submit(self._run_sync, record, sid) for record, sid in work]
+        deadline = time.monotonic() + self.timeout_s
+        out: list = []
+        try:
+            for (record, sid), f in zip(work, futures):
+                try:
+                    out.append(self._checked(sid, f.result(timeout=max(0.0, deadline - time.monotonic()))))
+                except FutureTimeout:
+                    out.append(self._late(record, sid))
+                except (AgentFailed, GenerationDown) as e:
+                    out.append(e)
+            return out
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run_sync(self, record: PromptRecord, sid: str):
+        import openai
+
+        client = openai.OpenAI(
+            base_url=self.base_url, api_key=self.token, default_headers={SESSION_HEADER: sid}, max_retries=0
+        )
+        try:
+            return self.agent(client, record)
+        except Exception as e:
+            raise self._failure(sid, e) from None
+        finally:
+            client.close()
+
+    async def _run_async(self, work: list[tuple[PromptRecord, str]]) -> list:
+        import openai
+
+        async def one(record: PromptRecord, sid: str):
+            client = openai.AsyncOpenAI(
+                base_url=self.base_url, api_key=self.token, default_headers={SESSION_HEADER: sid}, max_retries=0
+            )
+            try:
+                return self._checked(sid, await asyncio.wait_for(self.agent(client, record), self.timeout_s))
+            except asyncio.TimeoutError:
+                return self._late(record, sid)
+            except (AgentFailed, GenerationDown) as e:
+                return e
+            except Exception as e:
+                return self._failure(sid, e)
+            finally:
+                await client.close()
+
+        return list(await asyncio.gather(*(one(r, s) for r, s in work)))
+
+    def _late(self, record: PromptRecord, sid: str) -> AgentFailed:
+        return AgentFailed(
+            f"agent: session {sid} of prompt {record.id!r} ran past rollout.agent_timeout_s={self.timeout_s:g}"
+        )
+
+    @staticmethod
+    def _failure(sid: str, e: Exception) -> Exception:
+        import openai
+
+        if isinstance(e, openai.APIConnectionError) or (
+            isinstance(e, openai.APIStatusError) and e.status_code in (429, 503)
+        ):
+            return GenerationDown(f"agent session {sid}: the endpoint could not sample ({e})")
+        return AgentFailed(f"agent session {sid} raised {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _checked(sid: str, reward):
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return AgentFailed(f"agent session {sid} returned {reward!r}, not a finite number")
+        return float(reward)
+
+
+def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams) -> AgentHost:
+    """`rollout.agent` on an endpoint over `servers`, every turn sampled with `params` (a worker's:
+    the training distribution; an eval's: eval_temperature); a turn's deadline like a worker's
+    Generate of one prompt (`rollout.generate_timeout_s` + the budget per token)."""
+    rc = cfg.rollout
+    base = rc.generate_timeout_s if rc.generate_timeout_s is not None else cfg.rpc.timeout_s
+    return AgentHost(
+        load_agent(rc.agent or ""),
+        tokenizer,
+        servers,
+        params,
+        model_name=cfg.model.path,
+        max_tokens=cfg.response_length,
+        token=cfg.rpc.resolved_auth_token(),
+        generate_timeout_s=base + rc.generate_timeout_per_token_s * cfg.response_length,
+        timeout_s=rc.agent_timeout_s,
+    )
+
+
+# ---------------------------------------------------------------------- held-out eval
+def transcript(trajectory: dict, tokenizer) -> list[dict]:
+    """A trajectory's conversation after its prompt, as runs of the policy's tokens and the
+    environment's: [{"by": "policy" | "environment", "text"}], special tokens kept (the turns'
+    boundaries show)."""
+    _, completion = as_sample(trajectory)
+    mask = completion.loss_mask or [1] * len(completion.token_ids)
+    runs: list[dict] = []
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            by = "policy" if mask[start] else "environment"
+            runs.append({"by": by, "text": tokenizer.decode(completion.token_ids[start:i], skip_special_tokens=False)})
+            start = i
+    return runs
+
+
+def evaluate_agent(
+    host: AgentHost,
+    records: list[PromptRecord],
+    tokenizer,
+    n: int = 1,
+    batch: int = 32,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """`n` sessions of the agent per held-out record (`batch` records at once), as eval rows
+    (training/evaluate.py's shape: {"id", "prompt", "response", "label", "reward", "components",
+    "sample"}) with the conversation (`transcript`) and the number of the policy's `turns`. A
+    session whose agent failed is a row with reward 0 and its `error` (counted by `summarize` as
+    `components["failed"]`): an eval scores what the policy does, failures included. A session
+    that found no generation server raises GenerationDown: an outage measures no policy."""
+    rows: list[dict] = []
+    for start in range(0, len(records), batch):
+        chunk = records[start : start + batch]
+        work = [(r, f"eval/{r.id}/{j}/{uuid.uuid4().hex[:8]}") for r in chunk for j in range(n)]
+        episodes = host.run(work)
+        down = [e.error for e in episodes if isinstance(e.error, GenerationDown)]
+        if down:
+            raise down[0]
+        for i, ((r, _), e) in enumerate(zip(work, episodes)):
+            runs = transcript(e.trajectory, tokenizer) if e.trajectory is not None else []
+            row = {
+                "id": r.id,
+                "prompt": r.prompt,
+                "response": "".join(x["text"] for x in runs),
+                "label": r.label,
+                "reward": e.reward if e.error is None else 0.0,
+                "components": {"agent": e.reward if e.error is None else 0.0, "failed": float(e.error is not None)},
+                "sample": i % n,
+                "turns": e.trajectory["turns"] if e.trajectory is not None else 0,
+                "transcript": runs,
+            }
+            if e.error is not None:
+                row["error"] = str(e.error)
+            rows.append(row)
+        if progress is not None:
+            progress(min(start + batch, len(records)), len(records))
+    return rows
