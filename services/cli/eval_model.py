@@ -106,7 +106,7 @@ def run_eval(
 ) -> dict:
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
-    agent = cfg.rollout.agent if rule is None else None  # the agent's reward, or --rule on one reply
+    agent = cfg.rollout.sessions and rule is None  # the agent's reward, or --rule on one reply
     scorer = None if agent else _scorer(cfg, rule)
     models = {"model": model or cfg.model.path}
     if baseline is not None:
@@ -148,7 +148,7 @@ def run_eval(
         "n": n,
         "temperature": params.temperature,
         "reward": rule
-        or (f"rollout.agent ({agent})" if agent else None)
+        or (f"the agent's ({cfg.rollout.agent or cfg.rollout.environment or cfg.rollout.agent_url})" if agent else None)
         or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
         **results,
     }
@@ -181,7 +181,8 @@ def run_eval(
 
 
 def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: SamplingParams, progress) -> list[dict]:
-    """`params.n` sessions of `rollout.agent` per prompt, against `backend` served over gRPC on a
+    """`params.n` sessions of the agent (`rollout.agent`, `environment` or `agent_url`) per prompt,
+    against `backend` served over gRPC on a
     free loopback port (the generation server a rollout worker's endpoint would call), every turn
     sampled with `params`' temperature."""
     from ..gateway.agents import agent_host, evaluate_agent
@@ -196,7 +197,7 @@ def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: Sampling
     assert svc.server is not None  # start() bound it
     address = f"127.0.0.1:{svc.server.port}"
     servers = ServerPool(lambda: {address: {"version": 0}}, cfg.rpc, refresh_s=3600.0)
-    host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None))
+    host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None), port=0)
     try:
         return evaluate_agent(
             host, prompts, backend.tokenizer, n=params.n, batch=cfg.generation.max_batch_size, progress=progress

@@ -20,8 +20,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..common.config import Config, RewardConfig, RuleSpec
-from ..common.userfn import load_function
-from ..gateway.agents import AGENT_TAKES
+from ..gateway.agents import load_agent
 from ..reward.functions import rule_errors
 from ..reward.rules import RULES
 from ..training.data import data_source_errors, source_problem
@@ -41,13 +40,15 @@ def preflight_errors(cfg: Config, sampler: bool = True) -> list[str]:
 
 
 def agent_errors(cfg: Config) -> list[str]:
-    """`rollout.agent` loads and takes (client, sample)."""
-    if not cfg.rollout.agent:
+    """`rollout.agent` / `rollout.environment` / `rollout.agent_url` loads (and an agent takes
+    (client, sample))."""
+    if not cfg.rollout.sessions:
         return []
+    key = next(k for k in ("agent", "environment", "agent_url") if getattr(cfg.rollout, k))
     try:
-        load_function(cfg.rollout.agent, takes=AGENT_TAKES)
+        load_agent(cfg.rollout)
     except ValueError as e:
-        return [f"rollout.agent: {e}"]
+        return [f"rollout.{key}: {e}"]
     return []
 
 

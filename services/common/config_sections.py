@@ -542,9 +542,32 @@ class RolloutConfig(Strict):
         "session it runs against the worker's OpenAI-compatible endpoint, fn(client, sample) -> "
         "reward (sync or async); null = one completion per sample, scored by the reward server",
     )
+    environment: Optional[str] = Field(
+        default=None,
+        description="an environment class or factory ('path/to/env.py:SumEnv'), gym-like: reset(sample) -> the "
+        "first user message, step(reply) -> (next message, reward, done); each sample a session of it, "
+        "the rewards summed",
+    )
+    agent_url: Optional[str] = Field(
+        default=None,
+        description="an agent service over HTTP: for each sample it is POSTed the endpoint, the session "
+        "and the sample, talks to the endpoint, and answers (or posts to the session) its reward",
+    )
     agent_timeout_s: float = Field(
         default=300.0, gt=0, description="seconds one agent session may take; past it the prompt is dead-lettered"
     )
+    max_turns: int = Field(
+        default=16,
+        ge=1,
+        description="the policy's turns in one session: the endpoint refuses the next (an environment's "
+        "episode ends there, truncated)",
+    )
+    endpoint_host: str = Field(
+        default="127.0.0.1",
+        description="address the worker's OpenAI-compatible endpoint binds (0.0.0.0 for an agent_url "
+        "elsewhere; it is handed rpc.advertise_host or this)",
+    )
+    endpoint_port: int = Field(default=0, ge=0, le=65535, description="its port; 0 picks a free one")
     concurrency: int = Field(default=2, ge=1, description="batches each worker keeps in flight")
     retries: int = Field(
         default=6,
@@ -573,6 +596,19 @@ class RolloutConfig(Strict):
     metrics_port: Optional[int] = Field(
         default=None, ge=0, le=65535, description="port of each worker's Prometheus /metrics; null = off"
     )
+
+    @model_validator(mode="after")
+    def _one_kind_of_agent(self) -> "RolloutConfig":
+        given = [k for k in ("agent", "environment", "agent_url") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"rollout: give one of agent, environment, agent_url (got {', '.join(given)})")
+        return self
+
+    @property
+    def sessions(self) -> bool:
+        """Whether each sample is a session (an agent, an environment or an agent service)
+        rather than one completion scored by the reward server."""
+        return bool(self.agent or self.environment or self.agent_url)
 
 
 # ------------------------------------------ the network: every server's address and the RPC plumbing

@@ -12,7 +12,7 @@ sessions, many at once (a thread each, or one event loop for async agents).
 A session whose agent raises, runs past its timeout, returns what is not a finite number, or made
 no request ends as `AgentFailed` (the worker dead-letters its prompt with that reason, never a
 reward of 0). One that failed because no generation server answered (`openai.APIConnectionError`,
-HTTP 429 or 503) ends as `GenerationDown`: an outage, not its input.
+HTTP 429 or 503) ends as `Outage`: an outage, not its input.
 
 The hops of one session:
     AgentHost.run                 the sessions opened (the endpoint serves only those), run at once
@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from ..common.lifecycle import HTTPServerThread
+from ..common.rpc.client import reachable_host
 from ..common.types import PromptRecord, SampleGroup, SamplingParams, ScoreResult
 from ..common.userfn import load_function
-from .app import SESSION_HEADER, Gateway, Sampler, build_app
+from .app import CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED, SESSION_HEADER, Gateway, Sampler, build_app
 from .sessions import Sessions, as_sample
 
 if TYPE_CHECKING:
-    from ..common.config import Config
+    from ..common.config import Config, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +54,105 @@ class AgentFailed(ValueError):
     is dead-lettered with this message."""
 
 
-class GenerationDown(RuntimeError):
-    """The agent's requests found no generation server: the prompt stays pending."""
+class Outage(RuntimeError):
+    """The session found no generation server (or the agent service did not answer): not its
+    input; the prompt stays pending."""
 
 
-def load_agent(ref: str) -> Callable:
-    """The agent function `ref` names (`rollout.agent`); ValueError saying why not."""
-    return load_function(ref, takes=AGENT_TAKES)
+def load_agent(rc: RolloutConfig) -> Callable:
+    """The agent function of a session, from whichever of `rollout.agent` (your function),
+    `rollout.environment` (your reset/step class, driven by `environment_agent`) or
+    `rollout.agent_url` (your agent service, called by `http_agent`) is set; ValueError saying
+    why not (it does not load, or takes other arguments)."""
+    if rc.agent:
+        return load_function(rc.agent, takes=AGENT_TAKES)
+    if rc.environment:
+        return environment_agent(load_function(rc.environment), rc.max_turns)
+    if rc.agent_url:
+        return http_agent(rc.agent_url, rc.agent_timeout_s)
+    raise ValueError("rollout: none of agent, environment, agent_url is set")
+
+
+def environment_agent(make_env: Callable, max_turns: int) -> Callable:
+    """An agent that plays an environment written gym-like:
+
+        env = make_env()                       # your class (or a factory), once per session
+        first = env.reset(sample)              # the first user message: a str, or a list of messages
+        message, reward, done = env.step(reply)  # after each reply of the policy (its text)
+
+    `message` (a str: the user's; or a dict such as {"role": "tool", "content": ...}) goes into the
+    conversation; the session's reward is the sum of the steps' rewards. After `max_turns` replies
+    without `done`, or when the session's tokens (response_length) are spent, the episode ends
+    there (truncated) with the rewards so far. An environment's `max_tokens` attribute, if it has
+    one, bounds each reply."""
+    import openai
+
+    def run(client, sample) -> float:
+        env = make_env()
+        first = env.reset(sample)
+        messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
+        limit = {"max_tokens": env.max_tokens} if getattr(env, "max_tokens", None) else {}
+        total = 0.0
+        for _ in range(max_turns):
+            try:
+                answer = client.chat.completions.create(model="policy", messages=messages, **limit)
+            except openai.BadRequestError as e:
+                if e.code in (CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED):  # the session's budget is spent
+                    break
+                raise
+            reply = answer.choices[0].message.content or ""
+            message, reward, done = env.step(reply)
+            total += float(reward)
+            if done:
+                break
+            said = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
+            messages += [{"role": "assistant", "content": reply}, said]
+        return total
+
+    return run
+
+
+def http_agent(url: str, timeout_s: float) -> Callable:
+    """An agent that is a service of yours over HTTP. For each session it is POSTed JSON
+    `{"base_url", "api_key", "session_id", "headers", "reward_url", "sample": {"id", "prompt",
+    "label", "metadata"}}`; it talks to `base_url` (OpenAI's API; every request with `headers`, the
+    session's id) and answers 2xx when done, with `{"reward": r}` or after POSTing
+    `{"reward": r}` to `reward_url`. A non-2xx answer fails the session (dead letter); no answer
+    (connection refused, timeout) is an outage (the prompt stays pending)."""
+    import httpx
+
+    def run(client, sample) -> float:
+        sid = client.default_headers[SESSION_HEADER]
+        base = str(client.base_url).rstrip("/")
+        task = {
+            "base_url": base,
+            "api_key": client.api_key,
+            "session_id": sid,
+            "headers": {SESSION_HEADER: sid},
+            "reward_url": f"{base}/sessions/{sid}/reward",
+            "sample": {"id": sample.id, "prompt": sample.prompt, "label": sample.label, "metadata": sample.metadata},
+        }
+        try:
+            answer = httpx.post(url, json=task, timeout=timeout_s)
+        except httpx.TransportError as e:
+            raise Outage(f"the agent service at {url} did not answer: {type(e).__name__}: {e}") from None
+        if not answer.is_success:
+            raise AgentFailed(f"the agent service at {url} answered {answer.status_code}: {answer.text[:500]}")
+        body = answer.json() if answer.content else {}
+        if isinstance(body, dict) and "reward" in body:
+            return body["reward"]
+        auth = {"Authorization": f"Bearer {client.api_key}"}
+        posted = httpx.get(f"{base}/sessions/{sid}", headers=auth, timeout=30).json().get("reward")
+        if posted is None:
+            raise AgentFailed(f"the agent service at {url} gave session {sid} no reward (none answered, none posted)")
+        return posted
+
+    return run
 
 
 @dataclass
 class Episode:
-    """One session's end: its reward, or why it failed (`error`: AgentFailed or GenerationDown),
+    """One session's end: its reward, or why it failed (`error`: AgentFailed or Outage),
     and the trajectory the endpoint recorded (None when it made no request)."""
 
     session_id: str
@@ -92,7 +180,12 @@ class AgentHost:
         token: str | None,
         generate_timeout_s: float,
         timeout_s: float,
+        max_turns: int | None = None,
+        bind: tuple[str, int] = ("127.0.0.1", 0),
+        advertise: str | None = None,
     ):
+        """`bind`: the endpoint's host and port (0: a free one); `advertise`: the host its URL names
+        (default the bound one; an agent service elsewhere reaches it there)."""
         self.agent, self.token, self.timeout_s = agent, token or "unused", timeout_s
         self.is_async = inspect.iscoroutinefunction(agent)
         self.sessions = Sessions(create_unknown=False)
@@ -104,9 +197,11 @@ class AgentHost:
             max_tokens,
             max_n=1,
             pinned=params,
+            max_turns=max_turns,
         )
-        self.http = HTTPServerThread(build_app(gateway, token), "127.0.0.1", 0, name="agent-endpoint")
-        self.base_url = f"http://127.0.0.1:{self.http.start()}/v1"
+        self.http = HTTPServerThread(build_app(gateway, token), bind[0], bind[1], name="agent-endpoint")
+        port = self.http.start()
+        self.base_url = f"http://{advertise or reachable_host(bind[0])}:{port}/v1"
 
     def close(self) -> None:
         self.http.stop()
@@ -150,13 +245,13 @@ class AgentHost:
         return self.groups([(record, uid, n)])[0]
 
     def groups(self, items: list[tuple[PromptRecord, str, int]]) -> list[SampleGroup]:
-        """The groups of several prompts, every session of them at once. Raises GenerationDown
+        """The groups of several prompts, every session of them at once. Raises Outage
         when any session found no generation server, else the first AgentFailed."""
         work = [(record, f"{uid}/{j}/{uuid.uuid4().hex[:8]}") for record, uid, n in items for j in range(n)]
         episodes = iter(self.run(work))
         chunks = [[next(episodes) for _ in range(n)] for _, _, n in items]
         failures = [e.error for chunk in chunks for e in chunk if e.error is not None]
-        down = [f for f in failures if isinstance(f, GenerationDown)]
+        down = [f for f in failures if isinstance(f, Outage)]
         if failures:
             raise (down or failures)[0]
         out = []
@@ -182,7 +277,7 @@ class AgentHost:
                     out.append(self._checked(sid, f.result(timeout=max(0.0, deadline - time.monotonic()))))
                 except FutureTimeout:
                     out.append(self._late(record, sid))
-                except (AgentFailed, GenerationDown) as e:
+                except (AgentFailed, Outage) as e:
                     out.append(e)
             return out
         finally:
@@ -212,7 +307,7 @@ class AgentHost:
                 return self._checked(sid, await asyncio.wait_for(self.agent(client, record), self.timeout_s))
             except asyncio.TimeoutError:
                 return self._late(record, sid)
-            except (AgentFailed, GenerationDown) as e:
+            except (AgentFailed, Outage) as e:
                 return e
             except Exception as e:
                 return self._failure(sid, e)
@@ -233,7 +328,9 @@ class AgentHost:
         if isinstance(e, openai.APIConnectionError) or (
             isinstance(e, openai.APIStatusError) and e.status_code in (429, 503)
         ):
-            return GenerationDown(f"agent session {sid}: the endpoint could not sample ({e})")
+            return Outage(f"agent session {sid}: the endpoint could not sample ({e})")
+        if isinstance(e, (AgentFailed, Outage)):  # an adapter's own verdict (http_agent)
+            return e
         return AgentFailed(f"agent session {sid} raised {type(e).__name__}: {e}")
 
     @staticmethod
@@ -243,14 +340,15 @@ class AgentHost:
         return float(reward)
 
 
-def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams) -> AgentHost:
+def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams, port: int | None = None) -> AgentHost:
     """`rollout.agent` on an endpoint over `servers`, every turn sampled with `params` (a worker's:
     the training distribution; an eval's: eval_temperature); a turn's deadline like a worker's
-    Generate of one prompt (`rollout.generate_timeout_s` + the budget per token)."""
+    Generate of one prompt (`rollout.generate_timeout_s` + the budget per token). The endpoint
+    binds `rollout.endpoint_host` and `port` (default `rollout.endpoint_port`; an eval's: 0)."""
     rc = cfg.rollout
     base = rc.generate_timeout_s if rc.generate_timeout_s is not None else cfg.rpc.timeout_s
     return AgentHost(
-        load_agent(rc.agent or ""),
+        load_agent(rc),
         tokenizer,
         servers,
         params,
@@ -259,6 +357,9 @@ def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams) -> Agent
         token=cfg.rpc.resolved_auth_token(),
         generate_timeout_s=base + rc.generate_timeout_per_token_s * cfg.response_length,
         timeout_s=rc.agent_timeout_s,
+        max_turns=rc.max_turns,
+        bind=(rc.endpoint_host, rc.endpoint_port if port is None else port),
+        advertise=cfg.rpc.advertise_host,
     )
 
 
@@ -292,13 +393,13 @@ def evaluate_agent(
     "sample"}) with the conversation (`transcript`) and the number of the policy's `turns`. A
     session whose agent failed is a row with reward 0 and its `error` (counted by `summarize` as
     `components["failed"]`): an eval scores what the policy does, failures included. A session
-    that found no generation server raises GenerationDown: an outage measures no policy."""
+    that found no generation server raises Outage: an outage measures no policy."""
     rows: list[dict] = []
     for start in range(0, len(records), batch):
         chunk = records[start : start + batch]
         work = [(r, f"eval/{r.id}/{j}/{uuid.uuid4().hex[:8]}") for r in chunk for j in range(n)]
         episodes = host.run(work)
-        down = [e.error for e in episodes if isinstance(e.error, GenerationDown)]
+        down = [e.error for e in episodes if isinstance(e.error, Outage)]
         if down:
             raise down[0]
         for i, ((r, _), e) in enumerate(zip(work, episodes)):

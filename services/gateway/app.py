@@ -59,12 +59,23 @@ class CompletionRequest(_Request):
     prompt: Union[str, list[int]]
 
 
-class GatewayError(Exception):
-    """An OpenAI-style error answer: HTTP `status`, `kind` (its "type") and a message."""
+class RewardPost(BaseModel):
+    reward: float = Field(allow_inf_nan=False)
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+
+# the `code` of a turn refused because its session's budget is spent: the conversation has no room
+# left in response_length (OpenAI's own code for a context too long), or it had max_turns turns
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_TURNS_EXCEEDED = "max_turns_exceeded"
+
+
+class GatewayError(Exception):
+    """An OpenAI-style error answer: HTTP `status`, `kind` (its "type"), a message, and a `code`
+    (default the status) a client may act on."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.code = status, kind, code
 
 
 class Sampler:
@@ -122,12 +133,16 @@ class Gateway:
         max_tokens: int,
         max_n: int,
         pinned: SamplingParams | None = None,
+        max_turns: int | None = None,
     ):
         """`pinned`: the temperature, top-p and top-k every request samples with, whatever it
-        asks (a rollout worker's endpoint: the learner's log-probs are of that distribution)."""
+        asks (a rollout worker's endpoint: the learner's log-probs are of that distribution).
+        `max_tokens`: a session's budget of tokens after its first prompt (response_length);
+        `max_turns`: of sampled turns in one session (None: no limit)."""
         self.tok, self.sampler, self.sessions = tokenizer, sampler, sessions
         self.chat = ChatTokens(tokenizer)
         self.model_name, self.max_tokens, self.max_n, self.pinned = model_name, max_tokens, max_n, pinned
+        self.max_turns = max_turns
 
     def _params(self, req: _Request, stops: list[str]) -> SamplingParams:
         if req.stream:
@@ -224,6 +239,12 @@ class Gateway:
         with session.lock:
             plan = plan_of(session)
             prompt = plan.ids
+            if self.max_turns is not None and plan.turn > self.max_turns:
+                raise GatewayError(
+                    400,
+                    f"session {session.id}: turn {plan.turn}, more than this endpoint's max_turns={self.max_turns}",
+                    code=MAX_TURNS_EXCEEDED,
+                )
             room = self.max_tokens - (len(prompt) - plan.first)  # the session's budget: response_length
             if room < 1:
                 raise GatewayError(
@@ -231,6 +252,7 @@ class Gateway:
                     f"session {session.id}: its conversation after the first prompt is {len(prompt) - plan.first} "
                     f"tokens, no room for another reply in response_length={self.max_tokens} (what the learner "
                     "trains on); end the session",
+                    code=CONTEXT_LENGTH_EXCEEDED,
                 )
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
             result = self.sampler.generate(session, prompt, params, plan.first)
@@ -254,13 +276,25 @@ def _usage(prompt: list[int], choices: list[Choice]) -> dict:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
 
-def build_app(gateway: Gateway, token: str | None, version=lambda: None):
+def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurrency: int = 256):
     """The FastAPI app over `gateway`; every route but /health asks for the bearer `token` (when
-    set). `version()`: the policy version the servers serve now (for /v1/models)."""
+    set). `version()`: the policy version the servers serve now (for /v1/models). `concurrency`:
+    requests answered at once (each holds a thread while its turn is sampled: as many as the
+    generation servers batch, not the 40 threads FastAPI runs sync routes on by default)."""
+    from contextlib import asynccontextmanager
+
+    import anyio.to_thread
     from fastapi import FastAPI, Header, Request
     from fastapi.responses import JSONResponse
 
-    app = FastAPI(title="rlhf gateway", description="OpenAI-compatible endpoint with token-exact sessions")
+    @asynccontextmanager
+    async def lifespan(app):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = concurrency
+        yield
+
+    app = FastAPI(
+        title="rlhf gateway", description="OpenAI-compatible endpoint with token-exact sessions", lifespan=lifespan
+    )
 
     def check(authorization: str | None) -> None:
         if token is not None and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
@@ -270,7 +304,8 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None):
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, e: GatewayError):
-        return JSONResponse({"error": {"message": str(e), "type": e.kind, "code": e.status}}, status_code=e.status)
+        error = {"message": str(e), "type": e.kind, "code": e.code or e.status}
+        return JSONResponse({"error": error}, status_code=e.status)
 
     def answer(body: dict, session: Session, version: int) -> JSONResponse:
         return JSONResponse(body, headers={SESSION_HEADER: session.id, VERSION_HEADER: str(version)})
@@ -309,7 +344,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None):
             ],
         }
 
-    @app.get("/v1/sessions/{session_id}")
+    @app.get("/v1/sessions/{session_id:path}")
     def session_record(session_id: str, authorization: str | None = Header(None)):
         check(authorization)
         session = gateway.sessions.find(session_id)
@@ -317,7 +352,17 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None):
             raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
         return session.record()
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.post("/v1/sessions/{session_id:path}/reward")
+    def post_reward(session_id: str, body: RewardPost, authorization: str | None = Header(None)):
+        """An agent's reward for its session (an agent service's way to report it)."""
+        check(authorization)
+        session = gateway.sessions.find(session_id)
+        if session is None:
+            raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
+        session.set_reward(body.reward)
+        return {"id": session_id, "reward": body.reward}
+
+    @app.delete("/v1/sessions/{session_id:path}")
     def end_session(session_id: str, authorization: str | None = Header(None)):
         check(authorization)
         session = gateway.sessions.end(session_id)

@@ -162,6 +162,7 @@ class Session:
     server: str | None = None  # the generation server its requests go to while it lives
     used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request of a session at a time
+    reward: float | None = None  # what its agent posted (POST /v1/sessions/{id}/reward)
 
     def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
         """The prompt of a request with `messages`, and what it does to the session once its turn
@@ -203,6 +204,10 @@ class Session:
             seg.messages = list(plan.messages)
         seg.pending = choices
 
+    def set_reward(self, reward: float) -> None:
+        with self.lock:
+            self.reward = reward
+
     def record(self) -> dict[str, Any]:
         with self.lock:
             return self._record()
@@ -211,6 +216,7 @@ class Session:
         return {
             "id": self.id,
             "server": self.server,
+            "reward": self.reward,
             "trajectories": [t for seg in self.segments for t in seg.trajectories()],
         }
 
@@ -232,6 +238,11 @@ class Plan:
     @property
     def went_on(self) -> bool:
         return self.segment is not None
+
+    @property
+    def turn(self) -> int:
+        """Which sampled turn of its segment this request's is (1: the first)."""
+        return len(self.segment.versions) + 2 if self.segment is not None else 1
 
 
 class Sessions:

@@ -346,7 +346,9 @@ def serve(cfg: Config, backend=None) -> GrpcService:
     def build():
         b = backend if backend is not None else make_backend(cfg)
         ep = cfg.rpc.generation
-        server = RPCServer("generation", cfg.rpc, ep.port, ep.metrics_port, host=ep.host)
+        # a handler thread per call in flight: as many as a batch takes (agents' sessions send one prompt a call)
+        handlers = max(16, cfg.generation.max_batch_size + 8)
+        server = RPCServer("generation", cfg.rpc, ep.port, ep.metrics_port, host=ep.host, max_workers=handlers)
         store = None
         if cfg.replay.url:  # weights only from the learner the registry names (LearnerFence)
             from ..common.replay import ReplayStore

@@ -44,7 +44,7 @@ from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
 from ..common.types import Progress, Rollout, SamplingParams, no_progress
 from ..critic.client import CriticClient, OverlappedCritic
-from ..gateway.agents import GenerationDown, agent_host, evaluate_agent
+from ..gateway.agents import Outage, agent_host, evaluate_agent
 from ..generation.client import ServerPool
 from ..reward.client import HeldOut, RewardClient
 from ..training.data import config_prompts
@@ -496,7 +496,7 @@ class LearnerLoop:
                 raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
             target = self.servers.client(address)
             try:
-                if self.cfg.rollout.agent:  # the agent's sessions, every turn on this server
+                if self.cfg.rollout.sessions:  # the agent's sessions, every turn on this server
                     out = self._agent_eval(address)
                     break
                 out = evaluate(
@@ -508,7 +508,7 @@ class LearnerLoop:
                     proxy=self.reward if self.cfg.reward.eval_rules is not None else None,
                 )
                 break
-            except GenerationDown as e:
+            except Outage as e:
                 log.warning("agent eval on %s failed (%s); skipping it", address, e)
                 self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
                 self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
@@ -524,11 +524,12 @@ class LearnerLoop:
         return out
 
     def _agent_eval(self, address: str) -> dict:
-        """One session of `rollout.agent` per held-out prompt through an endpoint of the learner's
+        """One session of the agent (`rollout.agent`, `environment` or `agent_url`) per held-out
+        prompt through an endpoint of the learner's
         own, every turn sampled at eval_temperature by the server at `address`; the agent's reward.
-        A server that fails mid-eval (GenerationDown) is avoided like a failed call: the eval is done again."""
+        A server that fails mid-eval (Outage) is avoided like a failed call: the eval is done again."""
         one = ServerPool(lambda: {address: {"version": self.learner.version}}, self.cfg.rpc, refresh_s=3600.0)
-        host = agent_host(self.cfg, self.tokenizer, one, self.eval_params)
+        host = agent_host(self.cfg, self.tokenizer, one, self.eval_params, port=0)
         try:
             rows = evaluate_agent(host, self.held_out, self.tokenizer, batch=self.cfg.generation.max_batch_size)
         finally:

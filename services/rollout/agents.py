@@ -5,7 +5,7 @@ distribution), and its token-exact trajectory (the environment's tokens masked o
 is the sample, with the agent's reward. Every session of a claimed batch runs at once.
 
 An agent that failed (`AgentFailed`, a ValueError) makes the worker dead-letter its prompt like any
-prompt that cannot be processed; one that found no generation server (`GenerationDown`) leaves the
+prompt that cannot be processed; one that found no generation server (`Outage`) leaves the
 batch pending.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..common.modeling import build_token_batch
 from ..common.replay.records import task_record
 from ..common.rpc.retry import DependencyUnavailable
-from ..gateway.agents import AgentFailed, AgentHost, GenerationDown
+from ..gateway.agents import AgentFailed, AgentHost, Outage
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -42,7 +42,7 @@ class AgentSampling:
         size = self.cfg.num_return_sequences_in_group
         try:
             groups = self.host.groups([(task_record(t), t.uid, t.group_size or size) for t in tasks])
-        except GenerationDown as e:
+        except Outage as e:
             self.on_down()
             log.warning("%d prompts left pending: %s", len(tasks), e)
             self.stop_event.wait(self.cfg.rollout.retry_backoff_s)  # not straight on to the next claim

@@ -242,7 +242,7 @@ class RolloutWorker:
         # which generation server to call: round robin, at the version if one is, avoiding failures
         self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         self.agents: AgentSampling | None = None
-        if cfg.rollout.agent:  # each sample a session of the user's agent, on an endpoint of its own
+        if cfg.rollout.sessions:  # each sample a session of the user's agent, on an endpoint of its own
             self.agents = AgentSampling(
                 cfg,
                 agent_host(cfg, self.tokenizer, self.servers, SamplingParams.for_training(cfg, 1)),

@@ -35,6 +35,7 @@ LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
 LOADS_A_MODEL = {"reward", "critic", "generation", "learner"}
 RLHF_SERVICES = LONG_RUNNING | {"init"}
 MONITORING = {"prometheus", "grafana"}
+AGENTS = {"gateway"}  # --profile agents
 
 
 def _compose(args: list[str], env: dict, env_file: Path | None = None) -> subprocess.CompletedProcess:
@@ -180,7 +181,7 @@ def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
 @pytest.mark.parametrize("variant", ["gpu", "cpu"])
 def test_every_long_running_service_has_a_healthcheck_and_a_restart_policy(variant, gpu, cpu):
     services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
-    assert set(services) == LONG_RUNNING | {"init"} | MONITORING
+    assert set(services) == LONG_RUNNING | {"init"} | MONITORING | AGENTS
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck", {}).get("test")
         assert check and check[0] == "CMD", (name, check)
@@ -214,6 +215,24 @@ def test_monitoring_is_a_profile_wired_to_deploy(gpu):
     assert "--config.file=/prometheus/config/prometheus.yml" in prom["command"][0]
     graf = gpu["services"]["grafana"]["volumes"]
     assert any(v.endswith("deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro") for v in graf)
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_the_gateway_is_a_profile_on_the_loopback_that_finds_the_servers_in_redis(variant, gpu, cpu):
+    """`--profile agents` adds `rlhf serve gateway`: the run's image, config and token, healthy on
+    /health, published on the host's loopback, after Redis and a generation server are healthy."""
+    services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
+    g = services["gateway"]
+    assert g["profiles"] == ["agents"] and g["image"] == services["rollout"]["image"]
+    assert g["command"][:5] == ["serve", "gateway", "--host", "0.0.0.0", "--port"] and g["command"][5] == "8090"
+    assert "127.0.0.1:8090/health" in g["healthcheck"]["test"][-1]
+    port = g["ports"][0]
+    assert port in ("127.0.0.1:8090:8090/tcp",) or (port["host_ip"], port["target"]) == ("127.0.0.1", 8090)
+    assert {k: v["condition"] for k, v in g["depends_on"].items()} == {
+        "redis": "service_healthy",
+        "generation": "service_healthy",
+    }
+    assert g["environment"]["RLHF_SET"] == services["rollout"]["environment"]["RLHF_SET"]  # replay.url, model
 
 
 def test_state_lives_on_named_volumes(gpu):

@@ -25,10 +25,18 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 TOOLS_BIN = K8S / ".tools" / "bin"
 OVERLAYS = ("gpu", "cpu-tiny")
-COMPONENTS = ("keda", "hpa", "servicemonitor")
+COMPONENTS = ("keda", "hpa", "servicemonitor", "gateway")
 # every overlay alone, with each component, and with each autoscaler plus monitoring (keda and hpa
 # both drive the rollout Deployment's replicas: they are never combined)
-COMPONENT_SETS = ((), ("keda",), ("hpa",), ("servicemonitor",), ("keda", "servicemonitor"), ("hpa", "servicemonitor"))
+COMPONENT_SETS = (
+    (),
+    ("keda",),
+    ("hpa",),
+    ("servicemonitor",),
+    ("keda", "servicemonitor"),
+    ("hpa", "servicemonitor"),
+    ("gateway",),
+)
 VARIANTS = tuple("+".join((o,) + c) for o in OVERLAYS for c in COMPONENT_SETS) + ("my-code",)  # your code, on cpu-tiny
 CRD_KINDS = {"ScaledObject", "TriggerAuthentication", "ServiceMonitor"}
 # what the tests put into base/secrets.env of their copy of the tree

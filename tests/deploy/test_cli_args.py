@@ -160,3 +160,26 @@ def test_the_tiny_model_init_step_builds_once_and_atomically(docs, tmp_path):
     assert p.returncode == 0, p.stderr
     assert (model / "config.json").read_text().strip() == "winner"
     assert sorted(x.name for x in runs.iterdir()) == ["tiny-model"]
+
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS)
+def test_the_gateway_component_binds_what_is_probed_and_finds_the_servers(overlay, docs, tmp_path):
+    """components/gateway: `rlhf serve gateway` parses and validates under the overlay's
+    environment, binds the port its probes and Service use, reaches the generation servers
+    through the replay registry (a Redis Service) and shares the run's model and token."""
+    objs = docs[f"{overlay}+gateway"]
+    (w,) = [w for w in m.workloads(objs) if m.component(w) == "gateway"]
+    (r,) = m.resolve(w, m.containers(w)[0], objs, tmp_path)
+    assert r.args.service == "gateway" and r.args.host == "0.0.0.0"
+    assert r.validated["model"]["path"] == r.env["RLHF_MODEL"]
+    port = r.cfg.rpc.gateway.port
+    assert {p["name"]: p["containerPort"] for p in r.container["ports"]} == {"http": port}
+    assert all(r.container[p]["httpGet"] == {"path": "/health", "port": port} for p in ("startupProbe", "livenessProbe"))
+    assert {p["name"]: p["port"] for p in m.one(objs, "Service", "gateway")["spec"]["ports"]} == {"http": port}
+    url = urlparse(r.cfg.replay.url)
+    assert m.component(m.one(objs, "Service", url.hostname)) == "redis"
+    secret = m.data_of(m.generated(objs, "Secret", "rlhf-secrets"))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in r.env.items():
+            mp.setenv(k, v)
+        assert r.cfg.rpc.resolved_auth_token() == secret["RLHF_AUTH_TOKEN"]

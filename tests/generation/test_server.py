@@ -115,6 +115,17 @@ def test_generate_tokens_text_and_chat(client, server):
     assert info.dtype == "float32" and info.device == "cpu"
 
 
+def test_a_later_turn_may_be_longer_than_prompt_length(client):
+    """A conversation's later turn: its first prompt within prompt_length (32), the turns after it
+    within response_length (8), so the whole input may be longer than prompt_length."""
+    ids = [1] + [4, 5, 6] * 12  # 37 tokens
+    r = client.generate([ids], SamplingParams(max_new_tokens=1, temperature=0.0), first_prompt_tokens=[30])
+    assert len(r.completions[0][0].token_ids) == 1
+    with pytest.raises(grpc.RpcError) as e:  # the same tokens as one prompt are too long
+        client.generate([ids], SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert "37 tokens, more than prompt_length=32" in e.value.details()
+
+
 def client_tokens(text, server):
     return server[1].tok(text)["input_ids"]
 
@@ -148,6 +159,22 @@ def test_auth_refused_without_token(server, cfg):
             "prompts[1].tokens",
         ),
         (gpb.GenerateRequest(prompts=[gpb.Prompt(text="a" * 40)]), "more than prompt_length=32", "prompts[0]"),
+        # a later turn of a conversation: its first prompt within prompt_length, the rest within response_length
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1] * 38), first_prompt_tokens=33)]),
+            "a conversation whose first prompt is 33 tokens, more than prompt_length=32",
+            "prompts[0]",
+        ),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1] * 38), first_prompt_tokens=30)]),
+            "8 tokens of conversation after its first prompt leave no room for a reply in response_length=8",
+            "prompts[0]",
+        ),
+        (
+            gpb.GenerateRequest(prompts=[gpb.Prompt(tokens=gpb.TokenIds(ids=[1] * 5), first_prompt_tokens=6)]),
+            "first_prompt_tokens: 6, more than the prompt's 5 tokens",
+            "prompts[0].first_prompt_tokens",
+        ),
         (
             gpb.GenerateRequest(prompts=[gpb.Prompt(text="ab=")], params=gpb.SamplingParams(n=9)),
             "params.n: 9 outside [1, 8]",

@@ -4,6 +4,7 @@ over gRPC, a real Redis); the replay buffer gets each session's token-exact traj
 loss mask and the agent's reward. An agent that raises, hangs past its timeout or returns a
 non-finite reward ends as a dead letter saying so, never a reward of 0."""
 
+import json
 import math
 
 import pytest
@@ -41,6 +42,25 @@ def raises(client, sample):
 def hangs(client, sample):
     time.sleep(30)
     return 1.0
+
+class Steps:
+    """An environment: the prompt, then "again=" after each reply; a quarter for each reply, done
+    after the third (or never, with `Steps.endless`)."""
+
+    endless = False
+    max_tokens = 4
+
+    def reset(self, sample):
+        self.turns = 0
+        return sample.prompt
+
+    def step(self, reply):
+        self.turns += 1
+        return "again=", 0.25, self.turns == 3 and not self.endless
+
+
+class Endless(Steps):
+    endless = True
 
 def nan(client, sample):
     client.chat.completions.create(model="p", messages=[{"role": "user", "content": "a="}], max_tokens=2)
@@ -152,3 +172,134 @@ def test_a_conversation_longer_than_the_learner_takes_is_a_dead_letter(make_cfg,
     finally:
         worker.stop()
         worker.close()
+
+
+def _mask_runs(mask):
+    return [m for i, m in enumerate(mask) if i == 0 or m != mask[i - 1]]
+
+
+def _groups_of(make_cfg, rollout, n_prompts=1):
+    """Groups the worker produces for `n_prompts` prompts with `rollout` (and the dead letters)."""
+    cfg = make_cfg(prompt_length=128, response_length=64, rollout={"retries": 2, "retry_backoff_s": 0.05, **rollout})
+    worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
+    store = ReplayStore.from_config(cfg)
+    try:
+        with _generation(cfg):
+            _feed(store, reverse_task("train", n_prompts))
+            sum(worker.process(b) for b in _claim_all(store, "w1", n_prompts))
+            return [group_from_proto(m) for _, m in _trajectories(store)], store.read_dead()
+    finally:
+        worker.stop()
+        worker.close()
+
+
+def test_an_environment_is_played_turn_by_turn(make_cfg, agents_file):
+    """rollout.environment: reset's message, then the policy's reply and step's message by turns;
+    the steps' rewards summed; the environment's messages masked out."""
+    groups, dead = _groups_of(make_cfg, {"environment": f"{agents_file}:Steps"})
+    assert dead == [] and len(groups) == 1
+    for c, score in zip(groups[0].completions, groups[0].scores):
+        assert _mask_runs(c.loss_mask) == [1, 0, 1, 0, 1]  # three replies, two "again=" between
+        assert score.reward == 0.75
+
+
+def test_a_session_has_at_most_max_turns(make_cfg, agents_file):
+    """An endless environment is cut at rollout.max_turns (its rewards so far); an agent that asks
+    for more turns is refused by the endpoint and dead-lettered."""
+    groups, dead = _groups_of(make_cfg, {"environment": f"{agents_file}:Endless", "max_turns": 2})
+    assert dead == [] and len(groups) == 1
+    assert all(_mask_runs(c.loss_mask) == [1, 0, 1] for c in groups[0].completions)
+    assert all(s.reward == 0.5 for s in groups[0].scores)
+    groups, dead = _groups_of(make_cfg, {"agent": f"{agents_file}:two_turns", "max_turns": 1})
+    assert groups == [] and len(dead) == 1
+    assert "turn 2, more than this endpoint's max_turns=1" in dead[0][2], dead[0][2]
+
+
+AGENT_SERVICE = {}  # how the test's agent service answers: {"reward": "answer" | "post" | "none" | "fail"}
+
+
+def _agent_service():
+    """An agent service of the user's, over real HTTP: it is POSTed a session, talks two turns to
+    the endpoint it is handed with the official client, and reports its reward as the test says."""
+    import httpx
+    import openai
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from services.common.lifecycle import HTTPServerThread
+
+    app = FastAPI()
+
+    @app.post("/run")
+    def run(task: dict):
+        client = openai.OpenAI(base_url=task["base_url"], api_key=task["api_key"], default_headers=task["headers"])
+        messages = [{"role": "user", "content": task["sample"]["prompt"]}]
+        first = client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "b="},
+        ]
+        client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+        how = AGENT_SERVICE["reward"]
+        if how == "fail":
+            return JSONResponse({"error": "the sandbox broke"}, status_code=500)
+        if how == "post":
+            auth = {"Authorization": f"Bearer {task['api_key']}"}
+            httpx.post(task["reward_url"], json={"reward": 0.25}, headers=auth).raise_for_status()
+            return {}
+        return {"reward": 0.75} if how == "answer" else {}
+
+    http = HTTPServerThread(app, "127.0.0.1", 0, name="agent-service")
+    return http, f"http://127.0.0.1:{http.start()}/run"
+
+
+@pytest.mark.parametrize(
+    "how, reward, why",
+    [
+        ("answer", 0.75, None),
+        ("post", 0.25, None),
+        ("none", None, "gave session"),
+        ("fail", None, "answered 500"),
+    ],
+)
+def test_an_agent_service_over_http_runs_each_session(make_cfg, how, reward, why):
+    """rollout.agent_url: the worker POSTs each session to the user's service, which talks to the
+    worker's endpoint and answers its reward or posts it to the session; a service that answers
+    an error or gives no reward ends the prompt as a dead letter saying so."""
+    AGENT_SERVICE["reward"] = how
+    http, url = _agent_service()
+    try:
+        groups, dead = _groups_of(make_cfg, {"agent_url": url})
+    finally:
+        http.stop()
+    if why is None:
+        assert dead == [] and len(groups) == 1
+        for c, s in zip(groups[0].completions, groups[0].scores):
+            assert _mask_runs(c.loss_mask) == [1, 0, 1] and s.reward == reward
+    else:
+        assert groups == [] and len(dead) == 1 and why in dead[0][2], dead[0][2]
+
+
+def test_rlhf_eval_runs_the_agent_and_shows_the_conversation(make_cfg, agents_file, tmp_path, untrained_model_dir):
+    """`rlhf eval` with rollout.agent: one session per held-out prompt against the model served
+    over gRPC, the agent's reward as the score, each row's conversation as policy and environment
+    runs; the baseline side by side."""
+    from services.cli.eval_model import run_eval
+
+    cfg = make_cfg(
+        prompt_length=128,
+        response_length=64,
+        rollout={"agent": f"{agents_file}:two_turns"},
+        data={"eval": "synthetic:reverse", "eval_size": 3},
+        generation={"eval_temperature": 0.0},
+    )
+    said = []
+    summary = run_eval(cfg, untrained_model_dir, untrained_model_dir, tmp_path, say=said.append)
+    assert summary["reward"].startswith("the agent's") and summary["model"]["prompts"] == 3
+    assert summary["model"]["failed"] == 0.0 and summary["compared"]["same"] == 3  # greedy: the same model agrees
+    rows = [json.loads(line) for line in (tmp_path / "model.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert [x["by"] for x in r["transcript"]] == ["policy", "environment", "policy"] and r["turns"] == 2
+        assert "again=" in r["transcript"][1]["text"] and r["response"] == "".join(x["text"] for x in r["transcript"])
+        assert r["reward"] == r["components"]["agent"]
+    assert any("model" in line and "baseline" in line for line in said)
