@@ -207,12 +207,13 @@ class AgentHost:
         self.http.stop()
 
     # ------------------------------------------------------------------ sessions
-    def run(self, work: list[tuple[PromptRecord, str]]) -> list[Episode]:
+    def run(self, work: list[tuple[PromptRecord, str]], min_version: int = 0) -> list[Episode]:
         """One session per (record, session id), all at once, each ended (failed or not: a late
-        request of its agent is refused, nothing more is kept); their episodes in order."""
+        request of its agent is refused, nothing more is kept); their episodes in order. Their
+        turns go to a generation server at `min_version` or newer if there is one."""
         ids = [sid for _, sid in work]
         for sid in ids:  # the endpoint serves only sessions opened here
-            self.sessions.open(sid)
+            self.sessions.open(sid, min_version)
         try:
             outcomes = asyncio.run(self._run_async(work)) if self.is_async else self._run_threads(work)
             sessions = [self.sessions.find(sid) for sid in ids]
@@ -244,11 +245,11 @@ class AgentHost:
         version that sampled any of its turns); the first failure raised (an outage first)."""
         return self.groups([(record, uid, n)])[0]
 
-    def groups(self, items: list[tuple[PromptRecord, str, int]]) -> list[SampleGroup]:
-        """The groups of several prompts, every session of them at once. Raises Outage
-        when any session found no generation server, else the first AgentFailed."""
+    def groups(self, items: list[tuple[PromptRecord, str, int]], min_version: int = 0) -> list[SampleGroup]:
+        """The groups of several prompts (record, uid, group size), every session of them at once.
+        Raises Outage when any session found no generation server, else the first AgentFailed."""
         work = [(record, f"{uid}/{j}/{uuid.uuid4().hex[:8]}") for record, uid, n in items for j in range(n)]
-        episodes = iter(self.run(work))
+        episodes = iter(self.run(work, min_version))
         chunks = [[next(episodes) for _ in range(n)] for _, _, n in items]
         failures = [e.error for chunk in chunks for e in chunk if e.error is not None]
         down = [f for f in failures if isinstance(f, Outage)]

@@ -91,7 +91,9 @@ class Sampler:
         tried: set[str] = set()
         key = uuid.uuid4().hex  # one request: a retry on the same server joins its work
         while True:
-            address = session.server if session.server not in (None, *tried) else self.servers.pick()
+            address = (  # a new server at the session's policy version if one is
+                session.server if session.server not in (None, *tried) else self.servers.pick(session.min_version)
+            )
             if address is None or address in tried:
                 raise GatewayError(503, "no generation server is available", "service_unavailable")
             try:
@@ -171,14 +173,23 @@ class Gateway:
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 text, reason = text[:cut], "stop"
-                k = next(k for k in range(1, len(ids) + 1) if self._has_stop(ids[:k], stops))
+                k = self._first_with_stop(ids, stops)
                 ids, log_probs = ids[:k], log_probs[:k]
             out.append(Choice(ids, log_probs, text, reason, version))
         return out
 
-    def _has_stop(self, ids: list[int], stops: list[str]) -> bool:
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        return any(s in text for s in stops)
+    def _first_with_stop(self, ids: list[int], stops: list[str]) -> int:
+        """The fewest leading tokens of `ids` whose text holds a stop string (a longer prefix holds
+        it too: found by halving, log2(len) decodes)."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            text = self.tok.decode(ids[:mid], skip_special_tokens=True)
+            if any(s in text for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _logprobs(self, choice: Choice) -> list[dict]:
         out = []

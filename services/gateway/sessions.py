@@ -163,6 +163,7 @@ class Session:
     used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request of a session at a time
     reward: float | None = None  # what its agent posted (POST /v1/sessions/{id}/reward)
+    min_version: int = 0  # the policy version its turns should come from (a server at it is preferred)
 
     def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
         """The prompt of a request with `messages`, and what it does to the session once its turn
@@ -276,9 +277,11 @@ class Sessions:
             session.used = now
             return session
 
-    def open(self, session_id: str) -> Session:
+    def open(self, session_id: str, min_version: int = 0) -> Session:
+        """A session of this id (new, or the one there), its turns preferring servers at `min_version`."""
         session = self.get(session_id, create=True)
         assert session is not None
+        session.min_version = min_version
         return session
 
     def find(self, session_id: str) -> Session | None:

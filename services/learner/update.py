@@ -75,10 +75,12 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     g = torch.Generator().manual_seed(learner.rng.randrange(2**31))
     # rows of like length share a micro-batch (each is trimmed to its longest row): the padding
     # left is what the lengths differ by within a micro-batch, not across the mini-batch
-    # (responses vary most: sorted by response length, then prompt length)
+    # (responses vary most: sorted by response length, then prompt length; a response's length is
+    # every token it holds, the environment's too, which its loss mask leaves out of the loss)
     P = exp.batch.prompt_width
+    attn = exp.batch.attention_mask
     # on the CPU, as the permutation it sorts (the batch may be on the GPU)
-    lengths = (exp.batch.response_mask.sum(1).long() * (P + 1) + exp.batch.attention_mask[:, :P].sum(1)).cpu()
+    lengths = (attn[:, P:].sum(1).long() * (P + 1) + attn[:, :P].sum(1)).cpu()
     learner.policy.train()
     for _ in range(cfg.ppo_epochs):
         perm = torch.randperm(B, generator=g)

@@ -41,7 +41,9 @@ class AgentSampling:
         t0 = time.perf_counter()
         size = self.cfg.num_return_sequences_in_group
         try:
-            groups = self.host.groups([(task_record(t), t.uid, t.group_size or size) for t in tasks])
+            # a prompt refed after a push asks for that version (min_version), as in a single-turn batch
+            items = [(task_record(t), t.uid, t.group_size or size) for t in tasks]
+            groups = self.host.groups(items, min_version=max(t.min_version for t in tasks))
         except Outage as e:
             self.on_down()
             log.warning("%d prompts left pending: %s", len(tasks), e)

@@ -53,8 +53,14 @@ class Running:
     def address(self, i: int) -> str:
         return f"127.0.0.1:{self.gen[i].server.port}"
 
+    versions: dict = {}  # server index -> the policy version the registry shows for it (default 0)
+
     def _live(self):
-        return {self.address(i): {"version": 0} for i, s in enumerate(self.gen) if s.server is not None and s.ready}
+        return {
+            self.address(i): {"version": self.versions.get(i, 0)}
+            for i, s in enumerate(self.gen)
+            if s.server is not None and s.ready
+        }
 
     def close(self):
         self.http.stop()
@@ -246,6 +252,20 @@ def test_a_session_whose_server_dies_goes_on_on_another(gcfg, tiny_model_dir):
         assert session.server == r.address(1 - dead)
         (traj,) = session.record()["trajectories"]
         assert traj["turns"] == 3  # one token-exact trajectory across the two servers
+    finally:
+        r.close()
+
+
+def test_a_session_asking_for_a_version_goes_to_a_server_at_it(gcfg, tiny_model_dir):
+    """A session opened with min_version (a prompt refed after a push) starts on a server the
+    registry shows at that version, not on one still at an older one."""
+    r = Running(gcfg, tiny_model_dir, servers=2)
+    try:
+        r.versions = {1: 3}
+        for k in range(4):  # round robin would give server 0 half of the time
+            r.gateway.sessions.open(f"s-v{k}", min_version=3)
+            _turn(r.client, f"s-v{k}", [{"role": "user", "content": "abc="}])
+            assert r.gateway.sessions.find(f"s-v{k}").server == r.address(1)
     finally:
         r.close()
 
