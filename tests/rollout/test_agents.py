@@ -303,3 +303,20 @@ def test_rlhf_eval_runs_the_agent_and_shows_the_conversation(make_cfg, agents_fi
         assert "again=" in r["transcript"][1]["text"] and r["response"] == "".join(x["text"] for x in r["transcript"])
         assert r["reward"] == r["components"]["agent"]
     assert any("model" in line and "baseline" in line for line in said)
+
+
+def test_train_local_refuses_agents_and_a_config_gives_one_kind(agents_file, tmp_path, capsys):
+    """Agents run in rollout workers: `rlhf train --local` says to use `rlhf up`; a config names
+    one of agent, environment, agent_url; an environment that does not load is named as such."""
+    from services.cli import main
+    from services.cli.preflight import agent_errors
+    from services.common.config import ConfigError, config_from_dict
+
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(f"rollout:\n  agent: {agents_file}:two_turns\n")
+    assert main(["train", "--local", "-c", str(cfg), "--run-dir", str(tmp_path / "run")]) != 0
+    assert "train with `rlhf up`" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="give one of agent, environment, agent_url"):
+        config_from_dict({"rollout": {"agent": f"{agents_file}:two_turns", "environment": f"{agents_file}:Steps"}})
+    missing = agent_errors(config_from_dict({"rollout": {"environment": f"{agents_file}:Nope"}}))
+    assert missing and missing[0].startswith("rollout.environment: ") and "has no 'Nope'" in missing[0]
