@@ -86,7 +86,9 @@ def main() -> None:
 
     logs = ROOT / "runs" / "bench" / "gateway"
     logs.mkdir(parents=True, exist_ok=True)
-    sets = ["--set", "prompt_length=1024", "--set", f"response_length={args.tokens}", "--set", "rpc.auth_token=null"]
+    # a session's budget after its first prompt: every turn's reply and the user's words between
+    budget = args.turns * (args.tokens + 64)
+    sets = ["--set", "prompt_length=1024", "--set", f"response_length={budget}", "--set", "rpc.auth_token=null"]
     env_token = os.environ.pop("RLHF_AUTH_TOKEN", None)
     gen, g = start(
         ["serve", "generation", "-c", args.config, *sets, "--port", "0", "--metrics-port", "-1"], logs / "gen.log"

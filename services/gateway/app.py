@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..common.rpc.errors import Reason, reason_of
 from ..common.types import SamplingParams
 from .sessions import ChatTokens, Choice, Plan, Session, Sessions
+from .tools import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class Gateway:
             seed=req.seed,
         )
 
-    def _choices(self, completions, version: int, stops: list[str]) -> list[Choice]:
+    def _choices(self, completions, version: int, stops: list[str], tools: bool = False) -> list[Choice]:
         """Each completion as returned: cut before its first stop string (its tokens up to the one
         that completes it are kept: the policy sampled them), its text without special tokens."""
         out = []
@@ -175,7 +176,12 @@ class Gateway:
                 text, reason = text[:cut], "stop"
                 k = self._first_with_stop(ids, stops)
                 ids, log_probs = ids[:k], log_probs[:k]
-            out.append(Choice(ids, log_probs, text, reason, version))
+            choice = Choice(ids, log_probs, text, reason, version)
+            if tools:  # the request offered tools: calls written in the reply come back as tool_calls
+                content, calls = parse_tool_calls(text)
+                if calls:
+                    choice.text, choice.tool_calls, choice.finish_reason = content, calls, "tool_calls"
+            out.append(choice)
         return out
 
     def _first_with_stop(self, ids: list[int], stops: list[str]) -> int:
@@ -209,14 +215,17 @@ class Gateway:
             return plan
 
         def choice(i: int, c: Choice) -> dict:
+            message: dict = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message = {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
             return {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "finish_reason": c.finish_reason,
                 "logprobs": {"content": self._logprobs(c)} if req.logprobs else None,
             }
 
-        return self._answer(req, session_id, plan_of, "chat.completion", "chatcmpl", choice)
+        return self._answer(req, session_id, plan_of, "chat.completion", "chatcmpl", choice, tools=bool(req.tools))
 
     def completion(self, req: CompletionRequest, session_id: str | None) -> tuple[dict, Session, int]:
         ids = list(req.prompt) if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
@@ -237,7 +246,9 @@ class Gateway:
 
         return self._answer(req, session_id, plan_of, "text_completion", "cmpl", choice)
 
-    def _answer(self, req: _Request, session_id: str | None, plan_of, kind: str, prefix: str, choice):
+    def _answer(
+        self, req: _Request, session_id: str | None, plan_of, kind: str, prefix: str, choice, tools: bool = False
+    ):
         """One turn of a session: its prompt (`plan_of(session)`), sampled, cut at the stop
         strings, then recorded (a turn that fails changes nothing); the answer's body
         (`choice(i, c)` shapes each choice), the session and the policy version that sampled it."""
@@ -267,7 +278,7 @@ class Gateway:
                 )
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
             result = self.sampler.generate(session, prompt, params, plan.first)
-            choices = self._choices(result.completions[0], result.policy_version, stops)
+            choices = self._choices(result.completions[0], result.policy_version, stops, tools)
             session.apply(plan, choices)
         body = {
             "id": f"{prefix}-{uuid.uuid4().hex}",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.types import Completion
+from .tools import same_calls
 
 MARK = "\u2063rlhf-assistant-content\u2063"  # stands in for an assistant turn's content when reading the template
 
@@ -41,6 +42,15 @@ class Choice:
     text: str
     finish_reason: str
     version: int
+    tool_calls: list[dict] = field(default_factory=list)  # parsed out of the text (tools.py)
+
+    def answers(self, message: dict) -> bool:
+        """Whether `message` is this choice as the gateway returned it (an agent echoes it back)."""
+        return (
+            message.get("role") == "assistant"
+            and (message.get("content") or "") == self.text
+            and same_calls(message.get("tool_calls"), self.tool_calls)
+        )
 
 
 @dataclass
@@ -151,7 +161,7 @@ def same_message(a: dict, b: dict) -> bool:
     return (
         a.get("role") == b.get("role")
         and (a.get("content") or "") == (b.get("content") or "")
-        and (a.get("tool_calls") or None) == (b.get("tool_calls") or None)
+        and same_calls(a.get("tool_calls"), b.get("tool_calls"))
     )
 
 
@@ -174,11 +184,12 @@ class Session:
         if seg is not None and seg.pending:
             n = len(seg.messages)
             if len(messages) > n + 1 and all(same_message(a, b) for a, b in zip(messages[:n], seg.messages)):
-                reply = messages[n]
-                said = reply.get("content") or "" if reply.get("role") == "assistant" else None
-                taken = next((c for c in seg.pending if c.text == said), None)
+                taken = next((c for c in seg.pending if c.answers(messages[n])), None)
                 if taken is not None:
-                    rest = chat.continuation(messages[: n + 1], messages[n + 1 :], taken, tools)
+                    # the sampled tokens hold the reply as written (tool-call blocks too): the
+                    # template renders it as plain text, only what follows it is taken from it
+                    said = {"role": "assistant", "content": taken.text}
+                    rest = chat.continuation(messages[:n] + [said], messages[n + 1 :], taken, tools)
                     if rest is not None:
                         first = seg.mask.index(1) if 1 in seg.mask else len(seg.ids)
                         return Plan(seg.ids + taken.ids + rest, messages, first, seg, taken, rest)
