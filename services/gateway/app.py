@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -47,7 +48,8 @@ class _Request(BaseModel):
     n: int = Field(default=1, ge=1)
     logprobs: Any = None  # chat: a bool; completions: an int (how many alternatives; only the sampled one is given)
     seed: int | None = None
-    stream: bool = False
+    stream: bool = False  # answered as server-sent events, the whole turn in one chunk once sampled
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage
     session_id: str | None = None  # or the x-session-id header
 
 
@@ -148,8 +150,6 @@ class Gateway:
         self.max_turns = max_turns
 
     def _params(self, req: _Request, stops: list[str]) -> SamplingParams:
-        if req.stream:
-            raise GatewayError(400, "stream: streaming answers are not supported; send stream=false")
         if req.n > self.max_n:
             raise GatewayError(400, f"n: {req.n}, more than this server's {self.max_n}")
         single = [self.tok(s, add_special_tokens=False)["input_ids"] for s in stops]
@@ -293,6 +293,30 @@ class Gateway:
         return body, session, result.policy_version
 
 
+def stream_chunks(body: dict, usage: bool) -> list[dict]:
+    """An answer as OpenAI's stream chunks: per choice, its whole message (or text) in one delta,
+    then its finish reason; with `usage`, a last chunk of the usage alone. The turn is sampled
+    before the first chunk (a stream for clients that ask for one, not token by token)."""
+    chat = body["object"] == "chat.completion"
+    head = {k: body[k] for k in ("id", "created", "model", "system_fingerprint", "session_id")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    out = []
+    for c in body["choices"]:
+        if chat:
+            delta = {k: v for k, v in c["message"].items() if v is not None}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(delta["tool_calls"])]
+            first = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
+            last = {"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}
+        else:
+            first = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
+            last = {"index": c["index"], "text": "", "finish_reason": c["finish_reason"]}
+        out += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if usage:
+        out.append({**head, "choices": [], "usage": body["usage"]})
+    return out
+
+
 def _usage(prompt: list[int], choices: list[Choice]) -> dict:
     completion = sum(len(c.ids) for c in choices)
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
@@ -307,7 +331,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
 
     import anyio.to_thread
     from fastapi import FastAPI, Header, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -329,8 +353,13 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
         error = {"message": str(e), "type": e.kind, "code": e.code or e.status}
         return JSONResponse({"error": error}, status_code=e.status)
 
-    def answer(body: dict, session: Session, version: int) -> JSONResponse:
-        return JSONResponse(body, headers={SESSION_HEADER: session.id, VERSION_HEADER: str(version)})
+    def answer(req: _Request, body: dict, session: Session, version: int):
+        headers = {SESSION_HEADER: session.id, VERSION_HEADER: str(version)}
+        if not req.stream:
+            return JSONResponse(body, headers=headers)
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(body, usage)] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/chat/completions")
     def chat_completions(
@@ -339,7 +368,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
         x_session_id: str | None = Header(None),
     ):
         check(authorization)
-        return answer(*gateway.chat_completion(req, x_session_id))
+        return answer(req, *gateway.chat_completion(req, x_session_id))
 
     @app.post("/v1/completions")
     def completions(
@@ -348,7 +377,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
         x_session_id: str | None = Header(None),
     ):
         check(authorization)
-        return answer(*gateway.completion(req, x_session_id))
+        return answer(req, *gateway.completion(req, x_session_id))
 
     @app.get("/v1/models")
     def models(authorization: str | None = Header(None)):

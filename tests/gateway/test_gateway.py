@@ -118,10 +118,26 @@ def test_a_request_without_the_token_is_refused(one):
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a="}], max_tokens=2)
     assert httpx.get(one.url.replace("/v1", "/health")).status_code == 200  # probes need no token
-    with pytest.raises(openai.BadRequestError, match="streaming"):
-        one.client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "a="}], max_tokens=2, stream=True
-        ).close()
+
+
+def test_a_streamed_answer_is_the_same_turn_in_chunks(one):
+    """stream=True (clients that always stream): the openai client reads the same reply, finish
+    reason and usage as unstreamed, and the session records the turn as it does any other."""
+    messages = [{"role": "user", "content": "abc="}]
+    kw = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+    plain = one.client.chat.completions.create(**kw, extra_headers={"x-session-id": "plain"})
+    stream = one.client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}, extra_headers={"x-session-id": "streamed"}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[0].system_fingerprint == plain.system_fingerprint
+    streamed = one.gateway.sessions.find("streamed").record()["trajectories"][0]
+    assert streamed["token_ids"] == one.gateway.sessions.find("plain").record()["trajectories"][0]["token_ids"]
+    text = one.client.completions.create(model="tiny", prompt="user: xyz=\nassistant: ", max_tokens=4, stream=True)
+    assert "".join(c.choices[0].text for c in text if c.choices)  # completions stream too
 
 
 def _turn(client, session, messages, **kw):
