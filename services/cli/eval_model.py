@@ -106,7 +106,8 @@ def run_eval(
 ) -> dict:
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
-    agent = cfg.rollout.sessions and rule is None  # the agent's reward, or --rule on one reply
+    kind = cfg.rollout.agent_kind
+    agent = kind is not None and rule is None  # the agent's reward, or --rule on one reply
     scorer = None if agent else _scorer(cfg, rule)
     models = {"model": model or cfg.model.path}
     if baseline is not None:
@@ -148,7 +149,7 @@ def run_eval(
         "n": n,
         "temperature": params.temperature,
         "reward": rule
-        or (f"the agent's ({cfg.rollout.agent or cfg.rollout.environment or cfg.rollout.agent_url})" if agent else None)
+        or (f"the agent's (rollout.{kind}: {getattr(cfg.rollout, kind)})" if agent and kind else None)
         or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
         **results,
     }
@@ -194,17 +195,22 @@ def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: Sampling
     ep = local.rpc.generation
     ep.host, ep.port, ep.metrics_port = "127.0.0.1", 0, None
     svc = serve(local, backend=backend).start()
-    assert svc.server is not None  # start() bound it
-    address = f"127.0.0.1:{svc.server.port}"
-    servers = ServerPool(lambda: {address: {"version": 0}}, cfg.rpc, refresh_s=3600.0)
-    host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None), port=0)
     try:
-        return evaluate_agent(
-            host, prompts, backend.tokenizer, n=params.n, batch=cfg.generation.max_batch_size, progress=progress
-        )
+        assert svc.server is not None  # start() bound it
+        address = f"127.0.0.1:{svc.server.port}"
+        servers = ServerPool(lambda: {address: {"version": 0}}, cfg.rpc, refresh_s=3600.0)
+        try:
+            # every turn its own sampling noise (one seed for all would repeat a sample n times)
+            host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None), port=0)
+            try:
+                return evaluate_agent(
+                    host, prompts, backend.tokenizer, n=params.n, batch=cfg.generation.max_batch_size, progress=progress
+                )
+            finally:
+                host.close()
+        finally:
+            servers.close()
     finally:
-        host.close()
-        servers.close()
         svc.stop()
 
 

@@ -42,9 +42,9 @@ def preflight_errors(cfg: Config, sampler: bool = True) -> list[str]:
 def agent_errors(cfg: Config) -> list[str]:
     """`rollout.agent` / `rollout.environment` / `rollout.agent_url` loads (and an agent takes
     (client, sample))."""
-    if not cfg.rollout.sessions:
+    key = cfg.rollout.agent_kind
+    if key is None:
         return []
-    key = next(k for k in ("agent", "environment", "agent_url") if getattr(cfg.rollout, k))
     try:
         load_agent(cfg.rollout)
     except ValueError as e:

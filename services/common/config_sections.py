@@ -534,6 +534,10 @@ class ReplayConfig(Strict):
         return self.password or os.environ.get(self.password_env) or None
 
 
+# what a session of a sample runs: your function, your gym-like environment, your agent service
+AGENT_KINDS = ("agent", "environment", "agent_url")
+
+
 class RolloutConfig(Strict):
     prompts_per_request: int = Field(default=32, ge=1, description="prompts a worker claims and sends in one Generate")
     agent: Optional[str] = Field(
@@ -599,16 +603,21 @@ class RolloutConfig(Strict):
 
     @model_validator(mode="after")
     def _one_kind_of_agent(self) -> "RolloutConfig":
-        given = [k for k in ("agent", "environment", "agent_url") if getattr(self, k)]
+        given = [k for k in AGENT_KINDS if getattr(self, k)]
         if len(given) > 1:
             raise ValueError(f"rollout: give one of agent, environment, agent_url (got {', '.join(given)})")
         return self
 
     @property
+    def agent_kind(self) -> Optional[str]:
+        """Which of `AGENT_KINDS` is set (its value is the reference), or None."""
+        return next((k for k in AGENT_KINDS if getattr(self, k)), None)
+
+    @property
     def sessions(self) -> bool:
         """Whether each sample is a session (an agent, an environment or an agent service)
         rather than one completion scored by the reward server."""
-        return bool(self.agent or self.environment or self.agent_url)
+        return self.agent_kind is not None
 
 
 # ------------------------------------------ the network: every server's address and the RPC plumbing

@@ -27,6 +27,8 @@ import asyncio
 import inspect
 import logging
 import math
+import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -55,8 +57,12 @@ class AgentFailed(ValueError):
 
 
 class Outage(RuntimeError):
-    """The session found no generation server (or the agent service did not answer): not its
-    input; the prompt stays pending."""
+    """The session found no generation server: not its input; the prompt stays pending."""
+
+
+class AgentServiceDown(Outage):
+    """The agent service (`rollout.agent_url`) did not answer: the prompt stays pending, and no
+    generation server is to blame."""
 
 
 def load_agent(rc: RolloutConfig) -> Callable:
@@ -117,8 +123,9 @@ def http_agent(url: str, timeout_s: float) -> Callable:
     `{"base_url", "api_key", "session_id", "headers", "reward_url", "sample": {"id", "prompt",
     "label", "metadata"}}`; it talks to `base_url` (OpenAI's API; every request with `headers`, the
     session's id) and answers 2xx when done, with `{"reward": r}` or after POSTing
-    `{"reward": r}` to `reward_url`. A non-2xx answer fails the session (dead letter); no answer
-    (connection refused, timeout) is an outage (the prompt stays pending)."""
+    `{"reward": r}` to `reward_url`. A non-2xx answer fails the session (dead letter), as does
+    an answer later than the session's timeout (a hung agent); none at all (the connection
+    refused) is an outage of the service (the prompt stays pending)."""
     import httpx
 
     def run(client, sample) -> float:
@@ -132,10 +139,10 @@ def http_agent(url: str, timeout_s: float) -> Callable:
             "reward_url": f"{base}/sessions/{sid}/reward",
             "sample": {"id": sample.id, "prompt": sample.prompt, "label": sample.label, "metadata": sample.metadata},
         }
-        try:
-            answer = httpx.post(url, json=task, timeout=timeout_s)
+        try:  # the session's own deadline ends it first when the service answers too late
+            answer = httpx.post(url, json=task, timeout=httpx.Timeout(timeout_s + 5.0, connect=10.0))
         except httpx.TransportError as e:
-            raise Outage(f"the agent service at {url} did not answer: {type(e).__name__}: {e}") from None
+            raise AgentServiceDown(f"the agent service at {url} did not answer: {type(e).__name__}: {e}") from None
         if not answer.is_success:
             raise AgentFailed(f"the agent service at {url} answered {answer.status_code}: {answer.text[:500]}")
         body = answer.json() if answer.content else {}
@@ -183,15 +190,21 @@ class AgentHost:
         max_turns: int | None = None,
         bind: tuple[str, int] = ("127.0.0.1", 0),
         advertise: str | None = None,
+        per_token_s: float = 0.0,
     ):
-        """`bind`: the endpoint's host and port (0: a free one); `advertise`: the host its URL names
-        (default the bound one; an agent service elsewhere reaches it there)."""
+        """`bind`: the endpoint's host and port (0: a free one); `advertise`: the host the agents'
+        URL names (an agent service elsewhere reaches it there; default the bound one, on
+        loopback for a wildcard). A turn's deadline: `generate_timeout_s` plus `per_token_s` per
+        token of every session in flight here (their turns share the servers' batches)."""
         self.agent, self.token, self.timeout_s = agent, token or "unused", timeout_s
+        self.active = 0  # sessions in flight (runs may overlap: a worker's loops)
+        self._active_lock = threading.Lock()
+        self.generate_timeout_s, self.per_token_s, self.max_tokens = generate_timeout_s, per_token_s, max_tokens
         self.is_async = inspect.iscoroutinefunction(agent)
         self.sessions = Sessions(create_unknown=False)
         gateway = Gateway(
             tokenizer,
-            Sampler(servers, generate_timeout_s),
+            Sampler(servers, self.turn_deadline),
             self.sessions,
             model_name,
             max_tokens,
@@ -202,6 +215,9 @@ class AgentHost:
         self.http = HTTPServerThread(build_app(gateway, token), bind[0], bind[1], name="agent-endpoint")
         port = self.http.start()
         self.base_url = f"http://{advertise or reachable_host(bind[0])}:{port}/v1"
+
+    def turn_deadline(self) -> float:
+        return self.generate_timeout_s + self.per_token_s * self.max_tokens * max(1, self.active)
 
     def close(self) -> None:
         self.http.stop()
@@ -214,19 +230,27 @@ class AgentHost:
         ids = [sid for _, sid in work]
         for sid in ids:  # the endpoint serves only sessions opened here
             self.sessions.open(sid, min_version)
+        with self._active_lock:
+            self.active += len(work)
         try:
             outcomes = asyncio.run(self._run_async(work)) if self.is_async else self._run_threads(work)
-            sessions = [self.sessions.find(sid) for sid in ids]
         finally:
-            for sid in ids:
-                self.sessions.end(sid)
+            with self._active_lock:
+                self.active -= len(work)
+            sessions = [self.sessions.end(sid) for sid in ids]
         episodes = []
         for sid, outcome, session in zip(ids, outcomes, sessions):
+            if isinstance(outcome, Exception):
+                if isinstance(outcome, AgentFailed) and session is not None and session.unavailable:
+                    # the agent failed after the endpoint found no generation server for it (an
+                    # agent service answering 500 then, a wrapped 503): an outage, not its input
+                    outcome = Outage(f"agent session {sid}: no generation server answered one of its turns ({outcome})")
+                # not read: a late agent's turn may still hold the session
+                episodes.append(Episode(sid, None, outcome, None))
+                continue
             trajectories = session.record()["trajectories"] if session is not None else []
             trajectory = trajectories[-1] if trajectories and trajectories[-1]["turns"] else None
-            if isinstance(outcome, Exception):
-                episodes.append(Episode(sid, None, outcome, trajectory))
-            elif trajectory is None:
+            if trajectory is None:
                 episodes.append(
                     Episode(sid, None, AgentFailed(f"agent session {sid}: it made no chat completion request"), None)
                 )
@@ -241,28 +265,41 @@ class AgentHost:
         return episodes
 
     def group(self, record: PromptRecord, uid: str, n: int) -> SampleGroup:
-        """`n` sessions of the agent on `record`, as one group (its version: the oldest policy
-        version that sampled any of its turns); the first failure raised (an outage first)."""
-        return self.groups([(record, uid, n)])[0]
+        """`n` sessions of the agent on `record`, as one group; its failure raised."""
+        (out,) = self.groups([(record, uid, n)])
+        if isinstance(out, Exception):
+            raise out
+        return out
 
-    def groups(self, items: list[tuple[PromptRecord, str, int]], min_version: int = 0) -> list[SampleGroup]:
-        """The groups of several prompts (record, uid, group size), every session of them at once.
-        Raises Outage when any session found no generation server, else the first AgentFailed."""
+    def groups(
+        self, items: list[tuple[PromptRecord, str, int]], min_version: int = 0
+    ) -> list[SampleGroup | AgentFailed]:
+        """The groups of several prompts (record, uid, group size), every session of them at once:
+        per prompt its group (its version: the oldest policy version that sampled any of its
+        turns) or why it failed (the first AgentFailed of its sessions). Raises Outage when any
+        session met an outage (every prompt stays pending: the others may have met it too)."""
         work = [(record, f"{uid}/{j}/{uuid.uuid4().hex[:8]}") for record, uid, n in items for j in range(n)]
         episodes = iter(self.run(work, min_version))
         chunks = [[next(episodes) for _ in range(n)] for _, _, n in items]
-        failures = [e.error for chunk in chunks for e in chunk if e.error is not None]
-        down = [f for f in failures if isinstance(f, Outage)]
-        if failures:
-            raise (down or failures)[0]
-        out = []
+        down = [e.error for chunk in chunks for e in chunk if isinstance(e.error, Outage)]
+        if down:
+            raise down[0]
+        out: list[SampleGroup | AgentFailed] = []
         for (record, uid, _), chunk in zip(items, chunks):
+            failed = [e.error for e in chunk if isinstance(e.error, AgentFailed)]
             samples = [as_sample(e.trajectory) for e in chunk if e.trajectory is not None]
-            if len({tuple(p) for p, _ in samples}) != 1:
-                raise AgentFailed(f"prompt {uid}: its sessions began with different prompts; a group shares its prompt")
-            versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["versions"]]
-            scores = [ScoreResult(float(e.reward or 0.0), {"agent": float(e.reward or 0.0)}) for e in chunk]
-            out.append(SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions)))
+            if failed:
+                out.append(failed[0])
+            elif len({tuple(p) for p, _ in samples}) != 1:
+                out.append(
+                    AgentFailed(f"prompt {uid}: its sessions began with different prompts; a group shares its prompt")
+                )
+            else:
+                versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["versions"]]
+                scores = [ScoreResult(float(e.reward or 0.0), {"agent": float(e.reward or 0.0)}) for e in chunk]
+                out.append(
+                    SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions))
+                )
         return out
 
     def _run_threads(self, work: list[tuple[PromptRecord, str]]) -> list:
@@ -342,12 +379,19 @@ class AgentHost:
 
 
 def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams, port: int | None = None) -> AgentHost:
-    """`rollout.agent` on an endpoint over `servers`, every turn sampled with `params` (a worker's:
-    the training distribution; an eval's: eval_temperature); a turn's deadline like a worker's
-    Generate of one prompt (`rollout.generate_timeout_s` + the budget per token). The endpoint
-    binds `rollout.endpoint_host` and `port` (default `rollout.endpoint_port`; an eval's: 0)."""
+    """The agent of `rollout` (`load_agent`) on an endpoint over `servers`, every turn sampled
+    with `params` (a worker's: the training distribution; an eval's: eval_temperature). A turn's
+    deadline like a worker's Generate: `rollout.generate_timeout_s` (default `rpc.timeout_s`) plus
+    the budget per token of every session in flight. The endpoint binds `rollout.endpoint_host`
+    and `port` (default `rollout.endpoint_port`; an eval's: 0); an agent service
+    (`rollout.agent_url`) is handed it at `rpc.advertise_host`, or for a wildcard bind this host's
+    own address, else the bound host."""
     rc = cfg.rollout
     base = rc.generate_timeout_s if rc.generate_timeout_s is not None else cfg.rpc.timeout_s
+    advertise = None
+    if rc.agent_url:
+        wildcard = rc.endpoint_host in ("0.0.0.0", "::", "")
+        advertise = cfg.rpc.advertise_host or (socket.gethostbyname(socket.gethostname()) if wildcard else None)
     return AgentHost(
         load_agent(rc),
         tokenizer,
@@ -356,11 +400,12 @@ def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams, port: in
         model_name=cfg.model.path,
         max_tokens=cfg.response_length,
         token=cfg.rpc.resolved_auth_token(),
-        generate_timeout_s=base + rc.generate_timeout_per_token_s * cfg.response_length,
+        generate_timeout_s=base,
+        per_token_s=rc.generate_timeout_per_token_s,
         timeout_s=rc.agent_timeout_s,
         max_turns=rc.max_turns,
         bind=(rc.endpoint_host, rc.endpoint_port if port is None else port),
-        advertise=cfg.rpc.advertise_host,
+        advertise=advertise,
     )
 
 

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,8 +86,10 @@ class Sampler:
     answers (its prefix cache stays warm); one that fails is avoided for a while and the call goes
     to another. `servers`: the pool of generation servers (generation/client.py:ServerPool)."""
 
-    def __init__(self, servers, timeout_s: float):
-        self.servers, self.timeout_s = servers, timeout_s
+    def __init__(self, servers, timeout_s: float | Callable[[], float]):
+        """`timeout_s`: a call's deadline, or what gives it at each call."""
+        self.servers = servers
+        self.timeout_s = timeout_s if callable(timeout_s) else (lambda: float(timeout_s))
 
     def generate(self, session: Session, prompt: list[int], params: SamplingParams, first: int):
         """`first`: how many of `prompt`'s tokens are its conversation's first prompt."""
@@ -101,7 +103,7 @@ class Sampler:
                 raise GatewayError(503, "no generation server is available", "service_unavailable")
             try:
                 result = self.servers.client(address).generate(
-                    [prompt], params, timeout=self.timeout_s, key=key, first_prompt_tokens=[first]
+                    [prompt], params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first]
                 )
             except grpc.RpcError as e:
                 if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -277,7 +279,12 @@ class Gateway:
                     code=CONTEXT_LENGTH_EXCEEDED,
                 )
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-            result = self.sampler.generate(session, prompt, params, plan.first)
+            try:
+                result = self.sampler.generate(session, prompt, params, plan.first)
+            except GatewayError as e:
+                if e.status in (429, 503):  # an outage its agent may report as its own failure
+                    session.unavailable = True
+                raise
             choices = self._choices(result.completions[0], result.policy_version, stops, tools)
             session.apply(plan, choices)
         body = {

@@ -174,6 +174,7 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one request of a session at a time
     reward: float | None = None  # what its agent posted (POST /v1/sessions/{id}/reward)
     min_version: int = 0  # the policy version its turns should come from (a server at it is preferred)
+    unavailable: bool = False  # a turn found no generation server (503) or a full one (429)
 
     def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
         """The prompt of a request with `messages`, and what it does to the session once its turn
@@ -186,8 +187,9 @@ class Session:
             if len(messages) > n + 1 and all(same_message(a, b) for a, b in zip(messages[:n], seg.messages)):
                 taken = next((c for c in seg.pending if c.answers(messages[n])), None)
                 if taken is not None:
-                    # the sampled tokens hold the reply as written (tool-call blocks too): the
-                    # template renders it as plain text, only what follows it is taken from it
+                    # the sampled tokens stay as they are (tool-call blocks too); the reply is
+                    # rendered as plain content (no tool_calls: the template would write them
+                    # again) and only what the template puts after it is taken
                     said = {"role": "assistant", "content": taken.text}
                     rest = chat.continuation(messages[:n] + [said], messages[n + 1 :], taken, tools)
                     if rest is not None:

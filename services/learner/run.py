@@ -44,7 +44,7 @@ from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
 from ..common.types import Progress, Rollout, SamplingParams, no_progress
 from ..critic.client import CriticClient, OverlappedCritic
-from ..gateway.agents import Outage, agent_host, evaluate_agent
+from ..gateway.agents import AgentServiceDown, Outage, agent_host, evaluate_agent
 from ..generation.client import ServerPool
 from ..reward.client import HeldOut, RewardClient
 from ..training.data import config_prompts
@@ -509,8 +509,9 @@ class LearnerLoop:
                 )
                 break
             except Outage as e:
-                log.warning("agent eval on %s failed (%s); skipping it", address, e)
-                self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
+                log.warning("agent eval on %s failed (%s); trying again", address, e)
+                if not isinstance(e, AgentServiceDown):  # the generation server failed it: skip that one
+                    self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
                 self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -529,11 +530,13 @@ class LearnerLoop:
         own, every turn sampled at eval_temperature by the server at `address`; the agent's reward.
         A server that fails mid-eval (Outage) is avoided like a failed call: the eval is done again."""
         one = ServerPool(lambda: {address: {"version": self.learner.version}}, self.cfg.rpc, refresh_s=3600.0)
-        host = agent_host(self.cfg, self.tokenizer, one, self.eval_params, port=0)
         try:
-            rows = evaluate_agent(host, self.held_out, self.tokenizer, batch=self.cfg.generation.max_batch_size)
+            host = agent_host(self.cfg, self.tokenizer, one, self.eval_params, port=0)
+            try:
+                rows = evaluate_agent(host, self.held_out, self.tokenizer, batch=self.cfg.generation.max_batch_size)
+            finally:
+                host.close()
         finally:
-            host.close()
             one.close()
         return eval_metrics(rows)
 

@@ -4,9 +4,9 @@ the user's agent function against the worker's own OpenAI-compatible endpoint (g
 distribution), and its token-exact trajectory (the environment's tokens masked out of the loss)
 is the sample, with the agent's reward. Every session of a claimed batch runs at once.
 
-An agent that failed (`AgentFailed`, a ValueError) makes the worker dead-letter its prompt like any
-prompt that cannot be processed; one that found no generation server (`Outage`) leaves the
-batch pending.
+A prompt whose sessions failed (`AgentFailed`) comes back `Rejected`: the worker dead-letters it
+alone and appends the others; a session that found no generation server or agent service
+(`Outage`) leaves the batch pending.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..common.modeling import build_token_batch
 from ..common.replay.records import task_record
 from ..common.rpc.retry import DependencyUnavailable
-from ..gateway.agents import AgentFailed, AgentHost, Outage
+from ..gateway.agents import AgentFailed, AgentHost, AgentServiceDown, Outage
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -27,17 +28,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Rejected:
+    """A claimed prompt whose sessions failed (`AgentFailed`): the worker dead-letters it with
+    `reason` and appends the others' groups."""
+
+    reason: str
+
+
 class AgentSampling:
     """Claimed prompts -> groups of agent sessions, with the critic's values when there is one."""
 
     def __init__(self, cfg: Config, host: AgentHost, tokenizer, critic, stop_event: threading.Event, on_down):
-        """`on_down()`: counts a batch that found no generation server."""
+        """`on_down(kind)`: counts a batch left pending, by what was down ("no_generation_server",
+        "agent_service")."""
         self.cfg, self.host, self.tokenizer, self.critic = cfg, host, tokenizer, critic
         self.stop_event, self.on_down = stop_event, on_down
 
     def sample(self, tasks: list) -> list | None:
-        """(group, "agent", metrics) per task; None = give up for now (no generation server
-        answered, or the critic stayed away: the prompts stay pending)."""
+        """Per task (group, "agent", metrics), or `Rejected` for one whose sessions failed; None =
+        give up for now (no generation server or agent service answered, or the critic stayed
+        away: the prompts stay pending)."""
         t0 = time.perf_counter()
         size = self.cfg.num_return_sequences_in_group
         try:
@@ -45,20 +56,26 @@ class AgentSampling:
             items = [(task_record(t), t.uid, t.group_size or size) for t in tasks]
             groups = self.host.groups(items, min_version=max(t.min_version for t in tasks))
         except Outage as e:
-            self.on_down()
+            self.on_down("agent_service" if isinstance(e, AgentServiceDown) else "no_generation_server")
             log.warning("%d prompts left pending: %s", len(tasks), e)
             self.stop_event.wait(self.cfg.rollout.retry_backoff_s)  # not straight on to the next claim
             return None
         secs = (time.perf_counter() - t0) / len(tasks)
-        out = []
+        out: list = []
         for t, group in zip(tasks, groups):
+            if isinstance(group, AgentFailed):
+                out.append(Rejected(str(group)))
+                continue
             longest = max(len(c.token_ids) for c in group.completions)
             if len(group.prompt_ids) > self.cfg.prompt_length or longest > self.cfg.response_length:
-                raise AgentFailed(
-                    f"agent sessions of prompt {t.uid}: a prompt of {len(group.prompt_ids)} tokens and a "
-                    f"conversation of {longest} after it, more than prompt_length={self.cfg.prompt_length} / "
-                    f"response_length={self.cfg.response_length} (the learner and the critic take no more)"
+                out.append(
+                    Rejected(
+                        f"agent sessions of prompt {t.uid}: a prompt of {len(group.prompt_ids)} tokens and a "
+                        f"conversation of {longest} after it, more than prompt_length={self.cfg.prompt_length} / "
+                        f"response_length={self.cfg.response_length} (the learner and the critic take no more)"
+                    )
                 )
+                continue
             t1 = time.perf_counter()
             if self.critic is not None:
                 responses = [c.token_ids for c in group.completions]
@@ -79,3 +96,7 @@ class AgentSampling:
             }
             out.append((group, "agent", metrics))
         return out
+
+    def close(self) -> None:
+        """The endpoint, once the worker's loops have ended (the sessions in flight finish first)."""
+        self.host.close()

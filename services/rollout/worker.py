@@ -58,7 +58,7 @@ from ..critic.client import CriticClient
 from ..gateway.agents import agent_host
 from ..generation.client import GenerationClient, ServerPool
 from ..reward.client import RewardAPIFailure, RewardClient
-from .agents import AgentSampling
+from .agents import AgentSampling, Rejected
 from .step import sample_groups
 
 if TYPE_CHECKING:
@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 
 # kinds of rlhf_rollout_errors_total: waiting for the reward or critic server, no generation server
 # registered, a dependency gone longer than the worker waits, an error in the claim loop, a batch
-# the reward API failed on every try and prompt by prompt (left pending), and the
+# the reward API failed on every try and prompt by prompt (left pending), an agent service
+# (rollout.agent_url) that did not answer, and the
 # gRPC status codes (lower case) of failed calls, the common ones listed (any other may appear)
 ERROR_KINDS = (
     "waiting",
@@ -76,6 +77,7 @@ ERROR_KINDS = (
     "dependency",
     "loop",
     "reward_api",
+    "agent_service",
     "unavailable",
     "deadline_exceeded",
 )
@@ -249,7 +251,7 @@ class RolloutWorker:
                 self.tokenizer,
                 self.critic,
                 self.stop_event,
-                on_down=self.metrics.error("no_generation_server").inc,
+                on_down=lambda kind: self.metrics.error(kind).inc(),
             )
         self._lock = threading.Lock()
         self.produced = 0
@@ -415,6 +417,13 @@ class RolloutWorker:
                 "giving up on a batch of %d prompts for now; they stay pending and will be reclaimed", len(entries)
             )
             return 0, "pending"
+        for (entry_id, task), r in zip(entries, result):
+            if isinstance(r, Rejected):  # an agent's sessions failed on their input: that prompt alone
+                log.error("prompt %s cannot be processed, moved to the dead-letter stream: %s", task.uid, r.reason)
+                self.store.dead_letter(entry_id, task, r.reason, self.name)
+                self.metrics.dead.inc()
+        kept = [(e, r) for e, r in zip(entries, result) if not isinstance(r, Rejected)]
+        entries, result = [e for e, _ in kept], [r for _, r in kept]
         secs = time.perf_counter() - t0
         added = self.store.produce(
             [
@@ -544,7 +553,7 @@ class RolloutWorker:
     def close(self) -> None:
         """The agents' endpoint, once the loops have ended (the sessions in flight finish first)."""
         if self.agents is not None:
-            self.agents.host.close()
+            self.agents.close()
             self.agents = None
 
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:

@@ -43,6 +43,21 @@ def hangs(client, sample):
     time.sleep(30)
     return 1.0
 
+def picky(client, sample):
+    """Fails on the prompt with id "bad" only."""
+    client.chat.completions.create(model="p", messages=[{"role": "user", "content": sample.prompt}], max_tokens=2)
+    if sample.id == "bad":
+        raise RuntimeError("the bad prompt broke the tool")
+    return 1.0
+
+def wraps(client, sample):
+    """Reports any failure of its requests as its own (as an agent framework may)."""
+    try:
+        client.chat.completions.create(model="p", messages=[{"role": "user", "content": sample.prompt}], max_tokens=2)
+    except Exception as e:
+        raise RuntimeError(f"my framework failed: {e}") from None
+    return 1.0
+
 class Steps:
     """An environment: the prompt, then "again=" after each reply; a quarter for each reply, done
     after the third (or never, with `Steps.endless`)."""
@@ -320,3 +335,63 @@ def test_train_local_refuses_agents_and_a_config_gives_one_kind(agents_file, tmp
         config_from_dict({"rollout": {"agent": f"{agents_file}:two_turns", "environment": f"{agents_file}:Steps"}})
     missing = agent_errors(config_from_dict({"rollout": {"environment": f"{agents_file}:Nope"}}))
     assert missing and missing[0].startswith("rollout.environment: ") and "has no 'Nope'" in missing[0]
+
+
+def test_one_prompt_whose_sessions_fail_is_dead_lettered_alone(make_cfg, agents_file):
+    """A batch's prompts run at once; the one whose agent raises is dead-lettered, the others'
+    groups are appended from the same run (not redone one by one)."""
+    from services.common.types import PromptRecord
+
+    cfg, worker = _worker(make_cfg, agents_file, "picky")
+    store = ReplayStore.from_config(cfg)
+    try:
+        with _generation(cfg):
+            _feed(store, [PromptRecord("good", "ab=", "ba"), PromptRecord("bad", "cd=", "dc")])
+            (batch,) = _claim_all(store, "w1", 2)
+            assert worker.process(batch) == 1
+            (dead,) = store.read_dead()
+            assert dead[1].uid == "0:bad" and "the bad prompt broke the tool" in dead[2]
+            assert [group_from_proto(m).uid for _, m in _trajectories(store)] == ["0:good"]
+    finally:
+        worker.stop()
+        worker.close()
+
+
+def test_an_agent_that_fails_because_no_server_answered_leaves_its_prompt_pending(make_cfg, agents_file):
+    """No generation server: the endpoint answers 503, the agent reports it as its own error; the
+    session is still an outage (the endpoint saw it), so the prompt stays pending, no dead letter."""
+    cfg, worker = _worker(make_cfg, agents_file, "wraps")
+    store = ReplayStore.from_config(cfg)
+    try:
+        _feed(store, reverse_task("train", 1))
+        assert sum(worker.process(b) for b in _claim_all(store, "w1", 1)) == 0
+        assert store.read_dead() == [] and _trajectories(store) == []
+        down = {"service": "rollout", "kind": "no_generation_server"}
+        assert worker.metrics.registry.get_sample_value("rlhf_rollout_errors_total", down) >= 1
+    finally:
+        worker.stop()
+        worker.close()
+
+
+def test_only_an_agent_service_is_handed_an_advertised_address(agents_file, tiny_model_dir):
+    """In-process agents talk to the endpoint where it listens; an agent service elsewhere is
+    handed rpc.advertise_host, or for a wildcard bind this host's own address."""
+    import socket
+
+    from services.common.config import config_from_dict
+    from services.common.modeling import load_tokenizer
+    from services.common.types import SamplingParams
+    from services.gateway.agents import agent_host
+
+    tok = load_tokenizer(tiny_model_dir)
+
+    def host_of(rollout, rpc=None):
+        cfg = config_from_dict({"model": {"path": tiny_model_dir}, "rollout": rollout, "rpc": rpc or {}})
+        host = agent_host(cfg, tok, servers=None, params=SamplingParams(), port=0)
+        host.close()
+        return host.base_url.split("//")[1].rsplit(":", 1)[0]
+
+    here = {"endpoint_host": "0.0.0.0"}
+    assert host_of({"agent": f"{agents_file}:two_turns", **here}, {"advertise_host": "10.9.8.7"}) == "127.0.0.1"
+    assert host_of({"agent_url": "http://agents:8000/run", **here}) == socket.gethostbyname(socket.gethostname())
+    assert host_of({"agent_url": "http://agents:8000/run", **here}, {"advertise_host": "10.9.8.7"}) == "10.9.8.7"
