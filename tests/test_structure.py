@@ -31,6 +31,8 @@ ROOTS = ("services.cli", "services.launcher", "services.local")  # composition r
 SHARED_BY_CONTRACT = {
     "config": "every service is built from a Config (`serve(cfg)`) and reads its sections; the roots load it",
     "config_sections": "the sections of that Config (config.py re-exports them)",
+    "userfn": "your code named in a config, loaded one way with one kind of error: reward functions in the "
+    "reward service, agents wherever sessions run (gateway/agents.py: workers, the learner's eval, rlhf eval)",
 }
 
 
