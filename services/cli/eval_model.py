@@ -186,7 +186,8 @@ def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: Sampling
     against `backend` served over gRPC on a
     free loopback port (the generation server a rollout worker's endpoint would call), every turn
     sampled with `params`' temperature."""
-    from ..gateway.agents import agent_host, evaluate_agent
+    from ..gateway.agents import agent_host
+    from ..gateway.evaluate import evaluate_agent
     from ..generation.client import ServerPool
     from ..generation.server import serve
 
@@ -198,7 +199,7 @@ def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: Sampling
     try:
         assert svc.server is not None  # start() bound it
         address = f"127.0.0.1:{svc.server.port}"
-        servers = ServerPool(lambda: {address: {"version": 0}}, cfg.rpc, refresh_s=3600.0)
+        servers = ServerPool.fixed(address, cfg.rpc)
         try:
             # every turn its own sampling noise (one seed for all would repeat a sample n times)
             host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None), port=0)

@@ -44,7 +44,7 @@ class GatewayService(Service):
             self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         else:
             address = endpoint_address(cfg.rpc.generation)
-            self.servers = ServerPool(lambda: {address: {}}, cfg.rpc, 60.0)
+            self.servers = ServerPool.fixed(address, cfg.rpc)
         gateway = Gateway(
             load_tokenizer(cfg.model.path),
             Sampler(self.servers, cfg.rpc.timeout_s),

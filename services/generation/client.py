@@ -146,6 +146,11 @@ class ServerPool:
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
+    @classmethod
+    def fixed(cls, address: str, rpc_cfg: RPCConfig) -> "ServerPool":
+        """A pool of the one server at `address` (no registry: a configured server, an eval's own)."""
+        return cls(lambda: {address: {}}, rpc_cfg, refresh_s=3600.0)
+
     def live(self, fresh: bool = False) -> dict[str, dict]:
         """The registry's live generation servers (address -> entry, with its `version`): read
         again when `fresh` or older than `refresh_s`."""

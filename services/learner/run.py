@@ -44,7 +44,8 @@ from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
 from ..common.types import Progress, Rollout, SamplingParams, no_progress
 from ..critic.client import CriticClient, OverlappedCritic
-from ..gateway.agents import AgentServiceDown, Outage, agent_host, evaluate_agent
+from ..gateway.agents import AgentServiceDown, Outage, agent_host
+from ..gateway.evaluate import evaluate_agent
 from ..generation.client import ServerPool
 from ..reward.client import HeldOut, RewardClient
 from ..training.data import config_prompts
@@ -529,7 +530,7 @@ class LearnerLoop:
         prompt through an endpoint of the learner's
         own, every turn sampled at eval_temperature by the server at `address`; the agent's reward.
         A server that fails mid-eval (Outage) is avoided like a failed call: the eval is done again."""
-        one = ServerPool(lambda: {address: {"version": self.learner.version}}, self.cfg.rpc, refresh_s=3600.0)
+        one = ServerPool.fixed(address, self.cfg.rpc)
         try:
             host = agent_host(self.cfg, self.tokenizer, one, self.eval_params, port=0)
             try:
