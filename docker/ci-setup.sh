@@ -12,7 +12,9 @@
 #   5. the CPU image $IMAGE (docker build; cached layers make a rebuild seconds)
 #
 # Environment: BASE_IMAGE (rlhf-base:bookworm), IMAGE (rlhf:cpu), PIP (the pip that builds the
-# wheelhouse: .venv/bin/pip), DEBIAN_MIRROR (apt's configured mirror), TORCH (torch==2.13.0+cpu).
+# wheelhouse: .venv/bin/pip), DEBIAN_MIRROR (apt's configured mirror), TORCH (torch==2.13.0+cpu),
+# PRUNE (1: the build stage's image, 2 GB, and the wheelhouse are removed once the image is built,
+# for a CI machine short of disk; a later build then starts from scratch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -76,4 +78,8 @@ fi
 # 5. the CPU image
 step "building $IMAGE"
 docker build --quiet -t "$IMAGE" --build-arg FLAVOUR=cpu --build-arg BASE_IMAGE="$BASE_IMAGE" . >/dev/null
+if [ "${PRUNE:-0}" = 1 ]; then
+  docker image prune -f >/dev/null
+  rm -f "$WHEELS"/*.whl "$stamp"
+fi
 step "ready: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%s %.2f GB", "'"$IMAGE"'", $1/1e9}') in $(( $(date +%s) - t0 )) s"
