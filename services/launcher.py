@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .common.lifecycle import EXIT_RUN_FAILED
 from .common.modeling import check_model_dir
@@ -183,10 +183,10 @@ def split_url_password(url: str | None) -> tuple[str | None, str | None]:
     parts = urlsplit(url)
     if parts.password is None:
         return url, None
-    assert parts.hostname is not None, "a Redis URL with a password must name its host"
-    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    host = parts.netloc.rpartition("@")[2]  # as written: an IPv6 address keeps its brackets
     user = f"{parts.username}@" if parts.username else ""
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment)), parts.password
+    # percent-encoded in the URL (a password with `@` or `/`), the password itself in the environment
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment)), unquote(parts.password)
 
 
 class Launcher:

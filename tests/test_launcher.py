@@ -126,3 +126,39 @@ def test_the_embedded_redis_has_a_session_of_its_own(tmp_path):
 
     with EmbeddedRedis(tmp_path / "redis", appendonly=False) as r:
         assert os.getsid(r.proc.pid) == r.proc.pid != os.getsid(0)
+
+
+def test_a_urls_password_leaves_it_whole_and_the_host_as_written():
+    """The password goes to the services in the environment, decoded; the URL keeps its host as
+    written (an IPv6 address in brackets, the port, the user, the database)."""
+    from services.launcher import split_url_password
+
+    assert split_url_password("redis://:p%40ss%2Fw@[::1]:6390/2") == ("redis://[::1]:6390/2", "p@ss/w")
+    assert split_url_password("redis://app:pw@redis.internal/0") == ("redis://app@redis.internal/0", "pw")
+    assert split_url_password("redis://[fe80::1]:6379/0") == ("redis://[fe80::1]:6379/0", None)
+    assert split_url_password(None) == (None, None)
+
+
+def test_a_password_with_an_at_sign_reaches_redis(tmp_path, monkeypatch):
+    """A real Redis with requirepass "p@ss/w": the URL written percent-encoded, as Redis URLs
+    are, is split by the launcher and the services connect with the password from the environment."""
+    from services.common.config_sections import ReplayConfig
+    from services.common.replay.connection import connect
+    from services.common.replay.embedded import EmbeddedRedis
+    from services.launcher import split_url_password
+
+    with EmbeddedRedis(tmp_path / "redis", password="p@ss/w", appendonly=False) as r:
+        url, password = split_url_password(f"redis://:p%40ss%2Fw@127.0.0.1:{r.port}/0")
+        assert password == "p@ss/w" and "p%40" not in url
+        monkeypatch.setenv("RLHF_REDIS_PASSWORD", password)
+        assert connect(ReplayConfig(url=url)).ping()
+
+
+def test_a_resp3_url_is_refused_with_what_to_do():
+    from pydantic import ValidationError
+
+    from services.common.config_sections import ReplayConfig
+
+    with pytest.raises(ValidationError, match="speaks RESP2"):
+        ReplayConfig(url="redis://localhost:6379/0?protocol=3")
+    assert ReplayConfig(url="redis://localhost:6379/0?protocol=2").url.endswith("protocol=2")

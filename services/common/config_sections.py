@@ -498,8 +498,8 @@ class RunConfig(Strict):
 class ReplayConfig(Strict):
     url: Optional[str] = Field(
         default=None,
-        description="redis://[:password@]host:port/db; null = an embedded "
-        "redis-server that `rlhf up` starts in the run directory",
+        description="redis://[:password@]host:port/db (a password percent-encoded, an IPv6 host in "
+        "brackets; RESP2: no protocol=3); null = an embedded redis-server that `rlhf up` starts in the run directory",
     )
     password: Optional[str] = Field(default=None, description="Redis password; null = read password_env")
     password_env: str = Field(default="RLHF_REDIS_PASSWORD", description="env var read when password is null")
@@ -527,6 +527,18 @@ class ReplayConfig(Strict):
         "with nothing acknowledged lost (at most ~1 s of writes on a crash of the machine); always fsyncs "
         "every write (nothing acknowledged lost even then; slower)",
     )
+
+    @field_validator("url")
+    @classmethod
+    def _resp2(cls, v: Optional[str]) -> Optional[str]:
+        """The replay store reads Redis' RESP2 replies (a stream read is a list of [stream,
+        entries] there, a map in RESP3): a URL that asks for RESP3 is refused here, not at the
+        first read."""
+        from urllib.parse import parse_qs, urlsplit
+
+        if v and any(p != "2" for p in parse_qs(urlsplit(v).query).get("protocol", [])):
+            raise ValueError("the replay store speaks RESP2: drop `protocol=` from the URL (or set protocol=2)")
+        return v
 
     def resolved_password(self) -> Optional[str]:
         import os

@@ -141,7 +141,9 @@ class Rollout:
     @classmethod
     def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
         gen_log_probs: list[list[float]] = []
-        values: list[list[float]] | None = [] if groups and groups[0].values is not None else None
+        # critic values when every group has them (the learner's intake drops a group without them
+        # from a run that trains a critic; a run without one ignores those a worker sent)
+        values: list[list[float]] | None = [] if groups and all(g.values is not None for g in groups) else None
         out = cls([], [], [], [], gen_log_probs, values, [])
         holes = any(c.loss_mask is not None for g in groups for c in g.completions)
         masks: list[list[int]] = []
@@ -155,8 +157,7 @@ class Rollout:
                 out.scores.append(g.scores[j].reward)
                 out.index.append(g.uid)
                 out.versions.append(g.version)
-                if values is not None:
-                    assert g.values is not None  # the groups of one batch all have values, or none
+                if values is not None and g.values is not None:
                     values.append(g.values[j])
         out.loss_masks = masks if holes else None
         return out

@@ -41,7 +41,7 @@ from ..common.lifecycle import HTTPServerThread
 from ..common.rpc.client import reachable_host
 from ..common.types import PromptRecord, SampleGroup, SamplingParams, ScoreResult
 from ..common.userfn import load_function
-from .app import CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED, SESSION_HEADER, Gateway, Sampler, build_app
+from .app import CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED, SESSION_HEADER, Gateway, Sampler, build_app, session_key
 from .sessions import Sessions, as_sample
 
 if TYPE_CHECKING:
@@ -319,7 +319,10 @@ class AgentHost:
         import openai
 
         client = openai.OpenAI(
-            base_url=self.base_url, api_key=self.token, default_headers={SESSION_HEADER: sid}, max_retries=0
+            base_url=self.base_url,
+            api_key=session_key(self.token, sid),
+            default_headers={SESSION_HEADER: sid},
+            max_retries=0,
         )
         try:
             return self.agent(client, record)
@@ -333,7 +336,10 @@ class AgentHost:
 
         async def one(record: PromptRecord, sid: str):
             client = openai.AsyncOpenAI(
-                base_url=self.base_url, api_key=self.token, default_headers={SESSION_HEADER: sid}, max_retries=0
+                base_url=self.base_url,
+                api_key=session_key(self.token, sid),
+                default_headers={SESSION_HEADER: sid},
+                max_retries=0,
             )
             try:
                 return self._checked(sid, await asyncio.wait_for(self.agent(client, record), self.timeout_s))

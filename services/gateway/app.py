@@ -2,7 +2,7 @@
 `/v1/models`, and the sessions an agent's requests make (`/v1/sessions/{id}`).
 
 One request, hop by hop:
-    chat_completions              auth (the run's bearer token), the request checked
+    chat_completions              auth (the run's bearer token or the session's key), the request checked
       Session.prompt              token-exact: the session's tokens so far + the new messages'
                                   (sessions.py)
       Sampler.generate            the session's generation server while it lives, else another
@@ -14,6 +14,7 @@ One request, hop by hop:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -329,6 +330,14 @@ def _usage(prompt: list[int], choices: list[Choice]) -> dict:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
 
+def session_key(token: str, session_id: str) -> str:
+    """The api key for one session (what an agent is given, not the run's token): it authorizes
+    that session's requests only, so an agent cannot reach other sessions or the run's services.
+    Derived from the run's token, so every process of the run checks it without a shared table."""
+    digest = hmac.new(token.encode(), b"session:" + session_id.encode(), hashlib.sha256).hexdigest()
+    return f"sk-session-{digest}"
+
+
 def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurrency: int = 256):
     """The FastAPI app over `gateway`; every route but /health asks for the bearer `token` (when
     set). `version()`: the policy version the servers serve now (for /v1/models). `concurrency`:
@@ -349,11 +358,20 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
         title="rlhf gateway", description="OpenAI-compatible endpoint with token-exact sessions", lifespan=lifespan
     )
 
-    def check(authorization: str | None) -> None:
-        if token is not None and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
-            raise GatewayError(
-                401, "missing or wrong bearer token (Authorization: Bearer <token>)", "authentication_error"
-            )
+    def check(authorization: str | None, session_id: str | None = None) -> None:
+        """The run's token, or the session key of the session the request names."""
+        if token is None:
+            return
+        given = (authorization or "").encode()
+        if hmac.compare_digest(given, f"Bearer {token}".encode()):
+            return
+        if session_id and hmac.compare_digest(given, f"Bearer {session_key(token, session_id)}".encode()):
+            return
+        raise GatewayError(
+            401,
+            "missing or wrong bearer token (Authorization: Bearer <the run's token, or this session's key>)",
+            "authentication_error",
+        )
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, e: GatewayError):
@@ -374,7 +392,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
         authorization: str | None = Header(None),
         x_session_id: str | None = Header(None),
     ):
-        check(authorization)
+        check(authorization, x_session_id or req.session_id)
         return answer(req, *gateway.chat_completion(req, x_session_id))
 
     @app.post("/v1/completions")
@@ -383,12 +401,12 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
         authorization: str | None = Header(None),
         x_session_id: str | None = Header(None),
     ):
-        check(authorization)
+        check(authorization, x_session_id or req.session_id)
         return answer(req, *gateway.completion(req, x_session_id))
 
     @app.get("/v1/models")
-    def models(authorization: str | None = Header(None)):
-        check(authorization)
+    def models(authorization: str | None = Header(None), x_session_id: str | None = Header(None)):
+        check(authorization, x_session_id)
         return {
             "object": "list",
             "data": [
@@ -404,7 +422,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
 
     @app.get("/v1/sessions/{session_id:path}")
     def session_record(session_id: str, authorization: str | None = Header(None)):
-        check(authorization)
+        check(authorization, session_id)
         session = gateway.sessions.find(session_id)
         if session is None:
             raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
@@ -413,7 +431,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
     @app.post("/v1/sessions/{session_id:path}/reward")
     def post_reward(session_id: str, body: RewardPost, authorization: str | None = Header(None)):
         """An agent's reward for its session (an agent service's way to report it)."""
-        check(authorization)
+        check(authorization, session_id)
         session = gateway.sessions.find(session_id)
         if session is None:
             raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
@@ -422,7 +440,7 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
 
     @app.delete("/v1/sessions/{session_id:path}")
     def end_session(session_id: str, authorization: str | None = Header(None)):
-        check(authorization)
+        check(authorization, session_id)
         session = gateway.sessions.end(session_id)
         if session is None:
             raise GatewayError(404, f"no session {session_id!r}", "not_found")

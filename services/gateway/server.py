@@ -11,6 +11,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+import grpc
+
 from ..common.lifecycle import HTTPServerThread, Service
 from ..common.modeling import load_tokenizer
 from ..common.rpc.client import endpoint_address
@@ -32,6 +34,7 @@ class GatewayService(Service):
         self.http: HTTPServerThread | None = None
         self.servers: ServerPool | None = None
         self.store: object | None = None  # the replay store whose registry lists the servers
+        self.fixed: str | None = None  # or the one configured server (no registry)
         self.port: int | None = None
         self._done = threading.Event()
 
@@ -43,8 +46,8 @@ class GatewayService(Service):
             store = self.store = ReplayStore.from_config(cfg)
             self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
         else:
-            address = endpoint_address(cfg.rpc.generation)
-            self.servers = ServerPool.fixed(address, cfg.rpc)
+            self.fixed = endpoint_address(cfg.rpc.generation)
+            self.servers = ServerPool.fixed(self.fixed, cfg.rpc)
         gateway = Gateway(
             load_tokenizer(cfg.model.path),
             Sampler(self.servers, cfg.rpc.timeout_s),
@@ -60,8 +63,15 @@ class GatewayService(Service):
         return self
 
     def _version(self) -> int | None:
-        """The newest policy version a live generation server reports (None when unknown)."""
+        """The newest policy version a live generation server reports (None when unknown): the
+        registry's, or what the configured server answers (a short deadline: /v1/models does not
+        wait for a server that is down)."""
         assert self.servers is not None
+        if self.fixed is not None:
+            try:
+                return int(self.servers.client(self.fixed).info(timeout=5.0).policy_version)
+            except grpc.RpcError:
+                return None
         versions = [int(e["version"]) for e in self.servers.live().values() if "version" in e]
         return max(versions) if versions else None
 

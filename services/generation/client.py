@@ -114,8 +114,8 @@ class GenerationClient(RPCClient):
         shares with this server (`services.weights.shm`)."""
         return self.stub.LoadSharedWeights(request, timeout=timeout or self.timeout, metadata=self.metadata)
 
-    def info(self) -> gpb.GenerationInfo:
-        return self.stub.GetInfo(gpb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
+    def info(self, timeout: float | None = None) -> gpb.GenerationInfo:
+        return self.stub.GetInfo(gpb.InfoRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
 
     @property
     def version(self) -> int:

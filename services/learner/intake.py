@@ -94,6 +94,11 @@ class TrajectoryIntake:
                 continue
             try:
                 group = group_from_proto(msg)
+                if cfg.needs_critic and group.values is None:
+                    raise ValueError(
+                        "it has no critic values and this run trains a critic (the worker that wrote it "
+                        "runs with another config than the learner's)"
+                    )
             except ValueError as e:
                 log.error("malformed trajectory %s dropped: %s", entry_id, e)
                 self.store.discard(entry_id)

@@ -120,6 +120,29 @@ def test_a_request_without_the_token_is_refused(one):
     assert httpx.get(one.url.replace("/v1", "/health")).status_code == 200  # probes need no token
 
 
+def test_a_session_key_opens_its_own_session_only(one):
+    """What an agent is given instead of the run's token: its session's key serves that session's
+    requests and record, and is refused for another session, for none, and for the other routes."""
+    from services.gateway.app import session_key
+
+    key = session_key(TOKEN, "s-key-a")
+    assert TOKEN not in key
+
+    def client(sid=None):
+        headers = {"x-session-id": sid} if sid else {}
+        return openai.OpenAI(base_url=one.url, api_key=key, default_headers=headers, max_retries=0)
+
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "a="}], "max_tokens": 2, "temperature": 0}
+    assert client("s-key-a").chat.completions.create(**ask).choices[0].message.role == "assistant"
+    for other in ("s-key-b", None):
+        with pytest.raises(openai.AuthenticationError):
+            client(other).chat.completions.create(**ask)
+    auth = {"Authorization": f"Bearer {key}"}
+    assert httpx.get(f"{one.url}/sessions/s-key-a", headers=auth).status_code == 200
+    assert httpx.get(f"{one.url}/sessions/s-key-b", headers=auth).status_code == 401
+    assert httpx.post(f"{one.url}/sessions/s-key-b/reward", json={"reward": 1.0}, headers=auth).status_code == 401
+
+
 def test_a_streamed_answer_is_the_same_turn_in_chunks(one):
     """stream=True (clients that always stream): the openai client reads the same reply, finish
     reason and usage as unstreamed, and the session records the turn as it does any other."""
@@ -304,7 +327,8 @@ def test_rlhf_serve_gateway_wires_the_endpoint_to_the_configured_server(gcfg, ti
                 model="x", messages=[{"role": "user", "content": "abc="}], max_tokens=4, temperature=0
             )
             assert out.choices[0].message.content is not None
-            assert client.models.list().data[0].id == tiny_model_dir
+            model = client.models.list().data[0]
+            assert model.id == tiny_model_dir and model.policy_version == 0  # asked of the configured server
 
 
 def test_the_end_of_turn_is_added_unless_the_policy_sampled_it(tiny_model_dir):

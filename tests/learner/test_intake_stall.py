@@ -64,3 +64,26 @@ def test_trajectories_from_the_future_name_a_rogue_writer(caplog):
         _collect_until(intake, 20)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "AHEAD of the learner" in errors[0]
+
+
+def test_a_group_without_critic_values_is_dropped_from_a_run_with_a_critic(caplog):
+    """A worker that runs another config (no critic) writes groups without values: a run that
+    trains a critic drops them as malformed, with why, instead of failing the batch."""
+    from services.common.replay.records import group_to_proto, make_task, task_record
+    from services.common.types import Completion, PromptRecord, SampleGroup, ScoreResult
+
+    cfg = config_from_dict({"rollout_batch_size": 1, "adv_estimator": "gae"})
+
+    class Store(_Store):
+        def read_trajectories(self, count, block_ms=0, pending=False):
+            task = make_task(PromptRecord(f"p{self.discarded}", "x="), 0, version=10, min_version=10, group_size=1)
+            g = SampleGroup(
+                task.uid, task_record(task), [1, 2], [Completion([5], [-0.5], "stop")], [ScoreResult(1.0, {})], None, 10
+            )
+            return [(f"{self.discarded}-0".encode(), group_to_proto(g, task, worker="w", server="s"))]
+
+    intake = TrajectoryIntake(cfg, Store(policy_version=10), _Feeder())
+    with caplog.at_level(logging.ERROR, logger="services.learner.intake"):
+        _collect_until(intake, 3)
+    assert intake.counters["malformed"] == 3
+    assert any("no critic values" in r.getMessage() for r in caplog.records)

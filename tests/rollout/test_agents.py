@@ -247,6 +247,7 @@ def _agent_service():
 
     @app.post("/run")
     def run(task: dict):
+        AGENT_SERVICE.setdefault("keys", {})[task["session_id"]] = task["api_key"]
         client = openai.OpenAI(base_url=task["base_url"], api_key=task["api_key"], default_headers=task["headers"])
         messages = [{"role": "user", "content": task["sample"]["prompt"]}]
         first = client.chat.completions.create(model="p", messages=messages, max_tokens=3)
@@ -287,6 +288,8 @@ def test_an_agent_service_over_http_runs_each_session(make_cfg, how, reward, why
         groups, dead = _groups_of(make_cfg, {"agent_url": url})
     finally:
         http.stop()
+    keys = AGENT_SERVICE.pop("keys")  # each session its own key, not the run's token
+    assert len(set(keys.values())) == len(keys) == 2 and all(k.startswith("sk-session-") for k in keys.values())
     if why is None:
         assert dead == [] and len(groups) == 1
         for c, s in zip(groups[0].completions, groups[0].scores):

@@ -56,6 +56,17 @@ def test_records_round_trip_exactly_and_flatten_into_a_rollout():
         group_from_proto(bad)
 
 
+def test_a_batch_with_and_without_critic_values_flattens_without_them():
+    """Critic values ride along only when every group has them (a critic-free run ignores those a
+    worker sent), whichever group comes first."""
+    t = _task(1)
+    with_values = group_from_proto(_group(t))
+    without = group_from_proto(_group(t, values=False))
+    for groups in ([with_values, without], [without, with_values]):
+        r = Rollout.from_groups(groups)
+        assert r.values is None and len(r.response_ids) == 4
+
+
 def test_produce_appends_and_acknowledges_atomically_and_once_per_attempt(store):
     store.feed([_task(i) for i in range(3)])
     claimed, reclaimed = store.claim_prompts("w1", 10, block_ms=100)
