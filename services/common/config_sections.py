@@ -360,7 +360,7 @@ class CriticConfig(Strict):
 class DataConfig(Strict):
     train: str = Field(
         default="synthetic:reverse",
-        description="training prompts: synthetic:TASK (reverse, arithmetic), a "
+        description="training prompts: synthetic:TASK (reverse, arithmetic, multiply), a "
         ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
         "directory)",
     )
@@ -531,13 +531,18 @@ class ReplayConfig(Strict):
     @field_validator("url")
     @classmethod
     def _resp2(cls, v: Optional[str]) -> Optional[str]:
-        """The replay store reads Redis' RESP2 replies (a stream read is a list of [stream,
-        entries] there, a map in RESP3): a URL that asks for RESP3 is refused here, not at the
-        first read."""
+        """The replay store reads Redis' RESP2 replies as redis-py shapes them (a stream read is a
+        list of [stream, entries]; RESP3, or redis-py's `legacy_responses=false`, makes it a
+        map): a URL that asks for either is refused here, not at the first read."""
         from urllib.parse import parse_qs, urlsplit
 
-        if v and any(p != "2" for p in parse_qs(urlsplit(v).query).get("protocol", [])):
+        if not v:
+            return v
+        query = parse_qs(urlsplit(v).query)
+        if any(not p.strip().isdigit() or int(p) != 2 for p in query.get("protocol", [])):
             raise ValueError("the replay store speaks RESP2: drop `protocol=` from the URL (or set protocol=2)")
+        if any(p.strip().lower() in ("false", "0", "no", "off") for p in query.get("legacy_responses", [])):
+            raise ValueError("the replay store reads redis-py's legacy reply shapes: drop `legacy_responses=`")
         return v
 
     def resolved_password(self) -> Optional[str]:

@@ -28,6 +28,7 @@ import asyncio
 import inspect
 import logging
 import math
+import secrets
 import socket
 import threading
 import time
@@ -197,7 +198,8 @@ class AgentHost:
         URL names (an agent service elsewhere reaches it there; default the bound one, on
         loopback for a wildcard). A turn's deadline: `generate_timeout_s` plus `per_token_s` per
         token of every session in flight here (their turns share the servers' batches)."""
-        self.agent, self.token, self.timeout_s = agent, token or "unused", timeout_s
+        self.agent, self.timeout_s = agent, timeout_s
+        self.secret = secrets.token_hex(32)  # this endpoint's: the session keys agents are given
         self.active = 0  # sessions in flight (runs may overlap: a worker's loops)
         self._active_lock = threading.Lock()
         self.generate_timeout_s, self.per_token_s, self.max_tokens = generate_timeout_s, per_token_s, max_tokens
@@ -213,7 +215,9 @@ class AgentHost:
             pinned=params,
             max_turns=max_turns,
         )
-        self.http = HTTPServerThread(build_app(gateway, token), bind[0], bind[1], name="agent-endpoint")
+        self.http = HTTPServerThread(
+            build_app(gateway, token, session_secret=self.secret), bind[0], bind[1], name="agent-endpoint"
+        )
         port = self.http.start()
         self.base_url = f"http://{advertise or reachable_host(bind[0])}:{port}/v1"
 
@@ -320,7 +324,7 @@ class AgentHost:
 
         client = openai.OpenAI(
             base_url=self.base_url,
-            api_key=session_key(self.token, sid),
+            api_key=session_key(self.secret, sid),
             default_headers={SESSION_HEADER: sid},
             max_retries=0,
         )
@@ -337,7 +341,7 @@ class AgentHost:
         async def one(record: PromptRecord, sid: str):
             client = openai.AsyncOpenAI(
                 base_url=self.base_url,
-                api_key=session_key(self.token, sid),
+                api_key=session_key(self.secret, sid),
                 default_headers={SESSION_HEADER: sid},
                 max_retries=0,
             )

@@ -330,19 +330,28 @@ def _usage(prompt: list[int], choices: list[Choice]) -> dict:
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
 
 
-def session_key(token: str, session_id: str) -> str:
-    """The api key for one session (what an agent is given, not the run's token): it authorizes
-    that session's requests only, so an agent cannot reach other sessions or the run's services.
-    Derived from the run's token, so every process of the run checks it without a shared table."""
-    digest = hmac.new(token.encode(), b"session:" + session_id.encode(), hashlib.sha256).hexdigest()
+def session_key(secret: str, session_id: str) -> str:
+    """The api key for one session (what an agent is given, not the run's token): derived from
+    the secret of the one endpoint that opened the session (a rollout worker's), it is accepted
+    there only and for that session only: not by another endpoint, not for another session, and
+    it opens none (that endpoint creates no sessions)."""
+    digest = hmac.new(secret.encode(), b"session:" + session_id.encode(), hashlib.sha256).hexdigest()
     return f"sk-session-{digest}"
 
 
-def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurrency: int = 256):
+def build_app(
+    gateway: Gateway,
+    token: str | None,
+    version=lambda: None,
+    concurrency: int = 256,
+    session_secret: str | None = None,
+):
     """The FastAPI app over `gateway`; every route but /health asks for the bearer `token` (when
-    set). `version()`: the policy version the servers serve now (for /v1/models). `concurrency`:
-    requests answered at once (each holds a thread while its turn is sampled: as many as the
-    generation servers batch, not the 40 threads FastAPI runs sync routes on by default)."""
+    set) or, with `session_secret` (a rollout worker's endpoint), the session key of the session
+    the request names: there a key is asked for even when the run has no token. `version()`:
+    the policy version the servers serve now (for /v1/models). `concurrency`: requests answered
+    at once (each holds a thread while its turn is sampled: as many as the generation servers
+    batch, not the 40 threads FastAPI runs sync routes on by default)."""
     from contextlib import asynccontextmanager
 
     import anyio.to_thread
@@ -359,13 +368,17 @@ def build_app(gateway: Gateway, token: str | None, version=lambda: None, concurr
     )
 
     def check(authorization: str | None, session_id: str | None = None) -> None:
-        """The run's token, or the session key of the session the request names."""
-        if token is None:
+        """The run's token, or the key of the session the request names (`session_secret`'s)."""
+        if token is None and session_secret is None:
             return
         given = (authorization or "").encode()
-        if hmac.compare_digest(given, f"Bearer {token}".encode()):
+        if token is not None and hmac.compare_digest(given, f"Bearer {token}".encode()):
             return
-        if session_id and hmac.compare_digest(given, f"Bearer {session_key(token, session_id)}".encode()):
+        if (
+            session_secret is not None
+            and session_id
+            and hmac.compare_digest(given, f"Bearer {session_key(session_secret, session_id)}".encode())
+        ):
             return
         raise GatewayError(
             401,

@@ -64,12 +64,12 @@ class GatewayService(Service):
 
     def _version(self) -> int | None:
         """The newest policy version a live generation server reports (None when unknown): the
-        registry's, or what the configured server answers (a short deadline: /v1/models does not
-        wait for a server that is down)."""
+        registry's, or what the configured server answers (a deadline of a second: /v1/models does
+        not wait for a server that is down)."""
         assert self.servers is not None
         if self.fixed is not None:
             try:
-                return int(self.servers.client(self.fixed).info(timeout=5.0).policy_version)
+                return int(self.servers.client(self.fixed).info(timeout=1.0).policy_version)
             except grpc.RpcError:
                 return None
         versions = [int(e["version"]) for e in self.servers.live().values() if "version" in e]

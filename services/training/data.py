@@ -8,7 +8,8 @@ answer a rule reward checks against: the `label_key` field, else verl's
 `#### N`) give the question as prompt and N as label. Chat messages always go through the
 tokenizer's chat template; string prompts do when `chat_template` is on. `synthetic:reverse` is
 the tiny default task: reverse a short string of letters; `synthetic:arithmetic` asks for the sum
-of two 2-digit numbers. Train and held-out prompts of a synthetic task are disjoint.
+of two 2-digit numbers, `synthetic:multiply` for their product. Train and held-out prompts of a
+synthetic task are disjoint.
 """
 
 from __future__ import annotations
@@ -62,25 +63,45 @@ def _pair_held_out(a: int, b: int) -> bool:
     return zlib.crc32(f"{min(a, b)}+{max(a, b)}".encode()) % 5 == 0
 
 
+def _pairs(split: str, n: int | None, seed: int, task: str) -> list[tuple[int, int]]:
+    """The (a, b) pairs of a two-number task, a and b in 10..99: the split's, in an order shuffled
+    by `seed` for train; the eval order ignores it, so every run holds out the same prompts."""
+    held_out = split == "eval"
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if _pair_held_out(a, b) == held_out]
+    random.Random(f"{task}-eval" if held_out else f"{task}-train-{seed}").shuffle(pairs)
+    return pairs[:n]
+
+
 def arithmetic_task(split: str, n: int | None = None, seed: int = 0) -> list[PromptRecord]:
     """The synthetic `arithmetic` task: prompt "What is 52 + 97? Answer with the number only."
     -> answer "149", for a and b in 10..99. `split` is train or eval; n = None takes every pair of
-    the split. Train prompts come in an order shuffled by `seed`; the eval order ignores it, so
-    every run holds out the same prompts."""
-    held_out = split == "eval"
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if _pair_held_out(a, b) == held_out]
-    random.Random("arithmetic-eval" if held_out else f"arithmetic-train-{seed}").shuffle(pairs)
+    the split."""
     return [
         PromptRecord(
             id=f"arithmetic-{split}-{a}+{b}",
             prompt=f"What is {a} + {b}? Answer with the number only.",
             label=str(a + b),
         )
-        for a, b in pairs[:n]
+        for a, b in _pairs(split, n, seed, "arithmetic")
     ]
 
 
-SYNTHETIC_TASKS = {"reverse": reverse_task, "arithmetic": arithmetic_task}
+def multiply_task(split: str, n: int | None = None, seed: int = 0) -> list[PromptRecord]:
+    """The synthetic `multiply` task: "What is 52 times 97? Answer with the number only." ->
+    "5044" (a and b in 10..99, in `metadata` too): beyond a small model's mental arithmetic, for
+    an environment that offers a calculator (examples/calculator_env.py)."""
+    return [
+        PromptRecord(
+            id=f"multiply-{split}-{a}x{b}",
+            prompt=f"What is {a} times {b}? Answer with the number only.",
+            label=str(a * b),
+            metadata={"a": a, "b": b},
+        )
+        for a, b in _pairs(split, n, seed, "multiply")
+    ]
+
+
+SYNTHETIC_TASKS = {"reverse": reverse_task, "arithmetic": arithmetic_task, "multiply": multiply_task}
 DATASETS_FILE_TYPES = (".parquet", ".csv", ".json")
 # the dataset splits `hf:` sources fall back to, in order, when the wanted split is missing
 SPLIT_CHOICES = {"train": ("train",), "eval": ("eval", "test", "validation", "valid")}

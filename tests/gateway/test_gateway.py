@@ -120,27 +120,35 @@ def test_a_request_without_the_token_is_refused(one):
     assert httpx.get(one.url.replace("/v1", "/health")).status_code == 200  # probes need no token
 
 
-def test_a_session_key_opens_its_own_session_only(one):
-    """What an agent is given instead of the run's token: its session's key serves that session's
-    requests and record, and is refused for another session, for none, and for the other routes."""
+@pytest.mark.parametrize("run_token", [TOKEN, None])
+def test_a_session_key_opens_its_own_session_on_its_own_endpoint_only(one, run_token):
+    """What an agent is given instead of the run's token: the key of its session on the endpoint
+    that opened it (a rollout worker's, with its own secret) serves that session's requests and
+    record, and is refused for another session, for none, and on any other endpoint (the public
+    gateway: one.url). Without a run token that endpoint still asks for the key."""
     from services.gateway.app import session_key
 
-    key = session_key(TOKEN, "s-key-a")
-    assert TOKEN not in key
+    http = HTTPServerThread(build_app(one.gateway, run_token, session_secret="s3cret"), "127.0.0.1", 0, name="keyed")
+    url = f"http://127.0.0.1:{http.start()}/v1"
+    key = session_key("s3cret", "s-key-a")
 
-    def client(sid=None):
+    def client(sid=None, base=url, api_key=key):
         headers = {"x-session-id": sid} if sid else {}
-        return openai.OpenAI(base_url=one.url, api_key=key, default_headers=headers, max_retries=0)
+        return openai.OpenAI(base_url=base, api_key=api_key, default_headers=headers, max_retries=0)
 
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "a="}], "max_tokens": 2, "temperature": 0}
-    assert client("s-key-a").chat.completions.create(**ask).choices[0].message.role == "assistant"
-    for other in ("s-key-b", None):
-        with pytest.raises(openai.AuthenticationError):
-            client(other).chat.completions.create(**ask)
-    auth = {"Authorization": f"Bearer {key}"}
-    assert httpx.get(f"{one.url}/sessions/s-key-a", headers=auth).status_code == 200
-    assert httpx.get(f"{one.url}/sessions/s-key-b", headers=auth).status_code == 401
-    assert httpx.post(f"{one.url}/sessions/s-key-b/reward", json={"reward": 1.0}, headers=auth).status_code == 401
+    try:
+        assert client("s-key-a").chat.completions.create(**ask).choices[0].message.role == "assistant"
+        refused = [client("s-key-b"), client(None), client("s-key-a", base=one.url), client("s-key-b", api_key="x")]
+        for c in refused:
+            with pytest.raises(openai.AuthenticationError):
+                c.chat.completions.create(**ask)
+        auth = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(f"{url}/sessions/s-key-a", headers=auth).status_code == 200
+        assert httpx.get(f"{url}/sessions/s-key-b", headers=auth).status_code == 401
+        assert httpx.post(f"{url}/sessions/s-key-b/reward", json={"reward": 1.0}, headers=auth).status_code == 401
+    finally:
+        http.stop()
 
 
 def test_a_streamed_answer_is_the_same_turn_in_chunks(one):

@@ -3,12 +3,15 @@ options and the synthetic arithmetic task: records in, prompt text and label out
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from services.cli.tiny import build_tokenizer
 from services.common.config import config_from_dict
 from services.training.data import arithmetic_task, gsm8k_label, load_prompts, render_prompt, source_problem
+
+ROOT = Path(__file__).resolve().parents[2]
 
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many in all?"
 
@@ -164,6 +167,41 @@ def test_arithmetic_task_splits_labels_and_a_fixed_eval():
     assert [r.id for r in arithmetic_task("eval", 20)] == [r.id for r in held[:20]]
     assert [r.id for r in arithmetic_task("train", 20, seed=0)] != [r.id for r in arithmetic_task("train", 20, seed=1)]
     assert len(arithmetic_task("train", 5)) == 5
+
+
+def test_multiply_task_holds_out_the_same_pairs_with_products():
+    from services.training.data import multiply_task
+
+    train, held = multiply_task("train"), multiply_task("eval")
+    pairs = {frozenset((r.metadata["a"], r.metadata["b"])) for r in held}
+    assert pairs == {frozenset(_pair(r.prompt)) for r in arithmetic_task("eval")}  # the same split
+    assert not pairs & {frozenset((r.metadata["a"], r.metadata["b"])) for r in train}
+    for r in train[:50] + held[:50]:
+        a, b = r.metadata["a"], r.metadata["b"]
+        assert r.prompt == f"What is {a} times {b}? Answer with the number only." and r.label == str(a * b)
+    assert source_problem("synthetic:multiply") is None
+
+
+def test_the_calculator_example_answers_the_call_the_policy_wrote():
+    """examples/calculator_env.py: a calculation is a call answered with its own result (a wrong
+    number copied gives a wrong result); the next reply is the answer; a reply without a
+    calculation is the answer at once."""
+    from services.common.userfn import load_function
+    from services.training.data import multiply_task
+
+    Calculator = load_function(str(ROOT / "examples/calculator_env.py") + ":Calculator")
+    sample = multiply_task("eval", 1)[0]
+    a, b = sample.metadata["a"], sample.metadata["b"]
+    env = Calculator()
+    assert f"What is {a} times {b}?" in env.reset(sample)
+    message, reward, done = env.step(f"{a} * {b} = 12")
+    assert message.startswith(f"Calculator: {a} * {b} = {a * b}.") and (reward, done) == (0.0, False)
+    assert env.step(f"The answer is {a * b:,}.") == (None, 1.0, True)
+    env.reset(sample)
+    assert "= 0." in env.step(f"{a} * 0")[0]  # the call it wrote, not the question's
+    assert env.step("0") == (None, 0.0, True)
+    env.reset(sample)
+    assert env.step("I think it is 5") == (None, 0.0, True)
 
 
 def test_arithmetic_through_load_prompts_and_the_chat_template(tok):
