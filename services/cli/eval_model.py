@@ -39,6 +39,7 @@ def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
     p = Path(path)
     if (p / "learner.pt").exists():
         state = torch.load(p / "learner.pt", map_location="cpu", weights_only=True)
+        state = state.get("learner", state)  # a run's checkpoint holds the learner's state among others
         if "policy" not in state:
             raise ValueError(
                 f"{p} is a sharded checkpoint (its actor is in {p / 'actor'}); evaluate the run's "

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.cli import main
 from services.common.config import load_config
@@ -115,6 +116,12 @@ def test_a_run_keeps_its_generations_its_best_policy_and_its_newest_checkpoints(
         assert len(rows) == 32 and sum(r["reward"] for r in rows) / 32 == pytest.approx(score, abs=1e-12)
     # the newest two (the last iteration's too: a later run with more iterations goes on from it)
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["iter_000005", "iter_000006"]
+    # a checkpoint evaluates as it is: the last one holds the final policy
+    from services.cli.eval_model import load_policy
+
+    final = load_policy(str(root / "final"), str(root / "final")).model.state_dict()
+    last = load_policy(str(root / "checkpoints" / "iter_000006"), str(root / "final")).model.state_dict()
+    assert all(torch.equal(last[k], v) for k, v in final.items())
     trained = {it: s for it, s in evals.items() if it > 0}
     if max(trained.values()) <= evals[0]:  # no iteration beat the base policy: nothing to keep
         assert not (root / "best").exists()
@@ -140,7 +147,8 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
         for p in trainer.policy.parameters():
             p.add_(0.01)  # not the base weights
     (tmp_path / "ckpt").mkdir()
-    torch.save(trainer.state_dict(), tmp_path / "ckpt" / "learner.pt")  # what `rlhf up` checkpoints hold
+    # what `rlhf up` and `train --local` checkpoints hold: the learner's state among the run's
+    torch.save({"learner": trainer.state_dict(), "iteration": 1}, tmp_path / "ckpt" / "learner.pt")
     loaded = load_policy(str(tmp_path / "ckpt"), tiny_model_dir).model.state_dict()
     for k, v in trainer.policy.state_dict().items():
         assert torch.equal(loaded[k], v), k
