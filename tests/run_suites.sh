@@ -13,7 +13,7 @@ logs=runs/test-logs
 mkdir -p "$logs"
 declare -a rows
 failed=0
-# the four suites need up to 12 GiB of disk (two venvs, the Docker images; 8.3 measured with PRUNE=1); say so up front, since
+# the four suites need up to 12 GiB of disk (two venvs, the Docker images; 8.3-8.9 measured with PRUNE=1); say so up front, since
 # "No space left on device" halfway through a pip install reads like a packaging bug
 free_gib() { df -Pk . | awk 'NR==2 {printf "%.1f", $4 / 1048576}'; }
 echo "disk: $(free_gib) GiB free where the suites run"

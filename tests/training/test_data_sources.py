@@ -25,7 +25,7 @@ def test_missing_data_sources_are_config_errors_naming_the_key(tmp_path, monkeyp
     assert _errors({"train": "p.parquet"}) == ["data.train: no such file p.parquet"]
     assert _errors({"eval": "hf:./dsdir@test"}) == ["data.eval: no such dataset directory dsdir"]
     assert _errors({"train": "synthetic:sort"}) == [
-        "data.train: unknown synthetic task 'sort'; valid: reverse, arithmetic"
+        "data.train: unknown synthetic task 'sort'; valid: reverse, arithmetic, multiply"
     ]
 
 
