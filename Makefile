@@ -121,11 +121,13 @@ lock: $(BIN)/.installed $(VLLM_BIN)/.installed
 	$(VLLM_BIN)/pip list --format=freeze --exclude-editable | grep -viE '^(torch|rlhf-services|pip)==' > constraints-vllm.txt
 
 # the timing-sensitive tests RUNS times in a row while LOAD busy processes keep the cores busy;
-# every failure reported, none re-run (tests/flake_hunt.py)
+# MODE=machines: the learning tests under ATEN_CPU_CAPABILITY default/avx2/avx512 x 1/2/3 threads
+# (other CPUs' float kernels); every failure reported, none re-run (tests/flake_hunt.py)
 RUNS ?= 3
 LOAD ?= $(shell nproc)
+MODE ?= load
 flake-hunt: $(BIN)/.installed
-	$(BIN)/python tests/flake_hunt.py --runs $(RUNS) --load $(LOAD)
+	$(BIN)/python tests/flake_hunt.py $(if $(filter machines,$(MODE)),--machines,--runs $(RUNS) --load $(LOAD))
 
 test-main: $(BIN)/.installed deploy-tools
 	RLHF_REQUIRE_K8S_TOOLS=1 $(BIN)/python -m pytest tests -m "not vllm and not docker"

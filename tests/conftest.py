@@ -1,9 +1,16 @@
 import os
 
-import pytest
-import torch
+# OpenMP threads that wait for work sleep instead of spinning: the suite runs several processes
+# on 2 cores (services, helpers), and GNU OpenMP's spinning threads of one process starve the
+# others (the reward-hacking tests: 212 s spinning, 17 s passive, beside one busy process). Read
+# when torch loads, so set before it is imported; the services the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# OMP_NUM_THREADS when set (`make flake-hunt MODE=machines` runs the learning tests at 1, 2 and 3)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")

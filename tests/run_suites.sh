@@ -9,6 +9,9 @@
 # test-vllm. `make test` on a workstation keeps it (PRUNE unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# OpenMP threads that wait sleep instead of spinning (tests/conftest.py says why): for every suite
+# and every process the tests start
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 logs=runs/test-logs
 mkdir -p "$logs"
 declare -a rows

