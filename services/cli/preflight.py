@@ -1,7 +1,9 @@
 """The checks a command runs before it starts work, so that one run of `rlhf config validate` (or
 of `train`, `up`) reports every mistake it can find, each naming its key:
 
-    data sources     data.train / data.eval exist (training/data.py:data_source_errors)
+    data sources     data.train / data.eval exist; a JSON lines file's every line is a record
+                     with a prompt, and a label when the reward reads one
+                     (training/data.py:data_source_errors)
     trackers         W&B installed when asked for (training/tracking.py:tracking_errors)
     reward           rule names, your functions' files, modules and signatures, rule kwargs;
                      the reward model's path, the reward API's URL (reward_errors)
@@ -9,6 +11,9 @@ of `train`, `up`) reports every mistake it can find, each naming its key:
     sampler          the generation backend is installed here (backend_errors): the commands that
                      sample in this process (`train --local`, `up`, `make-prefs`); `config validate`
                      says it as a note, since a config is often checked away from where it runs
+    validate         `config validate` also checks the model (model.path holds one here, or is a
+                     hub id: model_findings) and the reward model's pairs when reward_model.train
+                     is set (reward_model_errors)
 
 A config that does not validate gets what can still be checked of its raw keys (raw_errors).
 """
@@ -23,20 +28,88 @@ from ..common.config import Config, RewardConfig, RuleSpec
 from ..gateway.agents import load_agent
 from ..reward.functions import rule_errors
 from ..reward.rules import RULES
-from ..training.data import data_source_errors, source_problem
+from ..training.data import data_source_errors, first_problems, is_jsonl, jsonl_rows, source_problem
 from ..training.tracking import tracking_errors
 
 
-def preflight_errors(cfg: Config, sampler: bool = True) -> list[str]:
+def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False) -> list[str]:
     """Every problem of a valid config that shows before the run starts; `sampler`: this process
-    samples (the generation backend must be installed here)."""
+    samples (the generation backend must be installed here); `validate`: `config validate`'s
+    checks too (the model, the reward model's pairs)."""
     return (
-        data_source_errors(cfg)
+        (model_findings(cfg)[0] if validate else [])
+        + data_source_errors(cfg)
+        + (reward_model_errors(cfg) if validate else [])
         + tracking_errors(cfg)
         + reward_errors(cfg.reward)
         + agent_errors(cfg)
         + (backend_errors(cfg) if sampler else [])
     )
+
+
+def looks_local(path: str) -> bool:
+    """`path` names a local directory, not a hub id, as the model loaders tell them apart."""
+    return path.startswith(("/", ".", "~")) or Path(path).expanduser().exists() or path.count("/") > 1
+
+
+def model_findings(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, notes) of model.path here: a local directory must hold a model (config.json); a hub
+    id not in the Hugging Face cache is an error offline (HF_HUB_OFFLINE), else a note (a run
+    downloads it). A path under a top directory this machine lacks (a container's volume such as
+    /runs) is a note: it is checked where the config runs."""
+    path = cfg.model.path
+    p = Path(path).expanduser()
+    if (p / "config.json").exists():
+        return [], []
+    if not looks_local(path):
+        return _hub_model_findings(path)
+    top = Path(*p.parts[:2])
+    if p.is_absolute() and not top.exists():
+        return [], [f"model.path: {p} is not on this machine (no {top} here); it is checked where the run starts"]
+    from ..common.modeling import check_model_dir
+
+    try:
+        check_model_dir(path)
+    except FileNotFoundError as e:
+        return [f"model.path: {e}"], []
+    return [], []
+
+
+def _hub_model_findings(repo_id: str) -> tuple[list[str], list[str]]:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid hub id either
+        return [f"model.path: {repo_id!r} is no model directory here and no hub id (org/name)"], []
+    if isinstance(cached, str):
+        return [], []
+    if constants.HF_HUB_OFFLINE:
+        return [
+            f"model.path: {repo_id} is no directory here and not in the Hugging Face cache, and HF_HUB_OFFLINE "
+            "is set; download it first, or set model.path to a model directory"
+        ], []
+    return [], [
+        f"model.path: {repo_id} is no directory here, so a run downloads it from the Hugging Face hub; if it is "
+        f"meant as a directory, make it first (`rlhf init-model --out {repo_id}` builds the tiny default)"
+    ]
+
+
+def reward_model_errors(cfg: Config) -> list[str]:
+    """The reward model's pairs (reward_model.train, .eval) when the section is in use (its train is
+    set): they exist, and a JSON lines file's every line is a JSON object."""
+    rm = cfg.reward_model
+    if rm.train is None:
+        return []
+    errors = []
+    for key in ("train", "eval"):
+        source = getattr(rm, key)
+        problem = source_problem(source) if source is not None else None
+        if problem:
+            errors.append(f"reward_model.{key}: {problem}")
+        elif source is not None and is_jsonl(source):
+            errors += [f"reward_model.{key}: {p}" for p in first_problems(jsonl_rows(source)[1])]
+    return errors
 
 
 def agent_errors(cfg: Config) -> list[str]:

@@ -310,6 +310,21 @@ def parse_overrides(overrides: list | None) -> list[tuple[str, Any]]:
     return out
 
 
+def blame_overrides(errors: list[str], origins: dict[str, str]) -> list[str]:
+    """`errors` ("KEY: problem") with each KEY that an override set (or a key inside it) named by
+    that override, as `origins` ({key: "--set KEY=VALUE"}) has it: "--set gamma=3: Input ...". A
+    problem with a value someone set on the command line is theirs, not the config file's."""
+    out = []
+    for err in errors:
+        key, sep, problem = err.partition(": ")
+        owner = next((k for k in sorted(origins, key=len, reverse=True) if key == k or key.startswith(f"{k}.")), None)
+        if not sep or owner is None:
+            out.append(err)
+        else:
+            out.append(f"{origins[owner]}: {problem if key == owner else err}")
+    return out
+
+
 def config_from_dict(data: dict | None, overrides: list | None = None) -> Config:
     data = dict(data or {})
     for key, value in parse_overrides(overrides):
@@ -366,7 +381,8 @@ def config_data(path: str | Path | None = None, overrides: list | None = None) -
 def _file_data(p: Path, seen: tuple[Path, ...]) -> dict:
     """One file's mapping; with `base: NAME` (a preset such as smollm2-cpu, or a path relative to
     the file), the base's mapping with this file's keys layered over it: sections merge key by key,
-    everything else (lists included) is replaced."""
+    everything else (lists included) is replaced. The base's run.run_dir is not inherited: unless
+    the file sets its own, its run goes in runs/FILE (runs/mine for mine.yaml)."""
     loaded = _read_yaml(p)
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError([f"{p}: the top level must be a mapping"])
@@ -386,11 +402,20 @@ def _file_data(p: Path, seen: tuple[Path, ...]) -> dict:
     mine = data.get("data")
     if not isinstance(mine, dict):
         mine = {}
-    if "train" in mine and "eval" not in mine and isinstance(under.get("data"), dict):
+    if "train" in mine and "eval" not in mine:
         # the base's held-out prompts belong to the base's training prompts: with prompts of your
         # own and none held out, a split of yours is (never the preset's task)
-        under = {**under, "data": {k: v for k, v in under["data"].items() if k != "eval"}}
-    return _layered(under, data)
+        under = _without(under, "data", "eval")
+    # the base's run directory holds the base's run: this file's run has its own, named after it
+    own_run = _layered(_without(under, "run", "run_dir"), {"run": {"run_dir": f"runs/{p.stem}"}})
+    return _layered(own_run, data)
+
+
+def _without(data: dict, section: str, key: str) -> dict:
+    """`data` with `section.key` left out."""
+    if not isinstance(data.get(section), dict):
+        return data
+    return {**data, section: {k: v for k, v in data[section].items() if k != key}}
 
 
 def find_base(name: str, beside: Path) -> Path | None:

@@ -348,7 +348,7 @@ class HTTPScorer:
             ensure_ascii=False,
         ).encode()
         key = hash(body)  # the breaker counts a body's failures that may be its own once
-        last_error, delay = "no attempt", self.backoff_s
+        last_error, delay, unreachable = "no attempt", self.backoff_s, False
         for attempt in range(self.retries + 1):
             if abort.is_set():
                 raise CancelledError()
@@ -364,10 +364,11 @@ class HTTPScorer:
                 r = self.client.post(self.url, content=body, headers=JSON)
             except httpx.TransportError as e:  # timeouts, refused or closed connections
                 self._record("transport_error", t0)
+                unreachable = True
                 last_error = self.redact(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
                 self.breaker.failure(last_error, None if isinstance(e, UNREACHABLE) else key)
             else:
-                code = r.status_code
+                code, unreachable = r.status_code, False
                 if code >= 500 or code == 429:
                     self._record("http_error", t0)
                     last_error = f"HTTP {code}"
@@ -414,7 +415,15 @@ class HTTPScorer:
                 pause,
             )
             time.sleep(pause)
-        raise RewardAPIFailed(f"{self.public_url} gave no reward after {self.retries + 1} attempts ({last_error})")
+        raise RewardAPIFailed(self._gave_up(last_error, unreachable))
+
+    def _gave_up(self, last_error: str, unreachable: bool) -> str:
+        """Why a request got no reward after its attempts, and what to check."""
+        attempts = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
+        check = (
+            "check that it is running and reachable at that URL (reward.http_url)" if unreachable else "check its log"
+        )
+        return f"{self.public_url} gave no reward after {attempts} ({last_error}); {check}"
 
     def _rewards(self, r: httpx.Response, n: int) -> list[float]:
         try:

@@ -212,20 +212,52 @@ def read_rows(source: str, split: str, limit: int | None = None) -> list[tuple[s
     if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
     out = []
+    for lineno, line in _lines(path):
+        out.append((f"{path.name}:{lineno}", _parsed(path, lineno, line)))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The numbered lines of a JSON lines file that are not blank."""
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: a record must be a JSON object, not {type(record).__name__}")
-            out.append((f"{path.name}:{lineno}", record))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+            if line.strip():
+                yield lineno, line
+
+
+def _parsed(path: Path, lineno: int, line: str) -> dict:
+    """One line of a JSON lines file as its record; a ValueError naming the file and line if it is none."""
+    try:
+        record = json.loads(line.rstrip())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{lineno}: a record must be a JSON object, not {type(record).__name__}")
+    return record
+
+
+def is_jsonl(source: str) -> bool:
+    """`source` is read as a JSON lines file (not synthetic:, hf: or a `datasets` file type)."""
+    return not source.startswith(("synthetic:", "hf:")) and not source.endswith(DATASETS_FILE_TYPES)
+
+
+def jsonl_rows(source: str) -> tuple[list[tuple[str, dict]], list[str]]:
+    """Every record of the JSON lines file `source`, each with where it is (`file.jsonl:LINE`), and
+    the problem of every line that is no JSON object ("FILE:LINE: not JSON: ...")."""
+    path, rows, problems = Path(source), [], []
+    for lineno, line in _lines(path):
+        try:
+            rows.append((f"{path.name}:{lineno}", _parsed(path, lineno, line)))
+        except ValueError as e:
+            problems.append(str(e))
+    return rows, problems
+
+
+def first_problems(problems: list[str], most: int = 5) -> list[str]:
+    """The first `most` problems, and how many more there are."""
+    return problems[:most] + ([f"... and {len(problems) - most} more"] if len(problems) > most else [])
 
 
 def gsm8k_label(answer: str) -> str:
@@ -350,6 +382,8 @@ def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
         system_prompt=d.system_prompt,
         instruction=d.instruction,
     )
+    if not source.startswith("synthetic:"):
+        _check_labels(cfg, "eval" if held_out and d.eval is not None else "train", source, records)
     if from_train:
         train, held = split_held_out(records, d.eval_size, d.train)
         if held_out:
@@ -362,6 +396,18 @@ def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
             )
         records = held if held_out else train
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
+
+
+def _check_labels(cfg: Config, key: str, source: str, records: list[PromptRecord]) -> None:
+    """A ValueError naming data.KEY when no record of `source` has a label and the reward reads one."""
+    rows = [(_record_keys(r, cfg.data.prompt_key), r.label is not None) for r in records]
+    for problem in missing_labels(cfg, source, rows):
+        raise ValueError(f"data.{key}: {problem}")
+
+
+def _record_keys(record: PromptRecord, prompt_key: str) -> list[str]:
+    """The fields a record was read from, as far as it keeps them: its prompt and its metadata."""
+    return [prompt_key, *(k for k in record.metadata if k != STRUCTURED_LABEL)]
 
 
 def held_out_source(cfg: Config) -> str:
@@ -475,12 +521,80 @@ def sft_examples(tokenizer, records: list[PromptRecord]) -> list[tuple[list[int]
 
 def data_source_errors(cfg: Config) -> list[str]:
     """Data sources that cannot be read here (a missing file or dataset directory, an unknown
-    synthetic task). Checked by the commands that read the data (`config validate`, `train`,
-    `up`, `serve learner`), not by every service: a generation server needs no prompt files."""
+    synthetic task) or trained on (`prompt_source_problems`). Checked by the commands that read the
+    data (`config validate`, `train`, `up`, `serve learner`), not by every service: a generation
+    server needs no prompt files."""
     errors = []
     for key in ("train", "eval"):
         source = getattr(cfg.data, key)
-        problem = source_problem(source) if source is not None else None
-        if problem:
-            errors.append(f"data.{key}: {problem}")
+        if source is not None:
+            errors += [f"data.{key}: {problem}" for problem in prompt_source_problems(cfg, source)]
     return errors
+
+
+def prompt_source_problems(cfg: Config, source: str) -> list[str]:
+    """Why the prompts of `source` cannot be trained on, as far as reading them here shows: it does
+    not exist; in a JSON lines file, lines that are no JSON object or records without a prompt
+    (each as FILE:LINE); no record with a label when the reward reads labels."""
+    problem = source_problem(source)
+    if problem or not is_jsonl(source):
+        return [problem] if problem else []
+    rows, problems = jsonl_rows(source)
+    d = cfg.data
+    problems += [f"{where}: {e}" for where, row in rows for e in [_prompt_problem(row, d.prompt_key)] if e]
+    labels = [(list(row), _has_label(row, d.prompt_key, d.label_key)) for _, row in rows]
+    return first_problems(problems) + missing_labels(cfg, source, labels)
+
+
+def _prompt_problem(record: dict, prompt_key: str) -> str | None:
+    """Why `record` gives no prompt, or None."""
+    try:
+        prompt, _, _ = _fields(record, prompt_key, "label")
+    except ValueError as e:
+        return str(e)
+    return "its prompt is null" if prompt is None else None
+
+
+def _has_label(record: dict, prompt_key: str, label_key: str) -> bool:
+    try:
+        return _fields(record, prompt_key, label_key)[1] is not None
+    except ValueError:
+        return False
+
+
+# fields that often hold the reference answer: the one suggested as data.label_key, in this order
+LABEL_FIELDS = ("answer", "target", "output", "reference", "ground_truth", "gold", "expected", "completion", "response")
+NOT_LABELS = frozenset({"id", "messages", "data_source", "extra_info", "reward_model"})
+
+
+def missing_labels(cfg: Config, source: str, rows: list[tuple[list[str], bool]]) -> list[str]:
+    """The problem of a source whose records (each: its keys, whether it has a label) give no label
+    while the reward reads labels (data_labels.py); [] otherwise."""
+    d = cfg.data
+    problem = label_problem(_source_name(source), rows, d.prompt_key, d.label_key)
+    if problem is None:
+        return []
+    from .data_labels import label_reader
+
+    return [problem] if label_reader(cfg) is not None else []
+
+
+def label_problem(name: str, rows: list[tuple[list[str], bool]], prompt_key: str, label_key: str) -> str | None:
+    """Why no record of `name` gives a label (each row: its keys, whether it has a label): the keys
+    the records have, and the one to name as data.label_key; None when one has a label."""
+    if not rows or any(labelled for _, labelled in rows):
+        return None
+    keys = list(dict.fromkeys(k for ks, _ in rows for k in ks))
+    shown = ", ".join(keys[:12]) + (f", ... ({len(keys)} keys)" if len(keys) > 12 else "")
+    return f"no record of {name} has `{label_key}`; keys found: {shown}; {_label_hint(keys, prompt_key)}"
+
+
+def _label_hint(keys: list[str], prompt_key: str) -> str:
+    others = [k for k in keys if k != prompt_key and k not in NOT_LABELS]
+    guess = next((k for k in LABEL_FIELDS if k in others), others[0] if len(others) == 1 else None)
+    return f"set data.label_key={guess}" if guess else "set data.label_key to the field with the reference answer"
+
+
+def _source_name(source: str) -> str:
+    """A source as a message names it: a file by its name, anything else as it is."""
+    return source if source.startswith(("hf:", "synthetic:")) else Path(source).name

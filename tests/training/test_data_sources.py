@@ -31,7 +31,7 @@ def test_missing_data_sources_are_config_errors_naming_the_key(tmp_path, monkeyp
 
 def test_existing_relative_sources_and_hub_names_validate(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "p.jsonl").write_text('{"prompt": "ab="}\n')
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ab=", "label": "ba"}\n')
     (tmp_path / "dsdir").mkdir()
     assert _errors({"train": "p.jsonl", "eval": "hf:./dsdir@test"}) == []
     assert _errors({"train": "hf:dsdir", "eval": "hf:openai/gsm8k:main@test"}) == []
@@ -159,7 +159,7 @@ def test_a_dataset_too_small_to_split_says_to_set_data_eval(tmp_path):
     from services.training.data import config_prompts
 
     data = tmp_path / "few.jsonl"
-    data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    data.write_text('{"prompt": "a", "label": "a"}\n{"prompt": "b", "label": "b"}\n')
     cfg = config_from_dict({"data": {"train": str(data)}})
     with pytest.raises(ValueError, match="too few to hold out a fifth for evaluation; set data.eval"):
         config_prompts(cfg, "eval", _whitespace_tokenizer())

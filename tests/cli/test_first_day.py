@@ -1,0 +1,308 @@
+"""A new user's first-day trips, each answered by one sentence that says what to do (issue 41):
+a preset's run directory, a run directory of another mode or config, answers stored under another
+key, what `config validate` checks, Ctrl-C, a reward API that is down, a `--set` typo, the help,
+and the progress bars of a short run."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = "rollout_batch_size: 8\nppo_mini_batch_size: 8\ndata: {eval_size: 4}\n"
+
+
+def _rlhf(capsys, *args) -> tuple[int, str, str]:
+    """`rlhf ARGS` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _cli(cwd, *args, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "services.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _mine(tmp_path, model, extra: str = "") -> Path:
+    """mine.yaml on the tiny preset: a few small iterations."""
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"base: tiny-cpu\nmodel: {{path: {model}}}\n{SMALL}{extra}")
+    return path
+
+
+def _fake_model(tmp_path) -> Path:
+    """A directory `config validate` takes for a model (it loads nothing)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return model
+
+
+@pytest.fixture(scope="module")
+def local_run(untrained_model_dir, tmp_path_factory):
+    """`rlhf train --local` for 3 iterations on the tiny model, a checkpoint and an eval each."""
+    root = tmp_path_factory.mktemp("first-day")
+    _mine(root, untrained_model_dir, "run: {iterations: 3, eval_interval: 1, checkpoint_interval: 1}\n")
+    r = _cli(root, "train", "--local", "-c", "mine.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root, r
+
+
+# 1. run directories: a preset's is not inherited; eval --run-dir; another mode's or config's refused
+def test_a_config_on_a_preset_gets_a_run_directory_of_its_own(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _mine(tmp_path, _fake_model(tmp_path))
+    code, out, err = _rlhf(capsys, "config", "validate", "mine.yaml")
+    assert code == 0, err
+    assert yaml.safe_load(out)["run"]["run_dir"] == "runs/mine"  # not the preset's runs/tiny-cpu
+    (tmp_path / "own.yaml").write_text("base: tiny-cpu\nrun: {run_dir: runs/elsewhere}\n")
+    assert yaml.safe_load(_rlhf(capsys, "config", "validate", "own.yaml")[1])["run"]["run_dir"] == "runs/elsewhere"
+
+
+def test_eval_writes_into_the_run_directory_it_is_given(untrained_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _mine(tmp_path, untrained_model_dir)
+    code, out, err = _rlhf(capsys, "eval", "-c", "mine.yaml", "--run-dir", "runs/chosen", "--limit", "2")
+    assert code == 0, err
+    assert (tmp_path / "runs" / "chosen" / "eval" / "summary.json").is_file()
+    assert "summary: runs/chosen/eval/summary.json" in out
+
+
+def test_up_refuses_a_run_directory_of_train_local(local_run):
+    root, _ = local_run
+    r = _cli(root, "up", "-c", "mine.yaml", "--set", "run.iterations=5", timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr == (
+        "error: runs/mine holds a run of `rlhf train --local` (checkpoints/iter_000003), which `rlhf up` "
+        "cannot go on from; give this run a directory of its own (--run-dir DIR)\n"
+    )
+
+
+def test_train_local_refuses_a_run_directory_of_up_or_of_another_config(tmp_path, capsys, monkeypatch):
+    """The checkpoint of `rlhf up` is its learner.pt alone (the policy is not beside it); the run's
+    config is the config.yaml it saved."""
+    monkeypatch.chdir(tmp_path)
+    _mine(tmp_path, _fake_model(tmp_path))
+    up_checkpoint = tmp_path / "runs" / "mine" / "checkpoints" / "iter_000002"
+    up_checkpoint.mkdir(parents=True)
+    (up_checkpoint / "learner.pt").write_bytes(b"")
+    code, _, err = _rlhf(capsys, "train", "--local", "-c", "mine.yaml")
+    assert code == 2
+    assert err == (
+        "error: runs/mine holds a run of `rlhf up` (checkpoints/iter_000002), which `rlhf train --local` "
+        "cannot go on from; give this run a directory of its own (--run-dir DIR)\n"
+    )
+    other = tmp_path / "runs" / "other"
+    other.mkdir()
+    (other / "config.yaml").write_text("model: {path: runs/smollm2-135m}\nadv_estimator: grpo\n")
+    code, _, err = _rlhf(capsys, "train", "--local", "-c", "mine.yaml", "--run-dir", "runs/other")
+    assert code == 2
+    assert err == (
+        f"error: runs/other holds a run of another config (model.path: runs/smollm2-135m there, "
+        f"{tmp_path / 'model'} here; adv_estimator: grpo there, gae here); give this run a directory of its own "
+        "(--run-dir DIR), or set those keys back to go on with that run\n"
+    )
+
+
+def test_resume_from_a_checkpoint_of_up_is_refused(tmp_path):
+    from services.common.config import config_from_dict
+    from services.local import resume_point
+
+    (tmp_path / "learner.pt").write_bytes(b"")
+    cfg = config_from_dict({"run": {"resume_from": str(tmp_path)}})
+    with pytest.raises(ValueError, match="is a checkpoint of `rlhf up`, which `rlhf train --local` cannot go on"):
+        resume_point(cfg, tmp_path / "run")
+
+
+# 2. answers stored under another key
+def test_answers_under_another_key_are_named_when_the_reward_reads_labels(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "abc=", "answer": "cba"}\n{"prompt": "abd=", "answer": "dba"}\n')
+    (tmp_path / "fn.py").write_text("def score(prompt, response, label, metadata):\n    return 0.0\n")
+    (tmp_path / "lab.yaml").write_text(
+        f"model: {{path: {_fake_model(tmp_path)}}}\ndata: {{train: p.jsonl, eval: p.jsonl}}\n"
+        "reward: {rules: [{name: fn.py:score}]}\n"
+    )
+    said = "no record of p.jsonl has `label`; keys found: prompt, answer; set data.label_key=answer"
+    code, _, err = _rlhf(capsys, "config", "validate", "lab.yaml")
+    assert code == 2
+    assert err == f"config errors in lab.yaml:\n  data.train: {said}\n  data.eval: {said}\n"
+    assert _rlhf(capsys, "config", "validate", "lab.yaml", "--set", "data.label_key=answer")[0] == 0
+    # a reward that reads no label (the length rule) takes prompts without one
+    assert _rlhf(capsys, "config", "validate", "lab.yaml", "--set", "reward.rules=[{name: length}]")[0] == 0
+    # where the data loads (any source: a dataset directory too)
+    from services.common.config import load_config
+    from services.training.data import config_prompts
+
+    cfg = load_config(tmp_path / "lab.yaml", ["reward.rules=[{name: exact_match}]"])
+    with pytest.raises(ValueError) as e:
+        config_prompts(cfg, "train", lambda text: {"input_ids": text.split()})
+    assert str(e.value) == f"data.train: {said}"
+
+
+# 3. what `config validate` checks
+def test_validate_checks_the_model_every_data_line_and_the_reward_model_pairs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "ab=", "label": "ba"}\n{"prompt": "ba=", "label": \n')
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\nnot json\n')
+    (tmp_path / "v.yaml").write_text(
+        f"model: {{path: {tmp_path / 'nomodel'}}}\ndata: {{train: broken.jsonl}}\n"
+        "reward_model: {train: pairs.jsonl, eval: missing-pairs.jsonl}\n"
+    )
+    code, _, err = _rlhf(capsys, "config", "validate", "v.yaml")
+    assert code == 2
+    assert err.splitlines() == [
+        "config errors in v.yaml:",
+        f"  model.path: no model at {tmp_path / 'nomodel'} (config.json missing: the directory does not exist); "
+        f"build the tiny default with `rlhf init-model --out {tmp_path / 'nomodel'}`, or set model.path to a "
+        "model directory or a hub id (org/name)",
+        "  data.train: broken.jsonl:2: not JSON: Expecting value at column 27",
+        "  reward_model.train: pairs.jsonl:2: not JSON: Expecting value at column 1",
+        "  reward_model.eval: no such file missing-pairs.jsonl",
+    ]
+
+
+def test_validate_notes_a_model_it_cannot_see_from_here(tmp_path, capsys, monkeypatch):
+    """The tiny preset's model (built by `rlhf init-model`, a hub id to the loader until then) and a
+    container's volume are notes, not errors: a config is often checked away from where it runs."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _rlhf(capsys, "config", "validate", str(ROOT / "configs" / "tiny-cpu.yaml"))
+    assert code == 0 and err == (
+        "note: model.path: runs/tiny-model is no directory here, so a run downloads it from the Hugging Face "
+        "hub; if it is meant as a directory, make it first (`rlhf init-model --out runs/tiny-model` builds the "
+        "tiny default)\n"
+    )
+    code, _, err = _rlhf(
+        capsys, "config", "validate", str(ROOT / "configs" / "tiny-cpu.yaml"), "--set", "model.path=/runs-x/m"
+    )
+    assert code == 0
+    assert (
+        err
+        == "note: model.path: /runs-x/m is not on this machine (no /runs-x here); it is checked where the run starts\n"
+    )
+
+
+# 4. Ctrl-C
+def test_ctrl_c_checkpoints_and_says_how_to_resume(untrained_model_dir, tmp_path):
+    _mine(tmp_path, untrained_model_dir)
+    cmd = ["train", "--local", "-c", "mine.yaml", "--set", "run.iterations=40", "--set", "run.checkpoint_interval=0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *cmd],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(300, p.kill)
+    watchdog.start()
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:  # the first iteration's line, then Ctrl-C
+            if line.startswith("iter    1/"):
+                p.send_signal(signal.SIGINT)
+                break
+        out, err = p.communicate()
+    finally:
+        watchdog.cancel()
+    assert p.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    n = int(last.split("interrupted at iteration ", 1)[1].split(":", 1)[0])
+    checkpoint = f"runs/mine/checkpoints/iter_{n:06d}"
+    assert last == f"interrupted at iteration {n}: checkpoint in {checkpoint}; resume with rlhf {' '.join(cmd)}"
+    assert "Traceback" not in err and (tmp_path / checkpoint / "learner.pt").is_file()
+    again = _cli(tmp_path, *cmd[:-4], "--set", f"run.iterations={n + 1}")
+    assert again.returncode == 0 and f"resumed from {checkpoint} (iteration {n})" in again.stderr
+
+
+# 5. a reward API that is down
+def test_a_reward_api_that_is_down_is_one_line(untrained_model_dir, tmp_path):
+    with socket.socket() as closed:  # bound, never listening: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/score"
+        _mine(tmp_path, untrained_model_dir, f"reward: {{type: http, http_url: '{url}', http_retries: 0}}\n")
+        r = _cli(tmp_path, "train", "--local", "-c", "mine.yaml")
+    assert r.returncode == 1
+    assert r.stderr == (
+        f"error: the run stopped: reward API failed: {url} gave no reward after 1 attempt (ConnectError: "
+        "[Errno 111] Connection refused); check that it is running and reachable at that URL (reward.http_url)\n"
+    )
+
+
+# 6. a --set typo
+def test_a_set_typo_names_its_set_not_the_config_file(tmp_path, capsys, monkeypatch):
+    tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, "--set", "rollout_batch_sise=8")
+    assert code == 2
+    assert err == "config error: --set rollout_batch_sise=8: unknown key; did you mean 'rollout_batch_size'?\n"
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, "--set", "gamma=3", "--set", "run.iterations=0")
+    assert code == 2 and err == (
+        "config errors:\n"
+        "  --set gamma=3: Input should be less than or equal to 1 (got 3)\n"
+        "  --set run.iterations=0: Input should be greater than or equal to 1 (got 0)\n"
+    )
+    monkeypatch.setenv("RLHF_SET", "pg_clip=4")
+    code, _, err = _rlhf(capsys, "eval", "-c", tiny, "--limit", "-1")
+    assert code == 2 and err == (
+        "config errors:\n"
+        "  $RLHF_SET pg_clip=4: Input should be less than 1 (got 4)\n"
+        "  --limit -1: Input should be greater than or equal to 1 (got -1)\n"
+    )
+    # the file's own mistakes still name the file
+    monkeypatch.delenv("RLHF_SET")
+    (tmp_path / "bad.yaml").write_text("gama: 0.9\n")
+    code, _, err = _rlhf(capsys, "config", "validate", str(tmp_path / "bad.yaml"))
+    assert err == f"config error in {tmp_path / 'bad.yaml'}: gama: unknown key; did you mean 'gamma'?\n"
+
+
+# 7. the help
+def test_every_command_and_option_has_help_and_serve_names_every_service(capsys):
+    import argparse
+
+    def missing(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                yield from (f"{name} {c.dest}" for c in action._choices_actions if not c.help)
+                for sub, p in action.choices.items():
+                    yield from missing(p, f"{name} {sub}")
+            elif action.help is None:
+                yield f"{name} {'/'.join(action.option_strings) or action.dest}"
+
+    parser = build_parser()
+    assert list(missing(parser, "rlhf")) == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    summary = " ".join(capsys.readouterr().out.split())
+    choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    services = next(a for a in choices["serve"]._actions if a.dest == "service").choices
+    assert f"serve run one service: {', '.join(services[:-1])} or {services[-1]}" in summary
+    assert "gateway" in summary
+
+
+# 8. the progress bars of a short run
+def test_a_short_run_shows_its_own_progress_lines_and_no_model_file_bars(local_run):
+    root, r = local_run
+    assert "Loading weights" not in r.stderr and "Writing model shards" not in r.stderr, r.stderr
+    assert [line.split()[1] for line in r.stdout.splitlines() if line.startswith("iter")] == [
+        "0/3",
+        "1/3",
+        "2/3",
+        "3/3",
+    ]
+    assert "done: held-out reward" in r.stdout
+    assert json.loads((root / "runs" / "mine" / "summary.json").read_text())["iterations"] == 3
