@@ -71,18 +71,22 @@ run-smollm2-calculator: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 
 # RLHF the whole way on SmolLM2 (configs/smollm2-rlhf.yaml, docs/rlhf-smollm2.md): preference pairs
 # labelled by a judge (RLAIF) -> a reward model learned from them -> PPO with a critic against it
-# under `rlhf up`, the judge held out as the gold reward. Each step runs once (delete its output to redo)
+# under `rlhf up`, the judge held out as the gold reward. Each step runs once (delete its output to redo).
+# RLHF_CONFIG and RLHF_PROMPTS choose another config and number of prompts (the tests run the
+# pipeline on the tiny model so, with $$RLHF_SET overriding keys in every step)
 RLHF_DIR ?= runs/smollm2-rlhf
+RLHF_CONFIG ?= configs/smollm2-rlhf.yaml
+RLHF_PROMPTS ?= 384
 
 $(RLHF_DIR)/pairs.jsonl: | $(BIN)/.installed $(SMOLLM2_DIR)/config.json
-	$(BIN)/rlhf make-prefs -c configs/smollm2-rlhf.yaml --out $@ --limit 384 --n 8
+	$(BIN)/rlhf make-prefs -c $(RLHF_CONFIG) --out $@ --limit $(RLHF_PROMPTS) --n 8
 
 $(RLHF_DIR)/reward-model/reward_stats.json: $(RLHF_DIR)/pairs.jsonl
-	$(BIN)/rlhf train-rm -c configs/smollm2-rlhf.yaml --set reward_model.train=$< \
+	$(BIN)/rlhf train-rm -c $(RLHF_CONFIG) --set reward_model.train=$< \
 		--set reward_model.out=$(RLHF_DIR)/reward-model
 
 run-smollm2-rlhf: $(RLHF_DIR)/reward-model/reward_stats.json
-	$(BIN)/rlhf up -c configs/smollm2-rlhf.yaml --run-dir $(RLHF_DIR)/ppo \
+	$(BIN)/rlhf up -c $(RLHF_CONFIG) --run-dir $(RLHF_DIR)/ppo \
 		--set reward.model_path=$(RLHF_DIR)/reward-model
 
 # the main job: PPO on the tiny default, every service its own process on localhost (embedded Redis)

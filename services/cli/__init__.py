@@ -136,7 +136,7 @@ def flag_overrides(args) -> list[tuple[str, object]]:
     return out
 
 
-def _load(args, data: bool = False, sampler: bool = False, validate: bool = False):
+def _load(args, data: bool = False, sampler: bool = False, validate: bool = False, judge: bool = False):
     """The validated config: the file, then $RLHF_SET, then --set, then the flags; with `data`, the
     pre-flight checks too (services/cli/preflight.py: data sources, trackers, the reward, with
     `sampler` the generation backend, with `validate` the model and the reward model's data), every
@@ -154,7 +154,7 @@ def _load(args, data: bool = False, sampler: bool = False, validate: bool = Fals
         except ConfigError as e:  # the keys that did validate may still hide a missing file or an unknown rule
             e.errors += [err for err in raw_errors(raw) if err not in e.errors] if data else []
             raise
-        errors = preflight_errors(cfg, sampler, validate) if data else []
+        errors = preflight_errors(cfg, sampler, validate, judge) if data else []
         if errors:
             raise ConfigError(errors)
         return cfg
@@ -351,7 +351,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_make_prefs(args) -> int:
-    cfg = _load(args, data=True, sampler=True)
+    cfg = _load(args, data=True, sampler=True, judge=True)  # the reward model may be what its pairs will train
     from .eval_model import make_preferences
 
     try:

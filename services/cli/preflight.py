@@ -32,16 +32,23 @@ from ..training.data import data_source_errors, first_problems, is_jsonl, jsonl_
 from ..training.tracking import tracking_errors
 
 
-def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False) -> list[str]:
+def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False, judge: bool = False) -> list[str]:
     """Every problem of a valid config that shows before the run starts; `sampler`: this process
     samples (the generation backend must be installed here); `validate`: `config validate`'s
-    checks too (the model, the reward model's pairs)."""
+    checks too (the model, the reward model's pairs); `judge`: the command scores with the judge
+    alone (`make-prefs`: reward.eval_rules when set), so the training reward, often the reward
+    model that its pairs will train, need not exist yet."""
+    judged_apart = judge and cfg.reward.eval_rules is not None
     return (
         (model_findings(cfg)[0] if validate else [])
         + data_source_errors(cfg)
         + (reward_model_errors(cfg) if validate else [])
         + tracking_errors(cfg)
-        + reward_errors(cfg.reward)
+        + (
+            rule_errors(cfg.reward.eval_rules, RULES, "reward.eval_rules")
+            if judged_apart
+            else reward_errors(cfg.reward)
+        )
         + agent_errors(cfg)
         + (backend_errors(cfg) if sampler else [])
     )
