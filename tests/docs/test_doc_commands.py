@@ -108,6 +108,8 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/quickstart.md", "make smollm2 # runs/smollm2-135m: config, safetensors"): PARSE,  # SmolLM2, 30 minutes
     ("docs/quickstart.md", "make run-smollm2-rlhf # make-prefs (RLAIF pairs) ->"): PARSE,  # an hour
     ("docs/resume.md", "$ rlhf train --local -c my-run.yaml --run-dir runs/mine"): RUN,  # test_resume
+    ("docs/resume.md", "$ rlhf train --local -c my-run.yaml --run-dir runs/long"): RUN,  # test_ctrl_c
+    ("docs/resume.md", "$ rlhf up -c my-run.yaml --run-dir runs/mine"): RUN,  # test_resume
     ("docs/resume.md", "rlhf train --local -c my-run.yaml --run-dir runs/branch \\"): PARSE,  # SmolLM2
     ("docs/reward-api.md", 'POST {"query": [prompt+response, ...], "prompts": [prompt,'): PROSE,
     ("docs/reward-functions.md", "reward:"): PARTIAL,
@@ -124,6 +126,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/rlhf-smollm2.md", '{"prompt": "...What is 15 + 81? ...", "chosen": "15'): PROSE,
     ("docs/rlhf-smollm2.md", "WARNING services.learner.run: reward hacking suspected:"): PROSE,
     ("docs/rlhf-smollm2.md", '84 + 56? "The answer is 17." 0.0 1.29'): PROSE,
+    ("docs/rlhf-smollm2.md", "make run-smollm2-rlhf RLHF_CONFIG=my-rlhf.yaml RLHF_PROMPTS=64"): PARSE,  # an hour
     ("docs/rlhf-smollm2.md", "rlhf up -c configs/smollm2-rlhf.yaml --run-dir"): PARSE,  # SmolLM2, an hour
     ("docs/speed.md", "python benchmarks/bench_iteration.py -c configs/smollm2-cpu.yaml"): PARSE,  # SmolLM2
     ("docs/speed.md", "[23:14:32] local: 3 iterations of configs/smollm2-cpu.yaml"): PROSE,
@@ -136,6 +139,8 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/your-model.md", ".venv/bin/rlhf config validate configs/tiny-cpu.yaml"): RUN,  # test_grpo_in_one_process
     ("docs/your-model.md", "# mine.yaml"): CONFIG,
     ("docs/your-model.md", 'data: {train: "hf:openai/gsm8k:main", eval:'): PARTIAL,
+    ("docs/your-model.md", '{"prompt": "abc=", "answer": "cba"}'): PROSE,  # p.jsonl, which test_data_checked writes
+    ("docs/your-model.md", "$ rlhf config validate my.yaml"): RUN,  # test_data_checked
 }
 # fmt: on
 
@@ -724,14 +729,84 @@ def test_agents_talk_to_it(scratch):
 
 
 RESUME = ("docs/resume.md", "$ rlhf train --local -c my-run.yaml --run-dir runs/mine")
+ONE_RUN = ("docs/resume.md", "$ rlhf up -c my-run.yaml --run-dir runs/mine")
 
 
-@_runs(RESUME)
+@_runs(RESUME, ONE_RUN)
 def test_resume(scratch):
     """Resume's transcript, with my-run.yaml the tiny default: 3 iterations, then the same command
-    with 5 goes on from iteration 3's checkpoint."""
+    with 5 goes on from iteration 3's checkpoint; then "A run directory holds one run": `rlhf up`,
+    and another LoRA rank, on that directory are refused (exit code 2)."""
     (scratch / "my-run.yaml").write_text("base: tiny-cpu\n")
     run_console(block(*RESUME), scratch, _env(), rcs=[0, 0])
+    run_console(block(*ONE_RUN), scratch, _env(), rcs=[2, 2])
+
+
+CTRL_C = ("docs/resume.md", "$ rlhf train --local -c my-run.yaml --run-dir runs/long")
+
+
+@_runs(CTRL_C)
+def test_ctrl_c(scratch):
+    """Resume's "Stop with Ctrl-C": the command as written, SIGINT to its process group (as a
+    terminal's Ctrl-C) once it prints iteration 2's line; exit code 130 and the lines the page shows.
+    The run may stop after another iteration than the page's 2 (the one under way when the signal
+    came): the page's numbers stand for the one it names. The checkpoint it names is there."""
+    b = block(*CTRL_C)
+    (scratch / "my-run.yaml").write_text("base: tiny-cpu\n")
+    command = next(line[2:] for line in b.text.splitlines() if line.startswith("$ "))
+    proc = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=scratch,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(300, kill)  # a run that never stops fails, not hangs
+    watchdog.start()
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("iter    2/"):
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        lines += proc.stdout.readlines()
+        rc = proc.wait()
+    finally:
+        watchdog.cancel()
+        kill()  # nothing of the run left behind
+        proc.wait()
+    output = "".join(lines)
+    assert rc == 130, f"{b.where}: exited {rc}, not 130:\n{output}"
+    m = re.search(r"^interrupted at iteration (\d+):", output, re.M)
+    assert m, f"{b.where}: no 'interrupted at iteration N' line:\n{output}"
+    n = int(m[1])
+    shown = b.text.splitlines()[1:]
+    for old, new in {"^C": "", "iteration 2:": f"iteration {n}:", "iter_000002": f"iter_{n:06d}"}.items():
+        shown = [line.replace(old, new) for line in shown]
+    assert_shows(shown, output, b.where)
+    assert (scratch / "runs" / "long" / "checkpoints" / f"iter_{n:06d}" / "learner.pt").is_file()
+
+
+DATA_CHECKED = ("docs/your-model.md", "$ rlhf config validate my.yaml")
+P_JSONL = ("docs/your-model.md", '{"prompt": "abc=", "answer": "cba"}')
+
+
+@_runs(DATA_CHECKED, P_JSONL)
+def test_data_checked(scratch):
+    """Your model's "Checked before the run starts": p.jsonl as the page shows it, my.yaml as it
+    says (`base: tiny-cpu`, `data: {train: p.jsonl}`); both errors as shown, exit code 2."""
+    (scratch / "p.jsonl").write_text(block(*P_JSONL).text)
+    (scratch / "my.yaml").write_text("base: tiny-cpu\ndata: {train: p.jsonl}\n")
+    run_console(block(*DATA_CHECKED), scratch, _env(), rcs=[2])
 
 
 MISTAKES = ("docs/reward-functions.md", "$ rlhf config validate bad.yaml")
