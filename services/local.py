@@ -20,6 +20,7 @@ from .critic.critic import Critic
 from .generation.server import make_backend
 from .learner.checkpoint import Checkpointer, finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
+from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
 from .rollout.step import sample_groups
 from .training.data import EpochSampler, config_prompts
@@ -156,8 +157,8 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
     scorer = build_scorer(cfg.reward, device="cpu")
     gold = build_eval_scorer(cfg.reward)  # reward.eval_rules: a gold reward apart from the proxy trained on
     eval_scorer, proxy = (gold, scorer) if gold is not None else (scorer, None)
-    train = config_prompts(cfg, "train", tokenizer)
-    held_out = config_prompts(cfg, "eval", tokenizer)
+    train = config_prompts(cfg, "train", tokenizer, label_reader(cfg))
+    held_out = config_prompts(cfg, "eval", tokenizer, label_reader(cfg))
     sampler = EpochSampler(train, cfg.run.seed)
     learner = PolicyTrainer(
         cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train)

@@ -30,6 +30,7 @@ from ..common.config import Config, RewardConfig, RuleSpec
 from ..common.modeling import check_model_dir, save_model_dir
 from ..common.types import SamplingParams
 from ..generation.backend import HFBackend
+from ..reward.labels import label_reader
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
 from ..training.data import config_prompts, held_out_source
 from ..training.evaluate import generate_and_score, summarize, write_rows
@@ -128,7 +129,8 @@ def run_eval(
         t0 = time.monotonic()
         backend = load_policy(path, cfg.model.path, cfg.model.device)
         if prompts is None:  # their labels checked against the reward this eval scores with
-            prompts = config_prompts(_scored_by(cfg, rule), "eval", backend.tokenizer)
+            scored = _scored_by(cfg, rule)
+            prompts = config_prompts(scored, "eval", backend.tokenizer, label_reader(scored))
             say(
                 f"{len(prompts)} prompts from {held_out_source(cfg)}, {n} sample(s) each"
                 + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}")
@@ -253,7 +255,7 @@ def make_preferences(
     )
     judge = build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
     backend = load_policy(cfg.model.path, cfg.model.path, cfg.model.device)
-    prompts = config_prompts(cfg, "train", backend.tokenizer)[:limit]
+    prompts = config_prompts(cfg, "train", backend.tokenizer, label_reader(cfg))[:limit]
     say(
         f"{len(prompts)} prompts from {cfg.data.train}, {n} samples each at temperature {t:g}, judged by "
         + ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}")

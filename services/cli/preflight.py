@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from ..common.config import Config, RewardConfig, RuleSpec
 from ..gateway.agents import load_agent
 from ..reward.functions import rule_errors
+from ..reward.labels import label_reader
 from ..reward.rules import RULES
 from ..training.data import data_source_errors, first_problems, is_jsonl, jsonl_rows, source_problem
 from ..training.tracking import tracking_errors
@@ -41,7 +42,7 @@ def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False, 
     judged_apart = judge and cfg.reward.eval_rules is not None
     return (
         (model_findings(cfg)[0] if validate else [])
-        + data_source_errors(cfg)
+        + data_source_errors(cfg, label_reader(cfg))
         + (reward_model_errors(cfg) if validate else [])
         + tracking_errors(cfg)
         + (

@@ -361,11 +361,13 @@ def _pick_split(source: str, candidates: tuple[str, ...], available: list[str]) 
     )
 
 
-def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
+def config_prompts(cfg: Config, split: str, tokenizer, label_reader: str | None = None) -> list[PromptRecord]:
     """The run's training (`split` "train") or held-out ("eval") prompts as its `data` section
     says, those longer than `prompt_length` tokens dropped (or an error: `data.overlong`). With
     `data.eval` unset, the held-out prompts are a split of `data.train` that training never sees
-    (`split_held_out`); a synthetic task has held-out prompts of its own."""
+    (`split_held_out`); a synthetic task has held-out prompts of its own. `label_reader`: the part
+    of the reward that reads labels (reward/labels.py), when the caller knows it: records without
+    one are then an error."""
     d = cfg.data
     held_out = split == "eval"
     from_train = d.eval is None and not d.train.startswith("synthetic:")
@@ -383,7 +385,7 @@ def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
         instruction=d.instruction,
     )
     if not source.startswith("synthetic:"):
-        _check_labels(cfg, "eval" if held_out and d.eval is not None else "train", source, records)
+        _check_labels(cfg, "eval" if held_out and d.eval is not None else "train", source, records, label_reader)
     if from_train:
         train, held = split_held_out(records, d.eval_size, d.train)
         if held_out:
@@ -398,10 +400,10 @@ def config_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
 
 
-def _check_labels(cfg: Config, key: str, source: str, records: list[PromptRecord]) -> None:
+def _check_labels(cfg: Config, key: str, source: str, records: list[PromptRecord], reader: str | None) -> None:
     """A ValueError naming data.KEY when no record of `source` has a label and the reward reads one."""
     rows = [(_record_keys(r, cfg.data.prompt_key), r.label is not None) for r in records]
-    for problem in missing_labels(cfg, source, rows):
+    for problem in missing_labels(cfg, source, rows, reader):
         raise ValueError(f"data.{key}: {problem}")
 
 
@@ -519,20 +521,20 @@ def sft_examples(tokenizer, records: list[PromptRecord]) -> list[tuple[list[int]
     return out
 
 
-def data_source_errors(cfg: Config) -> list[str]:
+def data_source_errors(cfg: Config, label_reader: str | None = None) -> list[str]:
     """Data sources that cannot be read here (a missing file or dataset directory, an unknown
     synthetic task) or trained on (`prompt_source_problems`). Checked by the commands that read the
     data (`config validate`, `train`, `up`, `serve learner`), not by every service: a generation
-    server needs no prompt files."""
+    server needs no prompt files. `label_reader` as in `config_prompts`."""
     errors = []
     for key in ("train", "eval"):
         source = getattr(cfg.data, key)
         if source is not None:
-            errors += [f"data.{key}: {problem}" for problem in prompt_source_problems(cfg, source)]
+            errors += [f"data.{key}: {problem}" for problem in prompt_source_problems(cfg, source, label_reader)]
     return errors
 
 
-def prompt_source_problems(cfg: Config, source: str) -> list[str]:
+def prompt_source_problems(cfg: Config, source: str, label_reader: str | None = None) -> list[str]:
     """Why the prompts of `source` cannot be trained on, as far as reading them here shows: it does
     not exist; in a JSON lines file, lines that are no JSON object or records without a prompt
     (each as FILE:LINE); no record with a label when the reward reads labels."""
@@ -543,7 +545,7 @@ def prompt_source_problems(cfg: Config, source: str) -> list[str]:
     d = cfg.data
     problems += [f"{where}: {e}" for where, row in rows for e in [_prompt_problem(row, d.prompt_key)] if e]
     labels = [(list(row), _has_label(row, d.prompt_key, d.label_key)) for _, row in rows]
-    return first_problems(problems) + missing_labels(cfg, source, labels)
+    return first_problems(problems) + missing_labels(cfg, source, labels, label_reader)
 
 
 def _prompt_problem(record: dict, prompt_key: str) -> str | None:
@@ -567,16 +569,15 @@ LABEL_FIELDS = ("answer", "target", "output", "reference", "ground_truth", "gold
 NOT_LABELS = frozenset({"id", "messages", "data_source", "extra_info", "reward_model"})
 
 
-def missing_labels(cfg: Config, source: str, rows: list[tuple[list[str], bool]]) -> list[str]:
+def missing_labels(cfg: Config, source: str, rows: list[tuple[list[str], bool]], reader: str | None) -> list[str]:
     """The problem of a source whose records (each: its keys, whether it has a label) give no label
-    while the reward reads labels (data_labels.py); [] otherwise."""
+    while `reader`, the part of the reward that reads labels (reward/labels.py: label_reader), is
+    set; [] otherwise."""
+    if reader is None:
+        return []
     d = cfg.data
     problem = label_problem(_source_name(source), rows, d.prompt_key, d.label_key)
-    if problem is None:
-        return []
-    from .data_labels import label_reader
-
-    return [problem] if label_reader(cfg) is not None else []
+    return [problem] if problem is not None else []
 
 
 def label_problem(name: str, rows: list[tuple[list[str], bool]], prompt_key: str, label_key: str) -> str | None:

@@ -144,13 +144,15 @@ def test_answers_under_another_key_are_named_when_the_reward_reads_labels(tmp_pa
     assert _rlhf(capsys, "config", "validate", "lab.yaml", "--set", "data.label_key=answer")[0] == 0
     # a reward that reads no label (the length rule) takes prompts without one
     assert _rlhf(capsys, "config", "validate", "lab.yaml", "--set", "reward.rules=[{name: length}]")[0] == 0
-    # where the data loads (any source: a dataset directory too)
+    # where the data loads (any source: a dataset directory too), told which rule reads labels
     from services.common.config import load_config
+    from services.reward.labels import label_reader
     from services.training.data import config_prompts
 
     cfg = load_config(tmp_path / "lab.yaml", ["reward.rules=[{name: exact_match}]"])
+    assert label_reader(cfg) == "reward.rules[0] (exact_match)"
     with pytest.raises(ValueError) as e:
-        config_prompts(cfg, "train", lambda text: {"input_ids": text.split()})
+        config_prompts(cfg, "train", lambda text: {"input_ids": text.split()}, label_reader(cfg))
     assert str(e.value) == f"data.train: {said}"
 
 

@@ -1,5 +1,6 @@
 """Which rewards read a record's label (its reference answer): where one does, prompts without a
-label are an error before the run starts (data.py: `missing_labels`), not a None handed to it.
+label are an error before the run starts (training/data.py: `missing_labels`, told by the commands
+that read the data which part of the reward reads labels), not a None handed to it.
 
     a built-in rule        reads it when it fails without one (exact_match, verifiable_answer,
                            math_answer, edit_distance; not length, repetition, regex_format)
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..reward.functions import RewardFunction
-from ..reward.rules import RULES
+from .functions import RewardFunction
+from .rules import RULES
 
 if TYPE_CHECKING:
     from ..common.config import Config
