@@ -52,7 +52,11 @@ def one_run(seed: int, cap: str, threads: int, iterations: int) -> dict:
     env = {**os.environ, "ATEN_CPU_CAPABILITY": cap, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run(
-            [sys.executable, "-c", ONE, str(seed), str(iterations), tmp], cwd=ROOT, env=env, capture_output=True, text=True
+            [sys.executable, "-c", ONE, str(seed), str(iterations), tmp],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
         )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])

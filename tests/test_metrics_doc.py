@@ -1,10 +1,11 @@
 """docs/metrics.md is exact: every service runs for real, in-process (reward with its HTTP API
 and an external reward API, critic, generation, the learner for two iterations, a rollout
-worker, against a real Redis), each one's /metrics is scraped over HTTP with the bearer token,
-and the metric names, types and label names each exports are those the table lists for it: no
-more (no empty families of other services), no fewer. Every family has samples by then, so a
-scrape of a live run finds them all. A reward server without its HTTP API and without a reward
-API exports exactly the table's "always" metrics."""
+worker, the gateway in front of the registry's generation servers, against a real Redis), each
+one's /metrics is scraped over HTTP with the bearer token, and the metric names, types and label
+names each exports are those the table lists for it: no more (no empty families of other
+services), no fewer. Every family has samples by then, so a scrape of a live run finds them all.
+A reward server without its HTTP API and without a reward API exports exactly the table's
+"always" metrics."""
 
 import json
 import re
@@ -17,6 +18,7 @@ import pytest
 
 from services.common.config import config_from_dict
 from services.critic.server import serve as serve_critic
+from services.gateway.server import serve as serve_gateway
 from services.generation.server import serve as serve_generation
 from services.learner.client import LearnerClient
 from services.learner.server import serve as serve_learner
@@ -26,7 +28,7 @@ from tests.grpc_helpers import TOKEN
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 START, END = "<!-- metrics-table:start -->", "<!-- metrics-table:end -->"
-SERVICES = ("generation", "reward", "critic", "learner", "rollout")
+SERVICES = ("generation", "reward", "critic", "learner", "rollout", "gateway")
 SAMPLE_SUFFIXES = ("_bucket", "_count", "_sum")
 
 
@@ -147,6 +149,7 @@ def _cfg(model_dir, redis_url, run_dir, api_url):
                 "critic": ep,
                 "reward": {**ep, "http_port": 0},
                 "learner": {**ep, "http_port": None},
+                "gateway": {"port": 0},
             },
         }
     )
@@ -187,7 +190,14 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                 work.join(timeout=30)
                 assert done == {"code": 0}, learner.loop.state
                 LearnerClient(f"127.0.0.1:{learner.server.port}", cfg.rpc).status()
+                with serve_gateway(cfg) as gateway:
+                    url, auth = f"http://127.0.0.1:{gateway.port}", {"Authorization": f"Bearer {TOKEN}"}
+                    turn = httpx.post(f"{url}/v1/completions", json={"prompt": "ab=", "max_tokens": 2}, headers=auth)
+                    assert turn.status_code == 200, turn.text
+                    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+                    gateway_families = scrape(gateway.port)
                 yield {
+                    "gateway": gateway_families,
                     "generation": scrape(generation.server.metrics_port),
                     "reward": scrape(reward.server.metrics_port),
                     "critic": scrape(critic.server.metrics_port),
@@ -246,6 +256,13 @@ def test_the_numbers_are_the_runs(scrapes):
     assert value(reward, "rlhf_reward_api_requests_total", outcome="http_error") == 0
     assert value(reward, "rlhf_http_requests_total", path="/score", code="200") == 1
     assert value(reward, "rlhf_http_requests_total", path="/score", code="401") == 1
+    gateway = scrapes["gateway"]
+    assert value(gateway, "rlhf_http_requests_total", path="/v1/completions", code="200") == 1
+    assert value(gateway, "rlhf_http_requests_total", path="/v1/models", code="401") == 1
+    turns = gateway["rlhf_gateway_turn_seconds"]["samples"]
+    assert [v for n, _, v in turns if n == "rlhf_gateway_turn_seconds_count"] == [1]
+    assert value(gateway, "rlhf_gateway_sessions") == 1 and value(gateway, "rlhf_gateway_session_bytes") > 1000
+    assert value(gateway, "rlhf_gateway_sessions_evicted_total", reason="bytes") == 0
 
 
 def test_a_bare_reward_server_has_samples_in_the_from_start_rows_only(tiny_model_dir):

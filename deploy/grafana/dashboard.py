@@ -11,7 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "rlhf.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
-JOBS = 'job=~"learner|generation|reward|critic|rollout"'  # this system's processes, not Prometheus's own
+JOBS = 'job=~"learner|generation|reward|critic|rollout|gateway"'  # this system's processes, not Prometheus's own
 
 # (row title, [(panel title, unit, [(expr, legend)])])
 ROWS = [
@@ -65,6 +65,17 @@ ROWS = [
             (f"sum by (job) (rate(process_cpu_seconds_total{{{JOBS}}}[1m]))", "{{job}}")]),
         ("Memory per service", "bytes", [
             (f"sum by (job) (process_resident_memory_bytes{{{JOBS}}})", "{{job}}")]),
+    ]),
+    ("Gateway (rlhf serve gateway)", [
+        ("Requests by route and status", "reqps", [
+            ("sum by (path, code) (rate(rlhf_http_requests_total{service=\"gateway\"}[5m]))", "{{path}} {{code}}")]),
+        ("Turn latency", "s", [
+            ("histogram_quantile(0.5, sum by (le) (rate(rlhf_gateway_turn_seconds_bucket[5m])))", "p50"),
+            ("histogram_quantile(0.99, sum by (le) (rate(rlhf_gateway_turn_seconds_bucket[5m])))", "p99")]),
+        ("Sessions: held, bytes, evicted (per minute)", "none", [
+            ("rlhf_gateway_sessions", "sessions"),
+            ("rlhf_gateway_session_bytes / 1e6", "MB held"),
+            ("sum by (reason) (rate(rlhf_gateway_sessions_evicted_total[5m])) * 60", "evicted ({{reason}})")]),
     ]),
 ]
 

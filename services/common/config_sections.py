@@ -653,6 +653,11 @@ class RewardEndpoint(Endpoint):
     http_port: Optional[int] = Field(
         default=8052, ge=0, le=65535, description="port of the OpenRLHF-style HTTP reward API; null = off"
     )
+    max_request_bytes: int = Field(
+        default=67_108_864,
+        ge=1024,
+        description="largest body the HTTP reward API reads, in bytes (a batch of queries); beyond it 413",
+    )
 
 
 class LearnerEndpoint(Endpoint):
@@ -666,6 +671,40 @@ class GatewayEndpoint(Strict):
     port: int = Field(default=8090, ge=0, le=65535, description="its HTTP port; 0 picks a free port")
     session_ttl_s: float = Field(default=3600.0, gt=0, description="a session idle this long is forgotten")
     max_sessions: int = Field(default=10_000, ge=1, description="sessions kept at once (the longest idle goes first)")
+    max_request_bytes: int = Field(
+        default=8_388_608,
+        ge=1024,
+        description="largest request body read, in bytes (its Content-Length, or what arrives of a "
+        "chunked one); beyond it 413. The rollout workers' agent endpoints take it too",
+    )
+    max_session_id_bytes: int = Field(
+        default=256,
+        ge=128,
+        le=8192,
+        description="longest session id (x-session-id, the body's session_id, a /v1/sessions path), "
+        "printable ASCII; beyond it 400. The agent endpoints take it too",
+    )
+    max_session_bytes: int = Field(
+        default=16_777_216,
+        ge=65_536,
+        description="what one session may hold (its token-exact record and the messages it "
+        "compares, about 80 bytes a token); a turn of a session holding more is refused "
+        "(400, code session_too_large). The agent endpoints take it too",
+    )
+    max_sessions_bytes: int = Field(
+        default=1_073_741_824,
+        ge=65_536,
+        description="what all sessions may hold together; beyond it the longest idle are forgotten",
+    )
+
+    @model_validator(mode="after")
+    def _session_fits(self) -> "GatewayEndpoint":
+        if self.max_sessions_bytes < self.max_session_bytes:
+            raise ValueError(
+                f"rpc.gateway.max_sessions_bytes ({self.max_sessions_bytes}) is less than one session's "
+                f"max_session_bytes ({self.max_session_bytes})"
+            )
+        return self
 
 
 class RPCConfig(Strict):

@@ -25,6 +25,7 @@ The held-out eval of an agent is evaluate.py.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 import math
@@ -159,6 +160,16 @@ def http_agent(url: str, timeout_s: float) -> Callable:
     return run
 
 
+def session_name(uid: str, j: int, prefix: str = "") -> str:
+    """A fresh session id for the `j`th session of prompt `uid`: `<uid>/<j>/<8 hex>`, the uid as
+    it is when it is short printable ASCII, else its first 48 such characters and a digest of it
+    (a session id goes in a header and is bounded: rpc.gateway.max_session_id_bytes >= 128)."""
+    if len(uid) > 64 or not uid.isascii() or not uid.isprintable():
+        shown = "".join(c for c in uid if c.isascii() and c.isprintable())[:48]
+        uid = f"{shown}~{hashlib.sha256(uid.encode()).hexdigest()[:12]}"
+    return f"{prefix}{uid}/{j}/{uuid.uuid4().hex[:8]}"
+
+
 @dataclass
 class Episode:
     """One session's end: its reward, or why it failed (`error`: AgentFailed or Outage),
@@ -193,18 +204,24 @@ class AgentHost:
         bind: tuple[str, int] = ("127.0.0.1", 0),
         advertise: str | None = None,
         per_token_s: float = 0.0,
+        prompt_length: int | None = None,
+        max_request_bytes: int = 8 << 20,
+        max_session_id_bytes: int = 256,
+        max_session_bytes: int | None = 16 << 20,
     ):
         """`bind`: the endpoint's host and port (0: a free one); `advertise`: the host the agents'
         URL names (an agent service elsewhere reaches it there; default the bound one, on
         loopback for a wildcard). A turn's deadline: `generate_timeout_s` plus `per_token_s` per
-        token of every session in flight here (their turns share the servers' batches)."""
+        token of every session in flight here (their turns share the servers' batches).
+        `prompt_length` and the `max_*` bounds: as `rlhf serve gateway`'s (rpc.gateway); the
+        sessions here are the worker's own, so they are bounded one by one, not together."""
         self.agent, self.timeout_s = agent, timeout_s
         self.secret = secrets.token_hex(32)  # this endpoint's: the session keys agents are given
         self.active = 0  # sessions in flight (runs may overlap: a worker's loops)
         self._active_lock = threading.Lock()
         self.generate_timeout_s, self.per_token_s, self.max_tokens = generate_timeout_s, per_token_s, max_tokens
         self.is_async = inspect.iscoroutinefunction(agent)
-        self.sessions = Sessions(create_unknown=False)
+        self.sessions = Sessions(create_unknown=False, max_session_bytes=max_session_bytes)
         gateway = Gateway(
             tokenizer,
             Sampler(servers, self.turn_deadline),
@@ -214,9 +231,14 @@ class AgentHost:
             max_n=1,
             pinned=params,
             max_turns=max_turns,
+            prompt_length=prompt_length,
+            max_session_id_bytes=max_session_id_bytes,
         )
         self.http = HTTPServerThread(
-            build_app(gateway, token, session_secret=self.secret), bind[0], bind[1], name="agent-endpoint"
+            build_app(gateway, token, session_secret=self.secret, max_request_bytes=max_request_bytes),
+            bind[0],
+            bind[1],
+            name="agent-endpoint",
         )
         port = self.http.start()
         self.base_url = f"http://{advertise or reachable_host(bind[0])}:{port}/v1"
@@ -276,7 +298,7 @@ class AgentHost:
         per prompt its group (its version: the oldest policy version that sampled any of its
         turns) or why it failed (the first AgentFailed of its sessions). Raises Outage when any
         session met an outage (every prompt stays pending: the others may have met it too)."""
-        work = [(record, f"{uid}/{j}/{uuid.uuid4().hex[:8]}") for record, uid, n in items for j in range(n)]
+        work = [(record, session_name(uid, j)) for record, uid, n in items for j in range(n)]
         episodes = iter(self.run(work, min_version))
         chunks = [[next(episodes) for _ in range(n)] for _, _, n in items]
         down = [e.error for chunk in chunks for e in chunk if isinstance(e.error, Outage)]
@@ -410,4 +432,8 @@ def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams, port: in
         max_turns=rc.max_turns,
         bind=(rc.endpoint_host, rc.endpoint_port if port is None else port),
         advertise=advertise,
+        prompt_length=cfg.prompt_length,
+        max_request_bytes=cfg.rpc.gateway.max_request_bytes,
+        max_session_id_bytes=cfg.rpc.gateway.max_session_id_bytes,
+        max_session_bytes=cfg.rpc.gateway.max_session_bytes,
     )

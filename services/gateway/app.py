@@ -1,8 +1,14 @@
 """The OpenAI-compatible HTTP API of the gateway: `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, and the sessions an agent's requests make (`/v1/sessions/{id}`).
+`/v1/models`, and the sessions an agent's requests make (`/v1/sessions/{id}`); `/health` and
+`/metrics`.
 
 One request, hop by hop:
-    chat_completions              auth (the run's bearer token or the session's key), the request checked
+    Guard                         (common/rpc/http_guard.py) auth from the headers alone (the run's
+                                  bearer token, or the key of the session the header or the path
+                                  names), then the body read up to max_request_bytes (413 beyond)
+    chat_completions              the request checked: finite floats, an int64 seed, int32 token
+                                  ids, a bounded session id, the text's length against what
+                                  prompt_length allows before it is tokenised
       Session.prompt              token-exact: the session's tokens so far + the new messages'
                                   (sessions.py)
       Sampler.generate            the session's generation server while it lives, else another
@@ -18,15 +24,19 @@ import hashlib
 import hmac
 import json
 import logging
+import re
+import threading
 import time
 import uuid
 from typing import Any, Callable, Union
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..common.rpc.errors import Reason, reason_of
+from ..common.rpc.http_guard import Guard, document_guard, error_body, install_error_handlers
 from ..common.types import SamplingParams
+from .metrics import GatewayMetrics
 from .sessions import ChatTokens, Choice, Plan, Session, Sessions
 from .tools import parse_tool_calls
 
@@ -35,20 +45,25 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 VERSION_HEADER = "x-policy-version"
 AVOID_S = 10.0  # a generation server that failed a call is left out this long
+HEALTH_CACHE_S = 1.0  # /health asks a generation server at most this often
+INT64 = 2**63  # a seed is an int64 on the wire (generation.proto)
+INT32 = 2**31  # a token id is an int32 on the wire
+SESSION_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it goes back in the x-session-id header
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not converted (`"seed": true` is not 1)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1)
     logprobs: Any = None  # chat: a bool; completions: an int (how many alternatives; only the sampled one is given)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stream: bool = False  # answered as server-sent events, the whole turn in one chunk once sampled
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage
     session_id: str | None = None  # or the x-session-id header
@@ -62,8 +77,19 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Union[str, list[int]]
 
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids(cls, prompt):
+        if isinstance(prompt, list):
+            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < INT32), None)
+            if bad is not None:
+                raise ValueError(f"token id {prompt[bad]} at [{bad}] outside [0, 2^31)")
+        return prompt
+
 
 class RewardPost(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     reward: float = Field(allow_inf_nan=False)
 
 
@@ -71,15 +97,23 @@ class RewardPost(BaseModel):
 # left in response_length (OpenAI's own code for a context too long), or it had max_turns turns
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_TURNS_EXCEEDED = "max_turns_exceeded"
+SESSION_TOO_LARGE = "session_too_large"  # a session holds more than max_session_bytes
 
 
 class GatewayError(Exception):
-    """An OpenAI-style error answer: HTTP `status`, `kind` (its "type"), a message, and a `code`
-    (default the status) a client may act on."""
+    """An OpenAI-style error answer: HTTP `status`, `kind` (its "type"), a message, the request
+    field at fault (`param`) and a `code` (a string, or None) a client may act on."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
+        self.status, self.kind, self.code, self.param = status, kind, code, param
 
 
 class Sampler:
@@ -101,16 +135,22 @@ class Sampler:
                 session.server if session.server not in (None, *tried) else self.servers.pick(session.min_version)
             )
             if address is None or address in tried:
-                raise GatewayError(503, "no generation server is available", "service_unavailable")
+                raise GatewayError(
+                    503, "no generation server is available", "service_unavailable", "no_generation_server"
+                )
             try:
                 result = self.servers.client(address).generate(
                     [prompt], params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first]
                 )
+            except ValueError as e:  # a value the wire cannot carry (the request's checks let none through)
+                raise GatewayError(400, f"the request: {e}") from None
             except grpc.RpcError as e:
                 if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise GatewayError(400, f"the request: {e.details()}") from None
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise GatewayError(429, f"the generation server is full: {e.details()}", "rate_limit") from None
+                    raise GatewayError(
+                        429, f"the generation server is full: {e.details()}", "rate_limit_error", "server_full"
+                    ) from None
                 log.warning("generation server %s failed (%s); the session goes on on another", address, e.code().name)
                 self.servers.avoid(address, AVOID_S)
                 tried.add(address)
@@ -123,10 +163,35 @@ class Sampler:
 def _stop_list(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stops):
-        raise GatewayError(400, "stop: an empty string")
+        raise GatewayError(400, "stop: an empty string", param="stop")
     if len(stops) > 4:
-        raise GatewayError(400, f"stop: {len(stops)} sequences, at most 4")
+        raise GatewayError(400, f"stop: {len(stops)} sequences, at most 4", param="stop")
     return stops
+
+
+def text_chars(value: Any) -> int:
+    """How many characters the strings of a JSON-like value have together (its messages' text)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (the longest entry of the vocabulary, added
+    tokens included): n tokens are never more than n times this many characters of text."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(1, max((len(t) for t in vocab), default=1))
+    except Exception:  # a tokenizer without a vocabulary to read: a bound no BPE vocabulary passes
+        return 64
 
 
 class Gateway:
@@ -142,19 +207,89 @@ class Gateway:
         max_n: int,
         pinned: SamplingParams | None = None,
         max_turns: int | None = None,
+        prompt_length: int | None = None,
+        max_session_id_bytes: int = 256,
     ):
         """`pinned`: the temperature, top-p and top-k every request samples with, whatever it
         asks (a rollout worker's endpoint: the learner's log-probs are of that distribution).
         `max_tokens`: a session's budget of tokens after its first prompt (response_length);
-        `max_turns`: of sampled turns in one session (None: no limit)."""
+        `max_turns`: of sampled turns in one session (None: no limit); `prompt_length`: the
+        most tokens of a conversation's first prompt (None: the generation server says).
+        `max_session_id_bytes`: the longest session id taken."""
         self.tok, self.sampler, self.sessions = tokenizer, sampler, sessions
         self.chat = ChatTokens(tokenizer)
         self.model_name, self.max_tokens, self.max_n, self.pinned = model_name, max_tokens, max_n, pinned
-        self.max_turns = max_turns
+        self.max_turns, self.prompt_length, self.max_session_id_bytes = max_turns, prompt_length, max_session_id_bytes
+        self.vocab_size = len(tokenizer)
+        self.token_chars = max_token_chars(tokenizer)
+        self._health: tuple[float, str | None] = (-HEALTH_CACHE_S, None)
+        self._health_lock = threading.Lock()
+
+    def session_id(self, sid: str | None, param: str = "session_id") -> str | None:
+        """`sid` if it is a session id this endpoint takes (printable ASCII, at most
+        `max_session_id_bytes`), else GatewayError 400."""
+        if sid is None:
+            return None
+        if len(sid) > self.max_session_id_bytes or not SESSION_ID.fullmatch(sid):
+            raise GatewayError(
+                400,
+                f"{param}: a session id is 1 to {self.max_session_id_bytes} printable ASCII characters "
+                f"(this one: {len(sid)} characters)",
+                param=param,
+            )
+        return sid
+
+    def unavailable(self) -> str | None:
+        """Why the endpoint cannot serve now (no generation server is listed, or none of them
+        answers GetInfo within a second), or None when it can. Asked at most once a second."""
+        with self._health_lock:
+            at, why = self._health
+            if time.monotonic() - at < HEALTH_CACHE_S:
+                return why
+            why = self._reachable()
+            self._health = (time.monotonic(), why)
+            return why
+
+    def _reachable(self) -> str | None:
+        servers = self.sampler.servers
+        try:
+            live = sorted(servers.live())
+        except Exception as e:  # the registry (Redis) did not answer
+            return f"the registry of generation servers did not answer: {type(e).__name__}"
+        if not live:
+            return "no generation server is registered"
+        for address in live:
+            try:
+                servers.client(address).info(timeout=1.0)
+                return None
+            except Exception:
+                continue
+        return f"none of the {len(live)} generation servers answers"
+
+    def _check_text(self, value: Any, param: str, tokens: int, bound: str) -> None:
+        """Refuse text that cannot be `tokens` tokens or fewer (`bound` says which), before
+        tokenising it: more characters than `tokens` times the longest token's."""
+        chars = text_chars(value)
+        if chars > tokens * self.token_chars:
+            raise GatewayError(
+                400,
+                f"{param}: {chars} characters of text, more than {tokens} tokens can be ({bound})",
+                code=CONTEXT_LENGTH_EXCEEDED,
+                param=param,
+            )
+
+    def _check_first(self, plan: Plan, param: str) -> None:
+        if self.prompt_length is not None and plan.first > self.prompt_length:
+            raise GatewayError(
+                400,
+                f"{param}: a first prompt of {plan.first} tokens, more than prompt_length={self.prompt_length}",
+                code=CONTEXT_LENGTH_EXCEEDED,
+                param=param,
+            )
 
     def _params(self, req: _Request, stops: list[str]) -> SamplingParams:
         if req.n > self.max_n:
-            raise GatewayError(400, f"n: {req.n}, more than this server's {self.max_n}")
+            raise GatewayError(400, f"n: {req.n}, more than this server's {self.max_n}", param="n")
         single = [self.tok(s, add_special_tokens=False)["input_ids"] for s in stops]
         pin = self.pinned
         return SamplingParams(
@@ -208,13 +343,20 @@ class Gateway:
         return out
 
     def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
+        if self.prompt_length is not None:
+            bound = f"prompt_length={self.prompt_length} + response_length={self.max_tokens}"
+            self._check_text([req.messages, req.tools], "messages", self.prompt_length + self.max_tokens, bound)
+
         def plan_of(session: Session) -> Plan:
             try:
                 plan = session.plan(self.chat, req.messages, req.tools)
             except Exception as e:  # the template refused the messages (a role it does not know)
-                raise GatewayError(400, f"messages: the chat template cannot render them ({e})") from None
+                raise GatewayError(
+                    400, f"messages: the chat template cannot render them ({str(e)[:500]})", param="messages"
+                ) from None
             if not plan.went_on and session.segments:
                 log.info("session %s: its messages do not extend its last turn; a new segment starts", session.id)
+            self._check_first(plan, "messages")
             return plan
 
         def choice(i: int, c: Choice) -> dict:
@@ -231,12 +373,24 @@ class Gateway:
         return self._answer(req, session_id, plan_of, "chat.completion", "chatcmpl", choice, tools=bool(req.tools))
 
     def completion(self, req: CompletionRequest, session_id: str | None) -> tuple[dict, Session, int]:
-        ids = list(req.prompt) if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
+        if isinstance(req.prompt, list):
+            ids = list(req.prompt)
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise GatewayError(
+                    400, f"prompt: token id {bad} outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                )
+        else:
+            if self.prompt_length is not None:
+                self._check_text(req.prompt, "prompt", self.prompt_length, f"prompt_length={self.prompt_length}")
+            ids = self.chat.encode(req.prompt)
         if not ids:
-            raise GatewayError(400, "prompt: empty")
+            raise GatewayError(400, "prompt: empty", param="prompt")
 
         def plan_of(session: Session) -> Plan:
-            return session.plan_raw(ids)
+            plan = session.plan_raw(ids)
+            self._check_first(plan, "prompt")
+            return plan
 
         def choice(i: int, c: Choice) -> dict:
             logprobs = {"tokens": [self.tok.decode([t]) for t in c.ids], "token_logprobs": c.log_probs}
@@ -257,11 +411,19 @@ class Gateway:
         (`choice(i, c)` shapes each choice), the session and the policy version that sampled it."""
         stops = _stop_list(req.stop)
         params = self._params(req, stops)
-        sid = session_id or req.session_id
+        sid = self.session_id(session_id, "x-session-id") or self.session_id(req.session_id)
         session = self.sessions.get(sid)
         if session is None:
-            raise GatewayError(404, f"no session {sid!r} here (ended, or never opened)", "not_found")
+            raise GatewayError(404, f"no session {sid!r} here (ended, or never opened)", code="session_not_found")
         with session.lock:
+            if self.sessions.over_limit(session):
+                raise GatewayError(
+                    400,
+                    f"session {session.id}: it holds {session.bytes} bytes, more than max_session_bytes="
+                    f"{self.sessions.max_session_bytes}; end it (DELETE /v1/sessions/{{id}}) or start another",
+                    code=SESSION_TOO_LARGE,
+                    param="session_id",
+                )
             plan = plan_of(session)
             prompt = plan.ids
             if self.max_turns is not None and plan.turn > self.max_turns:
@@ -288,6 +450,7 @@ class Gateway:
                 raise
             choices = self._choices(result.completions[0], result.policy_version, stops, tools)
             session.apply(plan, choices)
+            self.sessions.resized(session)
         body = {
             "id": f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,
@@ -339,24 +502,65 @@ def session_key(secret: str, session_id: str) -> str:
     return f"sk-session-{digest}"
 
 
+def session_in_path(method: str, path: str) -> str | None:
+    """The session a /v1/sessions/{id}[/reward] path names (what its route reads), else None."""
+    prefix = "/v1/sessions/"
+    if not path.startswith(prefix) or len(path) == len(prefix):
+        return None
+    sid = path[len(prefix) :]
+    if method == "POST":
+        return sid[: -len("/reward")] if sid.endswith("/reward") else None
+    return sid
+
+
+def route_of(method: str, path: str) -> str:
+    """The `path` label of a request in the gateway's metrics: its route, else "other" (a
+    scanner cannot grow the label set)."""
+    if path in ROUTES:
+        return path
+    sid = session_in_path(method, path)
+    if sid is not None:
+        return "/v1/sessions/{id}/reward" if method == "POST" else "/v1/sessions/{id}"
+    return "other"
+
+
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/health/live",
+    "/metrics",
+    "/openapi.json",
+)
+
+
 def build_app(
     gateway: Gateway,
     token: str | None,
     version=lambda: None,
     concurrency: int = 256,
     session_secret: str | None = None,
+    max_request_bytes: int = 8 << 20,
+    metrics: GatewayMetrics | None = None,
+    open_metrics: bool = False,
 ):
-    """The FastAPI app over `gateway`; every route but /health asks for the bearer `token` (when
-    set) or, with `session_secret` (a rollout worker's endpoint), the session key of the session
-    the request names: there a key is asked for even when the run has no token. `version()`:
-    the policy version the servers serve now (for /v1/models). `concurrency`: requests answered
-    at once (each holds a thread while its turn is sampled: as many as the generation servers
-    batch, not the 40 threads FastAPI runs sync routes on by default)."""
+    """The app over `gateway` (FastAPI behind `Guard`): every route but the probes (/health,
+    /health/live) asks for the bearer `token` (when set) or, with `session_secret` (a rollout
+    worker's endpoint), the key of the session the request names in its path or else its
+    `x-session-id` header: there a key is asked for even when the run has no token. Auth is
+    decided on the headers alone, before the body (at most `max_request_bytes`) is read.
+    `version()`: the policy version the servers serve now (for /v1/models). `concurrency`:
+    requests answered at once (each holds a thread while its turn is sampled: as many as the
+    generation servers batch, not the 40 threads FastAPI runs sync routes on by default).
+    `metrics`: served at /metrics (behind the token unless `open_metrics`), fed by every
+    request. /openapi.json is behind the token like the API; FastAPI's /docs and /redoc pages
+    are off (they fetch the schema without one)."""
     from contextlib import asynccontextmanager
 
     import anyio.to_thread
     from fastapi import FastAPI, Header, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -364,32 +568,29 @@ def build_app(
         yield
 
     app = FastAPI(
-        title="rlhf gateway", description="OpenAI-compatible endpoint with token-exact sessions", lifespan=lifespan
+        title="rlhf gateway",
+        description="OpenAI-compatible endpoint with token-exact sessions",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
+    install_error_handlers(app)
 
-    def check(authorization: str | None, session_id: str | None = None) -> None:
-        """The run's token, or the key of the session the request names (`session_secret`'s)."""
+    def authorized(method: str, path: str, headers: dict[str, str]) -> bool:
+        """The run's token, or the key of the session the path (first) or the header names."""
         if token is None and session_secret is None:
-            return
-        given = (authorization or "").encode()
+            return True
+        given = headers.get("authorization", "").encode("latin-1")
         if token is not None and hmac.compare_digest(given, f"Bearer {token}".encode()):
-            return
-        if (
-            session_secret is not None
-            and session_id
-            and hmac.compare_digest(given, f"Bearer {session_key(session_secret, session_id)}".encode())
-        ):
-            return
-        raise GatewayError(
-            401,
-            "missing or wrong bearer token (Authorization: Bearer <the run's token, or this session's key>)",
-            "authentication_error",
-        )
+            return True
+        sid = session_in_path(method, path) or headers.get(SESSION_HEADER)
+        if session_secret is None or not sid:
+            return False
+        return hmac.compare_digest(given, f"Bearer {session_key(session_secret, sid)}".encode("utf-8", "replace"))
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, e: GatewayError):
-        error = {"message": str(e), "type": e.kind, "code": e.code or e.status}
-        return JSONResponse({"error": error}, status_code=e.status)
+        return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status)
 
     def answer(req: _Request, body: dict, session: Session, version: int):
         headers = {SESSION_HEADER: session.id, VERSION_HEADER: str(version)}
@@ -399,27 +600,28 @@ def build_app(
         events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(body, usage)] + ["data: [DONE]\n\n"]
         return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
 
-    @app.post("/v1/chat/completions")
-    def chat_completions(
-        req: ChatRequest,
-        authorization: str | None = Header(None),
-        x_session_id: str | None = Header(None),
-    ):
-        check(authorization, x_session_id or req.session_id)
-        return answer(req, *gateway.chat_completion(req, x_session_id))
+    def turn(work, req: _Request, x_session_id: str | None):
+        t0 = time.perf_counter()
+        out = work(req, x_session_id)
+        if metrics is not None:
+            metrics.turn_seconds.observe(time.perf_counter() - t0)
+        return answer(req, *out)
 
-    @app.post("/v1/completions")
-    def completions(
-        req: CompletionRequest,
-        authorization: str | None = Header(None),
-        x_session_id: str | None = Header(None),
-    ):
-        check(authorization, x_session_id or req.session_id)
-        return answer(req, *gateway.completion(req, x_session_id))
+    # a turn answers JSON, or server-sent events with `stream`
+    turn_answers: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"application/json": {}, "text/event-stream": {}}}
+    }
+
+    @app.post("/v1/chat/completions", responses=turn_answers)
+    def chat_completions(req: ChatRequest, x_session_id: str | None = Header(None)):
+        return turn(gateway.chat_completion, req, x_session_id)
+
+    @app.post("/v1/completions", responses=turn_answers)
+    def completions(req: CompletionRequest, x_session_id: str | None = Header(None)):
+        return turn(gateway.completion, req, x_session_id)
 
     @app.get("/v1/models")
-    def models(authorization: str | None = Header(None), x_session_id: str | None = Header(None)):
-        check(authorization, x_session_id)
+    def models():
         return {
             "object": "list",
             "data": [
@@ -433,34 +635,55 @@ def build_app(
             ],
         }
 
+    def not_found(session_id: str) -> GatewayError:
+        return GatewayError(
+            404, f"no session {session_id!r} (ended, or idle past its time to live)", code="session_not_found"
+        )
+
     @app.get("/v1/sessions/{session_id:path}")
-    def session_record(session_id: str, authorization: str | None = Header(None)):
-        check(authorization, session_id)
-        session = gateway.sessions.find(session_id)
+    def session_record(session_id: str):
+        session = gateway.sessions.find(gateway.session_id(session_id) or "")
         if session is None:
-            raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
+            raise not_found(session_id)
         return session.record()
 
     @app.post("/v1/sessions/{session_id:path}/reward")
-    def post_reward(session_id: str, body: RewardPost, authorization: str | None = Header(None)):
+    def post_reward(session_id: str, body: RewardPost):
         """An agent's reward for its session (an agent service's way to report it)."""
-        check(authorization, session_id)
-        session = gateway.sessions.find(session_id)
+        session = gateway.sessions.find(gateway.session_id(session_id) or "")
         if session is None:
-            raise GatewayError(404, f"no session {session_id!r} (ended, or idle past its time to live)", "not_found")
+            raise not_found(session_id)
         session.set_reward(body.reward)
         return {"id": session_id, "reward": body.reward}
 
     @app.delete("/v1/sessions/{session_id:path}")
-    def end_session(session_id: str, authorization: str | None = Header(None)):
-        check(authorization, session_id)
-        session = gateway.sessions.end(session_id)
+    def end_session(session_id: str):
+        session = gateway.sessions.end(gateway.session_id(session_id) or "")
         if session is None:
-            raise GatewayError(404, f"no session {session_id!r}", "not_found")
+            raise not_found(session_id)
         return session.record()
 
     @app.get("/health")
     def health():
+        """200 when a generation server answers (the endpoint can serve), else 503 saying why."""
+        why = gateway.unavailable()
+        if why is not None:
+            raise GatewayError(503, f"the gateway cannot serve: {why}", "service_unavailable", "no_generation_server")
         return {"status": "ok", "sessions": len(gateway.sessions)}
 
-    return app
+    @app.get("/health/live")
+    def alive():
+        """200 while the process answers HTTP, whatever the generation servers' state (a
+        liveness probe: restarting the gateway would lose its sessions and fix no server)."""
+        return {"status": "alive"}
+
+    if metrics is not None:
+
+        @app.get("/metrics", response_class=PlainTextResponse)
+        def prometheus():
+            return PlainTextResponse(metrics.exposition(), media_type=metrics.content_type)
+
+    open_paths = {"/health", "/health/live"} | ({"/metrics"} if open_metrics else set())
+    document_guard(app, open_paths)
+    observe = (lambda m, p, code, s: metrics.http(route_of(m, p), code, s)) if metrics is not None else None
+    return Guard(app, authorized=authorized, open_paths=open_paths, max_body_bytes=max_request_bytes, observe=observe)

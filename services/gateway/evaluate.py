@@ -4,11 +4,10 @@ learner's eval (`rlhf up`) and `rlhf eval` run it."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Callable
 
 from ..common.types import PromptRecord
-from .agents import AgentHost, Outage
+from .agents import AgentHost, Outage, session_name
 from .sessions import as_sample
 
 
@@ -45,7 +44,7 @@ def evaluate_agent(
     rows: list[dict] = []
     for start in range(0, len(records), batch):
         chunk = records[start : start + batch]
-        work = [(r, f"eval/{r.id}/{j}/{uuid.uuid4().hex[:8]}") for r in chunk for j in range(n)]
+        work = [(r, session_name(r.id, j, "eval/")) for r in chunk for j in range(n)]
         episodes = host.run(work)
         down = [e.error for e in episodes if isinstance(e.error, Outage)]
         if down:

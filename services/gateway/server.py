@@ -3,7 +3,12 @@
 It holds the sessions, so a session outlives the generation server it was on: its next request
 goes to another server with the same tokens. It reaches the generation servers through the replay
 registry in a distributed run (`replay.url`: every live server, as the rollout workers do), else
-the one at `rpc.generation`. It loads only the model's tokenizer and chat template."""
+the one at `rpc.generation`. It loads only the model's tokenizer and chat template.
+
+On its HTTP port: the API (app.py), `/health` (200 while a generation server answers, else 503)
+and `/metrics` (metrics.py; behind the token unless `rpc.open_metrics`). What one client can make
+it hold is bounded by `rpc.gateway`'s keys: a request's bytes, a session id's, a session's, all
+sessions' (docs/security.md says how much memory each allows)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from ..common.modeling import load_tokenizer
 from ..common.rpc.client import endpoint_address
 from ..generation.client import ServerPool
 from .app import Gateway, Sampler, build_app
+from .metrics import GatewayMetrics
 from .sessions import Sessions
 
 if TYPE_CHECKING:
@@ -36,6 +42,8 @@ class GatewayService(Service):
         self.store: object | None = None  # the replay store whose registry lists the servers
         self.fixed: str | None = None  # or the one configured server (no registry)
         self.port: int | None = None
+        self.gateway: Gateway | None = None
+        self.metrics: GatewayMetrics | None = None
         self._done = threading.Event()
 
     def start(self) -> "GatewayService":
@@ -48,15 +56,31 @@ class GatewayService(Service):
         else:
             self.fixed = endpoint_address(cfg.rpc.generation)
             self.servers = ServerPool.fixed(self.fixed, cfg.rpc)
+        sessions = Sessions(
+            ep.session_ttl_s,
+            ep.max_sessions,
+            max_bytes=ep.max_sessions_bytes,
+            max_session_bytes=ep.max_session_bytes,
+        )
         gateway = Gateway(
             load_tokenizer(cfg.model.path),
             Sampler(self.servers, cfg.rpc.timeout_s),
-            Sessions(ep.session_ttl_s, ep.max_sessions),
+            sessions,
             model_name=cfg.model.path,
             max_tokens=cfg.response_length,
             max_n=cfg.rpc.max_samples_per_prompt,
+            prompt_length=cfg.prompt_length,
+            max_session_id_bytes=ep.max_session_id_bytes,
         )
-        app = build_app(gateway, cfg.rpc.resolved_auth_token(), version=self._version)
+        self.gateway, self.metrics = gateway, GatewayMetrics(sessions)
+        app = build_app(
+            gateway,
+            cfg.rpc.resolved_auth_token(),
+            version=self._version,
+            max_request_bytes=ep.max_request_bytes,
+            metrics=self.metrics,
+            open_metrics=cfg.rpc.open_metrics,
+        )
         self.http = HTTPServerThread(app, ep.host, ep.port, name="gateway-http")
         self.port = self.http.start()
         log.info("gateway: the OpenAI-compatible endpoint is on http://%s:%d/v1", ep.host, self.port)

@@ -16,13 +16,20 @@ returned choices) starts a new segment: the earlier one is kept as it was, and t
 tokenised afresh. With `n` > 1 each choice is a branch: until the next request, the record lists
 each as its own trajectory; the next request's assistant message says which one the session goes
 on with, and the others are dropped.
+
+What a session holds is counted in bytes (`Session.bytes`: about `TOKEN_BYTES` a token position,
+its messages' strings at their size; a segment keeps of each message only what it compares:
+role, content, tool calls). `Sessions` forgets the longest idle ones past a count, past a total
+of bytes, and after their time to live.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +37,29 @@ from ..common.types import Completion
 from .tools import same_calls
 
 MARK = "\u2063rlhf-assistant-content\u2063"  # stands in for an assistant turn's content when reading the template
+TOKEN_BYTES = 80  # one token position of a record in Python lists: its id, mask, log-prob (slots and objects)
+SESSION_BYTES = 1024  # a session's own fields, besides its id and its segments
+KEPT = ("role", "content", "tool_calls")  # what a segment keeps of a message: what `same_message` compares
+
+
+def size_of(obj: Any) -> int:
+    """About the bytes a JSON-like value (dicts, lists, strings, numbers) holds in Python."""
+    total, stack = 0, [obj]
+    while stack:
+        o = stack.pop()
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+def kept(message: dict) -> dict:
+    """What a segment keeps of a message (the fields the template renders but `same_message`
+    does not compare, and anything else a client sent, are not kept)."""
+    return {k: message[k] for k in KEPT if k in message}
 
 
 @dataclass
@@ -43,6 +73,9 @@ class Choice:
     finish_reason: str
     version: int
     tool_calls: list[dict] = field(default_factory=list)  # parsed out of the text (tools.py)
+
+    def size(self) -> int:
+        return TOKEN_BYTES * len(self.ids) + size_of(self.text) + size_of(self.tool_calls)
 
     def answers(self, message: dict) -> bool:
         """Whether `message` is this choice as the gateway returned it (an agent echoes it back)."""
@@ -65,6 +98,16 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     pending: list[Choice] = field(default_factory=list)  # the last turn's choices, not yet taken
+
+    def size(self) -> int:
+        """About the bytes this segment holds (`TOKEN_BYTES` a token position, its messages,
+        its pending choices)."""
+        return (
+            TOKEN_BYTES * len(self.ids)
+            + 8 * len(self.versions)
+            + size_of(self.messages)
+            + sum(c.size() for c in self.pending)
+        )
 
     def extend(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
         self.ids += ids
@@ -175,6 +218,14 @@ class Session:
     reward: float | None = None  # what its agent posted (POST /v1/sessions/{id}/reward)
     min_version: int = 0  # the policy version its turns should come from (a server at it is preferred)
     unavailable: bool = False  # a turn found no generation server (503) or a full one (429)
+    bytes: int = 0  # about what it holds (`size`), as of its last turn
+    counted: int = 0  # what its `Sessions` counts it at
+
+    def __post_init__(self) -> None:
+        self.bytes = self.size()
+
+    def size(self) -> int:
+        return SESSION_BYTES + len(self.id) + sum(seg.size() for seg in self.segments)
 
     def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
         """The prompt of a request with `messages`, and what it does to the session once its turn
@@ -207,7 +258,7 @@ class Session:
         until the next request says which one the session goes on with)."""
         seg = plan.segment
         if seg is None:
-            seg = Segment(messages=list(plan.messages))
+            seg = Segment(messages=[kept(m) for m in plan.messages])
             seg.extend(plan.ids, False)
             self.segments.append(seg)
         else:
@@ -215,8 +266,9 @@ class Session:
             seg.extend(plan.taken.ids, True, plan.taken.log_probs)
             seg.versions.append(plan.taken.version)
             seg.extend(plan.rest, False)
-            seg.messages = list(plan.messages)
+            seg.messages = [kept(m) for m in plan.messages]
         seg.pending = choices
+        self.bytes = self.size()
 
     def set_reward(self, reward: float) -> None:
         with self.lock:
@@ -260,16 +312,30 @@ class Plan:
 
 
 class Sessions:
-    """The gateway's sessions by id, each forgotten after `ttl_s` idle; at most `limit` (the
-    longest idle goes first)."""
+    """The gateway's sessions by id, each forgotten after `ttl_s` idle; at most `limit` of them
+    and, with `max_bytes`, at most that many bytes of them all (`Session.bytes`): the longest
+    idle goes first. `max_session_bytes`: what one session may hold before its next turn is
+    refused (the gateway asks `over_limit`)."""
 
-    def __init__(self, ttl_s: float = 3600.0, limit: int = 10_000, create_unknown: bool = True):
+    EVICTIONS = ("idle", "count", "bytes")  # why a session was forgotten (`evicted`)
+
+    def __init__(
+        self,
+        ttl_s: float = 3600.0,
+        limit: int = 10_000,
+        create_unknown: bool = True,
+        max_bytes: int | None = None,
+        max_session_bytes: int | None = None,
+    ):
         """`create_unknown`: a request naming an unknown session starts it (the endpoint for any
         client); False: only `open` starts one (a rollout worker's own endpoint, whose sessions
         the worker opens and ends: a late request of an ended one is refused)."""
         self.ttl_s, self.limit, self.create_unknown = ttl_s, limit, create_unknown
-        self._by_id: dict[str, Session] = {}
+        self.max_bytes, self.max_session_bytes = max_bytes, max_session_bytes
+        self._by_id: OrderedDict[str, Session] = OrderedDict()  # the longest idle first
         self._lock = threading.Lock()
+        self.bytes = 0  # what the sessions hold together (each as of its last turn)
+        self.evicted = dict.fromkeys(self.EVICTIONS, 0)
 
     def get(self, session_id: str | None, create: bool | None = None) -> Session | None:
         """The session `session_id` names; an unknown one is started (a fresh id when None) if
@@ -277,17 +343,21 @@ class Sessions:
         create = self.create_unknown if create is None else create
         now = time.monotonic()
         with self._lock:
-            for sid in [s for s, v in self._by_id.items() if now - v.used > self.ttl_s]:
-                del self._by_id[sid]
+            while self._by_id and now - next(iter(self._by_id.values())).used > self.ttl_s:
+                self._drop(next(iter(self._by_id)), "idle")
             sid = session_id or uuid.uuid4().hex
             session = self._by_id.get(sid)
             if session is None:
                 if not create:
                     return None
                 while len(self._by_id) >= self.limit:
-                    del self._by_id[min(self._by_id, key=lambda s: self._by_id[s].used)]
+                    self._drop(next(iter(self._by_id)), "count")
                 session = self._by_id[sid] = Session(sid)
+                session.counted = session.bytes
+                self.bytes += session.counted
+                self._evict_bytes(sid)
             session.used = now
+            self._by_id.move_to_end(sid)
             return session
 
     def open(self, session_id: str, min_version: int = 0) -> Session:
@@ -297,13 +367,44 @@ class Sessions:
         session.min_version = min_version
         return session
 
+    def over_limit(self, session: Session) -> bool:
+        """Whether `session` holds more than `max_session_bytes` (its next turn is refused)."""
+        return self.max_session_bytes is not None and session.bytes > self.max_session_bytes
+
+    def resized(self, session: Session) -> None:
+        """`session` had a turn (`Session.apply`): count what it holds now, and forget the longest
+        idle others while all of them hold more than `max_bytes`."""
+        with self._lock:
+            if self._by_id.get(session.id) is not session:
+                return  # ended or forgotten while its turn was sampled
+            self.bytes += session.bytes - session.counted
+            session.counted = session.bytes
+            self._evict_bytes(session.id)
+
+    def _evict_bytes(self, keep: str) -> None:
+        if self.max_bytes is None:
+            return
+        while self.bytes > self.max_bytes and len(self._by_id) > 1:
+            oldest = next(iter(self._by_id))
+            if oldest == keep:  # the session in use stays
+                oldest = next(s for s in self._by_id if s != keep)
+            self._drop(oldest, "bytes")
+
+    def _drop(self, sid: str, why: str) -> None:
+        session = self._by_id.pop(sid)
+        self.bytes -= session.counted
+        self.evicted[why] += 1
+
     def find(self, session_id: str) -> Session | None:
         with self._lock:
             return self._by_id.get(session_id)
 
     def end(self, session_id: str) -> Session | None:
         with self._lock:
-            return self._by_id.pop(session_id, None)
+            session = self._by_id.pop(session_id, None)
+            if session is not None:
+                self.bytes -= session.counted
+            return session
 
     def __len__(self) -> int:
         with self._lock:

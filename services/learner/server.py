@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from ..common.lifecycle import Service
 from ..common.rpc.gen import learner_pb2 as lpb
 from ..common.rpc.gen import learner_pb2_grpc
+from ..common.rpc.http_guard import error_bytes
 from ..common.rpc.server import RPCServer, advertised_address
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import weight_chunks
@@ -21,6 +24,8 @@ from .run import LearnerLoop
 
 if TYPE_CHECKING:
     from ..common.config import Config
+
+log = logging.getLogger(__name__)
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -38,35 +43,87 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         return lpb.LearnerStatus(**{k: v for k, v in s.items() if k in lpb.LearnerStatus.DESCRIPTOR.fields_by_name})
 
 
+def finite(value):
+    """`value` (JSON-like) with every float that is not finite as None: strict JSON (a NaN that
+    `json.dumps` writes as `NaN` is not JSON, and strict clients refuse the whole answer)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def status_http(loop, host: str, port: int, token: str | None = None) -> ThreadingHTTPServer:
     """JSON `/status` (and `/`) of `loop`; with a `token`, only for requests that carry
-    `Authorization: Bearer <token>` (401 otherwise). `/healthz` stays open for liveness probes:
-    200 while the training loop advances, 503 with the reason once it has not for the liveness
-    bound (`loop.liveness()`, see liveness.py)."""
+    `Authorization: Bearer <token>` (401 otherwise, on every path but /healthz, before anything
+    else). `/healthz` stays open for liveness probes: 200 while the training loop advances, 503
+    with the reason once it has not for the liveness bound (`loop.liveness()`, see liveness.py).
+    Every error is the one shape, `{"error": {"message", "type", "param", "code"}}`: 401, 404,
+    405 (a method other than GET: no body is read), 500 (the status could not be read), and
+    what http.server refuses itself (a malformed request line, headers too long). The status is
+    strict JSON (a value that is not finite is null)."""
     expected = f"Bearer {token}".encode() if token is not None else None
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            if self.path.split("?")[0] in ("/status", "/"):
-                if expected is not None and not hmac.compare_digest(
-                    self.headers.get("Authorization", "").encode(), expected
-                ):
-                    body, code = b'{"error": "missing or wrong bearer token (Authorization: Bearer ...)"}', 401
-                else:
-                    body, code = json.dumps(loop.status(), default=str).encode(), 200
-            elif self.path.split("?")[0] == "/healthz":
+            path = self.path.split("?")[0]
+            if path == "/healthz":
                 check = getattr(loop, "liveness", None)
                 reason = check() if check is not None else None
                 body, code = (
                     (json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason else (b'{"ok": true}', 200)
                 )
-            else:
-                body, code = b'{"error": "not found; try /status"}', 404
-            self.send_response(code)
+                return self._reply(code, body)
+            if not self._authorized():
+                return
+            if path not in ("/status", "/"):
+                return self._error(404, f"no route GET {path[:200]}; try /status")
+            try:
+                body = json.dumps(finite(loop.status()), default=str, allow_nan=False).encode()
+            except Exception:
+                log.exception("the learner's status could not be read")
+                return self._error(500, "internal error (the learner logged it)")
+            self._reply(200, body)
+
+        def _refuse(self):
+            if self._authorized():
+                self._error(405, f"{self.command} is not allowed; GET /status", extra=(("Allow", "GET"),))
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _refuse
+
+        def _authorized(self) -> bool:
+            given = self.headers.get("Authorization", "").encode("utf-8", "replace")
+            if expected is None or hmac.compare_digest(given, expected):
+                return True
+            self._error(
+                401,
+                "missing or wrong bearer token (Authorization: Bearer <token>)",
+                code="invalid_api_key",
+                extra=(("WWW-Authenticate", "Bearer"),),
+            )
+            return False
+
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (400, 414, 431, 501) in the one shape."""
+            self.close_connection = True
+            self._error(code, message or explain or "the request could not be read")
+
+        def _error(self, status: int, message: str, code: str | None = None, extra=()):
+            self._reply(status, error_bytes(status, message, code=code), extra)
+
+        def _reply(self, status: int, body: bytes, extra=()):
+            if status >= 400:
+                self.close_connection = True  # a body a client sent is not read: the connection ends here
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            for k, v in extra:
+                self.send_header(k, v)
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         def log_message(self, *args):
             pass

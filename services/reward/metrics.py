@@ -11,13 +11,12 @@ first HTTP request, and with a scorer that calls a reward API:
     rlhf_reward_api_breaker_opened_total{service}    times it opened
     rlhf_reward_api_short_circuited_total{service}   requests not sent because it was open
 
-`CountRequests` is the ASGI middleware that feeds the first two; paths outside the API's own are
-counted as "other" (a scanner cannot grow the label set).
+The HTTP API's `Guard` (common/rpc/http_guard.py) feeds the first two, the requests it refuses
+itself (401, 413) included; paths outside the API's own are counted as "other" (a scanner cannot
+grow the label set).
 """
 
 from __future__ import annotations
-
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -52,29 +51,6 @@ class HTTPMetrics:
 def path_label(path: str, known=API_PATHS) -> str:
     """The `path` label of a request: its path when the API serves it, else "other"."""
     return path if path in known else "other"
-
-
-class CountRequests:
-    """ASGI middleware: each HTTP request's path, status code and seconds into `metrics`. A
-    request whose handler raised counts as 500 (what the server answers)."""
-
-    def __init__(self, app, metrics: HTTPMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0, status = time.perf_counter(), [500]
-
-        async def send_counted(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_counted)
-        finally:
-            self.metrics.record(path_label(scope.get("path", "")), status[0], time.perf_counter() - t0)
 
 
 class RewardAPIMetrics:

@@ -9,7 +9,6 @@ Score requests marked `held_out` (the learner's held-out evaluation) are scored 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -24,11 +23,12 @@ from ..common.modeling import load_tokenizer
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Reason, Unavailable
 from ..common.rpc.gen import reward_pb2 as rpb
 from ..common.rpc.gen import reward_pb2_grpc
+from ..common.rpc.http_guard import Guard, bearer, document_guard, install_error_handlers
 from ..common.rpc.server import RPCServer, batch_size_histogram
 from ..common.types import RewardSample
 from .functions import RewardFunctionError
 from .http_scorer import api_scorers
-from .metrics import CountRequests, HTTPMetrics, RewardAPIMetrics
+from .metrics import HTTPMetrics, RewardAPIMetrics, path_label
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -176,19 +176,26 @@ def build_http_app(
     strip_tokens: Sequence[str] = (),
     max_text_chars: int = 100_000,
     metrics: HTTPMetrics | None = None,
+    max_request_bytes: int = 64 << 20,
 ):
-    """FastAPI app answering OpenRLHF's remote reward request shape. Each query loses the runs of
-    `strip_tokens` at its start and end (OpenRLHF decodes with special tokens kept: pads, BOS,
-    a trailing EOS), each prompt those at its start, before the response is cut from the query.
-    Prompts, responses and labels are limited to `max_text_chars` (a query to twice that).
-    `metrics` counts every request by path and status code, and times it."""
-    from fastapi import FastAPI, Header, HTTPException
+    """The app answering OpenRLHF's remote reward request shape (FastAPI behind `Guard`: the
+    bearer `token` checked on the headers before the body, at most `max_request_bytes` of body,
+    413 beyond). Each query loses the runs of `strip_tokens` at its start and end (OpenRLHF
+    decodes with special tokens kept: pads, BOS, a trailing EOS), each prompt those at its start,
+    before the response is cut from the query. Prompts, responses and labels are limited to
+    `max_text_chars` (a query to twice that). Every error is `{"error": {"message", "type",
+    "param", "code"}}`: 400 a body that is not strict JSON, 422 one that is not a reward request,
+    401, 404, 405, 413, 503 (the reward API behind it is down), 500 a scorer that raised.
+    `metrics` counts every request by path and status code (the 401s and 413s too), and times it.
+    /openapi.json is behind the token; /docs and /redoc are off."""
+    from fastapi import FastAPI, HTTPException
     from starlette.concurrency import run_in_threadpool
 
     tokens = sorted(set(strip_tokens) - {""}, key=len, reverse=True)
-    app = FastAPI(title="rlhf reward", description="OpenRLHF-compatible remote reward model")
-    if metrics is not None:
-        app.add_middleware(CountRequests, metrics=metrics)
+    app = FastAPI(
+        title="rlhf reward", description="OpenRLHF-compatible remote reward model", docs_url=None, redoc_url=None
+    )
+    install_error_handlers(app, validation_status=422)
     body_schema = {
         "requestBody": {
             "required": True,
@@ -237,35 +244,31 @@ def build_http_app(
             },
         }
 
-    def check_auth(authorization: str | None) -> None:
-        if token is not None and not hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token")
-
-    async def answer(request: Request, authorization: str | None):
-        check_auth(authorization)
+    async def answer(request: Request):
         req = parse_reward_request(await request.body())
         return await run_in_threadpool(score, req)
 
     @app.post("/score", openapi_extra=body_schema)
-    async def score_endpoint(request: Request, authorization: str | None = Header(None)):
-        return await answer(request, authorization)
+    async def score_endpoint(request: Request):
+        return await answer(request)
 
     @app.post("/get_reward", openapi_extra=body_schema)
-    async def get_reward(request: Request, authorization: str | None = Header(None)):
-        return await answer(request, authorization)
+    async def get_reward(request: Request):
+        return await answer(request)
 
     @app.get("/health")
     def healthz():
         return {"status": "ok"}
 
     @app.get("/status")
-    def status(authorization: str | None = Header(None)):
+    def status():
         """The reward API this server calls (its URL without credentials) and its circuit breaker:
         closed, half_open or open, failures in a row, the last error."""
-        check_auth(authorization)
         return reward_status(scorer)
 
-    return app
+    document_guard(app)
+    observe = (lambda m, path, code, s: metrics.record(path_label(path), code, s)) if metrics is not None else None
+    return Guard(app, authorized=bearer(token), max_body_bytes=max_request_bytes, observe=observe)
 
 
 def serve(cfg: Config, scorer=None) -> GrpcService:
@@ -301,6 +304,7 @@ def serve(cfg: Config, scorer=None) -> GrpcService:
                 strip_tokens=special_token_strings(cfg.model.path),
                 max_text_chars=cfg.reward.max_text_chars,
                 metrics=http_metrics,
+                max_request_bytes=ep.max_request_bytes,
             )
             http = HTTPServerThread(app, ep.host, ep.http_port, name="reward-http")
             server.http_port = http.start()

@@ -174,8 +174,12 @@ def test_the_gateway_component_binds_what_is_probed_and_finds_the_servers(overla
     assert r.validated["model"]["path"] == r.env["RLHF_MODEL"]
     port = r.cfg.rpc.gateway.port
     assert {p["name"]: p["containerPort"] for p in r.container["ports"]} == {"http": port}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert r.container[probe]["httpGet"] == {"path": "/health", "port": port}, probe
+    for probe, path in (
+        ("startupProbe", "/health/live"),
+        ("readinessProbe", "/health"),
+        ("livenessProbe", "/health/live"),
+    ):
+        assert r.container[probe]["httpGet"] == {"path": path, "port": port}, probe
     assert {p["name"]: p["port"] for p in m.one(objs, "Service", "gateway")["spec"]["ports"]} == {"http": port}
     url = urlparse(r.cfg.replay.url)
     assert m.component(m.one(objs, "Service", url.hostname)) == "redis"

@@ -1,7 +1,8 @@
 """The monitoring that ships in deploy/: Prometheus's scrape config and alert rules pass promtool
 (and the rules' own unit tests), the Grafana dashboard is what deploy/grafana/dashboard.py writes
 and every query in it parses, and every metric a panel or an alert names is exported by the
-services of a live tiny run (`rlhf up`, scraped with the run's token)."""
+services of a live tiny run (`rlhf up`, and `rlhf serve gateway` in front of its generation
+server, scraped with the run's token)."""
 
 import json
 import re
@@ -48,7 +49,7 @@ def test_scrape_config_passes_promtool_as_the_container_lays_it_out(tmp_path):
     proc = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = {j["job_name"] for j in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]}
-    assert jobs == {"learner", "generation", "reward", "critic", "rollout"}
+    assert jobs == {"learner", "generation", "reward", "critic", "rollout", "gateway"}
 
 
 def test_alert_rules_pass_promtool_and_their_unit_tests():
@@ -104,6 +105,32 @@ def _exported(text: str) -> set[str]:
     return names
 
 
+def _gateway_metrics(model_dir: str, redis_url: str, secrets: dict, log: Path) -> set[str]:
+    """`rlhf serve gateway` in front of the run's generation server (found in its Redis): one
+    turn through it, then its /metrics (on its HTTP port)."""
+    import os
+
+    cmd = [sys.executable, "-m", "services.cli", "serve", "gateway", "-c", "configs/tiny-cpu.yaml", "--port", "0"]
+    cmd += ["--set", f"model.path={model_dir}", "--set", f"replay.url={redis_url}"]
+    with log.open("w") as f:
+        gw = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True, env={**os.environ, **secrets})
+    try:
+        line = gw.stdout.readline()
+        assert line.startswith("LISTENING"), log.read_text()[-3000:]
+        port = dict(kv.split("=", 1) for kv in line.split()[1:])["http_port"]
+        auth = {"Authorization": f"Bearer {secrets['RLHF_AUTH_TOKEN']}"}
+        turn = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "ab=", "max_tokens": 2}, headers=auth, timeout=60
+        )
+        assert turn.status_code == 200, turn.text
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=auth, timeout=10)
+        assert r.status_code == 200, r.text
+        return _exported(r.text)
+    finally:
+        gw.terminate()
+        gw.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def live_metrics(tiny_model_dir, tmp_path_factory):
     """service -> names exported, scraped from every process of a tiny `rlhf up` run mid-run."""
@@ -138,14 +165,16 @@ def live_metrics(tiny_model_dir, tmp_path_factory):
         while run_iterations(run_dir) < 3:
             assert up.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        token = dict(x.split("=", 1) for x in (run_dir / "secrets.env").read_text().splitlines())["RLHF_AUTH_TOKEN"]
-        services = json.loads((run_dir / "services.json").read_text())["services"]
+        secrets = dict(x.split("=", 1) for x in (run_dir / "secrets.env").read_text().splitlines())
+        token = secrets["RLHF_AUTH_TOKEN"]
+        manifest = json.loads((run_dir / "services.json").read_text())
         out: dict[str, set[str]] = {}
-        for name, s in services.items():
+        for name, s in manifest["services"].items():
             port = s["metrics_port"]
             r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
             assert r.status_code == 200, (name, r.status_code)
             out[name] = _exported(r.text)
+        out["gateway"] = _gateway_metrics(tiny_model_dir, manifest["redis"], secrets, run_dir.parent / "gateway.log")
         return out
     finally:
         up.send_signal(signal.SIGINT)

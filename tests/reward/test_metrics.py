@@ -59,7 +59,8 @@ def test_http_requests_are_counted_by_path_and_code():
     assert client.post("/get_reward", json=body).status_code == 401
     assert client.post("/get_reward", json={"query": []}, headers=AUTH).status_code == 422
     assert client.get("/health").status_code == 200
-    assert client.get("/wp-login.php").status_code == 404
+    assert client.get("/wp-login.php", headers=AUTH).status_code == 404
+    assert client.get("/wp-login.php").status_code == 401  # the token first, on every path but /health
 
     def c(path, code):
         return _count(registry, "rlhf_http_requests_total", service="reward", path=path, code=code)
@@ -70,7 +71,8 @@ def test_http_requests_are_counted_by_path_and_code():
         c("/get_reward", "422"),
         c("/health", "200"),
         c("other", "404"),
-    ) == (2, 1, 1, 1, 1)
+        c("other", "401"),
+    ) == (2, 1, 1, 1, 1, 1)
     assert _count(registry, "rlhf_http_request_seconds_count", service="reward", path="/score") == 2
     assert _count(registry, "rlhf_http_request_seconds_sum", service="reward", path="/score") > 0
 

@@ -17,6 +17,7 @@ from services.reward.http_scorer import HTTPScorer, RewardUnavailable
 from services.reward.scorer import CombinedScorer, RuleScorer
 from services.reward.server import serve
 from tests.grpc_helpers import TOKEN, expect_code, on_free_ports
+from tests.http_helpers import error_of, head, raw
 from tests.waits import wait_until
 
 
@@ -172,6 +173,38 @@ def test_reward_server_speaks_openrlhf_http(reward_server):
     assert [x.reward for x in own.score([RewardSample("abc=", "cba", "cba")])] == pytest.approx([2.2])
 
 
+def test_http_is_guarded_like_every_http_surface(reward_server, monkeypatch):
+    """Auth on the headers before the body (a body of 10 GB announced and never sent: 401 at
+    once, 413 at once with the token), the schema behind the token and no doc pages, every error
+    in the one shape, and a scorer that raises is a 500 in it after which the connection serves
+    the next request."""
+    port = reward_server.http_port
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
+    status, _, body, seconds = raw(port, head("/score", "Content-Length: 10000000000"))
+    assert status == 401 and seconds < 5 and json.loads(body)["error"]["code"] == "invalid_api_key"
+    status, _, body, seconds = raw(
+        port, head("/score", f"Authorization: Bearer {TOKEN}", "Content-Length: 10000000000")
+    )
+    assert status == 413 and seconds < 5 and json.loads(body)["error"]["code"] == "request_too_large"
+    for path in ("/openapi.json", "/docs", "/status"):
+        error_of(httpx.get(url + path), 401, code="invalid_api_key")
+    assert "/score" in httpx.get(url + "/openapi.json", headers=auth).json()["paths"]
+    error_of(httpx.get(url + "/docs", headers=auth), 404)
+    error_of(httpx.get(url + "/score", headers=auth), 405)
+    error_of(httpx.post(url + "/score", json={"query": ["x"]}), 401)
+
+    def broken(samples):
+        raise RuntimeError("a bug")
+
+    import services.reward.server as server
+
+    monkeypatch.setattr(server, "_check_scores", lambda results: broken(results))
+    with httpx.Client(limits=httpx.Limits(max_connections=1), headers=auth, timeout=30) as c:
+        e = error_of(c.post(url + "/score", json={"query": ["abc=cba"], "labels": ["cba"]}), 500)
+        assert e["type"] == "server_error" and "a bug" not in e["message"]
+        assert c.get(url + "/status").status_code == 200
+
+
 def test_grpc_refuses_oversized_texts_and_metadata(reward_server, cfg):
     c = RewardClient(f"127.0.0.1:{reward_server.port}", cfg.rpc)
     long = "x" * (cfg.reward.max_text_chars + 1)
@@ -251,7 +284,7 @@ def test_http_refuses_bad_json_cleanly(reward_server, cfg):
     ):
         r = http.post(url, content=body)
         assert r.status_code == code, (body[:40], r.status_code, r.text)
-        assert r.json()["detail"], r.text
+        assert error_of(r, code)["message"], r.text
     assert httpx.post(url, content=b'{"query": [NaN]}', headers={"Content-Type": "application/json"}).status_code == 401
     long = "x" * (cfg.reward.max_text_chars + 1)
     for body, fragment in (
@@ -261,7 +294,7 @@ def test_http_refuses_bad_json_cleanly(reward_server, cfg):
         ({"query": [long * 2], "labels": ["r"]}, "query[0]"),
     ):
         r = http.post(url, json=body)
-        assert r.status_code == 422 and fragment in r.json()["detail"], r.text
+        assert fragment in error_of(r, 422)["message"], r.text
     r = http.post(url, json={"query": ["abc=cba"], "prompts": ["abc="], "labels": ["cba"]})
     assert r.status_code == 200 and set(r.json()) == {"rewards", "scores", "extra_logs"}
     http.close()

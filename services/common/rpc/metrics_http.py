@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from .http_guard import error_bytes
+
 if TYPE_CHECKING:
     from ..config_sections import RPCConfig
 
@@ -47,7 +49,9 @@ def serve_metrics(
 ) -> tuple[MetricsServer, int]:
     """Serve `registry` on http://host:port/metrics from a background thread; with a `token`, a
     request without `Authorization: Bearer <token>` gets 401. `/healthz` is open (for probes): 200
-    "ok", or 503 with the reason `health()` returns when it returns one. Other paths are 404.
+    "ok", or 503 with the reason `health()` returns when it returns one. Other paths are 404, other
+    methods 405 (no body is read). Errors are the one shape of every HTTP surface,
+    `{"error": {"message", "type", "param", "code"}}` (http_guard.py), http.server's own too.
     Returns the server (`stop()` it) and the port bound (a free one for port 0)."""
     expected = f"Bearer {token}".encode() if token is not None else None
 
@@ -58,16 +62,30 @@ def serve_metrics(
                 problem = health() if health is not None else None
                 return self._reply(503, f"{problem}\n".encode()) if problem else self._reply(200, b"ok\n")
             if path != "/metrics":
-                return self._reply(404, b"not found; try /metrics or /healthz\n")
+                return self._error(404, "not found; try /metrics or /healthz")
             if expected is not None and not hmac.compare_digest(
                 self.headers.get("Authorization", "").encode("utf-8", "replace"), expected
             ):
-                return self._reply(
+                return self._error(
                     401,
-                    b"missing or wrong bearer token (header 'Authorization: Bearer ...')\n",
+                    "missing or wrong bearer token (header 'Authorization: Bearer ...')",
+                    code="invalid_api_key",
                     extra=(("WWW-Authenticate", "Bearer"),),
                 )
             return self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        def _refuse(self):
+            self._error(405, f"{self.command} is not allowed; GET /metrics or /healthz", extra=(("Allow", "GET"),))
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _refuse
+
+        def send_error(self, code, message=None, explain=None):
+            """http.server's own refusals (400, 414, 431, 501) in the one shape."""
+            self._error(code, message or explain or "the request could not be read")
+
+        def _error(self, status: int, message: str, code: str | None = None, extra=()):
+            self.close_connection = True  # a body a client sent is not read: the connection ends here
+            self._reply(status, error_bytes(status, message, code=code), "application/json", extra)
 
         def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra=()):
             self.send_response(code)
@@ -76,7 +94,8 @@ def serve_metrics(
             for k, v in extra:
                 self.send_header(k, v)
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         def log_message(self, *args):
             pass

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter
 from services.common.config import config_from_dict
 from services.common.rpc.metrics_http import metrics_token, serve_metrics
 from services.common.rpc.server import RPCServer
+from tests.http_helpers import error_of
 
 TOKEN = "s3cret"
 
@@ -31,6 +32,9 @@ def test_serve_metrics_requires_the_token(registry):
         assert _get(port).status_code == 401
         assert _get(port, token="nope").status_code == 401
         assert _get(port, "/", token=TOKEN).status_code == 404
+        error_of(_get(port), 401, code="invalid_api_key")  # errors are the one shape of every HTTP surface
+        error_of(_get(port, "/", token=TOKEN), 404)
+        error_of(httpx.post(f"http://127.0.0.1:{port}/metrics", content=b"x" * 100), 405)
         ok = _get(port, token=TOKEN)
         assert ok.status_code == 200 and "rlhf_test_things_total 3.0" in ok.text
         assert ok.headers["content-type"].startswith("text/plain")
