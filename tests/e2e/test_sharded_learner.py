@@ -105,8 +105,10 @@ def test_two_learner_processes_learn_like_one(runs):
     gains = [r["summary"]["final_eval_reward"] - r["summary"]["baseline_eval_reward"] for r in runs]
     assert one["summary"]["baseline_eval_reward"] == pytest.approx(two["summary"]["baseline_eval_reward"])
     print(f"held-out gain over {ITERATIONS} iterations: 1 learner process {gains[0]:+.3f}, 2 processes {gains[1]:+.3f}")
-    assert min(gains) >= 0.25, gains
-    assert abs(gains[0] - gains[1]) <= 0.25, gains
+    # each run a trajectory of its own: over seeds x kernels the 60-iteration gain has mean 0.51, sd 0.10,
+    # min 0.26 (benchmarks/bench_learning_spread.py), so each is held to mean - 4 sd and their difference
+    # is not asserted; that two processes compute what one does is test_fsdp.py's (the same step, bit for bit)
+    assert min(gains) >= 0.1, gains
     assert "rank 0 of 2 (gloo)" in two["learner_log"]
     assert "rank 0 of 2 (gloo)" in two["critic_log"]
 

@@ -1,5 +1,6 @@
 """`rlhf up` with vLLM generation servers (vLLM's CPU build here) learns the tiny task like the
-`hf` backend: the held-out reward rises by at least 0.25 over the run's baseline, and the
+`hf` backend: the held-out reward rises by at least 0.1 over the run's baseline (the bound that
+holds on any CPU: docs/measurements.md), and the
 sampler's log-probs agree with the learner's (truncated importance sampling on, ratio 1)."""
 
 import json
@@ -36,7 +37,9 @@ def test_distributed_run_with_vllm_generation_learns(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     print("vllm run:", summary)
     assert summary["iterations"] == 60
-    assert summary["final_eval_reward"] >= summary["baseline_eval_reward"] + 0.25
+    # the 60-iteration gain over seeds x kernels: mean 0.51, sd 0.10, min 0.26
+    # (benchmarks/bench_learning_spread.py): held to mean - 4 sd, not to one machine's trajectory
+    assert summary["final_eval_reward"] >= summary["baseline_eval_reward"] + 0.1
     # the generation servers really ran vLLM's engine
     logs = list((run_dir / "logs").glob("generation*.log"))
     assert logs and all("vLLM engine up" in p.read_text() for p in logs), logs

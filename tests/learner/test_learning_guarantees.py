@@ -14,7 +14,7 @@ it was computed from:
   variance going from 0 (a zero-initialised head predicts a constant) to most of the variance.
 
 `make flake-hunt MODE=machines` runs this file under ATEN_CPU_CAPABILITY default / avx2 / avx512
-and 1 / 2 / 3 threads (docs/measurements.md has the margins it measured)."""
+and 1 / 2 / 3 threads (docs/measurements.md, "Learning assertions on any CPU", has the margins)."""
 
 from __future__ import annotations
 
