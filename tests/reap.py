@@ -17,8 +17,9 @@ stops them in order), tests start servers. A run stopped from outside (a CI time
 - when the command ends by itself, descendants still running are named on stderr and stopped
   the same way (a leak the suite should not have);
 - the daemons a suite starts for the machine on purpose are left running with what they started:
-  RLHF_REAP_KEEP, names of executables, comma-separated (default: dockerd, which
-  docker/ci-setup.sh starts for the Docker suite).
+  RLHF_REAP_KEEP, beginnings of executables' names, comma-separated (default: dockerd and
+  containerd, which docker/ci-setup.sh starts for the Docker suite; containerd-shim, which holds
+  the containers and is re-parented here when it double-forks, is one of them).
 
 Exits with the command's exit code (128 + the signal when stopped). Standard library only: it
 runs before any venv exists.
@@ -35,7 +36,8 @@ import time
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_S = float(os.environ.get("RLHF_REAP_GRACE_S", "20"))
-KEEP = {name for name in os.environ.get("RLHF_REAP_KEEP", "dockerd").split(",") if name}
+KEEP = tuple(name for name in os.environ.get("RLHF_REAP_KEEP", "dockerd,containerd").split(",") if name)
+KILL_WAIT_S = 10.0  # after SIGKILL: a process stuck in the kernel (D state) is reported, not waited for
 
 
 def prctl(option: int, value: int) -> None:
@@ -59,7 +61,7 @@ def children_of() -> dict[int, list[int]]:
             continue
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
-        if fields[0] != "Z" and comm not in KEEP:  # a zombie is dead already: its parent (here) reaps it
+        if fields[0] != "Z" and not comm.startswith(KEEP):  # a zombie is dead already: its parent (here) reaps it
             tree.setdefault(int(fields[1]), []).append(int(entry))
     return tree
 
@@ -85,7 +87,7 @@ def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
-        except ProcessLookupError:
+        except OSError:  # gone already, or not ours to signal (another user's): nothing to do
             pass
 
 
@@ -109,40 +111,52 @@ def stop_descendants(grace_s: float) -> list[int]:
         time.sleep(0.2)
     left = descendants(me)
     signal_all(left, signal.SIGKILL)
-    while descendants(me):
+    deadline = time.monotonic() + KILL_WAIT_S
+    while descendants(me) and time.monotonic() < deadline:
         reap_zombies()
         time.sleep(0.05)
+    for pid in descendants(me):
+        say(f"reap: {describe(pid)} survives SIGKILL (stuck in the kernel?); left as it is")
     return left
+
+
+def say(line: str) -> None:
+    """A line on stderr, which may be a pipe whose reader (tee) a Ctrl-C has killed already."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
+    parent = os.getppid()
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     stopped: list[int] = []
-    signal.signal(signal.SIGTERM, lambda sig, _: stopped.append(sig))
-    signal.signal(signal.SIGINT, lambda sig, _: stopped.append(sig))
-    signal.signal(signal.SIGHUP, lambda sig, _: stopped.append(sig))
-    if os.getppid() == 1:  # the parent died before the death signal was asked for
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: stopped.append(signum))
+    if os.getppid() != parent:  # the parent died before the death signal was asked for
         return 128 + signal.SIGTERM
     command = subprocess.Popen(argv)
     while command.poll() is None and not stopped:
         time.sleep(0.2)
-    if stopped:
-        print(f"reap: {signal.Signals(stopped[0]).name}: stopping every process of `{' '.join(argv)}`", file=sys.stderr)
+    if stopped:  # stop first, then say so: the reader of stderr may be gone with the same signal
         killed = stop_descendants(GRACE_S)
+        say(f"reap: {signal.Signals(stopped[0]).name}: stopped every process of `{' '.join(argv)}`")
         if killed:
-            print(f"reap: {len(killed)} process(es) needed SIGKILL after {GRACE_S:.0f} s", file=sys.stderr)
+            say(f"reap: {len(killed)} process(es) needed SIGKILL after {GRACE_S:.0f} s")
         return 128 + stopped[0]
     left = descendants(os.getpid())
     if left:
-        print(f"reap: `{' '.join(argv)}` left {len(left)} process(es) running; stopping them:", file=sys.stderr)
+        say(f"reap: `{' '.join(argv)}` left {len(left)} process(es) running; stopping them:")
         for pid in left:
-            print(f"reap:   {describe(pid)}", file=sys.stderr)
+            say(f"reap:   {describe(pid)}")
         stop_descendants(GRACE_S)
-    return command.returncode
+    code = command.returncode
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says it
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_a_sigterm_stops_every_descendant_orphans_included(tmp_path):
         assert all(_alive(p) for p in started)
         reaper.send_signal(signal.SIGTERM)
         assert reaper.wait(timeout=60) == 128 + signal.SIGTERM
-        assert "SIGTERM: stopping every process" in err.read_text()
+        assert "SIGTERM: stopped every process" in err.read_text()
         assert _wait(lambda: not any(_alive(p) for p in started)), [p for p in started if _alive(p)]
     finally:
         _kill(started)
@@ -120,3 +120,46 @@ def test_a_command_that_ends_leaving_processes_is_told_and_cleaned(tmp_path):
         assert not _alive(left)
     finally:
         _kill([left])
+
+
+def test_a_command_killed_by_a_signal_exits_as_a_shell_says_it():
+    done = subprocess.run(
+        [sys.executable, str(REAP), sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        timeout=60,
+    )
+    assert done.returncode == 128 + signal.SIGKILL
+
+
+def test_the_daemons_named_to_keep_are_left_running(tmp_path):
+    """dockerd and containerd (the Docker suite's, started on purpose) by default; here `sleep`."""
+    pids = tmp_path / "pids"
+    leaky = (
+        "import subprocess; p = subprocess.Popen(['sleep', '600'], start_new_session=True); "
+        f"open({str(pids)!r}, 'w').write(str(p.pid))"
+    )
+    env = {**os.environ, "RLHF_REAP_GRACE_S": "5", "RLHF_REAP_KEEP": "dockerd,sle"}  # names by their beginning
+    done = subprocess.run([sys.executable, str(REAP), sys.executable, "-c", leaky], env=env, timeout=60)
+    kept = int(pids.read_text())
+    try:
+        assert done.returncode == 0 and _alive(kept)
+    finally:
+        _kill([kept])
+
+
+def test_a_reader_of_stderr_gone_first_does_not_stop_the_cleanup(tmp_path):
+    """Ctrl-C in a terminal kills `tee` (the suite's log) with the reaper: stopping comes first, and
+    saying so into a closed pipe fails quietly."""
+    pids = tmp_path / "pids"
+    env = {**os.environ, "RLHF_REAP_GRACE_S": "5"}
+    reaper = subprocess.Popen(
+        [sys.executable, str(REAP), sys.executable, "-c", SPAWN, str(pids)], env=env, stderr=subprocess.PIPE
+    )
+    started = _started(pids)
+    try:
+        assert reaper.stderr is not None
+        reaper.stderr.close()  # the reader is gone
+        reaper.send_signal(signal.SIGTERM)
+        assert reaper.wait(timeout=60) == 128 + signal.SIGTERM
+        assert _wait(lambda: not any(_alive(p) for p in started)), [p for p in started if _alive(p)]
+    finally:
+        _kill(started)

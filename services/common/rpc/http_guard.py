@@ -143,7 +143,7 @@ class Guard:
             )
         length = headers.get("content-length")
         if length is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):
                 return await send_error(send, 400, "Content-Length: not a number", code="invalid_content_length")
             if int(length) > self.max_body_bytes:
                 return await self._too_large(send)
