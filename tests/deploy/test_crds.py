@@ -452,9 +452,11 @@ def test_servicemonitor_scrapes_every_metrics_port_with_the_token(variant, docs)
     assert sm["spec"]["jobLabel"] in m.one(objs, "Service", "learner")["metadata"]["labels"]
     # the job label is the component: the names the compose scrape config gives its jobs, which
     # the alert rules and the dashboard select on
+    # (the compose file's gateway, under `--profile agents`, is scraped on its HTTP port; no variant
+    # here combines the gateway component with the ServiceMonitor, so it is left out where absent)
     compose_prom = m.ROOT / "deploy" / "prometheus" / "prometheus.yml"
     jobs = {j["job_name"] for j in yaml.safe_load(compose_prom.read_text())["scrape_configs"]}
-    assert scraped == jobs
+    assert scraped == {j for j in jobs if j != "gateway" or "gateway" in variant.split("+")}
 
 
 @pytest.mark.parametrize("variant", [v for v in m.VARIANTS if "hpa" in v])
