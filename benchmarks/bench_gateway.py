@@ -29,10 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def start(args: list[str], log: Path) -> tuple[subprocess.Popen, dict]:
+def start(args: list[str], log: Path, root: Path = ROOT) -> tuple[subprocess.Popen, dict]:
+    """`rlhf ARGS` run from the checkout `root`, once it says LISTENING: (the process, its endpoints)."""
     out = open(log, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True
+        [sys.executable, "-m", "services.cli", *args], cwd=root, stdout=subprocess.PIPE, stderr=out, text=True
     )
     t0 = time.time()
     while time.time() - t0 < 300:

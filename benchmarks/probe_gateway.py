@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,19 +29,7 @@ TOKEN = "probe-token-0123456789"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "abc="}], "max_tokens": 4}
 
 
-def start(args: list[str], log: Path, root: Path = ROOT) -> tuple[subprocess.Popen, dict]:
-    out = open(log, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args], cwd=root, stdout=subprocess.PIPE, stderr=out, text=True
-    )
-    t0 = time.time()
-    while time.time() - t0 < 300:
-        line = proc.stdout.readline()
-        if line.startswith("LISTENING"):
-            return proc, dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
-        if proc.poll() is not None:
-            break
-    raise SystemExit(f"{args[:3]} did not start: see {log}")
+from benchmarks.bench_gateway import start  # noqa: E402  (the same start as the gateway benchmark's)
 
 
 def memory(pid: int) -> dict[str, float]:

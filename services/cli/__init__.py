@@ -57,6 +57,17 @@ def _error(e) -> int:
     return EXIT_CONFIG
 
 
+def _add_set_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted path for sections), repeatable",
+    )
+
+
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     env = os.environ.get("RLHF_CONFIG")
     p.add_argument(
@@ -67,14 +78,7 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         help="YAML config file (default $RLHF_CONFIG): a path, or a file name looked up in the "
         "directories of $RLHF_CONFIG_PATH",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (dotted path for sections), repeatable",
-    )
+    _add_set_args(p)
 
 
 def env_overrides() -> list[str]:
@@ -607,14 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "config", nargs="?", default=os.environ.get("RLHF_CONFIG"), help="YAML config file (default $RLHF_CONFIG)"
     )
-    v.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (dotted path for sections), repeatable",
-    )
+    _add_set_args(v)
     v.set_defaults(func=cmd_config_validate)
     d = csub.add_parser("describe", help="every config key with its default, choices and meaning")
     d.add_argument("--markdown", action="store_true", help="a markdown table (docs/configuration.md's)")
