@@ -125,6 +125,56 @@ def load(base: str, auth: dict, clients: int, seconds: float) -> dict:
     }
 
 
+def full_sessions(base: str, auth: dict, pid: int, count: int, n: int, clients: int = 16) -> dict:
+    """`count` sessions, each filled to the most the gateway lets one hold: turns of `n` samples
+    (each a new segment: the first message is changed) until a turn is refused as
+    `session_too_large`. The gateway's resident memory before, at its peak and after, beside the
+    bytes it counts (`rlhf_gateway_session_bytes`) and the sessions it still holds."""
+    import threading
+
+    import httpx
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base}/metrics", headers=auth).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(("rlhf_gateway_session", "rlhf_gateway_sessions_evicted_total")):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    m0, turns, codes = memory(pid), [0], {}
+    lock, next_id = threading.Lock(), iter(range(count))
+
+    def client() -> None:
+        with httpx.Client(headers=auth, timeout=300) as c:
+            for i in next_id:
+                for t in range(10_000):
+                    body = {**CHAT, "messages": [{"role": "user", "content": f"{t}="}], "n": n, "max_tokens": 32}
+                    r = c.post(f"{base}/v1/chat/completions", json={**body, "session_id": f"full-{i}"})
+                    with lock:
+                        turns[0] += 1
+                    if r.status_code != 200:
+                        code = (r.json().get("error") or {}).get("code") if r.status_code < 500 else r.status_code
+                        with lock:
+                            codes[code] = codes.get(code, 0) + 1
+                        break
+
+    t0 = time.time()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    m1 = memory(pid)
+    return {
+        "case": f"{count} sessions filled to max_session_bytes, n={n} a turn",
+        "status": f"{turns[0]} turns in {time.time() - t0:.0f} s; last turns refused: {codes}",
+        "rss_before_mb": round(m0["VmRSS"]),
+        "hwm_mb": round(m1["VmHWM"]),
+        "rss_after_mb": round(m1["VmRSS"]),
+        **{k: int(v) for k, v in scrape().items()},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="runs/tiny-model")
@@ -135,6 +185,9 @@ def main() -> None:
     ap.add_argument("--load-s", type=float, default=0.0, help="then this many seconds of load (0: none)")
     ap.add_argument("--clients", type=int, default=20, help="clients of the load, each a 2-turn session at a time")
     ap.add_argument("--only-load", action="store_true", help="the load alone, not the cases")
+    ap.add_argument("--sessions", type=int, default=0, help="then this many sessions filled to the most allowed")
+    ap.add_argument("--samples", type=int, default=8, help="n of each turn of --sessions")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a gateway config override")
     ap.add_argument("--root", default=str(ROOT), help="the checkout whose services run (another tree: a baseline)")
     args = ap.parse_args()
 
@@ -158,7 +211,8 @@ def main() -> None:
         ["serve", "generation", "-c", str(config), "--port", "0", "--metrics-port", "-1"], logs / "gen.log", root
     )
     gw, w = start(
-        ["serve", "gateway", "-c", str(config), "--set", f"rpc.generation.port={g['port']}", "--port", "0"],
+        ["serve", "gateway", "-c", str(config), "--set", f"rpc.generation.port={g['port']}", "--port", "0"]
+        + [a for kv in args.set for a in ("--set", kv)],
         logs / "gateway.log",
         root,
     )
@@ -193,8 +247,11 @@ def main() -> None:
         if args.load_s:
             results.append(load(base, auth, args.clients, args.load_s))
             print(json.dumps(results[-1]), flush=True)
-        if args.only_load:
-            return
+        if args.sessions:
+            results.append(full_sessions(base, auth, gw.pid, args.sessions, args.samples))
+            print(json.dumps(results[-1]), flush=True)
+        if args.only_load or args.sessions:
+            return report(results, args.label)
         nan = {**CHAT, "temperature": math.nan}
         case("temperature NaN, no token", post("/v1/chat/completions", nan, headers={}))
         case("temperature NaN, token", post("/v1/chat/completions", nan))
@@ -295,7 +352,12 @@ def main() -> None:
             if p.poll() is None:
                 p.terminate()
                 p.wait(60)
-    out = ROOT / "runs" / "bench" / f"probe_gateway-{args.label}.json"
+    report(results, args.label)
+
+
+def report(results: list[dict], label: str) -> None:
+    """Writes runs/bench/probe_gateway-<label>.json and prints the rows as a table."""
+    out = ROOT / "runs" / "bench" / f"probe_gateway-{label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print("\n| case | status | OpenAI shape | notes |\n|---|---|---|---|")

@@ -361,7 +361,7 @@ class VLLMBackend:
                     stop_token_ids=sorted({self.eos_token_id, *p.stop_token_ids}),
                     logprobs=0,
                     detokenize=False,
-                    seed=None if p.seed is None else p.seed + i * p.n,
+                    seed=None if p.seed is None else (p.seed + i * p.n) % 2**63,  # any int64: vLLM's range
                     output_kind=self._final_only,
                 )
                 rid = f"{base}-{i}"

@@ -522,6 +522,15 @@ def test_a_seed_repeats_its_samples_and_n_samples_differ(client):
             assert (c.finish_reason == "length") == (len(c.token_ids) == 8 and c.token_ids[-1] != 2)
 
 
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1])
+def test_every_int64_seed_the_wire_carries_samples_and_repeats(client, seed):
+    """The proto's seed is an int64: both ends of its range (and -1) are seeds like any other."""
+    params = SamplingParams(n=2, temperature=1.5, max_new_tokens=6, seed=seed)
+    a, b = (client.generate([[1, 4, 5, 6, 30]], params) for _ in range(2))
+    assert [c.token_ids for c in a.completions[0]] == [c.token_ids for c in b.completions[0]]
+    assert all(c.token_ids for c in a.completions[0])
+
+
 @pytest.fixture(scope="module")
 def small_server(cfg):
     """A server that allows 200 token positions per request."""
