@@ -356,18 +356,19 @@ def cmd_eval(args) -> int:
 
 def cmd_make_prefs(args) -> int:
     cfg = _load(args, data=True, sampler=True, judge=True)  # the reward model may be what its pairs will train
-    from .eval_model import make_preferences
+    from ..reward_model.rlaif import PairPlan, make_preferences
 
+    plan = PairPlan(
+        n=args.n,
+        temperature=args.temperature,
+        limit=args.limit,
+        min_gap=args.min_gap,
+        more=args.more,
+        hard_negatives=args.hard_negatives,
+        max_pairs_per_prompt=args.max_pairs_per_prompt,
+    )
     try:
-        make_preferences(
-            cfg,
-            Path(args.out),
-            args.n,
-            args.temperature,
-            args.limit,
-            args.min_gap,
-            say=lambda line: print(line, flush=True),
-        )
+        make_preferences(cfg, Path(args.out), plan, say=lambda line: print(line, flush=True))
     except USER_ERRORS as e:
         return _error(e)
     return 0
@@ -666,8 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "make-prefs",
-        help="preference pairs labelled by a judge (RLAIF): the policy's samples on "
-        "the training prompts, best against worst",
+        help="preference pairs labelled by a judge (RLAIF): every pair of the policy's "
+        "samples on a training prompt that the judge tells apart",
     )
     _add_config_args(p)
     p.add_argument("--out", required=True, help="the jsonl file of pairs to write")
@@ -675,6 +676,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="sampling temperature (default generation.temperature)")
     p.add_argument("--limit", type=int, help="the first N training prompts")
     p.add_argument("--min-gap", type=float, default=1e-9, help="least judge-score gap between chosen and rejected")
+    p.add_argument(
+        "--more", type=int, default=0, help="further samples for each prompt whose samples the judge told apart"
+    )
+    p.add_argument(
+        "--hard-negatives",
+        type=int,
+        default=0,
+        help="counterfactuals (a number changed) of each best answer of a prompt, judged: hard pairs",
+    )
+    p.add_argument("--max-pairs-per-prompt", type=int, help="at most this many pairs of a prompt (default: all)")
     p.set_defaults(func=cmd_make_prefs)
 
     p = sub.add_parser(

@@ -146,8 +146,8 @@ def reward_errors(rc: RewardConfig) -> list[str]:
     if rc.type in ("model", "combined") and rc.model_path:
         p = Path(rc.model_path).expanduser()
         local = rc.model_path.startswith(("/", ".", "~")) or p.exists() or rc.model_path.count("/") > 1
-        if local and not (p / "config.json").exists():
-            errors.append(f"reward.model_path: no reward model at {p} (config.json missing)")
+        if local:
+            errors += served_reward_model_errors(p)
     if rc.type == "http" and not rc.http_url:
         errors.append("reward.http_url: not set; reward.type http needs your reward API's URL")
     if rc.type in ("http", "combined") and rc.http_url:
@@ -156,6 +156,29 @@ def reward_errors(rc: RewardConfig) -> list[str]:
             errors.append(f"reward.http_url: {rc.http_url!r} is not an http:// or https:// URL")
     if rc.type == "combined" and not (rc.rules or rc.model_path or rc.http_url):
         errors.append("reward.type: combined needs at least one of reward.rules, reward.model_path, reward.http_url")
+    return errors
+
+
+def served_reward_model_errors(path: Path) -> list[str]:
+    """What keeps reward.model_path from being served: a reward model directory, or an ensemble
+    whose every member is one (with the reward_stats.json its normalisation needs)."""
+    from ..reward_model.ensemble import members
+
+    try:
+        dirs = members(path)
+    except ValueError as e:
+        return [f"reward.model_path: {e}"]
+    errors = [
+        f"reward.model_path: no reward model at {d} (config.json missing)"
+        for d in dirs
+        if not (d / "config.json").exists()
+    ]
+    if len(dirs) > 1 or dirs[0] != path:
+        errors += [
+            f"reward.model_path: ensemble member {d} has no reward_stats.json (each member is normalised)"
+            for d in dirs
+            if (d / "config.json").exists() and not (d / "reward_stats.json").exists()
+        ]
     return errors
 
 

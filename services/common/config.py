@@ -205,6 +205,15 @@ class Config(Strict):
                 f"adv_estimator={self.adv_estimator!r} needs num_return_sequences_in_group >= 2 "
                 f"(got {self.num_return_sequences_in_group})"
             )
+        if self.critic.init_from_reward_model:
+            if self.critic.model_path is not None:
+                raise ValueError(
+                    "critic.init_from_reward_model: the critic starts from reward.model_path; unset critic.model_path"
+                )
+            if self.reward.model_path is None:
+                raise ValueError(
+                    "critic.init_from_reward_model: needs reward.model_path (the reward model to start from)"
+                )
         return self
 
     @property

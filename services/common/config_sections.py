@@ -156,6 +156,13 @@ class RewardConfig(Strict):
         default=None, description="reward model directory (AutoModelForSequenceClassification); null = none"
     )
     model_weight: float = Field(default=1.0, description="weight of the reward model's score in 'combined'")
+    ensemble_penalty: float = Field(
+        default=0.0,
+        ge=0,
+        description="for an ensemble of reward models (model_path holding ensemble.json): the reward "
+        "is the mean of the members' normalised scores minus this times their standard deviation "
+        "(uncertainty-penalised: where the members disagree the policy is paid less); 0 = the mean",
+    )
     model_normalize: bool = Field(
         default=False,
         description="score (r - mean) / std with the mean and std of the reward "
@@ -312,6 +319,13 @@ class RewardModelConfig(Strict):
     )
     out: str = Field(default="runs/reward-model", description="where the reward model directory is written")
     seed: int = Field(default=0, description="seed of the head's initialisation, the shuffling and the held-out split")
+    ensemble: int = Field(
+        default=1,
+        ge=1,
+        description="reward models trained, each with its own seed (head, data order; the "
+        "held-out split is the same): more than 1 writes them as out/member-I and "
+        "out/ensemble.json, which reward.type: model serves as one (reward.ensemble_penalty)",
+    )
 
     @model_validator(mode="after")
     def _micro_divides(self) -> "RewardModelConfig":
@@ -327,6 +341,14 @@ class RewardModelConfig(Strict):
 class CriticConfig(Strict):
     model_path: Optional[str] = Field(
         default=None, description="value model backbone to start from (a local directory or hub id); null = model.path"
+    )
+    init_from_reward_model: bool = Field(
+        default=False,
+        description="start the critic from the reward model (reward.model_path; an ensemble's "
+        "first member) as InstructGPT does: its backbone, and its head rescaled to the "
+        "normalised reward (weight / std, bias - mean / std with its reward_stats.json) so "
+        "its first values read the normalised reward of the text so far; critic.model_path "
+        "must then be unset",
     )
     lr: float = Field(default=1e-4, gt=0, description="critic learning rate")
     value_loss_coef: float = Field(default=1.0, gt=0, description="scales the value loss (c1 in PPO)")

@@ -410,6 +410,26 @@ class ValueModel(nn.Module):
             model.value_head.load_state_dict(load_file(str(head)))
         return model
 
+    @classmethod
+    def from_reward_model(cls, path: str | Path, normalize: bool) -> "ValueModel":
+        """InstructGPT's critic: the reward model's backbone, and its one-label head as the value
+        head, rescaled to the normalised reward when `normalize` (weight / std, bias - mean / std
+        with the directory's reward_stats.json), so a value reads what the reward model would pay
+        for the text so far, on the scale the returns have."""
+        import json
+
+        path = check_model_dir(path)
+        model = cls.from_pretrained(path)
+        weight, bias = reward_head(path)
+        mean, std = 0.0, 1.0
+        if normalize:
+            stats = json.loads((Path(path) / "reward_stats.json").read_text())
+            mean, std = float(stats["mean"]), max(float(stats["std"]), 1e-6)
+        with torch.no_grad():
+            model.value_head.weight.copy_(weight.reshape(1, -1).float() / std)
+            model.value_head.bias.fill_((float(bias) - mean) / std)
+        return model
+
     def save_pretrained(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
@@ -432,6 +452,33 @@ class ValueModel(nn.Module):
         values = self(batch.input_ids, batch.attention_mask, batch.position_ids)
         P = batch.prompt_width
         return values[:, P - 1 : -1] * batch.response_mask
+
+
+def reward_head(path: str | Path) -> tuple[torch.Tensor, float]:
+    """The one-label head of a sequence-classification model directory (such as `rlhf train-rm`
+    writes): its weight (hidden,) and bias (0 when it has none), read from the safetensors files."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    found: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).exists():
+            continue
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                if key.split(".")[0] in ("score", "classifier") and key.endswith(("weight", "bias")):
+                    found[key.rsplit(".", 1)[1]] = f.get_tensor(key)
+    if "weight" not in found or found["weight"].numel() != found["weight"].shape[-1]:
+        raise ValueError(
+            f"{path}: no one-label reward head (score.weight) in its safetensors files; is it a reward model?"
+        )
+    return found["weight"].reshape(-1), float(found["bias"].reshape(-1)[0]) if "bias" in found else 0.0
 
 
 @dataclass

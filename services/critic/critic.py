@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
 from ..common.sharding.group import micro_batches
 from ..ppo import AggNorm, compute_value_loss
+from ..reward_model.ensemble import first_member
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -44,11 +45,20 @@ class Critic:
         micro_batch_size: int | None = None,
         bf16: bool = False,
         gradient_checkpointing: bool = False,
+        reward_model_head: bool | None = None,
     ):
+        """`reward_model_head`: `model_path` is a reward model whose head starts the value head
+        (normalised when True, as it is; see `ValueModel.from_reward_model`); None: a model
+        directory with a value head or none (a zero head)."""
         self.device = resolve_device(device)
         self.lr, self.weight_decay = lr, weight_decay
         self.bf16, self.gradient_checkpointing = bf16, gradient_checkpointing
-        self.model = self._prepare(ValueModel.from_pretrained(model_path).to(self.load_device))
+        model = (
+            ValueModel.from_pretrained(model_path)
+            if reward_model_head is None
+            else ValueModel.from_reward_model(model_path, normalize=reward_model_head)
+        )
+        self.model = self._prepare(model.to(self.load_device))
         self.optimizer = self._optimizer(self.model)
         self.value_clip, self.loss_agg_mode = value_clip, loss_agg_mode
         self.max_grad_norm, self.value_loss_coef = max_grad_norm, value_loss_coef
@@ -62,8 +72,11 @@ class Critic:
 
     @classmethod
     def from_config(cls, cfg: Config, **kwargs) -> "Critic":
+        path, head = cfg.critic.model_path or cfg.model.path, None
+        if cfg.critic.init_from_reward_model:
+            path, head = str(first_member(cfg.reward.model_path)), cfg.reward.model_normalize
         return cls(
-            cfg.critic.model_path or cfg.model.path,
+            path,
             lr=cfg.critic.lr,
             value_clip=cfg.value_clip,
             loss_agg_mode=cfg.loss_agg_mode,
@@ -74,6 +87,7 @@ class Critic:
             micro_batch_size=cfg.critic.micro_batch_size or cfg.micro_batch_size,
             bf16=cfg.model.bf16,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
+            reward_model_head=head,
             **kwargs,
         )
 

@@ -1,10 +1,11 @@
 """Reward scorers: a batch of samples in, one reward each (plus named components) out.
 
-`RuleScorer` runs verifier functions; `ModelScorer` runs a sequence-classification reward model;
-`CombinedScorer` takes a weighted sum of any of them. Each satisfies the `Scorer` protocol
-(`services/common/types.py`), which the reward server and the in-process trainer both call;
-`HTTPScorer` (`http_scorer.py`) calls your reward API. `build_eval_scorer` is the held-out
-evaluation's scorer when `reward.eval_rules` sets one apart from the training reward.
+`RuleScorer` runs verifier functions; `ModelScorer` runs a sequence-classification reward model,
+`EnsembleScorer` several as one; `CombinedScorer` takes a weighted sum of any of them. Each
+satisfies the `Scorer` protocol (`services/common/types.py`), which the reward server and the
+in-process trainer both call; `HTTPScorer` (`http_scorer.py`) calls your reward API.
+`build_eval_scorer` is the held-out evaluation's scorer when `reward.eval_rules` sets one apart
+from the training reward.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ..common.compute import ComputeThread
 from ..common.types import RewardSample, Scorer, ScoreResult
+from ..reward_model.ensemble import members
 from .functions import RewardFunction
 from .rules import RULES
 
@@ -100,6 +102,36 @@ class ModelScorer:
         return out
 
 
+class EnsembleScorer:
+    """An ensemble of reward models (a directory with ensemble.json): each member's normalised
+    score, and as the reward their mean minus `penalty` times their standard deviation (over the
+    members, population): where the members disagree the reward is lower (uncertainty-penalised
+    RLHF). Components: `model` (the reward), `model_mean`, `model_std`."""
+
+    def __init__(self, paths: Sequence[Path], device: str = "cpu", penalty: float = 0.0):
+        self.members = [ModelScorer(str(p), device, normalize=True) for p in paths]
+        self.penalty = penalty
+
+    def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+        if not samples:
+            return []
+        each = torch.tensor([[r.reward for r in m.score(samples)] for m in self.members], dtype=torch.float64)
+        mean, std = each.mean(0), each.std(0, unbiased=False)
+        reward = mean - self.penalty * std
+        return [
+            ScoreResult(r, {"model": r, "model_mean": m, "model_std": d})
+            for r, m, d in zip(reward.tolist(), mean.tolist(), std.tolist())
+        ]
+
+
+def model_scorer(reward_cfg: RewardConfig, device: str = "cpu") -> Scorer:
+    """The scorer of reward.model_path: one reward model, or an ensemble of them."""
+    paths = members(reward_cfg.model_path)
+    if len(paths) == 1 and paths[0] == Path(reward_cfg.model_path):
+        return ModelScorer(reward_cfg.model_path, device, normalize=reward_cfg.model_normalize)
+    return EnsembleScorer(paths, device, reward_cfg.ensemble_penalty)
+
+
 class CombinedScorer:
     """Weighted sum of named scorers; each scorer's reward becomes a component."""
 
@@ -127,7 +159,7 @@ def build_scorer(reward_cfg: RewardConfig, device: str = "cpu", api_metrics=None
             (
                 "model",
                 reward_cfg.model_weight,
-                ModelScorer(reward_cfg.model_path, device, normalize=reward_cfg.model_normalize),
+                model_scorer(reward_cfg, device),
             )
         )
     if reward_cfg.type in ("http", "combined") and reward_cfg.http_url:

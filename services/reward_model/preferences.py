@@ -16,6 +16,7 @@ share from the start are the prompt; two strings are scored whole.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ class Preference:
     chosen: str  # the response text the judge preferred
     rejected: str
     margin: float = 0.0  # how much more chosen is preferred (added to the loss's margin when set)
+    hard: bool = False  # two answers of one form, different numbers (`rlhf make-prefs` marks them)
+    gold: tuple[float, float] | None = None  # the judge's scores of (chosen, rejected), when the row has them
 
     @property
     def texts(self) -> tuple[str, str]:
@@ -105,7 +108,22 @@ def preference_from_row(
         chosen=_response_text(chosen, where, "chosen"),
         rejected=_response_text(rejected, where, "rejected"),
         margin=margin,
+        hard=bool(row.get("hard", False)),
+        gold=_gold(row, where),
     )
+
+
+def _gold(row: dict, where: str) -> tuple[float, float] | None:
+    """The judge's scores of a `rlhf make-prefs` row (chosen_reward, rejected_reward), if it has them."""
+    if row.get("chosen_reward") is None or row.get("rejected_reward") is None:
+        return None
+    try:
+        gold = (float(row["chosen_reward"]), float(row["rejected_reward"]))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: chosen_reward and rejected_reward must be numbers") from None
+    if not all(math.isfinite(g) for g in gold):
+        raise ValueError(f"{where}: chosen_reward and rejected_reward must be finite")
+    return gold
 
 
 def load_preferences(

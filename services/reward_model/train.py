@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from ..common.config import Config
 from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device, save_model_dir
+from .ensemble import write_ensemble
+from .measure import describe, measure, plot_calibration
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
 
 log = logging.getLogger(__name__)
@@ -182,7 +184,8 @@ def _fmt_s(s: float) -> str:
 
 
 def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
-    """Train the reward model `cfg.reward_model` describes; returns what reward_stats.json holds."""
+    """Train the reward model `cfg.reward_model` describes (or its ensemble); returns what
+    reward_stats.json holds."""
     rc = cfg.reward_model
     if rc.train is None:
         raise ValueError("reward_model.train is not set: give the preference pairs (a .jsonl file, say)")
@@ -190,24 +193,88 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     out = Path(rc.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    rm = RewardModel(base, rc.seed, rc.lora, rc.gradient_checkpointing, str(resolve_device(cfg.model.device)))
+    tokenizer = load_tokenizer(str(check_model_dir(base)))
     keys = PreferenceKeys(rc.prompt_key, rc.chosen_key, rc.rejected_key, rc.margin_key)
-    pairs = load_preferences(rc.train, "train", keys, rm.tokenizer, rc.chat_template)
+    pairs = load_preferences(rc.train, "train", keys, tokenizer, rc.chat_template)
     if rc.eval is not None:
-        train, held_out = pairs, load_preferences(rc.eval, "eval", keys, rm.tokenizer, rc.chat_template)
+        train, held_out = pairs, load_preferences(rc.eval, "eval", keys, tokenizer, rc.chat_template)
     else:
         train, held_out = split_held_out(pairs, rc.eval_fraction, rc.seed)
-    train = drop_long(train, rm.tokenizer, rc.max_length, "training")
-    held_out = drop_long(held_out, rm.tokenizer, rc.max_length, "held-out") if held_out else []
-    for p in train:
+    train = drop_long(train, tokenizer, rc.max_length, "training")
+    held_out = drop_long(held_out, tokenizer, rc.max_length, "held-out") if held_out else []
+    for p in train + held_out:
         p.margin += rc.margin
-    for p in held_out:
-        p.margin += rc.margin
+    if rc.ensemble == 1:
+        stats, _ = train_one(cfg, base, rc.seed, out, train, held_out, say)
+        return stats
+    scores, names = [], []
+    for i in range(rc.ensemble):
+        names.append(f"member-{i}")
+        say(f"ensemble member {i + 1} of {rc.ensemble} (seed {rc.seed + i}) -> {out / names[-1]}")
+        member, held = train_one(cfg, base, rc.seed + i, out / names[-1], train, held_out, say)
+        if held is not None:  # its held-out scores, normalised as the reward server normalises them
+            mean, std = member["mean"], max(member["std"], 1e-6)
+            scores.append(((held["chosen"] - mean) / std, (held["rejected"] - mean) / std))
+    write_ensemble(out, names)
+    stats = {"members": names, "train_pairs": len(train), "held_out_pairs": len(held_out), "base": base}
+    if scores:
+        penalty = cfg.reward.ensemble_penalty
+        chosen, rejected = (torch.stack([s[k] for s in scores]) for k in (0, 1))
+        combined = [x.mean(0) - penalty * x.std(0, unbiased=False) for x in (chosen, rejected)]
+        measured = measure(held_out, *combined)
+        stats.update(_held_out_stats(measured), ensemble_penalty=penalty)
+        say(f"the ensemble on the held-out pairs (mean - {penalty:g} x std of the members' normalised scores):")
+        for line in describe(measured):
+            say("  " + line)
+        _draw(lambda: plot_calibration(measured, out / "calibration.png"), say)
+    stats["seconds"] = round(time.monotonic() - t_start, 1)
+    (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    say(
+        f"ensemble of {rc.ensemble} reward models written to {out} in {_fmt_s(stats['seconds'])}; serve it with "
+        f"reward.type: model, reward.model_path: {out} (reward.ensemble_penalty: {cfg.reward.ensemble_penalty:g})"
+    )
+    return stats
+
+
+def _held_out_stats(m: dict) -> dict:
+    return {
+        "held_out_accuracy": m["accuracy"],
+        "held_out_hard_accuracy": m["hard_accuracy"],
+        "held_out_hard_pairs": m["hard_pairs"],
+        "held_out_auc": m["auc"],
+        "calibration": m["calibration"],
+    }
+
+
+def _draw(plot: Callable[[], None], say: Callable[[str], None]) -> None:
+    try:
+        plot()
+    except Exception as e:  # a missing plotting library never loses the model
+        say(f"warning: could not draw: {e}")
+
+
+def train_one(
+    cfg: Config,
+    base: str,
+    seed: int,
+    out: Path,
+    train: list[Preference],
+    held_out: list[Preference],
+    say: Callable[[str], None],
+) -> tuple[dict, dict | None]:
+    """One reward model trained on `train`, written to `out`: (what its reward_stats.json holds,
+    its last held-out evaluation or None)."""
+    rc = cfg.reward_model
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    rm = RewardModel(base, seed, rc.lora, rc.gradient_checkpointing, str(resolve_device(cfg.model.device)))
     steps_per_epoch = max(1, len(train) // rc.batch_size)
     total = steps_per_epoch * rc.epochs
+    hard = sum(p.hard for p in held_out)
     say(
-        f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out; {rc.epochs} epoch(s) of "
-        f"{steps_per_epoch} steps of {rc.batch_size} pairs"
+        f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out"
+        + (f" ({hard} hard)" if hard else "")
+        + f"; {rc.epochs} epoch(s) of {steps_per_epoch} steps of {rc.batch_size} pairs"
         + (", LoRA" if rm.lora else "")
         + (", bf16" if rc.bf16 else "")
     )
@@ -219,58 +286,42 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
 
+    def held_out_eval(epoch: int, step: int) -> dict:
+        e = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
+        e["measured"] = measure(held_out, e["chosen"], e["rejected"])
+        row = {"step": step, "epoch": epoch, "eval/accuracy": e["accuracy"], "eval/loss": e["loss"]}
+        if e["measured"]["hard_accuracy"] is not None:
+            row["eval/hard_accuracy"] = e["measured"]["hard_accuracy"]
+        record(row)
+        return e
+
     before = None
     if held_out:
-        before = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
-        record({"step": 0, "epoch": 0, "eval/accuracy": before["accuracy"], "eval/loss": before["loss"]})
-        say(
-            f"held-out before training: pairwise accuracy {before['accuracy']:.3f} on {len(held_out)} pairs, "
-            f"loss {before['loss']:.4f}"
-        )
+        before = held_out_eval(0, 0)
+        say(f"held-out before training: {describe(before['measured'])[0]}, loss {before['loss']:.4f}")
     optimizer = torch.optim.AdamW(rm.param_groups(rc.lr, rc.head_lr, rc.weight_decay), lr=rc.lr)
     scheduler = _schedule(optimizer, rc.warmup_steps, total)
-    rng = random.Random(rc.seed)
+    rng = random.Random(seed)
     step, t0, last = 0, time.monotonic(), None
     for epoch in range(1, rc.epochs + 1):
         order = list(range(len(train)))
         rng.shuffle(order)
         for s in range(steps_per_epoch):
-            rm.model.train()
             batch = [train[i] for i in order[s * rc.batch_size : (s + 1) * rc.batch_size]]
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum, right = 0.0, 0
-            for m in range(0, len(batch), rc.micro_batch_size):
-                micro = batch[m : m + rc.micro_batch_size]
-                scores = rm.scores([p.texts[0] for p in micro] + [p.texts[1] for p in micro], rc.bf16)
-                c, r = scores[: len(micro)], scores[len(micro) :]
-                loss = pairwise_loss(c, r, torch.tensor([p.margin for p in micro], device=c.device))
-                (loss * len(micro) / len(batch)).backward()
-                loss_sum += loss.item() * len(micro)
-                right += int((c > r).sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0).item()
-            optimizer.step()
+            row = _step(rm, batch, optimizer, rc)
             scheduler.step()
             step += 1
-            lr = optimizer.param_groups[0]["lr"]
             per_step = (time.monotonic() - t0) / step
-            row = {
-                "step": step,
-                "epoch": epoch,
-                "loss": loss_sum / len(batch),
-                "accuracy": right / len(batch),
-                "lr": lr,
-                "grad_norm": grad_norm,
-            }
+            row.update(step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
             record(row)
             say(
                 f"step {step:4d}/{total}  epoch {epoch}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
-                f"lr {lr:.1e}  {per_step:.2f} s/step  eta {_fmt_s(per_step * (total - step))}"
+                f"lr {row['lr']:.1e}  {per_step:.2f} s/step  eta {_fmt_s(per_step * (total - step))}"
             )
         if held_out:
-            last = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
-            record({"step": step, "epoch": epoch, "eval/accuracy": last["accuracy"], "eval/loss": last["loss"]})
+            last = held_out_eval(epoch, step)
             say(
-                f"held-out (epoch {epoch}): pairwise accuracy {last['accuracy']:.3f} on {len(held_out)} pairs"
+                f"held-out (epoch {epoch}): {describe(last['measured'])[0]}"
                 + (f" (before training {before['accuracy']:.3f})" if before else "")
                 + f", loss {last['loss']:.4f}"
             )
@@ -282,24 +333,44 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
         "mean": both.mean().item(),
         "std": both.std().item(),
         "train_accuracy": on_train["accuracy"],
-        "held_out_accuracy": last["accuracy"] if last else None,
         "held_out_accuracy_before": before["accuracy"] if before else None,
+        **(_held_out_stats(last["measured"]) if last else {"held_out_accuracy": None}),
         "train_pairs": len(train),
         "held_out_pairs": len(held_out),
         "steps": step,
         "base": base,
+        "seed": seed,
         "seconds": round(time.monotonic() - t_start, 1),
     }
     (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    try:
-        plot_rm_curves(rows, out / "curves.png")
-    except Exception as e:  # a missing plotting library never loses the model
-        say(f"warning: could not draw curves.png: {e}")
+    _draw(lambda: plot_rm_curves(rows, out / "curves.png"), say)
+    if last:
+        for line in describe(last["measured"])[1:]:
+            say(line)
+        _draw(lambda: plot_calibration(last["measured"], out / "calibration.png"), say)
     say(
         f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
         f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}"
     )
-    return stats
+    return stats, last
+
+
+def _step(rm: RewardModel, batch: list[Preference], optimizer, rc) -> dict:
+    """One optimiser step on `batch` (micro-batches accumulate): its loss, accuracy, gradient norm."""
+    rm.model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, right = 0.0, 0
+    for m in range(0, len(batch), rc.micro_batch_size):
+        micro = batch[m : m + rc.micro_batch_size]
+        scores = rm.scores([p.texts[0] for p in micro] + [p.texts[1] for p in micro], rc.bf16)
+        c, r = scores[: len(micro)], scores[len(micro) :]
+        loss = pairwise_loss(c, r, torch.tensor([p.margin for p in micro], device=c.device))
+        (loss * len(micro) / len(batch)).backward()
+        loss_sum += loss.item() * len(micro)
+        right += int((c > r).sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0).item()
+    optimizer.step()
+    return {"loss": loss_sum / len(batch), "accuracy": right / len(batch), "grad_norm": grad_norm}
 
 
 def plot_rm_curves(rows: list[dict], out: Path) -> None:

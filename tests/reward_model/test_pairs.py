@@ -1,0 +1,74 @@
+"""Pair construction (`services/reward_model/pairs.py`): every pair the judge tells apart, each
+text once, never two answers it scores alike; hard negatives (one form, different numbers) found
+and made, and kept first when a prompt's pairs are capped."""
+
+import random
+
+from services.reward_model.pairs import (
+    Judged,
+    cap_pairs,
+    counterfactuals,
+    form,
+    is_hard,
+    judged_pairs,
+    pair_row,
+)
+
+
+def test_k_right_of_n_give_k_times_n_minus_k_pairs():
+    answers = [Judged(f"right {i}", 1.0) for i in range(3)] + [Judged(f"wrong {i}", 0.0) for i in range(5)]
+    pairs = judged_pairs(answers, min_gap=1e-9)
+    assert len(pairs) == 3 * 5
+    assert {(c.text, r.text) for c, r in pairs} == {(f"right {i}", f"wrong {j}") for i in range(3) for j in range(5)}
+
+
+def test_graded_scores_pair_every_two_apart_and_never_two_alike():
+    answers = [Judged("a", 2.0), Judged("b", 1.0), Judged("c", 1.0), Judged("d", 0.5)]
+    pairs = {(c.text, r.text) for c, r in judged_pairs(answers, min_gap=1e-9)}
+    assert pairs == {("a", "b"), ("a", "c"), ("a", "d"), ("b", "d"), ("c", "d")}  # b and c alike: no pair
+    assert {(c.text, r.text) for c, r in judged_pairs(answers, min_gap=0.75)} == {("a", "b"), ("a", "c"), ("a", "d")}
+
+
+def test_a_text_sampled_twice_counts_once_and_all_alike_give_none():
+    answers = [Judged("12", 1.0), Judged("12", 1.0), Judged("13", 0.0)]
+    assert [(c.text, r.text) for c, r in judged_pairs(answers, 1e-9)] == [("12", "13")]
+    assert judged_pairs([Judged("x", 0.0), Judged("y", 0.0)], 1e-9) == []
+
+
+def test_hard_means_one_form_and_different_numbers():
+    assert form("14 + 15 = 29") == "# + # = #"
+    assert is_hard("14 + 15 = 29", "14 + 15 = 39")
+    assert is_hard("The answer is 29.", "The answer is -3.")
+    assert not is_hard("14 + 15 = 29", "The answer is 29")  # another form
+    assert not is_hard("abc", "abd")  # no number: not what hard means here
+    assert not is_hard("29", "29 ")  # the same answer
+
+
+def test_counterfactuals_change_one_number_and_keep_the_form():
+    rng = random.Random(0)
+    made = counterfactuals("14 + 15 = 29", 6, rng)
+    assert len(made) == 6 and len(set(made)) == 6 and "14 + 15 = 29" not in made
+    for text in made:
+        assert form(text) == "# + # = #"
+        changed = [a != b for a, b in zip("14 + 15 = 29".split(), text.split())]
+        assert sum(changed) == 1, text
+    assert counterfactuals("no number here", 3, rng) == []
+
+
+def test_a_row_says_whether_its_pair_is_hard_or_made():
+    row = pair_row("p1", "What is 14 + 15?", "29", Judged("14 + 15 = 29", 1.0), Judged("14 + 15 = 39", 0.0, True))
+    assert row["hard"] and row["synthetic"] and row["chosen_reward"] == 1.0 and row["rejected_reward"] == 0.0
+    row = pair_row("p1", "q", "29", Judged("29", 1.0), Judged("I do not know", 0.0))
+    assert not row["hard"] and not row["synthetic"]
+
+
+def test_a_cap_keeps_the_hard_pairs_first():
+    answers = [Judged("= 29", 1.0), Judged("= 39", 0.0), Judged("= 28", 0.0)] + [
+        Judged(f"no idea {c}", 0.0) for c in "abcdef"
+    ]
+    pairs = judged_pairs(answers, 1e-9)
+    assert len(pairs) == 8
+    kept = cap_pairs(pairs, 3, random.Random(0))
+    assert len(kept) == 3
+    assert sum(is_hard(c.text, r.text) for c, r in kept) == 2  # both hard pairs, then one other
+    assert cap_pairs(pairs, None, random.Random(0)) == pairs
