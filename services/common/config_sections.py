@@ -462,6 +462,19 @@ class RunConfig(Strict):
         description="keep the policy of the best held-out evaluation so far as a Hugging "
         "Face directory in best/ (best/best.json: its iteration and held-out reward)",
     )
+    gold_drop: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="how far (in reward units) a held-out evaluation may fall below the best one "
+        "so far before run.on_gold_drop acts: the held-out reward is the gold one when "
+        "reward.eval_rules is set; null = off",
+    )
+    on_gold_drop: Literal["rollback", "stop"] = Field(
+        default="rollback",
+        description="past run.gold_drop: 'rollback' loads the best policy so far back (best/, or "
+        "model.path when the start was the best), drops the optimiser's moments, pushes it to the "
+        "generation servers and goes on; 'stop' ends the run there (final/ is that policy)",
+    )
     save_generations: bool = Field(
         default=True,
         description="write each held-out evaluation's prompts, responses, labels "

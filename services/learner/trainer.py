@@ -237,6 +237,15 @@ class PolicyTrainer:
             model = copy.deepcopy(self.policy).merge_and_unload()
         save_model_dir(model, path, tokenizer)
 
+    def restore_policy(self, path: str | Path) -> None:
+        """The policy's weights from a Hugging Face directory (a run's `best/`, or the SFT model),
+        the optimiser's moments dropped (they pointed away from it). One process, no LoRA."""
+        if self.lora or self.sharded:
+            raise ValueError("restoring the policy from a directory needs a one-process learner without LoRA")
+        weights = load_causal_lm(path, self.device).state_dict()
+        self.policy.load_state_dict(weights)
+        self.optimizer.state.clear()
+
     def state_dict(self) -> dict:
         """The learner's state. A sharded learner leaves the actor and its optimiser state out:
         `save_actor` writes them, each process its shards."""

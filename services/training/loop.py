@@ -23,6 +23,8 @@ checkpoint, and one row of metrics.jsonl (runlog.py). `begin` evaluates the base
 Each held-out eval writes what the policy said (`generations/iter_N.jsonl`: prompt, response,
 label, reward per prompt; run.save_generations) and, when it is the best so far, the policy as a
 Hugging Face directory (`best/`, with `best/best.json`: iteration and held-out reward; run.save_best).
+One that falls more than run.gold_drop below the best rolls the policy back to `best/` or stops
+the run (run.on_gold_drop).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class Trainer(Protocol):
     def policy_state_dict(self) -> dict: ...
 
     def save_policy(self, path: Path, tokenizer=None) -> None: ...
+
+    def restore_policy(self, path: Path) -> None: ...  # run.on_gold_drop: rollback
 
 
 class WeightSink(Protocol):
@@ -143,6 +147,13 @@ class TrainingLoop:
         self.runlog: RunLog | None = None
         best = self.run_dir / "best" / "best.json"  # a resumed run keeps its best
         self.best = json.loads(best.read_text())["eval/reward_mean"] if best.exists() else float("-inf")
+        self.halted: str | None = None  # why the run stops before its last iteration (run.on_gold_drop)
+        if cfg.run.gold_drop is not None and cfg.run.on_gold_drop == "rollback":
+            if getattr(learner, "lora", False) or getattr(learner, "sharded", False) or not cfg.run.save_best:
+                raise ValueError(
+                    "run.on_gold_drop: rollback loads best/ back into a one-process learner without LoRA "
+                    "(run.save_best on); use run.on_gold_drop: stop here"
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_policy(self, iteration: int, tick: Tick) -> None:
@@ -189,6 +200,29 @@ class TrainingLoop:
             )
         self.best = max(self.best, score)
         return out
+
+    def _guarded(self, iteration: int, score: float) -> dict:
+        """run.gold_drop: when an evaluation falls more than it below the best so far, roll the
+        policy back to the best (and push it) or stop the run; what it adds to the metrics row."""
+        drop = self.cfg.run.gold_drop
+        if drop is None or iteration == 0 or not score < self.best - drop:
+            return {}
+        best = self.run_dir / "best"
+        if self.cfg.run.on_gold_drop == "stop":
+            self.halted = (
+                f"held-out reward {score:.4f}, more than run.gold_drop={drop:g} below the best {self.best:.4f}"
+            )
+            self.log.warning("iteration %d: %s; stopping (run.on_gold_drop: stop)", iteration, self.halted)
+            return {"eval/gold_stop": 1}
+        source = best if (best / "best.json").exists() else Path(self.cfg.model.path)
+        self.learner.restore_policy(source)
+        self.learner.version, _ = self.sink.publish(self.learner)
+        self.log.warning(
+            "iteration %d: held-out reward %.4f, more than run.gold_drop=%g below the best %.4f: the policy "
+            "is rolled back to %s (now version %d)",
+            iteration, score, drop, self.best, source, self.learner.version,
+        )  # fmt: skip
+        return {"eval/rolled_back": 1, "policy/version": self.learner.version}
 
     def _watched(self, iteration: int, evaluated: dict) -> dict:
         """The reward-hacking watch's verdict on an evaluation (a warning at its onset); what it
@@ -242,6 +276,7 @@ class TrainingLoop:
                     metrics["time/eval_s"] = time.perf_counter() - t3
                 metrics.update(self._watched(it, metrics))
                 self.last["eval"] = metrics["eval/reward_mean"]
+                metrics.update(self._guarded(it, metrics["eval/reward_mean"]))
             self.last["reward"] = metrics.get("reward/score_mean", nan)
             if self.time_eval:
                 metrics["time/iteration_s"] = time.perf_counter() - t0
@@ -252,6 +287,8 @@ class TrainingLoop:
                 self.checkpoint(it, tick)
             if tick.out_of_time:
                 self.log.warning("run.max_wall_s=%s reached after %d iterations", cfg.run.max_wall_s, it)
+                break
+            if self.halted:
                 break
             if self.stop_event is not None and self.stop_event.is_set():
                 stopped = True
