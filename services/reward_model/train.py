@@ -9,8 +9,11 @@ it is and scores what the trainer's forward gave.
 What a run writes in `reward_model.out`:
 
     config.json, model.safetensors, tokenizer files   the reward model (LoRA adapters merged)
-    reward_stats.json    mean and std of its reward on the training pairs (reward.model_normalize),
-                         held-out pairwise accuracy before and after, pairs, steps, seconds
+    reward_stats.json    mean and std of its reward on the training pairs (at most 1,024 of them,
+                         drawn; reward.model_normalize), held-out pairwise accuracy before and
+                         after (and on the hard pairs, the AUC across prompts, the calibration
+                         bins: measure.py), pairs, steps, seconds
+    calibration.png      the judge's mean score by reward-model score, on the held-out answers
     metrics.jsonl        one row per optimiser step (loss, accuracy, lr) and per held-out evaluation
     curves.png           training loss and accuracy per step, held-out accuracy per epoch
 
@@ -41,6 +44,7 @@ from .measure import describe, measure, plot_calibration
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
 
 log = logging.getLogger(__name__)
+STATS_PAIRS = 1024  # training pairs (drawn) the written model's mean, std and training accuracy are read on
 
 
 def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
@@ -327,7 +331,8 @@ def train_one(
             )
     metrics.close()
     rm.save(out)  # the statistics below are the written model's
-    on_train = evaluate_pairs(rm, train, rc.micro_batch_size * 2, rc.bf16)
+    sample = random.Random(seed).sample(train, min(len(train), STATS_PAIRS))  # enough for a mean and a std
+    on_train = evaluate_pairs(rm, sample, rc.micro_batch_size * 2, rc.bf16)
     both = torch.cat([on_train["chosen"], on_train["rejected"]])
     stats = {
         "mean": both.mean().item(),

@@ -118,11 +118,12 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/reward-functions.md", "error: learner stopped the run (the run cannot go on)."): PROSE,
     ("docs/reward-model.md", "rlhf make-prefs -c my.yaml --out pairs.jsonl [--n 4]"): PARSE,  # a synopsis
     ("docs/reward-model.md", "64 prompts from synthetic:reverse, 4 samples each at"): PROSE,
-    ("docs/reward-model.md", '{"id": "reverse-train-cbe", "prompt": "cbe=", "chosen":'): PROSE,
+    ("docs/reward-model.md", '{"id": "reverse-train-edhc", "prompt": "edhc=", "chosen":'): PROSE,
     ("docs/reward-model.md", "model: {path: runs/smollm2-135m, device: cpu} # the"): PARTIAL,
     ("docs/reward-model.md", "rlhf train-rm -c my-rm.yaml [--out DIR] [--set"): PARSE,  # a synopsis
     ("docs/reward-model.md", "reward model on runs/tiny-model: 64 training pairs,"): PROSE,
     ("docs/reward-model.md", "reward:"): PARTIAL,
+    ("docs/reward-model.md", "rlhf train-rm -c my-rm.yaml --set reward_model.ensemble=3"): PARSE,  # needs pairs
     ("docs/rlhf-smollm2.md", '{"prompt": "...What is 15 + 81? ...", "chosen": "15'): PROSE,
     ("docs/rlhf-smollm2.md", "WARNING services.learner.run: reward hacking suspected:"): PROSE,
     ("docs/rlhf-smollm2.md", '84 + 56? "The answer is 17." 0.0 1.29'): PROSE,

@@ -72,3 +72,24 @@ def test_a_cap_keeps_the_hard_pairs_first():
     assert len(kept) == 3
     assert sum(is_hard(c.text, r.text) for c, r in kept) == 2  # both hard pairs, then one other
     assert cap_pairs(pairs, None, random.Random(0)) == pairs
+
+
+def test_counterfactuals_are_judged_and_the_ones_judged_worse_become_hard_pairs():
+    """make-prefs' step 3 with the real math_answer judge: copies of a prompt's best answer with a
+    number changed; the judge finds the ones that changed the sum wrong, and those pair as hard."""
+    from services.common.types import PromptRecord
+    from services.common.config_sections import RuleSpec
+    from services.reward.scorer import RuleScorer
+    from services.reward_model.rlaif import _add_counterfactuals
+
+    prompt = PromptRecord(id="p", prompt="What is 14 + 15?", label="29")
+    answers = {"p": [Judged("14 + 15 = 29", 1.0), Judged("I think it is thirty", 0.0)]}
+    judge = RuleScorer.from_specs([RuleSpec(name="math_answer")])
+    made = _add_counterfactuals([prompt], answers, judge, 6, random.Random(0))
+    assert made == 6 and len(answers["p"]) == 8 and all(a.synthetic for a in answers["p"][2:])
+    for a in answers["p"][2:]:  # the judge's verdict: right only when the last number is still 29
+        assert a.score == (1.0 if a.text.endswith("= 29") else 0.0), a
+    rows = [pair_row("p", prompt.prompt, "29", c, r) for c, r in judged_pairs(answers["p"], 1e-9)]
+    hard = [r for r in rows if r["hard"]]
+    assert hard and all(r["chosen"] == "14 + 15 = 29" or r["chosen"].endswith("= 29") for r in hard)
+    assert all(r["synthetic"] for r in hard)
