@@ -7,8 +7,10 @@ not one. A text sampled twice counts once, and two samples the judge scores alik
 A pair is *hard* when its two answers share their form and differ only in their numbers: the same
 text once each number is replaced by `#` ("14 + 15 = 29" against "14 + 15 = 39"). Those are what
 teach a reward model the sum rather than the shape of an answer, and a policy's samples hold few
-of them, so `counterfactuals` makes more: copies of an answer with one of its numbers changed,
-which the judge scores like any sample (a copy it scores as well as the original is no pair).
+of them, so `counterfactuals` makes more: copies of an answer with one of its numbers changed
+(and, given the prompt's numeric label, a copy with the label as its last number: a wrong
+answer corrected in its own form), which the judge scores like any sample (a copy it scores as
+well as the original is no pair).
 """
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ def is_hard(a: str, b: str) -> bool:
     return a.strip() != b.strip() and form(a) == form(b) and bool(NUMBER.search(a))
 
 
-def counterfactuals(text: str, k: int, rng: random.Random) -> list[str]:
+def counterfactuals(text: str, k: int, rng: random.Random, label=None) -> list[str]:
     """Up to `k` different copies of `text`, each with one of its numbers moved by a nudge (the
-    last number in half of them: where an answer usually is); none when it has no number."""
+    last number in half of them: where an answer usually is); none when it has no number. With a
+    numeric `label`, the first copy has the label in place of the last number: a wrong answer
+    corrected in its own words (a right one is left as it is)."""
     spans = [m.span() for m in NUMBER.finditer(text)]
     out: list[str] = []
+    if spans and k > 0 and label is not None and NUMBER.fullmatch(str(label).strip()):
+        start, end = spans[-1]
+        corrected = text[:start] + str(label).strip() + text[end:]
+        if corrected != text:
+            out.append(corrected)
     for _ in range(4 * k):  # a few tries: two nudges can make the same copy
         if not spans or len(out) == k:
             break

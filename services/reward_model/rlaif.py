@@ -6,7 +6,8 @@
 2. `more` further samples for each prompt whose first samples the judge told apart (some better
    than others): the prompts the model sometimes gets right are where pairs come from.
 3. `hard_negatives` counterfactuals of each best-scored answer of a prompt (one of its numbers
-   changed, `pairs.counterfactuals`), scored by the same judge.
+   changed; with a numeric label, the first has the label as its last number: `pairs.counterfactuals`),
+   scored by the same judge. A prompt the model never got right gets its pairs from them.
 4. Every pair of a prompt's answers the judge tells apart (`pairs.judged_pairs`), at most
    `max_pairs_per_prompt` (hard ones kept first), written as jsonl rows `rlhf train-rm` reads.
 """
@@ -117,7 +118,7 @@ def _add_counterfactuals(prompts, answers: dict[str, list[Judged]], judge, k: in
     for p in prompts:
         top = max(a.score for a in answers[p.id])
         for text in sorted({a.text for a in answers[p.id] if a.score == top}):
-            made += [(p.id, c) for c in counterfactuals(text, k, rng)]
+            made += [(p.id, c) for c in counterfactuals(text, k, rng, p.label)]
     by_id = {p.id: p for p in prompts}
     samples = [RewardSample(by_id[i].prompt, text, by_id[i].label, by_id[i].metadata) for i, text in made]
     for (i, text), s in zip(made, judge.score(samples) if samples else []):

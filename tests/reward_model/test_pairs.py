@@ -77,8 +77,8 @@ def test_a_cap_keeps_the_hard_pairs_first():
 def test_counterfactuals_are_judged_and_the_ones_judged_worse_become_hard_pairs():
     """make-prefs' step 3 with the real math_answer judge: copies of a prompt's best answer with a
     number changed; the judge finds the ones that changed the sum wrong, and those pair as hard."""
-    from services.common.types import PromptRecord
     from services.common.config_sections import RuleSpec
+    from services.common.types import PromptRecord
     from services.reward.scorer import RuleScorer
     from services.reward_model.rlaif import _add_counterfactuals
 
@@ -93,3 +93,12 @@ def test_counterfactuals_are_judged_and_the_ones_judged_worse_become_hard_pairs(
     hard = [r for r in rows if r["hard"]]
     assert hard and all(r["chosen"] == "14 + 15 = 29" or r["chosen"].endswith("= 29") for r in hard)
     assert all(r["synthetic"] for r in hard)
+
+
+def test_a_numeric_label_corrects_the_last_number_of_a_wrong_answer_first():
+    made = counterfactuals("15 + 81 = 92, I believe", 3, random.Random(1), label="96")
+    assert made[0] == "15 + 81 = 96, I believe" and len(made) == 3
+    assert all(form(m) == form("15 + 81 = 92, I believe") for m in made)
+    right = counterfactuals("15 + 81 = 96", 2, random.Random(1), label="96")
+    assert "15 + 81 = 96" not in right and len(right) == 2  # a right answer is not "corrected"
+    assert counterfactuals("the answer is 9", 1, random.Random(1), label="abc")[0] != "the answer is abc"
