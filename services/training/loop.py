@@ -217,6 +217,7 @@ class TrainingLoop:
         source = best if (best / "best.json").exists() else Path(self.cfg.model.path)
         self.learner.restore_policy(source)
         self.learner.version, _ = self.sink.publish(self.learner)
+        self.last["eval"] = self.best  # the policy now is the one that scored it (final/ if the run ends here)
         self.log.warning(
             "iteration %d: held-out reward %.4f, more than run.gold_drop=%g below the best %.4f: the policy "
             "is rolled back to %s (now version %d)",

@@ -62,6 +62,7 @@ def test_a_fall_past_gold_drop_rolls_the_policy_back_to_the_best(tiny_model_dir,
     now = learner.policy.state_dict()
     assert all(torch.equal(now[k], best[k]) for k in best)  # the best's weights, exactly
     assert not learner.optimizer.state  # its moments pointed away from the best
+    assert loop.last["eval"] == 0.7  # what the policy it holds now scored (the summary's final, if it ends here)
     pushed = loop.sink.pushed[-1]
     assert all(torch.equal(pushed[k], best[k]) for k in best)  # and the generation servers got them
     assert any("rolled back to" in r.message and str(tmp_path / "best") in r.message for r in caplog.records)
