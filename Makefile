@@ -79,7 +79,8 @@ RLHF_CONFIG ?= configs/smollm2-rlhf.yaml
 RLHF_PROMPTS ?= 384
 
 $(RLHF_DIR)/pairs.jsonl: | $(BIN)/.installed $(SMOLLM2_DIR)/config.json
-	$(BIN)/rlhf make-prefs -c $(RLHF_CONFIG) --out $@ --limit $(RLHF_PROMPTS) --n 8
+	$(BIN)/rlhf make-prefs -c $(RLHF_CONFIG) --out $@ --limit $(RLHF_PROMPTS) --n 8 --more 8 \
+		--hard-negatives 4 --max-pairs-per-prompt 8
 
 $(RLHF_DIR)/reward-model/reward_stats.json: $(RLHF_DIR)/pairs.jsonl
 	$(BIN)/rlhf train-rm -c $(RLHF_CONFIG) --set reward_model.train=$< \

@@ -74,6 +74,7 @@ class Critic:
     def from_config(cls, cfg: Config, **kwargs) -> "Critic":
         path, head = cfg.critic.model_path or cfg.model.path, None
         if cfg.critic.init_from_reward_model:
+            assert cfg.reward.model_path is not None, "the config's validation asks for it"
             path, head = str(first_member(cfg.reward.model_path)), cfg.reward.model_normalize
         return cls(
             path,

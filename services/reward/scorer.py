@@ -126,9 +126,11 @@ class EnsembleScorer:
 
 def model_scorer(reward_cfg: RewardConfig, device: str = "cpu") -> Scorer:
     """The scorer of reward.model_path: one reward model, or an ensemble of them."""
-    paths = members(reward_cfg.model_path)
-    if len(paths) == 1 and paths[0] == Path(reward_cfg.model_path):
-        return ModelScorer(reward_cfg.model_path, device, normalize=reward_cfg.model_normalize)
+    path = reward_cfg.model_path
+    assert path is not None, "build_scorer asks for a model scorer only with reward.model_path set"
+    paths = members(path)
+    if len(paths) == 1 and paths[0] == Path(path):
+        return ModelScorer(path, device, normalize=reward_cfg.model_normalize)
     return EnsembleScorer(paths, device, reward_cfg.ensemble_penalty)
 
 
