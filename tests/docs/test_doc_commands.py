@@ -124,7 +124,9 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/reward-model.md", "reward model on runs/tiny-model: 64 training pairs,"): PROSE,
     ("docs/reward-model.md", "reward:"): PARTIAL,
     ("docs/reward-model.md", "rlhf train-rm -c my-rm.yaml --set reward_model.ensemble=3"): PARSE,  # needs pairs
-    ("docs/rlhf-smollm2.md", '{"prompt": "...What is 15 + 81? ...", "chosen": "15'): PROSE,
+    ("docs/rlhf-smollm2.md", '{"prompt": "...What is 16 + 43? ...", "chosen": "16'): PROSE,
+    ("docs/rlhf-smollm2.md", "held-out before training: pairwise accuracy 0.394 on"): PROSE,
+    ("docs/rlhf-smollm2.md", '44 + 59 "44 + 59 = 223" -0.76'): PROSE,
     ("docs/rlhf-smollm2.md", "WARNING services.learner.run: reward hacking suspected:"): PROSE,
     ("docs/rlhf-smollm2.md", '84 + 56? "The answer is 17." 0.0 1.29'): PROSE,
     ("docs/rlhf-smollm2.md", "make run-smollm2-rlhf RLHF_CONFIG=my-rlhf.yaml RLHF_PROMPTS=64"): PARSE,  # an hour
