@@ -162,7 +162,7 @@ def reward_errors(rc: RewardConfig) -> list[str]:
 def served_reward_model_errors(path: Path) -> list[str]:
     """What keeps reward.model_path from being served: a reward model directory, or an ensemble
     whose every member is one (with the reward_stats.json its normalisation needs)."""
-    from ..reward_model.ensemble import members
+    from ..reward_model.ensemble import is_ensemble, members
 
     try:
         dirs = members(path)
@@ -173,7 +173,7 @@ def served_reward_model_errors(path: Path) -> list[str]:
         for d in dirs
         if not (d / "config.json").exists()
     ]
-    if len(dirs) > 1 or dirs[0] != path:
+    if is_ensemble(path):
         errors += [
             f"reward.model_path: ensemble member {d} has no reward_stats.json (each member is normalised)"
             for d in dirs

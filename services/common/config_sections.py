@@ -469,6 +469,11 @@ class RunConfig(Strict):
         "so far before run.on_gold_drop acts: the held-out reward is the gold one when "
         "reward.eval_rules is set; null = off",
     )
+    max_rollbacks: int = Field(
+        default=3,
+        ge=0,
+        description="rollbacks of run.on_gold_drop a run may make; a fall past run.gold_drop after them stops the run",
+    )
     on_gold_drop: Literal["rollback", "stop"] = Field(
         default="rollback",
         description="past run.gold_drop: 'rollback' loads the best policy so far back (best/, or "

@@ -411,20 +411,13 @@ class ValueModel(nn.Module):
         return model
 
     @classmethod
-    def from_reward_model(cls, path: str | Path, normalize: bool) -> "ValueModel":
+    def from_reward_model(cls, path: str | Path, mean: float = 0.0, std: float = 1.0) -> "ValueModel":
         """InstructGPT's critic: the reward model's backbone, and its one-label head as the value
-        head, rescaled to the normalised reward when `normalize` (weight / std, bias - mean / std
-        with the directory's reward_stats.json), so a value reads what the reward model would pay
-        for the text so far, on the scale the returns have."""
-        import json
-
+        head rescaled to the normalised reward (weight / std, bias - mean / std), so a value reads
+        what the reward model would pay for the text so far, on the scale the returns have."""
         path = check_model_dir(path)
         model = cls.from_pretrained(path)
         weight, bias = reward_head(path)
-        mean, std = 0.0, 1.0
-        if normalize:
-            stats = json.loads((Path(path) / "reward_stats.json").read_text())
-            mean, std = float(stats["mean"]), max(float(stats["std"]), 1e-6)
         with torch.no_grad():
             model.value_head.weight.copy_(weight.reshape(1, -1).float() / std)
             model.value_head.bias.fill_((float(bias) - mean) / std)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
 from ..common.sharding.group import micro_batches
 from ..ppo import AggNorm, compute_value_loss
-from ..reward_model.ensemble import first_member
+from ..reward_model.ensemble import is_ensemble, members, reward_stats
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -29,6 +29,16 @@ class NonFiniteStep(ValueError):
 
 class CheckpointError(ValueError):
     """A critic checkpoint with a missing or unreadable file; nothing was loaded."""
+
+
+def reward_model_start(path: str, normalize: bool) -> tuple[str, tuple[float, float]]:
+    """What a critic starting from the reward model at `path` loads: the model (an ensemble's
+    first member) and the (mean, std) its head is rescaled with, the normalisation the reward
+    server applies to it (an ensemble's members are always normalised)."""
+    if is_ensemble(path):
+        first = members(path)[0]
+        return str(first), reward_stats(first)
+    return path, reward_stats(path) if normalize else (0.0, 1.0)
 
 
 class Critic:
@@ -45,18 +55,18 @@ class Critic:
         micro_batch_size: int | None = None,
         bf16: bool = False,
         gradient_checkpointing: bool = False,
-        reward_model_head: bool | None = None,
+        reward_model_head: tuple[float, float] | None = None,
     ):
-        """`reward_model_head`: `model_path` is a reward model whose head starts the value head
-        (normalised when True, as it is; see `ValueModel.from_reward_model`); None: a model
-        directory with a value head or none (a zero head)."""
+        """`reward_model_head`: `model_path` is a reward model whose head starts the value head,
+        rescaled with this (mean, std) (`ValueModel.from_reward_model`); None: a model directory
+        with a value head or none (a zero head)."""
         self.device = resolve_device(device)
         self.lr, self.weight_decay = lr, weight_decay
         self.bf16, self.gradient_checkpointing = bf16, gradient_checkpointing
         model = (
             ValueModel.from_pretrained(model_path)
             if reward_model_head is None
-            else ValueModel.from_reward_model(model_path, normalize=reward_model_head)
+            else ValueModel.from_reward_model(model_path, *reward_model_head)
         )
         self.model = self._prepare(model.to(self.load_device))
         self.optimizer = self._optimizer(self.model)
@@ -75,7 +85,7 @@ class Critic:
         path, head = cfg.critic.model_path or cfg.model.path, None
         if cfg.critic.init_from_reward_model:
             assert cfg.reward.model_path is not None, "the config's validation asks for it"
-            path, head = str(first_member(cfg.reward.model_path)), cfg.reward.model_normalize
+            path, head = reward_model_start(cfg.reward.model_path, cfg.reward.model_normalize)
         return cls(
             path,
             lr=cfg.critic.lr,

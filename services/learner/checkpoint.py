@@ -105,8 +105,9 @@ def checkpoint_iteration(path: Path) -> int | None:
 
 def finished_run(run_dir: str | Path, iterations: int) -> dict | None:
     """The summary.json of `run_dir` (as a dict) when that run already finished `iterations`
-    iterations: its newest complete checkpoint, or the summary's own `iterations`, reached them.
-    None when it did not (no summary, an unreadable one, or fewer iterations: it continues)."""
+    iterations: its newest complete checkpoint, or the summary's own `iterations`, reached them, or
+    it stopped on purpose (`halted`: run.on_gold_drop). None when it did not (no summary, an
+    unreadable one, or fewer iterations: it continues)."""
     run_dir = Path(run_dir)
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -114,6 +115,8 @@ def finished_run(run_dir: str | Path, iterations: int) -> dict | None:
         return None
     if not isinstance(summary, dict):
         return None
+    if summary.get("halted"):  # stopped on purpose (run.on_gold_drop): finished before its iterations
+        return summary
     reached = [checkpoint_iteration(p) for p in Checkpointer(run_dir, store=None).complete()]
     reached.append(summary.get("iterations"))
     return summary if max((i for i in reached if isinstance(i, int)), default=0) >= iterations else None

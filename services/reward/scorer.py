@@ -10,7 +10,6 @@ from the training reward.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -18,7 +17,7 @@ import torch
 
 from ..common.compute import ComputeThread
 from ..common.types import RewardSample, Scorer, ScoreResult
-from ..reward_model.ensemble import members
+from ..reward_model.ensemble import is_ensemble, members, reward_stats
 from .functions import RewardFunction
 from .rules import RULES
 
@@ -62,15 +61,7 @@ class ModelScorer:
     ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.shift, self.scale = 0.0, 1.0
-        if normalize:
-            stats_file = Path(path) / "reward_stats.json"
-            if not stats_file.exists():
-                raise ValueError(
-                    f"reward.model_normalize needs {stats_file} (written by `rlhf train-rm`); it is missing"
-                )
-            stats = json.loads(stats_file.read_text())
-            self.shift, self.scale = float(stats["mean"]), max(float(stats["std"]), 1e-6)
+        self.shift, self.scale = reward_stats(path) if normalize else (0.0, 1.0)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -111,11 +102,15 @@ class EnsembleScorer:
     def __init__(self, paths: Sequence[Path], device: str = "cpu", penalty: float = 0.0):
         self.members = [ModelScorer(str(p), device, normalize=True) for p in paths]
         self.penalty = penalty
+        self.compute = ComputeThread("reward-model")  # every member's forward on this one thread
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         if not samples:
             return []
-        each = torch.tensor([[r.reward for r in m.score(samples)] for m in self.members], dtype=torch.float64)
+        return self.compute.run(self._score, samples)
+
+    def _score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
+        each = torch.tensor([[r.reward for r in m._score(samples)] for m in self.members], dtype=torch.float64)
         mean, std = each.mean(0), each.std(0, unbiased=False)
         reward = mean - self.penalty * std
         return [
@@ -128,10 +123,9 @@ def model_scorer(reward_cfg: RewardConfig, device: str = "cpu") -> Scorer:
     """The scorer of reward.model_path: one reward model, or an ensemble of them."""
     path = reward_cfg.model_path
     assert path is not None, "build_scorer asks for a model scorer only with reward.model_path set"
-    paths = members(path)
-    if len(paths) == 1 and paths[0] == Path(path):
+    if not is_ensemble(path):
         return ModelScorer(path, device, normalize=reward_cfg.model_normalize)
-    return EnsembleScorer(paths, device, reward_cfg.ensemble_penalty)
+    return EnsembleScorer(members(path), device, reward_cfg.ensemble_penalty)
 
 
 class CombinedScorer:

@@ -31,10 +31,25 @@ def members(path: str | Path) -> list[Path]:
     return [path / n for n in names]
 
 
-def first_member(path: str | Path) -> Path:
-    """The reward model a single model is read from (an ensemble's first member)."""
-    return members(path)[0]
+def is_ensemble(path: str | Path) -> bool:
+    return (Path(path) / ENSEMBLE_FILE).is_file()
 
 
-def write_ensemble(out: Path, names: list[str]) -> None:
-    (out / ENSEMBLE_FILE).write_text(json.dumps({"members": names}, indent=2) + "\n")
+def reward_stats(path: str | Path) -> tuple[float, float]:
+    """(mean, std) of a reward model's score on its training answers (its reward_stats.json, as
+    `rlhf train-rm` writes it): what normalises it; the std at least 1e-6."""
+    stats_file = Path(path) / "reward_stats.json"
+    if not stats_file.exists():
+        raise ValueError(f"{stats_file} is missing (`rlhf train-rm` writes it); it normalises the reward model")
+    stats = json.loads(stats_file.read_text())
+    return float(stats["mean"]), max(float(stats["std"]), 1e-6)
+
+
+def write_ensemble(out: Path, names: list[str] | None) -> None:
+    """Writes the index of an ensemble in `out`, or (`names` None: one model is written there)
+    removes an earlier one, which would otherwise go on being served."""
+    index = out / ENSEMBLE_FILE
+    if names is None:
+        index.unlink(missing_ok=True)
+    else:
+        index.write_text(json.dumps({"members": names}, indent=2) + "\n")

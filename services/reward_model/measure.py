@@ -18,6 +18,8 @@ import torch
 
 from .preferences import Preference
 
+AUC_CHUNK = 1024
+
 
 def pair_accuracy(pairs: list[Preference], chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
     """Accuracy over every pair and over the hard ones (None when there are none)."""
@@ -49,11 +51,13 @@ def auc(scored: list[tuple[float, float]]) -> float | None:
         return None
     s = torch.tensor([x for x, _ in scored], dtype=torch.float64)
     g = torch.tensor([y for _, y in scored], dtype=torch.float64)
-    better = g[:, None] > g[None, :]
-    if not better.any():
-        return None
-    won = (s[:, None] > s[None, :]).double() + 0.5 * (s[:, None] == s[None, :]).double()
-    return (won[better].sum() / better.sum()).item()
+    won, pairs = 0.0, 0
+    for i in range(0, len(s), AUC_CHUNK):  # rows of the comparison at a time: memory ~ AUC_CHUNK x N
+        better = g[i : i + AUC_CHUNK, None] > g[None, :]
+        si = s[i : i + AUC_CHUNK, None]
+        won += ((si > s[None, :]).double() + 0.5 * (si == s[None, :]).double())[better].sum().item()
+        pairs += int(better.sum())
+    return won / pairs if pairs else None
 
 
 def calibration(scored: list[tuple[float, float]], bins: int = 8) -> list[dict]:

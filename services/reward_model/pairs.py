@@ -15,11 +15,13 @@ well as the original is no pair).
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass
 
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# a number: not inside a word or another number ("x2", the "-5" of "10-5" is 5), "1,234" as one
+NUMBER = re.compile(r"(?<![\w.,])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 NUDGES = (1, 2, 3, 5, 9, 10, 11, 20, 100)  # how far a counterfactual moves a number (up or down)
 
 
@@ -58,13 +60,18 @@ def counterfactuals(text: str, k: int, rng: random.Random, label=None) -> list[s
         if not spans or len(out) == k:
             break
         start, end = spans[-1] if rng.random() < 0.5 else rng.choice(spans)
-        old = text[start:end]
-        value = float(old) if "." in old else int(old)
-        new = value + rng.choice(NUDGES) * rng.choice((-1, 1))
-        copy = text[:start] + (f"{new:g}" if isinstance(new, float) else str(new)) + text[end:]
+        copy = text[:start] + nudged(text[start:end], rng.choice(NUDGES) * rng.choice((-1, 1))) + text[end:]
         if copy != text and copy not in out:
             out.append(copy)
     return out
+
+
+def nudged(number: str, by: int) -> str:
+    """`number` (as NUMBER reads it) moved by `by`, written the way it was: its decimals, its commas."""
+    digits = number.replace(",", "")
+    decimals = len(digits.split(".")[1]) if "." in digits else 0
+    value = round(float(digits) + by, decimals) if decimals else int(digits) + by
+    return f"{value:,.{decimals}f}" if "," in number else f"{value:.{decimals}f}"
 
 
 def judged_pairs(answers: list[Judged], min_gap: float) -> list[tuple[Judged, Judged]]:
@@ -72,7 +79,8 @@ def judged_pairs(answers: list[Judged], min_gap: float) -> list[tuple[Judged, Ju
     each text once; best chosen first, then by text (a fixed order)."""
     unique: dict[str, Judged] = {}
     for a in answers:
-        unique.setdefault(a.text, a)  # a sampled text wins over the same text made synthetically
+        if math.isfinite(a.score):  # a score the judge could not give is no preference
+            unique.setdefault(a.text, a)  # a sampled text wins over the same text made synthetically
     ranked = sorted(unique.values(), key=lambda a: (-a.score, a.text))
     return [(c, r) for i, c in enumerate(ranked) for r in ranked[i + 1 :] if c.score - r.score >= min_gap]
 

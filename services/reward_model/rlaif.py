@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
     judge = build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
     backend = load_policy(cfg.model.path, cfg.model.path, cfg.model.device)
     prompts = config_prompts(cfg, "train", backend.tokenizer, label_reader(cfg))[: plan.limit]
+    if not prompts:
+        raise ValueError(f"data.train ({cfg.data.train}): no prompts to make pairs from")
     say(
         f"{len(prompts)} prompts from {cfg.data.train}, {plan.n} samples each at temperature {t:g}, judged by "
         + ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}")
@@ -85,7 +88,7 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
         for c, r in cap_pairs(judged_pairs(answers[p.id], plan.min_gap), plan.max_pairs_per_prompt, rng)
     ]
     write_rows(out, pairs)
-    sampled = [a for a_s in answers.values() for a in a_s if not a.synthetic]
+    sampled = [a for a_s in answers.values() for a in a_s if not a.synthetic and math.isfinite(a.score)]
     stats = {
         "prompts": len(prompts),
         "samples": len(sampled),
@@ -93,7 +96,7 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
         "pairs": len(pairs),
         "hard_pairs": sum(p["hard"] for p in pairs),
         "prompts_with_pairs": len({p["id"] for p in pairs}),
-        "reward_mean": sum(a.score for a in sampled) / len(sampled),
+        "reward_mean": sum(a.score for a in sampled) / max(1, len(sampled)),
         "seconds": round(time.monotonic() - t0, 1),
     }
     say(
@@ -105,8 +108,8 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
 
 
 def _spread(answers: list[Judged]) -> float:
-    scores = [a.score for a in answers]
-    return max(scores) - min(scores)
+    scores = [a.score for a in answers if math.isfinite(a.score)]
+    return max(scores) - min(scores) if scores else 0.0
 
 
 def _add_counterfactuals(prompts, answers: dict[str, list[Judged]], judge, k: int, rng: random.Random) -> int:
@@ -116,7 +119,8 @@ def _add_counterfactuals(prompts, answers: dict[str, list[Judged]], judge, k: in
         return 0
     made: list[tuple[str, str]] = []  # (prompt id, text)
     for p in prompts:
-        top = max(a.score for a in answers[p.id])
+        scores = [a.score for a in answers[p.id] if math.isfinite(a.score)]
+        top = max(scores, default=math.nan)
         for text in sorted({a.text for a in answers[p.id] if a.score == top}):
             made += [(p.id, c) for c in counterfactuals(text, k, rng, p.label)]
     by_id = {p.id: p for p in prompts}

@@ -9,10 +9,10 @@ it is and scores what the trainer's forward gave.
 What a run writes in `reward_model.out`:
 
     config.json, model.safetensors, tokenizer files   the reward model (LoRA adapters merged)
-    reward_stats.json    mean and std of its reward on the training pairs (at most 1,024 of them,
-                         drawn; reward.model_normalize), held-out pairwise accuracy before and
-                         after (and on the hard pairs, the AUC across prompts, the calibration
-                         bins: measure.py), pairs, steps, seconds
+    reward_stats.json    mean and std of its reward on the answers of the training pairs (each
+                         once; of at most 1,024 pairs, drawn; reward.model_normalize), held-out
+                         pairwise accuracy before and after (and on the hard pairs, the AUC
+                         across prompts, the calibration bins: measure.py), pairs, steps, seconds
     calibration.png      the judge's mean score by reward-model score, on the held-out answers
     metrics.jsonl        one row per optimiser step (loss, accuracy, lr) and per held-out evaluation
     curves.png           training loss and accuracy per step, held-out accuracy per epoch
@@ -209,6 +209,7 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     for p in train + held_out:
         p.margin += rc.margin
     if rc.ensemble == 1:
+        write_ensemble(out, None)  # an ensemble written here before would go on being served
         stats, _ = train_one(cfg, base, rc.seed, out, train, held_out, say)
         return stats
     scores, names = [], []
@@ -230,7 +231,8 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
         say(f"the ensemble on the held-out pairs (mean - {penalty:g} x std of the members' normalised scores):")
         for line in describe(measured):
             say("  " + line)
-        _draw(lambda: plot_calibration(measured, out / "calibration.png"), say)
+        if measured["calibration"]:
+            _draw(lambda: plot_calibration(measured, out / "calibration.png"), say)
     stats["seconds"] = round(time.monotonic() - t_start, 1)
     (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     say(
@@ -332,11 +334,14 @@ def train_one(
     metrics.close()
     rm.save(out)  # the statistics below are the written model's
     sample = random.Random(seed).sample(train, min(len(train), STATS_PAIRS))  # enough for a mean and a std
-    on_train = evaluate_pairs(rm, sample, rc.micro_batch_size * 2, rc.bf16)
-    both = torch.cat([on_train["chosen"], on_train["rejected"]])
+    on_train = evaluate_pairs(rm, sample, rc.micro_batch_size * 2)  # float32, as the reward server scores
+    answers = {}  # each answer once: with every pair of a prompt, a right answer is on n - k pairs
+    for p, c, r in zip(sample, on_train["chosen"].tolist(), on_train["rejected"].tolist()):
+        answers[(p.prompt, p.chosen)], answers[(p.prompt, p.rejected)] = c, r
+    both = torch.tensor(list(answers.values()))
     stats = {
         "mean": both.mean().item(),
-        "std": both.std().item(),
+        "std": both.std().item() if len(both) > 1 else 1.0,
         "train_accuracy": on_train["accuracy"],
         "held_out_accuracy_before": before["accuracy"] if before else None,
         **(_held_out_stats(last["measured"]) if last else {"held_out_accuracy": None}),
@@ -352,7 +357,8 @@ def train_one(
     if last:
         for line in describe(last["measured"])[1:]:
             say(line)
-        _draw(lambda: plot_calibration(last["measured"], out / "calibration.png"), say)
+        if last["measured"]["calibration"]:
+            _draw(lambda: plot_calibration(last["measured"], out / "calibration.png"), say)
     say(
         f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
         f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}"

@@ -148,6 +148,7 @@ class TrainingLoop:
         best = self.run_dir / "best" / "best.json"  # a resumed run keeps its best
         self.best = json.loads(best.read_text())["eval/reward_mean"] if best.exists() else float("-inf")
         self.halted: str | None = None  # why the run stops before its last iteration (run.on_gold_drop)
+        self.rollbacks = 0  # of run.on_gold_drop: rollback so far
         if cfg.run.gold_drop is not None and cfg.run.on_gold_drop == "rollback":
             if getattr(learner, "lora", False) or getattr(learner, "sharded", False) or not cfg.run.save_best:
                 raise ValueError(
@@ -176,12 +177,14 @@ class TrainingLoop:
             "baseline": self.baseline,
             "last": dict(self.last),
             "watch": self.watch.state_dict(),
+            "rollbacks": self.rollbacks,
         }
 
     def load_loop_state(self, state: dict) -> None:
         self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
         self.last = dict(state["last"])
         self.watch.load_state_dict(state["watch"])
+        self.rollbacks = int(state.get("rollbacks", 0))  # checkpoints from before rollbacks have none
 
     # ------------------------------------------------------------------ the loop
     def _evaluated(self, iteration: int) -> dict:
@@ -208,14 +211,16 @@ class TrainingLoop:
         if drop is None or iteration == 0 or not score < self.best - drop:
             return {}
         best = self.run_dir / "best"
-        if self.cfg.run.on_gold_drop == "stop":
+        if self.cfg.run.on_gold_drop == "stop" or self.rollbacks >= self.cfg.run.max_rollbacks:
             self.halted = (
                 f"held-out reward {score:.4f}, more than run.gold_drop={drop:g} below the best {self.best:.4f}"
             )
-            self.log.warning("iteration %d: %s; stopping (run.on_gold_drop: stop)", iteration, self.halted)
+            why = "run.on_gold_drop: stop" if self.cfg.run.on_gold_drop == "stop" else "run.max_rollbacks reached"
+            self.log.warning("iteration %d: %s; stopping (%s)", iteration, self.halted, why)
             return {"eval/gold_stop": 1}
         source = best if (best / "best.json").exists() else Path(self.cfg.model.path)
         self.learner.restore_policy(source)
+        self.rollbacks += 1
         self.learner.version, _ = self.sink.publish(self.learner)
         self.last["eval"] = self.best  # the policy now is the one that scored it (final/ if the run ends here)
         self.log.warning(
@@ -241,6 +246,7 @@ class TrainingLoop:
             self.baseline = base["eval/reward_mean"]
             runlog.log_eval(0, {**base, **self._watched(0, base)})
         self.last["eval"] = self.baseline
+        self.best = max(self.best, self.baseline)  # a resumed run whose start was its best has no best/
 
     def iterate(self, schedule: Schedule, start_it: int = 0) -> tuple[int, bool]:
         """Iterations start_it + 1 .. run.iterations (fewer when out of time or stopped).
@@ -303,6 +309,8 @@ class TrainingLoop:
             self.critic.save(critic_dir)
         self.phase.enter("done")
         assert self.runlog is not None and self.baseline is not None, "begin() comes first"
+        if self.halted:
+            extra["halted"] = self.halted  # a run stopped on purpose is finished: a restart does not go on
         return self.runlog.finish(
             baseline=self.baseline, final=self.last["eval"], iterations=iterations, wall_s=wall_s, **extra
         )

@@ -7,13 +7,13 @@ server serves, and reports the held-out measures."""
 import contextlib
 import io
 import json
-import math
 
 import pytest
 import torch
 
 from services.cli import main
 from services.common.config import ConfigError, config_from_dict
+from services.common.modeling import build_token_batch
 from services.common.types import RewardSample
 from services.critic.critic import Critic
 from services.reward.scorer import ModelScorer, build_scorer
@@ -75,6 +75,22 @@ def test_an_ensemble_member_without_its_statistics_is_refused_before_serving(ens
     assert any("member-0 (config.json missing)" in e for e in errors) and any("member-1" in e for e in errors)
 
 
+def _critic_against_scorer(critic, scorer, texts):
+    """The critic's value at each sequence's last token, in one padded batch of different lengths
+    (prompts left-padded, responses right-padded, as the learner sends them), beside the reward
+    server's score of the same text."""
+    tok = scorer.tokenizer
+    prompts = [tok(t.split("=")[0] + "=")["input_ids"] for t in texts]
+    responses = [tok(t.split("=")[1], add_special_tokens=False)["input_ids"] for t in texts]
+    batch = build_token_batch(prompts, responses, pad_id=0)
+    with torch.no_grad():
+        values = critic.model(batch.input_ids, batch.attention_mask, batch.position_ids)
+    last = [batch.prompt_width + len(r) - 1 for r in responses]
+    got = [values[i, j].item() for i, j in enumerate(last)]
+    want = [r.reward for r in scorer.score([RewardSample(t.split("=")[0] + "=", t.split("=")[1], None) for t in texts])]
+    return got, want
+
+
 def test_the_critic_starts_from_the_reward_model_with_its_head_rescaled(untrained_model_dir, tmp_path):
     """Its value at a sequence's last token is the reward model's normalised score of the sequence."""
     rm = _reward_model(untrained_model_dir, tmp_path / "rm", seed=7, mean=0.8, std=2.5)
@@ -86,18 +102,27 @@ def test_the_critic_starts_from_the_reward_model_with_its_head_rescaled(untraine
         }
     )
     critic = Critic.from_config(cfg)
-    scorer = ModelScorer(str(rm), normalize=True)
-    tok = scorer.tokenizer
-    for text in TEXTS:
-        ids = torch.tensor([tok(text)["input_ids"]])
-        mask = torch.ones_like(ids)
-        values = critic.model(ids, mask, torch.arange(ids.shape[1])[None])
-        want = scorer.score([RewardSample(text, "", None)])[0].reward
-        assert values[0, -1].item() == pytest.approx(want, rel=1e-4, abs=1e-4)
+    got, want = _critic_against_scorer(critic, ModelScorer(str(rm), normalize=True), TEXTS)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
     head = critic.model.value_head
     raw = ModelScorer(str(rm)).model.score.weight.reshape(-1)
     assert torch.allclose(head.weight.reshape(-1), raw / 2.5) and head.bias.item() == pytest.approx(-0.8 / 2.5)
-    assert not math.isnan(values.sum().item())
+
+
+def test_a_critic_from_an_ensemble_reads_its_first_member_normalised_as_served(ensemble, untrained_model_dir):
+    """An ensemble's members are always normalised (whatever reward.model_normalize says), so the
+    critic's head is its first member's, rescaled with that member's statistics."""
+    cfg = config_from_dict(
+        {
+            "model": {"path": untrained_model_dir, "device": "cpu"},
+            "reward": {"type": "model", "model_path": str(ensemble), "model_normalize": False},
+            "critic": {"init_from_reward_model": True},
+        }
+    )
+    got, want = _critic_against_scorer(
+        Critic.from_config(cfg), ModelScorer(str(ensemble / "member-0"), normalize=True), TEXTS
+    )
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-4)
 
 
 def test_init_from_reward_model_needs_the_reward_model_and_no_other_backbone():
@@ -153,4 +178,22 @@ def test_train_rm_writes_an_ensemble_and_reports_the_held_out_measures(untrained
         member = json.loads((tmp_path / "rm" / m / "reward_stats.json").read_text())
         assert member["held_out_hard_pairs"] == 10 and member["std"] > 0
     assert (tmp_path / "rm" / "calibration.png").stat().st_size > 0
-    assert len(_rewards(tmp_path / "rm", 1.0)) == len(TEXTS)
+    # what train-rm measured is what the reward server pays: its held-out accuracy, from the served rewards
+    from services.reward_model.preferences import PreferenceKeys, load_preferences, split_held_out
+
+    _, held = split_held_out(load_preferences(str(tmp_path / "pairs.jsonl"), "train", PreferenceKeys()), 0.25, 0)
+    cfg = config_from_dict({"reward": {"type": "model", "model_path": str(tmp_path / "rm"), "ensemble_penalty": 0.0}})
+    served = build_scorer(cfg.reward, "cpu").score(
+        [RewardSample(p.prompt, p.chosen, None) for p in held]
+        + [RewardSample(p.prompt, p.rejected, None) for p in held]
+    )
+    right = sum(c.reward > r.reward for c, r in zip(served[: len(held)], served[len(held) :]))
+    assert right / len(held) == pytest.approx(stats["held_out_accuracy"])
+    # one model trained into the same directory afterwards is what is served then, not the old ensemble
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert (
+            main(["train-rm", "-c", str(config), "--out", str(tmp_path / "rm"), "--set", "reward_model.ensemble=1"])
+            == 0
+        )
+    assert not (tmp_path / "rm" / "ensemble.json").exists()
+    assert isinstance(build_scorer(cfg.reward, "cpu"), ModelScorer)

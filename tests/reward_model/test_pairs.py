@@ -102,3 +102,18 @@ def test_a_numeric_label_corrects_the_last_number_of_a_wrong_answer_first():
     right = counterfactuals("15 + 81 = 96", 2, random.Random(1), label="96")
     assert "15 + 81 = 96" not in right and len(right) == 2  # a right answer is not "corrected"
     assert counterfactuals("the answer is 9", 1, random.Random(1), label="abc")[0] != "the answer is abc"
+
+
+def test_numbers_are_read_whole_and_written_back_as_they_were():
+    from services.reward_model.pairs import NUMBER, nudged
+
+    assert NUMBER.findall("10-5 = 5, x2, -3 and 1,234.5 or 1, 2") == ["10", "5", "5", "-3", "1,234.5", "1", "2"]
+    assert nudged("1,234", 10) == "1,244" and nudged("2.50", -1) == "1.50" and nudged("-3", 5) == "2"
+    assert nudged("3.14159265", 1) == "4.14159265" and nudged("1234567", 1) == "1234568"
+    made = counterfactuals("The total is 1,234.", 1, random.Random(0), label="1,334")
+    assert made == ["The total is 1,334."]
+
+
+def test_a_score_the_judge_could_not_give_makes_no_pair():
+    answers = [Judged("a", 1.0), Judged("b", float("nan")), Judged("c", 0.0)]
+    assert [(c.text, r.text) for c, r in judged_pairs(answers, 1e-9)] == [("a", "c")]

@@ -3,6 +3,7 @@ policy back to `best/` (its exact weights, the optimiser's moments dropped, push
 version) or stops the run, as run.on_gold_drop says. Driven through the training loop's own steps
 with the real policy trainer on the tiny model and scripted evaluations."""
 
+import json
 import logging
 
 import pytest
@@ -89,3 +90,93 @@ def test_stop_ends_the_run_at_the_fall(tiny_model_dir, tmp_path):
 def test_rollback_is_refused_where_it_cannot_load_the_best(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="use run.on_gold_drop: stop"):
         _loop(tiny_model_dir, tmp_path, [0.5], save_best=False)
+
+
+class FakeLearner:
+    """Stands in for the policy trainer where the loop's own decisions are under test: its
+    'weights' are the iteration it last trained on, and a restore records where it came from."""
+
+    lora = sharded = False
+
+    def __init__(self):
+        self.version, self.weights, self.restored = 0, 0, []
+
+    def step(self, rollout, critic=None):
+        self.weights += 1
+        return {}
+
+    def policy_state_dict(self):
+        return {}
+
+    def save_policy(self, path, tokenizer=None):
+        path.mkdir(parents=True, exist_ok=True)
+
+    def restore_policy(self, path):
+        self.restored.append(path)
+
+
+class Source:
+    wait_metric, data_epoch = "time/wait_s", 0
+
+    def collect(self, iteration, version):
+        from services.training.loop import Batch
+
+        return Batch(rollout=None, version=version)
+
+    def trained(self, batch, iteration):
+        return {}
+
+
+def _iterate(tmp_path, scores, **run):
+    from services.training.schedule import Schedule
+
+    cfg = config_from_dict(
+        {
+            "run": {
+                "gold_drop": 0.1,
+                "tensorboard": False,
+                "iterations": len(scores) - 1,
+                "eval_interval": 1,
+                "checkpoint_interval": 100,
+                **run,
+            }
+        }  # fmt: skip
+    )
+    evaluations = iter(scores)
+    loop = TrainingLoop(
+        cfg, tmp_path, FakeLearner(), None, None, source=Source(), sink=Sink(),
+        evaluate=lambda: {"eval/reward_mean": next(evaluations)}, checkpoint=lambda it, tick: None,
+    )  # fmt: skip
+    loop.begin(RunLog(tmp_path, cfg, "local"))
+    return loop, *loop.iterate(Schedule(cfg.run))
+
+
+def test_the_loop_stops_at_the_fall_and_the_run_counts_as_finished(tmp_path):
+    from services.learner.checkpoint import finished_run
+
+    loop, last, stopped = _iterate(tmp_path, [0.5, 0.7, 0.3, 0.9, 0.9], on_gold_drop="stop")
+    assert (last, stopped) == (2, False) and loop.learner.weights == 2  # no iteration after the fall
+    summary = loop.finish(last, 1.0, tmp_path / "critic")
+    assert "below the best 0.7000" in summary["halted"]
+    assert finished_run(tmp_path, 4) is not None  # a restart does not train past the stop
+
+
+def test_rollbacks_are_bounded_then_the_run_stops(tmp_path):
+    loop, last, _ = _iterate(tmp_path, [0.5, 0.7, 0.3, 0.7, 0.3, 0.7, 0.3, 0.9], max_rollbacks=2)
+    assert loop.learner.restored == [tmp_path / "best"] * 2 and loop.rollbacks == 2
+    assert last == 6 and loop.halted  # the third fall stopped it
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r.get("eval/rolled_back")] == [2, 4]
+    assert [r["iteration"] for r in rows if r.get("eval/gold_stop")] == [6]
+
+
+def test_a_resumed_run_whose_start_was_best_still_guards_it(tiny_model_dir, tmp_path):
+    """No best/ was written (the start was the best): a resumed loop knows the best from the baseline."""
+    loop, learner = _loop(tiny_model_dir, tmp_path, [0.5, 0.3])
+    state = loop.loop_state()
+    resumed, learner2 = _loop(tiny_model_dir, tmp_path / "again", [0.3])
+    resumed.best = float("-inf")
+    resumed.load_loop_state(state)
+    resumed.begin(RunLog(tmp_path / "again", resumed.cfg, "local"))
+    assert resumed.best == 0.5
+    assert resumed._guarded(1, 0.3) == {"eval/rolled_back": 1, "policy/version": 1}
