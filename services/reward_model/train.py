@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..common.config import Config
 from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device, save_model_dir
-from .ensemble import write_ensemble
+from .ensemble import reward_stats, write_ensemble
 from .measure import describe, measure, plot_calibration
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
 
@@ -216,9 +216,9 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     for i in range(rc.ensemble):
         names.append(f"member-{i}")
         say(f"ensemble member {i + 1} of {rc.ensemble} (seed {rc.seed + i}) -> {out / names[-1]}")
-        member, held = train_one(cfg, base, rc.seed + i, out / names[-1], train, held_out, say)
+        _, held = train_one(cfg, base, rc.seed + i, out / names[-1], train, held_out, say)
         if held is not None:  # its held-out scores, normalised as the reward server normalises them
-            mean, std = member["mean"], max(member["std"], 1e-6)
+            mean, std = reward_stats(out / names[-1])
             scores.append(((held["chosen"] - mean) / std, (held["rejected"] - mean) / std))
     write_ensemble(out, names)
     stats = {"members": names, "train_pairs": len(train), "held_out_pairs": len(held_out), "base": base}
