@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .common.modeling import resolve_device
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
@@ -154,7 +155,7 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
     schedule = Schedule(cfg.run)
     backend = make_backend(cfg)
     tokenizer = backend.tokenizer
-    scorer = build_scorer(cfg.reward, device="cpu")
+    scorer = build_scorer(cfg.reward, device=str(resolve_device(cfg.model.device)))  # beside the policy
     gold = build_eval_scorer(cfg.reward)  # reward.eval_rules: a gold reward apart from the proxy trained on
     eval_scorer, proxy = (gold, scorer) if gold is not None else (scorer, None)
     train = config_prompts(cfg, "train", tokenizer, label_reader(cfg))

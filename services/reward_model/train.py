@@ -164,7 +164,7 @@ def evaluate_pairs(rm: RewardModel, pairs: list[Preference], batch: int, bf16: b
     c, r = torch.cat(chosen), torch.cat(rejected)
     return {
         "accuracy": (c > r).float().mean().item(),
-        "loss": pairwise_loss(c, r, torch.tensor(margins)).item(),
+        "loss": pairwise_loss(c, r, torch.tensor(margins, device=c.device)).item(),
         "reward_gap": (c - r).mean().item(),
         "pairs": len(pairs),
         "chosen": c,
