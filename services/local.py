@@ -15,11 +15,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .common.checkpoints import (
+    CRITIC_DIR,
+    LEARNER_STATE,
+    Mode,
+    checkpoint_dir,
+    is_complete,
+    mode,
+    newest_checkpoint,
+    read_state,
+    write_state,
+)
 from .common.modeling import resolve_device
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.server import make_backend
-from .learner.checkpoint import Checkpointer, finished_run
+from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
@@ -93,27 +104,21 @@ class LocalState:
 
     def write(self, path: Path, loop_state: dict) -> None:
         if self.critic is not None:
-            self.critic.save(path / "critic")
-        tmp = path / "learner.pt.tmp"
-        torch.save(
-            {
-                "learner": self.learner.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "loop": loop_state,
-                "torch_rng": torch.get_rng_state(),
-            },
-            tmp,
-        )
-        tmp.replace(path / "learner.pt")  # written last: a checkpoint with learner.pt is complete
+            self.critic.save(path / CRITIC_DIR)
+        state = {
+            "learner": self.learner.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "loop": loop_state,
+            "torch_rng": torch.get_rng_state(),
+        }
+        write_state(path, state)  # written last: a checkpoint with learner.pt is complete
 
     def read(self, path: Path) -> dict:
         """Restore the learner, the critic and the sampler from the checkpoint `path`; the loop's state."""
-        if not (path / "learner.pt").is_file():
-            raise FileNotFoundError(f"{path} is no complete checkpoint of `rlhf train --local` (learner.pt missing)")
-        state = torch.load(path / "learner.pt", weights_only=False)
+        state = read_state(path, weights_only=False)
         self.learner.load_state_dict(state["learner"])
         if self.critic is not None:
-            self.critic.load(path / "critic")
+            self.critic.load(path / CRITIC_DIR)
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         return state["loop"]
@@ -124,18 +129,18 @@ def resume_point(cfg: Config, run_dir: Path) -> Path | None:
     one in the run directory (None: a fresh start)."""
     if cfg.run.resume_from:
         path = Path(cfg.run.resume_from).expanduser()
-        if not (path / "learner.pt").is_file():
+        if not is_complete(path):
             raise FileNotFoundError(
-                f"run.resume_from: {path} is no complete checkpoint (learner.pt missing); "
+                f"run.resume_from: {path} is no complete checkpoint ({LEARNER_STATE} missing); "
                 f"checkpoints are {run_dir}/checkpoints/iter_N"
             )
-        if not (path / "config.json").is_file():  # the learner service's: learner.pt without the policy
+        if mode(path) is not Mode.LOCAL:
             raise ValueError(
                 f"run.resume_from: {path} is a checkpoint of `rlhf up`, which `rlhf train --local` cannot go on "
                 "from; give a checkpoint of `rlhf train --local`, or go on with `rlhf up`"
             )
         return path
-    return Checkpointer(run_dir, store=None).latest()
+    return newest_checkpoint(run_dir)
 
 
 def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -> dict:
@@ -200,9 +205,9 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
 def _stopped(loop: TrainingLoop, it: int, schedule: Schedule) -> dict:
     """A run stopped after iteration `it`: its checkpoint (written now unless the schedule wrote it),
     the trackers closed."""
-    path = loop.run_dir / "checkpoints" / f"iter_{it:06d}"
-    if it > 0 and not (path / "learner.pt").is_file():
+    path = checkpoint_dir(loop.run_dir, it)
+    if it > 0 and not is_complete(path):
         loop.checkpoint(it, schedule.at(it))
     assert loop.runlog is not None  # begin() set it
     loop.runlog.close()
-    return {"stopped_at": it, "checkpoint": str(path) if (path / "learner.pt").is_file() else None}
+    return {"stopped_at": it, "checkpoint": str(path) if is_complete(path) else None}

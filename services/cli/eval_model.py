@@ -24,56 +24,14 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from ..common.config import Config, RewardConfig, RuleSpec
-from ..common.modeling import check_model_dir, save_model_dir
 from ..common.types import SamplingParams
 from ..generation.backend import HFBackend
+from ..generation.policy import load_policy
 from ..reward.labels import label_reader
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
 from ..training.data import config_prompts, held_out_source
 from ..training.evaluate import generate_and_score, summarize, write_rows
-
-
-def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
-    """A generation backend serving the policy in `path` (see the module docstring for the kinds)."""
-    p = Path(path)
-    if (p / "learner.pt").exists():
-        state = torch.load(p / "learner.pt", map_location="cpu", weights_only=True)
-        state = state.get("learner", state)  # a run's checkpoint holds the learner's state among others
-        if "policy" not in state:
-            raise ValueError(
-                f"{p} is a sharded checkpoint (its actor is in {p / 'actor'}); evaluate the run's "
-                "final/ or best/ instead"
-            )
-        policy = state["policy"]
-        if any(".lora_" in k for k in policy):
-            raise ValueError(
-                f"{p} holds LoRA adapters in a PEFT wrapper; evaluate the run's final/ or best/ (merged) instead"
-            )
-        backend = HFBackend(base, device)
-        missing, unexpected = backend.model.load_state_dict(policy, strict=False)
-        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-            raise ValueError(
-                f"{p}: its policy does not fit model.path={base} (missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        return backend
-    if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
-        from peft import PeftModel
-
-        adapter_base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or base
-        backend = HFBackend(adapter_base, device)
-        backend.model = PeftModel.from_pretrained(backend.model, str(p)).merge_and_unload().eval()
-        return backend
-    return HFBackend(str(check_model_dir(path)), device)
-
-
-def export_policy(path: str, base: str, out: Path) -> None:
-    """The policy in `path` (any kind `load_policy` reads) written to `out` as a Hugging Face
-    model directory (weights, config, tokenizer)."""
-    backend = load_policy(path, base, "cpu")
-    save_model_dir(backend.model, out, backend.tokenizer)
 
 
 def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:

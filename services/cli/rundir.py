@@ -4,9 +4,7 @@ another config, is refused by name before anything loads.
 What a run directory says of its run:
 
     config.yaml              the resolved config it last started with (training/runlog.py)
-    checkpoints/iter_N/      `rlhf train --local`: the policy as a Hugging Face directory
-                             (config.json, weights) beside learner.pt; `rlhf up` (the learner
-                             service): learner.pt without them
+    checkpoints/iter_N/      its checkpoints (their format: services/common/checkpoints.py)
 
 A run goes on from its newest checkpoint, which only the mode that wrote it can read; and the
 keys of IDENTITY make it the run it is (the model trained, its optimiser's shapes, the prompts
@@ -20,21 +18,23 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from ..common.checkpoints import Mode, newest_checkpoint
+from ..common.checkpoints import mode as checkpoint_mode
+
 if TYPE_CHECKING:
     from ..common.config import Config
 
-LOCAL, DISTRIBUTED = "`rlhf train --local`", "`rlhf up`"
 IDENTITY = ("model.path", "model.lora.rank", "adv_estimator", "data.train")
 
 
-def run_dir_conflict(cfg: Config, mode: str) -> str | None:
-    """Why `mode` (LOCAL or DISTRIBUTED) may not go on in cfg.run.run_dir, or None."""
+def run_dir_conflict(cfg: Config, mode: Mode) -> str | None:
+    """Why `mode` may not go on in cfg.run.run_dir, or None."""
     run_dir = Path(cfg.run.run_dir)
     newest = newest_checkpoint(run_dir)
-    if newest is not None and checkpoint_mode(newest) != mode:
+    if newest is not None and checkpoint_mode(newest) is not mode:
         return (
-            f"{run_dir} holds a run of {checkpoint_mode(newest)} ({newest.relative_to(run_dir)}), which {mode} "
-            f"cannot go on from; give this run a directory of its own (--run-dir DIR)"
+            f"{run_dir} holds a run of {checkpoint_mode(newest).value} ({newest.relative_to(run_dir)}), which "
+            f"{mode.value} cannot go on from; give this run a directory of its own (--run-dir DIR)"
         )
     changed = config_changes(run_dir / "config.yaml", cfg)
     if changed:
@@ -43,17 +43,6 @@ def run_dir_conflict(cfg: Config, mode: str) -> str | None:
             "own (--run-dir DIR), or set those keys back to go on with that run"
         )
     return None
-
-
-def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint (with learner.pt) of the run in `run_dir`, or None."""
-    done = sorted(p for p in run_dir.glob("checkpoints/iter_*") if (p / "learner.pt").is_file())
-    return done[-1] if done else None
-
-
-def checkpoint_mode(path: Path) -> str:
-    """The mode that wrote the checkpoint `path`: LOCAL keeps the policy beside learner.pt."""
-    return LOCAL if (path / "config.json").is_file() else DISTRIBUTED
 
 
 def config_changes(saved: Path, cfg: Config) -> list[str]:

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.checkpoints import CRITIC_DIR, complete_checkpoints
 from ..common.compute import ComputeThread
 from ..common.lifecycle import GrpcService
 from ..common.rpc.codec import BadRequest, batch_from_proto, tensor_from_proto, tensor_to_proto
@@ -119,15 +120,11 @@ class CriticServicer(critic_pb2_grpc.CriticServicer):
     def restore_latest(self) -> None:
         """Load the critic of the newest complete checkpoint under the root (one with `learner.pt`
         and `critic/`), skipping any that cannot be loaded; without one, keep the initial weights."""
-        done = sorted(
-            p
-            for p in (self.root / "checkpoints").glob("iter_*")
-            if (p / "learner.pt").is_file() and (p / "critic" / "value_head.safetensors").is_file()
-        )
+        done = [p for p in complete_checkpoints(self.root) if (p / CRITIC_DIR / "value_head.safetensors").is_file()]
         for ckpt in reversed(done):
-            rel = str((ckpt / "critic").relative_to(self.root))
+            rel = str((ckpt / CRITIC_DIR).relative_to(self.root))
             try:
-                self.critic.load(ckpt / "critic")
+                self.critic.load(ckpt / CRITIC_DIR)
             except CheckpointError as e:
                 log.warning("critic checkpoint %s in %s cannot be loaded: %s", rel, self.root, e)
                 continue

@@ -1,6 +1,7 @@
 """Checkpoints and the ledger of trained prompts.
 
-A checkpoint is `run_dir/checkpoints/iter_N/` with `learner.pt` (the learner's state: actor,
+A checkpoint (its format: services/common/checkpoints.py) is `run_dir/checkpoints/iter_N/` with
+`learner.pt` (the learner's state: actor,
 optimiser, scheduler, KL controller, reward statistics, RNG, the feeder's position, counters,
 and the trajectories its updates include) and `critic/` (written by the critic server; shared
 disk). It is written under a temporary name and renamed, so a crash leaves no half checkpoint.
@@ -17,7 +18,15 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
+from ..common.checkpoints import (
+    CRITIC_DIR,
+    checkpoint_dir,
+    checkpoint_iteration,
+    checkpoints_root,
+    complete_checkpoints,
+    read_state,
+    write_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +34,16 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     def __init__(self, run_dir: Path, store, critic=None, keep: int = 2):
         self.run_dir, self.store, self.critic, self.keep = Path(run_dir), store, critic, keep
-        self.root = self.run_dir / "checkpoints"
+        self.root = checkpoints_root(self.run_dir)
 
     def critic_path(self, checkpoint: Path) -> str:
         """Where the critic server writes a checkpoint's critic: relative to the run directory,
         which is the critic server's checkpoint root (shared disk)."""
-        return str((checkpoint / "critic").relative_to(self.run_dir))
+        return str((checkpoint / CRITIC_DIR).relative_to(self.run_dir))
 
     def complete(self) -> list[Path]:
         """Checkpoints that were fully written, oldest first."""
-        return sorted(p for p in self.root.glob("iter_*") if (p / "learner.pt").exists()) if self.root.exists() else []
+        return complete_checkpoints(self.run_dir)
 
     def latest(self) -> Path | None:
         done = self.complete()
@@ -43,7 +52,7 @@ class Checkpointer:
     def save(self, iteration: int, state: dict, uncommitted: list[tuple], write_actor=None) -> Path:
         """Write `state` (plus the critic, and `write_actor(dir)`'s sharded actor in `actor/`) for
         `iteration`, then acknowledge `uncommitted`."""
-        final = self.root / f"iter_{iteration:06d}"
+        final = checkpoint_dir(self.run_dir, iteration)
         tmp = self.root / f".tmp_iter_{iteration:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -52,7 +61,7 @@ class Checkpointer:
         if write_actor is not None:
             write_actor(tmp / "actor")
         commit = [(e.decode() if isinstance(e, bytes) else e, u) for e, u in uncommitted]
-        torch.save({**state, "commit": commit}, tmp / "learner.pt")
+        write_state(tmp, {**state, "commit": commit})
         if final.exists():  # the critic server created it
             for f in tmp.iterdir():
                 os.replace(f, final / f.name)
@@ -84,23 +93,15 @@ class Checkpointer:
     def load(self, path: Path) -> dict:
         """The learner state saved in `path`; loads the critic's too, and acknowledges the
         checkpoint's trajectories in case the crash came between writing it and committing."""
-        state = torch.load(path / "learner.pt", map_location="cpu", weights_only=True)  # never N copies on one GPU
+        state = read_state(path)
         commit = [(e, u) for e, u in state["commit"]]
         self.store.commit(commit)
         iteration = checkpoint_iteration(path)
         if iteration is not None:
             self._record(iteration, commit)
-        if self.critic is not None and (path / "critic").exists():
+        if self.critic is not None and (path / CRITIC_DIR).exists():
             self.critic.load(self.critic_path(path))
         return state
-
-
-def checkpoint_iteration(path: Path) -> int | None:
-    """The iteration of a checkpoint directory `iter_N` (None for any other name)."""
-    try:
-        return int(Path(path).name.split("_", 1)[1])
-    except (IndexError, ValueError):
-        return None
 
 
 def finished_run(run_dir: str | Path, iterations: int) -> dict | None:
@@ -117,6 +118,6 @@ def finished_run(run_dir: str | Path, iterations: int) -> dict | None:
         return None
     if summary.get("halted"):  # stopped on purpose (run.on_gold_drop): finished before its iterations
         return summary
-    reached = [checkpoint_iteration(p) for p in Checkpointer(run_dir, store=None).complete()]
+    reached = [checkpoint_iteration(p) for p in complete_checkpoints(run_dir)]
     reached.append(summary.get("iterations"))
     return summary if max((i for i in reached if isinstance(i, int)), default=0) >= iterations else None

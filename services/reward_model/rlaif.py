@@ -47,7 +47,7 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
     """Writes `out` as jsonl rows ({id, prompt, chosen, rejected, chosen_reward, rejected_reward,
     label, hard, synthetic}; the prompt as the policy sees it, so train the reward model with
     reward_model.chat_template false) and returns what it printed last, as numbers."""
-    from ..cli.eval_model import load_policy
+    from ..generation.policy import load_policy
 
     t = cfg.generation.temperature if plan.temperature is None else plan.temperature
     if plan.n < 2 or t <= 0:

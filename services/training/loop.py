@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from ..common.checkpoints import checkpoint_dir, checkpoints_root
 from ..common.types import Rollout
 from .evaluate import write_rows
 from .runlog import RunLog
@@ -162,8 +163,7 @@ class TrainingLoop:
         `final/`); the newest run.keep_checkpoints are kept. With `keep_state` (a resumable run),
         the last iteration is checkpointed too: a later run with more iterations goes on from it."""
         if not tick.last or self._keep_state is not None:
-            root = self.run_dir / "checkpoints"
-            path = root / f"iter_{iteration:06d}"
+            root, path = checkpoints_root(self.run_dir), checkpoint_dir(self.run_dir, iteration)
             self.learner.save_policy(path, self.tokenizer)
             if self._keep_state is not None:
                 self._keep_state(path, self.loop_state())

@@ -117,7 +117,7 @@ def test_a_run_keeps_its_generations_its_best_policy_and_its_newest_checkpoints(
     # the newest two (the last iteration's too: a later run with more iterations goes on from it)
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["iter_000005", "iter_000006"]
     # a checkpoint evaluates as it is: the last one holds the final policy
-    from services.cli.eval_model import load_policy
+    from services.generation.policy import load_policy
 
     final = load_policy(str(root / "final"), str(root / "final")).model.state_dict()
     last = load_policy(str(root / "checkpoints" / "iter_000006"), str(root / "final")).model.state_dict()
@@ -138,7 +138,8 @@ def test_a_run_keeps_its_generations_its_best_policy_and_its_newest_checkpoints(
 def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_model_dir, tmp_path):
     import torch
 
-    from services.cli.eval_model import load_policy
+    from services.common.checkpoints import write_state
+    from services.generation.policy import load_policy
     from services.learner.trainer import PolicyTrainer
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={tiny_model_dir}"])
@@ -148,7 +149,7 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
             p.add_(0.01)  # not the base weights
     (tmp_path / "ckpt").mkdir()
     # what `rlhf up` and `train --local` checkpoints hold: the learner's state among the run's
-    torch.save({"learner": trainer.state_dict(), "iteration": 1}, tmp_path / "ckpt" / "learner.pt")
+    write_state(tmp_path / "ckpt", {"learner": trainer.state_dict(), "iteration": 1})
     loaded = load_policy(str(tmp_path / "ckpt"), tiny_model_dir).model.state_dict()
     for k, v in trainer.policy.state_dict().items():
         assert torch.equal(loaded[k], v), k
@@ -176,5 +177,5 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
         assert torch.allclose(from_adapter[k], v, atol=1e-6), k
     with pytest.raises(ValueError, match="PEFT wrapper"):
         (tmp_path / "lora-ckpt").mkdir()
-        torch.save(lora.state_dict(), tmp_path / "lora-ckpt" / "learner.pt")
+        write_state(tmp_path / "lora-ckpt", {"learner": lora.state_dict()})
         load_policy(str(tmp_path / "lora-ckpt"), tiny_model_dir)

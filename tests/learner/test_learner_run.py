@@ -120,12 +120,36 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     next_a = [r.id for r in a.feeder.sampler.take(4)]
     a.close()
     assert a.checkpointer.latest().name == "iter_000002"
+    _the_format_reads_the_services_checkpoint(tmp_path / "run", a, cfg)
     b = LearnerLoop(cfg, tmp_path / "run")
     assert b.resume() == 2 and b.feeder.fed_batches == 2
     assert b.learner.kl_ctl.value == pytest.approx(0.123)
     assert b.learner.version > a.learner.version  # versions only go forward across restarts
     assert [r.id for r in b.feeder.sampler.take(4)] == next_a
     b.close()
+
+
+def _the_format_reads_the_services_checkpoint(run_dir, loop, cfg):
+    """services/common/checkpoints.py on the files the learner service wrote: its newest
+    checkpoint, its mode, its policy (as `rlhf eval` and `rlhf export` load it), and `train
+    --local` refused there by name."""
+    import torch
+
+    from services.cli.rundir import run_dir_conflict
+    from services.common.checkpoints import Mode, mode, newest_checkpoint, policy_weights
+    from services.generation.policy import load_policy
+
+    ckpt = newest_checkpoint(run_dir)
+    assert ckpt == loop.checkpointer.latest() and mode(ckpt) is Mode.DISTRIBUTED
+    policy = loop.learner.policy.state_dict()
+    weights = policy_weights(ckpt)
+    assert set(weights) == set(policy) and all(torch.equal(weights[k], v) for k, v in policy.items())
+    served = load_policy(str(ckpt), cfg.model.path).model.state_dict()
+    assert all(torch.equal(served[k], v) for k, v in policy.items())
+    problem = run_dir_conflict(
+        cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": str(run_dir)})}), Mode.LOCAL
+    )
+    assert problem is not None and "holds a run of `rlhf up`" in problem
 
 
 def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(loop, caplog):

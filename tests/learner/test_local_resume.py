@@ -53,6 +53,7 @@ def test_train_local_goes_on_from_its_checkpoint(tiny_model_dir, tmp_path):
     first = _rows(run)
     assert [r["iteration"] for r in first] == [0, 1, 2, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_000002", "iter_000003"]
+    _the_format_reads_the_local_checkpoint(run)
     again = _train(tiny_model_dir, run, 5)
     assert "resumed from" in again.stderr and "iter_000003 (iteration 3)" in again.stderr
     rows = _rows(run)
@@ -115,3 +116,20 @@ def test_saved_model_files_are_readable_as_the_umask_allows(tiny_model_dir, tmp_
         os.umask(old)
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "p").iterdir()}
     assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+
+
+def _the_format_reads_the_local_checkpoint(run):
+    """services/common/checkpoints.py on the files `train --local` wrote: the newest checkpoint
+    is the last iteration's, written by the local mode, and the policy in its learner.pt is the
+    Hugging Face model beside it and final/."""
+    import torch
+    from safetensors.torch import load_file
+
+    from services.common.checkpoints import Mode, complete_checkpoints, mode, newest_checkpoint, policy_weights
+
+    ckpt = newest_checkpoint(run)
+    assert [p.name for p in complete_checkpoints(run)] == ["iter_000002", "iter_000003"] and ckpt.name == "iter_000003"
+    assert mode(ckpt) is Mode.LOCAL
+    weights = policy_weights(ckpt)
+    for hf in (load_file(str(ckpt / "model.safetensors")), load_file(str(run / "final" / "model.safetensors"))):
+        assert hf and all(torch.equal(weights[k], v) for k, v in hf.items())

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 def cmd_export(args) -> int:
     cfg = load_config(args)
-    from ..eval_model import export_policy
+    from ...generation.policy import export_policy
 
     try:
         export_policy(args.checkpoint, cfg.model.path, Path(args.out))

@@ -9,7 +9,8 @@ import socket
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from ..rundir import DISTRIBUTED, run_dir_conflict
+from ...common.checkpoints import Mode
+from ..rundir import run_dir_conflict
 from ..shared import USER_ERRORS, add_config_args, error, load_config, run_dir_problem, secret_problem
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ def _serve_problem(cfg: Config, args) -> str | None:
             return problem
     if args.service != "learner":
         return None
-    return run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, DISTRIBUTED)
+    return run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, Mode.DISTRIBUTED)
 
 
 def _ports(cfg: Config, service: str) -> list[tuple[str, str, int | None]]:

@@ -12,7 +12,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from ..rundir import LOCAL, run_dir_conflict
+from ...common.checkpoints import Mode
+from ..rundir import run_dir_conflict
 from ..shared import EXIT_CONFIG, RESUME_HELP, USER_ERRORS, add_config_args, error, load_config, run_dir_problem
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def cmd_train(args) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    problem = run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, LOCAL)
+    problem = run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, Mode.LOCAL)
     if problem:
         return error(problem)
     return _run(cfg, args)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..rundir import DISTRIBUTED, run_dir_conflict
+from ...common.checkpoints import Mode
+from ..rundir import run_dir_conflict
 from ..shared import RESUME_HELP, USER_ERRORS, add_config_args, error, load_config, run_dir_problem
 
 
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
 
 def cmd_up(args) -> int:
     cfg = load_config(args, data=True, sampler=True)
-    problem = run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, DISTRIBUTED)
+    problem = run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, Mode.DISTRIBUTED)
     if problem:
         return error(problem)
     from ...launcher import run_up

@@ -1,0 +1,104 @@
+"""The checkpoint format: every name and shape of a run's checkpoints is written and read here.
+
+    RUN_DIR/checkpoints/iter_N/   one checkpoint, N the iteration (6 digits)
+        learner.pt                the learner's state, a dict; written last and atomically, so a
+                                  checkpoint with it is complete. Its "learner" entry is the
+                                  trainer's state, whose "policy" holds the actor's weights
+                                  (absent when the actor is sharded: then actor/ holds them)
+        critic/                   the critic's weights and optimiser (the critic server writes it
+                                  under `rlhf up`, the run's process under `train --local`)
+        actor/                    a sharded actor (the learner service with learner.nproc > 1)
+        config.json, weights      `rlhf train --local` only: the policy as a Hugging Face
+                                  directory beside learner.pt (a checkpoint any tool can load)
+    RUN_DIR/final/, best/         the policy as a Hugging Face directory
+
+The rest of learner.pt's entries belong to the mode that wrote it (`rlhf up`: the feeder's place,
+counters, the trajectories to acknowledge; `train --local`: the prompt sampler's place and the
+loop's counters); only that mode goes on from it (`mode`).
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+
+import torch
+
+LEARNER_STATE = "learner.pt"
+CRITIC_DIR = "critic"
+ACTOR_DIR = "actor"
+
+
+class Mode(str, enum.Enum):
+    """The mode that wrote a checkpoint, as its messages name it."""
+
+    LOCAL = "`rlhf train --local`"
+    DISTRIBUTED = "`rlhf up`"
+
+
+def checkpoints_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_dir(run_dir: str | Path, iteration: int) -> Path:
+    return checkpoints_root(run_dir) / f"iter_{iteration:06d}"
+
+
+def checkpoint_iteration(path: str | Path) -> int | None:
+    """The iteration of a checkpoint directory `iter_N` (None for any other name)."""
+    try:
+        return int(Path(path).name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / LEARNER_STATE).is_file()
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoints that were fully written, oldest first."""
+    return sorted(p for p in checkpoints_root(run_dir).glob("iter_*") if is_complete(p))
+
+
+def newest_checkpoint(run_dir: str | Path) -> Path | None:
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def mode(path: str | Path) -> Mode:
+    """The mode that wrote the checkpoint `path`: `train --local` keeps the policy beside learner.pt."""
+    return Mode.LOCAL if (Path(path) / "config.json").is_file() else Mode.DISTRIBUTED
+
+
+def write_state(path: str | Path, state: dict) -> None:
+    """`state` as the checkpoint directory `path`'s learner.pt, replacing it at once (a crash
+    leaves the old file or the new one, never half of one)."""
+    tmp = Path(path) / (LEARNER_STATE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(Path(path) / LEARNER_STATE)
+
+
+def read_state(path: str | Path, weights_only: bool = True) -> dict:
+    """The learner.pt of the checkpoint directory `path`, on the CPU (never N copies on one GPU)."""
+    file = Path(path) / LEARNER_STATE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is no complete checkpoint ({LEARNER_STATE} missing)")
+    return torch.load(file, map_location="cpu", weights_only=weights_only)
+
+
+def policy_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The actor's weights in the checkpoint `path` (either mode), for the model it was trained
+    from; a clear error for checkpoints that hold them otherwise (sharded, LoRA adapters)."""
+    trainer = read_state(path)["learner"]
+    if "policy" not in trainer:
+        raise ValueError(
+            f"{path} is a sharded checkpoint (its actor is in {Path(path) / ACTOR_DIR}); use the run's final/ "
+            "or best/ instead"
+        )
+    policy = trainer["policy"]
+    if any(".lora_" in k for k in policy):
+        raise ValueError(
+            f"{path} holds LoRA adapters in a PEFT wrapper; use the run's final/ or best/ (merged) instead"
+        )
+    return policy

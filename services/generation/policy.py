@@ -1,0 +1,44 @@
+"""A policy from any of the places a run keeps one, as a generation backend or a model directory.
+
+`path` may be a Hugging Face model directory (the base, a run's `final/` or `best/`, a checkpoint of
+`rlhf train --local`), a checkpoint of `rlhf up` (`learner.pt` alone: its policy loaded into
+`base`'s architecture; the format is services/common/checkpoints.py's), or a LoRA adapter
+directory (merged into the base it names)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..common.checkpoints import is_complete, policy_weights
+from ..common.modeling import check_model_dir, save_model_dir
+from .backend import HFBackend
+
+
+def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
+    """A generation backend serving the policy in `path`."""
+    p = Path(path)
+    if is_complete(p):
+        policy = policy_weights(p)
+        backend = HFBackend(base, device)
+        missing, unexpected = backend.model.load_state_dict(policy, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(
+                f"{p}: its policy does not fit model.path={base} (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+        return backend
+    if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
+        from peft import PeftModel
+
+        adapter_base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or base
+        backend = HFBackend(adapter_base, device)
+        backend.model = PeftModel.from_pretrained(backend.model, str(p)).merge_and_unload().eval()
+        return backend
+    return HFBackend(str(check_model_dir(path)), device)
+
+
+def export_policy(path: str, base: str, out: Path) -> None:
+    """The policy in `path` (any kind `load_policy` reads) written to `out` as a Hugging Face
+    model directory (weights, config, tokenizer)."""
+    backend = load_policy(path, base, "cpu")
+    save_model_dir(backend.model, out, backend.tokenizer)
