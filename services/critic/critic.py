@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
-from ..common.sharding.group import micro_batches
+from ..common.sharding.group import ONE_PROCESS, Ranks
 from ..ppo import AggNorm, compute_value_loss
 from ..reward_model.ensemble import is_ensemble, members, reward_stats
 
@@ -56,11 +56,13 @@ class Critic:
         bf16: bool = False,
         gradient_checkpointing: bool = False,
         reward_model_head: tuple[float, float] | None = None,
+        ranks: Ranks = ONE_PROCESS,
     ):
         """`reward_model_head`: `model_path` is a reward model whose head starts the value head,
         rescaled with this (mean, std) (`ValueModel.from_reward_model`); None: a model directory
-        with a value head or none (a zero head)."""
-        self.device = resolve_device(device)
+        with a value head or none (a zero head). `ranks`: the processes a step's rows are split
+        across (`common.sharding.group`; the sharded critic's process group)."""
+        self.device, self.ranks = resolve_device(device), ranks
         self.lr, self.weight_decay = lr, weight_decay
         self.bf16, self.gradient_checkpointing = bf16, gradient_checkpointing
         model = (
@@ -107,18 +109,6 @@ class Critic:
             getattr(model.backbone, "gradient_checkpointing_enable")()
         return model
 
-    # one process: every row here; the sharded critic overrides these three
-    @property
-    def world(self) -> int:
-        """The processes a step's rows are split across (the sharded critic's group)."""
-        return 1
-
-    def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, bool]]:
-        return micro_batches(n, self.micro_batch_size or n)
-
-    def _all_sum(self, values: list[float]) -> list[float]:
-        return values
-
     @property
     def _param_device(self) -> torch.device:
         return self.model.value_head.weight.device
@@ -133,13 +123,10 @@ class Critic:
         n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
         parts = []
         with bf16_autocast(self.device, self.bf16):
-            for rows, real in self._micro_batches(n):
+            for rows, real in self.ranks.micro_batches(n, self.micro_batch_size or n):
                 v = self.model.response_values(batch.select(rows).trimmed().to(self._param_device)).float()
                 parts.append(widen(v, width)[: None if real else 0])
-        return self._gather(torch.cat(parts), n).cpu()
-
-    def _gather(self, local: torch.Tensor, n: int) -> torch.Tensor:
-        return local
+        return self.ranks.gather_rows(torch.cat(parts), n).cpu()
 
     def train_step(self, batch: TokenBatch, returns: torch.Tensor, old_values: torch.Tensor) -> dict:
         """One optimiser step on a mini-batch, its gradient accumulated over micro-batches (each
@@ -151,7 +138,7 @@ class Critic:
         norm = AggNorm(batch.response_mask)
         self.optimizer.zero_grad(set_to_none=True)
         loss = clipfrac = vpred_sum = tokens = 0.0
-        for rows, real in self._micro_batches(n):
+        for rows, real in self.ranks.micro_batches(n, self.micro_batch_size or n):
             sub = batch.select(rows).trimmed().to(device)
             t = sub.response_mask.shape[1]
             with bf16_autocast(self.device, self.bf16):
@@ -166,7 +153,7 @@ class Critic:
             )
             scale = norm.scale(sub.response_mask, self.loss_agg_mode) if real else 0.0
             # FSDP averages the processes' gradients: each process's share is scaled up by N
-            (self.value_loss_coef * vf_loss * scale * self.world).backward()
+            (self.value_loss_coef * vf_loss * scale * self.ranks.world).backward()
             if real:
                 mask = sub.response_mask.float()
                 loss += vf_loss.item() * scale
@@ -175,7 +162,7 @@ class Critic:
                 tokens += float(mask.sum())
         total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm or float("inf"))
         grad_norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # a DTensor under FSDP
-        loss, clipfrac, vpred_sum, tokens = self._all_sum([loss, clipfrac, vpred_sum, tokens])
+        loss, clipfrac, vpred_sum, tokens = self.ranks.all_sum([loss, clipfrac, vpred_sum, tokens])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteStep(f"critic step skipped: loss {loss}, gradient norm {grad_norm}")

@@ -25,7 +25,6 @@ from ..common.sharding.fsdp import (
     read_sharded_optimizer,
     shard,
 )
-from ..common.sharding.group import micro_batches
 from .critic import CHECKPOINT_FILES, CheckpointError, Critic
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ class ShardedCritic(Critic):
         # the value model returns a slice of its head's output; nothing writes into it in place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         self.dist = dist
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, ranks=dist, **kwargs)
 
     @classmethod
     def from_config(cls, cfg: Config, **kwargs) -> "ShardedCritic":
@@ -59,20 +58,6 @@ class ShardedCritic(Critic):
             shard(model, self.dist.mesh())
             setattr(model, "_sharded", True)  # once per model (the optimiser is rebuilt on load)
         return super()._optimizer(model)
-
-    # each rank runs its share of a batch's rows; a step equals the one-process step
-    @property
-    def world(self) -> int:
-        return self.dist.world
-
-    def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, bool]]:
-        return micro_batches(n, self.micro_batch_size or n, self.dist)
-
-    def _all_sum(self, values: list[float]) -> list[float]:
-        return self.dist.all_sum(values)
-
-    def _gather(self, local: torch.Tensor, n: int) -> torch.Tensor:
-        return self.dist.gather_rows(local.contiguous(), n)
 
     @collective
     def values(self, batch: TokenBatch) -> torch.Tensor:

@@ -9,13 +9,17 @@ padding columns trimmed), so their memory does not grow with the rollout batch.
 
 from __future__ import annotations
 
+import random
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..common.modeling import TokenBatch, build_token_batch, response_log_probs, widen
 from ..common.padding import pad_right
-from ..common.types import Rollout
+from ..common.sharding.group import Ranks
+from ..common.types import Progress, Rollout
 from ..ppo import (
     apply_kl_penalty,
     clip_by_value,
@@ -29,6 +33,41 @@ from ..ppo import (
     reference_log_probs,
     rollout_importance_weights,
 )
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+    from ..ppo import RunningMeanStd
+    from ..ppo.objective import ObjectiveSettings
+
+
+class Actor(Protocol):
+    """What the PPO step (`make_experience`, `update.run_update`) reads of the trainer that runs it
+    (`PolicyTrainer`, sharded or not); the step changes only the policy's weights, the optimiser,
+    the scheduler and the rng."""
+
+    cfg: Config
+    policy: Any  # a transformers model (PEFT's around it with LoRA; FSDP-sharded with model.nproc > 1)
+    pad_id: int
+    device: torch.device
+    temperature: float
+    ranks: Ranks  # the processes a step's rows are split across
+    log_prob_micro: int  # rows per no-grad forward
+    on_progress: Progress  # called at each micro-batch forward and optimiser step
+    needs_ref: bool
+    kl_ctl: Any  # a KL controller (`ppo.kl`): its `value` is the KL coefficient
+    reward_stats: RunningMeanStd
+    version: int
+    objective: ObjectiveSettings
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # a transformers LR scheduler
+    rng: random.Random
+    ptx_examples: list
+
+    def autocast(self) -> AbstractContextManager: ...
+
+    def ref_forward(self, batch: TokenBatch, full: bool) -> dict[str, torch.Tensor]: ...
+
+    def fuses_old_log_probs(self, batch_size: int) -> bool: ...
 
 
 @dataclass
@@ -46,35 +85,35 @@ class Experience:
     kl_measured: tuple[float, int] | None = None
 
 
-def forward_in_micro_batches(learner, forward, batch: TokenBatch) -> dict[str, torch.Tensor]:
+def forward_in_micro_batches(learner: Actor, forward, batch: TokenBatch) -> dict[str, torch.Tensor]:
     """`forward(micro_batch)` without gradients over `batch`, in micro-batches of
     `log_prob_micro_batch_size` rows with their padding columns trimmed; each (b, t, ...) output
     widened back and joined into (B, T, ...). With N processes each runs its share of the rows
-    and every process gets the whole result (the trainer's `micro_batches` and `gather_rows`)."""
+    and every process gets the whole result (the trainer's `ranks`)."""
     n, width = batch.input_ids.shape[0], batch.response_mask.shape[1]
     parts: dict[str, list[torch.Tensor]] = {}
     progress = learner.on_progress
     with torch.no_grad(), learner.autocast():
-        for rows, real in learner.micro_batches(n, learner.log_prob_micro):
+        for rows, real in learner.ranks.micro_batches(n, learner.log_prob_micro):
             out = forward(batch.select(rows).trimmed())
             progress()
             for k, v in out.items():
                 v = widen(v, width)
                 parts.setdefault(k, []).append(v if real else v[:0])
     joined = {k: torch.cat(v) for k, v in parts.items()}
-    return {k: learner.gather_rows(v, n) for k, v in joined.items()}
+    return {k: learner.ranks.gather_rows(v, n) for k, v in joined.items()}
 
 
-def make_experience(learner, rollout: Rollout) -> Experience:
+def make_experience(learner: Actor, rollout: Rollout) -> Experience:
     """Old and reference log-probs, rewards, advantages and returns of `rollout` (see the module
-    docstring); `learner` is the `PolicyTrainer` whose models run the forwards."""
+    docstring); `learner` is the trainer whose models run the forwards."""
     cfg = learner.cfg
     full = cfg.kl_penalty == "full"
     batch = build_token_batch(
         rollout.prompt_ids, rollout.response_ids, learner.pad_id, loss_masks=rollout.loss_masks
     ).to(learner.device)
     mask = batch.response_mask
-    T = mask.shape[1]
+    b_width = mask.shape[1]  # response positions
     fused = learner.fuses_old_log_probs(mask.shape[0])
     learner.policy.eval()
     cur = None
@@ -90,7 +129,7 @@ def make_experience(learner, rollout: Rollout) -> Experience:
             "set rollout_is: false or have the generation backend return log-probs"
         )
     gen_log_probs = (
-        pad_right(rollout.gen_log_probs, T).to(learner.device) if rollout.gen_log_probs is not None else None
+        pad_right(rollout.gen_log_probs, b_width).to(learner.device) if rollout.gen_log_probs is not None else None
     )
     if fused:
         old_log_probs = None  # the update takes them from its forward
@@ -132,7 +171,7 @@ def make_experience(learner, rollout: Rollout) -> Experience:
         else None
     )
     token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None, learner.kl_ctl.value)
-    values = pad_right(rollout.values, T).to(learner.device) if rollout.values is not None else None
+    values = pad_right(rollout.values, b_width).to(learner.device) if rollout.values is not None else None
     advantages, returns = compute_advantages(
         cfg.adv_estimator, token_level_rewards, mask, values, rollout.index, cfg.gamma, cfg.lambd
     )

@@ -21,7 +21,7 @@ import torch
 from ..common.modeling import empty_causal_lm, load_causal_lm, save_model_dir
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
-from ..common.sharding.group import Dist, micro_batches
+from ..common.sharding.group import Dist
 from ..common.types import Progress, Rollout, no_progress
 from ..weights.hostcopy import to_host
 from .trainer import PolicyTrainer
@@ -48,7 +48,7 @@ class ShardedPolicyTrainer(PolicyTrainer):
                 "fits one device train in one process (model.nproc: 1)"
             )
         self.dist = dist  # read by `collective`, `follow` and `release_followers` too
-        super().__init__(cfg, total_updates, ptx_examples, on_progress)
+        super().__init__(cfg, total_updates, ptx_examples, on_progress, ranks=dist)
 
     # ---------------------------------------------------------------- the models
     def _device(self) -> torch.device:
@@ -65,21 +65,6 @@ class ShardedPolicyTrainer(PolicyTrainer):
         if not self.needs_ref:
             return None
         return self._load_model(self.cfg.model.reference_path).eval().requires_grad_(False)
-
-    # ---------------------------------------------------------------- the processes
-    # each rank runs its share of a batch's rows; a step equals the one-process step
-    @property
-    def world(self) -> int:
-        return self.dist.world
-
-    def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
-        return micro_batches(n, size, self.dist)
-
-    def all_sum(self, values: list[float]) -> list[float]:
-        return self.dist.all_sum(values)
-
-    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
-        return self.dist.gather_rows(local.contiguous(), n)
 
     # ---------------------------------------------------------------- the calls every rank runs
     @collective

@@ -17,8 +17,8 @@ them before it returns).
 
 This is the one-process trainer; `sharded.py` has `ShardedPolicyTrainer`, the same trainer with
 its models sharded across processes (FSDP2, model.nproc > 1). The update and the experience
-reach the other processes only through the trainer's `world`, `micro_batches`, `all_sum` and
-`gather_rows`, which here are one process's.
+reach the other processes only through the trainer's `ranks` (`common.sharding.group.Ranks`:
+`ONE_PROCESS` here, the process group there), as the critic does.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..common.modeling import (
     response_log_probs,
     save_model_dir,
 )
-from ..common.sharding.group import micro_batches
+from ..common.sharding.group import ONE_PROCESS, Ranks
 from ..common.types import Progress, Rollout, no_progress
 from ..ppo import RunningMeanStd, make_kl_controller
 from ..ppo.objective import ObjectiveSettings
@@ -70,10 +70,16 @@ class PolicyTrainer:
     sharded = False  # ShardedPolicyTrainer: the actor and its optimiser state split across processes
 
     def __init__(
-        self, cfg: Config, total_updates: int | None = None, ptx_examples=None, on_progress: Progress = no_progress
+        self,
+        cfg: Config,
+        total_updates: int | None = None,
+        ptx_examples=None,
+        on_progress: Progress = no_progress,
+        ranks: Ranks = ONE_PROCESS,
     ):
-        """`on_progress`: called at each micro-batch forward and optimiser step."""
-        self.cfg, self.on_progress = cfg, on_progress
+        """`on_progress`: called at each micro-batch forward and optimiser step; `ranks`: the
+        processes a step's rows are split across (`common.sharding.group`)."""
+        self.cfg, self.on_progress, self.ranks = cfg, on_progress, ranks
         self.device = self._device()
         self.policy: Any = self._load_model()  # a transformers model, or PEFT's around it (LoRA)
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
@@ -98,7 +104,7 @@ class PolicyTrainer:
         self.needs_ref = (cfg.use_kl_loss or cfg.add_token_level_kl) and cfg.ref_model != "policy"
         self.ref = self._reference()
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             params, lr=cfg.actor_lr, betas=(cfg.adam_betas[0], cfg.adam_betas[1]), weight_decay=cfg.weight_decay
         )
         from transformers import get_scheduler
@@ -154,26 +160,6 @@ class PolicyTrainer:
         if self.needs_ref and not self.lora:
             return copy.deepcopy(self.policy).eval().requires_grad_(False)
         return None
-
-    # ---------------------------------------------------------------- the processes (ShardedPolicyTrainer overrides)
-    # one process: every row of a batch is here; sharded, each process runs its share of the rows
-    @property
-    def world(self) -> int:
-        """FSDP averages the processes' gradients: each one's loss is scaled up by this."""
-        return 1
-
-    def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
-        """The row positions of each micro-batch of at most `size` rows (of `n`) this process runs,
-        and whether it counts (`sharding.group.micro_batches`)."""
-        return micro_batches(n, size)
-
-    def all_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sums of `values` over the processes."""
-        return values
-
-    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
-        """The (n, ...) tensor of every process's rows (`local`: this process's micro-batches' rows)."""
-        return local
 
     def fuses_old_log_probs(self, batch_size: int) -> bool:
         """Whether a batch of `batch_size` takes its old log-probs from the training forward: true

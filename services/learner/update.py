@@ -4,7 +4,7 @@ micro-batches of `micro_batch_size` rows (padding columns trimmed), followed by 
 on the same rows. Accumulation is exact: each micro-batch's loss is weighted by its share of
 the mini-batch in the `loss_agg_mode`, so the step equals one pass over the whole mini-batch.
 With N processes (`ShardedPolicyTrainer`) each runs its share of every mini-batch's rows, through
-the trainer's `world`, `micro_batches` and `all_sum` (one process's on `PolicyTrainer`).
+the trainer's `ranks` (`common.sharding.group.Ranks`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..common.modeling import build_token_batch, response_log_probs
 from ..ppo import AggNorm, compute_sft_loss, kl_penalty, masked_mean
 from ..ppo.objective import ppo_objective
-from .experience import Experience
+from .experience import Actor, Experience
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -48,7 +48,7 @@ class Metrics:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
-def ptx_loss(learner, picks: list) -> torch.Tensor | None:
+def ptx_loss(learner: Actor, picks: list) -> torch.Tensor | None:
     """The PTX/SFT loss of (prompt ids, answer ids) pairs under the policy (None for none)."""
     if not picks:
         return None
@@ -57,109 +57,43 @@ def ptx_loss(learner, picks: list) -> torch.Tensor | None:
     return compute_sft_loss(lp, b.response_mask)
 
 
-def run_update(learner, exp: Experience, critic=None) -> dict:
-    """Train the policy (and the critic) on `exp`; returns the update's metrics."""
+def run_update(learner: Actor, exp: Experience, critic=None) -> dict:
+    """Train the policy (and the critic) on `exp`; returns the update's metrics. Names carry their
+    scope: `b_` the whole batch, `mb_` a mini-batch (one optimiser step), `micro_` a micro-batch."""
     cfg = learner.cfg
-    full = cfg.kl_penalty == "full"
-    B = exp.batch.input_ids.shape[0]
-    mb = min(cfg.ppo_mini_batch_size, B)
-    micro = min(cfg.micro_batch_size or mb, mb)
-    world = learner.world
+    b_size = exp.batch.input_ids.shape[0]
+    mb_size = min(cfg.ppo_mini_batch_size, b_size)
+    micro_size = min(cfg.micro_batch_size or mb_size, mb_size)
     metrics = Metrics()
     fused = exp.old_log_probs is None
-    if fused and (cfg.ppo_epochs != 1 or B > mb):
+    if fused and (cfg.ppo_epochs != 1 or b_size > mb_size):
         raise ValueError("old log-probs from the training forward need one epoch of one mini-batch")
     rollout_stats = RolloutStats()  # with fused old log-probs: what make_experience measures otherwise
     critic_steps: list = []
-    progress = learner.on_progress  # the learner service's heartbeat
     g = torch.Generator().manual_seed(learner.rng.randrange(2**31))
-    # rows of like length share a micro-batch (each is trimmed to its longest row): the padding
-    # left is what the lengths differ by within a micro-batch, not across the mini-batch
-    # (responses vary most: sorted by response length, then prompt length; a response's length is
-    # every token it holds, the environment's too, which its loss mask leaves out of the loss)
-    P = exp.batch.prompt_width
-    attn = exp.batch.attention_mask
-    # on the CPU, as the permutation it sorts (the batch may be on the GPU)
-    lengths = (attn[:, P:].sum(1).long() * (P + 1) + attn[:, :P].sum(1)).cpu()
+    b_lengths = length_keys(exp.batch)
     learner.policy.train()
     for _ in range(cfg.ppo_epochs):
-        perm = torch.randperm(B, generator=g)
-        for start in range(0, B, mb):
-            idx = perm[start : start + mb]
-            idx = idx[torch.sort(lengths[idx], stable=True).indices]
-            norm = AggNorm(exp.batch.response_mask[idx])
-            picks = (
-                [learner.rng.choice(learner.ptx_examples) for _ in range(len(idx))]
-                if cfg.ptx_coef and learner.ptx_examples
-                else []
-            )
-            learner.optimizer.zero_grad(set_to_none=True)
-            bad_loss = None  # a non-finite loss on any process's rows stops every process alike
-            for pos, real in learner.micro_batches(len(idx), micro):
-                m = idx[pos]
-                sub = exp.batch.select(m).trimmed()
-                t = sub.response_mask.shape[1]
-                with learner.autocast():
-                    out = response_log_probs(learner.policy, sub, learner.temperature, with_entropy=True, full=full)
-                log_prob = out["log_probs"]
-                if fused:
-                    old = log_prob.detach()
-                    if real:
-                        rollout_stats.add(cfg, out, old, exp, m, sub.response_mask, t)
-                else:
-                    assert exp.old_log_probs is not None  # not fused
-                    old = exp.old_log_probs[m, :t]
-                ptx = ptx_loss(learner, [picks[i] for i in pos.tolist()] if picks else [])
-                loss, terms = ppo_objective(
-                    learner.objective,
-                    log_prob,
-                    out["entropy"],
-                    old,
-                    exp.advantages[m, :t],
-                    sub.response_mask,
-                    norm,
-                    ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[m, :t],
-                    kl_input=out.get("full"),
-                    rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[m, :t],
-                    ptx_loss=ptx,
-                    ptx_share=len(m) / len(idx),
-                )
-                if real and not torch.isfinite(loss):
-                    bad_loss = loss.item()
-                # FSDP averages the processes' gradients: each process's share is scaled up by N
-                (loss * (world if real else 0.0)).backward()
-                if real:
-                    for k, (v, w) in terms.items():
-                        metrics.add(k, v, w)
-                progress()
-            if learner.all_sum([bad_loss is not None])[0] and bad_loss is None:
-                bad_loss = float("nan")  # another process's rows
-            if bad_loss is not None:
-                learner.optimizer.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {learner.version}")
-            params = [p for p in learner.policy.parameters() if p.requires_grad]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard
-                grad_norm = grad_norm.full_tensor()
-            metrics.add("ppo/grad_norm", float(grad_norm), 1.0 / world)  # the same on every process
-            metrics.close()
-            if math.isfinite(float(grad_norm)):
-                learner.optimizer.step()
-            learner.scheduler.step()
-            progress()
+        b_perm = torch.randperm(b_size, generator=g)
+        for start in range(0, b_size, mb_size):
+            mb_rows = b_perm[start : start + mb_size]
+            mb_rows = mb_rows[torch.sort(b_lengths[mb_rows], stable=True).indices]
+            mini_batch_step(learner, exp, mb_rows, micro_size, metrics, rollout_stats if fused else None)
             if critic is not None and exp.values is not None:
                 critic_steps.append(
-                    critic.train_step(exp.batch.select(idx).to("cpu"), exp.returns[idx].cpu(), exp.values[idx].cpu())
+                    critic.train_step(
+                        exp.batch.select(mb_rows).to("cpu"), exp.returns[mb_rows].cpu(), exp.values[mb_rows].cpu()
+                    )
                 )
     for step in critic_steps:  # a remote critic may return futures: it trains while the actor does
         for k, v in (step.result() if isinstance(step, Future) else step).items():
             metrics.add(k, v, 1.0)  # rank 0 alone runs the critic steps
         metrics.close()
-        progress()
+        learner.on_progress()
     learner.policy.eval()
     # the averages over every process's rows
     keys = sorted(k for k in metrics.sums if not k.startswith("critic/"))  # every process has these
-    totals = learner.all_sum([metrics.sums[k] for k in keys] + rollout_stats.sums())
+    totals = learner.ranks.all_sum([metrics.sums[k] for k in keys] + rollout_stats.sums())
     metrics.sums.update(zip(keys, totals[: len(keys)]))
     rollout_stats = RolloutStats(*totals[len(keys) :])
     out = metrics.means()
@@ -167,6 +101,94 @@ def run_update(learner, exp: Experience, critic=None) -> dict:
     if fused:  # what make_experience measures on its own forward otherwise
         out["ppo/entropy_rollout"], out["ppo/kl_ref"] = rollout_stats.entropy(), rollout_stats.seq_kl()
     return out
+
+
+def length_keys(batch) -> torch.Tensor:
+    """A sort key per row: rows of like length share a micro-batch (each is trimmed to its
+    longest row), so the padding left is what the lengths differ by within a micro-batch, not
+    across the mini-batch. Responses vary most: by response length, then prompt length (a
+    response's length is every token it holds, the environment's too, which its loss mask leaves
+    out of the loss). On the CPU, as the permutation it sorts (the batch may be on the GPU)."""
+    prompt_width, attn = batch.prompt_width, batch.attention_mask
+    return (attn[:, prompt_width:].sum(1).long() * (prompt_width + 1) + attn[:, :prompt_width].sum(1)).cpu()
+
+
+def mini_batch_step(
+    learner: Actor,
+    exp: Experience,
+    mb_rows: torch.Tensor,
+    micro_size: int,
+    metrics: Metrics,
+    rollout_stats: RolloutStats | None,
+) -> None:
+    """One optimiser step on the rows `mb_rows` of `exp`: the objective's gradient accumulated
+    over micro-batches (each weighted by its share of the mini-batch), clipped, stepped; with fused
+    old log-probs (`rollout_stats` given) the old log-probs are the forward's own."""
+    cfg = learner.cfg
+    full = cfg.kl_penalty == "full"
+    world = learner.ranks.world
+    norm = AggNorm(exp.batch.response_mask[mb_rows])
+    picks = (
+        [learner.rng.choice(learner.ptx_examples) for _ in range(len(mb_rows))]
+        if cfg.ptx_coef and learner.ptx_examples
+        else []
+    )
+    learner.optimizer.zero_grad(set_to_none=True)
+    bad_loss = None  # a non-finite loss on any process's rows stops every process alike
+    for micro_pos, real in learner.ranks.micro_batches(len(mb_rows), micro_size):
+        micro_rows = mb_rows[micro_pos]
+        micro_batch = exp.batch.select(micro_rows).trimmed()
+        micro_width = micro_batch.response_mask.shape[1]
+        with learner.autocast():
+            out = response_log_probs(learner.policy, micro_batch, learner.temperature, with_entropy=True, full=full)
+        log_prob = out["log_probs"]
+        if rollout_stats is not None:  # fused: the old log-probs are this forward's
+            old = log_prob.detach()
+            if real:
+                rollout_stats.add(cfg, out, old, exp, micro_rows, micro_batch.response_mask, micro_width)
+        else:
+            assert exp.old_log_probs is not None  # not fused
+            old = exp.old_log_probs[micro_rows, :micro_width]
+        ptx = ptx_loss(learner, [picks[i] for i in micro_pos.tolist()] if picks else [])
+        loss, terms = ppo_objective(
+            learner.objective,
+            log_prob,
+            out["entropy"],
+            old,
+            exp.advantages[micro_rows, :micro_width],
+            micro_batch.response_mask,
+            norm,
+            ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[micro_rows, :micro_width],
+            kl_input=out.get("full"),
+            rollout_is_weights=None
+            if exp.rollout_is_weights is None
+            else exp.rollout_is_weights[micro_rows, :micro_width],
+            ptx_loss=ptx,
+            ptx_share=len(micro_rows) / len(mb_rows),
+        )
+        if real and not torch.isfinite(loss):
+            bad_loss = loss.item()
+        # FSDP averages the processes' gradients: each process's share is scaled up by N
+        (loss * (world if real else 0.0)).backward()
+        if real:
+            for k, (v, w) in terms.items():
+                metrics.add(k, v, w)
+        learner.on_progress()
+    if learner.ranks.all_sum([bad_loss is not None])[0] and bad_loss is None:
+        bad_loss = float("nan")  # another process's rows
+    if bad_loss is not None:
+        learner.optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {learner.version}")
+    params = [p for p in learner.policy.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard
+        grad_norm = grad_norm.full_tensor()
+    metrics.add("ppo/grad_norm", float(grad_norm), 1.0 / world)  # the same on every process
+    metrics.close()
+    if math.isfinite(float(grad_norm)):
+        learner.optimizer.step()
+    learner.scheduler.step()
+    learner.on_progress()
 
 
 @dataclass
@@ -179,16 +201,19 @@ class RolloutStats:
     seq_kl_sum: float = 0.0
     sequences: float = 0.0
 
-    def add(self, cfg: Config, out: dict, old: torch.Tensor, exp: Experience, m, mask, t: int) -> None:
-        """Micro-batch `m` (rows of `exp`, `t` response positions wide)."""
+    def add(
+        self, cfg: Config, out: dict, old: torch.Tensor, exp: Experience, micro_rows, mask, micro_width: int
+    ) -> None:
+        """A micro-batch: the rows `micro_rows` of `exp`, `micro_width` response positions wide."""
         with torch.no_grad():
             maskf = mask.to(out["entropy"].dtype)
             self.entropy_sum += float((out["entropy"].detach().float() * maskf).sum())
             self.tokens += float(maskf.sum())
             if exp.ref_log_probs is not None:
-                kl = masked_mean(kl_penalty(old, exp.ref_log_probs[m, :t], cfg.kl_penalty), mask, dim=-1)
+                ref = exp.ref_log_probs[micro_rows, :micro_width]
+                kl = masked_mean(kl_penalty(old, ref, cfg.kl_penalty), mask, dim=-1)
                 self.seq_kl_sum += float(kl.sum())
-                self.sequences += len(m)
+                self.sequences += len(micro_rows)
 
     def sums(self) -> list[float]:
         """In a fixed order, to be summed across processes (`RolloutStats(*totals)`)."""

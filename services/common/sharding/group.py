@@ -1,5 +1,9 @@
 """The process group of a sharded model (`Dist`, from torchrun's environment) and the rows of a
-batch each rank runs."""
+batch each rank runs.
+
+`Ranks` is how a trainer (the actor's `PolicyTrainer`, the `Critic`) reaches the other processes:
+its `world`, the `micro_batches` it runs, `all_sum` and `gather_rows`. A one-process trainer holds
+`ONE_PROCESS`; a sharded one its `Dist`. Nothing else of a step knows whether it is sharded."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -23,6 +27,46 @@ CONTROL_TIMEOUT = timedelta(days=30)  # followers wait on the control channel as
 # for its critic server (rpc.dependency_wait_s); a dead process is noticed by the watchdog
 # (`start_followers`) or by the backend, not by this timeout
 DATA_TIMEOUT = timedelta(hours=2)
+
+
+class Ranks(Protocol):
+    """The processes a step's rows are split across (see the module docstring)."""
+
+    @property
+    def world(self) -> int:
+        """FSDP averages the processes' gradients: each one's loss is scaled up by this."""
+        ...
+
+    def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
+        """The row positions of each micro-batch of at most `size` rows (of `n`) this process runs,
+        and whether it counts (`micro_batches` below)."""
+        ...
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums of `values` over the processes."""
+        ...
+
+    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        """The (n, ...) tensor of every process's rows (`local`: this process's micro-batches' rows)."""
+        ...
+
+
+class OneProcess:
+    """Every row of a batch is in this process."""
+
+    world = 1
+
+    def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
+        return micro_batches(n, size)
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        return values
+
+    def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
+        return local
+
+
+ONE_PROCESS = OneProcess()
 
 
 @dataclass
@@ -73,8 +117,12 @@ class Dist:
         start = self.rank * base + min(self.rank, extra)
         return start, start + base + (self.rank < extra)
 
+    def micro_batches(self, n: int, size: int) -> list[tuple[torch.Tensor, bool]]:
+        return micro_batches(n, size, self)
+
     def gather_rows(self, local: torch.Tensor, n: int) -> torch.Tensor:
         """The (n, ...) tensor whose rows each rank holds a share of (`rows(n)`), on every rank."""
+        local = local.contiguous()
         base, extra = divmod(n, self.world)
         padded = torch.zeros((base + (extra > 0), *local.shape[1:]), dtype=local.dtype, device=local.device)
         padded[: local.shape[0]] = local
