@@ -108,13 +108,69 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
     """Old and reference log-probs, rewards, advantages and returns of `rollout` (see the module
     docstring); `learner` is the trainer whose models run the forwards."""
     cfg = learner.cfg
-    full = cfg.kl_penalty == "full"
     batch = build_token_batch(
         rollout.prompt_ids, rollout.response_ids, learner.pad_id, loss_masks=rollout.loss_masks
     ).to(learner.device)
     mask = batch.response_mask
-    b_width = mask.shape[1]  # response positions
     fused = learner.fuses_old_log_probs(mask.shape[0])
+    lp = log_probs(learner, rollout, batch, fused)
+    raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=learner.device)
+    scores = postprocess_rewards(
+        raw_scores,
+        cfg.reward_norm,
+        cfg.reward_shift,
+        cfg.reward_scale,
+        cfg.reward_clip,
+        rollout.index,
+        learner.reward_stats,
+    )
+    kl = (
+        kl_penalty(lp.old_for_ref, lp.ref, cfg.kl_penalty)
+        if lp.ref is not None and lp.old_for_ref is not None and not fused
+        else None
+    )
+    token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None, learner.kl_ctl.value)
+    values = pad_right(rollout.values, mask.shape[1]).to(learner.device) if rollout.values is not None else None
+    advantages, returns = compute_advantages(
+        cfg.adv_estimator, token_level_rewards, mask, values, rollout.index, cfg.gamma, cfg.lambd
+    )
+    if cfg.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    advantages = clip_by_value(advantages, cfg.advantage_clip)
+    seq_kl = masked_mean(kl, mask, dim=-1).mean().item() if kl is not None else 0.0
+    rewards = Rewards(raw_scores, scores, token_level_rewards, seq_kl)
+    metrics = experience_metrics(learner, rollout, mask, lp, rewards, advantages, returns, values)
+    return Experience(
+        batch,
+        lp.old,
+        lp.ref,
+        advantages,
+        returns,
+        values,
+        metrics,
+        lp.rollout_is_weights,
+        kl_measured=None if fused else (seq_kl, len(rollout.scores)),
+    )
+
+
+@dataclass
+class LogProbs:
+    """The forwards of a batch: the policy's (`cur`: log-probs and entropy; None when fused), the
+    old log-probs the update's ratio starts from, the reference's, what the KL to it is taken
+    from, and the truncated importance weights of the sampler's log-probs (rollout_is)."""
+
+    cur: dict[str, torch.Tensor] | None
+    old: torch.Tensor | None
+    ref: torch.Tensor | None
+    old_for_ref: torch.Tensor | None
+    rollout_is_weights: torch.Tensor | None
+    is_metrics: dict
+
+
+def log_probs(learner: Actor, rollout: Rollout, batch: TokenBatch, fused: bool) -> LogProbs:
+    cfg = learner.cfg
+    full = cfg.kl_penalty == "full"
+    mask = batch.response_mask
     learner.policy.eval()
     cur = None
     if not fused:
@@ -129,7 +185,9 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
             "set rollout_is: false or have the generation backend return log-probs"
         )
     gen_log_probs = (
-        pad_right(rollout.gen_log_probs, b_width).to(learner.device) if rollout.gen_log_probs is not None else None
+        pad_right(rollout.gen_log_probs, mask.shape[1]).to(learner.device)
+        if rollout.gen_log_probs is not None
+        else None
     )
     if fused:
         old_log_probs = None  # the update takes them from its forward
@@ -154,48 +212,43 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
         )
         sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
         ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)  # type: ignore[arg-type]
+    return LogProbs(cur, old_log_probs, ref_log_probs, old_for_ref, rollout_is_weights, is_metrics)
 
-    raw_scores = torch.tensor(rollout.scores, dtype=torch.float32, device=learner.device)
-    scores = postprocess_rewards(
-        raw_scores,
-        cfg.reward_norm,
-        cfg.reward_shift,
-        cfg.reward_scale,
-        cfg.reward_clip,
-        rollout.index,
-        learner.reward_stats,
-    )
-    kl = (
-        kl_penalty(old_for_ref, ref_log_probs, cfg.kl_penalty)
-        if ref_log_probs is not None and old_for_ref is not None and not fused
-        else None
-    )
-    token_level_rewards = apply_kl_penalty(scores, mask, kl if cfg.add_token_level_kl else None, learner.kl_ctl.value)
-    values = pad_right(rollout.values, b_width).to(learner.device) if rollout.values is not None else None
-    advantages, returns = compute_advantages(
-        cfg.adv_estimator, token_level_rewards, mask, values, rollout.index, cfg.gamma, cfg.lambd
-    )
-    if cfg.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
-    advantages = clip_by_value(advantages, cfg.advantage_clip)
 
-    seq_kl = masked_mean(kl, mask, dim=-1).mean().item() if kl is not None else 0.0
-    lengths = mask.sum(-1)
+@dataclass
+class Rewards:
+    raw_scores: torch.Tensor  # (B,) the reward service's
+    scores: torch.Tensor  # (B,) normalised, shifted, scaled, clipped
+    token_level: torch.Tensor  # (B, T) with the KL penalty when it is in the reward
+    seq_kl: float  # the mean sequence KL to the reference
+
+
+def experience_metrics(
+    learner: Actor,
+    rollout: Rollout,
+    mask: torch.Tensor,
+    lp: LogProbs,
+    rewards: Rewards,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor | None,
+) -> dict:
+    raw_scores = rewards.raw_scores
     metrics = {
         "reward/score_mean": raw_scores.mean().item(),
         "reward/score_std": raw_scores.std().item() if len(raw_scores) > 1 else 0.0,
         "reward/score_min": raw_scores.min().item(),
         "reward/score_max": raw_scores.max().item(),
-        "reward/normalized_mean": scores.mean().item(),
-        "reward/token_level_sum_mean": token_level_rewards.sum(-1).mean().item(),
-        "ppo/kl_ref": seq_kl,
+        "reward/normalized_mean": rewards.scores.mean().item(),
+        "reward/token_level_sum_mean": rewards.token_level.sum(-1).mean().item(),
+        "ppo/kl_ref": rewards.seq_kl,
         "ppo/kl_coef": learner.kl_ctl.value,
         "ppo/advantages_mean": masked_mean(advantages, mask).item(),
         "ppo/returns_mean": masked_mean(returns, mask).item(),
-        "ppo/entropy_rollout": masked_mean(cur["entropy"], mask).item() if cur is not None else float("nan"),
-        "rollout/response_length_mean": lengths.mean().item(),
+        "ppo/entropy_rollout": masked_mean(lp.cur["entropy"], mask).item() if lp.cur is not None else float("nan"),
+        "rollout/response_length_mean": mask.sum(-1).mean().item(),
         "rollout/samples": len(rollout.scores),
-        **is_metrics,
+        **lp.is_metrics,
     }
     metrics["ppo/returns_std"] = masked_var(returns, mask).sqrt().item()
     if values is not None:  # how well the critic's values (those the rollout was given) predicted the returns
@@ -204,14 +257,4 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
         metrics["critic/value_error"] = masked_mean((values - returns) ** 2, mask).sqrt().item()
     if rollout.versions:
         metrics["rollout/staleness_max"] = max(learner.version - v for v in rollout.versions)
-    return Experience(
-        batch,
-        old_log_probs,
-        ref_log_probs,
-        advantages,
-        returns,
-        values,
-        metrics,
-        rollout_is_weights,
-        kl_measured=None if fused else (seq_kl, len(rollout.scores)),
-    )
+    return metrics
