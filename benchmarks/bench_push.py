@@ -242,7 +242,8 @@ def main() -> None:
 
 
 def bench_size(size_mb, args, cfg, serve, limit, to_host) -> list[dict]:
-    from services.generation.client import ServerPool
+    from services.common.servers import ServerPool
+    from services.generation.client import generation_clients
     from services.weights.publisher import Publisher
 
     state = random_state(size_mb << 20, dtype=getattr(torch, args.dtype), device=args.device)
@@ -296,7 +297,10 @@ def bench_size(size_mb, args, cfg, serve, limit, to_host) -> list[dict]:
                     publish_learner=lambda *a, **kw: None,
                 )
                 bc = Publisher(
-                    cfg, store, learner, ServerPool(lambda store=store: store.live("generation"), cfg.rpc, 1.0)
+                    cfg,
+                    store,
+                    learner,
+                    ServerPool(lambda store=store: store.live("generation"), generation_clients(cfg.rpc), 1.0),
                 )
                 bc.identity = ("bench", 1)
                 runs, version, out = timed_pushes(bc, services, args.repeats, version)

@@ -36,7 +36,7 @@ from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
 from .rollout.step import sample_groups
 from .training.data import EpochSampler, config_prompts
-from .training.evaluate import evaluate
+from .training.evaluate import Evaluator, SingleTurn
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
 from .training.schedule import Schedule, planned_updates
@@ -170,11 +170,8 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
         cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train)
     )
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
-    eval_params = SamplingParams.for_eval(cfg)
-
-    def held_out_eval() -> dict:
-        return evaluate(held_out, backend, eval_scorer, tokenizer, eval_params, proxy)
-
+    # rlhf train --local refuses agents: one reply per held-out prompt
+    evaluator = Evaluator(SingleTurn(backend, eval_scorer, tokenizer, SamplingParams.for_eval(cfg), proxy))
     state = LocalState(learner, critic, sampler)
     source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic, stop_event)
     loop = TrainingLoop(
@@ -185,7 +182,7 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
         tokenizer,
         source,
         BackendSink(backend),
-        held_out_eval,
+        lambda: evaluator.metrics(held_out),
         logger=log,
         keep_state=state.write,
         stop_event=stop_event,

@@ -70,10 +70,11 @@ def held_backend(model_dir: str, hold_s: float):
 def publisher(cfg, store, learner):
     """A weight `Publisher` over `store`'s registry with a `ServerPool` of its own, as the learner
     builds one; `closed(p)` closes both."""
-    from services.generation.client import ServerPool
+    from services.common.servers import ServerPool
+    from services.generation.client import generation_clients
     from services.weights.publisher import Publisher
 
-    pool = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+    pool = ServerPool(lambda: store.live("generation"), generation_clients(cfg.rpc), cfg.replay.heartbeat_s / 2)
     return Publisher(cfg, store, learner, pool)
 
 

@@ -14,7 +14,9 @@ also those inside functions):
   rollout, ppo, training, weights, cli, ...) or a composition root module (`launcher`, `local`);
   it *uses* a part when one of its modules imports a module of the part, directly or through
   other `common` modules (`config_sections` is used by whoever imports `config`). The
-  exceptions, `SHARED_BY_CONTRACT`, say why."""
+  exceptions, `SHARED_BY_CONTRACT`, say why;
+- one retry/avoid policy for generation servers: only `services.common.servers` picks a server
+  or avoids one (its callers go through `Tries`)."""
 
 import ast
 import re
@@ -319,6 +321,35 @@ def test_no_part_is_handed_its_owner():
                 for b in n.bases
                 if ast.unparse(b).split(".")[-1] == "TrainingLoop"
             ]
+            if found:
+                bad[_module_name(path)] = found
+    assert not bad, bad
+
+
+# what chooses a generation server: a pool's pick, and its avoidance of one that failed
+_CHOOSING = ("pick", "avoid")
+
+
+def _server_choices(tree: ast.AST) -> list[str]:
+    """`x.pick(...)`, `x.avoid(...)`: a server chosen, or shut out, by hand."""
+    return [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _CHOOSING
+    ]
+
+
+def test_one_retry_and_avoid_policy_chooses_generation_servers():
+    """Which server to try next, which to avoid after a failure and how long, how many tries: the
+    rollout worker, the gateway and the learner's eval each go through `Tries` under a
+    `RetryPolicy` (services/common/servers.py), none picks or avoids a server itself."""
+    assert _server_choices(ast.parse("a = self.servers.pick(3)\nself.servers.avoid(a, 1.0)"))  # it sees them
+    owner = ROOT / "services" / "common" / "servers.py"
+    assert _server_choices(ast.parse(owner.read_text()))
+    bad = {}
+    for path in (ROOT / "services").rglob("*.py"):
+        if "/gen/" not in str(path) and path != owner:
+            found = _server_choices(ast.parse(path.read_text()))
             if found:
                 bad[_module_name(path)] = found
     assert not bad, bad

@@ -19,19 +19,24 @@ else RUN_DIR/eval: the run directory --run-dir names (run.run_dir).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Iterator
 
 from ..common.config import Config, RewardConfig, RuleSpec
+from ..common.servers import ServerPool
 from ..common.types import SamplingParams
+from ..gateway.evaluate import held_out_evaluator
 from ..generation.backend import HFBackend
+from ..generation.client import generation_clients
 from ..generation.policy import load_policy
 from ..reward.labels import label_reader
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
 from ..training.data import config_prompts, held_out_source
-from ..training.evaluate import generate_and_score, summarize, write_rows
+from ..training.evaluate import Sampled, how_sampled, summarize, write_rows
 
 
 def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:
@@ -75,7 +80,7 @@ def run_eval(
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
     kind = cfg.rollout.agent_kind
-    agent = kind is not None and rule is None  # the agent's reward, or --rule on one reply
+    agent = how_sampled(cfg, rule) is Sampled.SESSIONS  # the agent's reward, or --rule on one reply
     scorer = None if agent else _scorer(cfg, rule)
     models = {"model": model or cfg.model.path}
     if baseline is not None:
@@ -97,18 +102,7 @@ def run_eval(
         def progress(done: int, total: int, name=name) -> None:
             say(f"  {name}: {done}/{total} prompts")
 
-        if agent:
-            rows = _agent_rows(cfg, backend, prompts, params, progress)
-        else:  # as many prompts per generate call as a generation server takes: the in-process eval's shapes
-            rows = generate_and_score(
-                prompts,
-                backend,
-                scorer,
-                backend.tokenizer,
-                params,
-                batch=cfg.generation.max_batch_size,
-                progress=progress,
-            )
+        rows = _rows(cfg, backend, prompts, params, scorer, rule, progress)
         rows_of[name] = rows
         write_rows(out / f"{name}.jsonl", rows)
         results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
@@ -150,14 +144,28 @@ def run_eval(
     return summary
 
 
-def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: SamplingParams, progress) -> list[dict]:
-    """`params.n` sessions of the agent (`rollout.agent`, `environment` or `agent_url`) per prompt,
-    against `backend` served over gRPC on a
-    free loopback port (the generation server a rollout worker's endpoint would call), every turn
-    sampled with `params`' temperature."""
-    from ..gateway.agents import agent_host
-    from ..gateway.evaluate import evaluate_agent
-    from ..generation.client import ServerPool
+def _rows(cfg: Config, backend: HFBackend, prompts: list, params: SamplingParams, scorer, rule, progress) -> list:
+    """Every sample's row of `backend`'s policy on `prompts`, sampled as the config says (`how_sampled`)."""
+    with held_out_evaluator(
+        cfg,
+        backend.tokenizer,
+        params,
+        backend=backend,
+        scorer=scorer,
+        servers=lambda: _served(cfg, backend),
+        # as many prompts per generate call as a generation server takes: the in-process eval's shapes
+        batch=cfg.generation.max_batch_size,
+        # an agent's: every turn its own sampling noise (one seed for all would repeat a sample n times)
+        turn_params=dataclasses.replace(params, n=1, seed=None),
+        rule=rule,
+    ) as evaluator:
+        return evaluator.rows(prompts, progress)
+
+
+@contextlib.contextmanager
+def _served(cfg: Config, backend: HFBackend) -> Iterator[ServerPool]:
+    """`backend` served over gRPC on a free loopback port (the generation server a rollout
+    worker's endpoint would call), as a pool of that one server: an agent's sessions sample there."""
     from ..generation.server import serve
 
     local = cfg.model_copy(deep=True)
@@ -167,17 +175,9 @@ def _agent_rows(cfg: Config, backend: HFBackend, prompts: list, params: Sampling
     svc = serve(local, backend=backend).start()
     try:
         assert svc.server is not None  # start() bound it
-        address = f"127.0.0.1:{svc.server.port}"
-        servers = ServerPool.fixed(address, cfg.rpc)
+        servers = ServerPool.fixed(f"127.0.0.1:{svc.server.port}", generation_clients(cfg.rpc))
         try:
-            # every turn its own sampling noise (one seed for all would repeat a sample n times)
-            host = agent_host(local, backend.tokenizer, servers, dataclasses.replace(params, n=1, seed=None), port=0)
-            try:
-                return evaluate_agent(
-                    host, prompts, backend.tokenizer, n=params.n, batch=cfg.generation.max_batch_size, progress=progress
-                )
-            finally:
-                host.close()
+            yield servers
         finally:
             servers.close()
     finally:

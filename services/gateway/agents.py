@@ -19,7 +19,7 @@ The hops of one session:
       agent(client, sample)       the user's code: chat completions through the endpoint (app.py)
       Session.record              the token-exact trajectory the endpoint recorded (sessions.py)
       Episode                     the reward or the failure, and the trajectory
-The held-out eval of an agent is evaluate.py.
+The held-out eval of an agent is evaluate.py (`AgentSessions`).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class Episode:
 
 class AgentHost:
     """An agent function and the endpoint it talks to: the gateway's app over `servers` (a
-    generation/client.py:ServerPool), on a free loopback port. Every request samples with
+    common/servers.py:ServerPool), on a free loopback port. Every request samples with
     `params` (the training distribution for rollouts, the eval's for an eval: whatever the agent
     asks, the learner's log-probs are of that distribution), one choice a request (a sample is one
     conversation), and only in a session opened here (a request of an ended session: 404)."""

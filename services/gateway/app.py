@@ -12,7 +12,8 @@ One request, hop by hop:
       Session.prompt              token-exact: the session's tokens so far + the new messages'
                                   (sessions.py)
       Sampler.generate            the session's generation server while it lives, else another
-                                  (ServerPool: pick, avoid); gRPC Generate on token ids
+                                  (common/servers.py: Tries over the ServerPool, each server
+                                  once); gRPC Generate on token ids
       _choices                    stop strings cut, text decoded, log-probs kept
       Session.sampled             the turn's choices pending until the next request takes one
 """
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.http_guard import Guard, document_guard, error_body, install_error_handlers
+from ..common.servers import Fault, RetryPolicy, Tries
 from ..common.types import SamplingParams
 from .metrics import GatewayMetrics
 from .sessions import ChatTokens, Choice, Plan, Session, Sessions
@@ -119,7 +121,10 @@ class GatewayError(Exception):
 class Sampler:
     """Generate calls for sessions: each session's requests go to one generation server while it
     answers (its prefix cache stays warm); one that fails is avoided for a while and the call goes
-    to another. `servers`: the pool of generation servers (generation/client.py:ServerPool)."""
+    to another, each server tried once (`RETRY`). `servers`: the pool of generation servers
+    (common/servers.py:ServerPool)."""
+
+    RETRY = RetryPolicy(avoid_s=AVOID_S, each_once=True)
 
     def __init__(self, servers, timeout_s: float | Callable[[], float]):
         """`timeout_s`: a call's deadline, or what gives it at each call."""
@@ -128,16 +133,12 @@ class Sampler:
 
     def generate(self, session: Session, prompt: list[int], params: SamplingParams, first: int):
         """`first`: how many of `prompt`'s tokens are its conversation's first prompt."""
-        tried: set[str] = set()
         key = uuid.uuid4().hex  # one request: a retry on the same server joins its work
-        while True:
-            address = (  # a new server at the session's policy version if one is
-                session.server if session.server not in (None, *tried) else self.servers.pick(session.min_version)
-            )
-            if address is None or address in tried:
-                raise GatewayError(
-                    503, "no generation server is available", "service_unavailable", "no_generation_server"
-                )
+        # the session's server first, else a new one at the session's policy version if one is
+        tries = Tries(self.servers, self.RETRY, session.min_version, first=session.server)
+        for address in tries:
+            if address is None:
+                break
             try:
                 result = self.servers.client(address).generate(
                     [prompt], params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first]
@@ -145,19 +146,25 @@ class Sampler:
             except ValueError as e:  # a value the wire cannot carry (the request's checks let none through)
                 raise GatewayError(400, f"the request: {e}") from None
             except grpc.RpcError as e:
-                if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise GatewayError(400, f"the request: {e.details()}") from None
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise GatewayError(
-                        429, f"the generation server is full: {e.details()}", "rate_limit_error", "server_full"
-                    ) from None
+                _refused(e)
                 log.warning("generation server %s failed (%s); the session goes on on another", address, e.code().name)
-                self.servers.avoid(address, AVOID_S)
-                tried.add(address)
+                tries.failed(address, Fault.FAILED)
                 session.server = None
                 continue
             session.server = address
             return result
+        raise GatewayError(503, "no generation server is available", "service_unavailable", "no_generation_server")
+
+
+def _refused(e: grpc.RpcError) -> None:
+    """A failed Generate that no other server mends, as the gateway's answer: the request refused
+    (400), or the server full (429)."""
+    if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        raise GatewayError(400, f"the request: {e.details()}") from None
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        raise GatewayError(
+            429, f"the generation server is full: {e.details()}", "rate_limit_error", "server_full"
+        ) from None
 
 
 def _stop_list(stop) -> list[str]:

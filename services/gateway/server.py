@@ -21,7 +21,8 @@ import grpc
 from ..common.lifecycle import HTTPServerThread, Service
 from ..common.modeling import load_tokenizer
 from ..common.rpc.client import endpoint_address
-from ..generation.client import ServerPool
+from ..common.servers import ServerPool
+from ..generation.client import generation_clients
 from .app import Gateway, Sampler, build_app
 from .metrics import GatewayMetrics
 from .sessions import Sessions
@@ -52,10 +53,12 @@ class GatewayService(Service):
             from ..common.replay import ReplayStore
 
             store = self.store = ReplayStore.from_config(cfg)
-            self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+            self.servers = ServerPool(
+                lambda: store.live("generation"), generation_clients(cfg.rpc), cfg.replay.heartbeat_s / 2
+            )
         else:
             self.fixed = endpoint_address(cfg.rpc.generation)
-            self.servers = ServerPool.fixed(self.fixed, cfg.rpc)
+            self.servers = ServerPool.fixed(self.fixed, generation_clients(cfg.rpc))
         sessions = Sessions(
             ep.session_ttl_s,
             ep.max_sessions,

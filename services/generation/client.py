@@ -1,13 +1,10 @@
 """A gRPC client of the generation server with the backend's own interface: `generate` returns a
 `GenerationResult`, `update_weights` pushes a state dict as a versioned, checksummed stream;
-`load_shared` points a co-located server at a version in shared memory. `ServerPool`: which live
-generation server to call."""
+`load_shared` points a co-located server at a version in shared memory. `generation_clients`: how
+a `ServerPool` (common/servers.py: which live generation server to call) reaches one."""
 
 from __future__ import annotations
 
-import itertools
-import threading
-import time
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import grpc
@@ -122,98 +119,7 @@ class GenerationClient(RPCClient):
         return int(self.info().policy_version)
 
 
-class ServerPool:
-    """The one answer to "which generation server do I call?", for the rollout workers, the
-    learner's eval and its weight pushes: the live servers of the registry (`live()`: address ->
-    its entry, re-read when older than `refresh_s`), one picked round robin preferring those at a
-    policy version, a server that just failed avoided for a while, and one cached client per
-    address.
-
-    `clock` (monotonic seconds) times the avoidance; a test may move it."""
-
-    def __init__(
-        self,
-        live: Callable[[], dict[str, dict]],
-        rpc_cfg: RPCConfig,
-        refresh_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self._read, self.rpc_cfg, self.refresh_s, self.clock = live, rpc_cfg, refresh_s, clock
-        self._servers: dict[str, dict] = {}
-        self._read_at: float | None = None  # when the registry was last read (`clock`)
-        self._avoided: dict[str, float] = {}  # address -> until when (`clock`)
-        self._clients: dict[str, GenerationClient] = {}
-        self._turn = itertools.count()
-        self._lock = threading.Lock()
-
-    @classmethod
-    def fixed(cls, address: str, rpc_cfg: RPCConfig) -> "ServerPool":
-        """A pool of the one server at `address` (no registry: a configured server, an eval's own)."""
-        return cls(lambda: {address: {}}, rpc_cfg, refresh_s=3600.0)
-
-    def live(self, fresh: bool = False) -> dict[str, dict]:
-        """The registry's live generation servers (address -> entry, with its `version`): read
-        again when `fresh` or older than `refresh_s`."""
-        with self._lock:
-            return dict(self._live(fresh))
-
-    def _live(self, fresh: bool) -> dict[str, dict]:
-        now = self.clock()
-        if fresh or self._read_at is None or now - self._read_at > self.refresh_s:
-            self._servers, self._read_at = self._read(), now
-        return self._servers
-
-    def pick(self, version: int = 0, only_at_version: bool = False) -> str | None:
-        """A live server not avoided now, round robin: one the registry shows at `version` or
-        newer if any (re-reading the registry before settling for an older one), else, unless
-        `only_at_version`, any (its answer's version is the final word). None when there is none."""
-        with self._lock:
-            now = self.clock()
-            for fresh in (False, True):
-                servers = self._live(fresh)
-                usable = sorted(a for a in servers if self._avoided.get(a, 0) <= now)
-                current = [a for a in usable if servers[a].get("version", 0) >= version]
-                if current:
-                    break
-            candidates = current if (current or only_at_version) else usable
-            return candidates[next(self._turn) % len(candidates)] if candidates else None
-
-    def avoid(self, address: str, seconds: float) -> None:
-        """Leave `address` out of `pick` for `seconds`; the registry is read again at the next pick."""
-        with self._lock:
-            self._avoided[address] = self.clock() + seconds
-            self._read_at = None
-
-    def avoided(self) -> dict[str, float]:
-        """The servers `pick` leaves out now: address -> seconds left."""
-        with self._lock:
-            now = self.clock()
-            return {a: until - now for a, until in self._avoided.items() if until > now}
-
-    def client(self, address: str) -> GenerationClient:
-        with self._lock:
-            if address not in self._clients:
-                self._clients[address] = GenerationClient(address, self.rpc_cfg)
-            return self._clients[address]
-
-    def wait_for(
-        self, version: int, timeout_s: float | None, stop: threading.Event, on_tick: Callable[[], None] = lambda: None
-    ) -> str | None:
-        """A server at `version` or newer (`pick(version, only_at_version=True)`), waiting for
-        one up to `timeout_s` (None: until `stop` is set), calling `on_tick` at each look; None
-        when the time is up or `stop` is set."""
-        deadline = None if timeout_s is None else self.clock() + timeout_s
-        while True:
-            address = self.pick(version, only_at_version=True)
-            if address is not None:
-                return address
-            if (deadline is not None and self.clock() > deadline) or stop.is_set():
-                return None
-            on_tick()
-            stop.wait(0.2)  # the next pick reads the registry again (none was at the version)
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for c in clients:
-            c.close()
+def generation_clients(rpc_cfg: RPCConfig) -> Callable[[str], GenerationClient]:
+    """How a `ServerPool` of generation servers (common/servers.py) reaches one: a client of its
+    address with `rpc_cfg`."""
+    return lambda address: GenerationClient(address, rpc_cfg)

@@ -16,13 +16,16 @@ around it. One iteration, hop by hop:
     PushSink.publish              the next version from Redis's counter, then
       publisher.push              snapshot, plan, deliver to every live server    (weights/publisher.py)
     ReplaySource.trained          acknowledge the groups as trained               (intake.py)
-    LearnerLoop.evaluate          on the schedule: through a server of `ServerPool` (generation/client.py)
+    LearnerLoop.evaluate          on the schedule: through a server of the `ServerPool`,
+                                  tried as `eval_retry` says                      (common/servers.py)
+      held_out_evaluator          one reply per prompt, or the agent's sessions   (gateway/evaluate.py)
     LearnerLoop.checkpoint        on the schedule; then the trajectories in it
                                   are acknowledged in Redis                       (checkpoint.py)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -40,16 +43,16 @@ from ..common.replay import ReplayStore
 from ..common.rpc.client import endpoint_address
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, EachAnswer, RideThrough
+from ..common.servers import Fault, RetryPolicy, ServerPool, Tries
 from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
 from ..common.types import Progress, Rollout, SamplingParams, no_progress
 from ..critic.client import CriticClient, OverlappedCritic
-from ..gateway.agents import AgentServiceDown, Outage, agent_host
-from ..gateway.evaluate import evaluate_agent
-from ..generation.client import ServerPool
+from ..gateway.agents import AgentServiceDown, Outage
+from ..gateway.evaluate import held_out_evaluator
+from ..generation.client import generation_clients
 from ..reward.client import HeldOut, RewardClient
 from ..training.data import config_prompts
-from ..training.evaluate import eval_metrics, evaluate
 from ..training.loop import Batch, Phase, TrainingLoop
 from ..training.runlog import RunLog
 from ..training.schedule import Schedule, Tick, planned_updates
@@ -257,7 +260,9 @@ class LearnerLoop:
         # the heartbeat at each tick of the wait for trajectories
         self.intake = TrajectoryIntake(cfg, self.store, self.feeder, on_progress=self.heartbeat)
         # the live generation servers: pushed to, and one at the current version for the eval
-        self.servers = ServerPool(lambda: self.store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+        self.servers = ServerPool(
+            lambda: self.store.live("generation"), generation_clients(cfg.rpc), cfg.replay.heartbeat_s / 2
+        )
         # the heartbeat as each server's push is answered
         self.publisher = Publisher(cfg, self.store, self.learner, self.servers, on_progress=self.heartbeat)
         self.sink = PushSink(self.store, self.publisher)
@@ -283,6 +288,14 @@ class LearnerLoop:
         self.poller: ReplayPoller | None = None  # the prompt queue's gauges, from start to close
         self.ready = threading.Event()  # resumed and the current policy published
         self.eval_params = SamplingParams.for_eval(cfg)
+        # the eval's way through the servers: only one at the current version, waited for up to
+        # rpc.dependency_wait_s; one that failed it avoided for a heartbeat's time to live
+        self.eval_retry = RetryPolicy(
+            backoff_s=cfg.rpc.retry_backoff_s,
+            avoid_s=cfg.replay.heartbeat_ttl_s,
+            only_at_version=True,
+            wait_s=cfg.rpc.dependency_wait_s,
+        )
         self.resumed_from: int | None = None
         self.t_start = time.time()
 
@@ -485,61 +498,49 @@ class LearnerLoop:
 
     def evaluate(self) -> dict:
         """Held-out eval through a generation server that serves the current version; one that
-        fails is skipped for a while and another (or the same, restarted) one is used."""
+        fails is skipped for a while and another (or the same, restarted) one is used
+        (`self.eval_retry`). An agent's eval that failed for its agent service's sake skips none."""
         phase = self.phase.name
         self.phase.enter("evaluating")
         version = self.learner.version
-        while True:
-            address = self.servers.wait_for(
-                version, self.cfg.rpc.dependency_wait_s, self.stop_event, on_tick=self.heartbeat
-            )  # waiting for a server, not stuck
+        # waiting for a server, not stuck: each look beats
+        tries = Tries(self.servers, self.eval_retry, version, self.stop_event, on_tick=self.heartbeat)
+        for address in tries:
             if address is None:
-                raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
-            target = self.servers.client(address)
-            try:
-                if self.cfg.rollout.sessions:  # the agent's sessions, every turn on this server
-                    out = self._agent_eval(address)
-                    break
-                out = evaluate(
-                    self.held_out,
-                    target,
-                    HeldOut(self.reward),
-                    self.tokenizer,
-                    self.eval_params,
-                    proxy=self.reward if self.cfg.reward.eval_rules is not None else None,
-                )
                 break
+            try:
+                out = self._evaluate_on(address)
             except Outage as e:
                 log.warning("agent eval on %s failed (%s); trying again", address, e)
-                if not isinstance(e, AgentServiceDown):  # the generation server failed it: skip that one
-                    self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
-                self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
+                tries.failed(address, Fault.ELSEWHERE if isinstance(e, AgentServiceDown) else Fault.FAILED)
+                continue
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
                 if reason_of(e) is Reason.REWARD_FUNCTION_FAILED:  # the user's reward function raised
                     raise RunFailed(e.details()) from None
                 log.warning("eval on %s failed (%s: %s); skipping it", address, e.code().name, e.details())
-                self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
-                self.stop_event.wait(self.cfg.rpc.retry_backoff_s)
-        self.phase.enter(phase)
-        return out
+                tries.failed(address, Fault.FAILED)
+                continue
+            self.phase.enter(phase)
+            return out
+        raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
 
-    def _agent_eval(self, address: str) -> dict:
-        """One session of the agent (`rollout.agent`, `environment` or `agent_url`) per held-out
-        prompt through an endpoint of the learner's
-        own, every turn sampled at eval_temperature by the server at `address`; the agent's reward.
-        A server that fails mid-eval (Outage) is avoided like a failed call: the eval is done again."""
-        one = ServerPool.fixed(address, self.cfg.rpc)
-        try:
-            host = agent_host(self.cfg, self.tokenizer, one, self.eval_params, port=0)
-            try:
-                rows = evaluate_agent(host, self.held_out, self.tokenizer, batch=self.cfg.generation.max_batch_size)
-            finally:
-                host.close()
-        finally:
-            one.close()
-        return eval_metrics(rows)
+    def _evaluate_on(self, address: str) -> dict:
+        """The held-out eval of the policy the server at `address` serves: one reply per prompt
+        scored by the reward server's held-out reward (and the training reward besides a gold one),
+        or an agent's sessions, every turn on that server, through an endpoint of the learner's own."""
+        rpc = self.cfg.rpc
+        with held_out_evaluator(
+            self.cfg,
+            self.tokenizer,
+            self.eval_params,
+            backend=self.servers.client(address),
+            scorer=HeldOut(self.reward),
+            proxy=self.reward if self.cfg.reward.eval_rules is not None else None,
+            servers=lambda: contextlib.closing(ServerPool.fixed(address, generation_clients(rpc))),
+        ) as evaluator:
+            return evaluator.metrics(self.held_out)
 
     def stop(self) -> None:
         self.stop_event.set()

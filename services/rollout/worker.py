@@ -53,10 +53,11 @@ from ..common.replay.records import group_to_proto, task_record
 from ..common.rpc.client import endpoint_address
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, RideThrough, Tagged
+from ..common.servers import Fault, RetryPolicy, ServerPool, Tries
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..gateway.agents import agent_host
-from ..generation.client import GenerationClient, ServerPool
+from ..generation.client import GenerationClient, generation_clients
 from ..reward.client import RewardAPIFailure, RewardClient
 from .agents import AgentSampling, Rejected
 from .step import sample_groups
@@ -242,7 +243,20 @@ class RolloutWorker:
                 ],
             )
         # which generation server to call: round robin, at the version if one is, avoiding failures
-        self.servers = ServerPool(lambda: store.live("generation"), cfg.rpc, cfg.replay.heartbeat_s / 2)
+        self.servers = ServerPool(
+            lambda: store.live("generation"), generation_clients(cfg.rpc), cfg.replay.heartbeat_s / 2
+        )
+        # a batch's tries: `rollout.retries` more after the first, the backoff doubling; a server that
+        # failed avoided until the next try, one that refused the request a heartbeat's time to
+        # live, one behind the version a heartbeat
+        rc = cfg.rollout
+        self.retry = RetryPolicy(
+            tries=rc.retries + 1,
+            backoff_s=rc.retry_backoff_s,
+            max_backoff_s=cfg.rpc.retry_max_backoff_s,
+            refused_s=cfg.replay.heartbeat_ttl_s,
+            behind_s=cfg.replay.heartbeat_s,
+        )
         self.agents: AgentSampling | None = None
         if cfg.rollout.sessions:  # each sample a session of the user's agent, on an endpoint of its own
             self.agents = AgentSampling(
@@ -270,27 +284,26 @@ class RolloutWorker:
         return base + rc.generate_timeout_per_token_s * n_prompts * params.n * params.max_new_tokens
 
     def _sample(self, entries: list, score_retries: int | None = None) -> list | None:
-        """Groups for `entries` (one Generate call), retrying transient failures; None = give up
-        (the prompts stay pending and are reclaimed later). `ScoringFailed` when the reward API
-        failed the batch `score_retries` + 1 times (default `reward.group_retries` + 1)."""
+        """Groups for `entries` (one Generate call), retrying transient failures on the servers
+        `self.retry` picks; None = give up (the prompts stay pending and are reclaimed later).
+        `ScoringFailed` when the reward API failed the batch `score_retries` + 1 times (default
+        `reward.group_retries` + 1)."""
         tasks = [t for _, t in entries]
         if self.agents is not None:
             return self.agents.sample(tasks)
         min_version = max(t.min_version for t in tasks)
         params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
-        rc = self.cfg.rollout
         key, timeout = uuid.uuid4().hex, self.generate_timeout(len(tasks), params)
         retries = self.cfg.reward.group_retries if score_retries is None else score_retries
         scoring = _Scoring(self.reward, retries, self.cfg.reward.group_retry_wait_s, self.stop_event, self.metrics)
-        for attempt in range(rc.retries + 1):
-            delay = min(rc.retry_backoff_s * 2**attempt, self.cfg.rpc.retry_max_backoff_s)
-            if self.stop_event.is_set() and attempt:
+        tries = Tries(self.servers, self.retry, min_version, self.stop_event)
+        for address in tries:
+            if self.stop_event.is_set() and tries.attempt:
                 return None
-            address = self.servers.pick(min_version)
             if address is None:
                 self.metrics.error("no_generation_server").inc()
-                log.info("no live generation server registered; waiting %.1fs", delay)
-                self.stop_event.wait(delay)
+                log.info("no live generation server registered; waiting %.1fs", tries.backoff_s)
+                tries.failed(None)
                 continue
             try:
                 generation = _OneBatch(self.servers.client(address), key, timeout)
@@ -309,53 +322,14 @@ class RolloutWorker:
                 log.error("batch of %d prompts left pending: %s", len(tasks), e)
                 return None
             except grpc.RpcError as e:
-                source, reason = getattr(e, "service", "generation"), reason_of(e)
-                if reason is Reason.REWARD_FUNCTION_FAILED:
-                    raise RewardFunctionFailed(e.details()) from None  # the user's function raised
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (
-                    source != "generation" or reason is Reason.PROMPT_INVALID
-                ):
-                    raise ValueError(e.details()) from None  # about a prompt: isolate it
-                self.metrics.error(e.code().name.lower()).inc()
-                if source != "generation":
-                    log.warning(
-                        "batch of %d prompts: the %s server answered %s (%s); retry %d/%d",
-                        len(tasks),
-                        source,
-                        e.code().name,
-                        e.details(),
-                        attempt + 1,
-                        rc.retries,
-                    )
-                    self.stop_event.wait(delay)
-                    continue
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    log.error(
-                        "generation server %s refuses the request itself (%s): its limits differ from this "
-                        "worker's config; trying another",
-                        address,
-                        e.details(),
-                    )
-                    self.servers.avoid(address, self.cfg.replay.heartbeat_ttl_s)
-                else:
-                    log.warning(
-                        "batch of %d prompts failed on %s (%s: %s); retry %d/%d",
-                        len(tasks),
-                        address,
-                        e.code().name,
-                        e.details(),
-                        attempt + 1,
-                        rc.retries,
-                    )
-                    self.servers.avoid(address, delay)
-                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        timeout *= 2  # the server was slower than the budget: the same deadline would fail again
-                self.stop_event.wait(delay)
+                fault = self._fault(e, address, len(tasks), tries.attempt)
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and fault is Fault.FAILED:
+                    timeout *= 2  # the server was slower than the budget: the same deadline would fail again
+                tries.failed(address, fault)
                 continue
             if groups and groups[0].version < min_version:  # the server missed a push; it will catch up
                 log.info("%s served version %d < %d; trying another", address, groups[0].version, min_version)
-                self.servers.avoid(address, self.cfg.replay.heartbeat_s)
-                time.sleep(0.05)
+                tries.failed(address, Fault.BEHIND)
                 continue
             log.debug(
                 "batch of %d: generate %.3fs score %.3fs values %.3fs",
@@ -366,6 +340,48 @@ class RolloutWorker:
             )
             return [(g, address, m) for g in groups]
         return None
+
+    def _fault(self, e: grpc.RpcError, address: str, n_prompts: int, attempt: int) -> Fault:
+        """What a failed try of a batch on `address` says (counted and logged): the generation
+        server failed (`FAILED`) or refused the request as a whole (`REFUSED`), or the reward or
+        critic server failed it (`ELSEWHERE`). Raises for what no retry mends: a prompt refused
+        (ValueError: the batch is split to find it) or the user's reward function failing."""
+        source, reason = getattr(e, "service", "generation"), reason_of(e)
+        if reason is Reason.REWARD_FUNCTION_FAILED:
+            raise RewardFunctionFailed(e.details()) from None  # the user's function raised
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT and (source != "generation" or reason is Reason.PROMPT_INVALID):
+            raise ValueError(e.details()) from None  # about a prompt: isolate it
+        self.metrics.error(e.code().name.lower()).inc()
+        retries = self.cfg.rollout.retries
+        if source != "generation":
+            log.warning(
+                "batch of %d prompts: the %s server answered %s (%s); retry %d/%d",
+                n_prompts,
+                source,
+                e.code().name,
+                e.details(),
+                attempt + 1,
+                retries,
+            )
+            return Fault.ELSEWHERE
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            log.error(
+                "generation server %s refuses the request itself (%s): its limits differ from this "
+                "worker's config; trying another",
+                address,
+                e.details(),
+            )
+            return Fault.REFUSED
+        log.warning(
+            "batch of %d prompts failed on %s (%s: %s); retry %d/%d",
+            n_prompts,
+            address,
+            e.code().name,
+            e.details(),
+            attempt + 1,
+            retries,
+        )
+        return Fault.FAILED
 
     def process(self, entries: list) -> int:
         """Sample, append and acknowledge one claimed batch. Returns groups appended."""

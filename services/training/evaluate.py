@@ -1,20 +1,113 @@
-"""Held-out evaluation: generate for each prompt, score every sample, summarise. The training loop's
-eval runs it in-process (the generation backend and the scorer) or in the learner service (a
-generation server serving the current version and the reward server's held-out scorer): both
-satisfy `GenerationBackend.generate` and `Scorer.score`. `rlhf eval` runs it on any model
-directory.
+"""Held-out evaluation: one `Evaluator` for every held-out eval: the training loop's, in-process
+(`rlhf train --local`: the generation backend and the scorer) and in the learner service (a
+generation server serving the current version, the reward server's held-out scorer), and
+`rlhf eval` on any model directory. An Evaluator takes the prompts in batches, each batch to its
+`sampling` (how a prompt is sampled and scored, data: `SingleTurn` here, one completion per sample
+scored by a `Scorer`; or an agent's sessions, gateway/evaluate.py:`AgentSessions`), and gives the
+rows, or the training loop's `eval/...` metrics of them. Which sampling an eval uses is decided
+once, by `how_sampled`.
+
+    Evaluator.rows        the prompts in batches of `batch`, each batch -> `sampling.rows`
+      SingleTurn.rows     one generate call; every sample decoded, scored (and scored by the proxy)
+    Evaluator.metrics     the rows' `eval/...` metrics (`eval_metrics`), the rows under "generations"
 
 A generation row: {"id", "prompt", "response", "label", "reward", "components", "sample"}
-(`sample`: 0..n-1, the samples of one prompt).
+(`sample`: 0..n-1, the samples of one prompt), and `proxy_reward` when a proxy scores them too.
 """
 
 from __future__ import annotations
 
+import enum
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from ..common.types import PromptRecord, RewardSample, SamplingParams
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+
+
+class Sampled(enum.Enum):
+    """How each held-out prompt is sampled and scored."""
+
+    REPLY = "reply"  # `params.n` completions in one generate call, each scored by the held-out reward
+    SESSIONS = "sessions"  # `params.n` sessions of the config's agent, each with the agent's reward
+
+
+def how_sampled(cfg: Config, rule: str | None = None) -> Sampled:
+    """The one choice of how a held-out prompt is sampled: the sessions of the config's agent
+    (`rollout.agent`, `environment` or `agent_url`), unless a reward `rule` is to score one reply
+    (`rlhf eval --rule`); else one completion per sample."""
+    return Sampled.SESSIONS if cfg.rollout.sessions and rule is None else Sampled.REPLY
+
+
+class Sampling(Protocol):
+    """How a batch of held-out prompts becomes eval rows: one per sample, in record order."""
+
+    def rows(self, records: list[PromptRecord]) -> list[dict]: ...
+
+
+@dataclass
+class SingleTurn:
+    """Each prompt's `params.n` samples in one generate call of `backend` (a `GenerationBackend`:
+    in-process, or a generation server's client), decoded with `tokenizer`, each scored by
+    `scorer`. `proxy`: the training reward, when the held-out one is a gold reward apart
+    (`reward.eval_rules`): the same responses scored by it too (each row's `proxy_reward`), so a
+    policy that pleases the proxy but not the gold shows."""
+
+    backend: Any
+    scorer: Any
+    tokenizer: Any
+    params: SamplingParams
+    proxy: Any = None
+
+    def rows(self, records: list[PromptRecord]) -> list[dict]:
+        gen = self.backend.generate([self.tokenizer(r.prompt)["input_ids"] for r in records], self.params)
+        decode = self.tokenizer.decode
+        texts = [[decode(c.token_ids, skip_special_tokens=True) for c in comps] for comps in gen.completions]
+        samples = [RewardSample(r.prompt, t, r.label, r.metadata) for r, ts in zip(records, texts) for t in ts]
+        scored = iter(self.scorer.score(samples))
+        rows = [_row(r, t, j, next(scored)) for r, ts in zip(records, texts) for j, t in enumerate(ts)]
+        if self.proxy is not None and rows:
+            for row, s in zip(rows, self.proxy.score(samples)):
+                row["proxy_reward"] = s.reward
+        return rows
+
+
+def _row(record: PromptRecord, response: str, sample: int, score) -> dict:
+    return {
+        "id": record.id,
+        "prompt": record.prompt,
+        "response": response,
+        "label": record.label,
+        "reward": score.reward,
+        "components": dict(score.components),
+        "sample": sample,
+    }
+
+
+@dataclass
+class Evaluator:
+    """A held-out eval: the prompts `batch` at a time (None: all at once) through `sampling`."""
+
+    sampling: Sampling
+    batch: int | None = None
+
+    def rows(self, records: list[PromptRecord], progress: Callable[[int, int], None] | None = None) -> list[dict]:
+        """Every sample's row, in record order; `progress(done, total)` after each batch."""
+        rows: list[dict] = []
+        step = self.batch or max(1, len(records))
+        for start in range(0, len(records), step):
+            rows += self.sampling.rows(records[start : start + step])
+            if progress is not None:
+                progress(min(start + step, len(records)), len(records))
+        return rows
+
+    def metrics(self, records: list[PromptRecord]) -> dict:
+        """The training loop's held-out eval: its `eval/...` metrics, the rows under "generations"."""
+        return eval_metrics(self.rows(records))
 
 
 def generate_and_score(
@@ -28,31 +121,7 @@ def generate_and_score(
 ) -> list[dict]:
     """`params.n` samples of each record's prompt, each scored: one row per sample, in record order.
     `batch`: prompts per generate call (None: all at once); `progress(done, total)` after each."""
-    rows: list[dict] = []
-    step = batch or max(1, len(records))
-    for start in range(0, len(records), step):
-        chunk = records[start : start + step]
-        gen = backend.generate([tokenizer(r.prompt)["input_ids"] for r in chunk], params)
-        texts = [[tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps] for comps in gen.completions]
-        samples = [RewardSample(r.prompt, t, r.label, r.metadata) for r, ts in zip(chunk, texts) for t in ts]
-        scored = iter(scorer.score(samples))
-        for r, ts in zip(chunk, texts):
-            for j, t in enumerate(ts):
-                s = next(scored)
-                rows.append(
-                    {
-                        "id": r.id,
-                        "prompt": r.prompt,
-                        "response": t,
-                        "label": r.label,
-                        "reward": s.reward,
-                        "components": dict(s.components),
-                        "sample": j,
-                    }
-                )
-        if progress is not None:
-            progress(min(start + step, len(records)), len(records))
-    return rows
+    return Evaluator(SingleTurn(backend, scorer, tokenizer, params), batch).rows(records, progress)
 
 
 def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
@@ -73,29 +142,15 @@ def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
     return out
 
 
-def evaluate(records: list[PromptRecord], backend, scorer, tokenizer, params: SamplingParams, proxy=None) -> dict:
-    """The training loop's held-out eval: `params.n` = 1 sample per prompt (greedy at
-    eval_temperature 0), scored; `eval/...` metrics, and the rows under "generations".
-    `proxy`: the training reward, when the held-out one (`scorer`) is a gold reward apart
-    (`reward.eval_rules`): the same responses scored by it too, as `eval/proxy_reward_mean` and
-    each row's `proxy_reward`, so a policy that pleases the proxy but not the gold shows."""
-    rows = generate_and_score(records, backend, scorer, tokenizer, params)
-    out = eval_metrics(rows)
-    if proxy is not None and rows:
-        meta = {r.id: r.metadata for r in records}
-        scored = proxy.score([RewardSample(r["prompt"], r["response"], r["label"], meta[r["id"]]) for r in rows])
-        for r, s in zip(rows, scored):
-            r["proxy_reward"] = s.reward
-        out["eval/proxy_reward_mean"] = sum(s.reward for s in scored) / len(scored)
-    return out
-
-
 def eval_metrics(rows: list[dict]) -> dict:
-    """The training loop's `eval/...` metrics of scored rows (`summarize`), the rows under "generations"."""
+    """The training loop's `eval/...` metrics of scored rows (`summarize`; `eval/proxy_reward_mean`
+    when a proxy scored them too), the rows under "generations"."""
     summary = summarize(rows)
     out: dict = {"eval/reward_mean": summary["reward_mean"]}
     out.update({f"eval/{k}": v for k, v in summary.items() if k not in ("reward_mean", "prompts", "samples")})
     out["generations"] = rows
+    if rows and "proxy_reward" in rows[0]:
+        out["eval/proxy_reward_mean"] = sum(r["proxy_reward"] for r in rows) / len(rows)
     return out
 
 

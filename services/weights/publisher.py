@@ -20,7 +20,7 @@ One weight push, hop by hop (docs/architecture.md, section 12):
     learner/run.py:PushSink.publish            the version, from Redis's counter (common/replay/fence.py)
     Publisher.push                              this file, from here on
       Publisher.take_snapshot                   the policy's state dict (LoRA: the targets over the base)
-      ServerPool.live                           the live servers (generation/client.py)
+      ServerPool.live                           the live servers (common/servers.py)
       Publisher.plan                            full or partial, shared memory or the stream
       Publisher.deliver                         every server at once, by its transport's jobs
         generation/server.py:PushWeights, LoadSharedWeights
@@ -238,7 +238,7 @@ class SharedMemoryTransport:
 
 
 class Servers(Protocol):
-    """What a push asks of the pool of generation servers (generation/client.py:ServerPool)."""
+    """What a push asks of the pool of generation servers (common/servers.py:ServerPool)."""
 
     def live(self, fresh: bool = False) -> dict[str, dict]: ...  # address -> its registry entry
 

@@ -12,11 +12,12 @@ import torch
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
+from services.common.servers import ServerPool
 from services.common.types import Rollout
 from services.gateway.app import Gateway, Sampler, build_app
 from services.gateway.sessions import Sessions, as_sample
 from services.generation.backend import HFBackend
-from services.generation.client import ServerPool
+from services.generation.client import generation_clients
 from services.generation.server import serve
 from services.learner.trainer import PolicyTrainer
 from tests.grpc_helpers import TOKEN, on_free_ports
@@ -43,7 +44,7 @@ class Running:
         self.gen = [
             serve(on_free_ports(cfg, "generation"), backend=HFBackend(model_dir, "cpu")).start() for _ in range(servers)
         ]
-        self.pool = ServerPool(self._live, cfg.rpc, 0.0)
+        self.pool = ServerPool(self._live, generation_clients(cfg.rpc), 0.0)
         self.tok = load_tokenizer(model_dir)
         self.gateway = Gateway(self.tok, Sampler(self.pool, 60), Sessions(), "tiny", cfg.response_length, 8)
         self.http = HTTPServerThread(build_app(self.gateway, TOKEN), "127.0.0.1", 0, name="gateway-test")

@@ -2,9 +2,11 @@
 prompts fed again, a prompt is never trained twice, the prompt feed stays `max_staleness`
 batches ahead, and a checkpoint acknowledges what it includes and resumes exactly."""
 
+import dataclasses
 import json
 import logging
 
+import grpc
 import pytest
 
 from services.common.config import config_from_dict
@@ -171,3 +173,53 @@ def test_reward_hacking_shows_in_status_metrics_and_the_checkpoint(loop, caplog)
     assert LearnerServicer(loop).Status(None, None).reward_hacking_suspected is True
     assert loop.metrics.registry.get_sample_value("rlhf_learner_reward_hacking", {"service": "learner"}) == 1
     assert loop.state_dict()["watch"]["last"]["suspected"] is True
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return f"{self._code.name} for the test"
+
+
+def test_the_eval_skips_a_server_that_failed_it_and_says_when_none_serves_the_version(loop):
+    """The learner's eval runs on a server at the current version; one that fails it (a gRPC
+    error, or its agent sessions without a server) is avoided for replay.heartbeat_ttl_s and
+    another tried; one whose agent service was down is not avoided; a bad request ends the eval;
+    no server at the version within rpc.dependency_wait_s: DependencyUnavailable."""
+    from services.common.rpc.retry import DependencyUnavailable
+    from services.common.servers import ServerPool
+    from services.gateway.agents import AgentServiceDown
+
+    version = loop.learner.version
+    registry = {"a:1": {"version": version}, "b:1": {"version": version}}
+    loop.servers = ServerPool(lambda: dict(registry), lambda address: None, refresh_s=60.0)
+    outcomes = [_Failed(grpc.StatusCode.UNAVAILABLE), AgentServiceDown("down"), {"eval/reward_mean": 0.5}]
+    tried = []
+
+    def on(address):
+        tried.append(address)
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    loop._evaluate_on = on
+    loop.phase.enter("training")
+    assert loop.evaluate() == {"eval/reward_mean": 0.5} and loop.state == "training"
+    assert tried == ["a:1", "b:1", "b:1"]
+    assert set(loop.servers.avoided()) == {"a:1"}  # the agent service's outage is not b's
+    assert loop.servers.avoided()["a:1"] == pytest.approx(loop.cfg.replay.heartbeat_ttl_s, abs=1.0)
+
+    outcomes[:] = [_Failed(grpc.StatusCode.INVALID_ARGUMENT)]
+    with pytest.raises(grpc.RpcError):
+        loop.evaluate()
+
+    registry["b:1"]["version"] = version - 1  # a:1 avoided, b:1 behind: none serves the version
+    loop.eval_retry = dataclasses.replace(loop.eval_retry, wait_s=0.3)
+    with pytest.raises(DependencyUnavailable, match=f"no generation server serves policy version {version} for"):
+        loop.evaluate()

@@ -323,6 +323,34 @@ def test_rlhf_eval_runs_the_agent_and_shows_the_conversation(make_cfg, agents_fi
     assert any("model" in line and "baseline" in line for line in said)
 
 
+def test_the_learners_eval_runs_the_agent_on_the_server_at_its_version(make_cfg, agents_file, tmp_path):
+    """The learner's held-out eval with rollout.agent (`LearnerLoop.evaluate`): one session per
+    held-out prompt, every turn on a generation server at the policy's version, through an
+    endpoint of the learner's own; the agent's reward as `eval/reward_mean`, the conversations
+    in the generations."""
+    from services.learner.run import LearnerLoop
+
+    cfg = make_cfg(
+        prompt_length=128,
+        response_length=64,
+        rollout={"agent": f"{agents_file}:two_turns"},
+        data={"eval": "synthetic:reverse", "eval_size": 3},
+        generation={"eval_temperature": 0.0},
+    )
+    with _generation(cfg):
+        loop = LearnerLoop(cfg, tmp_path / "run")
+        try:
+            out = loop.evaluate()
+        finally:
+            loop.close()
+    rows = out.pop("generations")
+    assert sorted(out) == ["eval/agent", "eval/failed", "eval/reward_mean"] and out["eval/failed"] == 0.0
+    assert len(rows) == 3 and [r["sample"] for r in rows] == [0, 0, 0]
+    assert out["eval/reward_mean"] == pytest.approx(sum(r["reward"] for r in rows) / 3)
+    for r in rows:
+        assert [x["by"] for x in r["transcript"]] == ["policy", "environment", "policy"] and r["turns"] == 2
+
+
 def test_train_local_refuses_agents_and_a_config_gives_one_kind(agents_file, tmp_path, capsys):
     """Agents run in rollout workers: `rlhf train --local` says to use `rlhf up`; a config names
     one of agent, environment, agent_url; an environment that does not load is named as such."""
