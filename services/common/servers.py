@@ -21,7 +21,7 @@ What a failure *is* (a bad request, a bug in the user's code, a server at fault)
 caller's to decide: it knows its calls; the policy only says what each `Fault` costs the server.
 
 A generation server killed mid-run, hop by hop (docs/architecture.md, section 12):
-    rollout/worker.py:RolloutWorker._sample    its Generate fails: Tries.failed(address, Fault.FAILED)
+    rollout/sampling.py:Sampler._single_turn    its Generate fails: Tries.failed(address, Fault.FAILED)
       ServerPool.avoid                         left out for a while; the next try picks another
     learner/run.py:LearnerLoop.evaluate        the eval skips it the same way (ServerPool.wait_for)
     gateway/app.py:Sampler.generate            a session goes on on another server, each tried once

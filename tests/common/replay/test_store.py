@@ -180,7 +180,7 @@ def test_nothing_in_redis_is_pickled(store):
 def test_a_live_consumer_that_renews_its_claim_keeps_its_prompts(store):
     """Renewing every 0.1 s against a claim_idle_s of 3 s: held through four seconds (a renewal
     would have to be late by thirty periods to lose them); once renewal stops, they are reclaimed."""
-    from services.rollout.worker import _ClaimRenewal
+    from services.rollout.claims import ClaimRenewal as _ClaimRenewal
 
     other = _view(store, claim_idle_s=3.0)
     store.feed([_task(i) for i in range(3)])
