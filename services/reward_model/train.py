@@ -276,14 +276,7 @@ def train_one(
     rm = RewardModel(base, seed, rc.lora, rc.gradient_checkpointing, str(resolve_device(cfg.model.device)))
     steps_per_epoch = max(1, len(train) // rc.batch_size)
     total = steps_per_epoch * rc.epochs
-    hard = sum(p.hard for p in held_out)
-    say(
-        f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out"
-        + (f" ({hard} hard)" if hard else "")
-        + f"; {rc.epochs} epoch(s) of {steps_per_epoch} steps of {rc.batch_size} pairs"
-        + (", LoRA" if rm.lora else "")
-        + (", bf16" if rc.bf16 else "")
-    )
+    say(_plan(base, train, held_out, rc, steps_per_epoch, rm.lora))
     rows: list[dict] = []
     metrics = (out / "metrics.jsonl").open("w")
 
@@ -293,11 +286,7 @@ def train_one(
         metrics.flush()
 
     def held_out_eval(epoch: int, step: int) -> dict:
-        e = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
-        e["measured"] = measure(held_out, e["chosen"], e["rejected"])
-        row = {"step": step, "epoch": epoch, "eval/accuracy": e["accuracy"], "eval/loss": e["loss"]}
-        if e["measured"]["hard_accuracy"] is not None:
-            row["eval/hard_accuracy"] = e["measured"]["hard_accuracy"]
+        e, row = _held_out_eval(rm, held_out, rc, epoch, step)
         record(row)
         return e
 
@@ -333,16 +322,8 @@ def train_one(
             )
     metrics.close()
     rm.save(out)  # the statistics below are the written model's
-    sample = random.Random(seed).sample(train, min(len(train), STATS_PAIRS))  # enough for a mean and a std
-    on_train = evaluate_pairs(rm, sample, rc.micro_batch_size * 2)  # float32, as the reward server scores
-    answers = {}  # each answer once: with every pair of a prompt, a right answer is on n - k pairs
-    for p, c, r in zip(sample, on_train["chosen"].tolist(), on_train["rejected"].tolist()):
-        answers[(p.prompt, p.chosen)], answers[(p.prompt, p.rejected)] = c, r
-    both = torch.tensor(list(answers.values()))
     stats = {
-        "mean": both.mean().item(),
-        "std": both.std().item() if len(both) > 1 else 1.0,
-        "train_accuracy": on_train["accuracy"],
+        **answer_stats(rm, train, seed, rc.micro_batch_size * 2),
         "held_out_accuracy_before": before["accuracy"] if before else None,
         **(_held_out_stats(last["measured"]) if last else {"held_out_accuracy": None}),
         "train_pairs": len(train),
@@ -353,6 +334,50 @@ def train_one(
         "seconds": round(time.monotonic() - t_start, 1),
     }
     (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    _report(out, rows, last, stats, say)
+    return stats, last
+
+
+def _held_out_eval(rm: RewardModel, held_out: list[Preference], rc, epoch: int, step: int) -> tuple[dict, dict]:
+    """The held-out pairs scored and measured, and the metrics row of that."""
+    e = evaluate_pairs(rm, held_out, rc.micro_batch_size * 2, rc.bf16)
+    e["measured"] = measure(held_out, e["chosen"], e["rejected"])
+    row = {"step": step, "epoch": epoch, "eval/accuracy": e["accuracy"], "eval/loss": e["loss"]}
+    if e["measured"]["hard_accuracy"] is not None:
+        row["eval/hard_accuracy"] = e["measured"]["hard_accuracy"]
+    return e, row
+
+
+def _plan(base: str, train: list, held_out: list, rc, steps_per_epoch: int, lora: bool) -> str:
+    hard = sum(p.hard for p in held_out)
+    return (
+        f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out"
+        + (f" ({hard} hard)" if hard else "")
+        + f"; {rc.epochs} epoch(s) of {steps_per_epoch} steps of {rc.batch_size} pairs"
+        + (", LoRA" if lora else "")
+        + (", bf16" if rc.bf16 else "")
+    )
+
+
+def answer_stats(rm: RewardModel, train: list[Preference], seed: int, batch: int) -> dict:
+    """The mean and std of the written model's scores over the answers of at most STATS_PAIRS
+    training pairs, each answer once (with every pair of a prompt, a right answer is on n - k
+    pairs), in float32 as the reward server scores; and its accuracy on those pairs."""
+    sample = random.Random(seed).sample(train, min(len(train), STATS_PAIRS))  # enough for a mean and a std
+    on_train = evaluate_pairs(rm, sample, batch)
+    answers = {}
+    for p, c, r in zip(sample, on_train["chosen"].tolist(), on_train["rejected"].tolist()):
+        answers[(p.prompt, p.chosen)], answers[(p.prompt, p.rejected)] = c, r
+    both = torch.tensor(list(answers.values()))
+    return {
+        "mean": both.mean().item(),
+        "std": both.std().item() if len(both) > 1 else 1.0,
+        "train_accuracy": on_train["accuracy"],
+    }
+
+
+def _report(out: Path, rows: list[dict], last: dict | None, stats: dict, say: Callable[[str], None]) -> None:
+    """The curves and calibration drawn, the held-out measures and where the model is, printed."""
     _draw(lambda: plot_rm_curves(rows, out / "curves.png"), say)
     if last:
         for line in describe(last["measured"])[1:]:
@@ -363,7 +388,6 @@ def train_one(
         f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
         f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}"
     )
-    return stats, last
 
 
 def _step(rm: RewardModel, batch: list[Preference], optimizer, rc) -> dict:
