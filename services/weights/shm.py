@@ -382,6 +382,21 @@ def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -
     check_coverage((e[2] for e in entries), specs, h.format, where)
 
 
+def _check_request(req: gpb.SharedWeights) -> tuple[str, int, int]:
+    """The request's file name, size and piece size, each checked against its header."""
+    h = req.header
+    expected = weights_file_name(h.run_id, h.epoch, h.version, h.format)
+    if req.file_name != expected:
+        raise BadRequest(f"shm.file_name: {req.file_name!r}, expected {expected!r} for this header")
+    size, piece = int(req.file_bytes), int(req.piece_bytes)
+    if not MIN_PIECE <= piece <= MAX_PIECE:
+        raise BadRequest(f"shm.piece_bytes: {piece} outside [{MIN_PIECE}, {MAX_PIECE}]")
+    if size < 8 or len(req.piece_digests) != math.ceil(size / piece):
+        raise BadRequest(f"shm: {len(req.piece_digests)} piece checksums for {size} bytes in pieces of {piece}")
+    hasher(req.digest)
+    return expected, size, piece
+
+
 @contextlib.contextmanager
 def open_shared_weights(
     shm_dir: str,
@@ -400,16 +415,8 @@ def open_shared_weights(
     check_header(h, specs, max_bytes)
     if on_header is not None:
         on_header(h)  # the fence: the run's learner, before the file is even opened
-    expected = weights_file_name(h.run_id, h.epoch, h.version, h.format)
+    expected, size, piece = _check_request(req)
     where = f"shm[{expected}]"
-    if req.file_name != expected:
-        raise BadRequest(f"shm.file_name: {req.file_name!r}, expected {expected!r} for this header")
-    size, piece = int(req.file_bytes), int(req.piece_bytes)
-    if not MIN_PIECE <= piece <= MAX_PIECE:
-        raise BadRequest(f"shm.piece_bytes: {piece} outside [{MIN_PIECE}, {MAX_PIECE}]")
-    if size < 8 or len(req.piece_digests) != math.ceil(size / piece):
-        raise BadRequest(f"shm: {len(req.piece_digests)} piece checksums for {size} bytes in pieces of {piece}")
-    hasher(req.digest)
     path = os.path.join(shm_dir, expected)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the lock's: closed at the end, unlocking
