@@ -31,7 +31,7 @@ from ..common.servers import ServerPool
 from ..common.types import SamplingParams
 from ..gateway.evaluate import held_out_evaluator
 from ..generation.backend import HFBackend
-from ..generation.client import generation_clients
+from ..generation.inprocess import in_process_pool
 from ..generation.policy import load_policy
 from ..reward.labels import label_reader
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
@@ -164,24 +164,13 @@ def _rows(cfg: Config, backend: HFBackend, prompts: list, params: SamplingParams
 
 @contextlib.contextmanager
 def _served(cfg: Config, backend: HFBackend) -> Iterator[ServerPool]:
-    """`backend` served over gRPC on a free loopback port (the generation server a rollout
-    worker's endpoint would call), as a pool of that one server: an agent's sessions sample there."""
-    from ..generation.server import serve
-
-    local = cfg.model_copy(deep=True)
-    local.replay.url = None  # this process's own server, in no registry
-    ep = local.rpc.generation
-    ep.host, ep.port, ep.metrics_port = "127.0.0.1", 0, None
-    svc = serve(local, backend=backend).start()
+    """`backend` in this process as a pool of one generation 'server' (batched as a server
+    batches): an agent's sessions sample there, with no server started."""
+    servers = in_process_pool(backend, cfg)
     try:
-        assert svc.server is not None  # start() bound it
-        servers = ServerPool.fixed(f"127.0.0.1:{svc.server.port}", generation_clients(cfg.rpc))
-        try:
-            yield servers
-        finally:
-            servers.close()
+        yield servers
     finally:
-        svc.stop()
+        servers.close()
 
 
 def main_eval(cfg: Config, args) -> int:

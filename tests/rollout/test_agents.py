@@ -129,15 +129,15 @@ def test_each_sample_is_a_token_exact_agent_session(make_cfg, agents_file, fn):
 
 
 @pytest.mark.parametrize(
-    "fn, why",
-    [
-        ("raises", "raised RuntimeError: the tool crashed"),
-        ("hangs", "ran past rollout.agent_timeout_s=2"),
-        ("nan", "returned nan, not a finite number"),
+    "fn, timeout_s, why",
+    [  # only the hanging agent meets its timeout: the others have time for a turn on a loaded machine
+        ("raises", 120, "raised RuntimeError: the tool crashed"),
+        ("hangs", 2, "ran past rollout.agent_timeout_s=2"),
+        ("nan", 120, "returned nan, not a finite number"),
     ],
 )
-def test_an_agent_that_fails_ends_as_a_dead_letter_saying_why(make_cfg, agents_file, fn, why):
-    cfg, worker = _worker(make_cfg, agents_file, fn, agent_timeout_s=2)
+def test_an_agent_that_fails_ends_as_a_dead_letter_saying_why(make_cfg, agents_file, fn, timeout_s, why):
+    cfg, worker = _worker(make_cfg, agents_file, fn, agent_timeout_s=timeout_s)
     store = ReplayStore.from_config(cfg)
     try:
         with _generation(cfg):
@@ -298,11 +298,19 @@ def test_an_agent_service_over_http_runs_each_session(make_cfg, how, reward, why
         assert groups == [] and len(dead) == 1 and why in dead[0][2], dead[0][2]
 
 
-def test_rlhf_eval_runs_the_agent_and_shows_the_conversation(make_cfg, agents_file, tmp_path, untrained_model_dir):
-    """`rlhf eval` with rollout.agent: one session per held-out prompt against the model served
-    over gRPC, the agent's reward as the score, each row's conversation as policy and environment
-    runs; the baseline side by side."""
+def test_rlhf_eval_runs_the_agent_and_shows_the_conversation(
+    make_cfg, agents_file, tmp_path, untrained_model_dir, monkeypatch
+):
+    """`rlhf eval` with rollout.agent: one session per held-out prompt against the model in this
+    process (no generation server started), the agent's reward as the score, each row's
+    conversation as policy and environment runs; the baseline side by side."""
+    import services.generation.server as generation_server
     from services.cli.eval_model import run_eval
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("rlhf eval started a generation server")
+
+    monkeypatch.setattr(generation_server, "serve", no_server)
 
     cfg = make_cfg(
         prompt_length=128,

@@ -1,0 +1,48 @@
+"""A generation backend in this process behind the generation client's `generate`: what an
+agent's endpoint samples through when the policy is in the same process (`rlhf eval`), with no
+generation server. Its calls are batched as a server batches them (`Batcher`, or the backend's
+own continuous batching), so many sessions' turns share a forward."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ..common.servers import ServerPool
+from .batching import Batcher, ContinuousBatcher
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+    from ..common.types import GenerationBackend, GenerationResult, SamplingParams
+
+IN_PROCESS = "in-process"  # the one address of the pool: no host, no port
+
+
+class InProcessClient:
+    def __init__(self, backend: GenerationBackend, cfg: Config):
+        g = cfg.generation
+        self.batcher = (
+            ContinuousBatcher(backend)
+            if getattr(backend, "continuous_batching", False)
+            else Batcher(backend, g.max_batch_size, g.batch_window_ms / 1000)
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        timeout: float | None = None,
+        key: str | None = None,
+        first_prompt_tokens: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """As `GenerationClient.generate`; `key` and `first_prompt_tokens` (a server's idempotency
+        and prefix-cache hints) mean nothing in one process."""
+        return self.batcher.start([list(p) for p in prompts], params).result(timeout)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+def in_process_pool(backend: GenerationBackend, cfg: Config) -> ServerPool:
+    """A pool of the one in-process 'server': `backend`, batched."""
+    client = InProcessClient(backend, cfg)
+    return ServerPool.fixed(IN_PROCESS, lambda _address: client)
