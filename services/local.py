@@ -1,13 +1,16 @@
 """The in-process trainer: the whole PPO loop in one process, with the same domain objects the
 services host (generation backend, reward scorer, critic, learner step), wired directly; the
 reference the distributed run is measured against. The loop is the learner service's
-(`services.training.loop`), with an in-process rollout source and the backend as weight sink.
+(`services.training.loop`), with an in-process rollout source (the rollout step's
+`sample_groups`, or an agent's sessions on an endpoint in the process: `AgentSource`) and the
+backend as weight sink.
 
     rlhf train --local -c configs/tiny-cpu.yaml --run-dir runs/local
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -29,14 +32,17 @@ from .common.checkpoints import (
 from .common.modeling import resolve_device
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
+from .gateway.agents import AgentFailed, agent_host
+from .gateway.evaluate import held_out_evaluator
+from .generation.inprocess import in_process_pool
 from .generation.server import make_backend
 from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
+from .rollout.agents import too_long_for_training, trained_tokens, value_group
 from .rollout.step import sample_groups
 from .training.data import EpochSampler, config_prompts
-from .training.evaluate import Evaluator, SingleTurn
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
 from .training.schedule import Schedule, planned_updates
@@ -79,6 +85,56 @@ class InProcessSource:
 
     def trained(self, batch: Batch, iteration: int) -> dict:
         return {}
+
+
+class AgentSource:
+    """Batches of the agent's sessions (rollout.agent, environment or agent_url) on an endpoint in
+    this process (`host`: gateway/agents.py's `AgentHost`), every turn sampled by the in-process
+    backend; a prompt whose sessions failed, or ran longer than the learner takes, is left out of
+    its batch with a warning (a rollout worker would dead-letter it)."""
+
+    wait_metric = "time/rollout_s"
+
+    def __init__(self, cfg: Config, sampler: EpochSampler, host, tokenizer, critic, stop_event=None):
+        self.cfg, self.sampler, self.host = cfg, sampler, host
+        self.tokenizer, self.critic, self.stop_event = tokenizer, critic, stop_event
+
+    @property
+    def data_epoch(self) -> int:
+        return self.sampler.epoch
+
+    def collect(self, iteration: int, version: int) -> Batch | None:
+        if self.stop_event is not None and self.stop_event.is_set():
+            return None
+        picked = self.sampler.take_with_epochs(self.cfg.rollout_batch_size)
+        n = self.cfg.num_return_sequences_in_group
+        t0 = time.perf_counter()
+        groups = self.host.groups([(r, f"{e}:{r.id}", n) for e, r in picked])
+        generate_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        kept = []
+        for group in groups:
+            why = str(group) if isinstance(group, AgentFailed) else too_long_for_training(self.cfg, group)
+            if why:
+                log.warning("a prompt left out of iteration %d: %s", iteration, why)
+                continue
+            if self.critic is not None:
+                value_group(group, self.critic, self.tokenizer)
+            kept.append(group)
+        if not kept:
+            raise RuntimeError(f"iteration {iteration}: every prompt's agent sessions failed (see the warnings)")
+        metrics = {
+            "time/generate_s": generate_s,
+            "time/values_s": time.perf_counter() - t1,
+            "rollout/tokens": sum(trained_tokens(g) for g in kept),
+            "rollout/prompts_left_out": len(groups) - len(kept),
+        }
+        return Batch(Rollout.from_groups(kept), version, metrics)
+
+    def trained(self, batch: Batch, iteration: int) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.host.close()
 
 
 class BackendSink:
@@ -170,10 +226,41 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
         cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train)
     )
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
-    # rlhf train --local refuses agents: one reply per held-out prompt
-    evaluator = Evaluator(SingleTurn(backend, eval_scorer, tokenizer, SamplingParams.for_eval(cfg), proxy))
     state = LocalState(learner, critic, sampler)
-    source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic, stop_event)
+    with contextlib.ExitStack() as stack:
+        # the agent's sessions (and its held-out eval) sample through the backend here, batched
+        pool = stack.enter_context(contextlib.closing(in_process_pool(backend, cfg))) if cfg.rollout.sessions else None
+
+        def servers():
+            assert pool is not None  # asked for only when the config has an agent
+            return contextlib.nullcontext(pool)
+
+        evaluator = stack.enter_context(
+            held_out_evaluator(
+                cfg,
+                tokenizer,
+                SamplingParams.for_eval(cfg),
+                backend=backend,
+                scorer=eval_scorer,
+                servers=servers,
+                proxy=proxy,
+            )
+        )
+        source: InProcessSource | AgentSource
+        if cfg.rollout.sessions:  # the agent's sessions, sampled here (a worker's endpoint, in this process)
+            assert pool is not None
+            host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
+            source = AgentSource(cfg, sampler, host, tokenizer, critic, stop_event)
+            stack.callback(source.close)
+        else:
+            source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic, stop_event)
+        parts = (learner, critic, tokenizer, source, backend, evaluator, held_out, state)
+        return _train(cfg, run_dir, schedule, parts, stop_event)
+
+
+def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_event) -> dict:
+    """The loop, from the run's newest checkpoint if it has one, to its summary."""
+    learner, critic, tokenizer, source, backend, evaluator, held_out, state = parts
     loop = TrainingLoop(
         cfg,
         run_dir,

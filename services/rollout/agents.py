@@ -24,6 +24,7 @@ from ..gateway.agents import AgentFailed, AgentHost, AgentServiceDown, Outage
 
 if TYPE_CHECKING:
     from ..common.config import Config
+    from ..common.types import SampleGroup
 
 log = logging.getLogger(__name__)
 
@@ -66,33 +67,22 @@ class AgentSampling:
             if isinstance(group, AgentFailed):
                 out.append(Rejected(str(group)))
                 continue
-            longest = max(len(c.token_ids) for c in group.completions)
-            if len(group.prompt_ids) > self.cfg.prompt_length or longest > self.cfg.response_length:
-                out.append(
-                    Rejected(
-                        f"agent sessions of prompt {t.uid}: a prompt of {len(group.prompt_ids)} tokens and a "
-                        f"conversation of {longest} after it, more than prompt_length={self.cfg.prompt_length} / "
-                        f"response_length={self.cfg.response_length} (the learner and the critic take no more)"
-                    )
-                )
+            too_long = too_long_for_training(self.cfg, group)
+            if too_long:
+                out.append(Rejected(too_long))
                 continue
             t1 = time.perf_counter()
             if self.critic is not None:
-                responses = [c.token_ids for c in group.completions]
                 try:
-                    v = self.critic.values(
-                        build_token_batch([group.prompt_ids] * len(responses), responses, self.tokenizer.pad_token_id)
-                    )
+                    value_group(group, self.critic, self.tokenizer)
                 except DependencyUnavailable as e:
                     log.error("prompt %s left pending: %s", t.uid, e)
                     return None
-                group.values = [v[i, : len(r)].tolist() for i, r in enumerate(responses)]
-            tokens = sum(int(sum(c.loss_mask or [1] * len(c.token_ids))) for c in group.completions)
             metrics = {
                 "time/generate_s": secs,
                 "time/score_s": 0.0,
                 "time/values_s": time.perf_counter() - t1,
-                "rollout/tokens": tokens,
+                "rollout/tokens": trained_tokens(group),
             }
             out.append((group, "agent", metrics))
         return out
@@ -100,3 +90,29 @@ class AgentSampling:
     def close(self) -> None:
         """The endpoint, once the worker's loops have ended (the sessions in flight finish first)."""
         self.host.close()
+
+
+def too_long_for_training(cfg: Config, group: SampleGroup) -> str | None:
+    """Why the learner and the critic cannot take `group` (a prompt or a conversation longer than
+    they take), or None."""
+    longest = max(len(c.token_ids) for c in group.completions)
+    if len(group.prompt_ids) <= cfg.prompt_length and longest <= cfg.response_length:
+        return None
+    return (
+        f"agent sessions of prompt {group.uid}: a prompt of {len(group.prompt_ids)} tokens and a "
+        f"conversation of {longest} after it, more than prompt_length={cfg.prompt_length} / "
+        f"response_length={cfg.response_length} (the learner and the critic take no more)"
+    )
+
+
+def value_group(group: SampleGroup, critic, tokenizer) -> None:
+    """The critic's values of each session's tokens, into `group.values`."""
+    responses = [c.token_ids for c in group.completions]
+    v = critic.values(build_token_batch([group.prompt_ids] * len(responses), responses, tokenizer.pad_token_id))
+    group.values = [v[i, : len(r)].tolist() for i, r in enumerate(responses)]
+
+
+def trained_tokens(group: SampleGroup) -> int:
+    """The tokens of a group's sessions that the loss counts (the policy's, not the environment's)."""
+    return sum(int(sum(c.loss_mask or [1] * len(c.token_ids))) for c in group.completions)
+

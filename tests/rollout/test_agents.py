@@ -359,17 +359,53 @@ def test_the_learners_eval_runs_the_agent_on_the_server_at_its_version(make_cfg,
         assert [x["by"] for x in r["transcript"]] == ["policy", "environment", "policy"] and r["turns"] == 2
 
 
-def test_train_local_refuses_agents_and_a_config_gives_one_kind(agents_file, tmp_path, capsys):
-    """Agents run in rollout workers: `rlhf train --local` says to use `rlhf up`; a config names
-    one of agent, environment, agent_url; an environment that does not load is named as such."""
-    from services.cli import main
+def test_train_local_trains_an_agent_in_one_process_and_a_config_gives_one_kind(
+    agents_file, tmp_path, tiny_model_dir, monkeypatch
+):
+    """`rlhf train --local` with rollout.agent: the agent's sessions run on an endpoint in the
+    process, sampled by its backend (no generation server); the policy trains on them and the
+    held-out eval runs the agent. A config names one of agent,
+    environment, agent_url; an environment that does not load is named as such."""
+    import torch
+    from safetensors.torch import load_file
+
+    import services.generation.server as generation_server
     from services.cli.preflight import agent_errors
     from services.common.config import ConfigError, config_from_dict
+    from services.local import run_local
 
-    cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"rollout:\n  agent: {agents_file}:two_turns\n")
-    assert main(["train", "--local", "-c", str(cfg), "--run-dir", str(tmp_path / "run")]) != 0
-    assert "train with `rlhf up`" in capsys.readouterr().err
+    def no_server(*args, **kwargs):
+        raise AssertionError("train --local started a generation server")
+
+    monkeypatch.setattr(generation_server, "serve", no_server)
+    cfg = config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "rollout_batch_size": 4,
+            "ppo_mini_batch_size": 8,
+            "prompt_length": 128,
+            "response_length": 64,
+            "actor_lr": 1e-3,
+            "data": {"train": "synthetic:reverse", "eval": "synthetic:reverse", "eval_size": 3},
+            "run": {"iterations": 2, "eval_interval": 1, "checkpoint_interval": 0, "seed": 0},
+            "rollout": {"agent": f"{agents_file}:two_turns", "agent_timeout_s": 120},
+        }
+    )
+    run_dir = tmp_path / "run"
+    summary = run_local(cfg, run_dir)
+    assert summary["iterations"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    trained = [r for r in rows if r["iteration"] > 0]
+    assert all(r["rollout/samples"] == 8 and r["rollout/prompts_left_out"] == 0 for r in trained)
+    assert all(r["rollout/tokens"] > 0 and r["eval/failed"] == 0.0 for r in trained)
+    start, final = (
+        load_file(str(tiny_model_dir) + "/model.safetensors"),
+        load_file(str(run_dir / "final" / "model.safetensors")),
+    )
+    assert any(not torch.equal(start[k], final[k]) for k in start)  # it trained
     with pytest.raises(ConfigError, match="give one of agent, environment, agent_url"):
         config_from_dict({"rollout": {"agent": f"{agents_file}:two_turns", "environment": f"{agents_file}:Steps"}})
     missing = agent_errors(config_from_dict({"rollout": {"environment": f"{agents_file}:Nope"}}))

@@ -39,13 +39,6 @@ def cmd_train(args) -> int:
     if not args.local:
         print("distributed training is `rlhf up`; use `rlhf train --local` for the in-process trainer", file=sys.stderr)
         return EXIT_CONFIG
-    if cfg.rollout.sessions:  # the sessions run in rollout workers, against their endpoints
-        print(
-            "rollout.agent, environment and agent_url run in the rollout workers: train with `rlhf up` "
-            "(`rlhf eval` evaluates a model with them)",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
     problem = run_dir_problem(cfg.run.run_dir) or run_dir_conflict(cfg, Mode.LOCAL)
     if problem:
         return error(problem)
