@@ -115,4 +115,3 @@ def value_group(group: SampleGroup, critic, tokenizer) -> None:
 def trained_tokens(group: SampleGroup) -> int:
     """The tokens of a group's sessions that the loss counts (the policy's, not the environment's)."""
     return sum(int(sum(c.loss_mask or [1] * len(c.token_ids))) for c in group.completions)
-
