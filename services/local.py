@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .agents.evaluate import held_out_evaluator
+from .agents.host import AgentFailed, agent_host
 from .common.checkpoints import (
     CRITIC_DIR,
     LEARNER_STATE,
@@ -32,8 +34,6 @@ from .common.checkpoints import (
 from .common.modeling import resolve_device
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
-from .gateway.agents import AgentFailed, agent_host
-from .gateway.evaluate import held_out_evaluator
 from .generation.inprocess import in_process_pool
 from .generation.server import make_backend
 from .learner.checkpoint import finished_run
@@ -89,7 +89,7 @@ class InProcessSource:
 
 class AgentSource:
     """Batches of the agent's sessions (rollout.agent, environment or agent_url) on an endpoint in
-    this process (`host`: gateway/agents.py's `AgentHost`), every turn sampled by the in-process
+    this process (`host`: agents/host.py's `AgentHost`), every turn sampled by the in-process
     backend; a prompt whose sessions failed, or ran longer than the learner takes, is left out of
     its batch with a warning (a rollout worker would dead-letter it)."""
 

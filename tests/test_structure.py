@@ -2,7 +2,8 @@
 also those inside functions):
 - `services.common` imports no service; `services.ppo` imports nothing else of the project;
 - `services.weights` (weight transfer) imports only `services.common`;
-- a service imports another service only through its `client` module, and client modules
+- a service (generation, reward, critic, learner, rollout, gateway) imports another service only
+  through its `client` module, and client modules
   import no service internals;
 - no module imports another module's privates (`from x import _name`);
 - no import cycles between modules;
@@ -27,14 +28,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("generation", "reward", "critic", "learner", "rollout")
+SERVICES = ("generation", "reward", "critic", "learner", "rollout", "gateway")
 ROOTS = ("services.cli", "services.launcher", "services.local")  # composition roots: wire everything
 # common parts shared through the objects every service is handed rather than through imports
 SHARED_BY_CONTRACT = {
     "config": "every service is built from a Config (`serve(cfg)`) and reads its sections; the roots load it",
     "config_sections": "the sections of that Config (config.py re-exports them)",
     "userfn": "your code named in a config, loaded one way with one kind of error: reward functions in the "
-    "reward service, agents wherever sessions run (gateway/agents.py: workers, the learner's eval, rlhf eval)",
+    "reward service, agents wherever sessions run (agents/host.py: workers, the learner's eval, rlhf eval)",
 }
 
 

@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from ..agents.evaluate import held_out_evaluator
 from ..common.config import Config, RewardConfig, RuleSpec
 from ..common.servers import ServerPool
 from ..common.types import SamplingParams
-from ..gateway.evaluate import held_out_evaluator
 from ..generation.backend import HFBackend
 from ..generation.inprocess import in_process_pool
 from ..generation.policy import load_policy

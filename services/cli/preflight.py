@@ -24,8 +24,8 @@ import importlib.util
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..agents.host import load_agent
 from ..common.config import Config, RewardConfig, RuleSpec
-from ..gateway.agents import load_agent
 from ..reward.functions import rule_errors
 from ..reward.labels import label_reader
 from ..reward.rules import RULES

@@ -34,13 +34,13 @@ from typing import Any, Callable, Union
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..agents.sessions import ChatTokens, Choice, Plan, Session, Sessions
+from ..agents.tools import parse_tool_calls
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.http_guard import Guard, document_guard, error_body, install_error_handlers
 from ..common.servers import Fault, RetryPolicy, Tries
 from ..common.types import SamplingParams
 from .metrics import GatewayMetrics
-from .sessions import ChatTokens, Choice, Plan, Session, Sessions
-from .tools import parse_tool_calls
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..agents.sessions import Sessions
 from ..common.metrics import register_process_metrics
 from ..common.rpc.server import LATENCY_BUCKETS
-from .sessions import Sessions
 
 
 class SessionsCollector:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from ..agents.sessions import Sessions
 from ..common.lifecycle import HTTPServerThread, Service
 from ..common.modeling import load_tokenizer
 from ..common.rpc.client import endpoint_address
@@ -25,7 +26,6 @@ from ..common.servers import ServerPool
 from ..generation.client import generation_clients
 from .app import Gateway, Sampler, build_app
 from .metrics import GatewayMetrics
-from .sessions import Sessions
 
 if TYPE_CHECKING:
     from ..common.config import Config

@@ -18,7 +18,7 @@ around it. One iteration, hop by hop:
     ReplaySource.trained          acknowledge the groups as trained               (intake.py)
     LearnerLoop.evaluate          on the schedule: through a server of the `ServerPool`,
                                   tried as `eval_retry` says                      (common/servers.py)
-      held_out_evaluator          one reply per prompt, or the agent's sessions   (gateway/evaluate.py)
+      held_out_evaluator          one reply per prompt, or the agent's sessions   (agents/evaluate.py)
     LearnerLoop.checkpoint        on the schedule; then the trajectories in it
                                   are acknowledged in Redis                       (checkpoint.py)
 """
@@ -37,6 +37,8 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from ..agents.evaluate import held_out_evaluator
+from ..agents.host import AgentServiceDown, Outage
 from ..common.lifecycle import RunFailed
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
@@ -48,8 +50,6 @@ from ..common.sharding.followers import follow, release_followers
 from ..common.sharding.group import from_env
 from ..common.types import Progress, Rollout, SamplingParams, no_progress
 from ..critic.client import CriticClient, OverlappedCritic
-from ..gateway.agents import AgentServiceDown, Outage
-from ..gateway.evaluate import held_out_evaluator
 from ..generation.client import generation_clients
 from ..reward.client import HeldOut, RewardClient
 from ..training.data import config_prompts

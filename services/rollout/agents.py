@@ -1,5 +1,5 @@
 """A rollout worker's samples when `rollout.agent` is set: each sample of a group is a session of
-the user's agent function against the worker's own OpenAI-compatible endpoint (gateway/agents.py:
+the user's agent function against the worker's own OpenAI-compatible endpoint (agents/host.py:
 `AgentHost`, over the worker's pool of generation servers, sampling with the training
 distribution), and its token-exact trajectory (the environment's tokens masked out of the loss)
 is the sample, with the agent's reward. Every session of a claimed batch runs at once.
@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..agents.host import AgentFailed, AgentHost, AgentServiceDown, Outage
 from ..common.modeling import build_token_batch
 from ..common.replay.records import task_record
 from ..common.rpc.retry import DependencyUnavailable
-from ..gateway.agents import AgentFailed, AgentHost, AgentServiceDown, Outage
 
 if TYPE_CHECKING:
     from ..common.config import Config

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ..agents.host import agent_host
 from ..common.lifecycle import RunFailed, Service
 from ..common.modeling import load_tokenizer
 from ..common.replay import ReplayStore
@@ -32,7 +33,6 @@ from ..common.rpc.retry import RideThrough, Tagged
 from ..common.servers import RetryPolicy, ServerPool
 from ..common.types import SamplingParams
 from ..critic.client import CriticClient
-from ..gateway.agents import agent_host
 from ..generation.client import generation_clients
 from ..reward.client import RewardClient
 from .agents import AgentSampling

@@ -3,7 +3,7 @@
 generation server serving the current version, the reward server's held-out scorer), and
 `rlhf eval` on any model directory. An Evaluator takes the prompts in batches, each batch to its
 `sampling` (how a prompt is sampled and scored, data: `SingleTurn` here, one completion per sample
-scored by a `Scorer`; or an agent's sessions, gateway/evaluate.py:`AgentSessions`), and gives the
+scored by a `Scorer`; or an agent's sessions, agents/evaluate.py:`AgentSessions`), and gives the
 rows, or the training loop's `eval/...` metrics of them. Which sampling an eval uses is decided
 once, by `how_sampled`.
 

@@ -77,7 +77,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/agents.md", "make run-smollm2-calculator # rlhf up -c"): PARSE,  # 38 minutes
     ("docs/agents.md", "iter 0/20 eval 0.094"): PROSE,
     ("docs/agents.md", "$ rlhf eval -c configs/smollm2-calculator.yaml --baseline"): PARSE,
-    ("docs/agents.md", "from services.gateway.sessions import as_sample"): SOURCE,
+    ("docs/agents.md", "from services.agents.sessions import as_sample"): SOURCE,
     ("docs/agents.md", "$ python benchmarks/bench_gateway.py -c configs/smollm2-cpu.yaml"): PARSE,  # SmolLM2
     ("docs/architecture.md", "learner --XADD prompts--> ns:prompts (Redis stream,"): PROSE,
     ("docs/architecture.md", "learner (feeder.py)"): PROSE,

@@ -9,13 +9,13 @@ import openai
 import pytest
 import torch
 
+from services.agents.sessions import Sessions, as_sample
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
 from services.common.servers import ServerPool
 from services.common.types import Rollout
 from services.gateway.app import Gateway, Sampler, build_app
-from services.gateway.sessions import Sessions, as_sample
 from services.generation.backend import HFBackend
 from services.generation.client import generation_clients
 from services.generation.server import serve
@@ -344,7 +344,7 @@ def test_the_end_of_turn_is_added_unless_the_policy_sampled_it(tiny_model_dir):
     """A turn cut by a stop string (or a stop token other than EOS) did not sample its end of
     turn: the environment's tokens start with the template's whole closing; one that sampled EOS
     gets only the rest of it."""
-    from services.gateway.sessions import ChatTokens, Choice
+    from services.agents.sessions import ChatTokens, Choice
 
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = (

@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
+from services.agents.sessions import Session, Sessions
 from services.common.config import config_from_dict
 from services.gateway.server import serve as serve_gateway
-from services.gateway.sessions import Session, Sessions
 from services.generation.backend import HFBackend
 from services.generation.server import serve
 from tests.grpc_helpers import TOKEN, on_free_ports

@@ -12,12 +12,12 @@ import json
 import openai
 import pytest
 
+from services.agents.sessions import Sessions
+from services.agents.tools import parse_tool_calls, same_calls
 from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
 from services.common.types import Completion, GenerationResult
 from services.gateway.app import Gateway, build_app
-from services.gateway.sessions import Sessions
-from services.gateway.tools import parse_tool_calls, same_calls
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 TOOLS = [

@@ -191,9 +191,9 @@ def test_the_eval_skips_a_server_that_failed_it_and_says_when_none_serves_the_ve
     error, or its agent sessions without a server) is avoided for replay.heartbeat_ttl_s and
     another tried; one whose agent service was down is not avoided; a bad request ends the eval;
     no server at the version within rpc.dependency_wait_s: DependencyUnavailable."""
+    from services.agents.host import AgentServiceDown
     from services.common.rpc.retry import DependencyUnavailable
     from services.common.servers import ServerPool
-    from services.gateway.agents import AgentServiceDown
 
     version = loop.learner.version
     registry = {"a:1": {"version": version}, "b:1": {"version": version}}

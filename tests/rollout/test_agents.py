@@ -453,10 +453,10 @@ def test_only_an_agent_service_is_handed_an_advertised_address(agents_file, tiny
     handed rpc.advertise_host, or for a wildcard bind this host's own address."""
     import socket
 
+    from services.agents.host import agent_host
     from services.common.config import config_from_dict
     from services.common.modeling import load_tokenizer
     from services.common.types import SamplingParams
-    from services.gateway.agents import agent_host
 
     tok = load_tokenizer(tiny_model_dir)
 

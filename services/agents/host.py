@@ -43,7 +43,15 @@ from ..common.lifecycle import HTTPServerThread
 from ..common.rpc.client import reachable_host
 from ..common.types import PromptRecord, SampleGroup, SamplingParams, ScoreResult
 from ..common.userfn import load_function
-from .app import CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED, SESSION_HEADER, Gateway, Sampler, build_app, session_key
+from ..gateway.app import (
+    CONTEXT_LENGTH_EXCEEDED,
+    MAX_TURNS_EXCEEDED,
+    SESSION_HEADER,
+    Gateway,
+    Sampler,
+    build_app,
+    session_key,
+)
 from .sessions import Sessions, as_sample
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 from ..common.servers import ServerPool
 from ..common.types import PromptRecord, SamplingParams
 from ..training.evaluate import Evaluator, Sampled, SingleTurn, how_sampled
-from .agents import AgentHost, Outage, agent_host, session_name
+from .host import AgentHost, Outage, agent_host, session_name
 from .sessions import as_sample
 
 if TYPE_CHECKING:
