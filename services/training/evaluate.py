@@ -110,20 +110,6 @@ class Evaluator:
         return eval_metrics(self.rows(records))
 
 
-def generate_and_score(
-    records: list[PromptRecord],
-    backend,
-    scorer,
-    tokenizer,
-    params: SamplingParams,
-    batch: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> list[dict]:
-    """`params.n` samples of each record's prompt, each scored: one row per sample, in record order.
-    `batch`: prompts per generate call (None: all at once); `progress(done, total)` after each."""
-    return Evaluator(SingleTurn(backend, scorer, tokenizer, params), batch).rows(records, progress)
-
-
 def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
     """reward_mean (mean@n: over every sample), and with `pass_reward`, pass@n: the share of prompts
     with at least one sample whose reward is at least that; the mean of each reward component."""
