@@ -109,10 +109,11 @@ The same table in a terminal: `rlhf config describe` (`--markdown` for this one)
 
 Sections: `model`, `generation` (temperature, top_p, top_k, eval_temperature; `generation.vllm`
 for the vLLM engine), `reward` (rules, model, http, combined), `critic` (`overlap_training`), `data`
-(`synthetic:reverse`, a JSON-lines file, a `.parquet`/`.csv`/`.json` file or
-`hf:<dataset>[:<config>][@<split>]` through Hugging Face `datasets`; rows with `prompt` (or
-`data.prompt_key`) or chat `messages`, and an optional `label`/`solution`; see
-[Data formats](your-model.md#data-formats)), `run` (iterations, eval_interval,
+(`synthetic:reverse`, a JSON-lines file, a `.parquet`/`.csv`/`.json` file,
+`hf:<dataset>[:<config>][@<split>]` through Hugging Face `datasets` or
+`reasoning-gym:<task>[?size=N&seed=S&...]`; rows with `prompt` (or `data.prompt_key`) or chat
+`messages`, and an optional `label`/`solution`; see [Data formats](your-model.md#data-formats)
+and [Environments](environments.md#reasoning-gym)), `run` (iterations, eval_interval,
 checkpoint_interval, seed, max_wall_s), `rpc` (ports, auth, TLS), `replay` (Redis `url` and
 `password`/`$RLHF_REDIS_PASSWORD`, `namespace`, `claim_idle_s`, `heartbeat_s`, `max_backlog`),
 `rollout` (`prompts_per_request`, `concurrency`, `retries`), `reward_model` (`rlhf train-rm`:

@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 
 from ..agents.host import load_agent
 from ..common.config import Config, RewardConfig, RuleSpec
+from ..common.reasoning_gym_tasks import is_task_source
+from ..common.reasoning_gym_tasks import source_problem as task_source_problem
 from ..reward.functions import rule_errors
 from ..reward.labels import label_reader
 from ..reward.rules import RULES
@@ -199,6 +201,8 @@ def raw_errors(data: dict) -> list[str]:
         section = {}
     for key in ("train", "eval"):
         source = section.get(key)
+        if is_task_source(source) and task_source_problem(source, need_package=False):
+            continue  # the config's validation said it (common/config_sections.py: DataConfig)
         problem = source_problem(source) if isinstance(source, str) else None
         if problem:
             errors.append(f"data.{key}: {problem}")

@@ -9,6 +9,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .reasoning_gym_tasks import is_task_source
+from .reasoning_gym_tasks import source_problem as task_source_problem
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -383,14 +386,17 @@ class DataConfig(Strict):
     train: str = Field(
         default="synthetic:reverse",
         description="training prompts: synthetic:TASK (reverse, arithmetic, multiply), a "
-        ".jsonl, .parquet, .csv or .json file, or hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
-        "directory)",
+        ".jsonl, .parquet, .csv or .json file, hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
+        "directory), or reasoning-gym:TASK[?size=N&seed=S&OPTION=VALUE...] (a reasoning-gym task "
+        "generated offline: N items, default 1000, from seed S, default 0, with the task's config options)",
     )
     eval: Optional[str] = Field(
         default=None,
         description="held-out prompts, in the forms of data.train; an hf: source "
         "without @split reads its eval, test or validation split; null = a split of "
-        "data.train held out of training (a synthetic task: its own held-out prompts)",
+        "data.train held out of training (a synthetic task: its own held-out prompts; a "
+        "reasoning-gym task: its first data.eval_size items from the training seed + 1000003 whose "
+        "question no training item asks)",
     )
     eval_size: int = Field(default=128, ge=1, description="held-out prompts evaluated (the first N)")
     prompt_key: str = Field(
@@ -425,6 +431,17 @@ class DataConfig(Strict):
         description="prompts longer than prompt_length tokens: "
         "'filter' drops them with a warning, 'error' stops the run",
     )
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _task_source(cls, source: Optional[str]) -> Optional[str]:
+        # a reasoning-gym source: its syntax, task and config options, when the package is here
+        # (without it, the commands that read the data say to install it)
+        if is_task_source(source):
+            problem = task_source_problem(source, need_package=False)
+            if problem:
+                raise ValueError(problem)
+        return source
 
     @model_validator(mode="after")
     def _system_prompt_needs_template(self) -> "DataConfig":

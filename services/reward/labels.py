@@ -3,7 +3,10 @@ label are an error before the run starts (training/data.py: `missing_labels`, to
 that read the data which part of the reward reads labels), not a None handed to it.
 
     a built-in rule        reads it when it fails without one (exact_match, verifiable_answer,
-                           math_answer, edit_distance; not length, repetition, regex_format)
+                           math_answer, edit_distance, reasoning_gym; not length, repetition,
+                           regex_format); a reasoning-gym source's records are not checked: an
+                           item's label is its task's answer, and a task without one (its
+                           scorer needs none) has none
     your function          reads it when its signature names it: `label` (per sample, batched)
                            or `ground_truth` (verl's)
     a reward model, an HTTP reward API, an agent's own reward

@@ -13,6 +13,7 @@ from typing import Callable
 
 from rapidfuzz.distance import Levenshtein
 
+from ..common import reasoning_gym_tasks as gym
 from ..common.userfn import is_reference, load_function
 
 # (prompt, response, label, metadata, **the rule's kwargs) -> reward
@@ -190,3 +191,22 @@ def math_answer(prompt, response, label, metadata, mode: str = "flexible", forma
     if answer is None:
         return 0.0
     return 1.0 if answers_match(answer, normalise_answer(label)) else float(format_score)
+
+
+@register_rule("reasoning_gym")
+def reasoning_gym_answer(prompt, response, label, metadata, require_tag: bool = False, tag: str = "answer") -> float:
+    """A reasoning-gym task's own scorer (`score_answer`) of the response's answer, for prompts of a
+    `reasoning-gym:` source (their metadata says which task, config and item). The answer is the
+    content of the last `<answer>...</answer>` (`tag`), what follows an `<answer>` never closed,
+    else the whole response stripped (with `require_tag`, no answer: 0.0). A sample of another
+    source is scored as reasoning-gym scores a task without a scorer of its own: 1.0 for the label
+    exactly, the label's share of the answer's length when the answer holds it, else 0.0."""
+    if not isinstance(tag, str) or not tag.isidentifier():
+        raise ValueError(f"tag must be a tag name such as 'answer', not {tag!r}")
+    if not isinstance(require_tag, bool):
+        raise ValueError(f"require_tag must be true or false, not {require_tag!r}")
+    answer = gym.extract_answer(response, tag, require_tag)
+    carried = metadata.get(gym.METADATA_KEY) if isinstance(metadata, dict) else None
+    if isinstance(carried, dict) and "task" in carried:
+        return gym.score(answer, label, carried)
+    return gym.default_score(answer, _need_label(label, "reasoning_gym"))

@@ -9,7 +9,9 @@ answer a rule reward checks against: the `label_key` field, else verl's
 tokenizer's chat template; string prompts do when `chat_template` is on. `synthetic:reverse` is
 the tiny default task: reverse a short string of letters; `synthetic:arithmetic` asks for the sum
 of two 2-digit numbers, `synthetic:multiply` for their product. Train and held-out prompts of a
-synthetic task are disjoint.
+synthetic task are disjoint. `reasoning-gym:NAME[?size=N&seed=S&OPTION=VALUE...]` generates a
+reasoning-gym task's items (common/reasoning_gym_tasks.py): its question as the prompt, its answer as
+the label; its held-out items come from another seed, none with a training item's question.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from ..common import reasoning_gym_tasks as gym
 from ..common.types import STRUCTURED_LABEL, PromptRecord
 
 if TYPE_CHECKING:
@@ -110,7 +113,10 @@ SPLIT_CHOICES = {"train": ("train",), "eval": ("eval", "test", "validation", "va
 def source_problem(source: str) -> str | None:
     """Why `source` cannot be loaded, as far as that shows offline: an unknown synthetic task, or a
     local file or `hf:` dataset directory that does not exist (relative paths are taken from the
-    current directory). None otherwise; hub dataset names are not checked."""
+    current directory); a reasoning-gym source whose task or options are unknown, or without the
+    package. None otherwise; hub dataset names are not checked."""
+    if gym.is_task_source(source):
+        return gym.source_problem(source)
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
         known = task in SYNTHETIC_TASKS
@@ -179,7 +185,10 @@ def load_prompts(
     source: `hf:<name>[:<config>][@<split>]` (a hub dataset or a local dataset directory) or a
     `.parquet`, `.csv` or `.json` file. The default split is the `split` argument; an `hf:` source
     without one takes the first of SPLIT_CHOICES[split] it has (eval: eval, test, validation, valid).
-    `chat_template`, `system_prompt` and `instruction` apply to string prompts as in `render_prompt`."""
+    `chat_template`, `system_prompt` and `instruction` apply to string prompts as in `render_prompt`.
+    A `reasoning-gym:` source gives its items (`task_prompts`; `seed` is the source's own)."""
+    if gym.is_task_source(source):
+        return task_prompts(source, split, tokenizer, limit, chat_template, system_prompt, instruction)[0]
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
         if task not in SYNTHETIC_TASKS:
@@ -200,6 +209,68 @@ def load_prompts(
         instruction=instruction,
     )
     return [_record(row, where, **options) for where, row in read_rows(source, split, limit)]
+
+
+def task_prompts(
+    source: str,
+    split: str,
+    tokenizer=None,
+    limit: int | None = None,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+    default_seed: int | None = None,
+    exclude: frozenset[str] = frozenset(),
+    seed: int | None = None,
+) -> tuple[list[PromptRecord], int]:
+    """The items of a `reasoning-gym:NAME[?size=N&seed=S&OPTION=VALUE...]` source as prompt records
+    (the question, rendered as string prompts are; the answer as label; what the `reasoning_gym`
+    rule needs in metadata), and how many were dropped because their question is in `exclude`.
+    The seed is `seed` when given (data.train's held-out items), else the source's own, else
+    `default_seed`, else 0 (train) or 0 + 1000003 (eval);
+    without its own size, 1000 items. With `limit`, items are generated only until `limit` records
+    are kept (the held-out set: the first data.eval_size items that no training item shares)."""
+    problem = gym.source_problem(source)
+    if problem:
+        raise ValueError(problem)
+    spec = gym.parse_source(source)
+    if seed is not None:
+        pass
+    elif spec.seed is not None:
+        seed = spec.seed
+    elif default_seed is not None:
+        seed = default_seed
+    else:
+        seed = gym.DEFAULT_SEED + (gym.HELD_OUT_SEED_OFFSET if split == "eval" else 0)
+    size = spec.size or gym.DEFAULT_SIZE
+    records: list[PromptRecord] = []
+    dropped = 0
+    every = gym.items if limit is None else gym.generate  # the training set is kept for the held-out check
+    for i, entry in enumerate(every(spec.task, seed, size, spec.config_json)):
+        if limit is not None and len(records) >= limit:
+            break
+        question = str(entry["question"])
+        if question in exclude:
+            dropped += 1
+            continue
+        records.append(
+            PromptRecord(
+                id=f"{spec.task}-{seed}-{i}",
+                prompt=render_prompt(question, tokenizer, chat_template, system_prompt, instruction),
+                label=None if entry.get("answer") is None else label_text(entry["answer"]),
+                metadata=gym.record_metadata(spec, seed, size, i, entry),
+            )
+        )
+    return records, dropped
+
+
+def task_questions(source: str) -> frozenset[str]:
+    """The questions of a reasoning-gym source's training items (its seed, else 0; its size, else 1000)."""
+    spec = gym.parse_source(source)
+    seed = gym.DEFAULT_SEED if spec.seed is None else spec.seed
+    return frozenset(
+        str(e["question"]) for e in gym.items(spec.task, seed, spec.size or gym.DEFAULT_SIZE, spec.config_json)
+    )
 
 
 def read_rows(source: str, split: str, limit: int | None = None) -> list[tuple[str, dict]]:
@@ -239,8 +310,8 @@ def _parsed(path: Path, lineno: int, line: str) -> dict:
 
 
 def is_jsonl(source: str) -> bool:
-    """`source` is read as a JSON lines file (not synthetic:, hf: or a `datasets` file type)."""
-    return not source.startswith(("synthetic:", "hf:")) and not source.endswith(DATASETS_FILE_TYPES)
+    """`source` is read as a JSON lines file (not synthetic:, hf:, reasoning-gym: or a `datasets` file type)."""
+    return not source.startswith(("synthetic:", "hf:", gym.PREFIX)) and not source.endswith(DATASETS_FILE_TYPES)
 
 
 def jsonl_rows(source: str) -> tuple[list[tuple[str, dict]], list[str]]:
@@ -365,13 +436,16 @@ def config_prompts(cfg: Config, split: str, tokenizer, label_reader: str | None 
     """The run's training (`split` "train") or held-out ("eval") prompts as its `data` section
     says, those longer than `prompt_length` tokens dropped (or an error: `data.overlong`). With
     `data.eval` unset, the held-out prompts are a split of `data.train` that training never sees
-    (`split_held_out`); a synthetic task has held-out prompts of its own. `label_reader`: the part
-    of the reward that reads labels (reward/labels.py), when the caller knows it: records without
-    one are then an error."""
+    (`split_held_out`); a synthetic task has held-out prompts of its own, and so has a reasoning-gym
+    task (`task_held_out`). `label_reader`: the part of the reward that reads labels
+    (reward/labels.py), when the caller knows it: records without one are then an error."""
     d = cfg.data
     held_out = split == "eval"
-    from_train = d.eval is None and not d.train.startswith("synthetic:")
+    from_train = d.eval is None and not d.train.startswith(("synthetic:", gym.PREFIX))
     source = d.eval if held_out and d.eval is not None else d.train
+    if gym.is_task_source(source):  # its labels are the task's answers (or none: its scorer needs none)
+        records = task_held_out(cfg, source, tokenizer) if held_out else task_training(cfg, source, tokenizer)
+        return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, "held-out" if held_out else "training")
     records = load_prompts(
         source,
         "train" if from_train else split,
@@ -400,6 +474,49 @@ def config_prompts(cfg: Config, split: str, tokenizer, label_reader: str | None 
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
 
 
+def task_training(cfg: Config, source: str, tokenizer) -> list[PromptRecord]:
+    """The training prompts of the reasoning-gym source `source` (data.train)."""
+    d = cfg.data
+    return task_prompts(source, "train", tokenizer, None, d.chat_template, d.system_prompt, d.instruction)[0]
+
+
+def task_held_out(cfg: Config, source: str, tokenizer) -> list[PromptRecord]:
+    """The held-out prompts of the reasoning-gym source `source` (data.eval, or data.train when
+    data.eval is unset): the first data.eval_size items from its own seed, else data.train's seed
+    (a reasoning-gym source's, else 0) + 1000003, less any whose question a training item of
+    data.train (when it is a reasoning-gym source too) asks; how many were dropped is logged."""
+    d = cfg.data
+    training = d.train if gym.is_task_source(d.train) else None
+    train_seed = gym.parse_source(training).seed if training else None
+    default_seed = (gym.DEFAULT_SEED if train_seed is None else train_seed) + gym.HELD_OUT_SEED_OFFSET
+    exclude = task_questions(training) if training else frozenset()
+    # data.train's own held-out items: never its training seed
+    override = default_seed if d.eval is None else None
+    records, dropped = task_prompts(
+        source,
+        "eval",
+        tokenizer,
+        d.eval_size,
+        d.chat_template,
+        d.system_prompt,
+        d.instruction,
+        default_seed=default_seed,
+        exclude=exclude,
+        seed=override,
+    )
+    what = f"{source} (seed {records[0].metadata[gym.METADATA_KEY]['seed']})" if records else source
+    if dropped:
+        log.info("held-out items of %s: dropped %d whose question a training item of %s asks", what, dropped, training)
+    if not records:
+        raise ValueError(
+            f"every held-out item of {source} asks a question a training item of {training} asks: "
+            "give the task a config with more distinct questions, or fewer training items (size=N)"
+        )
+    if d.eval is None:
+        log.info("data.eval is not set: %d held-out items of %s, none asking a training question", len(records), what)
+    return records
+
+
 def _check_labels(cfg: Config, key: str, source: str, records: list[PromptRecord], reader: str | None) -> None:
     """A ValueError naming data.KEY when no record of `source` has a label and the reward reads one."""
     rows = [(_record_keys(r, cfg.data.prompt_key), r.label is not None) for r in records]
@@ -417,6 +534,8 @@ def held_out_source(cfg: Config) -> str:
     d = cfg.data
     if d.eval is not None or d.train.startswith("synthetic:"):
         return d.eval or d.train
+    if gym.is_task_source(d.train):
+        return f"{d.train} (its held-out items)"
     return f"{d.train} (its held-out split)"
 
 
@@ -598,4 +717,4 @@ def _label_hint(keys: list[str], prompt_key: str) -> str:
 
 def _source_name(source: str) -> str:
     """A source as a message names it: a file by its name, anything else as it is."""
-    return source if source.startswith(("hf:", "synthetic:")) else Path(source).name
+    return source if source.startswith(("hf:", "synthetic:", gym.PREFIX)) else Path(source).name

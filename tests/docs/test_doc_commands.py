@@ -92,6 +92,11 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/architecture.md", "reward:"): PARTIAL,
     ("docs/architecture.md", "rlhf serve learner -c FILE --nproc 4 # or model.nproc:"): PARSE,  # GPUs
     ("docs/cluster.md", "docker build -t rlhf:cpu --build-arg FLAVOUR=cpu ."): PARSE,  # a cluster
+    ("docs/environments.md", "# gym.yaml"): CONFIG,  # test_reasoning_gym writes it as gym.yaml
+    ("docs/environments.md", "$ rlhf config validate bad-gym.yaml"): RUN,  # test_reasoning_gym_mistakes
+    ("docs/environments.md", "$ rlhf train --local -c gym.yaml"): RUN,  # test_reasoning_gym
+    ("docs/environments.md", '{"id": "spell_backward-1000003-0", "prompt": "Spell'): PROSE,  # its rows
+    ("docs/environments.md", "model: {path: runs/smollm2-135m, device: cpu}"): PARTIAL,
     ("docs/evaluate.md", "tail -n 3 runs/tiny-cpu/generations/iter_000100.jsonl"): PARSE,  # after make run
     ("docs/evaluate.md", "rlhf eval -c FILE [--model DIR] [--baseline DIR] [--data"): PARSE,  # a synopsis
     ("docs/evaluate.md", "16 prompts from synthetic:reverse, 1 sample(s) each (greedy)"): PROSE,
@@ -141,6 +146,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/speed.md", "$ python benchmarks/bench_steps.py -c configs/gpu.yaml"): PARSE,  # a GPU
     ("docs/your-model.md", ".venv/bin/rlhf config validate configs/tiny-cpu.yaml"): RUN,  # test_grpo_in_one_process
     ("docs/your-model.md", "# mine.yaml"): CONFIG,
+    ("docs/your-model.md", "data: {train:"): PARTIAL,  # a reasoning-gym task
     ("docs/your-model.md", 'data: {train: "hf:openai/gsm8k:main", eval:'): PARTIAL,
     ("docs/your-model.md", '{"prompt": "abc=", "answer": "cba"}'): PROSE,  # p.jsonl, which test_data_checked writes
     ("docs/your-model.md", "$ rlhf config validate my.yaml"): RUN,  # test_data_checked
@@ -149,7 +155,7 @@ BLOCKS: dict[tuple[str, str], str] = {
 
 # config files a page names that are the reader's own (written on the page, or to be written):
 # their commands are checked on configs/tiny-cpu.yaml with the same overrides
-READERS_CONFIGS = {"FILE", "my.yaml", "my-run.yaml", "my-rm.yaml", "bad.yaml", "mine.yaml"}
+READERS_CONFIGS = {"FILE", "my.yaml", "my-run.yaml", "my-rm.yaml", "bad.yaml", "mine.yaml", "gym.yaml", "bad-gym.yaml"}
 STAND_IN = "configs/tiny-cpu.yaml"
 # what a synopsis's placeholders stand for when it is parsed ([...] marks an optional part)
 SYNOPSIS = {"N": "2", "T": "1.0", "R": "1.0", "SOURCE": "synthetic:reverse", "NAME": "exact_match"}
@@ -852,3 +858,32 @@ def test_reward_function_that_raises(scratch):
     (scratch / "helper.py").write_text("def divide(a, b):\n    return a / b\n")
     (scratch / "my-run.yaml").write_text("base: tiny-cpu\nreward: {rules: [{name: rewards.py:boom}]}\n")
     run_console(block(*RAISES), scratch, _env(), rcs=[1], subst={"/home/me/run": str(scratch)})
+
+
+GYM_YAML = ("docs/environments.md", "# gym.yaml")
+GYM_RUN = ("docs/environments.md", "$ rlhf train --local -c gym.yaml")
+GYM_MISTAKES = ("docs/environments.md", "$ rlhf config validate bad-gym.yaml")
+
+
+@_runs(GYM_RUN)
+def test_reasoning_gym(scratch):
+    """Environments' reasoning-gym run: gym.yaml as the page shows it, 2 iterations of `train --local`
+    on a reasoning-gym task with its own scorer, then `rlhf eval` of its final policy; both print
+    what the page shows (the numbers aside)."""
+    pytest.importorskip("reasoning_gym")
+    (scratch / "gym.yaml").write_text(block(*GYM_YAML).text)
+    run_console(block(*GYM_RUN), scratch, _env(), rcs=[0, 0])
+    assert (scratch / "runs" / "gym" / "eval" / "model.jsonl").is_file()
+
+
+@_runs(GYM_MISTAKES)
+def test_reasoning_gym_mistakes(scratch):
+    """Environments' bad-gym.yaml, as its prose says: both errors as shown, exit code 2."""
+    pytest.importorskip("reasoning_gym")
+    (scratch / "bad-gym.yaml").write_text(
+        'base: tiny-cpu\ndata: {train: "reasoning-gym:spell_backwards", eval: "reasoning-gym:leg_counting?legs=3"}\n'
+    )
+    assert '`data: {train: "reasoning-gym:spell_backwards", eval: "reasoning-gym:leg_counting?legs=3"}`' in (
+        (ROOT / "docs" / "environments.md").read_text()
+    )
+    run_console(block(*GYM_MISTAKES), scratch, _env(), rcs=[2])

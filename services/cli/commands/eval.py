@@ -16,7 +16,11 @@ def add_parser(sub) -> None:
         "hub id (default model.path)",
     )
     p.add_argument("--baseline", help="another model scored on the same prompts, side by side")
-    p.add_argument("--data", dest="eval_data", help="the prompts (data.eval): a file, hf:DATASET or synthetic:TASK")
+    p.add_argument(
+        "--data",
+        dest="eval_data",
+        help="the prompts (data.eval): a file, hf:DATASET, synthetic:TASK or reasoning-gym:TASK[?OPTIONS]",
+    )
     p.add_argument("--limit", dest="eval_limit", type=int, help="the first N prompts (data.eval_size)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (mean@n; pass@n with --pass-reward)")
     p.add_argument("--temperature", type=float, help="sampling temperature (default generation.eval_temperature)")
