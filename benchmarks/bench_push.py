@@ -96,7 +96,7 @@ def stand_in_backend(state, device="cpu"):
     b.tokenizer = None
     b.vocab_size = 16
     b.eos_token_id = b.pad_token_id = 0
-    b.version = 0
+    b.policy_version = 0
     b._lock = threading.Lock()
     return b
 
@@ -163,19 +163,19 @@ def copy_seconds(state: dict[str, torch.Tensor], device: str, repeats: int) -> f
     return statistics.median(times)
 
 
-def timed_pushes(bc, services, repeats: int, version: int) -> tuple[list[float], int, dict]:
+def timed_pushes(bc, services, repeats: int, policy_version: int) -> tuple[list[float], int, dict]:
     """Seconds of `repeats` pushes (after one warm-up), each until every server serves it."""
     runs, out = [], {}
     for r in range(repeats + 1):  # the first one warms up channels and pages
-        version += 1
+        policy_version += 1
         t0 = time.perf_counter()
-        out = bc.push(version, "learner:0")
+        out = bc.push(policy_version, "learner:0")
         dt = time.perf_counter() - t0
         assert out["push/failed"] == 0, out
-        assert all(s.servicer.backend.version == version for s in services)
+        assert all(s.servicer.backend.policy_version == policy_version for s in services)
         if r:
             runs.append(dt)
-    return runs, version, out
+    return runs, policy_version, out
 
 
 def main() -> None:
@@ -284,7 +284,7 @@ def bench_size(size_mb, args, cfg, serve, limit, to_host) -> list[dict]:
             learner = SimpleNamespace(
                 policy_state_dict=lambda: to_host(state), device=torch.device(args.device), lora=True
             )
-            version = 0
+            policy_version = 0
             for method in ("grpc", "shm"):
                 if not fits[method]:
                     print(f"skip {size_mb} MB x {n} servers {method} (memory)")
@@ -303,7 +303,7 @@ def bench_size(size_mb, args, cfg, serve, limit, to_host) -> list[dict]:
                     ServerPool(lambda store=store: store.live("generation"), generation_clients(cfg.rpc), 1.0),
                 )
                 bc.identity = ("bench", 1)
-                runs, version, out = timed_pushes(bc, services, args.repeats, version)
+                runs, policy_version, out = timed_pushes(bc, services, args.repeats, policy_version)
                 assert out["push/shm"] == (n if method == "shm" else 0), out
                 check = services[-1].servicer.backend.model.state_dict()
                 assert all(torch.equal(check[k], state[k]) for k in state)

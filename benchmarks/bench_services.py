@@ -73,7 +73,7 @@ def main() -> None:
     pushes = []
     for i in range(3):
         t0 = time.perf_counter()
-        client.update_weights(state, backend.version + 1)
+        client.update_weights(state, backend.policy_version + 1)
         pushes.append(time.perf_counter() - t0)
     # the server only accepts its model's own tensors, so a larger payload times the chunk codec
     # (encode, crc32/sha256, assemble) in-process

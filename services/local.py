@@ -1,8 +1,9 @@
 """The in-process trainer: the whole PPO loop in one process, with the same domain objects the
 services host (generation backend, reward scorer, critic, learner step), wired directly; the
 reference the distributed run is measured against. The loop is the learner service's
-(`services.training.loop`), with an in-process rollout source (the rollout step's
-`sample_groups`, or an agent's sessions on an endpoint in the process: `AgentSource`) and the
+(`services.training.loop`), with an in-process rollout source (`LocalSource`: a batch of prompts
+through the sampler chosen once, as a worker chooses: one reply per sample from the backend here,
+`BackendSampler`, or an agent's sessions on an endpoint in the process, `AgentSampler`) and the
 backend as weight sink.
 
     rlhf train --local -c configs/tiny-cpu.yaml --run-dir runs/local
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .agents.evaluate import held_out_evaluator
-from .agents.host import AgentFailed, agent_host
+from .agents.host import agent_host
 from .common.checkpoints import (
     CRITIC_DIR,
     LEARNER_STATE,
@@ -40,8 +42,9 @@ from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
-from .rollout.agents import too_long_for_training, trained_tokens, value_group
-from .rollout.step import sample_groups
+from .rollout.agents import AgentSampler
+from .rollout.outcomes import Failed
+from .rollout.sampling import BackendSampler, GroupSampler, Prompt, Rejected
 from .training.data import EpochSampler, config_prompts
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
@@ -53,88 +56,40 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class InProcessSource:
-    """Batches sampled, scored and valued here, by the rollout workers' step (`sample_groups`)."""
+class LocalSource:
+    """Batches sampled here by `sampler` (the prompts `epochs` gives, `rollout_batch_size` at a
+    time); a prompt the sampler rejects (an agent's sessions failed on it, or ran longer than the
+    learner takes) is left out of its batch with a warning, where a rollout worker would
+    dead-letter it."""
 
     wait_metric = "time/rollout_s"
 
-    def __init__(self, cfg: Config, sampler: EpochSampler, backend, scorer, tokenizer, critic, stop_event=None):
-        self.cfg, self.sampler, self.backend, self.scorer = cfg, sampler, backend, scorer
-        self.tokenizer, self.critic, self.stop_event = tokenizer, critic, stop_event
-        self.params = SamplingParams.for_training(cfg)
+    def __init__(self, cfg: Config, epochs: EpochSampler, sampler: GroupSampler, stop_event=None):
+        self.cfg, self.epochs, self.sampler, self.stop_event = cfg, epochs, sampler, stop_event
 
     @property
     def data_epoch(self) -> int:
-        return self.sampler.epoch
+        return self.epochs.epoch
 
-    def collect(self, iteration: int, version: int) -> Batch | None:
+    def collect(self, iteration: int, policy_version: int) -> Batch | None:
         if self.stop_event is not None and self.stop_event.is_set():  # asked before this iteration began
             return None
-        picked = self.sampler.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
-        groups, metrics = sample_groups(
-            [r for _, r in picked],
-            [f"{e}:{r.id}" for e, r in picked],
-            self.backend,
-            self.scorer,
-            self.tokenizer,
-            self.params,
-            self.critic,
-            self.cfg.prompt_length,
-        )
-        return Batch(Rollout.from_groups(groups), version, metrics)
-
-    def trained(self, batch: Batch, iteration: int) -> dict:
-        return {}
-
-
-class AgentSource:
-    """Batches of the agent's sessions (rollout.agent, environment or agent_url) on an endpoint in
-    this process (`host`: agents/host.py's `AgentHost`), every turn sampled by the in-process
-    backend; a prompt whose sessions failed, or ran longer than the learner takes, is left out of
-    its batch with a warning (a rollout worker would dead-letter it)."""
-
-    wait_metric = "time/rollout_s"
-
-    def __init__(self, cfg: Config, sampler: EpochSampler, host, tokenizer, critic, stop_event=None):
-        self.cfg, self.sampler, self.host = cfg, sampler, host
-        self.tokenizer, self.critic, self.stop_event = tokenizer, critic, stop_event
-
-    @property
-    def data_epoch(self) -> int:
-        return self.sampler.epoch
-
-    def collect(self, iteration: int, version: int) -> Batch | None:
-        if self.stop_event is not None and self.stop_event.is_set():
-            return None
-        picked = self.sampler.take_with_epochs(self.cfg.rollout_batch_size)
-        n = self.cfg.num_return_sequences_in_group
-        t0 = time.perf_counter()
-        groups = self.host.groups([(r, f"{e}:{r.id}", n) for e, r in picked])
-        generate_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        picked = self.epochs.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
+        sampled = self.sampler.sample([Prompt(r, f"{e}:{r.id}") for e, r in picked])
+        if isinstance(sampled, Failed):
+            raise RuntimeError(f"iteration {iteration}: the batch could not be sampled: {sampled.why}")
         kept = []
-        for group in groups:
-            why = str(group) if isinstance(group, AgentFailed) else too_long_for_training(self.cfg, group)
-            if why:
-                log.warning("a prompt left out of iteration %d: %s", iteration, why)
-                continue
-            if self.critic is not None:
-                value_group(group, self.critic, self.tokenizer)
-            kept.append(group)
+        for group in sampled.groups:
+            if isinstance(group, Rejected):
+                log.warning("a prompt left out of iteration %d: %s", iteration, group.reason)
+            else:
+                kept.append(group)
         if not kept:
             raise RuntimeError(f"iteration {iteration}: every prompt's agent sessions failed (see the warnings)")
-        metrics = {
-            "time/generate_s": generate_s,
-            "time/values_s": time.perf_counter() - t1,
-            "rollout/tokens": sum(trained_tokens(g) for g in kept),
-            "rollout/prompts_left_out": len(groups) - len(kept),
-        }
-        return Batch(Rollout.from_groups(kept), version, metrics)
+        return Batch(Rollout.from_groups(kept), policy_version, sampled.metrics)
 
     def trained(self, batch: Batch, iteration: int) -> dict:
         return {}
-
-    def close(self) -> None:
-        self.host.close()
 
 
 class BackendSink:
@@ -145,9 +100,9 @@ class BackendSink:
 
     def publish(self, learner) -> tuple[int, dict]:
         t0 = time.perf_counter()
-        version = learner.version + 1
-        self.backend.update_weights(learner.policy_state_dict(), version)
-        return version, {"time/push_s": time.perf_counter() - t0}
+        policy_version = learner.policy_version + 1
+        self.backend.update_weights(learner.policy_state_dict(), policy_version)
+        return policy_version, {"time/push_s": time.perf_counter() - t0}
 
 
 class LocalState:
@@ -221,12 +176,12 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
     eval_scorer, proxy = (gold, scorer) if gold is not None else (scorer, None)
     train = config_prompts(cfg, "train", tokenizer, label_reader(cfg))
     held_out = config_prompts(cfg, "eval", tokenizer, label_reader(cfg))
-    sampler = EpochSampler(train, cfg.run.seed)
+    epochs = EpochSampler(train, cfg.run.seed)
     learner = PolicyTrainer(
         cfg, total_updates=planned_updates(cfg), ptx_examples=ptx_examples_for(cfg, tokenizer, train)
     )
     critic = Critic.from_config(cfg) if cfg.needs_critic else None
-    state = LocalState(learner, critic, sampler)
+    state = LocalState(learner, critic, epochs)
     with contextlib.ExitStack() as stack:
         # the agent's sessions (and its held-out eval) sample through the backend here, batched
         pool = stack.enter_context(contextlib.closing(in_process_pool(backend, cfg))) if cfg.rollout.sessions else None
@@ -246,14 +201,15 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
                 proxy=proxy,
             )
         )
-        source: InProcessSource | AgentSource
+        sampler: GroupSampler
         if cfg.rollout.sessions:  # the agent's sessions, sampled here (a worker's endpoint, in this process)
             assert pool is not None
             host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
-            source = AgentSource(cfg, sampler, host, tokenizer, critic, stop_event)
-            stack.callback(source.close)
+            sampler = AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event())
         else:
-            source = InProcessSource(cfg, sampler, backend, scorer, tokenizer, critic, stop_event)
+            sampler = BackendSampler(cfg, backend, scorer, tokenizer, critic)
+        stack.callback(sampler.close)
+        source = LocalSource(cfg, epochs, sampler, stop_event)
         parts = (learner, critic, tokenizer, source, backend, evaluator, held_out, state)
         return _train(cfg, run_dir, schedule, parts, stop_event)
 
@@ -277,7 +233,7 @@ def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_ev
     start = resume_point(cfg, run_dir)
     if start is not None:
         loop.load_loop_state(state.read(start))
-        backend.update_weights(learner.policy_state_dict(), learner.version)
+        backend.update_weights(learner.policy_state_dict(), learner.policy_version)
         log.info("resumed from %s (iteration %d)", start, loop.iteration)
     loop.begin(RunLog(run_dir, cfg, mode="local", resume_from=loop.iteration if start is not None else None))
     it, stopped = loop.iterate(schedule, loop.iteration)

@@ -48,7 +48,7 @@ from ..gateway.app import (
     MAX_TURNS_EXCEEDED,
     SESSION_HEADER,
     Gateway,
-    Sampler,
+    TurnSampler,
     build_app,
     session_key,
 )
@@ -232,7 +232,7 @@ class AgentHost:
         self.sessions = Sessions(create_unknown=False, max_session_bytes=max_session_bytes)
         gateway = Gateway(
             tokenizer,
-            Sampler(servers, self.turn_deadline),
+            TurnSampler(servers, self.turn_deadline),
             self.sessions,
             model_name,
             max_tokens,
@@ -323,7 +323,7 @@ class AgentHost:
                     AgentFailed(f"prompt {uid}: its sessions began with different prompts; a group shares its prompt")
                 )
             else:
-                versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["versions"]]
+                versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["policy_versions"]]
                 scores = [ScoreResult(float(e.reward or 0.0), {"agent": float(e.reward or 0.0)}) for e in chunk]
                 out.append(
                     SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions))

@@ -71,7 +71,7 @@ class Choice:
     log_probs: list[float]
     text: str
     finish_reason: str
-    version: int
+    policy_version: int
     tool_calls: list[dict] = field(default_factory=list)  # parsed out of the text (tools.py)
 
     def size(self) -> int:
@@ -89,13 +89,13 @@ class Choice:
 @dataclass
 class Segment:
     """A token-exact trajectory: `ids` (every token in context), `mask` (1 where the policy
-    sampled the token), `log_probs` (the sampled tokens'; 0.0 elsewhere), `versions` (the policy
+    sampled the token), `log_probs` (the sampled tokens'; 0.0 elsewhere), `policy_versions` (the policy
     version of each sampled turn), and the `messages` those tokens are."""
 
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     pending: list[Choice] = field(default_factory=list)  # the last turn's choices, not yet taken
 
@@ -104,7 +104,7 @@ class Segment:
         its pending choices)."""
         return (
             TOKEN_BYTES * len(self.ids)
-            + 8 * len(self.versions)
+            + 8 * len(self.policy_versions)
             + size_of(self.messages)
             + sum(c.size() for c in self.pending)
         )
@@ -118,26 +118,26 @@ class Segment:
         """What a trainer reads: this segment once per pending choice (each its own branch), or
         once as it stands when no turn is pending."""
         if not self.pending:
-            return [self._as_dict(self.ids, self.mask, self.log_probs, self.versions, None)]
+            return [self._as_dict(self.ids, self.mask, self.log_probs, self.policy_versions, None)]
         return [
             self._as_dict(
                 self.ids + c.ids,
                 self.mask + [1] * len(c.ids),
                 self.log_probs + c.log_probs,
-                self.versions + [c.version],
+                self.policy_versions + [c.policy_version],
                 c.finish_reason,
             )
             for c in self.pending
         ]
 
     @staticmethod
-    def _as_dict(ids, mask, log_probs, versions, finish_reason) -> dict:
+    def _as_dict(ids, mask, log_probs, policy_versions, finish_reason) -> dict:
         return {
             "token_ids": list(ids),
             "loss_mask": list(mask),
             "log_probs": list(log_probs),
-            "versions": list(versions),
-            "turns": len(versions),
+            "policy_versions": list(policy_versions),
+            "turns": len(policy_versions),
             "finish_reason": finish_reason,
         }
 
@@ -264,7 +264,7 @@ class Session:
         else:
             assert plan.taken is not None
             seg.extend(plan.taken.ids, True, plan.taken.log_probs)
-            seg.versions.append(plan.taken.version)
+            seg.policy_versions.append(plan.taken.policy_version)
             seg.extend(plan.rest, False)
             seg.messages = [kept(m) for m in plan.messages]
         seg.pending = choices
@@ -308,7 +308,7 @@ class Plan:
     @property
     def turn(self) -> int:
         """Which sampled turn of its segment this request's is (1: the first)."""
-        return len(self.segment.versions) + 2 if self.segment is not None else 1
+        return len(self.segment.policy_versions) + 2 if self.segment is not None else 1
 
 
 class Sessions:

@@ -9,7 +9,7 @@ alone, for the learner's weight pushes).
   long to wait between tries, how many tries.
 - `Tries`: the tries of one piece of work under a policy, as a loop the caller writes:
 
-    tries = Tries(pool, policy, version, stop_event)
+    tries = Tries(pool, policy, policy_version, stop_event)
     for address in tries:                      # the next server (None: none to be had now)
         try:
             return call(pool.client(address))
@@ -21,10 +21,10 @@ What a failure *is* (a bad request, a bug in the user's code, a server at fault)
 caller's to decide: it knows its calls; the policy only says what each `Fault` costs the server.
 
 A generation server killed mid-run, hop by hop (docs/architecture.md, section 12):
-    rollout/sampling.py:Sampler._single_turn    its Generate fails: Tries.failed(address, Fault.FAILED)
+    rollout/sampling.py:ServerSampler.sample    its Generate fails: Tries.failed(address, Fault.FAILED)
       ServerPool.avoid                         left out for a while; the next try picks another
     learner/run.py:LearnerLoop.evaluate        the eval skips it the same way (ServerPool.wait_for)
-    gateway/app.py:Sampler.generate            a session goes on on another server, each tried once
+    gateway/app.py:TurnSampler.generate        a session goes on on another server, each tried once
     generation/registration.py                 restarted, its heartbeat puts it back in every pool
 """
 
@@ -76,7 +76,7 @@ class ServerPool(Generic[C]):
         return cls(lambda: {address: {}}, connect, refresh_s=3600.0)
 
     def live(self, fresh: bool = False) -> dict[str, dict]:
-        """The registry's live generation servers (address -> entry, with its `version`): read
+        """The registry's live generation servers (address -> entry, with its `policy_version`): read
         again when `fresh` or older than `refresh_s`."""
         with self._lock:
             return dict(self._live(fresh))
@@ -87,8 +87,8 @@ class ServerPool(Generic[C]):
             self._servers, self._read_at = self._read(), now
         return self._servers
 
-    def pick(self, version: int = 0, only_at_version: bool = False) -> str | None:
-        """A live server not avoided now, round robin: one the registry shows at `version` or
+    def pick(self, policy_version: int = 0, only_at_version: bool = False) -> str | None:
+        """A live server not avoided now, round robin: one the registry shows at `policy_version` or
         newer if any (re-reading the registry before settling for an older one), else, unless
         `only_at_version`, any (its answer's version is the final word). None when there is none."""
         with self._lock:
@@ -96,7 +96,7 @@ class ServerPool(Generic[C]):
             for fresh in (False, True):
                 servers = self._live(fresh)
                 usable = sorted(a for a in servers if self._avoided.get(a, 0) <= now)
-                current = [a for a in usable if servers[a].get("version", 0) >= version]
+                current = [a for a in usable if servers[a].get("policy_version", 0) >= policy_version]
                 if current:
                     break
             candidates = current if (current or only_at_version) else usable
@@ -121,14 +121,18 @@ class ServerPool(Generic[C]):
             return self._clients[address]
 
     def wait_for(
-        self, version: int, timeout_s: float | None, stop: threading.Event, on_tick: Callable[[], None] = lambda: None
+        self,
+        policy_version: int,
+        timeout_s: float | None,
+        stop: threading.Event,
+        on_tick: Callable[[], None] = lambda: None,
     ) -> str | None:
-        """A server at `version` or newer (`pick(version, only_at_version=True)`), waiting for
+        """A server at `policy_version` or newer (`pick(policy_version, only_at_version=True)`), waiting for
         one up to `timeout_s` (None: until `stop` is set), calling `on_tick` at each look; None
         when the time is up or `stop` is set."""
         deadline = None if timeout_s is None else self.clock() + timeout_s
         while True:
-            address = self.pick(version, only_at_version=True)
+            address = self.pick(policy_version, only_at_version=True)
             if address is not None:
                 return address
             if (deadline is not None and self.clock() > deadline) or stop.is_set():
@@ -185,12 +189,18 @@ class Tries(Generic[C]):
         self,
         pool: ServerPool[C],
         policy: RetryPolicy,
-        version: int = 0,
+        policy_version: int = 0,
         stop: threading.Event | None = None,
         first: str | None = None,
         on_tick: Callable[[], None] = lambda: None,
     ):
-        self.pool, self.policy, self.version, self.first, self.on_tick = pool, policy, version, first, on_tick
+        self.pool, self.policy, self.policy_version, self.first, self.on_tick = (
+            pool,
+            policy,
+            policy_version,
+            first,
+            on_tick,
+        )
         self.stop = stop if stop is not None else threading.Event()
         self.attempt = 0
         self.tried: set[str] = set()
@@ -205,9 +215,9 @@ class Tries(Generic[C]):
             return self.first
         p = self.policy
         if p.only_at_version:
-            address = self.pool.wait_for(self.version, p.wait_s, self.stop, on_tick=self.on_tick)
+            address = self.pool.wait_for(self.policy_version, p.wait_s, self.stop, on_tick=self.on_tick)
         else:
-            address = self.pool.pick(self.version)
+            address = self.pool.pick(self.policy_version)
         return None if p.each_once and address in self.tried else address
 
     @property

@@ -119,7 +119,7 @@ class SampleGroup:
     completions: list[Completion]
     scores: list[ScoreResult]
     values: list[list[float]] | None  # per sample, one value per response token
-    version: int
+    policy_version: int
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Rollout:
     index: list  # group id per sample: samples of one prompt share it
     gen_log_probs: list[list[float]] | None = None  # the sampler's log-probs
     values: list[list[float]] | None = None  # critic values per response token, needed for GAE
-    versions: list[int] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # per sample, the policy version that sampled it
     # per response token, 1 where trained (the policy sampled it), 0 where the environment put it;
     # None: every response token is trained (single-turn rollouts)
     loss_masks: list[list[int]] | None = None
@@ -156,7 +156,7 @@ class Rollout:
                 gen_log_probs.append(c.log_probs)
                 out.scores.append(g.scores[j].reward)
                 out.index.append(g.uid)
-                out.versions.append(g.version)
+                out.policy_versions.append(g.policy_version)
                 if values is not None and g.values is not None:
                     values.append(g.values[j])
         out.loss_masks = masks if holes else None
@@ -167,7 +167,7 @@ class GenerationBackend(Protocol):
     """What the generation server serves and the in-process trainer samples with (the `hf` and
     `vllm` backends); `GenerationClient` offers `generate`/`update_weights` over gRPC."""
 
-    version: int
+    policy_version: int  # the policy version it serves
     tokenizer: object
     vocab_size: int
     eos_token_id: int
@@ -183,7 +183,7 @@ class GenerationBackend(Protocol):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
     ) -> GenerationResult: ...  # `stop()` true: every caller left, the batch may end early
 
-    def update_weights(self, state_dict: Mapping[str, "torch.Tensor"], version: int) -> None: ...
+    def update_weights(self, state_dict: Mapping[str, "torch.Tensor"], policy_version: int) -> None: ...
 
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], "torch.dtype"]]: ...
 

@@ -11,7 +11,7 @@ One request, hop by hop:
                                   prompt_length allows before it is tokenised
       Session.prompt              token-exact: the session's tokens so far + the new messages'
                                   (sessions.py)
-      Sampler.generate            the session's generation server while it lives, else another
+      TurnSampler.generate        the session's generation server while it lives, else another
                                   (common/servers.py: Tries over the ServerPool, each server
                                   once); gRPC Generate on token ids
       _choices                    stop strings cut, text decoded, log-probs kept
@@ -45,7 +45,7 @@ from .metrics import GatewayMetrics
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-VERSION_HEADER = "x-policy-version"
+POLICY_VERSION_HEADER = "x-policy-version"
 AVOID_S = 10.0  # a generation server that failed a call is left out this long
 HEALTH_CACHE_S = 1.0  # /health asks a generation server at most this often
 INT64 = 2**63  # a seed is an int64 on the wire (generation.proto)
@@ -118,7 +118,7 @@ class GatewayError(Exception):
         self.status, self.kind, self.code, self.param = status, kind, code, param
 
 
-class Sampler:
+class TurnSampler:
     """Generate calls for sessions: each session's requests go to one generation server while it
     answers (its prefix cache stays warm); one that fails is avoided for a while and the call goes
     to another, each server tried once (`RETRY`). `servers`: the pool of generation servers
@@ -207,7 +207,7 @@ class Gateway:
     def __init__(
         self,
         tokenizer,
-        sampler: Sampler,
+        sampler: TurnSampler,
         sessions: Sessions,
         model_name: str,
         max_tokens: int,
@@ -309,7 +309,7 @@ class Gateway:
             seed=req.seed,
         )
 
-    def _choices(self, completions, version: int, stops: list[str], tools: bool = False) -> list[Choice]:
+    def _choices(self, completions, policy_version: int, stops: list[str], tools: bool = False) -> list[Choice]:
         """Each completion as returned: cut before its first stop string (its tokens up to the one
         that completes it are kept: the policy sampled them), its text without special tokens."""
         out = []
@@ -321,7 +321,7 @@ class Gateway:
                 text, reason = text[:cut], "stop"
                 k = self._first_with_stop(ids, stops)
                 ids, log_probs = ids[:k], log_probs[:k]
-            choice = Choice(ids, log_probs, text, reason, version)
+            choice = Choice(ids, log_probs, text, reason, policy_version)
             if tools:  # the request offered tools: calls written in the reply come back as tool_calls
                 content, calls = parse_tool_calls(text)
                 if calls:
@@ -545,7 +545,7 @@ ROUTES = (
 def build_app(
     gateway: Gateway,
     token: str | None,
-    version=lambda: None,
+    policy_version=lambda: None,
     concurrency: int = 256,
     session_secret: str | None = None,
     max_request_bytes: int = 8 << 20,
@@ -557,7 +557,7 @@ def build_app(
     worker's endpoint), the key of the session the request names in its path or else its
     `x-session-id` header: there a key is asked for even when the run has no token. Auth is
     decided on the headers alone, before the body (at most `max_request_bytes`) is read.
-    `version()`: the policy version the servers serve now (for /v1/models). `concurrency`:
+    `policy_version()`: the policy version the servers serve now (for /v1/models). `concurrency`:
     requests answered at once (each holds a thread while its turn is sampled: as many as the
     generation servers batch, not the 40 threads FastAPI runs sync routes on by default).
     `metrics`: served at /metrics (behind the token unless `open_metrics`), fed by every
@@ -599,8 +599,8 @@ def build_app(
     async def gateway_error(request: Request, e: GatewayError):
         return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status)
 
-    def answer(req: _Request, body: dict, session: Session, version: int):
-        headers = {SESSION_HEADER: session.id, VERSION_HEADER: str(version)}
+    def answer(req: _Request, body: dict, session: Session, policy_version: int):
+        headers = {SESSION_HEADER: session.id, POLICY_VERSION_HEADER: str(policy_version)}
         if not req.stream:
             return JSONResponse(body, headers=headers)
         usage = bool((req.stream_options or {}).get("include_usage"))
@@ -637,7 +637,7 @@ def build_app(
                     "object": "model",
                     "created": 0,
                     "owned_by": "rlhf",
-                    "policy_version": version(),
+                    "policy_version": policy_version(),
                 }
             ],
         }

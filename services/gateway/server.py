@@ -24,7 +24,7 @@ from ..common.modeling import load_tokenizer
 from ..common.rpc.client import endpoint_address
 from ..common.servers import ServerPool
 from ..generation.client import generation_clients
-from .app import Gateway, Sampler, build_app
+from .app import Gateway, TurnSampler, build_app
 from .metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class GatewayService(Service):
         )
         gateway = Gateway(
             load_tokenizer(cfg.model.path),
-            Sampler(self.servers, cfg.rpc.timeout_s),
+            TurnSampler(self.servers, cfg.rpc.timeout_s),
             sessions,
             model_name=cfg.model.path,
             max_tokens=cfg.response_length,
@@ -79,7 +79,7 @@ class GatewayService(Service):
         app = build_app(
             gateway,
             cfg.rpc.resolved_auth_token(),
-            version=self._version,
+            policy_version=self._policy_version,
             max_request_bytes=ep.max_request_bytes,
             metrics=self.metrics,
             open_metrics=cfg.rpc.open_metrics,
@@ -89,7 +89,7 @@ class GatewayService(Service):
         log.info("gateway: the OpenAI-compatible endpoint is on http://%s:%d/v1", ep.host, self.port)
         return self
 
-    def _version(self) -> int | None:
+    def _policy_version(self) -> int | None:
         """The newest policy version a live generation server reports (None when unknown): the
         registry's, or what the configured server answers (a deadline of a second: /v1/models does
         not wait for a server that is down)."""
@@ -99,8 +99,8 @@ class GatewayService(Service):
                 return int(self.servers.client(self.fixed).info(timeout=1.0).policy_version)
             except grpc.RpcError:
                 return None
-        versions = [int(e["version"]) for e in self.servers.live().values() if "version" in e]
-        return max(versions) if versions else None
+        policy_versions = [int(e["policy_version"]) for e in self.servers.live().values() if "policy_version" in e]
+        return max(policy_versions) if policy_versions else None
 
     def run(self) -> int:
         self._done.wait()

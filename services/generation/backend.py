@@ -46,7 +46,7 @@ class HFBackend:
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
-        self.version = 0
+        self.policy_version = 0
         self._lock = threading.Lock()
 
     def info(self) -> dict:
@@ -68,18 +68,18 @@ class HFBackend:
         """The policy's tensors as the learner pushes them: names and shapes, floating ones in float32."""
         return self._specs
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load a full or partial state dict as policy `version`. Checks every name, shape and
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Load a full or partial state dict as `policy_version`. Checks every name, shape and
         dtype first (`weights.check`); on any mismatch nothing changes. Versions only move forward."""
         check_version(state_dict, self.parameter_specs())
         with self._lock:
-            check_newer(version, self.version)
+            check_newer(policy_version, self.policy_version)
             if self.device.type == "cuda":  # through page-locked buffers (hostcopy)
                 own = self.model.state_dict()
                 copy_to_device((own[k], v) for k, v in state_dict.items())
             else:
                 self.model.load_state_dict(dict(state_dict), strict=False)
-            self.version = version
+            self.policy_version = policy_version
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
@@ -87,10 +87,10 @@ class HFBackend:
         """`stop`, when given, is asked after every decoding step; once it says True the batch ends
         there and `GenerationStopped` is raised (its partial samples are nobody's)."""
         if not prompts:
-            return GenerationResult([], self.version, 0, 0.0)
+            return GenerationResult([], self.policy_version, 0, 0.0)
         t0 = time.perf_counter()
         with self._lock:
-            version = self.version
+            policy_version = self.policy_version
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = decode(
@@ -104,4 +104,4 @@ class HFBackend:
             [Completion(out.tokens[i], out.logps[i], out.finish[i]) for i in range(j * params.n, (j + 1) * params.n)]
             for j in range(len(prompts))
         ]
-        return GenerationResult(completions, version, sum(len(t) for t in out.tokens), time.perf_counter() - t0)
+        return GenerationResult(completions, policy_version, sum(len(t) for t in out.tokens), time.perf_counter() - t0)

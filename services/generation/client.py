@@ -84,15 +84,17 @@ class GenerationClient(RPCClient):
     def update_weights(
         self,
         state_dict: Mapping[str, torch.Tensor],
-        version: int,
+        policy_version: int,
         chunk_bytes: int = CHUNK_BYTES,
         run_id: str = "",
         epoch: int = 0,
     ):
-        """Push `state_dict` as policy `version`; a server in a distributed run accepts it only
+        """Push `state_dict` as `policy_version`; a server in a distributed run accepts it only
         from the run's learner: (run_id, epoch) as published in the replay registry."""
         return self.push_encoded(
-            encode_weights(state_dict, version, min(chunk_bytes, self.max_chunk_bytes), run_id=run_id, epoch=epoch)
+            encode_weights(
+                state_dict, policy_version, min(chunk_bytes, self.max_chunk_bytes), run_id=run_id, epoch=epoch
+            )
         )
 
     def push_encoded(self, chunks: Iterable[bytes]):
@@ -115,7 +117,7 @@ class GenerationClient(RPCClient):
         return self.stub.GetInfo(gpb.InfoRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
 
     @property
-    def version(self) -> int:
+    def policy_version(self) -> int:
         return int(self.info().policy_version)
 
 

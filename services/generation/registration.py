@@ -32,22 +32,27 @@ class Registration:
         """Pull the learner's policy if it is newer than ours (`WeightReceiver.pull`). True if
         weights were applied."""
         info = self.store.learner_info()
-        if not info or int(info.get("version", 0)) <= self.backend.version:
+        if not info or int(info.get("policy_version", 0)) <= self.backend.policy_version:
             return False
         from ..learner.client import LearnerClient
 
         client = LearnerClient(info["address"], self.cfg.rpc)
         try:
             return self.servicer.receiver.pull(
-                lambda: client.pull_weights(self.backend.version), info["address"], client.timeout, info.get("version")
+                lambda: client.pull_weights(self.backend.policy_version),
+                info["address"],
+                client.timeout,
+                info.get("policy_version"),
             )
         finally:
             client.close()
 
     def heartbeat(self) -> None:
-        """The registry entry: version, and what the learner plans each push by (`registry_info`:
+        """The registry entry: policy_version, and what the learner plans each push by (`registry_info`:
         the shared-memory probe, where the weights come from, partial pushes or not)."""
-        self.store.heartbeat("generation", self.address, version=self.backend.version, **self.servicer.registry_info())
+        self.store.heartbeat(
+            "generation", self.address, policy_version=self.backend.policy_version, **self.servicer.registry_info()
+        )
 
     def start(self) -> "Registration":
         try:
@@ -61,7 +66,7 @@ class Registration:
             "registered %s in the replay namespace %r at policy version %d",
             self.address,
             self.store.ns,
-            self.backend.version,
+            self.backend.policy_version,
         )
         return self
 
@@ -69,8 +74,8 @@ class Registration:
         while not self._stop.wait(self.cfg.replay.heartbeat_s):
             try:
                 self.heartbeat()
-                learner_version = int(self.store.learner_info().get("version", 0))
-                if learner_version > self.backend.version:
+                learner_version = int(self.store.learner_info().get("policy_version", 0))
+                if learner_version > self.backend.policy_version:
                     # behind on two heartbeats in a row for the same version: the push missed us
                     if self._behind_since == learner_version:
                         self.sync()

@@ -263,7 +263,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.batcher.dead()
 
     def registry_info(self) -> dict:
-        """What this server's registry entry says besides its version: the shared-memory probe's
+        """What this server's registry entry says besides its policy_version: the shared-memory probe's
         nonce, where its weights come from (`base`), and whether its backend takes partial pushes."""
         info = {"base": self.base, "partial": self.backend.partial_updates}
         if self.probe is not None:
@@ -279,12 +279,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.receiver.apply_shared(request, context)
 
     def PushWeights(self, request_iterator, context):
-        version, nbytes, secs = self.apply_chunks(request_iterator, context)
-        return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
+        policy_version, nbytes, secs = self.apply_chunks(request_iterator, context)
+        return common_pb2.PushWeightsResponse(policy_version=policy_version, bytes=nbytes, seconds=secs)
 
     def LoadSharedWeights(self, request, context):
-        version, nbytes, secs = self.apply_shared(request, context)
-        return common_pb2.PushWeightsResponse(version=version, bytes=nbytes, seconds=secs)
+        policy_version, nbytes, secs = self.apply_shared(request, context)
+        return common_pb2.PushWeightsResponse(policy_version=policy_version, bytes=nbytes, seconds=secs)
 
     def GetInfo(self, request, context):
         info = self.backend.info()
@@ -294,7 +294,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             engine_version=info["engine_version"],
             dtype=info["dtype"],
             device=info["device"],
-            policy_version=self.backend.version,
+            policy_version=self.backend.policy_version,
             vocab_size=self.vocab_size,
             prompt_length=self.cfg.prompt_length,
             response_length=self.cfg.response_length,

@@ -92,7 +92,7 @@ class _Job:
     prompts: list[list[int]]
     params: SamplingParams
     future: Future
-    version: int = -1
+    policy_version: int = -1
     outputs: list = field(default_factory=list)
     left: int = 0
     t0: float = 0.0
@@ -160,7 +160,7 @@ class VLLMBackend:
 
     def _run_engine(self) -> None:
         """Start the thread that owns `self.engine` (tests drive a fake engine through this)."""
-        self.version = 0
+        self.policy_version = 0
         self.swap_seconds = 0.0
         self.broken: str | None = None  # why the engine must not serve (a reload failed midway)
         self._q: queue.Queue = queue.Queue()
@@ -212,7 +212,7 @@ class VLLMBackend:
         """`stop`, when given, is `submit`'s `stopped`: once True the requests are aborted and
         `GenerationStopped` is raised."""
         if not prompts:
-            return GenerationResult([], self.version, 0, 0.0)
+            return GenerationResult([], self.policy_version, 0, 0.0)
         return self.submit(prompts, params, stop).result()
 
     def call(self, fn, *args, timeout: float | None = None):
@@ -225,8 +225,8 @@ class VLLMBackend:
         self._q.put(Call(lambda: fn(*args), fut))
         return wait_for_call(fut, timeout)
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load a full state dict (transformers names, see `parameter_specs`) as policy `version`.
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        """Load a full state dict (transformers names, see `parameter_specs`) as `policy_version`.
         Names, shapes and dtypes are checked first; on a mismatch nothing changes."""
         check_version(state_dict, self._specs)
         missing = set(self._specs) - set(state_dict)
@@ -235,7 +235,7 @@ class VLLMBackend:
                 f"the vllm backend loads whole policies only: {len(missing)} tensors missing "
                 f"(first {sorted(missing)[0]!r})"
             )
-        self.call(self._swap, state_dict, version)
+        self.call(self._swap, state_dict, policy_version)
 
     def close(self) -> None:
         """Stop the engine thread, then shut the engine down now: left to the garbage collector,
@@ -256,20 +256,20 @@ class VLLMBackend:
         gc.collect()
 
     # ------------------------------------------------------------------ the engine thread
-    def _swap(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        check_newer(version, self.version)
+    def _swap(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
+        check_newer(policy_version, self.policy_version)
         t0 = time.perf_counter()
         try:
             self._reload(state_dict)
         except Exception as e:  # after every check passed: the engine holds a half-loaded policy
             self.broken = (
-                f"the vLLM engine failed while loading policy version {version} ({type(e).__name__}: "
+                f"the vLLM engine failed while loading policy version {policy_version} ({type(e).__name__}: "
                 f"{e}); it serves nothing until this server is restarted"
             )
             log.critical("%s", self.broken)
             raise
         self.engine.reset_prefix_cache()
-        self.version = version
+        self.policy_version = policy_version
         self.swap_seconds = time.perf_counter() - t0
 
     def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -346,7 +346,7 @@ class VLLMBackend:
             return
         p = job.params
         greedy = p.temperature < GREEDY_BELOW
-        job.version, job.t0, job.left = self.version, time.perf_counter(), len(job.prompts)
+        job.policy_version, job.t0, job.left = self.policy_version, time.perf_counter(), len(job.prompts)
         job.outputs = [None] * len(job.prompts)
         base = next(self._ids)
         added = []
@@ -396,7 +396,9 @@ class VLLMBackend:
         job.left -= 1
         if job.left == 0 and not job.future.done():
             tokens = sum(len(c.token_ids) for cs in job.outputs for c in cs)
-            job.future.set_result(GenerationResult(job.outputs, job.version, tokens, time.perf_counter() - job.t0))
+            job.future.set_result(
+                GenerationResult(job.outputs, job.policy_version, tokens, time.perf_counter() - job.t0)
+            )
 
     _stops_checked_at = 0.0
     STOP_CHECK_S = 0.1  # how often (seconds) `_abort_stopped` looks: it walks every request in flight

@@ -13,10 +13,12 @@ from ..common.rpc.gen import learner_pb2 as lpb
 class LearnerClient(RPCClient):
     stub_class = learner_pb2_grpc.LearnerStub
 
-    def pull_weights(self, have_version: int) -> Iterator[common_pb2.WeightChunk]:
-        """The current policy as a chunk stream; empty when `have_version` is already current."""
+    def pull_weights(self, have_policy_version: int) -> Iterator[common_pb2.WeightChunk]:
+        """The current policy as a chunk stream; empty when `have_policy_version` is already current."""
         return self.stub.PullWeights(
-            lpb.PullWeightsRequest(have_version=have_version), timeout=self.timeout, metadata=self.metadata
+            lpb.PullWeightsRequest(have_policy_version=have_policy_version),
+            timeout=self.timeout,
+            metadata=self.metadata,
         )
 
     def status(self) -> lpb.LearnerStatus:

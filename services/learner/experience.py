@@ -56,7 +56,7 @@ class Actor(Protocol):
     needs_ref: bool
     kl_ctl: Any  # a KL controller (`ppo.kl`): its `value` is the KL coefficient
     reward_stats: RunningMeanStd
-    version: int
+    policy_version: int
     objective: ObjectiveSettings
     optimizer: torch.optim.Optimizer
     scheduler: Any  # a transformers LR scheduler
@@ -255,6 +255,6 @@ def experience_metrics(
         metrics["critic/values_mean"] = masked_mean(values, mask).item()
         metrics["critic/explained_variance"] = explained_variance(values, returns, mask)
         metrics["critic/value_error"] = masked_mean((values - returns) ** 2, mask).sqrt().item()
-    if rollout.versions:
-        metrics["rollout/staleness_max"] = max(learner.version - v for v in rollout.versions)
+    if rollout.policy_versions:
+        metrics["rollout/staleness_max"] = max(learner.policy_version - v for v in rollout.policy_versions)
     return metrics

@@ -23,28 +23,28 @@ class PromptFeeder:
         self.dead_cursor = "0-0"  # the newest dead letter replaced
         self.dead_letters = 0
 
-    def _feed(self, n: int, version: int) -> None:
+    def _feed(self, n: int, policy_version: int) -> None:
         tasks = [
-            make_task(rec, epoch, version, version, self.cfg.num_return_sequences_in_group)
+            make_task(rec, epoch, policy_version, policy_version, self.cfg.num_return_sequences_in_group)
             for epoch, rec in self.sampler.take_with_epochs(n)
         ]
         self.store.feed(tasks)
 
-    def feed(self, iteration: int, version: int) -> None:
+    def feed(self, iteration: int, policy_version: int) -> None:
         """Feed batches until `max_staleness` batches beyond `iteration` are in the stream (0: just
         this iteration's), never beyond the run's last iteration."""
         target = min(iteration + self.cfg.max_staleness, self.cfg.run.iterations)
         while self.fed_batches < target:
-            self._feed(self.cfg.rollout_batch_size, version)
+            self._feed(self.cfg.rollout_batch_size, policy_version)
             self.fed_batches += 1
 
-    def replace_dead_letters(self, version: int) -> int:
+    def replace_dead_letters(self, policy_version: int) -> int:
         """Feed one new prompt per prompt dead-lettered since the last call. Returns how many."""
         dead = self.store.read_dead(self.dead_cursor)
         for entry_id, task, error in dead:
             log.error("prompt %s was dead-lettered (%s); feeding a replacement", task.uid, error)
             self.dead_cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            self._feed(1, version)
+            self._feed(1, policy_version)
             self.dead_letters += 1
         return len(dead)
 

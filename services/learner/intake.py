@@ -52,8 +52,8 @@ class TrajectoryIntake:
             log.info("re-reading %d trajectory groups read before the restart and not checkpointed", len(self._queue))
         return len(self._queue)
 
-    def collect(self, version: int, stop_event) -> list | None:
-        """rollout_batch_size groups for the learner at policy `version`, as [(entry id,
+    def collect(self, policy_version: int, stop_event) -> list | None:
+        """rollout_batch_size groups for the learner at `policy_version`, as [(entry id,
         SampleGroup)]; None when `stop_event` is set first."""
         cfg = self.cfg
         want = cfg.rollout_batch_size
@@ -66,7 +66,7 @@ class TrajectoryIntake:
             if stop_event.is_set():
                 return None
             if not self._queue:
-                self.feeder.replace_dead_letters(version)
+                self.feeder.replace_dead_letters(policy_version)
                 self._enqueue(self.store.read_trajectories(want - len(batch), cfg.replay.block_ms))
                 if not self._queue:
                     if time.time() - last_report > 30:
@@ -88,9 +88,9 @@ class TrajectoryIntake:
                 self.store.discard(entry_id)
                 self.counters["duplicates"] += 1
                 continue
-            staleness = version - msg.policy_version
+            staleness = policy_version - msg.policy_version
             if staleness > cfg.max_staleness or staleness < 0:
-                self._refeed(entry_id, msg, version)
+                self._refeed(entry_id, msg, policy_version)
                 continue
             try:
                 group = group_from_proto(msg)
@@ -111,11 +111,11 @@ class TrajectoryIntake:
             uids.add(uid)
         return batch
 
-    def _refeed(self, entry_id, msg, version: int) -> None:
+    def _refeed(self, entry_id, msg, policy_version: int) -> None:
         refeed = type(msg.task)()
         refeed.CopyFrom(msg.task)
         refeed.attempt += 1
-        refeed.min_version = refeed.fed_at_version = version
+        refeed.min_version = refeed.fed_at_version = policy_version
         self.store.discard(entry_id, refeed)
         self.counters["dropped_stale"] += 1
         self.stale_streak += 1
@@ -123,7 +123,7 @@ class TrajectoryIntake:
             "dropped group %s from policy version %d (learner at %d, max_staleness %d); fed again",
             msg.task.uid,
             msg.policy_version,
-            version,
+            policy_version,
             self.cfg.max_staleness,
         )
         threshold = 4 * self.cfg.rollout_batch_size
@@ -131,7 +131,7 @@ class TrajectoryIntake:
             self._streak_reported = self.stale_streak
             why = (
                 "it is AHEAD of the learner: some server serves weights this learner never pushed"
-                if msg.policy_version > version
+                if msg.policy_version > policy_version
                 else "the generation servers do not get the learner's pushes (see 'weight push v' warnings)"
             )
             log.error(
@@ -139,7 +139,7 @@ class TrajectoryIntake:
                 "version %d, learner at %d, max_staleness %d): %s",
                 self.stale_streak,
                 msg.policy_version,
-                version,
+                policy_version,
                 self.cfg.max_staleness,
                 why,
             )

@@ -44,7 +44,7 @@ class LearnerMetrics:
         gauge, counter = labelled(Gauge, registry, SERVICE), labelled(Counter, registry, SERVICE)
 
         self.iteration = gauge("rlhf_learner_iteration", "completed iterations")
-        self.version = gauge("rlhf_learner_policy_version", "newest policy version")
+        self.policy_version = gauge("rlhf_learner_policy_version", "newest policy version")
         self.reward = gauge("rlhf_learner_reward", "mean training reward of the last batch")
         self.reward_min = gauge("rlhf_learner_reward_min", "lowest training reward in the last batch")
         self.reward_max = gauge("rlhf_learner_reward_max", "highest training reward in the last batch")
@@ -96,7 +96,7 @@ class LearnerMetrics:
         """One iteration's metrics `m` and the service's running `counters` into the gauges and counters."""
         self.iteration.set(iteration)
         if "policy/version" in m:
-            self.version.set(m["policy/version"])
+            self.policy_version.set(m["policy/version"])
         self.reward.set(_finite(m.get("reward/score_mean")))
         self.reward_min.set(_finite(m.get("reward/score_min")))
         self.reward_max.set(_finite(m.get("reward/score_max")))

@@ -169,20 +169,20 @@ class ReplaySource:
     def data_epoch(self) -> int:
         return self.feeder.data_epoch
 
-    def collect(self, iteration: int, version: int) -> Batch | None:
+    def collect(self, iteration: int, policy_version: int) -> Batch | None:
         if self.critic_watch is not None:
             self.critic_watch.check(iteration - 1)
-        self.feeder.feed(iteration, version)
+        self.feeder.feed(iteration, policy_version)
         self.phase.enter("waiting")
-        batch = self.intake.collect(version, self.stop_event)
+        batch = self.intake.collect(policy_version, self.stop_event)
         if batch is None:
             return None
-        return Batch(Rollout.from_groups([g for _, g in batch]), version, items=batch)
+        return Batch(Rollout.from_groups([g for _, g in batch]), policy_version, items=batch)
 
     def trained(self, batch: Batch, iteration: int) -> dict:
         self.intake.trained(batch.items)
         rollout = batch.rollout
-        staleness = [batch.version - v for v in rollout.versions]
+        staleness = [batch.policy_version - v for v in rollout.policy_versions]
         return {
             "rollout/tokens": sum(len(r) for r in rollout.response_ids),
             "rollout/tokens_per_s": self.intake.tokens_per_s(),
@@ -208,15 +208,15 @@ class PushSink:
         return self.store.next_version()
 
     def publish(self, learner) -> tuple[int, dict]:
-        version = self.next_version()
-        return version, self.publisher.push(version, self.address)
+        policy_version = self.next_version()
+        return policy_version, self.publisher.push(policy_version, self.address)
 
-    def publish_current(self, version: int) -> None:
+    def publish_current(self, policy_version: int) -> None:
         """At the start: the policy the learner holds (version 0, the initial weights every server
         loads, is only published; a restored one is pushed)."""
-        if version > 0:
-            self.store.publish_learner(self.address, version, *self.publisher.identity)
-            self.publisher.push(version, self.address)
+        if policy_version > 0:
+            self.store.publish_learner(self.address, policy_version, *self.publisher.identity)
+            self.publisher.push(policy_version, self.address)
         else:
             self.publisher.publish_initial(self.address)
 
@@ -334,7 +334,7 @@ class LearnerLoop:
         return {
             "iteration": t.iteration,
             "total_iterations": self.cfg.run.iterations,
-            "policy_version": self.learner.version,
+            "policy_version": self.learner.policy_version,
             "state": self.phase.name,
             "last_reward": t.last["reward"],
             "last_eval_reward": t.last["eval"],
@@ -393,10 +393,10 @@ class LearnerLoop:
             n = self.store.reset()
             if n:
                 log.info("fresh run: cleared %d keys of replay namespace %r", n, self.store.ns)
-            top = max((int(i.get("version", 0)) for i in prior.values()), default=0)
+            top = max((int(i.get("policy_version", 0)) for i in prior.values()), default=0)
             if top > 0:  # servers left over from an earlier run serve newer-numbered weights
                 self.store.raise_version_to(top)
-                self.learner.version = self.sink.next_version()
+                self.learner.policy_version = self.sink.next_version()
             return 0
         state = self.checkpointer.load(ckpt)
         self.learner.load_state_dict(state["learner"], ckpt / "actor")
@@ -409,13 +409,13 @@ class LearnerLoop:
         t.watch.load_state_dict(state.get("watch", {}))  # absent in checkpoints of older versions
         self.metrics.suspected(t.watch.last.suspected)
         # versions only go forward: the restored weights get a number above anything served
-        self.learner.version = self.sink.next_version()
+        self.learner.policy_version = self.sink.next_version()
         self.resumed_from = t.iteration
         log.info(
             "resumed from checkpoint %s (iteration %d); policy is now version %d",
             ckpt.name,
             t.iteration,
-            self.learner.version,
+            self.learner.policy_version,
         )
         return t.iteration
 
@@ -459,7 +459,7 @@ class LearnerLoop:
         if self.critic_watch is not None:
             self.critic_watch.check(start_it)
         self.phase.enter("pushing")
-        self.sink.publish_current(self.learner.version)
+        self.sink.publish_current(self.learner.policy_version)
         self.ready.set()
         self.poller = ReplayPoller(self.store.prompt_queue, self.metrics.queue, cfg.replay.heartbeat_s).start()
         training.begin(
@@ -492,7 +492,7 @@ class LearnerLoop:
             time.time() - training.runlog.t0,
             "final_critic",
             resumed_from=self.resumed_from,
-            policy_version=self.learner.version,
+            policy_version=self.learner.policy_version,
             **self.counters,
         )
 
@@ -502,9 +502,9 @@ class LearnerLoop:
         (`self.eval_retry`). An agent's eval that failed for its agent service's sake skips none."""
         phase = self.phase.name
         self.phase.enter("evaluating")
-        version = self.learner.version
+        policy_version = self.learner.policy_version
         # waiting for a server, not stuck: each look beats
-        tries = Tries(self.servers, self.eval_retry, version, self.stop_event, on_tick=self.heartbeat)
+        tries = Tries(self.servers, self.eval_retry, policy_version, self.stop_event, on_tick=self.heartbeat)
         for address in tries:
             if address is None:
                 break
@@ -524,7 +524,7 @@ class LearnerLoop:
                 continue
             self.phase.enter(phase)
             return out
-        raise DependencyUnavailable(f"no generation server serves policy version {version} for the eval")
+        raise DependencyUnavailable(f"no generation server serves policy version {policy_version} for the eval")
 
     def _evaluate_on(self, address: str) -> dict:
         """The held-out eval of the policy the server at `address` serves: one reply per prompt

@@ -33,10 +33,12 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         self.loop, self.chunk_bytes = loop, chunk_bytes  # PullWeights' pieces
 
     def PullWeights(self, request, context):
-        version, state = self.loop.publisher.snapshot
-        if not state or request.have_version >= version:
+        policy_version, state = self.loop.publisher.snapshot
+        if not state or request.have_policy_version >= policy_version:
             return
-        yield from weight_chunks(state, version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch)
+        yield from weight_chunks(
+            state, policy_version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch
+        )
 
     def Status(self, request, context):
         s = self.loop.status()

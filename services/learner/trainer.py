@@ -119,7 +119,7 @@ class PolicyTrainer:
         self.reward_stats = RunningMeanStd()
         self.ptx_examples = list(ptx_examples or [])
         self.rng = random.Random(cfg.run.seed)
-        self.version = 0
+        self.policy_version = 0
         self.temperature = cfg.generation.temperature
         # the old log-probs equal the training forward's (verl's on-policy shortcut) when the only
         # optimiser step comes after every forward, and nothing before the update needs them
@@ -240,7 +240,7 @@ class PolicyTrainer:
             "scheduler": self.scheduler.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_stats": self.reward_stats.state_dict(),
-            "version": self.version,
+            "version": self.policy_version,  # the checkpoint's key, kept: older checkpoints load
             "rng": self.rng.getstate(),
         }
 
@@ -261,7 +261,7 @@ class PolicyTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.reward_stats.load_state_dict(state["reward_stats"])
-        self.version = int(state["version"])
+        self.policy_version = int(state["version"])
         self.rng.setstate(state["rng"])
 
     def _load_actor(self, state: dict, actor: str | Path | None) -> None:

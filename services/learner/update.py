@@ -178,7 +178,7 @@ def mini_batch_step(
         bad_loss = float("nan")  # another process's rows
     if bad_loss is not None:
         learner.optimizer.zero_grad(set_to_none=True)
-        raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {learner.version}")
+        raise FloatingPointError(f"non-finite policy loss {bad_loss} at version {learner.policy_version}")
     params = [p for p in learner.policy.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # a DTensor (FSDP): the norm over every shard

@@ -1,12 +1,14 @@
-"""A rollout worker's samples when `rollout.agent` is set: each sample of a group is a session of
-the user's agent function against the worker's own OpenAI-compatible endpoint (agents/host.py:
-`AgentHost`, over the worker's pool of generation servers, sampling with the training
-distribution), and its token-exact trajectory (the environment's tokens masked out of the loss)
-is the sample, with the agent's reward. Every session of a claimed batch runs at once.
+"""Sampling when `rollout.agent` (or `environment`, `agent_url`) is set, for a rollout worker and
+for `train --local` alike (sampling.py's `GroupSampler`): each sample of a group is a session of
+the user's agent function against an OpenAI-compatible endpoint of the sampler's own
+(agents/host.py: `AgentHost`, over a pool of generation servers, or the backend in the process,
+sampling with the training distribution), and its token-exact trajectory (the environment's
+tokens masked out of the loss) is the sample, with the agent's reward. Every session of a batch
+runs at once.
 
-A prompt whose sessions failed (`AgentFailed`) comes back `Rejected`: the worker dead-letters it
-alone and appends the others; a session that found no generation server or agent service
-(`Outage`) leaves the batch pending.
+A prompt whose sessions failed (`AgentFailed`), or ran longer than the learner takes, comes back
+`Rejected` (a worker dead-letters it alone and appends the others); a session that found no
+generation server or agent service (`Outage`) gives the batch up for now (left pending).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..agents.host import AgentFailed, AgentHost, AgentServiceDown, Outage
 from ..common.modeling import build_token_batch
-from ..common.replay.records import task_record
 from ..common.rpc.retry import DependencyUnavailable
+from .outcomes import Failed, Then, classify, message
+from .sampling import Prompt, Rejected, Sampled
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -29,41 +31,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Rejected:
-    """A claimed prompt whose sessions failed (`AgentFailed`): the worker dead-letters it with
-    `reason` and appends the others' groups."""
+class AgentSampler:
+    """Prompts -> groups of the agent's sessions on `host`, with the critic's values when there is
+    one. `on_down(kind)`: counts a batch given up for now, by what was down
+    ("no_generation_server", "agent_service")."""
 
-    reason: str
-
-
-class AgentSampling:
-    """Claimed prompts -> groups of agent sessions, with the critic's values when there is one."""
-
-    def __init__(self, cfg: Config, host: AgentHost, tokenizer, critic, stop_event: threading.Event, on_down):
-        """`on_down(kind)`: counts a batch left pending, by what was down ("no_generation_server",
-        "agent_service")."""
+    def __init__(
+        self,
+        cfg: Config,
+        host: AgentHost,
+        tokenizer,
+        critic,
+        stop_event: threading.Event,
+        on_down: Callable[[str], None] = lambda kind: None,
+    ):
         self.cfg, self.host, self.tokenizer, self.critic = cfg, host, tokenizer, critic
         self.stop_event, self.on_down = stop_event, on_down
 
-    def sample(self, tasks: list) -> list | None:
-        """Per task (group, "agent", metrics), or `Rejected` for one whose sessions failed; None =
-        give up for now (no generation server or agent service answered, or the critic stayed
-        away: the prompts stay pending)."""
+    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
+        """The batch, or `Failed`: a prompt at fault (as in a single-turn batch), or no generation
+        server or agent service answered, or the critic stayed away (the prompts stay pending).
+        `score_retries` means nothing here: the agent scores its own sessions."""
         t0 = time.perf_counter()
         size = self.cfg.num_return_sequences_in_group
         try:
             # a prompt refed after a push asks for that version (min_version), as in a single-turn batch
-            items = [(task_record(t), t.uid, t.group_size or size) for t in tasks]
-            groups = self.host.groups(items, min_version=max(t.min_version for t in tasks))
+            items = [(p.record, p.uid, p.group_size or size) for p in prompts]
+            groups = self.host.groups(items, min_version=max(p.min_version for p in prompts))
         except Outage as e:
             self.on_down("agent_service" if isinstance(e, AgentServiceDown) else "no_generation_server")
-            log.warning("%d prompts left pending: %s", len(tasks), e)
+            log.warning("%d prompts left pending: %s", len(prompts), e)
             self.stop_event.wait(self.cfg.rollout.retry_backoff_s)  # not straight on to the next claim
-            return None
-        secs = (time.perf_counter() - t0) / len(tasks)
-        out: list = []
-        for t, group in zip(tasks, groups):
+            return Failed(Then.LEAVE_PENDING)
+        except ValueError as e:  # a prompt at fault, as in a single-turn batch
+            row = classify(e)
+            if row is None:
+                raise
+            return Failed(row.then, message(e))
+        t1 = time.perf_counter()
+        out: list[SampleGroup | Rejected] = []
+        for group in groups:
             if isinstance(group, AgentFailed):
                 out.append(Rejected(str(group)))
                 continue
@@ -71,24 +78,25 @@ class AgentSampling:
             if too_long:
                 out.append(Rejected(too_long))
                 continue
-            t1 = time.perf_counter()
             if self.critic is not None:
                 try:
                     value_group(group, self.critic, self.tokenizer)
                 except DependencyUnavailable as e:
-                    log.error("prompt %s left pending: %s", t.uid, e)
-                    return None
-            metrics = {
-                "time/generate_s": secs,
-                "time/score_s": 0.0,
-                "time/values_s": time.perf_counter() - t1,
-                "rollout/tokens": trained_tokens(group),
-            }
-            out.append((group, "agent", metrics))
-        return out
+                    log.error("prompt %s left pending: %s", group.uid, e)
+                    return Failed(Then.LEAVE_PENDING)
+            out.append(group)
+        kept = [g for g in out if not isinstance(g, Rejected)]
+        metrics = {
+            "time/generate_s": t1 - t0,
+            "time/score_s": 0.0,
+            "time/values_s": time.perf_counter() - t1,
+            "rollout/tokens": sum(trained_tokens(g) for g in kept),
+            "rollout/prompts_left_out": len(out) - len(kept),
+        }
+        return Sampled(out, metrics)
 
     def close(self) -> None:
-        """The endpoint, once the worker's loops have ended (the sessions in flight finish first)."""
+        """The endpoint, once no batch is sampled any more (the sessions in flight finish first)."""
         self.host.close()
 
 

@@ -5,7 +5,7 @@ split to find the prompt at fault and dead-letter it, split to score each prompt
 the group the reward API still fails, or the worker stopped. Each batch, and each prompt of one
 that was split, ends as a `Fate`.
 
-    Batches.settle         sample, then append (a prompt an agent's sessions failed on dead-lettered)
+    Batches.settle         sample (`GroupSampler.sample`), then append (a `Rejected` prompt dead-lettered)
       _stop                the user's reward function failed: the worker stops, the run with it
       _refused             a prompt refused: each prompt alone; the one refused dead-lettered
       _unscored            the reward API failed the batch: `_isolate`, each prompt scored alone
@@ -17,13 +17,12 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable
 
 from ..common.replay import ReplayStore
 from ..common.replay.records import group_to_proto
-from .agents import Rejected
 from .metrics import WorkerMetrics
 from .outcomes import Failed, Then
+from .sampling import GroupSampler, Prompt, Rejected, Sampled
 
 log = logging.getLogger("services.rollout.worker")  # the worker's log lines read as they did in one module
 
@@ -39,8 +38,8 @@ class Fate(enum.Enum):
 
 
 class Batches:
-    """Claimed batches settled: each sampled by `sample(tasks, score_retries)` (the worker's
-    `Sampler.sample`), appended to `store` as worker `name`, or dead-lettered, dropped or left
+    """Claimed batches settled: each sampled by `sampler` (the worker's choice of `GroupSampler`),
+    appended to `store` as worker `name`, or dead-lettered, dropped or left
     pending as the sampling's `Failed` says. `produced`: the groups appended; `failure`: why the
     run cannot go on (the user's reward function failed), once it cannot."""
 
@@ -48,11 +47,11 @@ class Batches:
         self,
         store: ReplayStore,
         name: str,
-        sample: Callable[[list, int | None], list | Failed],
+        sampler: GroupSampler,
         stop_event: threading.Event,
         metrics: WorkerMetrics,
     ):
-        self.store, self.name, self.sample = store, name, sample
+        self.store, self.name, self.sampler = store, name, sampler
         self.stop_event, self.metrics = stop_event, metrics
         self._lock = threading.Lock()
         self.produced = 0
@@ -67,7 +66,7 @@ class Batches:
         gave no reward left pending (`Fate.UNSCORED`) unless `drop`. Returns the groups appended
         and what became of the batch."""
         t0 = time.perf_counter()
-        sampled = self.sample([t for _, t in entries], score_retries)
+        sampled = self.sampler.sample([Prompt.of_task(t) for _, t in entries], score_retries)
         if not isinstance(sampled, Failed):
             return self._append(entries, sampled, t0), Fate.SCORED
         if sampled.then is Then.STOP:
@@ -79,30 +78,30 @@ class Batches:
         log.error("giving up on a batch of %d prompts for now; they stay pending and will be reclaimed", len(entries))
         return 0, Fate.PENDING
 
-    def _append(self, entries: list, result: list, t0: float) -> int:
-        """The sampled groups appended and their prompts acknowledged; a prompt whose agent
-        sessions failed on their input (`Rejected`) dead-lettered alone. Returns groups appended."""
-        for (entry_id, task), r in zip(entries, result):
-            if isinstance(r, Rejected):  # an agent's sessions failed on their input: that prompt alone
-                log.error("prompt %s cannot be processed, moved to the dead-letter stream: %s", task.uid, r.reason)
-                self._dead_letter(entry_id, task, r.reason)
-        kept = [(e, r) for e, r in zip(entries, result) if not isinstance(r, Rejected)]
-        entries, result = [e for e, _ in kept], [r for _, r in kept]
+    def _append(self, entries: list, sampled: Sampled, t0: float) -> int:
+        """The sampled groups appended and their prompts acknowledged; a `Rejected` prompt (an
+        agent's sessions failed on it) dead-lettered alone. Returns groups appended."""
+        kept = []
+        for (entry_id, task), group in zip(entries, sampled.groups):
+            if isinstance(group, Rejected):
+                log.error("prompt %s cannot be processed, moved to the dead-letter stream: %s", task.uid, group.reason)
+                self._dead_letter(entry_id, task, group.reason)
+            else:
+                kept.append((entry_id, task, group))
         secs = time.perf_counter() - t0
+        m = sampled.metrics
+        generate_s, tokens = m["time/generate_s"], int(m["rollout/tokens"])
         added = self.store.produce(
             [
-                (
-                    entry_id,
-                    group_to_proto(group, task, self.name, address, m["time/generate_s"], int(m["rollout/tokens"])),
-                )
-                for (entry_id, task), (group, address, m) in zip(entries, result)
+                (entry_id, group_to_proto(group, task, self.name, sampled.server or "", generate_s, tokens))
+                for entry_id, task, group in kept
             ]
         )
         appended = sum(added)
         self.metrics.duplicates.inc(len(added) - appended)
         self.metrics.produced.inc(appended)
         self.metrics.batch_seconds.observe(time.perf_counter() - t0)
-        log.debug("batch of %d appended in %.3fs (sampling %.3fs)", len(entries), time.perf_counter() - t0, secs)
+        log.debug("batch of %d appended in %.3fs (sampling %.3fs)", len(kept), time.perf_counter() - t0, secs)
         with self._lock:
             self.produced += appended
         return appended

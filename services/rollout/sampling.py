@@ -1,15 +1,20 @@
-"""One claimed batch sampled: its prompts -> their groups, each sample generated, scored and
-valued (`step.py:sample_groups`); or, with `rollout.agent` (or `environment`, `agent_url`), each
-sample a session of the user's agent (`agents.py:AgentSampling`). A failed try is looked up in
-the outcomes table (`outcomes.py`): another try, or the batch given up with what the worker does
-instead (`Failed`: leave it pending, dead-letter a prompt, drop a group the reward API fails, stop).
+"""The one seam of sampling for training: a batch of prompts -> per prompt its group (or the
+prompt `Rejected`), with the batch's metrics (`Sampled`); or the batch given up (`Failed`: what
+a worker does instead). Every sampler has the shape of `GroupSampler`, and each caller chooses
+one, once: a rollout worker `ServerSampler` or `AgentSampler` (worker.py), `train --local`
+`BackendSampler` or `AgentSampler` (local.py).
 
-    Sampler.sample                  the agent's sessions, or:
-      Sampler._single_turn          the tries over the generation servers (`Tries` under the
-                                    worker's `RetryPolicy`), one `sample_groups` call each
+    GroupSampler.sample(prompts)    -> Sampled | Failed
+      ServerSampler                 one reply per sample, on the generation servers: the tries
+                                    (`Tries` under the worker's `RetryPolicy`), one `sample_groups`
+                                    call each (step.py: generate, score, value)
         _OneBatch.generate          the batch's Generate: its deadline, its idempotency key
         _Scoring.score              a batch the reward API failed, scored again
         outcomes.classify           a failed try -> another (counted, logged) or the batch given up
+      BackendSampler                one reply per sample, on a backend in this process: one
+                                    `sample_groups` call
+      agents.py:AgentSampler        each sample a session of the user's agent (`rollout.agent`,
+                                    `environment` or `agent_url`)
 
 A Generate call's deadline grows with the work it asks for: `rollout.generate_timeout_s` (default
 `rpc.timeout_s`) plus `rollout.generate_timeout_per_token_s` x prompts x n x max_new_tokens. Every
@@ -23,15 +28,15 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from ..common.replay.records import task_record
 from ..common.rpc.retry import DependencyUnavailable
 from ..common.servers import Fault, RetryPolicy, ServerPool, Tries
-from ..common.types import SamplingParams
+from ..common.types import PromptRecord, SampleGroup, SamplingParams
 from ..generation.client import GenerationClient
 from ..reward.client import RewardAPIFailure
-from .agents import AgentSampling
 from .metrics import WorkerMetrics
 from .outcomes import Failed, Outcome, Row, ScoringFailed, Then, classify, error_kind, message
 from .step import sample_groups
@@ -42,11 +47,93 @@ if TYPE_CHECKING:
 log = logging.getLogger("services.rollout.worker")  # the worker's log lines read as they did in one module
 
 
-class Sampler:
-    """A worker's batches sampled. With `agents`, each sample is a session of the user's agent;
-    else each try of a batch is one `sample_groups` call on a generation server of `servers`
-    (picked under `retry`), scored by `reward` (a batch the reward API failed is scored again),
-    valued by `critic` (None: no critic)."""
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt to sample a group of: its record, the group's `uid` (epoch:record id), its size
+    (0: the config's `num_return_sequences_in_group`) and the oldest policy version that may
+    sample it (a prompt fed again after a push asks for that version)."""
+
+    record: PromptRecord
+    uid: str
+    group_size: int = 0
+    min_version: int = 0
+
+    @classmethod
+    def of_task(cls, task) -> Prompt:
+        """A claimed replay task's prompt."""
+        return cls(task_record(task), task.uid, task.group_size, task.min_version)
+
+
+@dataclass
+class Rejected:
+    """A prompt whose samples cannot be trained on (an agent's sessions failed on it, or ran longer
+    than the learner takes): a worker dead-letters it with `reason`, `train --local` leaves it out;
+    the batch's other prompts go on."""
+
+    reason: str
+
+
+@dataclass
+class Sampled:
+    """A batch sampled: per prompt (in order) its group or `Rejected`; the batch's metrics
+    (time/generate_s, time/score_s, time/values_s, rollout/tokens, ...); the generation server
+    that sampled every group, when one did (an agent's turns may each be on another: None)."""
+
+    groups: list[SampleGroup | Rejected]
+    metrics: dict
+    server: str | None = None
+
+
+class GroupSampler(Protocol):
+    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
+        """`score_retries`: times a batch the reward API failed is scored again (None:
+        `reward.group_retries`; where the reward is a service)."""
+        ...
+
+    def close(self) -> None:
+        """Once no batch is sampled any more (an agent's sessions in flight finish first)."""
+        ...
+
+
+@dataclass
+class BackendSampler:
+    """One reply per sample from `backend` in this process (`train --local`), scored by `scorer`,
+    valued by `critic` (None: no critic). A failure raises: there is no other server to try."""
+
+    cfg: Config
+    backend: object
+    scorer: object
+    tokenizer: object
+    critic: object = None
+
+    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
+        groups, metrics = sample_groups(
+            [p.record for p in prompts],
+            [p.uid for p in prompts],
+            self.backend,
+            self.scorer,
+            self.tokenizer,
+            SamplingParams.for_training(self.cfg, prompts[0].group_size or None),
+            self.critic,
+            self.cfg.prompt_length,
+        )
+        return Sampled(list(groups), metrics)
+
+    def close(self) -> None:
+        pass
+
+
+def generate_timeout(cfg: Config, n_prompts: int, params: SamplingParams) -> float:
+    """The deadline of a Generate call: a base and a budget per token asked for."""
+    rc = cfg.rollout
+    base = rc.generate_timeout_s if rc.generate_timeout_s is not None else cfg.rpc.timeout_s
+    return base + rc.generate_timeout_per_token_s * n_prompts * params.n * params.max_new_tokens
+
+
+class ServerSampler:
+    """One reply per sample, each try of a batch one `sample_groups` call on a generation server
+    of `servers` (picked under `retry`), scored by `reward` (a batch the reward API failed is
+    scored again), valued by `critic` (None: no critic)."""
 
     def __init__(
         self,
@@ -56,40 +143,20 @@ class Sampler:
         retry: RetryPolicy,
         reward,
         critic,
-        agents: AgentSampling | None,
         stop_event: threading.Event,
         metrics: WorkerMetrics,
     ):
         self.cfg, self.tokenizer, self.servers, self.retry = cfg, tokenizer, servers, retry
-        self.reward, self.critic, self.agents = reward, critic, agents
+        self.reward, self.critic = reward, critic
         self.stop_event, self.metrics = stop_event, metrics
 
-    def sample(self, tasks: list, score_retries: int | None = None) -> list | Failed:
-        """Per task (group, generation server, metrics), or `Rejected` (an agent's sessions failed
-        on it); or `Failed`: the batch came to no groups, and what the worker does instead.
-        `score_retries`: times a batch the reward API failed is scored again (None:
-        `reward.group_retries`; a single-turn batch only)."""
-        if self.agents is not None:
-            return self._sessions(self.agents, tasks)
-        return self._single_turn(tasks, score_retries)
-
-    def _sessions(self, agents: AgentSampling, tasks: list) -> list | Failed:
-        try:
-            groups = agents.sample(tasks)
-        except ValueError as e:  # a prompt at fault, as in a single-turn batch
-            row = classify(e)
-            if row is None:
-                raise
-            return Failed(row.then, message(e))
-        return Failed(Then.LEAVE_PENDING) if groups is None else groups
-
-    def _single_turn(self, tasks: list, score_retries: int | None) -> list | Failed:
+    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
         """The batch's tries (one Generate call each) on the servers `self.retry` picks: the
         first that samples it, or the batch given up (every try failed, or one that no other try
         mends)."""
-        min_version = max(t.min_version for t in tasks)
-        params = SamplingParams.for_training(self.cfg, tasks[0].group_size or None)
-        key, timeout = uuid.uuid4().hex, self.generate_timeout(len(tasks), params)
+        min_version = max(p.min_version for p in prompts)
+        params = SamplingParams.for_training(self.cfg, prompts[0].group_size or None)
+        key, timeout = uuid.uuid4().hex, generate_timeout(self.cfg, len(prompts), params)
         retries = self.cfg.reward.group_retries if score_retries is None else score_retries
         scoring = _Scoring(self.reward, retries, self.cfg.reward.group_retry_wait_s, self.stop_event, self.metrics)
         tries = Tries(self.servers, self.retry, min_version, self.stop_event)
@@ -104,8 +171,8 @@ class Sampler:
             try:
                 generation = _OneBatch(self.servers.client(address), key, timeout)
                 groups, m = sample_groups(
-                    [task_record(t) for t in tasks],
-                    [t.uid for t in tasks],
+                    [p.record for p in prompts],
+                    [p.uid for p in prompts],
                     generation,
                     scoring,
                     self.tokenizer,
@@ -117,32 +184,26 @@ class Sampler:
                 row = classify(e)
                 if row is None:  # no failure the worker knows: the claim loop's to log
                     raise
-                self._report(row, e, address, len(tasks), tries.attempt)
+                self._report(row, e, address, len(prompts), tries.attempt)
                 if row.fault is None:  # no other try mends it (a row that tries again has a fault)
                     return Failed(row.then, message(e))
                 if row.then is Then.RETRY_LONGER:
                     timeout *= 2  # the server was slower than the budget: the same deadline would fail again
                 tries.failed(address, row.fault)
                 continue
-            if groups and groups[0].version < min_version:  # the server missed a push; it will catch up
-                log.info("%s served version %d < %d; trying another", address, groups[0].version, min_version)
+            if groups and groups[0].policy_version < min_version:  # the server missed a push; it will catch up
+                log.info("%s served version %d < %d; trying another", address, groups[0].policy_version, min_version)
                 tries.failed(address, Fault.BEHIND)
                 continue
             log.debug(
                 "batch of %d: generate %.3fs score %.3fs values %.3fs",
-                len(tasks),
+                len(prompts),
                 m["time/generate_s"],
                 m["time/score_s"],
                 m["time/values_s"],
             )
-            return [(g, address, m) for g in groups]
+            return Sampled(list(groups), m, address)
         return Failed(Then.LEAVE_PENDING)
-
-    def generate_timeout(self, n_prompts: int, params: SamplingParams) -> float:
-        """The deadline of a Generate call: a base and a budget per token asked for."""
-        rc = self.cfg.rollout
-        base = rc.generate_timeout_s if rc.generate_timeout_s is not None else self.cfg.rpc.timeout_s
-        return base + rc.generate_timeout_per_token_s * n_prompts * params.n * params.max_new_tokens
 
     def _report(self, row: Row, e, address: str, n_prompts: int, attempt: int) -> None:
         """A failed try of a batch on `address`: counted, when its row says so, and logged (what
@@ -181,11 +242,7 @@ class Sampler:
             )
 
     def close(self) -> None:
-        """The agents' endpoint, once the worker's loops have ended (the sessions in flight finish
-        first)."""
-        if self.agents is not None:
-            self.agents.close()
-            self.agents = None
+        pass
 
 
 class _OneBatch:

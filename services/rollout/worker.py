@@ -7,7 +7,8 @@ atomic step); beside them it keeps its registry entry alive (a heartbeat).
       RolloutWorker.run                    `rollout.concurrency` claim loops and the heartbeat, until stopped
         claims.py:ClaimLoop.run            claim a batch (its claim renewed while it is worked on)
         batches.py:Batches.settle          append its groups, or dead-letter, drop or leave them pending
-        sampling.py:Sampler.sample         the tries over the generation servers, or an agent's sessions
+        sampling.py:GroupSampler.sample    the worker's sampler, chosen once: the tries over the generation
+                                           servers (ServerSampler), or an agent's sessions (agents.py)
         outcomes.py:TABLE                  what a failed try means, and what the worker does about it
         metrics.py:WorkerMetrics           rlhf_rollout_*
 
@@ -35,11 +36,11 @@ from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import generation_clients
 from ..reward.client import RewardClient
-from .agents import AgentSampling
+from .agents import AgentSampler
 from .batches import Batches
 from .claims import ClaimLoop
 from .metrics import WorkerMetrics
-from .sampling import Sampler
+from .sampling import GroupSampler, ServerSampler, generate_timeout
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker:
     """A worker's parts, composed: its clients of the reward and critic servers, its pool of
-    generation servers and the policy it tries them under, its sampling (`Sampler`), what it does
+    generation servers and the policy it tries them under, its sampling (a `GroupSampler`), what it does
     with a sampled batch (`Batches`), its claim loop (`ClaimLoop`) and its metrics."""
 
     def __init__(self, cfg: Config, store: ReplayStore, name: str | None = None):
@@ -68,9 +69,16 @@ class RolloutWorker:
             lambda: store.live("generation"), generation_clients(cfg.rpc), cfg.replay.heartbeat_s / 2
         )
         self.retry = retry_policy(cfg)
-        agents = None
-        if cfg.rollout.sessions:  # each sample a session of the user's agent, on an endpoint of its own
-            agents = AgentSampling(
+        self.sampler = self._sampler(cfg)
+        self.batches = Batches(store, self.name, self.sampler, self.stop_event, self.metrics)
+        self.loop = ClaimLoop(cfg, store, self.name, self.batches.process, self.stop_event, self.metrics)
+        self.last_heartbeat = time.monotonic()
+
+    def _sampler(self, cfg: Config) -> GroupSampler:
+        """The worker's one choice of how a prompt is sampled: each sample a session of the user's
+        agent, on an endpoint of the worker's own, or one reply of a generation server."""
+        if cfg.rollout.sessions:
+            return AgentSampler(
                 cfg,
                 agent_host(cfg, self.tokenizer, self.servers, SamplingParams.for_training(cfg, 1)),
                 self.tokenizer,
@@ -78,20 +86,16 @@ class RolloutWorker:
                 self.stop_event,
                 on_down=lambda kind: self.metrics.error(kind).inc(),
             )
-        self.sampler = Sampler(
+        return ServerSampler(
             cfg,
             self.tokenizer,
             servers=self.servers,
             retry=self.retry,
             reward=self.reward,
             critic=self.critic,
-            agents=agents,
             stop_event=self.stop_event,
             metrics=self.metrics,
         )
-        self.batches = Batches(store, self.name, self.sampler.sample, self.stop_event, self.metrics)
-        self.loop = ClaimLoop(cfg, store, self.name, self.batches.process, self.stop_event, self.metrics)
-        self.last_heartbeat = time.monotonic()
 
     @property
     def produced(self) -> int:
@@ -105,7 +109,7 @@ class RolloutWorker:
 
     def generate_timeout(self, n_prompts: int, params: SamplingParams) -> float:
         """The deadline of a Generate call: a base and a budget per token asked for."""
-        return self.sampler.generate_timeout(n_prompts, params)
+        return generate_timeout(self.cfg, n_prompts, params)
 
     def process(self, entries: list) -> int:
         """Sample, append and acknowledge one claimed batch. Returns groups appended."""

@@ -1,14 +1,15 @@
 """The training loop, one for `rlhf train --local` (services/local.py) and the learner service
 (services/learner/run.py). What differs between them is handed in as parts:
 
-    source.collect(iteration, version)  a batch to train on: sampled and scored in-process, or the
+    source.collect(iteration, policy_version)
+                                        a batch to train on: sampled and scored in-process, or the
                                         trajectories rollout workers left in Redis (None: a stop was
                                         asked while it waited)
     source.trained(batch, iteration)    the update on it is done and published: its metrics
     source.wait_metric, source.data_epoch what the time to get a batch is called; the data epoch
     sink.publish(learner)               number the new policy (the one place versions are numbered)
                                         and hand it to whoever samples: the in-process backend, or
-                                        every live generation server; (version, metrics)
+                                        every live generation server; (policy_version, metrics)
     evaluate()                          the held-out eval (in-process, or through a generation server)
 
 and, where the learner service needs them: `checkpoint(iteration, tick)` (its own checkpoint in
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Batch:
     rollout: Rollout
-    version: int  # the policy version when it was collected
+    policy_version: int  # the policy version when it was collected
     metrics: dict = field(default_factory=dict)  # what producing it measured
     items: Any = None  # the source's own record of it (the learner's trajectory entries)
 
@@ -64,7 +65,7 @@ class RolloutSource(Protocol):
     @property
     def data_epoch(self) -> int: ...  # passes over the training prompts so far (`data/epoch`)
 
-    def collect(self, iteration: int, version: int) -> Batch | None: ...
+    def collect(self, iteration: int, policy_version: int) -> Batch | None: ...
 
     def trained(self, batch: Batch, iteration: int) -> dict: ...
 
@@ -74,7 +75,7 @@ class Trainer(Protocol):
     sharded form): one PPO step on a rollout (the critic, if any, trains in it), the policy's
     weights for the sink, its directory for a checkpoint."""
 
-    version: int  # the policy version it holds (the sink numbers each new one)
+    policy_version: int  # the policy version it holds (the sink numbers each new one)
 
     def step(self, rollout: Rollout, critic=None) -> dict: ...  # the step's metrics
 
@@ -221,14 +222,14 @@ class TrainingLoop:
         source = best if (best / "best.json").exists() else Path(self.cfg.model.path)
         self.learner.restore_policy(source)
         self.rollbacks += 1
-        self.learner.version, _ = self.sink.publish(self.learner)
+        self.learner.policy_version, _ = self.sink.publish(self.learner)
         self.last["eval"] = self.best  # the policy now is the one that scored it (final/ if the run ends here)
         self.log.warning(
             "iteration %d: held-out reward %.4f, more than run.gold_drop=%g below the best %.4f: the policy "
             "is rolled back to %s (now version %d)",
-            iteration, score, drop, self.best, source, self.learner.version,
+            iteration, score, drop, self.best, source, self.learner.policy_version,
         )  # fmt: skip
-        return {"eval/rolled_back": 1, "policy/version": self.learner.version}
+        return {"eval/rolled_back": 1, "policy/version": self.learner.policy_version}
 
     def _watched(self, iteration: int, evaluated: dict) -> dict:
         """The reward-hacking watch's verdict on an evaluation (a warning at its onset); what it
@@ -256,7 +257,7 @@ class TrainingLoop:
         it, stopped = start_it, False
         for it in range(start_it + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
-            batch = self.source.collect(it, self.learner.version)
+            batch = self.source.collect(it, self.learner.policy_version)
             if batch is None:
                 stopped, it = True, it - 1
                 break
@@ -266,12 +267,12 @@ class TrainingLoop:
             metrics.update(self.learner.step(batch.rollout, self.critic))
             t2 = time.perf_counter()
             self.phase.enter("pushing")
-            self.learner.version, pushed = self.sink.publish(self.learner)
+            self.learner.policy_version, pushed = self.sink.publish(self.learner)
             metrics.update(pushed)
             self.iteration = it
             metrics.update({self.source.wait_metric: t1 - t0, "time/train_s": t2 - t1})
             metrics.update(self.source.trained(batch, it))
-            metrics.update({"data/epoch": self.source.data_epoch, "policy/version": self.learner.version})
+            metrics.update({"data/epoch": self.source.data_epoch, "policy/version": self.learner.policy_version})
             if not self.time_eval:
                 metrics["time/iteration_s"] = time.perf_counter() - t0
             self.watch.train(metrics.get("reward/score_mean", nan))

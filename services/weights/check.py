@@ -103,11 +103,11 @@ def check_version(
                 raise BadRequest(f"{where}: tensor {name!r} contains NaN or infinity")
 
 
-def check_newer(version: int, serving: int) -> None:
+def check_newer(policy_version: int, serving: int) -> None:
     """Versions only move forward: an older or equal one is refused with `Reason.VERSION_NOT_NEWER`."""
-    if version <= serving:
+    if policy_version <= serving:
         raise BadRequest(
-            f"weights: version {version} is not newer than the serving version {serving}",
+            f"weights: version {policy_version} is not newer than the serving version {serving}",
             Reason.VERSION_NOT_NEWER,
-            field="header.version",
+            field="header.policy_version",
         )

@@ -92,5 +92,5 @@ def safe_run_id(run_id: str) -> str:
     return re.sub(r"[^0-9A-Za-z_.]", "_", run_id)[:64] or "_"
 
 
-def weights_file_name(run_id: str, epoch: int, version: int, fmt: str) -> str:
-    return f"{FILE_PREFIX}{safe_run_id(run_id)}-e{int(epoch)}-v{int(version)}-{fmt}.safetensors"
+def weights_file_name(run_id: str, epoch: int, policy_version: int, fmt: str) -> str:
+    return f"{FILE_PREFIX}{safe_run_id(run_id)}-e{int(epoch)}-v{int(policy_version)}-{fmt}.safetensors"

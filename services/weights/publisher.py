@@ -106,13 +106,13 @@ class StreamTransport:
     def chunk_bytes(self) -> int:
         return chunk_bytes(self.reach.cfg.rpc.max_message_mb)
 
-    def jobs(self, targets: list[str], state: dict, kind: str, version: int) -> dict[str, Job]:
+    def jobs(self, targets: list[str], state: dict, kind: str, policy_version: int) -> dict[str, Job]:
         """Stream `state` to every address of `targets`: {address: its job}; the jobs run at once
         (the encoding waits for its slowest reader)."""
         run_id, epoch = self.reach.identity
         chunk = self.chunk_bytes()
         fan = Fanout(
-            encode_weights(state, version, chunk, fmt=kind, run_id=run_id, epoch=epoch),
+            encode_weights(state, policy_version, chunk, fmt=kind, run_id=run_id, epoch=epoch),
             len(targets),
             window=max(2, PUSH_WINDOW_BYTES // chunk),
         )
@@ -120,13 +120,13 @@ class StreamTransport:
 
         def one(i: int, address: str) -> Delivery:
             try:
-                return self._push_one(address, fan.reader(i), version)
+                return self._push_one(address, fan.reader(i), policy_version)
             finally:
                 fan.detach(i)  # a failed stream no longer holds the others back
 
         return {a: functools.partial(one, i, a) for i, a in enumerate(targets)}
 
-    def _push_one(self, address: str, chunks, version: int) -> Delivery:
+    def _push_one(self, address: str, chunks, policy_version: int) -> Delivery:
         """Push one server the (already encoded) stream `chunks`."""
         sent, t0 = Counted(chunks), time.monotonic()
         client = self.reach.client(address)
@@ -139,7 +139,7 @@ class StreamTransport:
             log.warning(
                 "%s (it will pull when it sees it is behind)",
                 wait_failed(
-                    f"weight push v{version} to",
+                    f"weight push v{policy_version} to",
                     address,
                     sent.phase("stream", "apply"),
                     e,
@@ -170,7 +170,7 @@ class SharedMemoryTransport:
     def colocated(self, info: dict) -> bool:
         return shm.colocated(self.reach.cfg.rpc.shm_dir, info.get("shm"))
 
-    def _write(self, state: dict, version: int, kind: str):
+    def _write(self, state: dict, policy_version: int, kind: str):
         """The version written into shared memory (the request that points a server at it); None
         when it cannot be written (then its servers get the stream)."""
         run_id, epoch = self.reach.identity
@@ -181,26 +181,26 @@ class SharedMemoryTransport:
             if self.writer is None or self.writer.run_id != run_id:
                 self.writer = shm.SharedWeightsWriter(shm_dir, run_id)
                 self.writer.cleanup()  # what an earlier learner process of this run left
-            return self.writer.write(state, version, epoch, kind)
+            return self.writer.write(state, policy_version, epoch, kind)
         except (OSError, TypeError) as e:
             self.reach.tell(
                 ("shm-write", type(e)),
                 "cannot write version %d into rpc.shm_dir %s (%s); streaming over gRPC",
-                version,
+                policy_version,
                 self.reach.cfg.rpc.shm_dir,
                 e,
                 level=logging.WARNING,
             )
             return None
 
-    def jobs(self, targets: list[str], state: dict, kind: str, version: int) -> dict[str, Job] | None:
+    def jobs(self, targets: list[str], state: dict, kind: str, policy_version: int) -> dict[str, Job] | None:
         """{address: its job}; None when the file cannot be written."""
-        request = self._write(state, version, kind)
+        request = self._write(state, policy_version, kind)
         if request is None:
             return None
-        return {a: functools.partial(self._load_one, a, request, version) for a in targets}
+        return {a: functools.partial(self._load_one, a, request, policy_version) for a in targets}
 
-    def _load_one(self, address: str, request, version: int) -> Delivery:
+    def _load_one(self, address: str, request, policy_version: int) -> Delivery:
         """Point one co-located server at the shared file."""
         t0 = time.monotonic()
         client = self.reach.client(address)
@@ -214,14 +214,19 @@ class SharedMemoryTransport:
                 log.warning(
                     "%s (it will pull when it sees it is behind)",
                     wait_failed(
-                        f"weight push v{version} to", address, "shm-load", e, time.monotonic() - t0, client.timeout
+                        f"weight push v{policy_version} to",
+                        address,
+                        "shm-load",
+                        e,
+                        time.monotonic() - t0,
+                        client.timeout,
                     ),
                 )
                 return Delivery.FAILED
             self.reach.tell(
                 (address, "stream"),
                 "shared-memory load of version %d refused by %s (%s: %s); streaming over gRPC instead",
-                version,
+                policy_version,
                 address,
                 code.name,
                 details,
@@ -254,7 +259,7 @@ class Publisher:
 
     def __init__(self, cfg: Config, store, learner, servers: Servers, on_progress: Progress = no_progress):
         self.cfg, self.store, self.learner, self.servers = cfg, store, learner, servers
-        self._snap: tuple[int, dict, bool] = (0, {}, False)  # (version, state, whether only the LoRA targets)
+        self._snap: tuple[int, dict, bool] = (0, {}, False)  # (policy_version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
         self.reach = Reach(cfg, servers.client, on_progress)  # what both transports use
         self.stream = StreamTransport(self.reach)
@@ -269,18 +274,18 @@ class Publisher:
         self.reach.identity = value
 
     # ------------------------------------------------------------------ the push, in its order
-    def push(self, version: int, learner_address: str) -> dict:
-        """Push policy `version` to every live generation server, in parallel; then publish it.
+    def push(self, policy_version: int, learner_address: str) -> dict:
+        """Push `policy_version` to every live generation server, in parallel; then publish it.
         The push's metrics."""
         t0 = time.perf_counter()
-        full = self.take_snapshot(version)
+        full = self.take_snapshot(policy_version)
         payloads = {"full": full}
         if self._snap[2]:
             payloads["partial"] = self._snap[1]
         servers = self.servers.live(fresh=True)
         plan = {a: self.plan(a, info, "partial" in payloads) for a, info in servers.items()}
-        ok = self.deliver(servers, plan, payloads, version) if servers else {}
-        self.store.publish_learner(learner_address, version, *self.identity)
+        ok = self.deliver(servers, plan, payloads, policy_version) if servers else {}
+        self.store.publish_learner(learner_address, policy_version, *self.identity)
         sizes = {k: nbytes(s) for k, s in payloads.items()}
         sent = sum(sizes[kind] for kind, _ in plan.values()) if servers else sizes["full"]
         secs = time.perf_counter() - t0
@@ -304,29 +309,29 @@ class Publisher:
     def delta_capable(self) -> bool:
         return bool(getattr(self.learner, "lora", False)) and hasattr(self.learner, "policy_delta_state_dict")
 
-    def take_snapshot(self, version: int) -> dict:
-        """Snapshot policy `version`; its full state dict. With LoRA only the targets are taken
+    def take_snapshot(self, policy_version: int) -> dict:
+        """Snapshot `policy_version`; its full state dict. With LoRA only the targets are taken
         (`policy_delta_state_dict`), laid over the base, which is built once."""
         if self.delta_capable:
             if self._base is None:
                 self._base = self.learner.policy_state_dict()
-            self._snap = (version, self.learner.policy_delta_state_dict(), True)
+            self._snap = (policy_version, self.learner.policy_delta_state_dict(), True)
             return self.snapshot[1]
         state = self.learner.policy_state_dict()
         if self.learner.device.type == "cpu" and not self.learner.lora and not getattr(self.learner, "sharded", False):
             # views of the live parameters (a sharded learner's gathered state is a copy already)
             state = {k: v.clone() for k, v in state.items()}
-        self._snap = (version, state, False)
+        self._snap = (policy_version, state, False)
         return state
 
     @property
     def snapshot(self) -> tuple[int, dict]:
-        """(version, the full state dict) of the newest version, for PullWeights."""
-        version, state, partial = self._snap
+        """(policy_version, the full state dict) of the newest version, for PullWeights."""
+        policy_version, state, partial = self._snap
         if not partial:
-            return version, state
+            return policy_version, state
         assert self._base is not None  # built with the first partial snapshot
-        return version, {**self._base, **state}
+        return policy_version, {**self._base, **state}
 
     def plan(self, address: str, info: dict, partial: bool) -> tuple[str, str]:
         """(payload, transport) for one server: ("full" | "partial", "shm" | "grpc")."""
@@ -354,7 +359,9 @@ class Publisher:
         """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
         return self.shared.name if self.shared.colocated(info) else self.stream.name
 
-    def deliver(self, servers: dict, plan: dict, payloads: dict, version: int) -> dict[str, tuple[Delivery, str]]:
+    def deliver(
+        self, servers: dict, plan: dict, payloads: dict, policy_version: int
+    ) -> dict[str, tuple[Delivery, str]]:
         """Every server's push as `plan` says ({address: (kind, via)}), each registered as it
         takes the version: {address: (what became of it, the transport that carried it)}."""
         groups: dict[tuple[str, str], list[str]] = {}
@@ -366,18 +373,21 @@ class Publisher:
             with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
 
                 def run(jobs: dict[str, Job], kind: str) -> dict:
-                    return {a: pool.submit(self._settled, job, a, servers[a], version, kind) for a, job in jobs.items()}
+                    return {
+                        a: pool.submit(self._settled, job, a, servers[a], policy_version, kind)
+                        for a, job in jobs.items()
+                    }
 
                 futures: dict = {}
                 shared: set[str] = set()
                 for (kind, via), targets in groups.items():
                     if via == self.stream.name:
-                        futures.update(run(self.stream.jobs(targets, payloads[kind], kind, version), kind))
+                        futures.update(run(self.stream.jobs(targets, payloads[kind], kind, policy_version), kind))
                 for (kind, via), targets in groups.items():
                     if via == self.shared.name:
-                        loads = self.shared.jobs(targets, payloads[kind], kind, version)
+                        loads = self.shared.jobs(targets, payloads[kind], kind, policy_version)
                         if loads is None:
-                            futures.update(run(self.stream.jobs(targets, payloads[kind], kind, version), kind))
+                            futures.update(run(self.stream.jobs(targets, payloads[kind], kind, policy_version), kind))
                         else:
                             shared.update(loads)
                             futures.update(run(loads, kind))
@@ -388,25 +398,25 @@ class Publisher:
                         retry.setdefault(plan[a][0], []).append(a)
                     ok[a] = (result, self.shared.name if a in shared else self.stream.name)
                 for kind, targets in retry.items():
-                    streams = run(self.stream.jobs(targets, payloads[kind], kind, version), kind)
+                    streams = run(self.stream.jobs(targets, payloads[kind], kind, policy_version), kind)
                     ok.update({a: (f.result(), self.stream.name) for a, f in streams.items()})
         finally:
             self.stream.finish()
         return ok
 
-    def _settled(self, job: Job, address: str, info: dict, version: int, kind: str) -> Delivery:
+    def _settled(self, job: Job, address: str, info: dict, policy_version: int, kind: str) -> Delivery:
         """One server's job, then its registration if it took the version."""
         delivery = job()
         if delivery is Delivery.TOOK:
-            self.register(address, info, version, kind)
+            self.register(address, info, policy_version, kind)
         return delivery
 
-    def register(self, address: str, info: dict, version: int, kind: str) -> None:
-        """The server's registry entry after it took `version`: workers see the version at once,
+    def register(self, address: str, info: dict, policy_version: int, kind: str) -> None:
+        """The server's registry entry after it took `policy_version`: workers see the version at once,
         and the next push plans with what this one changed. A registry that does not answer (its
         socket timeout) is logged: the server took the version, and its own heartbeat says so."""
         fields = {k: v for k, v in info.items() if k not in ("ts", "proof")}
-        fields["version"] = version
+        fields["policy_version"] = policy_version
         if kind == "full" and "base" in info:
             fields["base"] = f"run:{self.identity[0]}"
         t0 = time.monotonic()
@@ -415,7 +425,7 @@ class Publisher:
         except (redis.RedisError, OSError) as e:
             log.warning(
                 "%s (the server took it; its own heartbeat registers it)",
-                wait_failed(f"weight push v{version} to", address, "register", e, time.monotonic() - t0),
+                wait_failed(f"weight push v{policy_version} to", address, "register", e, time.monotonic() - t0),
             )
 
     def close(self) -> None:

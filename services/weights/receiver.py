@@ -39,7 +39,7 @@ Fence = Callable[[common_pb2.WeightHeader], None]
 class LearnerFence:
     """The generation server's check of a weight push's (or pull's) header in a distributed run:
     it comes from the run's learner (run_id and epoch as the learner published them in the replay
-    registry) and its version is not above the registry's version counter (the learner raises it
+    registry) and its policy_version is not above the registry's version counter (the learner raises it
     before each push). Anything else is refused with `BadRequest`; a registry that cannot be
     reached gives `Unavailable`."""
 
@@ -66,9 +66,9 @@ class LearnerFence:
                 f"weights: push from a writer that is not the run's learner ({writer}; the learner "
                 f"registered in {self.store.ns!r} has run_id={run_id!r}, epoch={epoch})"
             )
-        if header.version > counter:
+        if header.policy_version > counter:
             raise BadRequest(
-                f"weights: push from a writer that is not the run's learner: version {header.version} "
+                f"weights: push from a writer that is not the run's learner: version {header.policy_version} "
                 f"is above the run's version counter {counter}"
             )
 
@@ -128,7 +128,7 @@ class WeightReceiver:
         """Check and apply a version the co-located learner wrote into shared memory."""
         if self.probe is None:
             raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
-        check_newer(request.header.version, self.backend.version)  # before reading anything
+        check_newer(request.header.policy_version, self.backend.policy_version)  # before reading anything
         return self._apply(
             lambda: open_shared_weights(
                 str(self.probe.dir),
@@ -154,9 +154,13 @@ class WeightReceiver:
             first = next(stream, None)
             if first is None:
                 return False
-            version, nbytes, secs = self.apply_chunks(itertools.chain([first], stream), origin=origin)
+            policy_version, nbytes, secs = self.apply_chunks(itertools.chain([first], stream), origin=origin)
             log.info(
-                "pulled policy version %d from the learner at %s (%.1f MB, %.2fs)", version, origin, nbytes / 1e6, secs
+                "pulled policy version %d from the learner at %s (%.1f MB, %.2fs)",
+                policy_version,
+                origin,
+                nbytes / 1e6,
+                secs,
             )
             return True
         except DeadlineExceeded:  # the apply's wait (logged with its phase where it passed)
@@ -211,14 +215,14 @@ class WeightReceiver:
                 "another weight update held this server for the whole deadline",
             )
         try:
-            with source() as (version, fmt, state, nbytes, header):
+            with source() as (policy_version, fmt, state, nbytes, header):
                 started = []
 
                 def swap():
                     started.append(True)
                     if self.fence is not None:
                         self.fence(header)  # again: another learner may have taken over while the pieces came
-                    self.backend.update_weights(state, version)
+                    self.backend.update_weights(state, policy_version)
                     if fmt == "full":
                         self.base = f"run:{header.run_id}"
 
@@ -230,7 +234,12 @@ class WeightReceiver:
                     if started:
                         raise
                     raise self._timed_out(
-                        f"weight update v{version} ({via}) from", peer, "swap", t_mono, budget, f"not applied: {e}"
+                        f"weight update v{policy_version} ({via}) from",
+                        peer,
+                        "swap",
+                        t_mono,
+                        budget,
+                        f"not applied: {e}",
                     ) from None
                 except BadRequest:
                     raise
@@ -256,5 +265,5 @@ class WeightReceiver:
         finally:
             self.lock.release()
         secs = time.perf_counter() - t0
-        log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", version, fmt, nbytes / 1e6, secs, via)
-        return version, nbytes, secs
+        log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", policy_version, fmt, nbytes / 1e6, secs, via)
+        return policy_version, nbytes, secs

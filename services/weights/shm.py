@@ -203,9 +203,9 @@ class SharedWeightsWriter:
         return mm
 
     def write(
-        self, state: Mapping[str, torch.Tensor], version: int, epoch: int = 0, fmt: str = "full"
+        self, state: Mapping[str, torch.Tensor], policy_version: int, epoch: int = 0, fmt: str = "full"
     ) -> gpb.SharedWeights:
-        """Write `state` as policy `version` and return the request that tells a server to load it.
+        """Write `state` as `policy_version` and return the request that tells a server to load it.
         The tensors are copied into our mapping of the file in parallel, each piece checksummed
         from the copy."""
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
@@ -215,14 +215,14 @@ class SharedWeightsWriter:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         meta = {
             "format": "pt",
-            "rlhf.version": str(int(version)),
+            "rlhf.policy_version": str(int(policy_version)),
             "rlhf.run_id": self.run_id,
             "rlhf.epoch": str(int(epoch)),
             "rlhf.format": fmt,
         }
         head, placed, size = _layout(tensors, meta)
         segments = [(0, np.frombuffer(head, dtype=np.uint8))] + [(off, raw_view(t)) for off, t in placed if t.numel()]
-        name = weights_file_name(self.run_id, epoch, version, fmt)
+        name = weights_file_name(self.run_id, epoch, policy_version, fmt)
         tmp = self.dir / f"{FILE_PREFIX}{safe_run_id(self.run_id)}-e{int(epoch)}-{fmt}.writing"
         fd = self._claim(fmt, tmp)
         try:
@@ -241,7 +241,7 @@ class SharedWeightsWriter:
         os.rename(tmp, self.dir / name)
         self._current[fmt] = name
         header = pb.WeightHeader(
-            version=int(version),
+            policy_version=int(policy_version),
             format=fmt,
             num_tensors=len(tensors),
             total_bytes=total,
@@ -362,7 +362,7 @@ def _parse(mm, size: int, where: str) -> tuple[list, dict, int]:
 
 def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -> None:
     want = {
-        "rlhf.version": str(h.version),
+        "rlhf.policy_version": str(h.policy_version),
         "rlhf.run_id": h.run_id,
         "rlhf.epoch": str(h.epoch),
         "rlhf.format": h.format,
@@ -385,7 +385,7 @@ def _check_entries(entries, meta: dict, h: pb.WeightHeader, specs, where: str) -
 def _check_request(req: gpb.SharedWeights) -> tuple[str, int, int]:
     """The request's file name, size and piece size, each checked against its header."""
     h = req.header
-    expected = weights_file_name(h.run_id, h.epoch, h.version, h.format)
+    expected = weights_file_name(h.run_id, h.epoch, h.policy_version, h.format)
     if req.file_name != expected:
         raise BadRequest(f"shm.file_name: {req.file_name!r}, expected {expected!r} for this header")
     size, piece = int(req.file_bytes), int(req.piece_bytes)
@@ -406,7 +406,7 @@ def open_shared_weights(
     on_header: Callable[[pb.WeightHeader], None] | None = None,
     mappings: Mappings | None = None,
 ) -> Iterator[tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]]:
-    """Check a version the learner wrote into `shm_dir` and yield (version, format, state dict,
+    """Check a version the learner wrote into `shm_dir` and yield (policy_version, format, state dict,
     bytes, header), as `assemble_weights` returns them. The tensors view the file's mapping: use
     them (load them) inside the `with` block only, and drop them there; the file stays locked
     against rewriting until it ends. Anything wrong raises `BadRequest` before a tensor is
@@ -459,7 +459,7 @@ def open_shared_weights(
         nonfinite = [name for _, names in checked for name in names]
         if nonfinite:
             raise BadRequest(f"{where}: tensor {nonfinite[0]!r} contains NaN or infinity")
-        yield int(h.version), h.format, state, int(h.total_bytes), h
+        yield int(h.policy_version), h.format, state, int(h.total_bytes), h
     except BaseException:
         if mappings is not None:  # whatever went wrong, the next version maps afresh
             mappings.drop(h.format)

@@ -86,7 +86,7 @@ class _InOrder:
 
 def encode_weights(
     state_dict: Mapping[str, torch.Tensor],
-    version: int,
+    policy_version: int,
     chunk_bytes: int = CHUNK_BYTES,
     fmt: str = "full",
     run_id: str = "",
@@ -110,7 +110,12 @@ def encode_weights(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     yield pb.WeightChunk(
         header=pb.WeightHeader(
-            version=version, format=fmt, num_tensors=len(tensors), total_bytes=total, run_id=run_id, epoch=epoch
+            policy_version=policy_version,
+            format=fmt,
+            num_tensors=len(tensors),
+            total_bytes=total,
+            run_id=run_id,
+            epoch=epoch,
         )
     ).SerializeToString()
     digest = hashlib.sha256()
@@ -149,14 +154,14 @@ def encode_weights(
 
 def weight_chunks(
     state_dict: Mapping[str, torch.Tensor],
-    version: int,
+    policy_version: int,
     chunk_bytes: int = CHUNK_BYTES,
     fmt: str = "full",
     run_id: str = "",
     epoch: int = 0,
 ) -> Iterator[pb.WeightChunk]:
     """`encode_weights` as `WeightChunk` messages (for a servicer's response stream and tests)."""
-    for raw in encode_weights(state_dict, version, chunk_bytes, fmt, run_id, epoch):
+    for raw in encode_weights(state_dict, policy_version, chunk_bytes, fmt, run_id, epoch):
         yield pb.WeightChunk.FromString(raw)
 
 
@@ -380,7 +385,7 @@ def assemble_weights(
     max_bytes: int | None = None,
     on_header: Callable[[pb.WeightHeader], None] | None = None,
 ) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
-    """Collect a push stream into (version, format, state_dict, bytes, header).
+    """Collect a push stream into (policy_version, format, state_dict, bytes, header).
 
     Checks every piece's xxh3_64 (or, from a writer without xxhash, every piece's crc32 and the
     footer's sha256 of them all: one kind per push); names/shapes/dtypes against `specs` (the
@@ -544,7 +549,7 @@ class _Assembly:
         for name in self.buffers:  # every tensor is complete here, so each was checked
             if name in self.nonfinite:
                 raise BadRequest(f"weights.piece[{name}]: contains NaN or infinity")
-        return int(header.version), header.format, self.buffers, self.received, header
+        return int(header.policy_version), header.format, self.buffers, self.received, header
 
     def _check_complete(self, name: str) -> None:
         """Every byte of the tensor came (pieces never overlap, so a count short means a hole)."""

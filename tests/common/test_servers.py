@@ -33,7 +33,10 @@ def _pool(registry, clock):
 
 
 def test_picks_round_robin_at_the_version_and_avoids_a_failed_server():
-    registry, clock = _Registry({"a:1": {"version": 3}, "b:1": {"version": 2}, "c:1": {"version": 3}}), [100.0]
+    registry, clock = (
+        _Registry({"a:1": {"policy_version": 3}, "b:1": {"policy_version": 2}, "c:1": {"policy_version": 3}}),
+        [100.0],
+    )
     pool = _pool(registry, clock)
     assert [pool.pick(3) for _ in range(4)] == ["a:1", "c:1", "a:1", "c:1"]
     assert {pool.pick(0) for _ in range(6)} == {"a:1", "b:1", "c:1"}
@@ -46,13 +49,13 @@ def test_picks_round_robin_at_the_version_and_avoids_a_failed_server():
 
 
 def test_the_registry_is_read_again_when_old_or_when_no_server_is_at_the_version():
-    registry, clock = _Registry({"a:1": {"version": 1}}), [0.0]
+    registry, clock = _Registry({"a:1": {"policy_version": 1}}), [0.0]
     pool = _pool(registry, clock)
     pool.pick(1), pool.pick(1)
     assert registry.reads == 1  # fresh enough
-    registry.servers["a:1"]["version"] = 2
+    registry.servers["a:1"]["policy_version"] = 2
     assert pool.pick(2) == "a:1" and registry.reads == 2  # none at 2 in what it had: it looked again
-    registry.servers["b:1"] = {"version": 2}
+    registry.servers["b:1"] = {"policy_version": 2}
     clock[0] += 6  # older than refresh_s
     assert {pool.pick(2) for _ in range(4)} == {"a:1", "b:1"}
     assert set(pool.live(fresh=True)) == {"a:1", "b:1"}
@@ -72,7 +75,7 @@ def test_an_avoided_eval_target_is_used_again_when_its_time_is_up():
     """The learner's eval waits for a server at its version; one it avoided after a failure is
     used again once the avoidance ends (a restarted server at the same address must not be shut
     out for the rest of the wait)."""
-    pool = ServerPool(_Registry({"127.0.0.1:1": {"version": 5}}), generation_clients(RPC), refresh_s=5.0)
+    pool = ServerPool(_Registry({"127.0.0.1:1": {"policy_version": 5}}), generation_clients(RPC), refresh_s=5.0)
     pool.avoid("127.0.0.1:1", 0.5)
     ticks = []
     t0 = time.monotonic()
@@ -81,7 +84,7 @@ def test_an_avoided_eval_target_is_used_again_when_its_time_is_up():
 
 
 def test_waiting_for_a_version_no_server_reaches_ends_at_the_timeout_or_the_stop():
-    pool = ServerPool(_Registry({"127.0.0.1:1": {"version": 1}}), generation_clients(RPC), refresh_s=5.0)
+    pool = ServerPool(_Registry({"127.0.0.1:1": {"policy_version": 1}}), generation_clients(RPC), refresh_s=5.0)
     assert pool.wait_for(2, 0.3, threading.Event()) is None
     stop = threading.Event()
     stop.set()
@@ -107,10 +110,10 @@ class _Stop(threading.Event):
         return self.is_set()
 
 
-def _tries(servers: dict, policy: RetryPolicy, version=0, first=None):
+def _tries(servers: dict, policy: RetryPolicy, policy_version=0, first=None):
     clock = [0.0]
     pool = ServerPool(_Registry(servers), lambda a: None, refresh_s=5.0, clock=lambda: clock[0])
-    return Tries(pool, policy, version, _Stop(), first=first), pool
+    return Tries(pool, policy, policy_version, _Stop(), first=first), pool
 
 
 def test_a_workers_tries_back_off_doubling_and_avoid_by_fault():
@@ -118,7 +121,7 @@ def test_a_workers_tries_back_off_doubling_and_avoid_by_fault():
     backoff doubling up to its cap, a failed server avoided for the try's backoff, one that
     refused the request for `refused_s`, one behind the version for `behind_s` and retried soon."""
     policy = RetryPolicy(tries=5, backoff_s=0.5, max_backoff_s=1.5, refused_s=30.0, behind_s=2.0)
-    tries, pool = _tries({"a:1": {"version": 1}, "b:1": {"version": 1}}, policy, version=1)
+    tries, pool = _tries({"a:1": {"policy_version": 1}, "b:1": {"policy_version": 1}}, policy, policy_version=1)
     seen = []
     for address in tries:
         seen.append((tries.attempt, address, tries.backoff_s))
@@ -168,11 +171,11 @@ def test_an_evals_tries_wait_for_a_server_at_the_version():
     """The learner's eval: only a server at its version, waited for up to `wait_s`; None when
     none came (the caller raises), each look a tick."""
     ticks = []
-    pool = ServerPool(_Registry({"a:1": {"version": 1}}), lambda a: None, refresh_s=5.0)
+    pool = ServerPool(_Registry({"a:1": {"policy_version": 1}}), lambda a: None, refresh_s=5.0)
     policy = RetryPolicy(backoff_s=0.0, avoid_s=60.0, only_at_version=True, wait_s=0.3)
-    tries = Tries(pool, policy, version=2, on_tick=lambda: ticks.append(1))
+    tries = Tries(pool, policy, policy_version=2, on_tick=lambda: ticks.append(1))
     assert next(iter(tries)) is None and ticks
-    tries = Tries(pool, policy, version=1)
+    tries = Tries(pool, policy, policy_version=1)
     it = iter(tries)
     assert next(it) == "a:1"
     tries.failed("a:1")

@@ -200,9 +200,9 @@ def test_lag_grows_as_prompts_are_fed_and_falls_to_zero_as_workers_consume_them(
     batch, per_request = cfg.rollout_batch_size, cfg.rollout.prompts_per_request
     assert keda.read() == {"prompts-waiting": 0, "prompts-in-flight": 0} and not keda.active()
     assert keda.replicas() == 0  # nothing fed: scaled to zero
-    feeder.feed(1, version=0)  # the learner feeds iteration 1's batch
+    feeder.feed(1, policy_version=0)  # the learner feeds iteration 1's batch
     assert keda.read() == {"prompts-waiting": batch, "prompts-in-flight": 0} and keda.active()
-    feeder.feed(2, version=0)
+    feeder.feed(2, policy_version=0)
     assert keda.read()["prompts-waiting"] == 2 * batch
     assert keda.replicas() == math.ceil(2 * batch / int(meta["lagCount"]))
     # a worker claims a request's worth, then produces it (acknowledged and deleted in one script)
@@ -232,7 +232,7 @@ def test_lag_cannot_see_claimed_prompts_the_pending_trigger_does(setup):
 
     store, feeder, cfg, keda = setup
     n = 6
-    feeder._feed(n, version=0)
+    feeder._feed(n, policy_version=0)
     # (1) claimed by a worker that dies
     dead = _claim(store, "rollout-dead", n)
     assert keda.read() == {"prompts-waiting": 0, "prompts-in-flight": n}
@@ -244,7 +244,7 @@ def test_lag_cannot_see_claimed_prompts_the_pending_trigger_does(setup):
     _produce(rescuer, taken)
     assert keda.read() == {"prompts-waiting": 0, "prompts-in-flight": 0} and not keda.active()
     # (2) two workers' batches finish out of order while prompts wait
-    feeder._feed(3 * n, version=0)
+    feeder._feed(3 * n, policy_version=0)
     first, second = _claim(store, "rollout-a", n), _claim(store, "rollout-b", n)
     assert keda.read() == {"prompts-waiting": n, "prompts-in-flight": 2 * n}
     _produce(store, second)  # the newer batch is done first

@@ -163,7 +163,7 @@ class Fuzz:
     def __init__(self, pb, rng: random.Random, vocab: int, prompt_len: int, response_len: int, state):
         self.pb, self.rng = pb, rng
         self.vocab, self.prompt_len, self.response_len, self.state = vocab, prompt_len, response_len, state
-        self.version = 0  # the generation server's policy version as far as the pushes know
+        self.policy_version = 0  # the generation server's policy version as far as the pushes know
         self.near = {
             "rlhf.v1.Tensor": self.tensor,
             "rlhf.v1.TokenBatch": self.token_batch,
@@ -442,12 +442,12 @@ class Fuzz:
         return self.pb["critic"].CheckpointRequest(path=path)
 
     # ---- weight pushes
-    def chunks(self, state, version, fmt="full", chunk_bytes=1 << 16):
+    def chunks(self, state, policy_version, fmt="full", chunk_bytes=1 << 16):
         cpb = self.pb["common"]
         out = [
             cpb.WeightChunk(
                 header=cpb.WeightHeader(
-                    version=version,
+                    policy_version=policy_version,
                     format=fmt,
                     num_tensors=len(state),
                     total_bytes=sum(a.nbytes for a, _ in state.values()),
@@ -489,14 +489,14 @@ class Fuzz:
         if rng.random() < 0.3:  # a partial push of a few tensors
             names = rng.sample(names, rng.randint(1, min(3, len(names))))
         state = {k: (self.state[k], "float32") for k in names}
-        version = self.version + 1
+        policy_version = self.policy_version + 1
         what = rng.randrange(16)
         fmt = "partial" if len(names) < len(self.state) else "full"
         if what == 0:
-            version = rng.choice([0, -1, self.version, -(2**63)])
+            policy_version = rng.choice([0, -1, self.policy_version, -(2**63)])
         elif what == 1:
             fmt = rng.choice(["", "garbage", "partial" if fmt == "full" else "full"])
-        chunks = self.chunks(state, version, fmt)
+        chunks = self.chunks(state, policy_version, fmt)
         pieces = [c for c in chunks if c.WhichOneof("payload") == "piece"]
         p = rng.choice(pieces).piece
         if what == 2:
@@ -621,7 +621,7 @@ class Fuzz:
         rng = self.rng
         names = list(self.state)
         state = {k: (self.state[k], "float32") for k in names}
-        chunks = self.chunks(state, self.version + 1, "full")
+        chunks = self.chunks(state, self.policy_version + 1, "full")
         pieces = [c.piece for c in chunks if c.WhichOneof("payload") == "piece"]
         for p in rng.sample(pieces, rng.choice([1, 1, 2])):
             shape = self.overflow_shape()
@@ -699,7 +699,7 @@ class Fuzz:
         if name == "rlhf.v1.CheckpointRequest":
             return cpb.CheckpointRequest(path="ck-" + self.short_text(1, 3).replace("=", "e"))
         if name == "rlhf.v1.PullWeightsRequest":
-            return self.pb["learner"].PullWeightsRequest(have_version=rng.choice([-1, 0, 2, 3, 4]))
+            return self.pb["learner"].PullWeightsRequest(have_policy_version=rng.choice([-1, 0, 2, 3, 4]))
         return message_class(desc)()
 
     def mutate_one(self, msg):

@@ -180,7 +180,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
         rpc = load_config(config).rpc
         rpc.auth_token = secrets["RLHF_AUTH_TOKEN"]
         client = GenerationClient(f"127.0.0.1:{port}", rpc)
-        out["late_version_at_start"] = client.version
+        out["late_version_at_start"] = client.policy_version
         out["learner_version_before_late"] = before["policy_version"]
         # the learner dies mid-run; `rlhf up` restarts it and it resumes from its checkpoint
         it_before = run_iterations(run_dir)
@@ -193,7 +193,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
 
         def late_at_final() -> bool:
             try:
-                return client.version == final
+                return client.policy_version == final
             except grpc.RpcError as e:  # say why, with what the server printed
                 raise AssertionError(
                     f"the late server did not answer ({e.code().name}: {e.details()}); its "
@@ -201,7 +201,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
                 ) from None
 
         _wait(late_at_final, 600, "the late server at the final version")
-        out["late_version_at_end"] = client.version
+        out["late_version_at_end"] = client.policy_version
         client.close()
     finally:
         for p in (doomed, late):

@@ -246,7 +246,9 @@ def test_fuzz_every_rpc(servers, pb, cfg):
             if not np.isfinite(v).all():
                 failures[(path, "OK", "non-finite values")].append(summary(payload))
         elif code == grpc.StatusCode.OK and m.name == "PushWeights":
-            fuzz.version = max(fuzz.version, pb["common"].PushWeightsResponse.FromString(reply).version)
+            fuzz.policy_version = max(
+                fuzz.policy_version, pb["common"].PushWeightsResponse.FromString(reply).policy_version
+            )
     took = time.perf_counter() - t0
     print(f"\nfuzz: {len(plan)} requests in {took:.1f}s")
     for path, by_code in sorted(codes.items()):

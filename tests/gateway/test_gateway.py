@@ -15,7 +15,7 @@ from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
 from services.common.servers import ServerPool
 from services.common.types import Rollout
-from services.gateway.app import Gateway, Sampler, build_app
+from services.gateway.app import Gateway, TurnSampler, build_app
 from services.generation.backend import HFBackend
 from services.generation.client import generation_clients
 from services.generation.server import serve
@@ -46,7 +46,7 @@ class Running:
         ]
         self.pool = ServerPool(self._live, generation_clients(cfg.rpc), 0.0)
         self.tok = load_tokenizer(model_dir)
-        self.gateway = Gateway(self.tok, Sampler(self.pool, 60), Sessions(), "tiny", cfg.response_length, 8)
+        self.gateway = Gateway(self.tok, TurnSampler(self.pool, 60), Sessions(), "tiny", cfg.response_length, 8)
         self.http = HTTPServerThread(build_app(self.gateway, TOKEN), "127.0.0.1", 0, name="gateway-test")
         self.url = f"http://127.0.0.1:{self.http.start()}/v1"
         self.client = openai.OpenAI(base_url=self.url, api_key=TOKEN, max_retries=0, timeout=120)
@@ -54,11 +54,11 @@ class Running:
     def address(self, i: int) -> str:
         return f"127.0.0.1:{self.gen[i].server.port}"
 
-    versions: dict = {}  # server index -> the policy version the registry shows for it (default 0)
+    policy_versions: dict = {}  # server index -> the policy version the registry shows for it (default 0)
 
     def _live(self):
         return {
-            self.address(i): {"version": self.versions.get(i, 0)}
+            self.address(i): {"policy_version": self.policy_versions.get(i, 0)}
             for i, s in enumerate(self.gen)
             if s.server is not None and s.ready
         }
@@ -309,7 +309,7 @@ def test_a_session_asking_for_a_version_goes_to_a_server_at_it(gcfg, tiny_model_
     registry shows at that version, not on one still at an older one."""
     r = Running(gcfg, tiny_model_dir, servers=2)
     try:
-        r.versions = {1: 3}
+        r.policy_versions = {1: 3}
         for k in range(4):  # round robin would give server 0 half of the time
             r.gateway.sessions.open(f"s-v{k}", min_version=3)
             _turn(r.client, f"s-v{k}", [{"role": "user", "content": "abc="}])

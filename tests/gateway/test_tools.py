@@ -84,7 +84,7 @@ def test_a_tool_call_and_its_result_stay_in_one_token_exact_trajectory(endpoint)
     second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, extra_headers=session)
     assert second.choices[0].message.content == "the sum is 5." and second.choices[0].finish_reason == "stop"
     (traj,) = gateway.sessions.find("tools-1").record()["trajectories"]  # one segment: it went on
-    assert traj["turns"] == 2 and traj["versions"] == [7, 7]
+    assert traj["turns"] == 2 and traj["policy_versions"] == [7, 7]
     ids, mask = traj["token_ids"], traj["loss_mask"]
     runs = [(m, tok.decode([t for t, k in zip(ids, mask) if k == m])) for m in (1,)]
     assert runs[0][1] == CALL + "the sum is 5."  # the sampled tokens: the reply as written, blocks included

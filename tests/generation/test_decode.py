@@ -119,7 +119,7 @@ def test_bf16_engine_takes_float32_pushes(tiny_model_dir):
     assert {d for _, d in b16.parameter_specs().values()} == {torch.float32}
     state = {k: v.clone() for k, v in b32.model.state_dict().items()}
     b16.update_weights(state, 1)
-    assert b16.version == 1 and next(b16.model.parameters()).dtype == torch.bfloat16
+    assert b16.policy_version == 1 and next(b16.model.parameters()).dtype == torch.bfloat16
     params = SamplingParams(n=1, temperature=0, max_new_tokens=8)
     prompts = _prompts(b32)
     a = [c[0].token_ids for c in b32.generate(prompts, params).completions]

@@ -124,7 +124,7 @@ def test_a_working_engine_is_alive_and_ready_and_a_good_swap_keeps_it_so(served)
     res = client.generate([[1, 4, 5]], SamplingParams(n=2, max_new_tokens=2))
     assert [c.token_ids for c in res.completions[0]] == [[5, 6], [5, 6]]
     client.update_weights(_zeros(backend), 1)
-    assert backend.version == 1 and _alive(svc) and _ready(svc)
+    assert backend.policy_version == 1 and _alive(svc) and _ready(svc)
 
 
 def test_an_engine_broken_by_a_failed_reload_fails_liveness(served, caplog):
@@ -186,7 +186,7 @@ def test_readiness_goes_off_during_a_swap_while_liveness_stays_on(cfg):
             release.set()
             push.join(30)
             t.join(30)
-            assert backend.version == 1 and _ready(svc) and _alive(svc)
+            assert backend.policy_version == 1 and _ready(svc) and _alive(svc)
         finally:
             release.set()
             client.close()

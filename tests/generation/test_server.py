@@ -85,8 +85,8 @@ def tied(state):
     return {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
 
 
-def push(client, served, state, version, **kw):
-    resp = client.update_weights(state, version, **kw)
+def push(client, served, state, policy_version, **kw):
+    resp = client.update_weights(state, policy_version, **kw)
     served.state = {k: v.clone() for k, v in state.items()}
     return resp
 
@@ -221,9 +221,9 @@ def test_push_makes_server_generate_exactly_what_the_pushed_model_generates(clie
     reference = HFBackend(tiny_model_dir, "cpu")
     new_state = tied({k: v + 0.05 * torch.randn_like(v) if v.dim() == 2 else v for k, v in server.state.items()})
     reference.update_weights(new_state, 1)
-    before = client.version
+    before = client.policy_version
     resp = push(client, server, new_state, before + 1, chunk_bytes=10_000)
-    assert resp.version == before + 1 and resp.bytes > 0
+    assert resp.policy_version == before + 1 and resp.bytes > 0
     prompts = [[1, 4, 5, 6, 30], [1, 11, 10, 9, 8, 30]]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     served = client.generate(prompts, greedy)
@@ -234,8 +234,8 @@ def test_push_makes_server_generate_exactly_what_the_pushed_model_generates(clie
         assert a[0].log_probs == pytest.approx(b[0].log_probs, abs=1e-5)
 
 
-def _chunks_of(state, version, mutate=None):
-    chunks = list(weight_chunks(state, version, chunk_bytes=50_000))
+def _chunks_of(state, policy_version, mutate=None):
+    chunks = list(weight_chunks(state, policy_version, chunk_bytes=50_000))
     if mutate:
         mutate(chunks)
     return iter(chunks)
@@ -243,7 +243,7 @@ def _chunks_of(state, version, mutate=None):
 
 def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
     good = server.state
-    v = client.version
+    v = client.policy_version
     prompts = [[1, 4, 5, 6, 30]]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     before = client.generate(prompts, greedy).completions[0][0].token_ids
@@ -282,13 +282,13 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
     expect_code(
         lambda: push(iter(list(weight_chunks(noisy, v + 1))[:-1])), grpc.StatusCode.INVALID_ARGUMENT, "without a footer"
     )
-    assert client.version == v
+    assert client.policy_version == v
     assert client.generate(prompts, greedy).completions[0][0].token_ids == before
     server.assert_weights(good)
 
 
 def _serves_unchanged(client, served, good, v, prompts, before):
-    assert client.version == v
+    assert client.policy_version == v
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     assert client.generate(prompts, greedy).completions[0][0].token_ids == before
     served.assert_weights(good)
@@ -296,7 +296,7 @@ def _serves_unchanged(client, served, good, v, prompts, before):
 
 def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
     good = server.state
-    v = client.version
+    v = client.policy_version
     prompts = [[1, 4, 5, 6, 30]]
     before = client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8)).completions[0][0].token_ids
     noisy = {k: t + 1.0 for k, t in good.items()}
@@ -352,7 +352,7 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
 
 def test_partial_push_replaces_only_its_tensors(client, server):
     good = server.state
-    v = client.version
+    v = client.policy_version
     name = "model.norm.weight"
     new = good[name] * 1.5
     partial = lambda: client.stub.PushWeights(  # noqa: E731
@@ -367,7 +367,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
         _serves_unchanged(client, server, good, v, prompts, before)
         return
     resp = partial()
-    assert resp.version == v + 1 and client.version == v + 1
+    assert resp.policy_version == v + 1 and client.policy_version == v + 1
     server.state = {**good, name: new}
     server.assert_weights(server.state)
     # each tensor of a partial push is still complete
@@ -378,7 +378,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
         grpc.StatusCode.INVALID_ARGUMENT,
         "bytes [128, 256) missing",
     )
-    assert client.version == v + 1
+    assert client.policy_version == v + 1
 
 
 @pytest.mark.parametrize(
@@ -398,7 +398,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
 )
 def test_declared_sizes_are_checked_against_the_model_before_allocating(client, server, where, value, fragment):
     state = server.state
-    v = client.version
+    v = client.policy_version
     if value == "model+1":
         value = sum(t.numel() * t.element_size() for t in state.values()) + 1
     chunks = list(weight_chunks(state, v + 1, chunk_bytes=8448))
@@ -415,7 +415,7 @@ def test_declared_sizes_are_checked_against_the_model_before_allocating(client, 
         fragment,
     )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_kb < 512 * 1024  # nothing of GiBs allocated
-    assert client.version == v
+    assert client.policy_version == v
 
 
 @pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6])
@@ -596,7 +596,7 @@ def test_no_sample_mixes_versions_during_a_push(client, server, tiny_model_dir):
     produces greedily."""
     ref = HFBackend(tiny_model_dir, "cpu")
     states = {}
-    v0 = client.version
+    v0 = client.policy_version
     base = server.state
     for i in range(1, 4):
         torch.manual_seed(i)

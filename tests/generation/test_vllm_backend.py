@@ -61,7 +61,7 @@ def test_lora_merged_policy_loads_and_serves_the_adapted_model(vllm_backend, tin
     sd = learner.policy_state_dict()
     specs = vllm_backend.parameter_specs()
     assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == specs
-    vllm_backend.update_weights(sd, vllm_backend.version + 1)
+    vllm_backend.update_weights(sd, vllm_backend.policy_version + 1)
     # what the engine samples now is the adapted policy's: greedy equals the merged model's, and
     # sampled log-probs equal the LoRA learner's recomputation
     reference = HFBackend(tiny_model_dir, "cpu")
@@ -72,7 +72,7 @@ def test_lora_merged_policy_loads_and_serves_the_adapted_model(vllm_backend, tin
         c[0].token_ids for c in reference.generate(prompts, greedy).completions
     ]
     res = vllm_backend.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=8, seed=2))
-    assert res.policy_version == vllm_backend.version
+    assert res.policy_version == vllm_backend.policy_version
     rows = [(p, c) for p, cs in zip(prompts, res.completions) for c in cs]
     learner.temperature = 0.8
     with torch.no_grad():
@@ -90,14 +90,14 @@ def test_a_swap_waits_for_requests_in_flight_and_later_ones_see_the_new_version(
 
     prompts = [[1, 4, 5, 6, 30]] * 16
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
-    v0 = vllm_backend.version
+    v0 = vllm_backend.policy_version
     order = []
     first = vllm_backend.submit(prompts, params)
     swapped = threading.Event()
 
     def swap():  # stands in for a weight swap: it moves the version on
         order.append(("swap", first.done()))
-        vllm_backend.version += 1
+        vllm_backend.policy_version += 1
         swapped.set()
 
     t = threading.Thread(target=lambda: vllm_backend.call(swap))
@@ -118,7 +118,7 @@ def test_an_engine_that_fails_midway_through_a_reload_serves_nothing(vllm_backen
     from services.common.rpc.errors import Unavailable
 
     state = load_causal_lm(tiny_model_dir).state_dict()
-    v = vllm_backend.version
+    v = vllm_backend.policy_version
 
     def fail(*a, **kw):
         raise RuntimeError("device lost")
@@ -127,7 +127,7 @@ def test_an_engine_that_fails_midway_through_a_reload_serves_nothing(vllm_backen
     try:
         with pytest.raises(RuntimeError, match="device lost"):
             vllm_backend.update_weights(state, v + 1)
-        assert vllm_backend.version == v
+        assert vllm_backend.policy_version == v
         with pytest.raises(Unavailable, match=f"failed while loading policy version {v + 1}"):
             vllm_backend.generate([[1, 4, 5, 30]], SamplingParams(max_new_tokens=2))
     finally:

@@ -65,14 +65,16 @@ def test_the_iterations_row_is_written_before_its_checkpoint(tmp_path):
     checkpoint (which keeps rows up to it) has every iteration's row; one resumed from the older
     checkpoint drops it and writes it again."""
     cfg = config_from_dict({"run": {"iterations": 4, "checkpoint_interval": 2, "eval_interval": 0, "log_every": 100}})
-    learner = SimpleNamespace(version=0, step=lambda rollout, critic: {"loss": 1.0})
+    learner = SimpleNamespace(policy_version=0, step=lambda rollout, critic: {"loss": 1.0})
     source = SimpleNamespace(
         wait_metric="time/wait_s",
         data_epoch=0,
-        collect=lambda it, version: Batch(rollout=None, version=version, metrics={"reward/score_mean": 0.5}),
+        collect=lambda it, policy_version: Batch(
+            rollout=None, policy_version=policy_version, metrics={"reward/score_mean": 0.5}
+        ),
         trained=lambda batch, it: {},
     )
-    sink = SimpleNamespace(publish=lambda learner: (learner.version + 1, {}))
+    sink = SimpleNamespace(publish=lambda learner: (learner.policy_version + 1, {}))
 
     def checkpoint(it, tick):
         raise Killed

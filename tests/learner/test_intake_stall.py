@@ -14,10 +14,10 @@ class _Store:
     """Stands in for the Redis store: hands out the same stale group forever."""
 
     def __init__(self, policy_version: int):
-        self.version, self.discarded = policy_version, 0
+        self.policy_version, self.discarded = policy_version, 0
 
     def read_trajectories(self, count, block_ms=0, pending=False):
-        g = rpb.TrajectoryGroup(policy_version=self.version, task=rpb.PromptTask(uid=f"0:p{self.discarded}"))
+        g = rpb.TrajectoryGroup(policy_version=self.policy_version, task=rpb.PromptTask(uid=f"0:p{self.discarded}"))
         return [(f"{self.discarded}-0".encode(), g)]
 
     def trained_among(self, uids):
@@ -28,7 +28,7 @@ class _Store:
 
 
 class _Feeder:
-    def replace_dead_letters(self, version):
+    def replace_dead_letters(self, policy_version):
         return 0
 
 
@@ -42,7 +42,7 @@ def _collect_until(intake, drops: int):
             stop.set()
 
     intake.store.discard = discard
-    assert intake.collect(version=10, stop_event=stop) is None
+    assert intake.collect(policy_version=10, stop_event=stop) is None
 
 
 def test_a_streak_of_stale_drops_is_reported_with_its_reason(caplog):
@@ -76,7 +76,9 @@ def test_a_group_without_critic_values_is_dropped_from_a_run_with_a_critic(caplo
 
     class Store(_Store):
         def read_trajectories(self, count, block_ms=0, pending=False):
-            task = make_task(PromptRecord(f"p{self.discarded}", "x="), 0, version=10, min_version=10, group_size=1)
+            task = make_task(
+                PromptRecord(f"p{self.discarded}", "x="), 0, policy_version=10, min_version=10, group_size=1
+            )
             g = SampleGroup(
                 task.uid, task_record(task), [1, 2], [Completion([5], [-0.5], "stop")], [ScoreResult(1.0, {})], None, 10
             )

@@ -40,8 +40,8 @@ def loop(tiny_model_dir, redis_server, tmp_path):
     svc.close()
 
 
-def _produce(store, version: int, n: int):
-    """Play a rollout worker: claim n prompts, answer each with a 2-sample group at `version`."""
+def _produce(store, policy_version: int, n: int):
+    """Play a rollout worker: claim n prompts, answer each with a 2-sample group at `policy_version`."""
     claimed, _ = store.claim_prompts("w", n, block_ms=100)
     items = []
     for e, t in claimed:
@@ -52,7 +52,7 @@ def _produce(store, version: int, n: int):
             [Completion([5, 2], [-1.0, -0.5], "stop")] * 2,
             [ScoreResult(1.0, {}), ScoreResult(0.0, {})],
             None,
-            version,
+            policy_version,
         )
         items.append((e, group_to_proto(g, t)))
     store.produce(items)
@@ -72,14 +72,14 @@ def test_feed_runs_max_staleness_batches_ahead(loop):
 def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(loop):
     store = loop.store
     loop.feeder.feed(1, 5)  # 8 prompts
-    old = _produce(store, version=3, n=2)  # 2 versions behind: too stale for max_staleness=1
-    fresh = _produce(store, version=4, n=4)
+    old = _produce(store, policy_version=3, n=2)  # 2 versions behind: too stale for max_staleness=1
+    fresh = _produce(store, policy_version=4, n=4)
     # a duplicate of a fresh prompt (say a redelivery after a learner restart) arrives too
     store.feed([fresh[0]])
     dup_task = fresh[0]
     dup_task.attempt = 1
     store.feed([dup_task])
-    _produce(store, version=5, n=10)
+    _produce(store, policy_version=5, n=10)
     batch = loop.intake.collect(5, loop.stop_event)
     uids = [g.uid for _, g in batch]
     assert len(batch) == 4 and len(set(uids)) == 4
@@ -95,7 +95,7 @@ def test_stale_groups_are_dropped_and_fed_again_duplicates_skipped(loop):
     for t in fresh:  # copies of trained prompts come back (say a learner restart fed them again)
         t.attempt = 7
     store.feed(fresh)
-    refed = [t for t in _produce(store, version=5, n=10) if t.attempt == 1]
+    refed = [t for t in _produce(store, policy_version=5, n=10) if t.attempt == 1]
     assert sorted(t.uid for t in refed) == sorted(o.uid for o in old)
     assert all(t.min_version == 5 for t in refed)
     before = loop.counters["duplicates"]
@@ -117,7 +117,7 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     a.feeder.feed(2, 0)
     a.training.iteration = 2
     a.learner.kl_ctl.value = 0.123
-    a.learner.version = a.store.next_version()
+    a.learner.policy_version = a.store.next_version()
     a.save_checkpoint()
     next_a = [r.id for r in a.feeder.sampler.take(4)]
     a.close()
@@ -126,7 +126,7 @@ def test_checkpoint_resume_restores_learner_and_feed_position(tiny_model_dir, re
     b = LearnerLoop(cfg, tmp_path / "run")
     assert b.resume() == 2 and b.feeder.fed_batches == 2
     assert b.learner.kl_ctl.value == pytest.approx(0.123)
-    assert b.learner.version > a.learner.version  # versions only go forward across restarts
+    assert b.learner.policy_version > a.learner.policy_version  # versions only go forward across restarts
     assert [r.id for r in b.feeder.sampler.take(4)] == next_a
     b.close()
 
@@ -195,8 +195,8 @@ def test_the_eval_skips_a_server_that_failed_it_and_says_when_none_serves_the_ve
     from services.common.rpc.retry import DependencyUnavailable
     from services.common.servers import ServerPool
 
-    version = loop.learner.version
-    registry = {"a:1": {"version": version}, "b:1": {"version": version}}
+    policy_version = loop.learner.policy_version
+    registry = {"a:1": {"policy_version": policy_version}, "b:1": {"policy_version": policy_version}}
     loop.servers = ServerPool(lambda: dict(registry), lambda address: None, refresh_s=60.0)
     outcomes = [_Failed(grpc.StatusCode.UNAVAILABLE), AgentServiceDown("down"), {"eval/reward_mean": 0.5}]
     tried = []
@@ -219,7 +219,7 @@ def test_the_eval_skips_a_server_that_failed_it_and_says_when_none_serves_the_ve
     with pytest.raises(grpc.RpcError):
         loop.evaluate()
 
-    registry["b:1"]["version"] = version - 1  # a:1 avoided, b:1 behind: none serves the version
+    registry["b:1"]["policy_version"] = policy_version - 1  # a:1 avoided, b:1 behind: none serves the version
     loop.eval_retry = dataclasses.replace(loop.eval_retry, wait_s=0.3)
-    with pytest.raises(DependencyUnavailable, match=f"no generation server serves policy version {version} for"):
+    with pytest.raises(DependencyUnavailable, match=f"no generation server serves policy version {policy_version} for"):
         loop.evaluate()

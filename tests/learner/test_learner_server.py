@@ -52,7 +52,7 @@ def test_learner_reports_ready_serves_pulls_and_drains(cfg):
             assert learner.ready and health.status(address, "rlhf.v1.Learner", timeout_s=30) == "SERVING"
             client = LearnerClient(address, cfg.rpc)
             chunks = list(client.pull_weights(-1))
-            assert chunks and chunks[0].WhichOneof("payload") == "header" and chunks[0].header.version == 0
+            assert chunks and chunks[0].WhichOneof("payload") == "header" and chunks[0].header.policy_version == 0
             assert list(client.pull_weights(0)) == []  # already current
             samples = learner.server.metrics.registry.get_sample_value
             assert (

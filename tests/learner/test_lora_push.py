@@ -83,7 +83,7 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
         assert (out["push/failed"], out["push/partial"], out["push/shm"]) == (0, 2, 1)
         assert out["push/bytes"] == 2 * delta_bytes + 2 * full_bytes
         for s in servers:
-            assert s.servicer.backend.version == 1 and _serves(s, full)
+            assert s.servicer.backend.policy_version == 1 and _serves(s, full)
         print(f"partial push: {delta_bytes} of {full_bytes} bytes ({delta_bytes / full_bytes:.3f})")
         assert delta_bytes < full_bytes / 2
         # server 3 now holds a full version of this run: from now on it gets partial ones too
@@ -94,10 +94,10 @@ def test_lora_pushes_send_only_the_targets_where_the_base_is_proven(cfg, learner
         full = learner.policy_state_dict()
         assert (out["push/failed"], out["push/partial"]) == (0, 3)
         for s in servers:
-            assert s.servicer.backend.version == 2 and _serves(s, full)
+            assert s.servicer.backend.policy_version == 2 and _serves(s, full)
         # late joiners pull the full policy
-        version, pulled = bc.snapshot
-        assert version == 2 and set(pulled) == set(full) and all(torch.equal(pulled[k], full[k]) for k in full)
+        policy_version, pulled = bc.snapshot
+        assert policy_version == 2 and set(pulled) == set(full) and all(torch.equal(pulled[k], full[k]) for k in full)
         assert [p for p in os.listdir(tmp_path / "shm") if p.startswith("rlhf-weights-")] == [
             "rlhf-weights-run_a-e1-v2-partial.safetensors"
         ]

@@ -54,7 +54,7 @@ def test_pushed_weights_make_the_backend_generate_what_the_learner_would(tiny_mo
     learner = PolicyTrainer(_cfg(tiny_model_dir))
     ro = _rollout(backend)
     learner.step(ro)
-    assert learner.version == 0  # the step does not number versions: the loop's weight sink does
+    assert learner.policy_version == 0  # the step does not number versions: the loop's weight sink does
     prompts = [backend.tokenizer("abcd=")["input_ids"]]
     backend.update_weights(learner.policy_state_dict(), 1)
     after = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
@@ -99,7 +99,7 @@ def test_update_with_an_unknown_tensor_changes_nothing(tiny_model_dir):
     bad_shape = {"model.norm.weight": torch.zeros(3)}
     with pytest.raises(ValueError, match="shape"):
         backend.update_weights(bad_shape, 1)
-    assert backend.version == 0
+    assert backend.policy_version == 0
     for k, v in backend.model.state_dict().items():
         assert torch.equal(v, before[k])
 
@@ -121,7 +121,7 @@ def _shifted(ro, old_log_probs, shifts):
     """`ro` with the sampler's log-probs set to the learner's minus shifts[i] on sequence i, so the
     importance ratio pi_old / mu of every token of sequence i is exp(shifts[i])."""
     gen = [(old_log_probs[i, : len(r)] - shifts[i]).tolist() for i, r in enumerate(ro.response_ids)]
-    return Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, gen, None, ro.versions)
+    return Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, gen, None, ro.policy_versions)
 
 
 def test_rollout_is_reports_the_ratio_between_sampler_and_learner(tiny_model_dir):
@@ -168,7 +168,7 @@ def test_rollout_is_weights_scale_the_policy_loss(tiny_model_dir):
 
 def test_rollout_is_without_sampler_log_probs_raises(tiny_model_dir):
     ro = _rollout(HFBackend(tiny_model_dir, "cpu"))
-    no_lp = Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, None, None, ro.versions)
+    no_lp = Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, None, None, ro.policy_versions)
     learner = PolicyTrainer(_cfg(tiny_model_dir, rollout_is=True))
     with pytest.raises(ValueError, match="rollout_is needs the sampler's log-probs"):
         learner.make_experience(no_lp)

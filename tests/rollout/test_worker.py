@@ -72,7 +72,7 @@ def test_pick_server_round_robin_version_preference_and_avoid(make_cfg):
         addr_a, addr_b = _addr(a), _addr(b)
         live = store.live("generation")
         assert set(live) == {addr_a, addr_b}  # each server registered itself, with its policy version
-        assert live[addr_a]["version"] == live[addr_b]["version"] == 0
+        assert live[addr_a]["policy_version"] == live[addr_b]["policy_version"] == 0
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
 
         picks = [worker.servers.pick(0) for _ in range(6)]
@@ -81,7 +81,7 @@ def test_pick_server_round_robin_version_preference_and_avoid(make_cfg):
 
         # the learner pushes version 5 to one server and updates its registry entry
         assert _push(a, 5) == 5
-        store.heartbeat("generation", addr_a, version=5)
+        store.heartbeat("generation", addr_a, policy_version=5)
         assert [worker.servers.pick(5) for _ in range(6)] == [addr_a] * 6  # only the server at the version
         assert set(worker.servers.pick(0) for _ in range(6)) == {addr_a, addr_b}  # both qualify for 0
 
@@ -107,7 +107,7 @@ def test_dead_server_in_registry_is_retried_around(make_cfg):
     with _generation(cfg) as g:
         # a registered server that is gone (its entry not yet expired); it sorts before the real one,
         # so the worker's first pick is the dead server
-        store.heartbeat("generation", "127.0.0.1:1", version=0)
+        store.heartbeat("generation", "127.0.0.1:1", policy_version=0)
         assert set(store.live("generation")) == {"127.0.0.1:1", _addr(g)}
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
         uids = _feed(store, reverse_task("train", 8))
@@ -246,7 +246,7 @@ def test_rejected_prompt_goes_to_dead_letters_others_are_produced(make_cfg):
 
 
 # ---------------------------------------------------------------------------------------------- policy version
-def _push(svc, version):
+def _push(svc, policy_version):
     """What the learner does: publish its identity (the fence a registered server checks), raise
     the version counter, push."""
     cfg = svc.servicer.cfg
@@ -255,12 +255,12 @@ def _push(svc, version):
         store = ReplayStore.from_config(cfg)
         epoch = store.new_learner_epoch()
         store.publish_learner("127.0.0.1:1", 0, run_id=run_id, epoch=epoch)
-        store.raise_version_to(version)
+        store.raise_version_to(policy_version)
     client = GenerationClient(_addr(svc), cfg.rpc)
     try:
         return client.update_weights(
-            svc.servicer.backend.model.state_dict(), version, run_id=run_id, epoch=epoch
-        ).version
+            svc.servicer.backend.model.state_dict(), policy_version, run_id=run_id, epoch=epoch
+        ).policy_version
     finally:
         client.close()
 
@@ -270,9 +270,9 @@ def test_server_behind_min_version_is_not_used(make_cfg):
     store = ReplayStore.from_config(cfg)
     with _generation(cfg) as old, _generation(cfg) as new:
         assert _push(new, 1) == 1
-        store.heartbeat("generation", _addr(new), version=1)  # what the learner does after a push
+        store.heartbeat("generation", _addr(new), policy_version=1)  # what the learner does after a push
         live = store.live("generation")
-        assert live[_addr(old)]["version"] == 0 and live[_addr(new)]["version"] == 1
+        assert live[_addr(old)]["policy_version"] == 0 and live[_addr(new)]["policy_version"] == 1
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
         uids = _feed(store, reverse_task("train", 6), min_version=1)
         batches = _claim_all(store, "w1", 2)
@@ -293,8 +293,8 @@ def test_server_that_missed_a_push_is_avoided_by_its_answer(make_cfg):
     store = ReplayStore.from_config(cfg)
     with _generation(make_cfg(url=None)) as stale, _generation(cfg) as new:  # `stale` does not register itself
         assert _push(new, 1) == 1
-        store.heartbeat("generation", _addr(new), version=1)
-        store.heartbeat("generation", _addr(stale), version=1)  # the registry says it has the push; it has not
+        store.heartbeat("generation", _addr(new), policy_version=1)
+        store.heartbeat("generation", _addr(stale), policy_version=1)  # the registry says it has the push; it has not
         worker = RolloutWorker(cfg, ReplayStore.from_config(cfg), name="w1")
         uids = _feed(store, reverse_task("train", 6), min_version=1)
         batches = _claim_all(store, "w1", 2)

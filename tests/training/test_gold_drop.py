@@ -21,7 +21,7 @@ class Sink:
 
     def publish(self, learner):
         self.pushed.append({k: v.clone() for k, v in learner.policy_state_dict().items()})
-        return learner.version + 1, {}
+        return learner.policy_version + 1, {}
 
 
 def _loop(model_dir, run_dir, scores, **run):
@@ -99,7 +99,7 @@ class FakeLearner:
     lora = sharded = False
 
     def __init__(self):
-        self.version, self.weights, self.restored = 0, 0, []
+        self.policy_version, self.weights, self.restored = 0, 0, []
 
     def step(self, rollout, critic=None):
         self.weights += 1
@@ -118,10 +118,10 @@ class FakeLearner:
 class Source:
     wait_metric, data_epoch = "time/wait_s", 0
 
-    def collect(self, iteration, version):
+    def collect(self, iteration, policy_version):
         from services.training.loop import Batch
 
-        return Batch(rollout=None, version=version)
+        return Batch(rollout=None, policy_version=policy_version)
 
     def trained(self, batch, iteration):
         return {}

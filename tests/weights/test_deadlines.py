@@ -53,7 +53,7 @@ def _publisher(cfg, address, state, beats):
     store = SimpleNamespace(
         live=lambda kind: {address: {}},
         publish_learner=lambda *a: None,
-        heartbeat=lambda kind, addr, **f: beats.append((addr, f["version"])),
+        heartbeat=lambda kind, addr, **f: beats.append((addr, f["policy_version"])),
     )
     learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
     return publisher(cfg, store, learner)
@@ -94,7 +94,7 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
     assert server_said(), [r.getMessage() for r in caplog.records]
     release.set()
     # the withdrawn swap never ran: the server still serves what it had, and takes the next push
-    assert backend.version == 0
+    assert backend.policy_version == 0
     bc = _publisher(
         short_cfg.model_copy(update={"rpc": short_cfg.rpc.model_copy(update={"timeout_s": 30})}), address, state, beats
     )
@@ -102,7 +102,7 @@ def test_a_push_whose_swap_waits_past_the_deadline_names_the_phase_and_the_peer(
         assert bc.push(4, "learner:1")["push/failed"] == 0
     finally:
         closed(bc)
-    assert backend.version == 4 and beats == [(address, 4)]
+    assert backend.policy_version == 4 and beats == [(address, 4)]
 
 
 def test_a_push_waiting_for_an_earlier_update_names_that_phase(short_cfg, busy_server, caplog):
@@ -128,7 +128,7 @@ def test_a_push_waiting_for_an_earlier_update_names_that_phase(short_cfg, busy_s
     finally:
         svc.servicer.receiver.lock.release()
     assert server_said(), [r.getMessage() for r in caplog.records]
-    assert backend.version == 0
+    assert backend.policy_version == 0
 
 
 def test_a_registry_that_does_not_answer_after_a_push_is_logged_with_its_phase(cfg, tiny_model_dir, caplog):
@@ -148,7 +148,7 @@ def test_a_registry_that_does_not_answer_after_a_push_is_logged_with_its_phase(c
             out = bc.push(2, "learner:1")
         finally:
             closed(bc)
-        assert out["push/failed"] == 0 and svc.servicer.backend.version == 2  # the server took it
+        assert out["push/failed"] == 0 and svc.servicer.backend.policy_version == 2  # the server took it
         assert any(
             r.getMessage().startswith(f"weight push v2 to {address}: phase=register timed out after")
             and "10.0.0.7:6379" in r.getMessage()

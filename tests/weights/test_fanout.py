@@ -21,7 +21,7 @@ def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_
         beats = []
         store = SimpleNamespace(
             live=lambda kind: {s: {} for s in servers},
-            heartbeat=lambda kind, addr, version: beats.append((addr, version)),
+            heartbeat=lambda kind, addr, policy_version: beats.append((addr, policy_version)),
             publish_learner=lambda *a: None,
         )
         learner = SimpleNamespace(policy_state_dict=lambda: state, device=torch.device("cpu"), lora=False)
@@ -33,6 +33,6 @@ def test_one_encoding_reaches_every_server_and_a_dead_one_fails_alone(cfg, tiny_
         assert out["push/servers"] == 3 and out["push/failed"] == 1
         assert sorted(beats) == sorted([(servers[0], 3), (servers[2], 3)])
         for svc in (a, b):
-            assert svc.servicer.backend.version == 3
+            assert svc.servicer.backend.policy_version == 3
             got = svc.servicer.backend.model.state_dict()
             assert all(torch.equal(got[k], state[k]) for k in state)

@@ -43,10 +43,12 @@ def fenced(cfg, redis_server):
     store.reset()
 
 
-def _learner_starts(store, run_id="run-a", version=None):
+def _learner_starts(store, run_id="run-a", policy_version=None):
     """What a learner does when it starts: a new epoch, published with its run id."""
     epoch = store.new_learner_epoch()
-    store.publish_learner("127.0.0.1:1", store.version() if version is None else version, run_id=run_id, epoch=epoch)
+    store.publish_learner(
+        "127.0.0.1:1", store.version() if policy_version is None else policy_version, run_id=run_id, epoch=epoch
+    )
     return epoch
 
 
@@ -56,7 +58,7 @@ def _state(servicer, shift=0.0):
 
 def test_only_the_runs_learner_may_push(fenced):
     servicer, store, client, _ = fenced
-    v = client.version
+    v = client.policy_version
     state = _state(servicer, 0.01)
     store.r.delete(store.learner_key)  # no learner yet
     expect_code(
@@ -66,7 +68,7 @@ def test_only_the_runs_learner_may_push(fenced):
     )
     epoch = _learner_starts(store)
     store.raise_version_to(v + 1)  # the learner raises the counter before it pushes
-    for run_id, ep, version, why in [
+    for run_id, ep, policy_version, why in [
         ("run-b", epoch, v + 1, "the learner registered in 'fence' has run_id='run-a'"),
         ("run-a", epoch - 1, v + 1, f"epoch={epoch})"),
         ("", 0, v + 1, "run_id='', epoch=0"),
@@ -74,14 +76,14 @@ def test_only_the_runs_learner_may_push(fenced):
         ("run-a", epoch, 2**63 - 1, "above the run's version counter"),
     ]:
         details = expect_code(
-            lambda: client.update_weights(state, version, run_id=run_id, epoch=ep),
+            lambda: client.update_weights(state, policy_version, run_id=run_id, epoch=ep),
             grpc.StatusCode.INVALID_ARGUMENT,
             why,
         )
         assert NOT_THE_LEARNER in details
-    assert client.version == v
+    assert client.policy_version == v
     # the run's learner: applied (a refused push at 2^63-1 did not lock the run)
-    assert client.update_weights(state, v + 1, run_id="run-a", epoch=epoch).version == v + 1
+    assert client.update_weights(state, v + 1, run_id="run-a", epoch=epoch).policy_version == v + 1
     # the learner restarts: the old process's pushes are refused from now on
     new_epoch = _learner_starts(store)
     store.raise_version_to(v + 2)
@@ -90,7 +92,7 @@ def test_only_the_runs_learner_may_push(fenced):
         grpc.StatusCode.INVALID_ARGUMENT,
         NOT_THE_LEARNER,
     )
-    assert client.update_weights(state, v + 2, run_id="run-a", epoch=new_epoch).version == v + 2
+    assert client.update_weights(state, v + 2, run_id="run-a", epoch=new_epoch).policy_version == v + 2
     # versions still only move forward
     expect_code(
         lambda: client.update_weights(state, v + 2, run_id="run-a", epoch=new_epoch),
@@ -102,7 +104,7 @@ def test_only_the_runs_learner_may_push(fenced):
 def test_the_header_is_checked_before_the_pieces_are_read(fenced):
     servicer, store, client, _ = fenced
     epoch = _learner_starts(store)
-    v = client.version
+    v = client.policy_version
     store.raise_version_to(v + 1)
     chunks = list(weight_chunks(_state(servicer), v + 1, run_id="run-a", epoch=epoch - 1))
     chunks[1].piece.data = b"garbage"  # never read: the header is refused first
@@ -118,7 +120,7 @@ def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
     on the way is not applied."""
     servicer, store, client, _ = fenced
     epoch = _learner_starts(store)
-    v = client.version
+    v = client.policy_version
     store.raise_version_to(v + 1)
     header_checked = threading.Event()
     real = servicer.fence
@@ -141,13 +143,13 @@ def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
         grpc.StatusCode.INVALID_ARGUMENT,
         NOT_THE_LEARNER,
     )
-    assert client.version == v
+    assert client.policy_version == v
 
 
 def test_registry_unreachable_is_unavailable(fenced, monkeypatch):
     servicer, store, client, _ = fenced
     epoch = _learner_starts(store)
-    v = client.version
+    v = client.policy_version
     store.raise_version_to(v + 1)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -160,16 +162,16 @@ def test_registry_unreachable_is_unavailable(fenced, monkeypatch):
         grpc.StatusCode.UNAVAILABLE,
         "the replay registry cannot be reached",
     )
-    assert client.version == v
+    assert client.policy_version == v
 
 
 class _FakeLearner(learner_pb2_grpc.LearnerServicer):
     def __init__(self):
-        self.version, self.state, self.run_id, self.epoch = 0, {}, "", 0
+        self.policy_version, self.state, self.run_id, self.epoch = 0, {}, "", 0
 
     def PullWeights(self, request, context):
-        if request.have_version < self.version:
-            yield from weight_chunks(self.state, self.version, run_id=self.run_id, epoch=self.epoch)
+        if request.have_policy_version < self.policy_version:
+            yield from weight_chunks(self.state, self.policy_version, run_id=self.run_id, epoch=self.epoch)
 
 
 def test_pulls_from_the_learner_pass_the_same_fence(fenced):
@@ -179,16 +181,16 @@ def test_pulls_from_the_learner_pass_the_same_fence(fenced):
     learner_pb2_grpc.add_LearnerServicer_to_server(learner, server.grpc)
     server.start()
     try:
-        v = client.version
+        v = client.policy_version
         epoch = store.new_learner_epoch()
         store.raise_version_to(v + 1)
         store.publish_learner(f"127.0.0.1:{server.port}", v + 1, run_id="run-a", epoch=epoch)
         reg = Registration(cfg, servicer, "127.0.0.1:0", store)
-        learner.version, learner.state = v + 1, _state(servicer, 0.03)
+        learner.policy_version, learner.state = v + 1, _state(servicer, 0.03)
         learner.run_id, learner.epoch = "run-a", epoch - 1  # an older learner process serves it
-        assert reg.sync() is False and client.version == v
+        assert reg.sync() is False and client.policy_version == v
         learner.epoch = epoch
-        assert reg.sync() is True and client.version == v + 1
+        assert reg.sync() is True and client.policy_version == v + 1
         for k, t in servicer.backend.model.state_dict().items():
             assert torch.equal(t, learner.state[k])
     finally:

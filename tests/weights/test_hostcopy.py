@@ -96,5 +96,5 @@ def test_hf_backend_on_a_gpu_serves_pushed_weights(tiny_model_dir):
     new = {k: v.clone() for k, v in model.state_dict().items()}
     backend.update_weights(new, 1)
     served = backend.model.state_dict()
-    assert backend.version == 1
+    assert backend.policy_version == 1
     assert all(torch.equal(served[k].cpu(), v) for k, v in new.items())

@@ -34,7 +34,10 @@ class Registry:
 
     def live(self, kind):
         return {
-            f"127.0.0.1:{s.server.port}": {"version": s.servicer.backend.version, **s.servicer.registry_info()}
+            f"127.0.0.1:{s.server.port}": {
+                "policy_version": s.servicer.backend.policy_version,
+                **s.servicer.registry_info(),
+            }
             for s in self.services
         }
 
@@ -77,7 +80,7 @@ def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_str
         try:
             out = bc.push(1, "learner:1")
             assert (out["push/servers"], out["push/failed"], out["push/shm"]) == (3, 0, 2)
-            assert all(s.servicer.backend.version == 1 and _serves(s, state) for s in (a, b, c))
+            assert all(s.servicer.backend.policy_version == 1 and _serves(s, state) for s in (a, b, c))
             assert len(_weight_files(tmp_path / "shm")) == 1  # written once for both
             for i in range(2, 5):  # every later version recycles the same file
                 state = {k: v + 0.01 for k, v in state.items()}
@@ -92,7 +95,7 @@ def test_colocated_servers_load_from_shared_memory_and_a_remote_one_gets_the_str
             client.close()
             # the learner's heartbeat keeps what the server advertised (its probe, its base)
             address, info = bc.store.beats[-1]
-            assert info["version"] == 4 and info["base"] == "run:run-a" and "shm" in info
+            assert info["policy_version"] == 4 and info["base"] == "run:run-a" and "shm" in info
         finally:
             closed(bc)
         assert _weight_files(tmp_path / "shm") == []
@@ -106,12 +109,12 @@ def test_bad_shared_files_are_refused_and_the_old_weights_keep_serving(cfg, tiny
         before = _state(svc, 0.0)
         writer = shm.SharedWeightsWriter(tmp_path, "run-a")
 
-        def refused(state, version, fragment, tamper=None, **kw):
-            req = writer.write(state, version, **kw)
+        def refused(state, policy_version, fragment, tamper=None, **kw):
+            req = writer.write(state, policy_version, **kw)
             if tamper:
                 tamper(tmp_path / req.file_name, req)
             expect_code(lambda: client.load_shared(req), grpc.StatusCode.INVALID_ARGUMENT, fragment)
-            assert svc.servicer.backend.version == 0 and _serves(svc, before)
+            assert svc.servicer.backend.policy_version == 0 and _serves(svc, before)
 
         def flip(path, req):
             with open(path, "r+b") as f:
@@ -140,7 +143,7 @@ def test_bad_shared_files_are_refused_and_the_old_weights_keep_serving(cfg, tiny
         svc.servicer.fence = None
         req = writer.write(good, 1)
         client.load_shared(req)
-        assert svc.servicer.backend.version == 1 and _serves(svc, good)
+        assert svc.servicer.backend.policy_version == 1 and _serves(svc, good)
         writer.cleanup()
         client.close()
 
@@ -158,7 +161,7 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
         try:
             out = bc.push(1, "learner:1")
             assert (out["push/failed"], out["push/shm"]) == (0, 1)  # a from shared memory, b over gRPC
-            assert _serves(a, state) and _serves(b, state) and b.servicer.backend.version == 1
+            assert _serves(a, state) and _serves(b, state) and b.servicer.backend.policy_version == 1
 
             def full(*args, **kw):
                 raise OSError(errno.ENOSPC, "No space left on device")
@@ -166,7 +169,7 @@ def test_a_refused_shared_load_is_streamed_and_a_write_failure_too(cfg, tiny_mod
             monkeypatch.setattr(shm.SharedWeightsWriter, "write", full)
             out = bc.push(2, "learner:1")
             assert (out["push/failed"], out["push/shm"]) == (0, 0)
-            assert a.servicer.backend.version == b.servicer.backend.version == 2
+            assert a.servicer.backend.policy_version == b.servicer.backend.policy_version == 2
         finally:
             closed(bc)
 
@@ -200,7 +203,7 @@ def test_a_server_killed_mid_push_fails_alone(cfg, tiny_model_dir, tmp_path, mon
             killer.join()
             closed(bc)
         assert (out["push/servers"], out["push/failed"]) == (3, 1)
-        assert a.servicer.backend.version == b.servicer.backend.version == 1
+        assert a.servicer.backend.policy_version == b.servicer.backend.policy_version == 1
         assert _serves(a, state) and _serves(b, state)
     assert _weight_files(tmp_path) == []
 

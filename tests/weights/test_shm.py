@@ -32,8 +32,8 @@ def writer(tmp_path):
 
 
 def _load(tmp_path, req, specs=SPECS, **kw):
-    with shm.open_shared_weights(str(tmp_path), req, specs, **kw) as (version, fmt, state, nbytes, header):
-        return version, fmt, {k: v.clone() for k, v in state.items()}, nbytes, header
+    with shm.open_shared_weights(str(tmp_path), req, specs, **kw) as (policy_version, fmt, state, nbytes, header):
+        return policy_version, fmt, {k: v.clone() for k, v in state.items()}, nbytes, header
 
 
 @pytest.mark.parametrize("digest", ["xxh3_64", "crc32"])
@@ -41,15 +41,15 @@ def test_a_written_version_reads_back_exactly_and_is_safetensors(tmp_path, diges
     w = shm.SharedWeightsWriter(tmp_path, "run-a", digest=digest)
     req = w.write(STATE, 7, epoch=2)
     assert req.file_name == "rlhf-weights-run-a-e2-v7-full.safetensors".replace("run-a", "run_a")
-    assert (req.header.version, req.header.run_id, req.header.epoch, req.digest) == (7, "run-a", 2, digest)
-    version, fmt, state, nbytes, _ = _load(tmp_path, req)
-    assert (version, fmt, nbytes) == (7, "full", sum(t.numel() * t.element_size() for t in STATE.values()))
+    assert (req.header.policy_version, req.header.run_id, req.header.epoch, req.digest) == (7, "run-a", 2, digest)
+    policy_version, fmt, state, nbytes, _ = _load(tmp_path, req)
+    assert (policy_version, fmt, nbytes) == (7, "full", sum(t.numel() * t.element_size() for t in STATE.values()))
     assert all(torch.equal(state[k], STATE[k]) and state[k].dtype == STATE[k].dtype for k in STATE)
     from safetensors import safe_open  # vLLM's workers read this layout
 
     with safe_open(str(tmp_path / req.file_name), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(k), STATE[k]) for k in STATE)
-        assert f.metadata()["rlhf.version"] == "7"
+        assert f.metadata()["rlhf.policy_version"] == "7"
     assert sorted(os.listdir(tmp_path)) == [req.file_name]  # nothing half-written left behind
 
 
@@ -188,9 +188,9 @@ def test_a_servers_mapping_is_kept_from_version_to_version(tmp_path, writer):
     file replaces it."""
     mappings = shm.Mappings()
     seen, written = [], set()
-    for version in range(1, 5):
-        state = {k: (v + version if v.is_floating_point() else v) for k, v in STATE.items()}
-        req = writer.write(state, version)
+    for policy_version in range(1, 5):
+        state = {k: (v + policy_version if v.is_floating_point() else v) for k, v in STATE.items()}
+        req = writer.write(state, policy_version)
         written.add(id(writer._maps["full"][1]))
         with shm.open_shared_weights(str(tmp_path), req, SPECS, mappings=mappings) as (_, _, got, _, _):
             assert all(torch.equal(got[k], state[k]) for k in STATE)

@@ -44,8 +44,8 @@ def test_encoded_stream_is_the_protobuf_stream(chunk_bytes):
                 s.data,
             )
     assert any(type(d).__name__ == "_PieceView" for d in decoded)  # the fast path was taken
-    version, fmt, state, nbytes, _ = assemble_weights(iter(decoded), SPECS)
-    assert version == 4 and all(torch.equal(state[k], STATE[k]) for k in STATE)
+    policy_version, fmt, state, nbytes, _ = assemble_weights(iter(decoded), SPECS)
+    assert policy_version == 4 and all(torch.equal(state[k], STATE[k]) for k in STATE)
 
 
 def test_decoder_leaves_odd_layouts_to_protobuf():

@@ -15,7 +15,7 @@ _F32 = np.dtype("<f4")
 
 
 def make_task(
-    record: PromptRecord, epoch: int, version: int, min_version: int, group_size: int, attempt: int = 0
+    record: PromptRecord, epoch: int, policy_version: int, min_version: int, group_size: int, attempt: int = 0
 ) -> rpb.PromptTask:
     t = rpb.PromptTask(
         uid=f"{epoch}:{record.id}",
@@ -26,7 +26,7 @@ def make_task(
         metadata_json=json.dumps(record.metadata) if record.metadata else "",
         min_version=min_version,
         group_size=group_size,
-        fed_at_version=version,
+        fed_at_version=policy_version,
     )
     if record.label is not None:
         t.label = record.label
@@ -53,7 +53,7 @@ def group_to_proto(
     out = rpb.TrajectoryGroup(
         task=task,
         prompt_ids=g.prompt_ids,
-        policy_version=g.version,
+        policy_version=g.policy_version,
         worker=worker,
         generation_server=server,
         created_at=time.time(),

@@ -18,14 +18,14 @@ def _task(i: int, epoch: int = 0, attempt: int = 0) -> rpb.PromptTask:
     return make_task(
         PromptRecord(f"p{i}", f"abc{i}=", label=f"{i}cba", metadata={"k": i}),
         epoch,
-        version=3,
+        policy_version=3,
         min_version=3,
         group_size=2,
         attempt=attempt,
     )
 
 
-def _group(task: rpb.PromptTask, version: int = 3, values: bool = True) -> rpb.TrajectoryGroup:
+def _group(task: rpb.PromptTask, policy_version: int = 3, values: bool = True) -> rpb.TrajectoryGroup:
     comps = [Completion([5, 6, 2], [-0.5, -1.25, -0.125], "stop"), Completion([7], [-2.0], "length")]
     g = SampleGroup(
         task.uid,
@@ -34,7 +34,7 @@ def _group(task: rpb.PromptTask, version: int = 3, values: bool = True) -> rpb.T
         comps,
         [ScoreResult(1.0, {"exact_match": 1.0}), ScoreResult(0.25, {"exact_match": 0.0})],
         [[0.1, 0.2, 0.3], [0.4]] if values else None,
-        version,
+        policy_version,
     )
     return group_to_proto(g, task, worker="w", server="s:1")
 
@@ -45,9 +45,9 @@ def test_records_round_trip_exactly_and_flatten_into_a_rollout():
     assert back.uid == "0:p1" and back.record.label == "1cba" and back.record.metadata == {"k": 1}
     assert [c.token_ids for c in back.completions] == [[5, 6, 2], [7]]
     assert back.completions[0].log_probs == [-0.5, -1.25, -0.125]  # exact in float32
-    assert [s.reward for s in back.scores] == [1.0, 0.25] and back.version == 3
+    assert [s.reward for s in back.scores] == [1.0, 0.25] and back.policy_version == 3
     r = Rollout.from_groups([back, back])
-    assert r.index == ["0:p1"] * 4 and r.versions == [3] * 4 and r.scores == [1.0, 0.25, 1.0, 0.25]
+    assert r.index == ["0:p1"] * 4 and r.policy_versions == [3] * 4 and r.scores == [1.0, 0.25, 1.0, 0.25]
     assert [len(v) for v in r.values] == [3, 1, 3, 1]  # one value per response token, padded by the learner
     np.testing.assert_allclose(r.values[0], [0.1, 0.2, 0.3], rtol=1e-6)
     bad = _group(t)
@@ -122,7 +122,7 @@ def test_a_dead_consumers_prompts_are_reclaimed_by_another(store):
 def test_learner_reads_commits_and_refeeds(store):
     store.feed([_task(i) for i in range(3)])
     claimed, _ = store.claim_prompts("w", 3, block_ms=100)
-    store.produce([(e, _group(t, version=i)) for i, (e, t) in enumerate(claimed)])
+    store.produce([(e, _group(t, policy_version=i)) for i, (e, t) in enumerate(claimed)])
     got = store.read_trajectories(10, block_ms=100)
     assert len(got) == 3 and store.backlog() == 0 and store.learner_pending() == 3
     # a restarted learner re-reads what it had read and not committed
@@ -155,14 +155,14 @@ def test_registry_forgets_services_without_a_heartbeat(store, monkeypatch):
     """Ages are measured on the registry's clock (Redis's TIME), here one the test moves."""
     clock = [float(store.now())]
     monkeypatch.setattr(store, "now", lambda: clock[0])
-    store.heartbeat("generation", "127.0.0.1:1", version=4)
-    store.heartbeat("generation", "127.0.0.1:2", version=4)
+    store.heartbeat("generation", "127.0.0.1:1", policy_version=4)
+    store.heartbeat("generation", "127.0.0.1:2", policy_version=4)
     assert set(store.live("generation")) == {"127.0.0.1:1", "127.0.0.1:2"}
     clock[0] += 0.7
-    store.heartbeat("generation", "127.0.0.1:2", version=5)
+    store.heartbeat("generation", "127.0.0.1:2", policy_version=5)
     clock[0] += 0.5  # the first one silent for 1.2 s, past heartbeat_ttl_s = 1.0; the second for 0.5 s
     live = store.live("generation")
-    assert set(live) == {"127.0.0.1:2"} and live["127.0.0.1:2"]["version"] == 5
+    assert set(live) == {"127.0.0.1:2"} and live["127.0.0.1:2"]["policy_version"] == 5
     assert store.r.hlen(store.generation_key) == 1  # the silent one was removed
     assert store.next_version() == 1 and store.next_version() == 2 and store.version() == 2
 
@@ -203,10 +203,10 @@ def test_registry_ignores_registrations_without_proof_of_the_token(store):
         heartbeat_ttl_s=1.0,
         secret="the-token",
     )
-    secured.heartbeat("generation", "10.0.0.1:50051", version=1)  # holds the token
-    store.heartbeat("generation", "10.6.6.6:50051", version=99)  # Redis access, no token
+    secured.heartbeat("generation", "10.0.0.1:50051", policy_version=1)  # holds the token
+    store.heartbeat("generation", "10.6.6.6:50051", policy_version=99)  # Redis access, no token
     rogue = ReplayStore(redis.Redis(connection_pool=store.r.connection_pool), namespace=store.ns, secret="guess")
-    rogue.heartbeat("generation", "10.6.6.7:50051", version=99)  # a wrong token
+    rogue.heartbeat("generation", "10.6.6.7:50051", policy_version=99)  # a wrong token
     assert set(secured.live("generation")) == {"10.0.0.1:50051"}
     # a copied proof does not carry over to another address
     raw = json.loads(store.r.hget(store.generation_key, "10.0.0.1:50051"))

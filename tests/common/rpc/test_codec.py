@@ -21,8 +21,8 @@ def test_round_trip_in_any_piece_order_with_the_header():
     body = chunks[1:-1]
     shuffled = [chunks[0], *reversed(body), chunks[-1]]
     for specs in (SPECS, None):
-        version, fmt, state, nbytes, header = assemble_weights(iter(restream(list(shuffled))), specs)
-        assert (version, fmt, nbytes, header.run_id, header.epoch) == (3, "full", 48 + 40, "run-a", 7)
+        policy_version, fmt, state, nbytes, header = assemble_weights(iter(restream(list(shuffled))), specs)
+        assert (policy_version, fmt, nbytes, header.run_id, header.epoch) == (3, "full", 48 + 40, "run-a", 7)
         assert all(torch.equal(state[k], STATE[k]) for k in STATE)
 
 
@@ -30,7 +30,7 @@ def test_the_header_callback_runs_before_any_piece():
     seen = []
 
     def on_header(h):
-        seen.append(h.version)
+        seen.append(h.policy_version)
         raise BadRequest("refused")
 
     chunks = list(weight_chunks(STATE, 3))
@@ -115,8 +115,10 @@ def test_pieces_carry_xxh3_and_a_corrupt_piece_is_refused():
 
 
 def test_a_writer_without_xxhash_is_still_understood_and_checked():
-    version, _, state, _, _ = assemble_weights(iter(_legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))), SPECS)
-    assert version == 3 and all(torch.equal(state[k], STATE[k]) for k in STATE)
+    policy_version, _, state, _, _ = assemble_weights(
+        iter(_legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))), SPECS
+    )
+    assert policy_version == 3 and all(torch.equal(state[k], STATE[k]) for k in STATE)
     bad = _legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))
     bad[-1].footer.sha256 = "0" * 64
     with pytest.raises(BadRequest, match="sha256: checksum mismatch"):

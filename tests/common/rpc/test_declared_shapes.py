@@ -85,8 +85,8 @@ def test_a_push_refuses_overflowing_piece_shapes(specs, shape):
 
 
 def test_a_push_without_specs_still_takes_an_ordinary_empty_tensor():
-    version, _, state, _, _ = assemble_weights(iter(restream(list(weight_chunks(STATE, 2)))), None)
-    assert version == 2 and state["e"].shape == (0, 3) and torch.equal(state["a"], STATE["a"])
+    policy_version, _, state, _, _ = assemble_weights(iter(restream(list(weight_chunks(STATE, 2)))), None)
+    assert policy_version == 2 and state["e"].shape == (0, 3) and torch.equal(state["a"], STATE["a"])
 
 
 @pytest.mark.parametrize("shape", [s for s in OVERFLOWING if min(s) >= 0 and len(s) <= MAX_NDIM])

@@ -41,20 +41,20 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., footer: _Optional[_Union[WeightFooter, _Mapping]] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "format", "num_tensors", "total_bytes", "run_id", "epoch")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_version", "format", "num_tensors", "total_bytes", "run_id", "epoch")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    version: int
+    policy_version: int
     format: str
     num_tensors: int
     total_bytes: int
     run_id: str
     epoch: int
-    def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[str] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32", "xxh3")
@@ -83,11 +83,11 @@ class WeightFooter(_message.Message):
     def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("version", "bytes", "seconds")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("policy_version", "bytes", "seconds")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
-    version: int
+    policy_version: int
     bytes: int
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, policy_version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

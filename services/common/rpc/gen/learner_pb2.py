@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as rlhf_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/learner.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"*\n\x12PullWeightsRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\"\x0f\n\rStatusRequest\"\xbd\x02\n\rLearnerStatus\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x18\n\x10total_iterations\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0blast_reward\x18\x05 \x01(\x01\x12\x18\n\x10last_eval_reward\x18\x06 \x01(\x01\x12\x16\n\x0etrained_groups\x18\x07 \x01(\x03\x12\x15\n\rdropped_stale\x18\x08 \x01(\x03\x12\x12\n\nduplicates\x18\t \x01(\x03\x12\x1a\n\x12generation_servers\x18\n \x01(\x05\x12\x16\n\x0ereplay_backlog\x18\x0b \x01(\x03\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12 \n\x18reward_hacking_suspected\x18\r \x01(\x08\x32\x87\x01\n\x07Learner\x12\x42\n\x0bPullWeights\x12\x1b.rlhf.v1.PullWeightsRequest\x1a\x14.rlhf.v1.WeightChunk0\x01\x12\x38\n\x06Status\x12\x16.rlhf.v1.StatusRequest\x1a\x16.rlhf.v1.LearnerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/learner.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"1\n\x12PullWeightsRequest\x12\x1b\n\x13have_policy_version\x18\x01 \x01(\x03\"\x0f\n\rStatusRequest\"\xbd\x02\n\rLearnerStatus\x12\x11\n\titeration\x18\x01 \x01(\x03\x12\x18\n\x10total_iterations\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0blast_reward\x18\x05 \x01(\x01\x12\x18\n\x10last_eval_reward\x18\x06 \x01(\x01\x12\x16\n\x0etrained_groups\x18\x07 \x01(\x03\x12\x15\n\rdropped_stale\x18\x08 \x01(\x03\x12\x12\n\nduplicates\x18\t \x01(\x03\x12\x1a\n\x12generation_servers\x18\n \x01(\x05\x12\x16\n\x0ereplay_backlog\x18\x0b \x01(\x03\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12 \n\x18reward_hacking_suspected\x18\r \x01(\x08\x32\x87\x01\n\x07Learner\x12\x42\n\x0bPullWeights\x12\x1b.rlhf.v1.PullWeightsRequest\x1a\x14.rlhf.v1.WeightChunk0\x01\x12\x38\n\x06Status\x12\x16.rlhf.v1.StatusRequest\x1a\x16.rlhf.v1.LearnerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlhf.v1.learner_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLWEIGHTSREQUEST']._serialized_start=56
-  _globals['_PULLWEIGHTSREQUEST']._serialized_end=98
-  _globals['_STATUSREQUEST']._serialized_start=100
-  _globals['_STATUSREQUEST']._serialized_end=115
-  _globals['_LEARNERSTATUS']._serialized_start=118
-  _globals['_LEARNERSTATUS']._serialized_end=435
-  _globals['_LEARNER']._serialized_start=438
-  _globals['_LEARNER']._serialized_end=573
+  _globals['_PULLWEIGHTSREQUEST']._serialized_end=105
+  _globals['_STATUSREQUEST']._serialized_start=107
+  _globals['_STATUSREQUEST']._serialized_end=122
+  _globals['_LEARNERSTATUS']._serialized_start=125
+  _globals['_LEARNERSTATUS']._serialized_end=442
+  _globals['_LEARNER']._serialized_start=445
+  _globals['_LEARNER']._serialized_end=580
 # @@protoc_insertion_point(module_scope)

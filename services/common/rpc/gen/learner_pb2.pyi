@@ -6,10 +6,10 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PullWeightsRequest(_message.Message):
-    __slots__ = ("have_version",)
-    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
-    have_version: int
-    def __init__(self, have_version: _Optional[int] = ...) -> None: ...
+    __slots__ = ("have_policy_version",)
+    HAVE_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    have_policy_version: int
+    def __init__(self, have_policy_version: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

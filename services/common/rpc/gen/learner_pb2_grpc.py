@@ -51,7 +51,7 @@ class LearnerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PullWeights(self, request, context):
-        """Header / pieces / footer as in Generation.PushWeights; an empty stream when have_version is current.
+        """Header / pieces / footer as in Generation.PushWeights; an empty stream when have_policy_version is current.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
