@@ -49,7 +49,8 @@ class Registration:
 
     def heartbeat(self) -> None:
         """The registry entry: policy_version, and what the learner plans each push by (`registry_info`:
-        the shared-memory probe, where the weights come from, partial pushes or not)."""
+        the shared-memory probe, where the weights come from, partial pushes or not, and with
+        rpc.delta_push the version a delta may be against: none in a new process)."""
         self.store.heartbeat(
             "generation", self.address, policy_version=self.backend.policy_version, **self.servicer.registry_info()
         )

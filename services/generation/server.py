@@ -264,10 +264,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def registry_info(self) -> dict:
         """What this server's registry entry says besides its policy_version: the shared-memory probe's
-        nonce, where its weights come from (`base`), and whether its backend takes partial pushes."""
+        nonce, where its weights come from (`base`), whether its backend takes partial pushes, and
+        with `rpc.delta_push` the version a delta may be against (`delta_base`, "" for none)."""
         info = {"base": self.base, "partial": self.backend.partial_updates}
         if self.probe is not None:
             info["shm"] = self.probe.nonce
+        if self.receiver.keeps_delta_base:
+            info["delta_base"] = self.receiver.delta_base_key()
         return info
 
     def apply_chunks(self, chunks, context=None, origin: str = "") -> tuple[int, int, float]:

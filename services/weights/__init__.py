@@ -5,6 +5,7 @@ receiver.
     protocol.py   what both ends agree on: formats, the chunk size, dtype tables, checksums, file names
     check.py      the one check of a version: header, names/shapes/dtypes, coverage, finiteness
     stream.py     the gRPC push stream, both ends: encode, fan out, decode, assemble
+    delta.py      delta pushes (rpc.delta_push): a piece as its XOR with the server's version, zstd
     shm.py        shared memory on one host, both ends: writer, co-location probe, checked read
     hostcopy.py   GPU <-> host copies through page-locked memory
     publisher.py  the learner's side: snapshot, plan, deliver to many servers (transports as

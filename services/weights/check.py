@@ -13,7 +13,7 @@ import torch
 from ..common.rpc.codec import DTYPE_NAMES, DTYPES
 from ..common.rpc.errors import BadRequest, Reason
 from ..common.rpc.gen import common_pb2 as pb
-from .protocol import WEIGHT_FORMATS
+from .protocol import COMPLETE_FORMATS, WEIGHT_FORMATS
 
 Specs = Mapping[str, tuple[tuple, torch.dtype]]
 
@@ -22,10 +22,21 @@ def tensor_bytes(shape, dtype: torch.dtype) -> int:
     return math.prod(int(s) for s in shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def check_header(h: pb.WeightHeader, specs: Specs | None, max_bytes: int | None) -> None:
-    """A version's header (format, tensor count, bytes) against the model and the size limit."""
-    if h.format not in WEIGHT_FORMATS:
-        raise BadRequest(f"weights.header.format: {h.format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+def check_header(
+    h: pb.WeightHeader, specs: Specs | None, max_bytes: int | None, formats: tuple[str, ...] = WEIGHT_FORMATS
+) -> None:
+    """A version's header (format, one of the transport's `formats`; tensor count, bytes) against
+    the model and the size limit."""
+    if h.format not in formats:
+        raise BadRequest(f"weights.header.format: {h.format!r} is not one of {', '.join(formats)}")
+    if h.format == "delta":
+        if not 0 <= h.base_policy_version < h.policy_version:
+            raise BadRequest(
+                f"weights.header.base_policy_version: {h.base_policy_version}, expected in "
+                f"[0, policy_version={h.policy_version})"
+            )
+    elif h.base_policy_version:
+        raise BadRequest(f"weights.header.base_policy_version: set in a {h.format!r} version (only 'delta' has one)")
     if h.total_bytes < 0:
         raise BadRequest(f"weights.header.total_bytes: {h.total_bytes} is negative")
     if specs is not None:
@@ -60,14 +71,14 @@ def check_tensor(name: str, shape, dtype, specs: Specs, where: str) -> None:
 
 
 def check_coverage(names: Iterable[str], specs: Specs, fmt: str, where: str, what: str = "version") -> None:
-    """A "full" version has every tensor of the model ("partial" may have a subset)."""
-    if fmt != "full":
+    """A "full" (or "delta") version has every tensor of the model ("partial" may have a subset)."""
+    if fmt not in COMPLETE_FORMATS:
         return
     names = set(names)
     missing = [k for k in specs if k not in names]
     if missing:
         raise BadRequest(
-            f"{where}: a full {what} without {len(missing)} of the model's tensors: "
+            f"{where}: a {fmt} {what} without {len(missing)} of the model's tensors: "
             f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (format 'partial' "
             f"sends a subset)"
         )

@@ -19,7 +19,9 @@ try:
 except ImportError:  # crc32 per piece (and the stream's sha256): slower, the same guarantees against corruption
     xxhash = None  # type: ignore[assignment]
 
-WEIGHT_FORMATS = ("full", "partial")
+WEIGHT_FORMATS = ("full", "partial")  # what any transport carries
+STREAM_FORMATS = (*WEIGHT_FORMATS, "delta")  # the stream also: every tensor, as changes to a base (delta.py)
+COMPLETE_FORMATS = ("full", "delta")  # versions with every tensor of the model
 CHUNK_BYTES = 16 << 20  # a stream's piece and a shared file's checksummed piece; well under rpc.max_message_mb
 
 

@@ -6,7 +6,10 @@ Each push is planned per server, from its registry entry:
 - what: the full policy, or with LoRA only the merged target modules ("partial", what training
   changes) when the server's other tensors are provably this run's base: it loaded `model.path`
   (the base) and has had only partial versions since, or it holds a full version of this run; and
-  its backend takes partial versions (vLLM's does not: it gets full ones);
+  its backend takes partial versions (vLLM's does not: it gets full ones); with `rpc.delta_push`,
+  a "delta" (what changed since the previous version, `delta.py`) to a server over the stream
+  whose entry says it holds that version (`delta_base`); one that turns out not to hold it
+  (`Reason.DELTA_BASE_MISSING`) is streamed the full version in the same push;
 - how: by one of two transports, strategies with one interface (`jobs`: one callable per server,
   each ending in a `Delivery`; `finish`):
   - `SharedMemoryTransport`: one file in `rpc.shm_dir` for every server proven to share the
@@ -45,8 +48,8 @@ import redis
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.waits import Counted, wait_failed
 from ..common.types import Progress, no_progress
-from . import shm
-from .protocol import chunk_bytes, nbytes
+from . import delta, shm
+from .protocol import COMPLETE_FORMATS, chunk_bytes, nbytes
 from .stream import Fanout, encode_weights
 
 if TYPE_CHECKING:
@@ -67,11 +70,17 @@ class Delivery(enum.Enum):
     HELD = "held"  # it refused the version as not newer: it pulled it (or a newer one) itself
     FAILED = "failed"  # unreachable, or its deadline passed: it pulls when it sees it is behind
     STREAM_INSTEAD = "stream"  # shared memory: the server refused the load; stream it over gRPC in this push
+    FULL_INSTEAD = "full"  # a delta: the server holds no such base; stream it the full version in this push
 
 
 def _newer_already(e: grpc.RpcError) -> bool:
     """The server refused the version as not newer: it pulled it itself a moment ago."""
     return reason_of(e) is Reason.VERSION_NOT_NEWER
+
+
+def _no_base(e: grpc.RpcError) -> bool:
+    """The server refused a delta: it does not hold the version the delta is against."""
+    return reason_of(e) is Reason.DELTA_BASE_MISSING
 
 
 @dataclass
@@ -102,17 +111,27 @@ class StreamTransport:
     def __init__(self, reach: Reach):
         self.reach = reach
         self._fans: list[Fanout] = []
+        self.encoded: dict[str, int] = {}  # payload kind -> bytes of its one encoding (read by all its servers)
 
     def chunk_bytes(self) -> int:
         return chunk_bytes(self.reach.cfg.rpc.max_message_mb)
 
-    def jobs(self, targets: list[str], state: dict, kind: str, policy_version: int) -> dict[str, Job]:
+    def jobs(
+        self, targets: list[str], state: dict, kind: str, policy_version: int, base: tuple[int, dict] | None = None
+    ) -> dict[str, Job]:
         """Stream `state` to every address of `targets`: {address: its job}; the jobs run at once
-        (the encoding waits for its slowest reader)."""
+        (the encoding waits for its slowest reader). Kind "delta": as changes to `base`, (its
+        policy_version, its state)."""
         run_id, epoch = self.reach.identity
         chunk = self.chunk_bytes()
+        base_version, base_state = base if base is not None else (0, None)
         fan = Fanout(
-            encode_weights(state, policy_version, chunk, fmt=kind, run_id=run_id, epoch=epoch),
+            self._counted(
+                encode_weights(
+                    state, policy_version, chunk, kind, run_id, epoch, base=base_state, base_version=base_version
+                ),
+                kind,
+            ),
             len(targets),
             window=max(2, PUSH_WINDOW_BYTES // chunk),
         )
@@ -126,6 +145,15 @@ class StreamTransport:
 
         return {a: functools.partial(one, i, a) for i, a in enumerate(targets)}
 
+    def _counted(self, chunks, kind: str):
+        self.encoded.setdefault(kind, 0)
+        try:
+            for chunk in chunks:
+                self.encoded[kind] += len(chunk)
+                yield chunk
+        finally:
+            chunks.close()  # a stream nobody reads any more stops encoding (a delta's threads with it)
+
     def _push_one(self, address: str, chunks, policy_version: int) -> Delivery:
         """Push one server the (already encoded) stream `chunks`."""
         sent, t0 = Counted(chunks), time.monotonic()
@@ -135,6 +163,15 @@ class StreamTransport:
         except grpc.RpcError as e:
             if _newer_already(e):
                 return Delivery.HELD
+            if _no_base(e):
+                self.reach.tell(
+                    (address, "no-delta-base", policy_version),
+                    "%s holds no base for the delta of version %d (%s); streaming it the full version",
+                    address,
+                    policy_version,
+                    e.details(),
+                )
+                return Delivery.FULL_INSTEAD
             # all chunks out: the deadline passed while the server checked or swapped them in
             log.warning(
                 "%s (it will pull when it sees it is behind)",
@@ -156,6 +193,11 @@ class StreamTransport:
         for fan in self._fans:
             fan.join()
         self._fans.clear()
+
+    def take_encoded(self) -> dict[str, int]:
+        """Bytes encoded per payload kind since the last call (after `finish`)."""
+        out, self.encoded = self.encoded, {}
+        return out
 
 
 class SharedMemoryTransport:
@@ -261,6 +303,11 @@ class Publisher:
         self.cfg, self.store, self.learner, self.servers = cfg, store, learner, servers
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (policy_version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
+        # rpc.delta_push: the previous full snapshot, which deltas are against: (delta.base_key, version, state)
+        self.delta_push = bool(getattr(cfg.rpc, "delta_push", False)) and delta.available()
+        if getattr(cfg.rpc, "delta_push", False) and not self.delta_push:
+            log.warning("rpc.delta_push is on but the zstandard package is missing: every version goes whole")
+        self._prev: tuple[str, int, dict] | None = None
         self.reach = Reach(cfg, servers.client, on_progress)  # what both transports use
         self.stream = StreamTransport(self.reach)
         self.shared = SharedMemoryTransport(self.reach)
@@ -282,20 +329,25 @@ class Publisher:
         payloads = {"full": full}
         if self._snap[2]:
             payloads["partial"] = self._snap[1]
+        elif self._prev is not None:
+            payloads["delta"] = full  # as changes to the previous snapshot
         servers = self.servers.live(fresh=True)
         plan = {a: self.plan(a, info, "partial" in payloads) for a, info in servers.items()}
         ok = self.deliver(servers, plan, payloads, policy_version) if servers else {}
         self.store.publish_learner(learner_address, policy_version, *self.identity)
         sizes = {k: nbytes(s) for k, s in payloads.items()}
-        sent = sum(sizes[kind] for kind, _ in plan.values()) if servers else sizes["full"]
+        # a delta's bytes: its encoded stream, read by every server it went to
+        sizes["delta"] = self.stream.take_encoded().get("delta", 0)
+        sent = sum(sizes[kind] for _, _, kind in ok.values()) if servers else sizes["full"]
         secs = time.perf_counter() - t0
-        took = {a for a, (d, _) in ok.items() if d in (Delivery.TOOK, Delivery.HELD)}
+        took = {a for a, (d, _, _) in ok.items() if d in (Delivery.TOOK, Delivery.HELD)}
         return {
             "time/push_s": secs,
             "push/servers": len(servers),
             "push/failed": len(ok) - len(took),
-            "push/shm": sum(a in took and via == "shm" for a, (_, via) in ok.items()),
-            "push/partial": sum(a in took and kind == "partial" for a, (kind, _) in plan.items()),
+            "push/shm": sum(a in took and via == "shm" for a, (_, via, _) in ok.items()),
+            "push/partial": sum(a in took and kind == "partial" for a, (_, _, kind) in ok.items()),
+            "push/delta": sum(a in took and kind == "delta" for a, (_, _, kind) in ok.items()),
             "push/bytes": sent,
             "push/mb_per_s": sent / max(secs, 1e-9) / 1e6,
         }
@@ -321,6 +373,10 @@ class Publisher:
         if self.learner.device.type == "cpu" and not self.learner.lora and not getattr(self.learner, "sharded", False):
             # views of the live parameters (a sharded learner's gathered state is a copy already)
             state = {k: v.clone() for k, v in state.items()}
+        before, prev_state, partial = self._snap
+        # kept for the next push's deltas (a copy of the model in host memory, only with rpc.delta_push)
+        keep = self.delta_push and prev_state and not partial and before < policy_version
+        self._prev = (delta.base_key(*self.identity, before), before, prev_state) if keep else None
         self._snap = (policy_version, state, False)
         return state
 
@@ -334,7 +390,8 @@ class Publisher:
         return policy_version, {**self._base, **state}
 
     def plan(self, address: str, info: dict, partial: bool) -> tuple[str, str]:
-        """(payload, transport) for one server: ("full" | "partial", "shm" | "grpc")."""
+        """(payload, transport) for one server: ("full" | "partial" | "delta", "shm" | "grpc"). A
+        delta goes over the stream to a server whose entry says it holds the previous snapshot."""
         run_id = self.identity[0]
         kind = "full"
         if partial:
@@ -353,7 +410,11 @@ class Publisher:
                 )
             else:
                 kind = "partial"
-        return kind, self.via(info)
+        via = self.via(info)
+        if kind == "full" and via == self.stream.name and self._prev is not None:
+            if info.get("delta_base") == self._prev[0]:
+                kind = "delta"
+        return kind, via
 
     def via(self, info: dict) -> str:
         """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
@@ -361,64 +422,76 @@ class Publisher:
 
     def deliver(
         self, servers: dict, plan: dict, payloads: dict, policy_version: int
-    ) -> dict[str, tuple[Delivery, str]]:
+    ) -> dict[str, tuple[Delivery, str, str]]:
         """Every server's push as `plan` says ({address: (kind, via)}), each registered as it
-        takes the version: {address: (what became of it, the transport that carried it)}."""
+        takes the version: {address: (what became of it, the transport that carried it, the
+        payload it got)}. A load refused from shared memory is streamed, a delta refused for its
+        base is streamed whole, both in a second round."""
         groups: dict[tuple[str, str], list[str]] = {}
         for a, (kind, via) in plan.items():
             groups.setdefault((kind, via), []).append(a)
-        ok: dict[str, tuple[Delivery, str]] = {}
+        ok: dict[str, tuple[Delivery, str, str]] = {}
         # every server's stream or load runs at once (a Fanout needs all its readers reading)
         try:
             with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
 
-                def run(jobs: dict[str, Job], kind: str) -> dict:
+                def run(jobs: dict[str, Job], kind: str, via: str) -> dict:
                     return {
-                        a: pool.submit(self._settled, job, a, servers[a], policy_version, kind)
+                        a: pool.submit(self._settled, job, a, servers[a], policy_version, kind, via)
                         for a, job in jobs.items()
                     }
+
+                def stream(targets: list[str], kind: str) -> dict:
+                    base = self._prev[1:] if kind == "delta" and self._prev is not None else None
+                    jobs = self.stream.jobs(targets, payloads[kind], kind, policy_version, base=base)
+                    return run(jobs, kind, self.stream.name)
 
                 futures: dict = {}
                 shared: set[str] = set()
                 for (kind, via), targets in groups.items():
                     if via == self.stream.name:
-                        futures.update(run(self.stream.jobs(targets, payloads[kind], kind, policy_version), kind))
+                        futures.update(stream(targets, kind))
                 for (kind, via), targets in groups.items():
                     if via == self.shared.name:
                         loads = self.shared.jobs(targets, payloads[kind], kind, policy_version)
                         if loads is None:
-                            futures.update(run(self.stream.jobs(targets, payloads[kind], kind, policy_version), kind))
+                            futures.update(stream(targets, kind))
                         else:
                             shared.update(loads)
-                            futures.update(run(loads, kind))
+                            futures.update(run(loads, kind, self.shared.name))
                 retry: dict[str, list[str]] = {}
                 for a, f in futures.items():
                     result = f.result()
                     if result is Delivery.STREAM_INSTEAD:
                         retry.setdefault(plan[a][0], []).append(a)
-                    ok[a] = (result, self.shared.name if a in shared else self.stream.name)
+                    elif result is Delivery.FULL_INSTEAD:
+                        retry.setdefault("full", []).append(a)
+                    ok[a] = (result, self.shared.name if a in shared else self.stream.name, plan[a][0])
                 for kind, targets in retry.items():
-                    streams = run(self.stream.jobs(targets, payloads[kind], kind, policy_version), kind)
-                    ok.update({a: (f.result(), self.stream.name) for a, f in streams.items()})
+                    ok.update({a: (f.result(), self.stream.name, kind) for a, f in stream(targets, kind).items()})
         finally:
             self.stream.finish()
         return ok
 
-    def _settled(self, job: Job, address: str, info: dict, policy_version: int, kind: str) -> Delivery:
+    def _settled(self, job: Job, address: str, info: dict, policy_version: int, kind: str, via: str) -> Delivery:
         """One server's job, then its registration if it took the version."""
         delivery = job()
         if delivery is Delivery.TOOK:
-            self.register(address, info, policy_version, kind)
+            self.register(address, info, policy_version, kind, via)
         return delivery
 
-    def register(self, address: str, info: dict, policy_version: int, kind: str) -> None:
+    def register(self, address: str, info: dict, policy_version: int, kind: str, via: str = "grpc") -> None:
         """The server's registry entry after it took `policy_version`: workers see the version at once,
-        and the next push plans with what this one changed. A registry that does not answer (its
-        socket timeout) is logged: the server took the version, and its own heartbeat says so."""
+        and the next push plans with what this one changed (a server that keeps delta bases holds
+        a version that came whole or as a delta over the stream). A registry that does not answer
+        (its socket timeout) is logged: the server took the version, and its own heartbeat says so."""
         fields = {k: v for k, v in info.items() if k not in ("ts", "proof")}
         fields["policy_version"] = policy_version
-        if kind == "full" and "base" in info:
+        if kind in COMPLETE_FORMATS and "base" in info:
             fields["base"] = f"run:{self.identity[0]}"
+        if "delta_base" in info:
+            held = kind in COMPLETE_FORMATS and via == self.stream.name
+            fields["delta_base"] = delta.base_key(*self.identity, policy_version) if held else ""
         t0 = time.monotonic()
         try:
             self.store.heartbeat("generation", address, **fields)

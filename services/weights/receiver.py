@@ -24,7 +24,9 @@ from ..common.replay import ReplayStore
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
 from ..common.rpc.gen import common_pb2
 from ..common.rpc.waits import Counted, wait_failed
+from . import delta
 from .check import check_newer
+from .protocol import COMPLETE_FORMATS
 from .shm import Probe, open_shared_weights
 from .stream import assemble_weights
 
@@ -91,7 +93,12 @@ class WeightReceiver:
     arrives and again right before the swap. Without it, any version newer than the serving one
     is applied. `probe` is the server's proof of its shared-memory directory (`apply_shared` reads
     from there). `base` says where the weights outside a partial version come from: the model it
-    loaded ("model:<model.path>") until a full version from a run replaces them ("run:<run_id>")."""
+    loaded ("model:<model.path>") until a full version from a run replaces them ("run:<run_id>").
+
+    With `rpc.delta_push`, the receiver keeps the last version it applied from the stream (full
+    or delta) as its delta base: the tensors it assembled, a copy of the model in host memory
+    (`delta_base`; none after a restart, a partial version or one from shared memory). A server
+    advertises it (`delta_base_key`), and the learner sends it only what changed since."""
 
     NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
 
@@ -108,6 +115,22 @@ class WeightReceiver:
         self.readiness = readiness  # the RPC server (set_ready, liveness), or None
         self.base = f"model:{cfg.model.path}"
         self.lock = threading.Lock()  # one update at a time
+        self.keeps_delta_base = bool(getattr(cfg.rpc, "delta_push", False))
+        if self.keeps_delta_base and not delta.available():
+            log.warning("rpc.delta_push is on but the zstandard package is missing: every version comes whole")
+            self.keeps_delta_base = False
+        self.delta_base: delta.Base | None = None
+
+    def held_base(self) -> delta.Base | None:
+        """The delta base, while it is the version the backend serves (anything that updated
+        the backend another way leaves it behind)."""
+        b = self.delta_base
+        return b if b is not None and b.policy_version == self.backend.policy_version else None
+
+    def delta_base_key(self) -> str:
+        """What the registry entry's `delta_base` says: the version a delta may be against, or ""."""
+        b = self.held_base()
+        return b.key if b is not None else ""
 
     def max_bytes(self) -> int:
         return self.cfg.rpc.max_message_mb * 1024 * 1024 * 64
@@ -118,10 +141,17 @@ class WeightReceiver:
         rpc.timeout_s)."""
         return self._apply(
             lambda: contextlib.nullcontext(
-                assemble_weights(chunks, self.backend.parameter_specs(), self.max_bytes(), on_header=self.fence)
+                assemble_weights(
+                    chunks,
+                    self.backend.parameter_specs(),
+                    self.max_bytes(),
+                    on_header=self.fence,
+                    base=self.held_base(),
+                )
             ),
             context=context,
             origin=origin,
+            owned=True,
         )
 
     def apply_shared(self, request, context=None) -> tuple[int, int, float]:
@@ -196,8 +226,11 @@ class WeightReceiver:
         log.warning("%s", msg)
         return DeadlineExceeded(msg)
 
-    def _apply(self, source, via: str = "stream", context=None, origin: str = "") -> tuple[int, int, float]:
-        """One update at a time. Each wait ends with the call's deadline (`budget`), naming its
+    def _apply(
+        self, source, via: str = "stream", context=None, origin: str = "", owned: bool = False
+    ) -> tuple[int, int, float]:
+        """One update at a time (`owned`: the source's tensors are this receiver's to keep, as a
+        delta base). Each wait ends with the call's deadline (`budget`), naming its
         phase and the peer: for an earlier update to finish ('wait-for-previous-update'), the
         stream itself (gRPC ends it at the deadline), for the running batch before the swap
         ('swap'; a swap that has not started by then is withdrawn, nothing changes)."""
@@ -223,8 +256,12 @@ class WeightReceiver:
                     if self.fence is not None:
                         self.fence(header)  # again: another learner may have taken over while the pieces came
                     self.backend.update_weights(state, policy_version)
-                    if fmt == "full":
+                    if fmt in COMPLETE_FORMATS:
                         self.base = f"run:{header.run_id}"
+                    keep = self.keeps_delta_base and owned and fmt in COMPLETE_FORMATS
+                    self.delta_base = (
+                        delta.Base(header.run_id, header.epoch, policy_version, dict(state)) if keep else None
+                    )
 
                 if server:
                     server.set_ready(False)  # alive, not ready, while the swap waits for the batch

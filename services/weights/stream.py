@@ -6,21 +6,24 @@ copy (`WeightChunkDecoder`) and collected into a checked state dict (`assemble_w
 from __future__ import annotations
 
 import bisect
+import collections
 import hashlib
 import queue
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Generator, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
 from ..common.rpc.codec import DTYPE_NAMES, DTYPES, checked_shape
-from ..common.rpc.errors import BadRequest
+from ..common.rpc.errors import BadRequest, FailedPrecondition, Reason
 from ..common.rpc.gen import common_pb2 as pb
+from . import delta
 from .check import all_finite, check_coverage, check_header, check_tensor
-from .protocol import CHUNK_BYTES, raw_view, xxhash
+from .protocol import CHUNK_BYTES, STREAM_FORMATS, raw_view, threads, xxhash
 
 
 def _varint(n: int) -> bytes:
@@ -72,6 +75,11 @@ class _InOrder:
     def submit(self, job: Callable[[], None]) -> None:
         self._q.put(job)
 
+    def check(self) -> None:
+        """Raise a failed job's exception now (the stream need not be read to its end)."""
+        if self._error is not None:
+            raise self._error
+
     def finish(self) -> None:
         """Wait for every job; raise the first one's exception."""
         self._q.put(None)
@@ -91,6 +99,8 @@ def encode_weights(
     fmt: str = "full",
     run_id: str = "",
     epoch: int = 0,
+    base: Mapping[str, torch.Tensor] | None = None,
+    base_version: int = 0,
 ) -> Iterator[bytes]:
     """A state dict as a push stream of serialised `WeightChunk` messages: header (with the
     writer's run id and epoch, the fencing token), pieces of at most `chunk_bytes`, each with the
@@ -100,13 +110,21 @@ def encode_weights(
 
     Serialised once, the stream can go to any number of servers unchanged (`Fanout`). Each piece
     is the protobuf encoding of its metadata followed by the data field, written straight from the
-    tensor's memory: one copy per byte (into the message), no intermediate `bytes` of the tensor."""
+    tensor's memory: one copy per byte (into the message), no intermediate `bytes` of the tensor.
+
+    With `base` (format "delta"): every tensor as what changed since `base`, the state of version
+    `base_version` (same names, shapes and dtypes), each piece encoded by `delta.encode` on a few
+    threads (zstd releases the GIL), or RAW where that would not be smaller. Pieces cover the same
+    raw byte ranges and carry the same checksums (of the new bytes) as the full stream's."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: {chunk_bytes}, expected at least 1")
+    if (fmt == "delta") != (base is not None):
+        raise ValueError(f"format {fmt!r} {'with' if base is not None else 'without'} a base (only 'delta' has one)")
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     for t in tensors.values():
         if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"dtype {t.dtype} cannot go on the wire")
+    olds = None if base is None else _base_views(tensors, base)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     yield pb.WeightChunk(
         header=pb.WeightHeader(
@@ -116,40 +134,96 @@ def encode_weights(
             total_bytes=total,
             run_id=run_id,
             epoch=epoch,
+            base_policy_version=base_version if base is not None else 0,
         )
     ).SerializeToString()
     digest = hashlib.sha256()
     hasher = _InOrder(depth=64)  # holds views of `tensors`, no bytes
+    spans = _spans(tensors, chunk_bytes)
+    pieces = _raw_pieces(spans) if olds is None else _delta_pieces(spans, olds)
     try:
-        for name, t in tensors.items():
-            raw = raw_view(t)
-            size = len(raw)
-            for off in range(0, max(size, 1), chunk_bytes):
-                data = memoryview(raw[off : off + chunk_bytes])  # type: ignore[arg-type]  # an ndarray is a buffer
-                check: dict[str, int]
-                if xxhash is not None:
-                    check = {"xxh3": xxhash.xxh3_64_intdigest(data)}
-                else:
-                    hasher.submit(partial(digest.update, data))
-                    check = {"crc32": zlib.crc32(data)}
-                shape = list(t.shape)
-                meta = pb.TensorPiece(
-                    name=name,
-                    dtype=DTYPE_NAMES[t.dtype],
-                    shape=shape,
-                    offset=off,
-                    total_bytes=size,
-                    **check,  # type: ignore[arg-type]
-                ).SerializeToString()
-                n = len(data)
-                field = _DATA_TAG + _varint(n) if n else b""
-                yield b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
+        for (name, t, off, size, new), (data, check, encoding) in pieces:
+            if xxhash is None:
+                hasher.submit(partial(digest.update, new))  # the new bytes, whatever the encoding
+            meta = pb.TensorPiece(
+                name=name,
+                dtype=DTYPE_NAMES[t.dtype],
+                shape=list(t.shape),
+                offset=off,
+                total_bytes=size,
+                encoding=encoding,
+                raw_bytes=len(new) if encoding != delta.RAW else 0,
+                **check,  # type: ignore[arg-type]
+            ).SerializeToString()
+            n = len(data)
+            field = _DATA_TAG + _varint(n) if n else b""
+            yield b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
     except BaseException:
         hasher.abandon()
         raise
+    finally:
+        pieces.close()  # (a delta's encoding threads stop)
     hasher.finish()
     footer = pb.WeightFooter(sha256="" if xxhash is not None else digest.hexdigest())
     yield pb.WeightChunk(footer=footer).SerializeToString()
+
+
+Span = tuple  # (name, tensor, offset, tensor bytes, the new bytes [offset, offset + chunk) as a memoryview)
+
+
+def _spans(tensors: Mapping[str, torch.Tensor], chunk_bytes: int) -> Iterator[Span]:
+    for name, t in tensors.items():
+        raw = raw_view(t)
+        size = len(raw)
+        for off in range(0, max(size, 1), chunk_bytes):
+            yield name, t, off, size, memoryview(raw[off : off + chunk_bytes])  # type: ignore[arg-type]  # an ndarray is a buffer
+
+
+def _check_of(data) -> dict[str, int]:
+    return {"xxh3": xxhash.xxh3_64_intdigest(data)} if xxhash is not None else {"crc32": zlib.crc32(data)}
+
+
+def _raw_pieces(spans: Iterator[Span]) -> Generator[tuple[Span, tuple], None, None]:
+    for span in spans:
+        new = span[4]
+        yield span, (new, _check_of(new), delta.RAW)
+
+
+def _base_views(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The base's raw bytes per tensor, each checked to be the new tensor's shape and dtype."""
+    out = {}
+    for name, t in tensors.items():
+        b = base.get(name)
+        if b is None or b.shape != t.shape or b.dtype != t.dtype:
+            raise ValueError(f"delta: the base has no tensor {name!r} of shape {list(t.shape)} and dtype {t.dtype}")
+        out[name] = raw_view(b.detach().cpu().contiguous())
+    return out
+
+
+def _delta_pieces(spans: Iterator[Span], olds: Mapping[str, np.ndarray]) -> Generator[tuple[Span, tuple], None, None]:
+    """Each span's (data, checksum, encoding), encoded against `olds` on a pool of threads, in
+    stream order, at most a few pieces ahead of the reader."""
+
+    def one(span: Span) -> tuple:
+        name, t, off, _, new = span
+        arr = np.frombuffer(new, dtype=np.uint8)
+        data = delta.encode(arr, olds[name][off : off + len(arr)], t.element_size(), off) if len(arr) else None
+        return (new, _check_of(new), delta.RAW) if data is None else (data, _check_of(new), delta.XOR_PLANES_ZSTD)
+
+    workers = threads()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weights-delta")
+    ahead: collections.deque = collections.deque()
+    try:
+        for span in spans:
+            ahead.append((span, pool.submit(one, span)))
+            if len(ahead) > 2 * workers:
+                span0, f = ahead.popleft()
+                yield span0, f.result()
+        while ahead:
+            span0, f = ahead.popleft()
+            yield span0, f.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def weight_chunks(
@@ -159,9 +233,11 @@ def weight_chunks(
     fmt: str = "full",
     run_id: str = "",
     epoch: int = 0,
+    base: Mapping[str, torch.Tensor] | None = None,
+    base_version: int = 0,
 ) -> Iterator[pb.WeightChunk]:
     """`encode_weights` as `WeightChunk` messages (for a servicer's response stream and tests)."""
-    for raw in encode_weights(state_dict, policy_version, chunk_bytes, fmt, run_id, epoch):
+    for raw in encode_weights(state_dict, policy_version, chunk_bytes, fmt, run_id, epoch, base, base_version):
         yield pb.WeightChunk.FromString(raw)
 
 
@@ -384,6 +460,7 @@ def assemble_weights(
     specs: Mapping[str, tuple[tuple, torch.dtype]] | None = None,
     max_bytes: int | None = None,
     on_header: Callable[[pb.WeightHeader], None] | None = None,
+    base: delta.Base | None = None,
 ) -> tuple[int, str, dict[str, torch.Tensor], int, pb.WeightHeader]:
     """Collect a push stream into (policy_version, format, state_dict, bytes, header).
 
@@ -395,11 +472,16 @@ def assemble_weights(
     cover a subset); and that floating tensors are finite. `on_header(header)` runs as soon as
     the header arrives (e.g. the writer's fence), before any piece is read.
 
+    A "delta" version is decoded against `base` (the version this server holds, `delta.Base`):
+    one against another base, or without one, is refused at its header with FailedPrecondition,
+    `Reason.DELTA_BASE_MISSING`. Its encoded pieces are decoded into the tensors, then checked as
+    any piece: their checksums are of the decoded bytes.
+
     Each tensor is allocated once, when its first piece arrives, and every piece is copied
     straight into it: the pushed bytes plus a few pieces in flight is all the memory it takes.
-    sha256 and the finiteness checks run on a worker thread, in stream order, overlapping the
-    receiving, piece checks and copies."""
-    push = _Assembly(specs, max_bytes, on_header)
+    sha256, the finiteness checks and a delta's decoding run on a worker thread, in stream order,
+    overlapping the receiving, piece checks and copies."""
+    push = _Assembly(specs, max_bytes, on_header, base)
     try:
         for chunk in chunks:
             kind = chunk.WhichOneof("payload")
@@ -422,8 +504,8 @@ class _Assembly:
     """One push being assembled (`assemble_weights`): each chunk checked and copied as it comes,
     then the whole checked at its end (`result`)."""
 
-    def __init__(self, specs, max_bytes: int | None, on_header):
-        self.specs, self.max_bytes, self.on_header = specs, max_bytes, on_header
+    def __init__(self, specs, max_bytes: int | None, on_header, base: delta.Base | None = None):
+        self.specs, self.max_bytes, self.on_header, self.base = specs, max_bytes, on_header, base
         self.header: pb.WeightHeader | None = None
         self.footer: pb.WeightFooter | None = None
         self.buffers: dict[str, torch.Tensor] = {}  # destination tensors, allocated once from the checked specs
@@ -434,6 +516,7 @@ class _Assembly:
         self.digest = hashlib.sha256()
         self.nonfinite: set[str] = set()
         self.received = self.allocated = 0
+        self.wire = 0  # bytes of the pieces' data as they came (a delta's are encoded)
         self.xxh3: bool | None = None  # whether this push's pieces carry xxh3 (decided by its first piece)
         self.worker = _InOrder(depth=4)  # holds at most a few pieces' data
 
@@ -441,9 +524,24 @@ class _Assembly:
         if self.header is not None:
             raise BadRequest("weights: a second header in one push")
         self.header = header
-        check_header(header, self.specs, self.max_bytes)
+        check_header(header, self.specs, self.max_bytes, STREAM_FORMATS)
         if self.on_header is not None:
             self.on_header(header)
+        if header.format == "delta":
+            self._check_base(header)
+
+    def _check_base(self, h: pb.WeightHeader) -> None:
+        """A delta is against the version this server holds (its run, its epoch, its version)."""
+        want, held = delta.base_key(h.run_id, h.epoch, h.base_policy_version), self.base
+        if held is None or held.key != want:
+            raise FailedPrecondition(
+                f"weights: a delta against {want}, but this server holds "
+                f"{'no delta base' if held is None else held.key} (it restarted, missed a version, or "
+                f"keeps none: rpc.delta_push); the full version must be pushed",
+                Reason.DELTA_BASE_MISSING,
+                field="header.base_policy_version",
+                metadata={"holds": held.key if held is not None else ""},
+            )
 
     def take_piece(self, p: pb.TensorPiece) -> None:
         header = self.header
@@ -451,9 +549,26 @@ class _Assembly:
             raise BadRequest("weights: a tensor piece before the header")
         if self.footer is not None:
             raise BadRequest("weights: a tensor piece after the footer")
+        self.worker.check()  # a piece that failed its decoding or checks ends the push here
+        if p.encoding != delta.RAW:
+            self._take_encoded(p, header)
+            return
         data = p.data  # read once: every read of a bytes field is a new copy
         n = len(data)
+        if p.raw_bytes not in (0, n):
+            raise BadRequest(f"weights.piece[{p.name}].raw_bytes: {p.raw_bytes} in a RAW piece of {n} bytes")
         self._check_sum(p, data)
+        name = p.name
+        self._take_meta(p, header)
+        self._place(p, n)
+        if n:
+            self.views[name][p.offset : p.offset + n] = np.frombuffer(data, dtype=np.uint8)
+        if not self.xxh3:
+            self.worker.submit(partial(self.digest.update, data))
+        self._filled(p, n, n)
+
+    def _take_meta(self, p: pb.TensorPiece, header: pb.WeightHeader) -> None:
+        """A piece's tensor: the first piece allocates it, every later one agrees with it."""
         name = p.name
         if name in self.meta:
             if self.meta[name] != (p.dtype, tuple(p.shape), p.total_bytes):
@@ -465,24 +580,68 @@ class _Assembly:
                 )
         else:
             self._allocate(p, header)
+
+    def _place(self, p: pb.TensorPiece, n: int) -> None:
+        """The piece's bytes [offset, offset + n): inside its tensor, and not received before."""
         if p.offset < 0 or p.offset + n > p.total_bytes:
             raise BadRequest(
-                f"weights.piece[{name}]: bytes [{p.offset}, {p.offset + n}) outside the tensor's {p.total_bytes} bytes"
+                f"weights.piece[{p.name}]: bytes [{p.offset}, {p.offset + n}) outside the tensor's "
+                f"{p.total_bytes} bytes"
             )
-        _cover(self.spans[name], name, p.offset, p.offset + n)
-        if n:
-            self.views[name][p.offset : p.offset + n] = np.frombuffer(data, dtype=np.uint8)
+        _cover(self.spans[p.name], p.name, p.offset, p.offset + n)
+
+    def _filled(self, p: pb.TensorPiece, n: int, wire: int) -> None:
+        """n more bytes of the piece's tensor placed (`wire` of them came): a tensor complete is
+        checked for finiteness meanwhile; the push's bytes are bounded."""
+        name = p.name
         self.filled[name] += n
-        if not self.xxh3:
-            self.worker.submit(partial(self.digest.update, data))
         if self.filled[name] == p.total_bytes:  # complete (coverage is exact): check it meanwhile
             self.worker.submit(partial(self._check_finite, name))
         self.received += n
+        self.wire += wire
         if self.max_bytes is not None and self.received > self.max_bytes:
             raise BadRequest(f"weights: more than {self.max_bytes} bytes")
 
-    def _check_sum(self, p: pb.TensorPiece, data: bytes) -> None:
+    def _take_encoded(self, p: pb.TensorPiece, header: pb.WeightHeader) -> None:
+        """A delta's encoded piece: its metadata and declared range checked here, before anything
+        is decoded (what it decodes to is bounded by that range: `delta.decode`); then decoded
+        against the base straight into the tensor, and checksummed, on the worker."""
+        name, enc = p.name, p.encoding
+        where = f"weights.piece[{name}]"
+        if enc != delta.XOR_PLANES_ZSTD:
+            raise BadRequest(f"{where}.encoding: {enc} unknown (RAW=0, XOR_PLANES_ZSTD=1)")
+        if header.format != "delta" or self.base is None:
+            raise BadRequest(
+                f"{where}.encoding: XOR_PLANES_ZSTD in a {header.format!r} push (only 'delta' has encoded pieces)"
+            )
+        self._sum_kind(p)
+        self._take_meta(p, header)
+        n = int(p.raw_bytes)
+        if n <= 0:
+            raise BadRequest(f"{where}.raw_bytes: {n}, expected the piece's decoded length (at least 1)")
+        self._place(p, n)
+        old = self.base.tensors.get(name)
+        if old is None or old.dtype != DTYPES[p.dtype] or tuple(old.shape) != tuple(p.shape):
+            raise BadRequest(f"{where}: the delta base has no tensor {name!r} of this shape and dtype")
+        off, itemsize = int(p.offset), DTYPES[p.dtype].itemsize
+        out = self.views[name][off : off + n]
+        data = p.data
+        self.worker.submit(partial(self._decode, p, data, n, itemsize, raw_view(old)[off : off + n], out, where))
+        self._filled(p, n, len(data))
+
+    def _decode(self, p, data, n: int, itemsize: int, old: np.ndarray, out: np.ndarray, where: str) -> None:
+        delta.decode(data, n, itemsize, int(p.offset), old, out, where)
+        self._verify_sum(p, out)
+        if not self.xxh3:
+            self.digest.update(out.data)
+
+    def _check_sum(self, p: pb.TensorPiece, data) -> None:
         """The piece's xxh3_64, or its crc32 (one kind per push, decided by its first piece)."""
+        self._sum_kind(p)
+        self._verify_sum(p, data)
+
+    def _sum_kind(self, p: pb.TensorPiece) -> None:
+        """xxh3 on every piece of a push, or on none (then crc32 and the footer's sha256)."""
         has_xxh3 = p.HasField("xxh3")
         if self.xxh3 is None:
             self.xxh3 = has_xxh3
@@ -490,6 +649,8 @@ class _Assembly:
                 raise BadRequest("weights.piece.xxh3: this server cannot check xxh3_64 (install xxhash)")
         elif has_xxh3 != self.xxh3:
             raise BadRequest(f"weights.piece[{p.name}]: xxh3 on some pieces of a push and not on others")
+
+    def _verify_sum(self, p: pb.TensorPiece, data) -> None:
         if self.xxh3:
             if xxhash.xxh3_64_intdigest(data) != p.xxh3:
                 raise BadRequest(f"weights.piece[{p.name}]: xxh3 mismatch at offset {p.offset}")

@@ -204,6 +204,10 @@ class Fuzz:
             return rand_str(self.rng)
         if t == f.TYPE_BYTES:
             return rand_bytes(self.rng)
+        if t == f.TYPE_ENUM:  # a known value, or any int32 (proto3's enums are open: unknown values travel)
+            if self.rng.random() < 0.7:
+                return self.rng.choice([v.number for v in f.enum_type.values])
+            return rand_int(self.rng, -(2**31), 2**31 - 1, small_hi=8)
         raise AssertionError(f"no generator for field type {t} of {f.full_name}")
 
     def set_field(self, msg, f: pbd.FieldDescriptor, depth: int):

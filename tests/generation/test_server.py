@@ -333,9 +333,9 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
     )
     # a format the server does not know
     expect_code(
-        lambda: push(iter(weight_chunks(noisy, v + 1, fmt="delta"))),
+        lambda: push(iter(weight_chunks(noisy, v + 1, fmt="sparse"))),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "weights.header.format: 'delta' is not one of full, partial",
+        "weights.header.format: 'sparse' is not one of full, partial, delta",
     )
     # NaN or infinity anywhere in a floating tensor
     for bad in (float("nan"), float("inf")):

@@ -44,6 +44,10 @@ class Reason(enum.Enum):
     REWARD_FUNCTION_FAILED = "REWARD_FUNCTION_FAILED"
     """Reward (FAILED_PRECONDITION): the user's reward function raised. Repeating will not help:
     the worker and the learner stop the run (the message carries the function's traceback)."""
+    DELTA_BASE_MISSING = "DELTA_BASE_MISSING"
+    """Weights (FAILED_PRECONDITION): a delta push against a version the server does not hold (it
+    restarted, missed a version, or keeps no delta base). A publisher streams the server the full
+    version in the same push."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class ResourceExhausted(ServiceError):
 
 class FailedPrecondition(ServiceError):
     """The server's own configured code failed on this input (a user's reward function raised);
-    FAILED_PRECONDITION: repeating the call will not help, the run must stop (its details say why)."""
+    FAILED_PRECONDITION: repeating the call will not help, the run must stop (its details say why).
+    (A delta weight push the server has no base for is refused this way too, with its own reason.)"""
 
 
 class DeadlineExceeded(ServiceError):

@@ -78,8 +78,15 @@ def test_full_needs_every_tensor_partial_a_complete_subset():
         assemble_weights(weight_chunks(only_a, 1), SPECS)
     _, fmt, state, _, _ = assemble_weights(weight_chunks(only_a, 1, fmt="partial"), SPECS)
     assert fmt == "partial" and list(state) == ["a"]
-    with pytest.raises(BadRequest, match="weights.header.format: 'delta'"):
-        assemble_weights(weight_chunks(only_a, 1, fmt="delta"), SPECS)
+    with pytest.raises(BadRequest, match="weights.header.format: 'sparse'"):
+        assemble_weights(weight_chunks(only_a, 1, fmt="sparse"), SPECS)
+    # a delta (changes since a version the server holds) is every tensor too
+    from services.weights.delta import Base
+
+    with pytest.raises(BadRequest, match="a delta push without 1 of the model's tensors: b"):
+        assemble_weights(
+            weight_chunks(only_a, 2, fmt="delta", base=only_a, base_version=1), SPECS, base=Base("", 0, 1, STATE)
+        )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

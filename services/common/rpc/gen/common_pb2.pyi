@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -41,23 +42,31 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., piece: _Optional[_Union[TensorPiece, _Mapping]] = ..., footer: _Optional[_Union[WeightFooter, _Mapping]] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("policy_version", "format", "num_tensors", "total_bytes", "run_id", "epoch")
+    __slots__ = ("policy_version", "format", "num_tensors", "total_bytes", "run_id", "epoch", "base_policy_version")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     format: str
     num_tensors: int
     total_bytes: int
     run_id: str
     epoch: int
-    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[str] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    base_policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[str] = ..., num_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base_policy_version: _Optional[int] = ...) -> None: ...
 
 class TensorPiece(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32", "xxh3")
+    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "crc32", "xxh3", "encoding", "raw_bytes")
+    class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RAW: _ClassVar[TensorPiece.Encoding]
+        XOR_PLANES_ZSTD: _ClassVar[TensorPiece.Encoding]
+    RAW: TensorPiece.Encoding
+    XOR_PLANES_ZSTD: TensorPiece.Encoding
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +75,8 @@ class TensorPiece(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     XXH3_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +85,9 @@ class TensorPiece(_message.Message):
     data: bytes
     crc32: int
     xxh3: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., xxh3: _Optional[int] = ...) -> None: ...
+    encoding: TensorPiece.Encoding
+    raw_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., xxh3: _Optional[int] = ..., encoding: _Optional[_Union[TensorPiece.Encoding, str]] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightFooter(_message.Message):
     __slots__ = ("sha256",)
