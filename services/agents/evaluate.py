@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 from ..common.servers import ServerPool
 from ..common.types import PromptRecord, SamplingParams
 from ..training.evaluate import Evaluator, Sampled, SingleTurn, how_sampled
-from .host import AgentHost, Outage, agent_host, session_name
+from .host import AgentHost, Outage, Unscored, agent_host, session_name
 from .sessions import as_sample
 
 if TYPE_CHECKING:
@@ -49,8 +49,9 @@ class AgentSessions:
     "components", "sample"}) with the conversation (`transcript`) and the number of the policy's
     `turns`. A session whose agent failed is a row with reward 0 and its `error` (counted by
     `summarize` as `components["failed"]`): an eval scores what the policy does, failures
-    included. A session that found no generation server raises Outage: an outage measures no
-    policy."""
+    included; one whose reward could not be had (`Unscored`) is such a row marked `"unscored":
+    true`, so that its 0 is not read as a reward. A session that found no generation server
+    raises Outage: an outage measures no policy."""
 
     host: AgentHost
     tokenizer: Any
@@ -73,13 +74,14 @@ class AgentSessions:
             "response": "".join(x["text"] for x in runs),
             "label": record.label,
             "reward": reward,
-            "components": {"agent": reward, "failed": float(e.error is not None)},
+            "components": {**e.components, "agent": reward, "failed": float(e.error is not None)},
             "sample": sample,
             "turns": e.trajectory["turns"] if e.trajectory is not None else 0,
             "transcript": runs,
         }
         if e.error is not None:
             row["error"] = str(e.error)
+        row["unscored"] = isinstance(e.error, Unscored)
         return row
 
 

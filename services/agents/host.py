@@ -11,8 +11,10 @@ sessions, many at once (a thread each, or one event loop for async agents).
 
 A session whose agent raises, runs past its timeout, returns what is not a finite number, or made
 no request ends as `AgentFailed` (the worker dead-letters its prompt with that reason, never a
-reward of 0). One that failed because no generation server answered (`openai.APIConnectionError`,
-HTTP 429 or 503) ends as `Outage`: an outage, not its input.
+reward of 0); one whose reward could not be had (None, NaN, inf, not a number; an agent service
+that gave none) as `Unscored`, an AgentFailed that says so. One that failed because no
+generation server answered (`openai.APIConnectionError`, HTTP 429 or 503) ends as `Outage`: an
+outage, not its input.
 
 The hops of one session:
     AgentHost.run                 the sessions opened (the endpoint serves only those), run at once
@@ -36,13 +38,15 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ..common.lifecycle import HTTPServerThread
+from ..common.openenv_ref import is_openenv
 from ..common.rpc.client import reachable_host
 from ..common.types import PromptRecord, SampleGroup, SamplingParams, ScoreResult
 from ..common.userfn import load_function
+from ..common.verifiers_envs import is_env_ref as is_verifiers_env
 from ..gateway.app import (
     CONTEXT_LENGTH_EXCEEDED,
     MAX_TURNS_EXCEEDED,
@@ -52,6 +56,8 @@ from ..gateway.app import (
     build_app,
     session_key,
 )
+from .errors import AgentFailed, AgentServiceDown, Outage, Unscored  # noqa: F401 (others import them from here)
+from .scores import Reward
 from .sessions import Sessions, as_sample
 
 if TYPE_CHECKING:
@@ -62,27 +68,23 @@ log = logging.getLogger(__name__)
 AGENT_TAKES = ("client", "sample")
 
 
-class AgentFailed(ValueError):
-    """The agent of a session failed in a way that is its input's (or its code's): the prompt
-    is dead-lettered with this message."""
-
-
-class Outage(RuntimeError):
-    """The session found no generation server: not its input; the prompt stays pending."""
-
-
-class AgentServiceDown(Outage):
-    """The agent service (`rollout.agent_url`) did not answer: the prompt stays pending, and no
-    generation server is to blame."""
-
-
 def load_agent(rc: RolloutConfig) -> Callable:
     """The agent function of a session, from whichever of `rollout.agent` (your function),
-    `rollout.environment` (your reset/step class, driven by `environment_agent`) or
+    `rollout.environment` (your reset/step class, driven by `environment_agent`; an OpenEnv
+    environment, openenv.py; a verifiers Environment, verifiers_env.py) or
     `rollout.agent_url` (your agent service, called by `http_agent`) is set; ValueError saying
     why not (it does not load, or takes other arguments)."""
     if rc.agent:
         return load_function(rc.agent, takes=AGENT_TAKES)
+    if rc.environment and is_openenv(rc.environment):  # an OpenEnv server or class (openenv.py)
+        from .openenv import openenv_agent
+
+        return openenv_agent(rc.environment, rc.max_turns, rc.agent_timeout_s)
+    if rc.environment and is_verifiers_env(rc.environment):  # a verifiers Environment (verifiers_env.py)
+        from ..common.verifiers_envs import load_env
+        from .verifiers_env import verifiers_agent
+
+        return verifiers_agent(load_env(rc.environment))
     if rc.environment:
         return environment_agent(load_function(rc.environment), rc.max_turns)
     if rc.agent_url:
@@ -162,7 +164,7 @@ def http_agent(url: str, timeout_s: float) -> Callable:
         auth = {"Authorization": f"Bearer {client.api_key}"}
         posted = httpx.get(f"{base}/sessions/{sid}", headers=auth, timeout=30).json().get("reward")
         if posted is None:
-            raise AgentFailed(f"the agent service at {url} gave session {sid} no reward (none answered, none posted)")
+            raise Unscored(f"the agent service at {url} gave session {sid} no reward (none answered, none posted)")
         return posted
 
     return run
@@ -181,12 +183,14 @@ def session_name(uid: str, j: int, prefix: str = "") -> str:
 @dataclass
 class Episode:
     """One session's end: its reward, or why it failed (`error`: AgentFailed or Outage),
-    and the trajectory the endpoint recorded (None when it made no request)."""
+    and the trajectory the endpoint recorded (None when it made no request); `components`: the
+    reward's parts when the agent gave them (`Reward`)."""
 
     session_id: str
     reward: float | None
     error: Exception | None
     trajectory: dict | None
+    components: dict[str, float] = field(default_factory=dict)
 
 
 class AgentHost:
@@ -296,7 +300,7 @@ class AgentHost:
                 )
                 episodes.append(Episode(sid, None, why, trajectory))
             else:
-                episodes.append(Episode(sid, outcome, None, trajectory))
+                episodes.append(Episode(sid, float(outcome), None, trajectory, getattr(outcome, "components", {})))
         return episodes
 
     def groups(
@@ -324,7 +328,11 @@ class AgentHost:
                 )
             else:
                 versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["policy_versions"]]
-                scores = [ScoreResult(float(e.reward or 0.0), {"agent": float(e.reward or 0.0)}) for e in chunk]
+                rewards = [float(e.reward) for e in chunk if e.reward is not None and math.isfinite(e.reward)]
+                if len(rewards) < len(chunk):  # `run` gives none such (`_checked`): never read as 0
+                    out.append(Unscored(f"prompt {uid}: a session of it has no reward"))
+                    continue
+                scores = [ScoreResult(r, {**e.components, "agent": r}) for r, e in zip(rewards, chunk)]
                 out.append(
                     SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions))
                 )
@@ -408,8 +416,11 @@ class AgentHost:
     @staticmethod
     def _checked(sid: str, reward):
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return AgentFailed(f"agent session {sid} returned {reward!r}, not a finite number")
-        return float(reward)
+            return Unscored(f"agent session {sid} returned {reward!r}, not a finite number")
+        parts = getattr(reward, "components", {})
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in parts.values()):
+            return Unscored(f"agent session {sid} returned components {parts!r}, not all finite numbers")
+        return reward if isinstance(reward, Reward) else float(reward)
 
 
 def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams, port: int | None = None) -> AgentHost:

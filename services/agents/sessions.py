@@ -17,6 +17,16 @@ tokenised afresh. With `n` > 1 each choice is a branch: until the next request, 
 each as its own trajectory; the next request's assistant message says which one the session goes
 on with, and the others are dropped.
 
+NeMo Gym's token fields. Every choice the gateway returns carries, on its message,
+`prompt_token_ids` (the prompt the policy saw), `generation_token_ids` (what it sampled) and
+`generation_log_probs` (their log-probs) (`TOKEN_FIELDS`). A request whose assistant message
+carries them back (`Echo`: the last such message) goes on from those tokens, not from the
+template's rendering of the conversation before it: when they are the session's own pending turn
+(its prompt and one of its choices, token for token) the session goes on in its segment as above;
+otherwise (a client without a session, a new session built from another's trajectory, tokens the
+session did not sample) a new segment starts whose context is the echoed tokens, all of them
+with mask 0: a trajectory's mask is 1 only on what the gateway sampled in that session.
+
 What a session holds is counted in bytes (`Session.bytes`: about `TOKEN_BYTES` a token position,
 its messages' strings at their size; a segment keeps of each message only what it compares:
 role, content, tool calls). `Sessions` forgets the longest idle ones past a count, past a total
@@ -40,6 +50,9 @@ MARK = "\u2063rlhf-assistant-content\u2063"  # stands in for an assistant turn's
 TOKEN_BYTES = 80  # one token position of a record in Python lists: its id, mask, log-prob (slots and objects)
 SESSION_BYTES = 1024  # a session's own fields, besides its id and its segments
 KEPT = ("role", "content", "tool_calls")  # what a segment keeps of a message: what `same_message` compares
+# NeMo Gym's names (nemo_gym/openai_utils.py: TokenIDLogProbMixin), on each returned choice's
+# message and on an assistant message sent back
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 def size_of(obj: Any) -> int:
@@ -98,6 +111,7 @@ class Segment:
     policy_versions: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     pending: list[Choice] = field(default_factory=list)  # the last turn's choices, not yet taken
+    first: int = 0  # how many of `ids` are its conversation's first prompt (the rest: response_length)
 
     def size(self) -> int:
         """About the bytes this segment holds (`TOKEN_BYTES` a token position, its messages,
@@ -199,6 +213,39 @@ class ChatTokens:
         return self.encode(closing + full[len(head) :])
 
 
+class NotTokenExact(ValueError):
+    """Echoed token fields that the session cannot go on from: the chat template renders the
+    conversation before the echoed message differently once more messages follow it."""
+
+    def __init__(self, index: int):
+        super().__init__(
+            f"messages[{index}]: the chat template does not render the conversation up to this assistant "
+            "message as a prefix of the whole, so the next prompt cannot go on from its token ids"
+        )
+        self.index = index
+
+
+@dataclass
+class Echo:
+    """The token fields an assistant message of a request carries back (`TOKEN_FIELDS`, checked
+    by the gateway): the last such message's `index`, its `prompt` and `generation` token ids and
+    their `log_probs`, and `first`: how many tokens of the conversation are its first prompt (the
+    earliest echoed message's prompt, when the later prompts go on from it; else this one's)."""
+
+    index: int
+    prompt: list[int]
+    generation: list[int]
+    log_probs: list[float]
+    first: int
+
+
+def without_token_fields(message: dict) -> dict:
+    """`message` without `TOKEN_FIELDS` (what the chat template is given)."""
+    if not any(k in message for k in TOKEN_FIELDS):
+        return message
+    return {k: v for k, v in message.items() if k not in TOKEN_FIELDS}
+
+
 def same_message(a: dict, b: dict) -> bool:
     """Two messages are the same turn: role, content and tool calls (as an agent echoes them)."""
     return (
@@ -227,11 +274,16 @@ class Session:
     def size(self) -> int:
         return SESSION_BYTES + len(self.id) + sum(seg.size() for seg in self.segments)
 
-    def plan(self, chat: ChatTokens, messages: list[dict], tools: list | None = None) -> "Plan":
+    def plan(
+        self, chat: ChatTokens, messages: list[dict], tools: list | None = None, echo: Echo | None = None
+    ) -> "Plan":
         """The prompt of a request with `messages`, and what it does to the session once its turn
         is sampled (`apply`): the taken choice and the new messages' tokens appended to the
         last segment (it went on token-exact), else a new segment. Nothing changes until then, so
-        a request that fails (no server answered) can be sent again as it was."""
+        a request that fails (no server answered) can be sent again as it was. `echo`: the token
+        fields an assistant message carries back (`plan_echoed`)."""
+        if echo is not None:
+            return self.plan_echoed(chat, messages, tools, echo)
         seg = self.segments[-1] if self.segments else None
         if seg is not None and seg.pending:
             n = len(seg.messages)
@@ -244,10 +296,34 @@ class Session:
                     said = {"role": "assistant", "content": taken.text}
                     rest = chat.continuation(messages[:n] + [said], messages[n + 1 :], taken, tools)
                     if rest is not None:
-                        first = seg.mask.index(1) if 1 in seg.mask else len(seg.ids)
-                        return Plan(seg.ids + taken.ids + rest, messages, first, seg, taken, rest)
+                        return Plan(seg.ids + taken.ids + rest, messages, seg.first, seg, taken, rest)
         ids = chat.prompt(messages, tools)
         return Plan(ids, messages, len(ids))
+
+    def plan_echoed(self, chat: ChatTokens, messages: list[dict], tools: list | None, echo: Echo) -> "Plan":
+        """The prompt of a request whose assistant message `messages[echo.index]` carries token
+        fields back: those tokens, then the template's tokens of the messages after it (as
+        `ChatTokens.continuation` reads them). The session's own pending turn (the echoed prompt
+        is its segment's tokens and the echoed generation one of its choices) goes on in its
+        segment; any other echo starts a new segment whose context is the echoed tokens (mask 0).
+        NotTokenExact when the template does not let the conversation go on from them."""
+        k = echo.index
+        content = messages[k].get("content")
+        seg = self.segments[-1] if self.segments else None
+        if seg is not None and seg.pending and echo.prompt == seg.ids:
+            taken = next((c for c in seg.pending if c.ids == echo.generation), None)
+            if taken is not None:
+                said = {"role": "assistant", "content": taken.text}
+                rest = chat.continuation(messages[:k] + [said], messages[k + 1 :], taken, tools)
+                if rest is None:
+                    raise NotTokenExact(k)
+                return Plan(seg.ids + taken.ids + rest, messages, seg.first, seg, taken, rest)
+        said = {"role": "assistant", "content": content if isinstance(content, str) else ""}
+        last = Choice(echo.generation, echo.log_probs, said["content"], "stop", 0)
+        rest = chat.continuation(messages[:k] + [said], messages[k + 1 :], last, tools)
+        if rest is None:
+            raise NotTokenExact(k)
+        return Plan(echo.prompt + echo.generation + rest, messages, min(echo.first, len(echo.prompt)))
 
     def plan_raw(self, prompt: list[int]) -> "Plan":
         """A raw prompt (/v1/completions): a new segment of exactly these tokens."""
@@ -258,7 +334,7 @@ class Session:
         until the next request says which one the session goes on with)."""
         seg = plan.segment
         if seg is None:
-            seg = Segment(messages=[kept(m) for m in plan.messages])
+            seg = Segment(messages=[kept(m) for m in plan.messages], first=plan.first)
             seg.extend(plan.ids, False)
             self.segments.append(seg)
         else:
@@ -283,6 +359,7 @@ class Session:
             "id": self.id,
             "server": self.server,
             "reward": self.reward,
+            "unscored": self.reward is None,  # no reward posted: never read as 0
             "trajectories": [t for seg in self.segments for t in seg.trajectories()],
         }
 

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.command not in ("config", "redis", "up"):  # the commands that load or save models
         quiet_model_files()
+    from ..agents.errors import AgentServiceDown
     from ..common.rpc.errors import Unavailable
     from ..reward.functions import RewardFunctionError
 
@@ -87,5 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the run stopped: {e}", file=sys.stderr)
         return 1
     except Unavailable as e:  # your reward API, down or refusing us: its URL and what to check
+        print(f"error: the run stopped: {e}", file=sys.stderr)
+        return 1
+    except AgentServiceDown as e:  # your agent service or environment server, down or full: its URL and what to do
         print(f"error: the run stopped: {e}", file=sys.stderr)
         return 1

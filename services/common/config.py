@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
+from . import verifiers_envs
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig,
     DataConfig,
@@ -205,6 +206,7 @@ class Config(Strict):
                 f"adv_estimator={self.adv_estimator!r} needs num_return_sequences_in_group >= 2 "
                 f"(got {self.num_return_sequences_in_group})"
             )
+        self._verifiers_consistent()
         if self.critic.init_from_reward_model:
             if self.critic.model_path is not None:
                 raise ValueError(
@@ -215,6 +217,17 @@ class Config(Strict):
                     "critic.init_from_reward_model: needs reward.model_path (the reward model to start from)"
                 )
         return self
+
+    def _verifiers_consistent(self) -> None:
+        """A data source `verifiers` has a verifiers environment to take its prompts from (the
+        reference's syntax: RolloutConfig's; whether it loads: the pre-flight's)."""
+        env = self.rollout.environment
+        for key in ("train", "eval"):
+            if getattr(self.data, key) == verifiers_envs.SOURCE and not verifiers_envs.is_env_ref(env):
+                raise ValueError(
+                    f"data.{key}: `{verifiers_envs.SOURCE}` takes the prompts of a verifiers environment; "
+                    f"set rollout.environment to one (verifiers:path/to/env.py:load_environment or verifiers:ENV_ID)"
+                )
 
     @property
     def max_backlog(self) -> int:

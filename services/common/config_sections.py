@@ -9,8 +9,11 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .openenv_ref import is_openenv, parse_openenv
 from .reasoning_gym_tasks import is_task_source
 from .reasoning_gym_tasks import source_problem as task_source_problem
+from .verifiers_envs import is_env_ref as is_verifiers_env
+from .verifiers_envs import ref_problem as verifiers_ref_problem
 
 
 class Strict(BaseModel):
@@ -388,7 +391,8 @@ class DataConfig(Strict):
         description="training prompts: synthetic:TASK (reverse, arithmetic, multiply), a "
         ".jsonl, .parquet, .csv or .json file, hf:DATASET[:CONFIG][@SPLIT] (a hub name or a local "
         "directory), or reasoning-gym:TASK[?size=N&seed=S&OPTION=VALUE...] (a reasoning-gym task "
-        "generated offline: N items, default 1000, from seed S, default 0, with the task's config options)",
+        "generated offline: N items, default 1000, from seed S, default 0, with the task's config options), "
+        "or verifiers (the dataset of rollout.environment's verifiers environment)",
     )
     eval: Optional[str] = Field(
         default=None,
@@ -396,7 +400,8 @@ class DataConfig(Strict):
         "without @split reads its eval, test or validation split; null = a split of "
         "data.train held out of training (a synthetic task: its own held-out prompts; a "
         "reasoning-gym task: its first data.eval_size items from the training seed + 1000003 whose "
-        "question no training item asks)",
+        "question no training item asks; verifiers: the environment's eval_dataset, less its training "
+        "prompts, else a split of its dataset)",
     )
     eval_size: int = Field(default=128, ge=1, description="held-out prompts evaluated (the first N)")
     prompt_key: str = Field(
@@ -624,7 +629,11 @@ class RolloutConfig(Strict):
         default=None,
         description="an environment class or factory ('path/to/env.py:SumEnv'), gym-like: reset(sample) -> the "
         "first user message, step(reply) -> (next message, reward, done); each sample a session of it, "
-        "the rewards summed",
+        "the rewards summed. Or an OpenEnv environment: a server, 'openenv+http://HOST:PORT', or its "
+        "Environment class in this process, 'openenv:path/to/env.py:MyEnvironment' (options after ?: "
+        "observation=FIELD, action=FIELD, adapter=file.py:fn, max_tokens=N). Or a verifiers environment: "
+        "'verifiers:path/to/env.py:load_environment' or 'verifiers:ENV_ID' (an installed package; options "
+        "after ?: KEY=VALUE, its keyword arguments), each sample one rollout of it scored by its rubric",
     )
     agent_url: Optional[str] = Field(
         default=None,
@@ -674,6 +683,23 @@ class RolloutConfig(Strict):
     metrics_port: Optional[int] = Field(
         default=None, ge=0, le=65535, description="port of each worker's Prometheus /metrics; null = off"
     )
+
+    @field_validator("environment")
+    @classmethod
+    def _openenv_reference(cls, ref: Optional[str]) -> Optional[str]:
+        # an OpenEnv server's URL or class: its syntax (agents/openenv.py loads and contacts it)
+        if is_openenv(ref):
+            parse_openenv(ref)
+        return ref
+
+    @field_validator("environment")
+    @classmethod
+    def _verifiers_reference(cls, ref: Optional[str]) -> Optional[str]:
+        # a verifiers environment: its syntax (common/verifiers_envs.py loads it, pre-flight)
+        problem = verifiers_ref_problem(ref) if is_verifiers_env(ref) else None
+        if problem:
+            raise ValueError(problem)
+        return ref
 
     @model_validator(mode="after")
     def _one_kind_of_agent(self) -> "RolloutConfig":
@@ -786,6 +812,14 @@ class RPCConfig(Strict):
         "emptyDir with medium Memory); a co-located server then loads each version "
         "from a file the learner writes there once, instead of the gRPC stream; "
         "null = off (every push is streamed)",
+    )
+    delta_push: bool = Field(
+        default=False,
+        description="learner and generation servers: stream each version as what changed since "
+        "the one a server holds, exactly (a server that is behind, new or restarted gets it whole); "
+        "40-60% of a float32 version's bytes after 1-10 optimiser steps, for CPU on both ends and "
+        "one more copy of the model in host memory on each: worth it across a network slower than "
+        "~1.5 Gb/s per server, slower on one host; false = every version goes whole (docs/speed.md)",
     )
     grace_s: float = Field(default=10.0, ge=0, description="shutdown: seconds in-flight calls may take")
     timeout_s: float = Field(default=120.0, gt=0, description="client deadline per call, in seconds")

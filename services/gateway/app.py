@@ -1,21 +1,28 @@
 """The OpenAI-compatible HTTP API of the gateway: `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, and the sessions an agent's requests make (`/v1/sessions/{id}`); `/health` and
-`/metrics`.
+`/v1/models` (each also as `/sessions/{id}/v1/...`, the session named by the path), and the
+sessions an agent's requests make (`/v1/sessions/{id}`); `/health` and `/metrics`.
 
-One request, hop by hop:
-    Guard                         (common/rpc/http_guard.py) auth from the headers alone (the run's
-                                  bearer token, or the key of the session the header or the path
-                                  names), then the body read up to max_request_bytes (413 beyond)
-    chat_completions              the request checked: finite floats, an int64 seed, int32 token
-                                  ids, a bounded session id, the text's length against what
-                                  prompt_length allows before it is tokenised
-      Session.prompt              token-exact: the session's tokens so far + the new messages'
-                                  (sessions.py)
+One request, hop by hop (`build_app`, at the end, puts the app together from the helpers after
+it, in this order: `_authorizer` for the Guard, the FastAPI app, `_completion_routes`, ...):
+    Guard                         (common/rpc/http_guard.py) auth from the headers alone
+                                  (`_authorizer`: the run's bearer token, or the key of the
+                                  session the header or the path names), then the body read up
+                                  to max_request_bytes (413 beyond)
+    chat_completions              (`_completion_routes`, then Gateway.chat_completion) the request
+                                  checked: finite floats, an int64 seed, int32 token ids, a
+                                  bounded session id, the text's length against what
+                                  prompt_length allows before it is tokenised, the token fields
+                                  an assistant message carries back (`_echo`)
+      Session.plan                token-exact: the session's tokens so far (or the echoed ones)
+                                  + the new messages' (sessions.py)
       TurnSampler.generate        the session's generation server while it lives, else another
                                   (common/servers.py: Tries over the ServerPool, each server
                                   once); gRPC Generate on token ids
       _choices                    stop strings cut, text decoded, log-probs kept
-      Session.sampled             the turn's choices pending until the next request takes one
+      Session.apply               the turn's choices pending until the next request takes one
+    _turn_answer                  the answer, as JSON or (`stream`) server-sent events: each
+                                  choice with NeMo Gym's token fields: prompt_token_ids,
+                                  generation_token_ids, generation_log_probs (sessions.py)
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -34,7 +42,17 @@ from typing import Any, Callable, Union
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..agents.sessions import ChatTokens, Choice, Plan, Session, Sessions
+from ..agents.sessions import (
+    TOKEN_FIELDS,
+    ChatTokens,
+    Choice,
+    Echo,
+    NotTokenExact,
+    Plan,
+    Session,
+    Sessions,
+    without_token_fields,
+)
 from ..agents.tools import parse_tool_calls
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.http_guard import Guard, document_guard, error_body, install_error_handlers
@@ -51,6 +69,9 @@ HEALTH_CACHE_S = 1.0  # /health asks a generation server at most this often
 INT64 = 2**63  # a seed is an int64 on the wire (generation.proto)
 INT32 = 2**31  # a token id is an int32 on the wire
 SESSION_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it goes back in the x-session-id header
+MAX_PROMPT_TOKENS = 1 << 17  # echoed prompts' bound without prompt_length (the generation server bounds its own)
+SESSION_PATH = "/sessions/"  # /sessions/{id}/v1/...: the session named by the path
+SESSION_SCOPED = ("/v1/chat/completions", "/v1/completions", "/v1/models")  # what that form serves
 
 
 class _Request(BaseModel):
@@ -228,6 +249,8 @@ class Gateway:
         self.model_name, self.max_tokens, self.max_n, self.pinned = model_name, max_tokens, max_n, pinned
         self.max_turns, self.prompt_length, self.max_session_id_bytes = max_turns, prompt_length, max_session_id_bytes
         self.vocab_size = len(tokenizer)
+        # the most tokens echoed fields may hold: a conversation's first prompt and its response_length
+        self.max_context = (prompt_length if prompt_length is not None else MAX_PROMPT_TOKENS) + max_tokens
         self.token_chars = max_token_chars(tokenizer)
         self._health: tuple[float, str | None] = (-HEALTH_CACHE_S, None)
         self._health_lock = threading.Lock()
@@ -349,14 +372,89 @@ class Gateway:
             out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
         return out
 
+    def _token_ids(self, value: Any, param: str, empty: bool) -> list[int]:
+        if not isinstance(value, list):
+            raise GatewayError(400, f"{param}: a list of token ids", param=param)
+        if not value and not empty:
+            raise GatewayError(400, f"{param}: empty", param=param)
+        if len(value) > self.max_context:
+            raise GatewayError(
+                400,
+                f"{param}: {len(value)} token ids, more than a conversation holds ({self.max_context})",
+                code=CONTEXT_LENGTH_EXCEEDED,
+                param=param,
+            )
+        for i, t in enumerate(value):
+            if type(t) is not int or not 0 <= t < self.vocab_size:
+                raise GatewayError(
+                    400, f"{param}[{i}]: {_shown(t)}, not a token id in [0, {self.vocab_size})", param=param
+                )
+        return value
+
+    def _echo(self, messages: list[dict]) -> Echo | None:
+        """NeMo Gym's token fields on the request's assistant messages, each message's checked (all
+        three or none; token ids within the vocabulary, finite log-probs, as many as the ids, at
+        most `max_context` tokens together): the last such message's as an `Echo`, or None."""
+        found: list[tuple[int, list[int], list[int], list[float]]] = []
+        for i, m in enumerate(messages):
+            present = [k for k in TOKEN_FIELDS if k in m]
+            if not present:
+                continue
+            at = f"messages[{i}]"
+            if m.get("role") != "assistant":
+                raise GatewayError(
+                    400,
+                    f"{at}: {', '.join(present)} on a {_shown(m.get('role'))} message (only an assistant "
+                    "message carries them back)",
+                    param=f"{at}.{present[0]}",
+                )
+            missing = [k for k in TOKEN_FIELDS if k not in m]
+            if missing:
+                raise GatewayError(
+                    400, f"{at}: {', '.join(missing)} missing (the three go together)", param=f"{at}.{missing[0]}"
+                )
+            prompt = self._token_ids(m["prompt_token_ids"], f"{at}.prompt_token_ids", empty=False)
+            generation = self._token_ids(m["generation_token_ids"], f"{at}.generation_token_ids", empty=True)
+            param = f"{at}.generation_log_probs"
+            log_probs = m["generation_log_probs"]
+            if not isinstance(log_probs, list):
+                raise GatewayError(400, f"{param}: a list of numbers", param=param)
+            for j, lp in enumerate(log_probs):
+                if type(lp) not in (int, float) or not math.isfinite(lp):
+                    raise GatewayError(400, f"{param}[{j}]: {_shown(lp)}, not a finite number", param=param)
+            if len(log_probs) != len(generation):
+                raise GatewayError(
+                    400, f"{param}: {len(log_probs)} log-probs for {len(generation)} generation_token_ids", param=param
+                )
+            if len(prompt) + len(generation) > self.max_context:
+                raise GatewayError(
+                    400,
+                    f"{at}: {len(prompt) + len(generation)} tokens, more than a conversation holds "
+                    f"({self.max_context})",
+                    code=CONTEXT_LENGTH_EXCEEDED,
+                    param=f"{at}.prompt_token_ids",
+                )
+            found.append((i, prompt, generation, [float(x) for x in log_probs]))
+        if not found:
+            return None
+        k, prompt, generation, log_probs = found[-1]
+        earliest = found[0][1]  # the conversation's first prompt, when the later ones go on from it
+        first = len(earliest) if prompt[: len(earliest)] == earliest else len(prompt)
+        return Echo(k, prompt, generation, log_probs, first)
+
     def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
         if self.prompt_length is not None:
             bound = f"prompt_length={self.prompt_length} + response_length={self.max_tokens}"
             self._check_text([req.messages, req.tools], "messages", self.prompt_length + self.max_tokens, bound)
 
+        echo = self._echo(req.messages)
+        messages = [without_token_fields(m) for m in req.messages] if echo is not None else req.messages
+
         def plan_of(session: Session) -> Plan:
             try:
-                plan = session.plan(self.chat, req.messages, req.tools)
+                plan = session.plan(self.chat, messages, req.tools, echo)
+            except NotTokenExact as e:
+                raise GatewayError(400, str(e), param=f"messages[{e.index}]") from None
             except Exception as e:  # the template refused the messages (a role it does not know)
                 raise GatewayError(
                     400, f"messages: the chat template cannot render them ({str(e)[:500]})", param="messages"
@@ -366,10 +464,11 @@ class Gateway:
             self._check_first(plan, "messages")
             return plan
 
-        def choice(i: int, c: Choice) -> dict:
+        def choice(i: int, c: Choice, prompt: list[int]) -> dict:
             message: dict = {"role": "assistant", "content": c.text}
             if c.tool_calls:
                 message = {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+            message.update(_token_fields(prompt, c))
             return {
                 "index": i,
                 "message": message,
@@ -399,13 +498,14 @@ class Gateway:
             self._check_first(plan, "prompt")
             return plan
 
-        def choice(i: int, c: Choice) -> dict:
+        def choice(i: int, c: Choice, prompt: list[int]) -> dict:
             logprobs = {"tokens": [self.tok.decode([t]) for t in c.ids], "token_logprobs": c.log_probs}
             return {
                 "index": i,
                 "text": c.text,
                 "finish_reason": c.finish_reason,
                 "logprobs": logprobs if req.logprobs else None,
+                **_token_fields(prompt, c),
             }
 
         return self._answer(req, session_id, plan_of, "text_completion", "cmpl", choice)
@@ -415,7 +515,7 @@ class Gateway:
     ):
         """One turn of a session: its prompt (`plan_of(session)`), sampled, cut at the stop
         strings, then recorded (a turn that fails changes nothing); the answer's body
-        (`choice(i, c)` shapes each choice), the session and the policy version that sampled it."""
+        (`choice(i, c, prompt)` shapes each choice), the session and the policy version that sampled it."""
         stops = _stop_list(req.stop)
         params = self._params(req, stops)
         sid = self.session_id(session_id, "x-session-id") or self.session_id(req.session_id)
@@ -465,10 +565,24 @@ class Gateway:
             "model": req.model or self.model_name,
             "system_fingerprint": f"policy-v{result.policy_version}",
             "session_id": session.id,
-            "choices": [choice(i, c) for i, c in enumerate(choices)],
+            "choices": [choice(i, c, prompt) for i, c in enumerate(choices)],
             "usage": _usage(prompt, choices),
         }
         return body, session, result.policy_version
+
+
+def _shown(value: Any) -> str:
+    """A value of a request in an error message: its JSON, cut at 40 characters."""
+    try:
+        return json.dumps(value)[:40]
+    except (TypeError, ValueError):
+        return type(value).__name__
+
+
+def _token_fields(prompt: list[int], c: Choice) -> dict:
+    """NeMo Gym's token fields of a choice (`TOKEN_FIELDS`): the prompt the policy saw, the ids
+    it sampled (as kept: a stop string cuts them) and their log-probs."""
+    return {"prompt_token_ids": prompt, "generation_token_ids": c.ids, "generation_log_probs": c.log_probs}
 
 
 def stream_chunks(body: dict, usage: bool) -> list[dict]:
@@ -488,6 +602,7 @@ def stream_chunks(body: dict, usage: bool) -> list[dict]:
             last = {"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}
         else:
             first = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
+            first.update({k: c[k] for k in TOKEN_FIELDS if k in c})
             last = {"index": c["index"], "text": "", "finish_reason": c["finish_reason"]}
         out += [{**head, "choices": [first]}, {**head, "choices": [last]}]
     if usage:
@@ -510,7 +625,13 @@ def session_key(secret: str, session_id: str) -> str:
 
 
 def session_in_path(method: str, path: str) -> str | None:
-    """The session a /v1/sessions/{id}[/reward] path names (what its route reads), else None."""
+    """The session a /v1/sessions/{id}[/reward] or /sessions/{id}/v1/... path names (what its
+    route reads), else None."""
+    if path.startswith(SESSION_PATH):
+        for suffix in SESSION_SCOPED:
+            if path.endswith(suffix) and len(path) > len(SESSION_PATH) + len(suffix):
+                return path[len(SESSION_PATH) : -len(suffix)]
+        return None
     prefix = "/v1/sessions/"
     if not path.startswith(prefix) or len(path) == len(prefix):
         return None
@@ -525,6 +646,9 @@ def route_of(method: str, path: str) -> str:
     scanner cannot grow the label set)."""
     if path in ROUTES:
         return path
+    if path.startswith(SESSION_PATH):
+        sid = session_in_path(method, path)
+        return "other" if sid is None else "/sessions/{id}" + path[len(SESSION_PATH) + len(sid) :]
     sid = session_in_path(method, path)
     if sid is not None:
         return "/v1/sessions/{id}/reward" if method == "POST" else "/v1/sessions/{id}"
@@ -563,11 +687,46 @@ def build_app(
     `metrics`: served at /metrics (behind the token unless `open_metrics`), fed by every
     request. /openapi.json is behind the token like the API; FastAPI's /docs and /redoc pages
     are off (they fetch the schema without one)."""
+    app = _fastapi_app(concurrency)
+    _completion_routes(app, gateway, metrics)
+    _model_routes(app, gateway, policy_version)
+    _session_routes(app, gateway)
+    _probe_routes(app, gateway)
+    if metrics is not None:
+        _metrics_route(app, metrics)
+    open_paths = {"/health", "/health/live"} | ({"/metrics"} if open_metrics else set())
+    document_guard(app, open_paths)
+    observe = (lambda m, p, code, s: metrics.http(route_of(m, p), code, s)) if metrics is not None else None
+    authorized = _authorizer(token, session_secret)
+    return Guard(app, authorized=authorized, open_paths=open_paths, max_body_bytes=max_request_bytes, observe=observe)
+
+
+def _authorizer(token: str | None, session_secret: str | None) -> Callable[[str, str, dict[str, str]], bool]:
+    """`Guard`'s check, on a request's method, path and headers (the first hop: no body read yet)."""
+
+    def authorized(method: str, path: str, headers: dict[str, str]) -> bool:
+        """The run's token, or the key of the session the path (first) or the header names."""
+        if token is None and session_secret is None:
+            return True
+        given = headers.get("authorization", "").encode("latin-1")
+        if token is not None and hmac.compare_digest(given, f"Bearer {token}".encode()):
+            return True
+        sid = session_in_path(method, path) or headers.get(SESSION_HEADER)
+        if session_secret is None or not sid:
+            return False
+        return hmac.compare_digest(given, f"Bearer {session_key(session_secret, sid)}".encode("utf-8", "replace"))
+
+    return authorized
+
+
+def _fastapi_app(concurrency: int):
+    """The FastAPI app the routes join: `concurrency` threads for sync routes, a `GatewayError`
+    answered in the OpenAI error shape (as every other error, `install_error_handlers`)."""
     from contextlib import asynccontextmanager
 
     import anyio.to_thread
-    from fastapi import FastAPI, Header, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -583,41 +742,29 @@ def build_app(
     )
     install_error_handlers(app)
 
-    def authorized(method: str, path: str, headers: dict[str, str]) -> bool:
-        """The run's token, or the key of the session the path (first) or the header names."""
-        if token is None and session_secret is None:
-            return True
-        given = headers.get("authorization", "").encode("latin-1")
-        if token is not None and hmac.compare_digest(given, f"Bearer {token}".encode()):
-            return True
-        sid = session_in_path(method, path) or headers.get(SESSION_HEADER)
-        if session_secret is None or not sid:
-            return False
-        return hmac.compare_digest(given, f"Bearer {session_key(session_secret, sid)}".encode("utf-8", "replace"))
-
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, e: GatewayError):
         return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status)
 
-    def answer(req: _Request, body: dict, session: Session, policy_version: int):
-        headers = {SESSION_HEADER: session.id, POLICY_VERSION_HEADER: str(policy_version)}
-        if not req.stream:
-            return JSONResponse(body, headers=headers)
-        usage = bool((req.stream_options or {}).get("include_usage"))
-        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(body, usage)] + ["data: [DONE]\n\n"]
-        return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
+    return app
+
+
+def _completion_routes(app, gateway: Gateway, metrics: GatewayMetrics | None) -> None:
+    """POST /v1/chat/completions and /v1/completions, also as /sessions/{id}/v1/...: each request
+    one turn of its session (`Gateway.chat_completion`, `Gateway.completion`), timed."""
+    from fastapi import Header
+
+    # a turn answers JSON, or server-sent events with `stream`
+    turn_answers: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"application/json": {}, "text/event-stream": {}}}
+    }
 
     def turn(work, req: _Request, x_session_id: str | None):
         t0 = time.perf_counter()
         out = work(req, x_session_id)
         if metrics is not None:
             metrics.turn_seconds.observe(time.perf_counter() - t0)
-        return answer(req, *out)
-
-    # a turn answers JSON, or server-sent events with `stream`
-    turn_answers: dict[int | str, dict[str, Any]] = {
-        200: {"content": {"application/json": {}, "text/event-stream": {}}}
-    }
+        return _turn_answer(req, *out)
 
     @app.post("/v1/chat/completions", responses=turn_answers)
     def chat_completions(req: ChatRequest, x_session_id: str | None = Header(None)):
@@ -626,6 +773,52 @@ def build_app(
     @app.post("/v1/completions", responses=turn_answers)
     def completions(req: CompletionRequest, x_session_id: str | None = Header(None)):
         return turn(gateway.completion, req, x_session_id)
+
+    # the same routes with the session in the path (an agent given a base URL of its own session)
+    @app.post("/sessions/{session_id:path}/v1/chat/completions", responses=turn_answers)
+    def session_chat_completions(session_id: str, req: ChatRequest, x_session_id: str | None = Header(None)):
+        return turn(gateway.chat_completion, req, _path_session(gateway, session_id, x_session_id))
+
+    @app.post("/sessions/{session_id:path}/v1/completions", responses=turn_answers)
+    def session_completions(session_id: str, req: CompletionRequest, x_session_id: str | None = Header(None)):
+        return turn(gateway.completion, req, _path_session(gateway, session_id, x_session_id))
+
+
+def _path_session(gateway: Gateway, session_id: str, x_session_id: str | None) -> str:
+    """The session the path names (what auth read): a header naming another is refused."""
+    if not session_id:
+        raise GatewayError(400, "session_id: empty (the path is /sessions/{id}/v1/...)", param="session_id")
+    sid = gateway.session_id(session_id)
+    assert sid is not None
+    if x_session_id is not None and x_session_id != sid:
+        raise GatewayError(
+            400, f"x-session-id names another session than the path ({sid[:60]!r})", param="x-session-id"
+        )
+    return sid
+
+
+def _turn_answer(req: _Request, body: dict, session: Session, policy_version: int):
+    """A turn's answer: its body as JSON, or with `stream` as server-sent events
+    (`stream_chunks`); the session and the policy version that sampled it in the headers."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    headers = {SESSION_HEADER: session.id, POLICY_VERSION_HEADER: str(policy_version)}
+    if not req.stream:
+        return JSONResponse(body, headers=headers)
+    usage = bool((req.stream_options or {}).get("include_usage"))
+    events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(body, usage)] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
+
+
+def _model_routes(app, gateway: Gateway, policy_version: Callable[[], int | None]) -> None:
+    """GET /v1/models (also as /sessions/{id}/v1/models): the served model, at the policy
+    version the servers serve now."""
+    from fastapi import Header
+
+    @app.get("/sessions/{session_id:path}/v1/models")
+    def session_models(session_id: str, x_session_id: str | None = Header(None)):
+        _path_session(gateway, session_id, x_session_id)
+        return models()
 
     @app.get("/v1/models")
     def models():
@@ -641,6 +834,11 @@ def build_app(
                 }
             ],
         }
+
+
+def _session_routes(app, gateway: Gateway) -> None:
+    """/v1/sessions/{id}: a session's record (GET), its agent's reward (POST .../reward), its end
+    (DELETE, answering its record)."""
 
     def not_found(session_id: str) -> GatewayError:
         return GatewayError(
@@ -670,6 +868,10 @@ def build_app(
             raise not_found(session_id)
         return session.record()
 
+
+def _probe_routes(app, gateway: Gateway) -> None:
+    """GET /health (readiness) and /health/live (liveness), open without the token."""
+
     @app.get("/health")
     def health():
         """200 when a generation server answers (the endpoint can serve), else 503 saying why."""
@@ -684,13 +886,11 @@ def build_app(
         liveness probe: restarting the gateway would lose its sessions and fix no server)."""
         return {"status": "alive"}
 
-    if metrics is not None:
 
-        @app.get("/metrics", response_class=PlainTextResponse)
-        def prometheus():
-            return PlainTextResponse(metrics.exposition(), media_type=metrics.content_type)
+def _metrics_route(app, metrics: GatewayMetrics) -> None:
+    """GET /metrics: the gateway's metrics in Prometheus' text format."""
+    from fastapi.responses import PlainTextResponse
 
-    open_paths = {"/health", "/health/live"} | ({"/metrics"} if open_metrics else set())
-    document_guard(app, open_paths)
-    observe = (lambda m, p, code, s: metrics.http(route_of(m, p), code, s)) if metrics is not None else None
-    return Guard(app, authorized=authorized, open_paths=open_paths, max_body_bytes=max_request_bytes, observe=observe)
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def prometheus():
+        return PlainTextResponse(metrics.exposition(), media_type=metrics.content_type)

@@ -4,6 +4,17 @@ protocol (`POST /score` or `/get_reward`), so other frameworks can use it as the
 Score requests marked `held_out` (the learner's held-out evaluation) are scored by
 `reward.eval_rules` when they are set, a gold reward the policy is not trained on.
 
+An HTTP request, hop by hop (`build_http_app` puts the app together from the helpers after it):
+    Guard                         (common/rpc/http_guard.py) the bearer token, from the headers
+                                  alone; then the body read up to max_request_bytes (413 beyond)
+    score_endpoint, get_reward    (`_score_routes`) POST /score, /get_reward
+      parse_reward_request        strict UTF-8 JSON (400), a RewardRequest (422)
+      _openrlhf_samples           the special tokens stripped, each response cut from its query
+                                  after its prompt, the lengths checked (422)
+      scorer.score                in a worker thread (422: a rule's complaint about its input;
+                                  503: the reward API behind it is down)
+      _openrlhf_answer            rewards, scores, extra_logs
+
     rlhf serve reward -c configs/tiny-cpu.yaml
 """
 
@@ -138,18 +149,74 @@ def special_token_strings(model_path) -> list[str]:
     return [t for t in dict.fromkeys((tok.bos_token, tok.eos_token, tok.pad_token)) if t]
 
 
-def _strip_runs(s: str, tokens: Sequence[str], leading: bool) -> str:
-    """`s` without the run of `tokens` (tried longest first) at its start or end; linear time."""
-    i, j = 0, len(s)
-    while True:
-        t = next((t for t in tokens if (s.startswith(t, i, j) if leading else s.endswith(t, i, j))), None)
-        if t is None:
-            return s[i:j]
-        i, j = (i + len(t), j) if leading else (i, j - len(t))
+def build_http_app(
+    scorer,
+    token: str | None = None,
+    strip_tokens: Sequence[str] = (),
+    max_text_chars: int = 100_000,
+    metrics: HTTPMetrics | None = None,
+    max_request_bytes: int = 64 << 20,
+):
+    """The app answering OpenRLHF's remote reward request shape (FastAPI behind `Guard`: the
+    bearer `token` checked on the headers before the body, at most `max_request_bytes` of body,
+    413 beyond). Each query loses the runs of `strip_tokens` at its start and end (OpenRLHF
+    decodes with special tokens kept: pads, BOS, a trailing EOS), each prompt those at its start,
+    before the response is cut from the query. Prompts, responses and labels are limited to
+    `max_text_chars` (a query to twice that). Every error is `{"error": {"message", "type",
+    "param", "code"}}`: 400 a body that is not strict JSON, 422 one that is not a reward request,
+    401, 404, 405, 413, 503 (the reward API behind it is down), 500 a scorer that raised.
+    `metrics` counts every request by path and status code (the 401s and 413s too), and times it.
+    /openapi.json is behind the token; /docs and /redoc are off."""
+    from fastapi import FastAPI
+
+    tokens = sorted(set(strip_tokens) - {""}, key=len, reverse=True)
+    app = FastAPI(
+        title="rlhf reward", description="OpenRLHF-compatible remote reward model", docs_url=None, redoc_url=None
+    )
+    install_error_handlers(app, validation_status=422)
+    _score_routes(app, scorer, tokens, max_text_chars)
+    _status_routes(app, scorer)
+    document_guard(app)
+    observe = (lambda m, path, code, s: metrics.record(path_label(path), code, s)) if metrics is not None else None
+    return Guard(app, authorized=bearer(token), max_body_bytes=max_request_bytes, observe=observe)
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
+def _score_routes(app, scorer, tokens: Sequence[str], max_text_chars: int) -> None:
+    """POST /score and /get_reward (the same): the body parsed (`parse_reward_request`), its
+    samples cut from the queries (`_openrlhf_samples`), scored in a worker thread, answered as
+    OpenRLHF reads it (`_openrlhf_answer`). `tokens`: the special tokens stripped, longest first."""
+    from fastapi import HTTPException
+    from starlette.concurrency import run_in_threadpool
+
+    body_schema = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": RewardRequest.model_json_schema()}},
+        }
+    }
+
+    def score(req: RewardRequest):
+        samples = _openrlhf_samples(req, tokens, max_text_chars)
+        try:
+            results = scorer.score(samples)
+        except ValueError as e:
+            raise HTTPException(422, str(e))
+        except Unavailable as e:  # the reward API behind this server failed or is down
+            raise HTTPException(503, str(e))
+        _check_scores(results)
+        return _openrlhf_answer(results)
+
+    async def answer(request: Request):
+        req = parse_reward_request(await request.body())
+        return await run_in_threadpool(score, req)
+
+    @app.post("/score", openapi_extra=body_schema)
+    async def score_endpoint(request: Request):
+        return await answer(request)
+
+    @app.post("/get_reward", openapi_extra=body_schema)
+    async def get_reward(request: Request):
+        return await answer(request)
 
 
 def parse_reward_request(raw: bytes) -> RewardRequest:
@@ -170,91 +237,67 @@ def parse_reward_request(raw: bytes) -> RewardRequest:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in errors]) from None
 
 
-def build_http_app(
-    scorer,
-    token: str | None = None,
-    strip_tokens: Sequence[str] = (),
-    max_text_chars: int = 100_000,
-    metrics: HTTPMetrics | None = None,
-    max_request_bytes: int = 64 << 20,
-):
-    """The app answering OpenRLHF's remote reward request shape (FastAPI behind `Guard`: the
-    bearer `token` checked on the headers before the body, at most `max_request_bytes` of body,
-    413 beyond). Each query loses the runs of `strip_tokens` at its start and end (OpenRLHF
-    decodes with special tokens kept: pads, BOS, a trailing EOS), each prompt those at its start,
-    before the response is cut from the query. Prompts, responses and labels are limited to
-    `max_text_chars` (a query to twice that). Every error is `{"error": {"message", "type",
-    "param", "code"}}`: 400 a body that is not strict JSON, 422 one that is not a reward request,
-    401, 404, 405, 413, 503 (the reward API behind it is down), 500 a scorer that raised.
-    `metrics` counts every request by path and status code (the 401s and 413s too), and times it.
-    /openapi.json is behind the token; /docs and /redoc are off."""
-    from fastapi import FastAPI, HTTPException
-    from starlette.concurrency import run_in_threadpool
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
-    tokens = sorted(set(strip_tokens) - {""}, key=len, reverse=True)
-    app = FastAPI(
-        title="rlhf reward", description="OpenRLHF-compatible remote reward model", docs_url=None, redoc_url=None
-    )
-    install_error_handlers(app, validation_status=422)
-    body_schema = {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": RewardRequest.model_json_schema()}},
-        }
+
+def _openrlhf_samples(req: RewardRequest, tokens: Sequence[str], max_text_chars: int) -> list[RewardSample]:
+    """The request's samples: each query without the runs of `tokens` at its ends, each prompt
+    without those at its start, the response the query after its prompt (the whole query when
+    it does not start with it); HTTPException 422 for a request of no sample, lists of other
+    lengths, or text over `max_text_chars` (a query: twice that)."""
+    from fastapi import HTTPException
+
+    n = len(req.query)
+    if n == 0:
+        raise HTTPException(422, "query: empty batch")
+    prompts = req.prompts or [""] * n
+    labels = req.labels or [None] * n
+    if len(prompts) != n or len(labels) != n:
+        raise HTTPException(422, f"query, prompts and labels must have one entry per sample ({n})")
+    samples = []
+    for i, (q, p, lab) in enumerate(zip(req.query, prompts, labels)):
+        if len(q) > 2 * max_text_chars:
+            raise HTTPException(
+                422,
+                f"query[{i}]: {len(q)} characters, more than a prompt and a response "
+                f"of reward.max_text_chars={max_text_chars} each",
+            )
+        q, p = _strip_runs(_strip_runs(q, tokens, True), tokens, False), _strip_runs(p, tokens, True)
+        response = q[len(p) :] if p and q.startswith(p) else q
+        try:
+            _check_lengths(
+                {f"prompts[{i}]": p, f"labels[{i}]": lab, f"query[{i}]'s response": response}, max_text_chars
+            )
+        except BadRequest as e:
+            raise HTTPException(422, str(e)) from None
+        samples.append(RewardSample(p, response, lab))
+    return samples
+
+
+def _strip_runs(s: str, tokens: Sequence[str], leading: bool) -> str:
+    """`s` without the run of `tokens` (tried longest first) at its start or end; linear time."""
+    i, j = 0, len(s)
+    while True:
+        t = next((t for t in tokens if (s.startswith(t, i, j) if leading else s.endswith(t, i, j))), None)
+        if t is None:
+            return s[i:j]
+        i, j = (i + len(t), j) if leading else (i, j - len(t))
+
+
+def _openrlhf_answer(results) -> dict:
+    """The scores as OpenRLHF reads them: `rewards` (and the same as `scores`), and each
+    component's values per sample in `extra_logs`."""
+    rewards = [r.reward for r in results]
+    return {
+        "rewards": rewards,
+        "scores": rewards,
+        "extra_logs": {k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})},
     }
 
-    def score(req: RewardRequest):
-        n = len(req.query)
-        if n == 0:
-            raise HTTPException(422, "query: empty batch")
-        prompts = req.prompts or [""] * n
-        labels = req.labels or [None] * n
-        if len(prompts) != n or len(labels) != n:
-            raise HTTPException(422, f"query, prompts and labels must have one entry per sample ({n})")
-        samples = []
-        for i, (q, p, lab) in enumerate(zip(req.query, prompts, labels)):
-            if len(q) > 2 * max_text_chars:
-                raise HTTPException(
-                    422,
-                    f"query[{i}]: {len(q)} characters, more than a prompt and a response "
-                    f"of reward.max_text_chars={max_text_chars} each",
-                )
-            q, p = _strip_runs(_strip_runs(q, tokens, True), tokens, False), _strip_runs(p, tokens, True)
-            response = q[len(p) :] if p and q.startswith(p) else q
-            try:
-                _check_lengths(
-                    {f"prompts[{i}]": p, f"labels[{i}]": lab, f"query[{i}]'s response": response}, max_text_chars
-                )
-            except BadRequest as e:
-                raise HTTPException(422, str(e)) from None
-            samples.append(RewardSample(p, response, lab))
-        try:
-            results = scorer.score(samples)
-        except ValueError as e:
-            raise HTTPException(422, str(e))
-        except Unavailable as e:  # the reward API behind this server failed or is down
-            raise HTTPException(503, str(e))
-        _check_scores(results)
-        rewards = [r.reward for r in results]
-        return {
-            "rewards": rewards,
-            "scores": rewards,
-            "extra_logs": {
-                k: [r.components.get(k) for r in results] for k in (results[0].components if results else {})
-            },
-        }
 
-    async def answer(request: Request):
-        req = parse_reward_request(await request.body())
-        return await run_in_threadpool(score, req)
-
-    @app.post("/score", openapi_extra=body_schema)
-    async def score_endpoint(request: Request):
-        return await answer(request)
-
-    @app.post("/get_reward", openapi_extra=body_schema)
-    async def get_reward(request: Request):
-        return await answer(request)
+def _status_routes(app, scorer) -> None:
+    """GET /health, and /status: the reward API behind the scorer."""
 
     @app.get("/health")
     def healthz():
@@ -265,10 +308,6 @@ def build_http_app(
         """The reward API this server calls (its URL without credentials) and its circuit breaker:
         closed, half_open or open, failures in a row, the last error."""
         return reward_status(scorer)
-
-    document_guard(app)
-    observe = (lambda m, path, code, s: metrics.record(path_label(path), code, s)) if metrics is not None else None
-    return Guard(app, authorized=bearer(token), max_body_bytes=max_request_bytes, observe=observe)
 
 
 def serve(cfg: Config, scorer=None) -> GrpcService:

@@ -62,7 +62,7 @@ class AgentSampler:
             self.on_down("agent_service" if isinstance(e, AgentServiceDown) else "no_generation_server")
             log.warning("%d prompts left pending: %s", len(prompts), e)
             self.stop_event.wait(self.cfg.rollout.retry_backoff_s)  # not straight on to the next claim
-            return Failed(Then.LEAVE_PENDING)
+            return Failed(Then.LEAVE_PENDING, message(e))
         except ValueError as e:  # a prompt at fault, as in a single-turn batch
             row = classify(e)
             if row is None:
@@ -86,12 +86,17 @@ class AgentSampler:
                     return Failed(Then.LEAVE_PENDING)
             out.append(group)
         kept = [g for g in out if not isinstance(g, Rejected)]
+        scores = [s for g in kept for s in g.scores]
         metrics = {
             "time/generate_s": t1 - t0,
             "time/score_s": 0.0,
             "time/values_s": time.perf_counter() - t1,
             "rollout/tokens": sum(trained_tokens(g) for g in kept),
             "rollout/prompts_left_out": len(out) - len(kept),
+            **{  # the agent's reward (`agent`) and its parts (a verifiers rubric's functions), as a rule's
+                f"reward/{name}": sum(s.components.get(name, 0.0) for s in scores) / len(scores)
+                for name in dict.fromkeys(k for s in scores for k in s.components)
+            },
         }
         return Sampled(out, metrics)
 

@@ -118,7 +118,7 @@ def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
         "prompts": len({r["id"] for r in rows}),
         "samples": len(rows),
     }
-    for k in rows[0]["components"] if rows else []:
+    for k in dict.fromkeys(k for r in rows for k in r["components"]):  # a failed agent session's row has fewer
         out[k] = sum(r["components"].get(k, 0.0) for r in rows) / len(rows)
     if pass_reward is not None:
         best: dict[str, float] = {}

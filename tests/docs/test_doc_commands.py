@@ -64,7 +64,11 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/agents.md", "... INFO services.gateway.server: gateway: the OpenAI-compatible"): PROSE,  # its output
     ("docs/agents.md", "import httpx, openai"): RUN,  # test_agents_talk_to_it
     ("docs/agents.md", "turn 1: 'daeeaaaa' length policy-v0"): PROSE,  # its output, checked there
-    ("docs/agents.md", '{"id": "demo-1", "server": "127.0.0.1:41223",'): PROSE,
+    ("docs/agents.md", '{"id": "demo-1", "server": "127.0.0.1:41223", "reward":'): PROSE,
+    ("docs/agents.md", '{"model": "policy", "temperature": 0, "max_tokens": 4,'): PROSE,  # a request's body
+    ("docs/agents.md", '{"id": "chatcmpl-8744aa36a7bc4b0c934b2a9fbb50ef1d",'): PROSE,  # its answer
+    ("docs/agents.md", "import json, httpx, openai"): RUN,  # test_agents_talk_to_it
+    ("docs/agents.md", '{"content": "...", "role": "assistant", "prompt_token_ids":'): PROSE,  # checked there
     ("docs/agents.md", "# my_agent.py"): SOURCE,
     ("docs/agents.md", "rollout:"): PARTIAL,
     ("docs/agents.md", "# my_env.py"): SOURCE,
@@ -97,6 +101,17 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/environments.md", "$ rlhf train --local -c gym.yaml"): RUN,  # test_reasoning_gym
     ("docs/environments.md", '{"id": "spell_backward-1000003-0", "prompt": "Spell'): PROSE,  # its rows
     ("docs/environments.md", "model: {path: runs/smollm2-135m, device: cpu}"): PARTIAL,
+    ("docs/environments.md", "# vf_reverse.py"): SOURCE,  # test_verifiers writes it as vf_reverse.py
+    ("docs/environments.md", "# vf.yaml"): CONFIG,  # and this as vf.yaml
+    ("docs/environments.md", "$ rlhf train --local -c vf.yaml"): RUN,  # test_verifiers
+    ("docs/environments.md", '{"id": "verifiers-81", "prompt": "user: daac=\\nassistant:'): PROSE,  # a row
+    ("docs/environments.md", "the OpenEnv server at http://127.0.0.1:8012 is full:"): PROSE,  # the error
+    ("docs/environments.md", "# my_adapter.py"): SOURCE,
+    ("docs/environments.md", "python examples/openenv_reverse_env.py --port 8011"): RUN,  # test_openenv
+    ("docs/environments.md", "# openenv.yaml"): CONFIG,  # test_openenv writes it as openenv.yaml
+    ("docs/environments.md", "$ rlhf train --local -c openenv.yaml"): RUN,  # test_openenv
+    ("docs/environments.md", '{"id": "reverse-eval-dcf", "prompt": "dcf=", "response":'): PROSE,  # its rows
+    ("docs/environments.md", "$ python benchmarks/bench_openenv.py -c configs/tiny-cpu.yaml"): PARSE,  # a minute
     ("docs/evaluate.md", "tail -n 3 runs/tiny-cpu/generations/iter_000100.jsonl"): PARSE,  # after make run
     ("docs/evaluate.md", "rlhf eval -c FILE [--model DIR] [--baseline DIR] [--data"): PARSE,  # a synopsis
     ("docs/evaluate.md", "16 prompts from synthetic:reverse, 1 sample(s) each (greedy)"): PROSE,
@@ -144,6 +159,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/speed.md", "16 prompts x 8 samples, 24 new tokens, T 0.7, runs/smollm2-135m,"): PROSE,
     ("docs/speed.md", "way s tokens tok/s vs generate (run 1: --vllm float32)"): PROSE,
     ("docs/speed.md", "$ python benchmarks/bench_steps.py -c configs/gpu.yaml"): PARSE,  # a GPU
+    ("docs/speed.md", "python benchmarks/bench_delta_push.py --repeats 3"): PARSE,  # SmolLM2, minutes
     ("docs/your-model.md", ".venv/bin/rlhf config validate configs/tiny-cpu.yaml"): RUN,  # test_grpo_in_one_process
     ("docs/your-model.md", "# mine.yaml"): CONFIG,
     ("docs/your-model.md", "data: {train:"): PARTIAL,  # a reasoning-gym task
@@ -155,7 +171,18 @@ BLOCKS: dict[tuple[str, str], str] = {
 
 # config files a page names that are the reader's own (written on the page, or to be written):
 # their commands are checked on configs/tiny-cpu.yaml with the same overrides
-READERS_CONFIGS = {"FILE", "my.yaml", "my-run.yaml", "my-rm.yaml", "bad.yaml", "mine.yaml", "gym.yaml", "bad-gym.yaml"}
+READERS_CONFIGS = {
+    "FILE",
+    "my.yaml",
+    "my-run.yaml",
+    "my-rm.yaml",
+    "bad.yaml",
+    "mine.yaml",
+    "gym.yaml",
+    "bad-gym.yaml",
+    "vf.yaml",
+    "openenv.yaml",
+}
 STAND_IN = "configs/tiny-cpu.yaml"
 # what a synopsis's placeholders stand for when it is parsed ([...] marks an optional part)
 SYNOPSIS = {"N": "2", "T": "1.0", "R": "1.0", "SOURCE": "synthetic:reverse", "NAME": "exact_match"}
@@ -688,18 +715,21 @@ AGENTS_SERVE = ("docs/agents.md", "rlhf serve generation -c configs/tiny-cpu.yam
 AGENTS_LISTENING = ("docs/agents.md", "... INFO services.gateway.server: gateway: the OpenAI-compatible")
 AGENTS_TALK = ("docs/agents.md", "import httpx, openai")
 AGENTS_PRINTS = ("docs/agents.md", "turn 1: 'daeeaaaa' length policy-v0")
+AGENTS_TOKENS = ("docs/agents.md", "import json, httpx, openai")
+AGENTS_TOKENS_PRINTS = ("docs/agents.md", '{"content": "...", "role": "assistant", "prompt_token_ids":')
 
 
-@_runs(AGENTS_SERVE, AGENTS_LISTENING, AGENTS_TALK, AGENTS_PRINTS)
+@_runs(AGENTS_SERVE, AGENTS_LISTENING, AGENTS_TALK, AGENTS_PRINTS, AGENTS_TOKENS, AGENTS_TOKENS_PRINTS)
 def test_agents_talk_to_it(scratch):
     """Agents' "Run it" and "Talk to it": the generation server and the gateway as written, then
-    the Python as written; it prints what the page shows, but for what the model sampled. The
-    gateway's port 8090 is replaced by a free one in all three blocks, and the generation server
+    the Python as written; it prints what the page shows, but for what the model sampled; then
+    the Python of "NeMo Gym's token fields" the same way. The gateway's port 8090 is replaced by
+    a free one in all four blocks, and the generation server
     gets free ports through $RLHF_SET (the page's commands set neither), so that a port in use on a
     shared machine fails nothing."""
     port, gen_port = str(_free_port()), _free_port()
-    serve, talk, shown, listening = (block(*k).text.replace("8090", port) for k in (
-        AGENTS_SERVE, AGENTS_TALK, AGENTS_PRINTS, AGENTS_LISTENING))  # fmt: skip
+    serve, talk, shown, listening, tokens, tokens_shown = (block(*k).text.replace("8090", port) for k in (
+        AGENTS_SERVE, AGENTS_TALK, AGENTS_PRINTS, AGENTS_LISTENING, AGENTS_TOKENS, AGENTS_TOKENS_PRINTS))  # fmt: skip
     env = _env(RLHF_SET=f"rpc.generation.port={gen_port} rpc.generation.metrics_port=0")
     proc = subprocess.Popen(
         ["bash", "-c", serve],
@@ -726,6 +756,12 @@ def test_agents_talk_to_it(scratch):
         assert out.returncode == 0, f"{AGENTS_TALK[0]} Talk to it:\n{out.stdout}\n{out.stderr}\n{''.join(lines)}"
         assert_shows(shown.splitlines(), out.stdout, f"{AGENTS_TALK[0]} Talk to it", loose_quotes=True)
         assert_shows(listening.splitlines(), "".join(lines), f"{AGENTS_SERVE[0]} Run it")
+        (scratch / "tokens.py").write_text(tokens)
+        out = subprocess.run(
+            ["python", "tokens.py"], cwd=scratch, env=env, capture_output=True, text=True, timeout=300
+        )  # fmt: skip
+        assert out.returncode == 0, f"{AGENTS_TOKENS[0]} token fields:\n{out.stdout}\n{out.stderr}\n{''.join(lines)}"
+        assert_shows(tokens_shown.splitlines(), out.stdout, f"{AGENTS_TOKENS[0]} token fields")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -887,3 +923,55 @@ def test_reasoning_gym_mistakes(scratch):
         (ROOT / "docs" / "environments.md").read_text()
     )
     run_console(block(*GYM_MISTAKES), scratch, _env(), rcs=[2])
+
+
+OPENENV_SERVE = ("docs/environments.md", "python examples/openenv_reverse_env.py --port 8011")
+OPENENV_YAML = ("docs/environments.md", "# openenv.yaml")
+OPENENV_RUN = ("docs/environments.md", "$ rlhf train --local -c openenv.yaml")
+
+
+@_runs(OPENENV_SERVE, OPENENV_RUN)
+def test_openenv(scratch):
+    """Environments' OpenEnv run: the example's server started as written (in the background, on a
+    free port instead of 8011, also in openenv.yaml), then 2 iterations of `train --local` whose
+    samples are its episodes; it prints what the page shows (the numbers aside)."""
+    pytest.importorskip("openenv.core")
+    port = str(_free_port())
+    (scratch / "openenv.yaml").write_text(block(*OPENENV_YAML).text.replace("8011", port))
+    serve = block(*OPENENV_SERVE).text.replace("8011", port).strip().removesuffix("&")
+    proc = subprocess.Popen(
+        ["bash", "-c", f"exec {serve}"], cwd=scratch, env=_env(), stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"{OPENENV_SERVE[0]}: the OpenEnv server stopped"
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", int(port)), timeout=1):
+                break
+            assert time.monotonic() < deadline, f"{OPENENV_SERVE[0]}: the OpenEnv server never listened"
+            time.sleep(0.1)
+        run_console(block(*OPENENV_RUN), scratch, _env(), rcs=[0])
+        rows = (scratch / "runs" / "openenv" / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 3 and '"rollout/samples": 32' in rows[-1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+VF_SOURCE = ("docs/environments.md", "# vf_reverse.py")
+VF_YAML = ("docs/environments.md", "# vf.yaml")
+VF_RUN = ("docs/environments.md", "$ rlhf train --local -c vf.yaml")
+
+
+@_runs(VF_RUN)
+def test_verifiers(scratch):
+    """Environments' verifiers run: vf_reverse.py and vf.yaml as the page shows them, 2 iterations
+    of `train --local` on the environment's dataset; it prints what the page shows (the numbers
+    aside), and the rubric's reward functions are in metrics.jsonl."""
+    pytest.importorskip("verifiers")
+    (scratch / "vf_reverse.py").write_text(block(*VF_SOURCE).text)
+    (scratch / "vf.yaml").write_text(block(*VF_YAML).text)
+    run_console(block(*VF_RUN), scratch, _env(), rcs=[0])
+    last = yaml.safe_load((scratch / "runs" / "vf" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"reward/exact", "reward/in_place", "reward/agent", "eval/exact", "eval/in_place"} <= set(last)
