@@ -101,6 +101,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/environments.md", "$ rlhf train --local -c gym.yaml"): RUN,  # test_reasoning_gym
     ("docs/environments.md", '{"id": "spell_backward-1000003-0", "prompt": "Spell'): PROSE,  # its rows
     ("docs/environments.md", "model: {path: runs/smollm2-135m, device: cpu}"): PARTIAL,
+    ("docs/environments.md", "$ rlhf up -c configs/smollm2-reasoning-gym.yaml"): PARSE,  # SmolLM2, 49 minutes
     ("docs/environments.md", "# vf_reverse.py"): SOURCE,  # test_verifiers writes it as vf_reverse.py
     ("docs/environments.md", "# vf.yaml"): CONFIG,  # and this as vf.yaml
     ("docs/environments.md", "$ rlhf train --local -c vf.yaml"): RUN,  # test_verifiers
