@@ -85,12 +85,20 @@ class Completion:
     # a multi-turn trajectory: 1 where the policy sampled the token, 0 where the environment put it
     # in context (a tool's result, a user's turn: no gradient, no KL); None: every token sampled
     loss_mask: list[int] | None = None
+    # per token, the policy version that sampled it, where that is not one version for all (a
+    # weight update in flight, a partial rollout resumed after an update); None: every token from
+    # the version its result or group names
+    token_versions: list[int] | None = None
+
+    def versions(self, default: int) -> list[int]:
+        """Per token, the policy version that sampled it (`default` where it is one version)."""
+        return list(self.token_versions) if self.token_versions is not None else [default] * len(self.token_ids)
 
 
 @dataclass
 class GenerationResult:
     completions: list[list[Completion]]  # [prompt][sample]
-    policy_version: int
+    policy_version: int  # the version decoding began on (every token's, unless a completion's token_versions say)
     tokens: int
     seconds: float
 
@@ -111,7 +119,8 @@ class ScoreResult:
 
 @dataclass
 class SampleGroup:
-    """The samples of one prompt, all from one policy version."""
+    """The samples of one prompt: `policy_version` the oldest that sampled a token of them (each
+    token's own in a completion's `token_versions`, when they differ)."""
 
     uid: str  # "<epoch>:<prompt id>": samples of a group share it (GRPO/RLOO groups)
     record: PromptRecord
@@ -137,6 +146,10 @@ class Rollout:
     # per response token, 1 where trained (the policy sampled it), 0 where the environment put it;
     # None: every response token is trained (single-turn rollouts)
     loss_masks: list[list[int]] | None = None
+    # per response token, the policy version that sampled it, when some sample's tokens come from
+    # more than one version (weight updates in flight, resumed partial rollouts); None: each
+    # sample's tokens all from its `policy_versions` entry
+    token_versions: list[list[int]] | None = None
 
     @classmethod
     def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
@@ -146,11 +159,15 @@ class Rollout:
         values: list[list[float]] | None = [] if groups and all(g.values is not None for g in groups) else None
         out = cls([], [], [], [], gen_log_probs, values, [])
         holes = any(c.loss_mask is not None for g in groups for c in g.completions)
+        mixed = any(c.token_versions is not None for g in groups for c in g.completions)
         masks: list[list[int]] = []
+        versions: list[list[int]] = []
         for g in groups:
             for j, c in enumerate(g.completions):
                 if holes:
                     masks.append(list(c.loss_mask) if c.loss_mask is not None else [1] * len(c.token_ids))
+                if mixed:
+                    versions.append(c.versions(g.policy_version))
                 out.prompt_ids.append(g.prompt_ids)
                 out.response_ids.append(c.token_ids)
                 gen_log_probs.append(c.log_probs)
@@ -160,6 +177,7 @@ class Rollout:
                 if values is not None and g.values is not None:
                     values.append(g.values[j])
         out.loss_masks = masks if holes else None
+        out.token_versions = versions if mixed else None
         return out
 
 

@@ -76,7 +76,12 @@ class GenerationClient(RPCClient):
         metadata = self.metadata + ((IDEMPOTENCY_KEY, key),) if key else self.metadata
         resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
         comps = [
-            [Completion(list(c.token_ids), list(c.log_probs), c.finish_reason) for c in r.completions]
+            [
+                Completion(
+                    list(c.token_ids), list(c.log_probs), c.finish_reason, None, list(c.token_versions) or None
+                )
+                for c in r.completions
+            ]
             for r in resp.results
         ]
         return GenerationResult(comps, resp.policy_version, sum(len(c.token_ids) for cs in comps for c in cs), 0.0)

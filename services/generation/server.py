@@ -244,6 +244,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             log_probs=c.log_probs,
                             finish_reason=c.finish_reason,
                             text=self.tok.decode(c.token_ids, skip_special_tokens=True),
+                            token_versions=c.token_versions or [],
                         )
                         for c in comps
                     ],

@@ -32,6 +32,7 @@ from ..ppo import (
     postprocess_rewards,
     reference_log_probs,
     rollout_importance_weights,
+    staleness_weights,
 )
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class Experience:
     returns: torch.Tensor  # (B, T)
     values: torch.Tensor | None  # (B, T)
     metrics: dict
-    rollout_is_weights: torch.Tensor | None = None  # (B, T) truncated pi_old / sampler weights (rollout_is)
+    # (B, T) truncated pi_old / sampler weights (rollout_is), times 0 on tokens beyond the staleness bound
+    rollout_is_weights: torch.Tensor | None = None
     # the sequence KL to the reference and the sequences it is over, for the KL controller (None:
     # the update measures it on its own forward, with fused old log-probs)
     kl_measured: tuple[float, int] | None = None
@@ -202,6 +204,11 @@ def log_probs(learner: Actor, rollout: Rollout, batch: TokenBatch, fused: bool) 
         rollout_is_weights, is_metrics = rollout_importance_weights(
             old_log_probs, gen_log_probs, mask, cfg.rollout_is_threshold
         )
+    if rollout.token_versions is not None:  # tokens of several versions: the staleness bound per token
+        versions = pad_right(rollout.token_versions, mask.shape[1], dtype=torch.long)
+        fresh, stale_metrics = staleness_weights(versions, learner.policy_version, cfg.max_staleness, mask)
+        rollout_is_weights = fresh if rollout_is_weights is None else rollout_is_weights * fresh
+        is_metrics = {**is_metrics, **stale_metrics}
     old_for_ref = cur["full"] if full and cur is not None else old_log_probs
     ref_log_probs = None
     if cfg.use_kl_loss or cfg.add_token_level_kl:
@@ -255,6 +262,6 @@ def experience_metrics(
         metrics["critic/values_mean"] = masked_mean(values, mask).item()
         metrics["critic/explained_variance"] = explained_variance(values, returns, mask)
         metrics["critic/value_error"] = masked_mean((values - returns) ** 2, mask).sqrt().item()
-    if rollout.policy_versions:
+    if rollout.policy_versions and rollout.token_versions is None:  # else per token (`staleness_weights`)
         metrics["rollout/staleness_max"] = max(learner.policy_version - v for v in rollout.policy_versions)
     return metrics

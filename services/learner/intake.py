@@ -4,7 +4,9 @@ fresh, unique groups, and remembers which trained groups wait for a checkpoint.
 For each group read:
     its prompt already trained (ledger), in this batch, or trained since the last checkpoint
         -> acknowledged and skipped (a duplicate)
-    sampled by a policy more than `max_staleness` versions old (or from the future)
+    sampled by a policy more than `max_staleness` versions old (or from the future): its newest
+    token's version, when its decoding crossed a weight update (the older tokens beyond the bound
+    are left out of the loss by the learner, `ppo.staleness_weights`)
         -> dropped; its prompt is fed again with a higher attempt number. A long run of such
            drops with nothing fresh in between means the generation servers do not serve the
            learner's weights: it is reported (log and status `stale_streak`), with the reason
@@ -88,8 +90,8 @@ class TrajectoryIntake:
                 self.store.discard(entry_id)
                 self.counters["duplicates"] += 1
                 continue
-            staleness = policy_version - msg.policy_version
-            if staleness > cfg.max_staleness or staleness < 0:
+            newest = newest_version(msg)  # a group of several versions is as fresh as its newest tokens
+            if policy_version - newest > cfg.max_staleness or newest > policy_version:
                 self._refeed(entry_id, msg, policy_version)
                 continue
             try:
@@ -156,3 +158,9 @@ class TrajectoryIntake:
 
     def tokens_per_s(self) -> float:
         return sum(self.gen_rates) / max(len(self.gen_rates), 1)
+
+
+def newest_version(msg) -> int:
+    """The newest policy version that sampled a token of a trajectory group (its `policy_version`
+    is the oldest; samples whose decoding crossed a weight update name each token's)."""
+    return max([msg.policy_version, *(max(s.token_versions) for s in msg.samples if s.token_versions)])

@@ -44,6 +44,6 @@ from .losses import (
 )
 from .normalize import REWARD_NORMS, RunningMeanStd, normalize_rewards, postprocess_rewards
 from .registry import Registry
-from .rollout_is import rollout_importance_weights
+from .rollout_is import rollout_importance_weights, staleness_weights
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -61,3 +61,29 @@ def rollout_importance_weights(
             "ppo/is_weight_mean": masked_mean(weights, valid).item(),
         }
     return weights.detach(), metrics
+
+
+def staleness_weights(
+    token_versions: torch.Tensor, policy_version: int, max_staleness: int, response_mask: torch.Tensor
+):
+    """The staleness bound, token by token: 1 on a token sampled by a policy at most
+    `max_staleness` versions behind `policy_version`, 0 on an older one (its loss term is dropped;
+    it stays in the context of the tokens after it). A response whose decoding crossed a weight
+    update (`generation.weight_update: in_flight`, a resumed partial rollout) has tokens of
+    several versions: each is judged by its own, not by the response's first.
+
+    token_versions: (B, T) int, the version that sampled each token (anything on padding);
+    response_mask: (B, T). Returns (weights (B, T) float32, metrics): rollout/stale_token_frac (share
+    of valid tokens beyond the bound), rollout/staleness_max and rollout/staleness_token_mean
+    (versions behind, over the valid tokens)."""
+    with torch.no_grad():
+        valid = response_mask.bool()
+        behind = (policy_version - token_versions.to(response_mask.device)).float()
+        stale = (behind > max_staleness) & valid
+        n_valid = int(valid.sum())
+        metrics = {
+            "rollout/stale_token_frac": masked_mean(stale.float(), valid).item(),
+            "rollout/staleness_max": behind[valid].max().item() if n_valid else 0.0,
+            "rollout/staleness_token_mean": masked_mean(behind, valid).item(),
+        }
+    return (~stale).float(), metrics

@@ -71,6 +71,8 @@ def group_to_proto(
         s.components.update(g.scores[j].components)
         if c.loss_mask is not None:
             s.loss_mask = np.asarray(c.loss_mask, np.uint8).tobytes()
+        if c.token_versions is not None:
+            s.token_versions.extend(c.token_versions)
         if g.values is not None:
             s.values = np.asarray(g.values[j], _F32).tobytes()
     return out
@@ -86,7 +88,13 @@ def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
         mask = np.frombuffer(s.loss_mask, np.uint8).tolist() if s.loss_mask else None
         if mask is not None and (len(mask) != len(ids) or not set(mask) <= {0, 1}):
             raise ValueError(f"trajectory {m.task.uid}: a loss mask of {len(mask)} 0/1 entries for {len(ids)} tokens")
-        completions.append(Completion(ids, lp.tolist(), s.finish_reason, mask))
+        versions = list(s.token_versions) or None
+        if versions is not None and (len(versions) != len(ids) or min(versions) < m.policy_version):
+            raise ValueError(
+                f"trajectory {m.task.uid}: {len(versions)} token versions for {len(ids)} tokens, or one older "
+                f"than the group's policy_version {m.policy_version}"
+            )
+        completions.append(Completion(ids, lp.tolist(), s.finish_reason, mask, versions))
         scores.append(ScoreResult(s.score, dict(s.components)))
         if s.values:
             v = np.frombuffer(s.values, _F32)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as rlhf_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlhf/v1/generation.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\".\n\x04\x43hat\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.rlhf.v1.ChatMessage\"\x82\x01\n\x06Prompt\x12#\n\x06tokens\x18\x01 \x01(\x0b\x32\x11.rlhf.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1d\n\x04\x63hat\x18\x03 \x01(\x0b\x32\r.rlhf.v1.ChatH\x00\x12\x1b\n\x13\x66irst_prompt_tokens\x18\x04 \x01(\rB\x07\n\x05input\"\xbe\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\\\n\x0fGenerateRequest\x12 \n\x07prompts\x18\x01 \x03(\x0b\x32\x0f.rlhf.v1.Prompt\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.rlhf.v1.SamplingParams\"W\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tlog_probs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\"R\n\x0cPromptResult\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12(\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x13.rlhf.v1.Completion\"R\n\x10GenerateResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.rlhf.v1.PromptResult\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\r\n\x0bInfoRequest\"\xef\x01\n\x0eGenerationInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\rprompt_length\x18\x05 \x01(\x05\x12\x17\n\x0fresponse_length\x18\x06 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x08 \x01(\x05\x12\x16\n\x0e\x65ngine_version\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"\x99\x01\n\rSharedWeights\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x12\n\nfile_bytes\x18\x02 \x01(\x03\x12%\n\x06header\x18\x03 \x01(\x0b\x32\x15.rlhf.v1.WeightHeader\x12\x13\n\x0bpiece_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x15\n\rpiece_digests\x18\x06 \x03(\x04\x32\x97\x02\n\nGeneration\x12?\n\x08Generate\x12\x18.rlhf.v1.GenerateRequest\x1a\x19.rlhf.v1.GenerateResponse\x12\x43\n\x0bPushWeights\x12\x14.rlhf.v1.WeightChunk\x1a\x1c.rlhf.v1.PushWeightsResponse(\x01\x12I\n\x11LoadSharedWeights\x12\x16.rlhf.v1.SharedWeights\x1a\x1c.rlhf.v1.PushWeightsResponse\x12\x38\n\x07GetInfo\x12\x14.rlhf.v1.InfoRequest\x1a\x17.rlhf.v1.GenerationInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlhf/v1/generation.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\".\n\x04\x43hat\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.rlhf.v1.ChatMessage\"\x82\x01\n\x06Prompt\x12#\n\x06tokens\x18\x01 \x01(\x0b\x32\x11.rlhf.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1d\n\x04\x63hat\x18\x03 \x01(\x0b\x32\r.rlhf.v1.ChatH\x00\x12\x1b\n\x13\x66irst_prompt_tokens\x18\x04 \x01(\rB\x07\n\x05input\"\xbe\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\\\n\x0fGenerateRequest\x12 \n\x07prompts\x18\x01 \x03(\x0b\x32\x0f.rlhf.v1.Prompt\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.rlhf.v1.SamplingParams\"o\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tlog_probs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x16\n\x0etoken_versions\x18\x05 \x03(\x03\"R\n\x0cPromptResult\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12(\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x13.rlhf.v1.Completion\"R\n\x10GenerateResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.rlhf.v1.PromptResult\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"\r\n\x0bInfoRequest\"\xef\x01\n\x0eGenerationInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\rprompt_length\x18\x05 \x01(\x05\x12\x17\n\x0fresponse_length\x18\x06 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x08 \x01(\x05\x12\x16\n\x0e\x65ngine_version\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"\x99\x01\n\rSharedWeights\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x12\n\nfile_bytes\x18\x02 \x01(\x03\x12%\n\x06header\x18\x03 \x01(\x0b\x32\x15.rlhf.v1.WeightHeader\x12\x13\n\x0bpiece_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x15\n\rpiece_digests\x18\x06 \x03(\x04\x32\x97\x02\n\nGeneration\x12?\n\x08Generate\x12\x18.rlhf.v1.GenerateRequest\x1a\x19.rlhf.v1.GenerateResponse\x12\x43\n\x0bPushWeights\x12\x14.rlhf.v1.WeightChunk\x1a\x1c.rlhf.v1.PushWeightsResponse(\x01\x12I\n\x11LoadSharedWeights\x12\x16.rlhf.v1.SharedWeights\x1a\x1c.rlhf.v1.PushWeightsResponse\x12\x38\n\x07GetInfo\x12\x14.rlhf.v1.InfoRequest\x1a\x17.rlhf.v1.GenerationInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,17 +45,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=504
   _globals['_GENERATEREQUEST']._serialized_end=596
   _globals['_COMPLETION']._serialized_start=598
-  _globals['_COMPLETION']._serialized_end=685
-  _globals['_PROMPTRESULT']._serialized_start=687
-  _globals['_PROMPTRESULT']._serialized_end=769
-  _globals['_GENERATERESPONSE']._serialized_start=771
-  _globals['_GENERATERESPONSE']._serialized_end=853
-  _globals['_INFOREQUEST']._serialized_start=855
-  _globals['_INFOREQUEST']._serialized_end=868
-  _globals['_GENERATIONINFO']._serialized_start=871
-  _globals['_GENERATIONINFO']._serialized_end=1110
-  _globals['_SHAREDWEIGHTS']._serialized_start=1113
-  _globals['_SHAREDWEIGHTS']._serialized_end=1266
-  _globals['_GENERATION']._serialized_start=1269
-  _globals['_GENERATION']._serialized_end=1548
+  _globals['_COMPLETION']._serialized_end=709
+  _globals['_PROMPTRESULT']._serialized_start=711
+  _globals['_PROMPTRESULT']._serialized_end=793
+  _globals['_GENERATERESPONSE']._serialized_start=795
+  _globals['_GENERATERESPONSE']._serialized_end=877
+  _globals['_INFOREQUEST']._serialized_start=879
+  _globals['_INFOREQUEST']._serialized_end=892
+  _globals['_GENERATIONINFO']._serialized_start=895
+  _globals['_GENERATIONINFO']._serialized_end=1134
+  _globals['_SHAREDWEIGHTS']._serialized_start=1137
+  _globals['_SHAREDWEIGHTS']._serialized_end=1290
+  _globals['_GENERATION']._serialized_start=1293
+  _globals['_GENERATION']._serialized_end=1572
 # @@protoc_insertion_point(module_scope)

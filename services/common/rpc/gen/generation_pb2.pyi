@@ -66,16 +66,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "log_probs", "finish_reason", "text")
+    __slots__ = ("token_ids", "log_probs", "finish_reason", "text", "token_versions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     log_probs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: str
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., log_probs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., log_probs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptResult(_message.Message):
     __slots__ = ("prompt_token_ids", "completions")
