@@ -130,7 +130,29 @@ class GenerationConfig(Strict):
         description="the sampler's weights and arithmetic, either backend: auto = bfloat16 with model.bf16, "
         "else float32; float32 with model.bf16 trains in bfloat16 and samples in float32 (docs/speed.md)",
     )
+    weight_update: Literal["between_batches", "in_flight"] = Field(
+        default="between_batches",
+        description="when a generation server takes a pushed version: between_batches = the requests in "
+        "flight finish on the old one first (each sample one version); in_flight = between two decoding "
+        "steps, the requests in flight go on under the new one (each token records its version; the push "
+        "waits one step, not a batch; docs/async.md)",
+    )
+    in_flight_cache: Literal["recompute", "keep"] = Field(
+        default="recompute",
+        description="weight_update: in_flight, hf: the keys and values of the requests in flight recomputed "
+        "under the new weights (one prefill of prompt + tokens so far) or kept as the old ones computed them",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
+
+    @model_validator(mode="after")
+    def _in_flight_backend(self) -> "GenerationConfig":
+        if self.weight_update == "in_flight" and self.backend != "hf":
+            raise ValueError(
+                "generation.weight_update: in_flight is built for the hf backend; the vllm backend takes "
+                "a version between requests (its requests in flight finish on the old one): set "
+                "weight_update: between_batches, or backend: hf"
+            )
+        return self
 
     def engine_dtype(self, bf16: bool) -> str:
         """The sampler's dtype by name: `dtype`, with auto resolved by the learner's model.bf16."""
@@ -619,6 +641,14 @@ AGENT_KINDS = ("agent", "environment", "agent_url")
 
 class RolloutConfig(Strict):
     prompts_per_request: int = Field(default=32, ge=1, description="prompts a worker claims and sends in one Generate")
+    partial_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="partial rollouts: at most this many new tokens per Generate call; a longer response "
+        "is paused there and resumed by the next call from its tokens so far (after a weight update, if "
+        "one came: each token keeps its version), so a push waits for one chunk, not the longest "
+        "response; each resume prefills prompt + tokens again (docs/async.md). 0 = off",
+    )
     agent: Optional[str] = Field(
         default=None,
         description="an agent function ('path/to/agent.py:run' or 'module:run'): each sample is a "
@@ -706,6 +736,16 @@ class RolloutConfig(Strict):
         given = [k for k in AGENT_KINDS if getattr(self, k)]
         if len(given) > 1:
             raise ValueError(f"rollout: give one of agent, environment, agent_url (got {', '.join(given)})")
+        return self
+
+    @model_validator(mode="after")
+    def _partial_without_sessions(self) -> "RolloutConfig":
+        if self.partial_tokens and self.agent_kind:
+            raise ValueError(
+                f"partial_tokens={self.partial_tokens} with {self.agent_kind}: partial "
+                "rollouts pause single-turn responses; an agent's sessions sample turn by turn through "
+                "the endpoint and are never paused. Set rollout.partial_tokens: 0"
+            )
         return self
 
     @property

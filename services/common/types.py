@@ -197,9 +197,15 @@ class GenerationBackend(Protocol):
 
     def dead(self) -> str | None: ...  # why it can never serve again (liveness fails); None while alive
 
+    # `stop()` true: every caller left, the batch may end early; `between()`, when given, runs between
+    # two decoding steps (weight updates in flight: the `hf` backend's, generation.weight_update)
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
-    ) -> GenerationResult: ...  # `stop()` true: every caller left, the batch may end early
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop: Callable[[], bool] | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> GenerationResult: ...
 
     def update_weights(self, state_dict: Mapping[str, "torch.Tensor"], policy_version: int) -> None: ...
 

@@ -26,8 +26,10 @@ class GenerationStopped(Exception):
 
 
 class HFBackend:
-    """`decode` behind a lock: a batch runs start to end on one set of weights, and
-    `update_weights` waits for it, so no sample mixes two policy versions. With `dtype` bfloat16
+    """`decode` behind a lock: `update_weights` waits for the running batch, unless the batch itself
+    calls it between two decoding steps (`generate`'s `between`, on the same thread: weight updates
+    in flight); then the tokens after the switch record the new version (`token_versions`), and
+    `recompute` says whether the rows' keys and values are recomputed under it. With `dtype` bfloat16
     (`model.bf16`) the engine holds and runs the policy in bfloat16; pushes stay float32 (the
     learner's master weights) and are cast as they load."""
 
@@ -35,7 +37,9 @@ class HFBackend:
     partial_updates = True  # a partial version loads over the weights it has
     broken: str | None = None  # never: a failed update changes nothing
 
-    def __init__(self, model_path: str, device: str = "auto", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model_path: str, device: str = "auto", dtype: torch.dtype = torch.float32, recompute: bool = True
+    ):
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_causal_lm(model_path, self.device, dtype).eval()
@@ -47,7 +51,8 @@ class HFBackend:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id
         self.policy_version = 0
-        self._lock = threading.Lock()
+        self.recompute = recompute  # in-flight updates: the live rows' cache recomputed, or kept
+        self._lock = threading.RLock()  # reentrant: an update in flight runs inside `generate`
 
     def info(self) -> dict:
         """What GetInfo reports: the engine that really serves, and where."""
@@ -82,26 +87,64 @@ class HFBackend:
             self.policy_version = policy_version
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop: Callable[[], bool] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> GenerationResult:
         """`stop`, when given, is asked after every decoding step; once it says True the batch ends
-        there and `GenerationStopped` is raised (its partial samples are nobody's)."""
+        there and `GenerationStopped` is raised (its partial samples are nobody's). `between`, when
+        given, runs between two decoding steps: the weight updates it makes apply from the next
+        token on (each completion's `token_versions` then says which version sampled which token)."""
         if not prompts:
             return GenerationResult([], self.policy_version, 0, 0.0)
         t0 = time.perf_counter()
         with self._lock:
-            policy_version = self.policy_version
+            versions = [self.policy_version]  # the first, then one per switch
+
+            def switched() -> bool:
+                assert between is not None
+                between()
+                if self.policy_version == versions[-1]:
+                    return False
+                versions.append(self.policy_version)
+                return True
+
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = decode(
-                self.model, prompts, params, self.pad_token_id, [self.eos_token_id, *params.stop_token_ids], stop
+                self.model,
+                prompts,
+                params,
+                self.pad_token_id,
+                [self.eos_token_id, *params.stop_token_ids],
+                stop,
+                switched if between is not None else None,
+                self.recompute,
             )
         if out.stopped:
             raise GenerationStopped(
                 f"stopped after {out.steps} of {params.max_new_tokens} tokens: nobody waits for this batch any more"
             )
         completions = [
-            [Completion(out.tokens[i], out.logps[i], out.finish[i]) for i in range(j * params.n, (j + 1) * params.n)]
+            [
+                Completion(out.tokens[i], out.logps[i], out.finish[i], None, token_versions(out, i, versions))
+                for i in range(j * params.n, (j + 1) * params.n)
+            ]
             for j in range(len(prompts))
         ]
-        return GenerationResult(completions, policy_version, sum(len(t) for t in out.tokens), time.perf_counter() - t0)
+        return GenerationResult(completions, versions[0], sum(len(t) for t in out.tokens), time.perf_counter() - t0)
+
+
+def token_versions(out, i: int, versions: list[int]) -> list[int] | None:
+    """Per token of sample `i`, the version that sampled it; None when it is one version (no switch
+    came before its last token)."""
+    n = len(out.tokens[i])
+    if not out.switches or out.switches[0] >= n:
+        return None
+    per_token = [versions[0]] * n
+    for at, v in zip(out.switches, versions[1:]):
+        if at < n:
+            per_token[at:] = [v] * (n - at)
+    return per_token

@@ -1,7 +1,9 @@
 """How Generate calls become backend work: `Batcher` (concurrent calls merged into backend batches
-by one compute thread, weight swaps between them), `ContinuousBatcher` (the same faces for a
-backend that batches by itself: vLLM) and `InFlight` (a retry with the first call's idempotency
-key waits for the work still running instead of starting a second copy)."""
+by one compute thread, weight swaps between them, or between two decoding steps of the running
+batch with generation.weight_update: in_flight), `ContinuousBatcher` (the same faces for a
+backend that batches by itself: vLLM), `make_batcher` (which of the two a backend gets) and
+`InFlight` (a retry with the first call's idempotency key waits for the work still running
+instead of starting a second copy)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..common.compute import Call, run_call, wait_for_call
 from ..common.rpc.errors import DeadlineExceeded
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 from .backend import GenerationStopped
 from .metrics import GenerationMetrics
 
@@ -65,10 +71,16 @@ class Batcher(ActiveCalls):
     dropped or stopped raise `GenerationStopped`.
 
     The batcher's own thread is the server's one compute thread (the reason is in
-    `services/common/compute.py`): weight swaps run on it too (`call`), between batches."""
+    `services/common/compute.py`): weight swaps run on it too (`call`), between batches; with
+    `in_flight`, also between two decoding steps of the running batch (the backend's `between`),
+    so a swap waits for one step, not for the batch's longest sample."""
 
-    def __init__(self, backend: GenerationBackend, max_batch_size: int, window_s: float, metrics=None):
+    def __init__(
+        self, backend: GenerationBackend, max_batch_size: int, window_s: float, metrics=None, in_flight: bool = False
+    ):
         self.backend, self.max_batch_size, self.window_s, self.metrics = backend, max_batch_size, window_s, metrics
+        self.in_flight = in_flight
+        self._urgent: deque[Call] = deque()  # in_flight: calls the running batch takes between steps
         self.q: queue.Queue[_Job | Call | None] = queue.Queue()
         self.batches = 0
         super().__init__()
@@ -97,8 +109,17 @@ class Batcher(ActiveCalls):
         `timeout`: not started within it (the running batch still decoding), it is withdrawn and
         `CallNotStarted` raised (`wait_for_call`)."""
         fut: Future = Future()
-        self.q.put(Call(lambda: fn(*args), fut))
+        c = Call(lambda: fn(*args), fut)
+        if self.in_flight:
+            self._urgent.append(c)  # the running batch takes it at its next step; else the loop, below
+        self.q.put(c)
         return wait_for_call(fut, timeout)
+
+    def _run_urgent(self) -> None:
+        """The calls queued while a batch decodes, run between two of its steps (in_flight)."""
+        while self._urgent:
+            c = self._urgent.popleft()
+            _run_once(c)
 
     def _loop(self) -> None:
         while True:
@@ -106,7 +127,7 @@ class Batcher(ActiveCalls):
             if job is None:
                 return
             if isinstance(job, Call):
-                run_call(job.future, job.fn)
+                _run_once(job)
                 continue
             jobs = [job]
             deferred: list[Call] = []
@@ -144,7 +165,7 @@ class Batcher(ActiveCalls):
             for group in groups.values():
                 self._run(group)
             for c in deferred:
-                run_call(c.future, c.fn)
+                _run_once(c)
 
     def _run(self, group: list[_Job]) -> None:
         for j in group:
@@ -154,8 +175,12 @@ class Batcher(ActiveCalls):
         if not group:
             return
         prompts = [p for j in group for p in j.prompts]
+        stop = lambda: all(j.stopped() for j in group)  # noqa: E731
         try:
-            res = self.backend.generate(prompts, group[0].params, stop=lambda: all(j.stopped() for j in group))
+            if self.in_flight:
+                res = self.backend.generate(prompts, group[0].params, stop=stop, between=self._run_urgent)
+            else:
+                res = self.backend.generate(prompts, group[0].params, stop=stop)
         except GenerationStopped as e:
             log.info("a batch of %d prompts was stopped: every caller left (%s)", len(prompts), e)
             for j in group:
@@ -180,6 +205,13 @@ class Batcher(ActiveCalls):
                     share, res.policy_version, sum(len(c.token_ids) for cs in share for c in cs), res.seconds
                 )
             )
+
+
+def _run_once(c: Call) -> None:
+    """A call is queued twice with in_flight (for the running batch's steps and for the loop):
+    whichever reaches it first runs it (both on the compute thread, so never at once)."""
+    if not (c.future.running() or c.future.done()):  # done: run, or withdrawn by its caller
+        run_call(c.future, c.fn)
 
 
 def record_batch(metrics: GenerationMetrics | None, n_prompts: int, res: GenerationResult) -> None:
@@ -218,6 +250,17 @@ class ContinuousBatcher(ActiveCalls):
 
     def dead(self) -> str | None:
         return self.backend.dead()
+
+
+def make_batcher(backend: GenerationBackend, cfg: Config, metrics: GenerationMetrics | None = None):
+    """The batcher `backend` gets: its own continuous batching (vLLM), or `Batcher` with the
+    config's batch size and window, taking weight updates between decoding steps with
+    generation.weight_update: in_flight."""
+    g = cfg.generation
+    if getattr(backend, "continuous_batching", False):
+        return ContinuousBatcher(backend, metrics)
+    in_flight = g.weight_update == "in_flight"
+    return Batcher(backend, g.max_batch_size, g.batch_window_ms / 1000, metrics, in_flight=in_flight)
 
 
 class _Work:

@@ -77,9 +77,7 @@ class GenerationClient(RPCClient):
         resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
         comps = [
             [
-                Completion(
-                    list(c.token_ids), list(c.log_probs), c.finish_reason, None, list(c.token_versions) or None
-                )
+                Completion(list(c.token_ids), list(c.log_probs), c.finish_reason, None, list(c.token_versions) or None)
                 for c in r.completions
             ]
             for r in resp.results

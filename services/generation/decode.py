@@ -7,7 +7,13 @@ What `model.generate` would do, with three differences that matter for RLHF roll
      (rows, vocabulary) block of logits is alive at a time: memory does not grow with samples x
      steps x vocabulary as `output_scores=True` does;
   3. rows that have finished leave the batch (their cache rows dropped) once a quarter of it has,
-     so a long tail of one sample does not make every finished one pay for its steps.
+     so a long tail of one sample does not make every finished one pay for its steps;
+  4. new weights may come in between two steps (`between`, generation.weight_update: in_flight):
+     the rows still decoding go on from their tokens so far, their keys and values recomputed
+     under the new weights (one prefill of prompt + tokens so far: the tokens after the switch are
+     what the new policy samples from that prefix) or kept as the old weights computed them
+     (cheaper; the new policy then reads a context the old one encoded). `Decoded.switches` says
+     from which token on each switch applies.
 
 The sampling distribution is the one `generate` uses: logits / temperature, then top-k, then top-p;
 greedy (temperature below `GREEDY_BELOW`) takes the argmax and records log-probs of the unscaled
@@ -17,7 +23,7 @@ probabilities (up to the float rounding of a different batch shape in the prefil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -45,6 +51,7 @@ class Decoded:
     finish: list[str]
     steps: int
     stopped: bool = False
+    switches: list[int] = field(default_factory=list)  # token positions from which new weights sampled
 
 
 def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -77,9 +84,13 @@ def decode(
     pad_token_id: int,
     stop_token_ids: Sequence[int],
     stop: Callable[[], bool] | None = None,
+    between: Callable[[], bool] | None = None,
+    recompute: bool = True,
 ) -> Decoded:
     """`params.n` samples of each prompt, at most `params.max_new_tokens` tokens each. `stop`,
-    when given, is asked after every step; once it says True the batch ends (`stopped`)."""
+    when given, is asked after every step; once it says True the batch ends (`stopped`).
+    `between`, when given, runs between two steps and says whether it changed the model's
+    weights; then the live rows' cache is recomputed (`recompute`) or kept."""
     device = next(model.parameters()).device
     n, T = params.n, params.max_new_tokens
     ids, attn = pad_left(prompts, pad_token_id)
@@ -103,6 +114,8 @@ def decode(
     rows = torch.arange(N)  # the sample each row of the batch decodes
     live = torch.ones(N, dtype=torch.bool)  # rows of the batch still decoding
     steps = 0
+    switches: list[int] = []
+    prompt_ids = ids.repeat_interleave(n, 0) if n > 1 else ids  # per sample, for a recomputed cache
     for step in range(T):
         # 2. one token per row, its log-prob kept; the logits of this step are dropped after it
         tok, lp = pick(logits, params)
@@ -127,13 +140,24 @@ def decode(
             rows, live = rows[keep], live[keep]
         tok = torch.where(live.to(device), tok, torch.full_like(tok, pad_token_id))
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-        out = model(
-            input_ids=tok.unsqueeze(1),
-            attention_mask=attn,
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        switched = between is not None and between()
+        if switched:
+            switches.append(step + 1)
+        if switched and recompute:  # the whole context again, under the new weights
+            context = torch.cat([prompt_ids[rows.to(device)], tokens[rows, : step + 1].to(device)], dim=1)
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            out = model(
+                input_ids=context, attention_mask=attn, position_ids=pos, use_cache=True, **last_logits_kwargs(model)
+            )
+            cache, next_pos = out.past_key_values, pos[:, -1:]
+        else:
+            out = model(
+                input_ids=tok.unsqueeze(1),
+                attention_mask=attn,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     return Decoded(
@@ -141,4 +165,5 @@ def decode(
         [logps[i, : length[i]].tolist() for i in range(N)],
         ["stop" if e else "length" for e in ended.tolist()],
         steps,
+        switches=switches,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ..common.servers import ServerPool
-from .batching import Batcher, ContinuousBatcher
+from .batching import make_batcher
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -19,12 +19,7 @@ IN_PROCESS = "in-process"  # the one address of the pool: no host, no port
 
 class InProcessClient:
     def __init__(self, backend: GenerationBackend, cfg: Config):
-        g = cfg.generation
-        self.batcher = (
-            ContinuousBatcher(backend)
-            if getattr(backend, "continuous_batching", False)
-            else Batcher(backend, g.max_batch_size, g.batch_window_ms / 1000)
-        )
+        self.batcher = make_batcher(backend, cfg)
 
     def generate(
         self,

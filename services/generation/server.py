@@ -30,7 +30,7 @@ from ..common.types import GenerationBackend, SamplingParams
 from ..weights.receiver import WeightReceiver, shm_probe
 from ..weights.shm import Probe
 from ..weights.stream import WeightChunkDecoder
-from .batching import Batcher, ContinuousBatcher, InFlight
+from .batching import InFlight, make_batcher
 from .client import IDEMPOTENCY_KEY
 from .decode import GREEDY_BELOW
 from .metrics import GenerationMetrics
@@ -82,11 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.vocab_size = backend.vocab_size
         self.model_name = model_name or cfg.model.path
         metrics = GenerationMetrics(server.metrics) if server else None
-        self.batcher = (
-            ContinuousBatcher(backend, metrics)
-            if backend.continuous_batching
-            else Batcher(backend, cfg.generation.max_batch_size, cfg.generation.batch_window_ms / 1000, metrics)
-        )
+        self.batcher = make_batcher(backend, cfg, metrics)
         self.in_flight = InFlight()
         self.receiver = WeightReceiver(backend, self.batcher.call, cfg, fence=fence, probe=probe, readiness=server)
 
@@ -339,7 +335,9 @@ def make_backend(cfg: Config) -> GenerationBackend:
 
     from .backend import HFBackend
 
-    return HFBackend(cfg.model.path, cfg.model.device, getattr(torch, dtype))
+    return HFBackend(
+        cfg.model.path, cfg.model.device, getattr(torch, dtype), recompute=cfg.generation.in_flight_cache == "recompute"
+    )
 
 
 def serve(cfg: Config, backend=None) -> GrpcService:

@@ -207,10 +207,17 @@ class VLLMBackend:
         return fut
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, stop: Callable[[], bool] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        stop: Callable[[], bool] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> GenerationResult:
         """`stop`, when given, is `submit`'s `stopped`: once True the requests are aborted and
-        `GenerationStopped` is raised."""
+        `GenerationStopped` is raised. `between` must be None: weight updates reach this engine
+        through `call`, between requests (generation.weight_update: in_flight is the hf backend's)."""
+        if between is not None:
+            raise ValueError("the vllm backend takes weight updates between requests only, not in flight")
         if not prompts:
             return GenerationResult([], self.policy_version, 0, 0.0)
         return self.submit(prompts, params, stop).result()

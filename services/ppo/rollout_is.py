@@ -73,7 +73,7 @@ def staleness_weights(
     several versions: each is judged by its own, not by the response's first.
 
     token_versions: (B, T) int, the version that sampled each token (anything on padding);
-    response_mask: (B, T). Returns (weights (B, T) float32, metrics): rollout/stale_token_frac (share
+    response_mask: (B, T). Returns (weights (B, T) float32, 0 on padding; metrics): rollout/stale_token_frac (share
     of valid tokens beyond the bound), rollout/staleness_max and rollout/staleness_token_mean
     (versions behind, over the valid tokens)."""
     with torch.no_grad():
@@ -86,4 +86,4 @@ def staleness_weights(
             "rollout/staleness_max": behind[valid].max().item() if n_valid else 0.0,
             "rollout/staleness_token_mean": masked_mean(behind, valid).item(),
         }
-    return (~stale).float(), metrics
+    return (valid & ~stale).float(), metrics

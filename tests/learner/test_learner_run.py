@@ -40,8 +40,9 @@ def loop(tiny_model_dir, redis_server, tmp_path):
     svc.close()
 
 
-def _produce(store, policy_version: int, n: int):
-    """Play a rollout worker: claim n prompts, answer each with a 2-sample group at `policy_version`."""
+def _produce(store, policy_version: int, n: int, token_versions=None):
+    """Play a rollout worker: claim n prompts, answer each with a 2-sample group at `policy_version`
+    (its two tokens' versions `token_versions`, when they differ)."""
     claimed, _ = store.claim_prompts("w", n, block_ms=100)
     items = []
     for e, t in claimed:
@@ -49,7 +50,7 @@ def _produce(store, policy_version: int, n: int):
             t.uid,
             None,
             [3, 4],
-            [Completion([5, 2], [-1.0, -0.5], "stop")] * 2,
+            [Completion([5, 2], [-1.0, -0.5], "stop", None, token_versions)] * 2,
             [ScoreResult(1.0, {}), ScoreResult(0.0, {})],
             None,
             policy_version,
@@ -223,3 +224,15 @@ def test_the_eval_skips_a_server_that_failed_it_and_says_when_none_serves_the_ve
     loop.eval_retry = dataclasses.replace(loop.eval_retry, wait_s=0.3)
     with pytest.raises(DependencyUnavailable, match=f"no generation server serves policy version {policy_version} for"):
         loop.evaluate()
+
+
+def test_a_group_that_crossed_an_update_is_as_fresh_as_its_newest_token(loop):
+    """Version 3 began it, version 4 sampled its last token (an update in flight): at learner
+    version 5 with max_staleness 1 it is kept, with each token's version through Redis."""
+    store = loop.store
+    loop.feeder.feed(1, 5)
+    _produce(store, policy_version=3, n=4, token_versions=[3, 4])
+    batch = loop.intake.collect(5, loop.stop_event)
+    assert len(batch) == 4 and loop.counters["dropped_stale"] == 0
+    group = batch[0][1]
+    assert group.policy_version == 3 and group.completions[0].token_versions == [3, 4]

@@ -199,3 +199,47 @@ def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, 
         # the same unmerged PEFT forward on the same weights and input: equal but for float noise
         assert torch.allclose(adapted(ids).logits, want, atol=1e-5)
         assert not torch.allclose(base(ids).logits, want, atol=1e-4)  # the adapter is trained, not a no-op
+
+
+def _two_versions(ro, split=2, old=0, new=5):
+    """`ro` with each response's first `split` tokens from version `old`, the rest from `new`."""
+    versions = [[old] * min(split, len(r)) + [new] * max(len(r) - split, 0) for r in ro.response_ids]
+    ro.token_versions = versions
+    ro.policy_versions = [old] * len(versions)
+    return ro
+
+
+def test_the_staleness_bound_is_judged_token_by_token(tiny_model_dir):
+    """A response whose decoding crossed weight updates (versions 0 then 5) for a learner at 6
+    with max_staleness 2: its version-0 tokens are out of the loss (weight 0), its version-5 ones
+    in. One version per sample (the first, or the last) would drop or keep the whole row."""
+    backend = HFBackend(tiny_model_dir, "cpu")
+    ro = _two_versions(_rollout(backend))
+    assert all(len(r) > 2 for r in ro.response_ids)
+    for rollout_is in (False, True):
+        learner = PolicyTrainer(_cfg(tiny_model_dir, max_staleness=2, rollout_is=rollout_is))
+        learner.policy_version = 6
+        exp = learner.make_experience(ro)
+        w, mask = exp.rollout_is_weights, exp.batch.response_mask
+        assert torch.all(w[:, :2] == 0)  # sampled 6 versions ago
+        assert torch.all(w[:, 2:][mask[:, 2:].bool()] > 0)  # 1 version ago: trained
+        m = exp.metrics
+        lengths = mask.sum(-1)
+        assert m["rollout/stale_token_frac"] == pytest.approx((2 * len(lengths) / lengths.sum()).item())
+        assert m["rollout/staleness_max"] == 6
+    # within the bound, every token counts as before (weight 1 without rollout_is)
+    learner = PolicyTrainer(_cfg(tiny_model_dir, max_staleness=6))
+    learner.policy_version = 6
+    exp = learner.make_experience(ro)
+    assert torch.equal(exp.rollout_is_weights, exp.batch.response_mask.float())
+    assert exp.metrics["rollout/stale_token_frac"] == 0.0
+
+
+def test_a_step_on_stale_tokens_only_changes_nothing_they_carry(tiny_model_dir):
+    """Every token beyond the bound: the policy loss is 0 (no token trained), not the loss of the
+    stale tokens."""
+    backend = HFBackend(tiny_model_dir, "cpu")
+    ro = _two_versions(_rollout(backend), split=100)  # every token from version 0
+    learner = PolicyTrainer(_cfg(tiny_model_dir, max_staleness=2))
+    learner.policy_version = 6
+    assert learner.step(ro)["ppo/pg_loss"] == 0.0
