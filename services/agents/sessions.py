@@ -159,11 +159,30 @@ class Segment:
 def as_sample(trajectory: dict) -> tuple[list[int], Completion]:
     """A session's trajectory (`Segment.trajectories`) as the trainer takes a sample: the prompt
     (the tokens before the policy's first) and a completion of the rest, whose loss mask keeps
-    the environment's tokens out of the loss (`Rollout.loss_masks`)."""
+    the environment's tokens out of the loss (`Rollout.loss_masks`) and whose `token_versions`
+    say which version sampled each turn, when the turns' versions differ."""
     ids, mask, log_probs = trajectory["token_ids"], trajectory["loss_mask"], trajectory["log_probs"]
     start = mask.index(1) if 1 in mask else len(mask)
-    completion = Completion(ids[start:], log_probs[start:], trajectory["finish_reason"] or "length", mask[start:])
+    versions = turn_versions(mask[start:], trajectory["policy_versions"])
+    completion = Completion(
+        ids[start:], log_probs[start:], trajectory["finish_reason"] or "length", mask[start:], versions
+    )
     return ids[:start], completion
+
+
+def turn_versions(mask: list[int], versions: list[int]) -> list[int] | None:
+    """Per token, the version of the turn it belongs to: each run of sampled tokens (1s of `mask`)
+    is one turn, in order; the environment's tokens after a turn carry its version (they are out
+    of the loss). None when every turn has one version (or the runs do not match the turns)."""
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    if len(set(versions)) <= 1 or len(starts) != len(versions):
+        return None
+    out, turn = [], 0
+    for i in range(len(mask)):
+        if turn + 1 < len(starts) and i == starts[turn + 1]:
+            turn += 1
+        out.append(versions[turn])
+    return out
 
 
 class ChatTokens:

@@ -139,20 +139,11 @@ class GenerationConfig(Strict):
     )
     in_flight_cache: Literal["recompute", "keep"] = Field(
         default="recompute",
-        description="weight_update: in_flight, hf: the keys and values of the requests in flight recomputed "
-        "under the new weights (one prefill of prompt + tokens so far) or kept as the old ones computed them",
+        description="weight_update: in_flight: the keys and values of the requests in flight recomputed "
+        "under the new weights (one prefill of prompt + tokens so far; vLLM preempts them) or kept as the "
+        "old ones computed them",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine options")
-
-    @model_validator(mode="after")
-    def _in_flight_backend(self) -> "GenerationConfig":
-        if self.weight_update == "in_flight" and self.backend != "hf":
-            raise ValueError(
-                "generation.weight_update: in_flight is built for the hf backend; the vllm backend takes "
-                "a version between requests (its requests in flight finish on the old one): set "
-                "weight_update: between_batches, or backend: hf"
-            )
-        return self
 
     def engine_dtype(self, bf16: bool) -> str:
         """The sampler's dtype by name: `dtype`, with auto resolved by the learner's model.bf16."""

@@ -27,7 +27,7 @@ from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, SamplingParams
-from ..weights.receiver import WeightReceiver, shm_probe
+from ..weights.receiver import Applied, WeightReceiver, shm_probe
 from ..weights.shm import Probe
 from ..weights.stream import WeightChunkDecoder
 from .batching import InFlight, make_batcher
@@ -270,21 +270,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             info["delta_base"] = self.receiver.delta_base_key()
         return info
 
-    def apply_chunks(self, chunks, context=None, origin: str = "") -> tuple[int, int, float]:
+    def apply_chunks(self, chunks, context=None, origin: str = "") -> Applied:
         """A pushed (or pulled) stream applied as one new policy version (`WeightReceiver.apply_chunks`)."""
         return self.receiver.apply_chunks(chunks, context, origin)
 
-    def apply_shared(self, request, context=None) -> tuple[int, int, float]:
+    def apply_shared(self, request, context=None) -> Applied:
         """A version the co-located learner wrote into shared memory (`WeightReceiver.apply_shared`)."""
         return self.receiver.apply_shared(request, context)
 
     def PushWeights(self, request_iterator, context):
-        policy_version, nbytes, secs = self.apply_chunks(request_iterator, context)
-        return common_pb2.PushWeightsResponse(policy_version=policy_version, bytes=nbytes, seconds=secs)
+        return _response(self.apply_chunks(request_iterator, context))
 
     def LoadSharedWeights(self, request, context):
-        policy_version, nbytes, secs = self.apply_shared(request, context)
-        return common_pb2.PushWeightsResponse(policy_version=policy_version, bytes=nbytes, seconds=secs)
+        return _response(self.apply_shared(request, context))
 
     def GetInfo(self, request, context):
         info = self.backend.info()
@@ -301,6 +299,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_id=self.backend.eos_token_id,
             pad_token_id=self.backend.pad_token_id,
         )
+
+
+def _response(a: Applied) -> common_pb2.PushWeightsResponse:
+    return common_pb2.PushWeightsResponse(
+        policy_version=a.policy_version,
+        bytes=a.nbytes,
+        seconds=a.seconds,
+        swap_wait_seconds=a.swap_wait_s,
+        swap_seconds=a.swap_s,
+    )
 
 
 def add_generation_servicer(servicer, grpc_server) -> None:
@@ -329,7 +337,12 @@ def make_backend(cfg: Config) -> GenerationBackend:
         from .vllm_backend import VLLMBackend
 
         return VLLMBackend(
-            cfg.model.path, cfg.generation.vllm, dtype=dtype, max_model_len=cfg.prompt_length + cfg.response_length
+            cfg.model.path,
+            cfg.generation.vllm,
+            dtype=dtype,
+            max_model_len=cfg.prompt_length + cfg.response_length,
+            in_flight=cfg.generation.weight_update == "in_flight",
+            recompute=cfg.generation.in_flight_cache == "recompute",
         )
     import torch
 

@@ -6,7 +6,11 @@ and each prompt joins the running batch at the next step, whatever else is decod
 swap is a call on the same thread: admission pauses, the requests in flight finish on the old
 weights, the new ones load through vLLM's in-place reload (`reload_weights`), the prefix cache
 is reset (its blocks hold the old policy's keys and values), and admission resumes. So every
-completion comes from one policy version, the version it reports.
+completion comes from one policy version, the version it reports. With
+generation.weight_update: in_flight the swap runs between two engine steps instead, nothing
+drained, and each token records the version that sampled it (`_Job.switches`); the requests in
+flight are preempted and prefilled again under the new weights (in_flight_cache: recompute, vLLM's
+`reset_prefix_cache(reset_running_requests=True)`) or keep their keys and values.
 
 Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, the log-probs of the
 distribution tokens are drawn from (temperature, top-k and top-p applied), as the `hf` backend
@@ -88,6 +92,15 @@ class WeightSwapExtension:
 
 
 @dataclass
+class _Part:
+    """A sample's tokens so far (weight updates in flight: the engine hands them out step by step)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
 class _Job:
     prompts: list[list[int]]
     params: SamplingParams
@@ -97,17 +110,44 @@ class _Job:
     left: int = 0
     t0: float = 0.0
     stopped: Callable[[], bool] | None = None  # True once nobody waits for it: its requests are aborted
+    # in flight: per (prompt, sample) its tokens so far; per switch the new version and how many
+    # tokens each sample had then
+    parts: dict[tuple[int, int], _Part] = field(default_factory=dict)
+    switches: list[tuple[int, dict[tuple[int, int], int]]] = field(default_factory=list)
+
+    def versions(self, key: tuple[int, int], n_tokens: int) -> list[int] | None:
+        """Per token of sample `key`, the version that sampled it; None when one version."""
+        per_token = [self.policy_version] * n_tokens
+        for version, counts in self.switches:
+            at = counts.get(key, 0)
+            per_token[at:] = [version] * max(n_tokens - at, 0)
+        return None if all(v == self.policy_version for v in per_token) else per_token
 
 
 class VLLMBackend:
     """`GenerationBackend` over vLLM's engine. `generate` may be called from many threads at
     once: the engine thread batches them continuously. `update_weights` (and `call`) run
-    between requests: admission pauses, the engine drains, the call runs, admission resumes."""
+    between requests: admission pauses, the engine drains, the call runs, admission resumes.
+    With `in_flight` they run between two engine steps instead, nothing drained: the engine hands
+    out each step's tokens (vLLM's DELTA outputs), so each token's version is known, and the
+    requests in flight are recomputed under the new weights (`recompute`: vLLM preempts them and
+    prefills prompt + tokens so far again) or go on with the keys and values they have."""
 
     continuous_batching = True  # the server hands it calls as they come (no batching window)
     partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
+    in_flight = False
+    recompute = True
 
-    def __init__(self, model_path: str, vcfg: VLLMConfig, dtype: str = "float32", max_model_len: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        vcfg: VLLMConfig,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        in_flight: bool = False,
+        recompute: bool = True,
+    ):
+        self.in_flight, self.recompute = in_flight, recompute
         tp = vcfg.tensor_parallel_size
         self.inprocess = tp == 1
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.inprocess else "1")
@@ -119,7 +159,9 @@ class VLLMBackend:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        self._sampling_params, self._final_only = VSamplingParams, RequestOutputKind.FINAL_ONLY
+        self._sampling_params = VSamplingParams
+        # in flight, every step's new tokens (to know each token's version); else each request's end
+        self._output_kind = RequestOutputKind.DELTA if in_flight else RequestOutputKind.FINAL_ONLY
 
         model_dir = check_model_dir(model_path)
         self.tokenizer = load_tokenizer(model_dir)
@@ -275,9 +317,21 @@ class VLLMBackend:
             )
             log.critical("%s", self.broken)
             raise
-        self.engine.reset_prefix_cache()
+        self._reset_cache()
         self.policy_version = policy_version
         self.swap_seconds = time.perf_counter() - t0
+
+    def _reset_cache(self) -> None:
+        """The prefix cache's blocks hold the old policy's keys and values: dropped. In flight with
+        `recompute`, the requests in flight are preempted first (vLLM prefills them again, under
+        the new weights); kept, the cache cannot be reset while they hold blocks."""
+        running = self.in_flight and self.engine.has_unfinished_requests()
+        if not self.engine.reset_prefix_cache(reset_running_requests=running and self.recompute) and running:
+            log.warning(
+                "weights swapped in flight with in_flight_cache: keep: the prefix cache could not be reset "
+                "while requests hold blocks, so new requests may reuse prefixes the old weights encoded "
+                "(set generation.vllm.enable_prefix_caching: false with keep)"
+            )
 
     def _reload(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         if self.inprocess:
@@ -315,6 +369,8 @@ class VLLMBackend:
                     self._fail_inflight(e)
                     continue
                 for out in outputs:
+                    if self.in_flight:
+                        self._collect(out)
                     if out.finished:
                         self._finished(out)
         self._fail_all(Unavailable("the vLLM engine is stopping"))
@@ -329,7 +385,9 @@ class VLLMBackend:
             block = False
             if item is None:
                 return False
-            if isinstance(item, Call):
+            if isinstance(item, Call) and self.in_flight:
+                self._run_in_flight(item)  # between two steps, nothing drained
+            elif isinstance(item, Call):
                 self._calls.append(item)
             elif self._calls:
                 self._held.append(item)  # admission is paused until the calls have run
@@ -343,6 +401,30 @@ class VLLMBackend:
         held, self._held = self._held, []
         for job in held:
             self._admit(job)
+
+    def _run_in_flight(self, c: Call) -> None:
+        """A call between two engine steps; a new version it loaded is a switch of every job in
+        flight, at the tokens each of its samples has so far."""
+        before = self.policy_version
+        run_call(c.future, c.fn)
+        if self.policy_version == before:
+            return
+        for job in {id(j): j for j, _ in self._inflight.values()}.values():
+            job.switches.append((self.policy_version, {k: len(p.token_ids) for k, p in job.parts.items()}))
+
+    def _collect(self, out) -> None:
+        """In flight: one step's new tokens of a request's samples (DELTA outputs), kept on its job."""
+        entry = self._inflight.get(out.request_id)
+        if entry is None:
+            return
+        job, i = entry
+        for c in out.outputs:
+            part = job.parts.setdefault((i, c.index), _Part())
+            ids = list(c.token_ids)
+            part.token_ids += ids
+            part.log_probs += [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else []
+            if c.finish_reason is not None:
+                part.finish_reason = c.finish_reason
 
     def _admit(self, job: _Job) -> None:
         if self.broken:
@@ -369,7 +451,7 @@ class VLLMBackend:
                     logprobs=0,
                     detokenize=False,
                     seed=None if p.seed is None else (p.seed + i * p.n) % 2**63,  # any int64: vLLM's range
-                    output_kind=self._final_only,
+                    output_kind=self._output_kind,
                 )
                 rid = f"{base}-{i}"
                 self.engine.add_request(rid, {"prompt_token_ids": ids}, sp)
@@ -387,15 +469,10 @@ class VLLMBackend:
         if entry is None:
             return
         job, i = entry
-        comps = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else []
-            reason = "stop" if c.finish_reason == "stop" else "length"
-            comps.append(Completion(ids, lps, reason))
+        comps = self._collected(job, i) if self.in_flight else self._final(out)
         if len(comps) < job.params.n:  # greedy: the one decoded sample, n times
             comps = [
-                Completion(list(c.token_ids), list(c.log_probs), c.finish_reason)
+                Completion(list(c.token_ids), list(c.log_probs), c.finish_reason, None, c.token_versions)
                 for c in comps
                 for _ in range(job.params.n)
             ]
@@ -406,6 +483,31 @@ class VLLMBackend:
             job.future.set_result(
                 GenerationResult(job.outputs, job.policy_version, tokens, time.perf_counter() - job.t0)
             )
+
+    @staticmethod
+    def _final(out) -> list[Completion]:
+        """A request's completions from its final output (FINAL_ONLY: every token in it)."""
+        comps = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            lps = [d[t].logprob for t, d in zip(ids, c.logprobs)] if c.logprobs else []
+            comps.append(Completion(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
+        return comps
+
+    @staticmethod
+    def _collected(job: _Job, i: int) -> list[Completion]:
+        """Prompt i's completions from the steps' outputs collected in flight, each token's version."""
+        keys = sorted(k for k in job.parts if k[0] == i)
+        return [
+            Completion(
+                job.parts[k].token_ids,
+                job.parts[k].log_probs,
+                "stop" if job.parts[k].finish_reason == "stop" else "length",
+                None,
+                job.versions(k, len(job.parts[k].token_ids)),
+            )
+            for k in keys
+        ]
 
     _stops_checked_at = 0.0
     STOP_CHECK_S = 0.1  # how often (seconds) `_abort_stopped` looks: it walks every request in flight

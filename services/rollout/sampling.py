@@ -9,10 +9,13 @@ one, once: a rollout worker `ServerSampler` or `AgentSampler` (worker.py), `trai
                                     (`Tries` under the worker's `RetryPolicy`), one `sample_groups`
                                     call each (step.py: generate, score, value)
         _OneBatch.generate          the batch's Generate: its deadline, its idempotency key
+        partial.py:PartialRollouts  with `rollout.partial_tokens`: the batch decoded in chunks, a
+                                    paused response resumed from its tokens (`_OneBatch.part`:
+                                    each round a key of its own)
         _Scoring.score              a batch the reward API failed, scored again
         outcomes.classify           a failed try -> another (counted, logged) or the batch given up
       BackendSampler                one reply per sample, on a backend in this process: one
-                                    `sample_groups` call
+                                    `sample_groups` call (in chunks with `rollout.partial_tokens`)
       agents.py:AgentSampler        each sample a session of the user's agent (`rollout.agent`,
                                     `environment` or `agent_url`)
 
@@ -20,7 +23,8 @@ A Generate call's deadline grows with the work it asks for: `rollout.generate_ti
 `rpc.timeout_s`) plus `rollout.generate_timeout_per_token_s` x prompts x n x max_new_tokens. Every
 attempt of one batch carries the same idempotency key, so a retry that reaches a server still
 working on the batch waits for that work instead of starting it again (the server stops work whose
-callers have all left).
+callers have all left). Decoded in parts, round r >= 1 of a batch has the key `<key>/r` (the same on
+every try); a try that fails starts the batch again from round 0.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..generation.client import GenerationClient
 from ..reward.client import RewardAPIFailure
 from .metrics import WorkerMetrics
 from .outcomes import Failed, Outcome, Row, ScoringFailed, Then, classify, error_kind, message
+from .partial import PartialRollouts
 from .step import sample_groups
 
 if TYPE_CHECKING:
@@ -107,16 +112,20 @@ class BackendSampler:
     critic: object = None
 
     def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
+        partial = self.cfg.rollout.partial_tokens
+        generation = PartialRollouts.over(self.backend, partial) if partial else self.backend
         groups, metrics = sample_groups(
             [p.record for p in prompts],
             [p.uid for p in prompts],
-            self.backend,
+            generation,
             self.scorer,
             self.tokenizer,
             SamplingParams.for_training(self.cfg, prompts[0].group_size or None),
             self.critic,
             self.cfg.prompt_length,
         )
+        if isinstance(generation, PartialRollouts):
+            metrics.update(generation.metrics)
         return Sampled(list(groups), metrics)
 
     def close(self) -> None:
@@ -169,7 +178,9 @@ class ServerSampler:
                 tries.failed(None)
                 continue
             try:
-                generation = _OneBatch(self.servers.client(address), key, timeout)
+                one = _OneBatch(self.servers.client(address), key, timeout)
+                partial = self.cfg.rollout.partial_tokens
+                generation = PartialRollouts(one.part, partial) if partial else one
                 groups, m = sample_groups(
                     [p.record for p in prompts],
                     [p.uid for p in prompts],
@@ -180,6 +191,8 @@ class ServerSampler:
                     self.critic,
                     self.cfg.prompt_length,
                 )
+                if isinstance(generation, PartialRollouts):
+                    m.update(generation.metrics)
             except Exception as e:
                 row = classify(e)
                 if row is None:  # no failure the worker knows: the claim loop's to log
@@ -247,13 +260,23 @@ class ServerSampler:
 
 class _OneBatch:
     """A generation client as `sample_groups` calls it, for the attempts at one batch: each call
-    with the batch's deadline and idempotency key."""
+    with the batch's deadline and idempotency key. With partial rollouts (partial.py) a batch is
+    several calls: `part` r >= 1 (the continuations of round r) has the key `<key>/r` and passes
+    `first_prompt_tokens`."""
 
     def __init__(self, client: GenerationClient, key: str, timeout_s: float):
         self.client, self.key, self.timeout_s = client, key, timeout_s
 
     def generate(self, prompts, params: SamplingParams):
         return self.client.generate(prompts, params, timeout=self.timeout_s, key=self.key)
+
+    def part(self, prompts, params: SamplingParams, first_prompt_tokens: list[int] | None, part: int):
+        """One call of a batch decoded in parts (`PartialRollouts`' `call`)."""
+        if part == 0:
+            return self.generate(prompts, params)
+        return self.client.generate(
+            prompts, params, timeout=self.timeout_s, key=f"{self.key}/{part}", first_prompt_tokens=first_prompt_tokens
+        )
 
 
 class _Scoring:

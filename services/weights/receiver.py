@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple
 
 import grpc
 import redis
@@ -87,6 +87,17 @@ def shm_probe(shm_dir: str | None) -> Probe | None:
         return None
 
 
+class Applied(NamedTuple):
+    """A version applied: its number, bytes, seconds in all, and of those the seconds the swap
+    waited for the running batch (its end, or its next step in flight) and the swap's own."""
+
+    policy_version: int
+    nbytes: int
+    seconds: float
+    swap_wait_s: float = 0.0
+    swap_s: float = 0.0
+
+
 class WeightReceiver:
     """`fence(header)`, when given, decides whether a version comes from the run's writer: it
     raises `BadRequest` (refused) or `Unavailable` (cannot tell); it runs as soon as the header
@@ -135,7 +146,7 @@ class WeightReceiver:
     def max_bytes(self) -> int:
         return self.cfg.rpc.max_message_mb * 1024 * 1024 * 64
 
-    def apply_chunks(self, chunks, context=None, origin: str = "") -> tuple[int, int, float]:
+    def apply_chunks(self, chunks, context=None, origin: str = "") -> Applied:
         """Assemble a header/pieces/footer stream and apply it as one new policy version (a push,
         or a late server's pull). Its waits end with the call's deadline (`context`; without one,
         rpc.timeout_s)."""
@@ -154,7 +165,7 @@ class WeightReceiver:
             owned=True,
         )
 
-    def apply_shared(self, request, context=None) -> tuple[int, int, float]:
+    def apply_shared(self, request, context=None) -> Applied:
         """Check and apply a version the co-located learner wrote into shared memory."""
         if self.probe is None:
             raise BadRequest("shm: this server has no shared-memory directory (rpc.shm_dir)")
@@ -184,7 +195,7 @@ class WeightReceiver:
             first = next(stream, None)
             if first is None:
                 return False
-            policy_version, nbytes, secs = self.apply_chunks(itertools.chain([first], stream), origin=origin)
+            policy_version, nbytes, secs, _, _ = self.apply_chunks(itertools.chain([first], stream), origin=origin)
             log.info(
                 "pulled policy version %d from the learner at %s (%.1f MB, %.2fs)",
                 policy_version,
@@ -226,9 +237,7 @@ class WeightReceiver:
         log.warning("%s", msg)
         return DeadlineExceeded(msg)
 
-    def _apply(
-        self, source, via: str = "stream", context=None, origin: str = "", owned: bool = False
-    ) -> tuple[int, int, float]:
+    def _apply(self, source, via: str = "stream", context=None, origin: str = "", owned: bool = False) -> Applied:
         """One update at a time (`owned`: the source's tensors are this receiver's to keep, as a
         delta base). Each wait ends with the call's deadline (`budget`), naming its
         phase and the peer: for an earlier update to finish ('wait-for-previous-update'), the
@@ -249,10 +258,10 @@ class WeightReceiver:
             )
         try:
             with source() as (policy_version, fmt, state, nbytes, header):
-                started = []
+                started: list[float] = []
 
                 def swap():
-                    started.append(True)
+                    started.append(time.perf_counter())
                     if self.fence is not None:
                         self.fence(header)  # again: another learner may have taken over while the pieces came
                     self.backend.update_weights(state, policy_version)
@@ -262,9 +271,11 @@ class WeightReceiver:
                     self.delta_base = (
                         delta.Base(header.run_id, header.epoch, policy_version, dict(state)) if keep else None
                     )
+                    started.append(time.perf_counter())
 
                 if server:
                     server.set_ready(False)  # alive, not ready, while the swap waits for the batch
+                t_queued = time.perf_counter()
                 try:
                     self.run(swap, timeout=max(budget - (time.monotonic() - t_mono), 0.0))
                 except TimeoutError as e:
@@ -302,5 +313,15 @@ class WeightReceiver:
         finally:
             self.lock.release()
         secs = time.perf_counter() - t0
-        log.info("policy version %d applied (%s, %.1f MB in %.2fs, %s)", policy_version, fmt, nbytes / 1e6, secs, via)
-        return policy_version, nbytes, secs
+        wait_s, swap_s = started[0] - t_queued, started[1] - started[0]
+        log.info(
+            "policy version %d applied (%s, %.1f MB in %.2fs, %s; %.2fs waiting for the batch, %.2fs swapping)",
+            policy_version,
+            fmt,
+            nbytes / 1e6,
+            secs,
+            via,
+            wait_s,
+            swap_s,
+        )
+        return Applied(policy_version, nbytes, secs, wait_s, swap_s)

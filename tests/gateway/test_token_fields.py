@@ -355,3 +355,23 @@ def test_a_template_that_rewrites_earlier_turns_cannot_go_on_from_echoed_tokens(
     with pytest.raises(NotTokenExact) as refused:
         Session("s").plan(ChatTokens(tok), messages, None, echo)
     assert refused.value.index == 1
+
+
+def test_a_session_whose_turns_came_from_two_versions_keeps_each_turns_version():
+    """A session's trajectory as a sample: each turn's tokens carry the version that sampled that
+    turn (the environment's tokens after it too; they are out of the loss), so the learner's
+    staleness bound judges each turn by its own; one version in all: none."""
+    from services.agents.sessions import as_sample, turn_versions
+
+    traj = {
+        "token_ids": [1, 2, 3, 10, 11, 4, 5, 12, 13, 14],
+        "loss_mask": [0, 0, 0, 1, 1, 0, 0, 1, 1, 1],
+        "log_probs": [0.0] * 10,
+        "policy_versions": [3, 5],
+        "finish_reason": "stop",
+    }
+    prompt, c = as_sample(traj)
+    assert prompt == [1, 2, 3] and c.token_ids == [10, 11, 4, 5, 12, 13, 14]
+    assert c.token_versions == [3, 3, 3, 3, 5, 5, 5]
+    assert as_sample({**traj, "policy_versions": [4, 4]})[1].token_versions is None
+    assert turn_versions([1, 1, 0, 1], [1, 2, 3]) is None  # runs and turns disagree: the group's one version

@@ -14,16 +14,17 @@ from tests.generation.test_server import VLLM_CPU
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def vllm_backend(tiny_model_dir):
+def make_vllm(model_dir, **kw):
+    """A vLLM backend on this CPU (vLLM's CPU build) for the tiny model, float32; `kw` its options."""
     from services.generation.vllm_backend import VLLMBackend
 
-    b = VLLMBackend(
-        tiny_model_dir,
-        config_from_dict({"generation": {"vllm": VLLM_CPU}}).generation.vllm,
-        dtype="float32",
-        max_model_len=64,
-    )
+    vcfg = config_from_dict({"generation": {"vllm": VLLM_CPU}}).generation.vllm
+    return VLLMBackend(model_dir, vcfg, dtype="float32", max_model_len=64, **kw)
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(tiny_model_dir):
+    b = make_vllm(tiny_model_dir)
     yield b
     b.close()
 

@@ -65,3 +65,32 @@ def make_cfg(model_dir, redis_server, reward_port):
 
     yield make
     ReplayStore.from_config(make()).reset()
+
+
+@pytest.fixture
+def local_session_cfg(tiny_model_dir, monkeypatch):
+    """`local_session_cfg(rollout=..., **overrides)`: the small GRPO `train --local` config the
+    session tests run (4 prompts x 2 sessions, 2 iterations, the held-out eval every iteration),
+    with starting a generation server made an error: in one process a session samples through
+    the backend, never a server."""
+    import services.generation.server as generation_server
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("train --local started a generation server")
+
+    monkeypatch.setattr(generation_server, "serve", no_server)
+
+    def make(**over):
+        d = {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "rollout_batch_size": 4,
+            "ppo_mini_batch_size": 8,
+            "data": {"train": "synthetic:reverse", "eval": "synthetic:reverse", "eval_size": 3},
+            "run": {"iterations": 2, "eval_interval": 1, "checkpoint_interval": 0, "seed": 0},
+            **over,
+        }
+        return config_from_dict(d)
+
+    return make

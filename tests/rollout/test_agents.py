@@ -360,7 +360,7 @@ def test_the_learners_eval_runs_the_agent_on_the_server_at_its_version(make_cfg,
 
 
 def test_train_local_trains_an_agent_in_one_process_and_a_config_gives_one_kind(
-    agents_file, tmp_path, tiny_model_dir, monkeypatch
+    agents_file, tmp_path, tiny_model_dir, local_session_cfg
 ):
     """`rlhf train --local` with rollout.agent: the agent's sessions run on an endpoint in the
     process, sampled by its backend (no generation server); the policy trains on them and the
@@ -369,29 +369,15 @@ def test_train_local_trains_an_agent_in_one_process_and_a_config_gives_one_kind(
     import torch
     from safetensors.torch import load_file
 
-    import services.generation.server as generation_server
     from services.cli.preflight import agent_errors
     from services.common.config import ConfigError, config_from_dict
     from services.local import run_local
 
-    def no_server(*args, **kwargs):
-        raise AssertionError("train --local started a generation server")
-
-    monkeypatch.setattr(generation_server, "serve", no_server)
-    cfg = config_from_dict(
-        {
-            "model": {"path": tiny_model_dir, "device": "cpu"},
-            "adv_estimator": "grpo",
-            "num_return_sequences_in_group": 2,
-            "rollout_batch_size": 4,
-            "ppo_mini_batch_size": 8,
-            "prompt_length": 128,
-            "response_length": 64,
-            "actor_lr": 1e-3,
-            "data": {"train": "synthetic:reverse", "eval": "synthetic:reverse", "eval_size": 3},
-            "run": {"iterations": 2, "eval_interval": 1, "checkpoint_interval": 0, "seed": 0},
-            "rollout": {"agent": f"{agents_file}:two_turns", "agent_timeout_s": 120},
-        }
+    cfg = local_session_cfg(
+        prompt_length=128,
+        response_length=64,
+        actor_lr=1e-3,
+        rollout={"agent": f"{agents_file}:two_turns", "agent_timeout_s": 120},
     )
     run_dir = tmp_path / "run"
     summary = run_local(cfg, run_dir)

@@ -323,30 +323,16 @@ def test_mcp_tools_are_offered_and_called_on_the_episodes_environment(server, ti
 
 
 # ---------------------------------------------------------------------------------------------- training
-def test_train_local_on_a_server_runs_and_logs(server, tiny_model_dir, tmp_path, monkeypatch):
+def test_train_local_on_a_server_runs_and_logs(server, local_session_cfg, tmp_path):
     """`rlhf train --local` with rollout.environment a server's URL: 2 iterations of GRPO whose
     samples are the environment's episodes (4 prompts x 2 sessions at once), the held-out eval
     through it too; every iteration's metrics logged (the wiring, not learning)."""
-    import services.generation.server as generation_server
     from services.local import run_local
 
-    def no_server(*args, **kwargs):
-        raise AssertionError("train --local started a generation server")
-
-    monkeypatch.setattr(generation_server, "serve", no_server)
-    cfg = config_from_dict(
-        {
-            "model": {"path": tiny_model_dir, "device": "cpu"},
-            "adv_estimator": "grpo",
-            "num_return_sequences_in_group": 2,
-            "rollout_batch_size": 4,
-            "ppo_mini_batch_size": 8,
-            "prompt_length": 64,
-            "response_length": 48,
-            "data": {"train": "synthetic:reverse", "eval": "synthetic:reverse", "eval_size": 3},
-            "run": {"iterations": 2, "eval_interval": 1, "checkpoint_interval": 0, "seed": 0},
-            "rollout": {"environment": f"openenv+{server}/reverse?max_tokens=6", "agent_timeout_s": 120},
-        }
+    cfg = local_session_cfg(
+        prompt_length=64,
+        response_length=48,
+        rollout={"environment": f"openenv+{server}/reverse?max_tokens=6", "agent_timeout_s": 120},
     )
     run_dir = tmp_path / "run"
     assert run_local(cfg, run_dir)["iterations"] == 2

@@ -96,11 +96,15 @@ class WeightFooter(_message.Message):
     def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "bytes", "seconds")
+    __slots__ = ("policy_version", "bytes", "seconds", "swap_wait_seconds", "swap_seconds")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     bytes: int
     seconds: float
-    def __init__(self, policy_version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    swap_wait_seconds: float
+    swap_seconds: float
+    def __init__(self, policy_version: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., swap_wait_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
