@@ -33,7 +33,9 @@ ROWS = [
         ("Generation tokens/s", "none", [
             ("sum(rate(rlhf_generated_tokens_total[1m]))", "all servers"),
             ("sum by (instance) (rate(rlhf_generated_tokens_total[1m]))", "{{instance}}")]),
-        ("Weight push", "s", [("rlhf_learner_push_seconds", "push")]),
+        ("Weight push", "s", [("rlhf_learner_push_seconds", "push"),
+            ("max(rate(rlhf_weight_swap_wait_seconds_sum[5m]) / rate(rlhf_weight_swap_wait_seconds_count[5m]))",
+             "waiting for a batch (slowest server)")]),
     ]),
     ("Replay buffer", [
         ("Prompts waiting for workers, trajectories waiting for the learner", "none", [

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Callable
 from ..common.compute import Call, run_call, wait_for_call
 from ..common.rpc.errors import DeadlineExceeded
 from ..common.types import GenerationBackend, GenerationResult, SamplingParams
+from .backend import GenerationStopped
+from .metrics import GenerationMetrics
 
 if TYPE_CHECKING:
     from ..common.config import Config
-from .backend import GenerationStopped
-from .metrics import GenerationMetrics
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +175,10 @@ class Batcher(ActiveCalls):
         if not group:
             return
         prompts = [p for j in group for p in j.prompts]
-        stop = lambda: all(j.stopped() for j in group)  # noqa: E731
+        between = {"between": self._run_urgent} if self.in_flight else {}  # weight updates between steps
+        stop = [j.stopped for j in group]
         try:
-            if self.in_flight:
-                res = self.backend.generate(prompts, group[0].params, stop=stop, between=self._run_urgent)
-            else:
-                res = self.backend.generate(prompts, group[0].params, stop=stop)
+            res = self.backend.generate(prompts, group[0].params, stop=lambda: all(s() for s in stop), **between)
         except GenerationStopped as e:
             log.info("a batch of %d prompts was stopped: every caller left (%s)", len(prompts), e)
             for j in group:

@@ -76,6 +76,23 @@ def pick(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, to
     return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
+def prefill(model, ids: torch.Tensor, attn: torch.Tensor):
+    """A forward over left-padded `ids` (their `attn` mask): its cache, the last position's logits
+    (the only ones computed) and each row's next position."""
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **last_logits_kwargs(model))
+    return out.past_key_values, out.logits[:, -1], pos[:, -1:] + 1
+
+
+def step_forward(model, tok: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
+    """One decoding step's forward over `cache`: each row's last token in, the logits of its next
+    position out."""
+    out = model(
+        input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
+    )
+    return out.logits[:, -1]
+
+
 @torch.no_grad()
 def decode(
     model,
@@ -95,17 +112,13 @@ def decode(
     n, T = params.n, params.max_new_tokens
     ids, attn = pad_left(prompts, pad_token_id)
     ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
     # 1. the prefill, once per prompt; only the last position's logits are computed
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **last_logits_kwargs(model))
-    cache = out.past_key_values
-    logits = out.logits[:, -1]
+    cache, logits, next_pos = prefill(model, ids, attn)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
-        pos = pos.repeat_interleave(n, 0)
+        next_pos = next_pos.repeat_interleave(n, 0)
     N = len(prompts) * n
-    next_pos = pos[:, -1:] + 1
     stops = torch.tensor(sorted(set(stop_token_ids)), device=device)
     tokens = torch.full((N, T), pad_token_id, dtype=torch.long)
     logps = torch.zeros(N, T)
@@ -140,26 +153,13 @@ def decode(
             rows, live = rows[keep], live[keep]
         tok = torch.where(live.to(device), tok, torch.full_like(tok, pad_token_id))
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-        switched = between is not None and between()
-        if switched:
+        if between is not None and between():  # new weights, from the next token on
             switches.append(step + 1)
-        if switched and recompute:  # the whole context again, under the new weights
-            context = torch.cat([prompt_ids[rows.to(device)], tokens[rows, : step + 1].to(device)], dim=1)
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)
-            out = model(
-                input_ids=context, attention_mask=attn, position_ids=pos, use_cache=True, **last_logits_kwargs(model)
-            )
-            cache, next_pos = out.past_key_values, pos[:, -1:]
-        else:
-            out = model(
-                input_ids=tok.unsqueeze(1),
-                attention_mask=attn,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
-        logits = out.logits[:, -1]
-        next_pos = next_pos + 1
+            if recompute:  # the whole context again, under them
+                context = torch.cat([prompt_ids[rows.to(device)], tokens[rows, : step + 1].to(device)], dim=1)
+                cache, logits, next_pos = prefill(model, context, attn)
+                continue
+        logits, next_pos = step_forward(model, tok, attn, next_pos, cache), next_pos + 1
     return Decoded(
         [tokens[i, : length[i]].tolist() for i in range(N)],
         [logps[i, : length[i]].tolist() for i in range(N)],

@@ -84,7 +84,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         metrics = GenerationMetrics(server.metrics) if server else None
         self.batcher = make_batcher(backend, cfg, metrics)
         self.in_flight = InFlight()
-        self.receiver = WeightReceiver(backend, self.batcher.call, cfg, fence=fence, probe=probe, readiness=server)
+        self.receiver = WeightReceiver(
+            backend,
+            self.batcher.call,
+            cfg,
+            fence=fence,
+            probe=probe,
+            readiness=server,
+            on_applied=metrics.record_swap if metrics else None,
+        )
 
     @property
     def fence(self):

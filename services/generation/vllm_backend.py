@@ -325,8 +325,9 @@ class VLLMBackend:
         """The prefix cache's blocks hold the old policy's keys and values: dropped. In flight with
         `recompute`, the requests in flight are preempted first (vLLM prefills them again, under
         the new weights); kept, the cache cannot be reset while they hold blocks."""
-        running = self.in_flight and self.engine.has_unfinished_requests()
-        if not self.engine.reset_prefix_cache(reset_running_requests=running and self.recompute) and running:
+        if not (self.in_flight and self.engine.has_unfinished_requests()):
+            self.engine.reset_prefix_cache()
+        elif not self.engine.reset_prefix_cache(reset_running_requests=self.recompute):
             log.warning(
                 "weights swapped in flight with in_flight_cache: keep: the prefix cache could not be reset "
                 "while requests hold blocks, so new requests may reuse prefixes the old weights encoded "

@@ -121,9 +121,11 @@ class WeightReceiver:
         fence: Fence | None = None,
         probe: Probe | None = None,
         readiness=None,
+        on_applied: Callable[[Applied], None] | None = None,
     ):
         self.backend, self.run, self.cfg, self.fence, self.probe = backend, run, cfg, fence, probe
         self.readiness = readiness  # the RPC server (set_ready, liveness), or None
+        self.on_applied = on_applied  # told of each version applied (the server's metrics)
         self.base = f"model:{cfg.model.path}"
         self.lock = threading.Lock()  # one update at a time
         self.keeps_delta_base = bool(getattr(cfg.rpc, "delta_push", False))
@@ -262,15 +264,7 @@ class WeightReceiver:
 
                 def swap():
                     started.append(time.perf_counter())
-                    if self.fence is not None:
-                        self.fence(header)  # again: another learner may have taken over while the pieces came
-                    self.backend.update_weights(state, policy_version)
-                    if fmt in COMPLETE_FORMATS:
-                        self.base = f"run:{header.run_id}"
-                    keep = self.keeps_delta_base and owned and fmt in COMPLETE_FORMATS
-                    self.delta_base = (
-                        delta.Base(header.run_id, header.epoch, policy_version, dict(state)) if keep else None
-                    )
+                    self._swap(policy_version, fmt, state, header, owned)
                     started.append(time.perf_counter())
 
                 if server:
@@ -312,16 +306,32 @@ class WeightReceiver:
             raise
         finally:
             self.lock.release()
-        secs = time.perf_counter() - t0
-        wait_s, swap_s = started[0] - t_queued, started[1] - started[0]
+        secs, wait_s, swap_s = time.perf_counter() - t0, started[0] - t_queued, started[1] - started[0]
+        return self._applied(Applied(policy_version, nbytes, secs, wait_s, swap_s), fmt, via)
+
+    def _swap(self, policy_version: int, fmt: str, state: dict, header, owned: bool) -> None:
+        """On the compute thread, between batches (or decoding steps): the fence again (another
+        learner may have taken over while the pieces came), the backend's update, then where the
+        weights come from and the delta base."""
+        if self.fence is not None:
+            self.fence(header)
+        self.backend.update_weights(state, policy_version)
+        if fmt in COMPLETE_FORMATS:
+            self.base = f"run:{header.run_id}"
+        keep = self.keeps_delta_base and owned and fmt in COMPLETE_FORMATS
+        self.delta_base = delta.Base(header.run_id, header.epoch, policy_version, dict(state)) if keep else None
+
+    def _applied(self, a: Applied, fmt: str, via: str) -> Applied:
         log.info(
             "policy version %d applied (%s, %.1f MB in %.2fs, %s; %.2fs waiting for the batch, %.2fs swapping)",
-            policy_version,
+            a.policy_version,
             fmt,
-            nbytes / 1e6,
-            secs,
+            a.nbytes / 1e6,
+            a.seconds,
             via,
-            wait_s,
-            swap_s,
+            a.swap_wait_s,
+            a.swap_s,
         )
-        return Applied(policy_version, nbytes, secs, wait_s, swap_s)
+        if self.on_applied is not None:
+            self.on_applied(a)
+        return a

@@ -339,7 +339,7 @@ def test_vllm_backend_aborts_the_requests_of_a_job_nobody_waits_for():
 
     b = vb.VLLMBackend.__new__(vb.VLLMBackend)
     b.engine, b.policy_version, b.broken, b.eos_token_id = FakeEngine(), 0, None, 2
-    b._sampling_params, b._final_only = (lambda **kw: kw), None
+    b._sampling_params, b._output_kind = (lambda **kw: kw), None
     b._q, b._ids, b._inflight, b._held, b._calls, b._closed = queue.Queue(), itertools.count(), {}, [], [], False
     b._thread = threading.Thread(target=b._loop, daemon=True)
     b._thread.start()

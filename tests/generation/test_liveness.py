@@ -84,7 +84,7 @@ def fake_vllm_backend(model_dir: str) -> VLLMBackend:
     model = load_causal_lm(model_dir)
     b.vocab_size = model.config.vocab_size
     b._specs = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    b._sampling_params, b._final_only = (lambda **kw: SimpleNamespace(**kw)), None
+    b._sampling_params, b._output_kind = (lambda **kw: SimpleNamespace(**kw)), None
     b.engine = FakeEngine()
     b._run_engine()
     return b
