@@ -8,6 +8,8 @@
 #      installed: it is a yardstick, not a dependency);
 #   3. the learner's and the critic's steps at configs/gpu.yaml's sizes on a Qwen2.5-0.5B shape
 #      (benchmarks/bench_steps.py, random weights);
+#   4. when time is left, `rlhf up` again with generation ahead of the learner and weight updates
+#      in flight (max_staleness=1, generation.weight_update=in_flight; docs/async.md);
 # then one comparison table (s/iteration, samples/s, vs TRL). Every part writes JSON under $OUT
 # (default runs/gpu-check) and the table goes to $OUT/summary.txt: copy its figures into
 # docs/speed.md with the machine and the date.
@@ -49,6 +51,9 @@ fi
 # shellcheck disable=SC2086
 part steps 90 "$PY" benchmarks/bench_steps.py -c configs/gpu.yaml --shape "$STEPS_SHAPE" --device "$DEVICE" $STEPS_SET \
   --out "$OUT/steps.json"
+# shellcheck disable=SC2086
+part in-flight 120 "$PY" benchmarks/bench_iteration.py -c configs/smollm2-cpu.yaml --iterations "$ITERS" $RECIPE \
+  --modes up --set max_staleness=1 --set generation.weight_update=in_flight --out-dir "$OUT/iteration-in-flight"
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
@@ -59,6 +64,10 @@ if it.exists():
     for r in json.loads(it.read_text()):
         name = {"up": "rlhf up", "local": "train --local"}.get(r["mode"], r["mode"])
         rows.append((name, r["s_per_iteration"], r["samples_per_s"]))
+flight = out / "iteration-in-flight" / "summary.json"
+if flight.exists():
+    for r in json.loads(flight.read_text()):
+        rows.append(("up, in flight", r["s_per_iteration"], r["samples_per_s"]))
 trl = out / "trl.json"
 if trl.exists():
     t = json.loads(trl.read_text())
