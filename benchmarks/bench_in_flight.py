@@ -1,7 +1,7 @@
 """Benchmark: weight updates in flight (`generation.weight_update: in_flight`) against between
 batches, on one generation server holding SmolLM2-135M (the `hf` backend), over loopback gRPC.
 
-    OMP_NUM_THREADS=2 nice .venv/bin/python benchmarks/bench_in_flight.py   (about 3 minutes on 2 cores;
+    OMP_NUM_THREADS=2 nice .venv/bin/python benchmarks/bench_in_flight.py   (about 4 minutes on 2 cores;
         writes runs/bench/in_flight.json, prints the table)
 
 What it measures, per mode (between batches; in flight with the
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--pushes", type=int, default=4)
+    ap.add_argument("--pushes", type=int, default=8)
     ap.add_argument("--out", default="runs/bench/in_flight.json")
     args = ap.parse_args()
     results = [run_mode(args, mode) for mode in MODES]

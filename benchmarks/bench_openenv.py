@@ -119,7 +119,7 @@ def main() -> None:
     import httpx
 
     from services.agents.host import agent_host, session_name
-    from services.agents.openenv import LocalSession, ServerSession
+    from services.agents.openenv_sessions import LocalSession, ServerSession
     from services.common.config import load_config
     from services.common.modeling import load_tokenizer
     from services.common.openenv_ref import parse_openenv

@@ -96,7 +96,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/architecture.md", "reward:"): PARTIAL,
     ("docs/architecture.md", "rlhf serve learner -c FILE --nproc 4 # or model.nproc:"): PARSE,  # GPUs
     ("docs/async.md", "generation:"): PARTIAL,
-    ("docs/async.md", ".venv/bin/python benchmarks/bench_in_flight.py --pushes 8"): PARSE,  # SmolLM2, minutes
+    ("docs/async.md", ".venv/bin/python benchmarks/bench_in_flight.py"): PARSE,  # SmolLM2, minutes
     ("docs/async.md", "8 prompts x n=4, up to 64 new tokens, 8 full pushes, 2 threads"): PROSE,  # what it prints
     ("docs/async.md", "max_staleness: 1 # generation runs ahead of the learner:"): PARTIAL,
     ("docs/async.md", ".venv/bin/python benchmarks/bench_partial.py -c"): PARSE,  # SmolLM2, minutes
