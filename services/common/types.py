@@ -95,6 +95,16 @@ class Completion:
         return list(self.token_versions) if self.token_versions is not None else [default] * len(self.token_ids)
 
 
+def switched_versions(first: int, switches: Sequence[tuple[int, int]], n_tokens: int) -> list[int] | None:
+    """Per token of a completion of `n_tokens` tokens, the policy version that sampled it: `first`,
+    then from each switch's token position on its version (`switches`: (position, version) in
+    order). None when that is `first` for every token (the form `Completion.token_versions` takes)."""
+    per_token = [first] * n_tokens
+    for at, version in switches:
+        per_token[at:] = [version] * max(n_tokens - at, 0)
+    return None if all(v == first for v in per_token) else per_token
+
+
 @dataclass
 class GenerationResult:
     completions: list[list[Completion]]  # [prompt][sample]

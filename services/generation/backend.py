@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
-from ..common.types import Completion, GenerationResult, SamplingParams
+from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
 from ..weights.check import check_newer, check_version
 from ..weights.hostcopy import copy_to_device
 from .decode import decode
@@ -127,24 +127,18 @@ class HFBackend:
             raise GenerationStopped(
                 f"stopped after {out.steps} of {params.max_new_tokens} tokens: nobody waits for this batch any more"
             )
+        switches = list(zip(out.switches, versions[1:]))
         completions = [
             [
-                Completion(out.tokens[i], out.logps[i], out.finish[i], None, token_versions(out, i, versions))
+                Completion(
+                    out.tokens[i],
+                    out.logps[i],
+                    out.finish[i],
+                    None,
+                    switched_versions(versions[0], switches, len(out.tokens[i])),
+                )
                 for i in range(j * params.n, (j + 1) * params.n)
             ]
             for j in range(len(prompts))
         ]
         return GenerationResult(completions, versions[0], sum(len(t) for t in out.tokens), time.perf_counter() - t0)
-
-
-def token_versions(out, i: int, versions: list[int]) -> list[int] | None:
-    """Per token of sample `i`, the version that sampled it; None when it is one version (no switch
-    came before its last token)."""
-    n = len(out.tokens[i])
-    if not out.switches or out.switches[0] >= n:
-        return None
-    per_token = [versions[0]] * n
-    for at, v in zip(out.switches, versions[1:]):
-        if at < n:
-            per_token[at:] = [v] * (n - at)
-    return per_token

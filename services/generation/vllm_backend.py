@@ -41,7 +41,7 @@ import torch
 from ..common.compute import Call, run_call, wait_for_call
 from ..common.modeling import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
-from ..common.types import Completion, GenerationResult, SamplingParams
+from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
 from ..weights.check import check_newer, check_version
 from .backend import GenerationStopped
 from .decode import GREEDY_BELOW
@@ -117,11 +117,8 @@ class _Job:
 
     def versions(self, key: tuple[int, int], n_tokens: int) -> list[int] | None:
         """Per token of sample `key`, the version that sampled it; None when one version."""
-        per_token = [self.policy_version] * n_tokens
-        for version, counts in self.switches:
-            at = counts.get(key, 0)
-            per_token[at:] = [version] * max(n_tokens - at, 0)
-        return None if all(v == self.policy_version for v in per_token) else per_token
+        switches = [(counts.get(key, 0), version) for version, counts in self.switches]
+        return switched_versions(self.policy_version, switches, n_tokens)
 
 
 class VLLMBackend:
