@@ -100,3 +100,31 @@ def fuzz_schema(schema, base_url: str, headers: dict, examples: int) -> int:
                 failures.append(f"{operation.label} ({mode.value}): {type(e).__name__}: {str(e)[:2000]}")
     assert not failures, "\n\n".join(failures)
     return sent[0]
+
+
+def openapi_schemas(model_dir: str) -> dict[str, str]:
+    """The OpenAPI schema each HTTP service serves, as the text it sends (`rlhf serve gateway` and
+    `rlhf serve reward`'s HTTP API, started as those commands start them on free ports, with a
+    token): what a refactor must leave byte-identical (benchmarks/fingerprint.py)."""
+    import httpx
+
+    from services.common.config import config_from_dict
+    from services.gateway.server import serve as serve_gateway
+    from services.reward.scorer import RuleScorer
+    from services.reward.server import serve as serve_reward
+    from tests.grpc_helpers import TOKEN, on_free_ports
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    cfg = config_from_dict(
+        {"model": {"path": model_dir, "device": "cpu"}, "rpc": {"auth_token": TOKEN, "gateway": {"port": 0}}}
+    )
+    out = {}
+    gateway = serve_gateway(cfg).start()
+    try:
+        out["gateway"] = httpx.get(f"http://127.0.0.1:{gateway.port}/openapi.json", headers=auth).text
+    finally:
+        gateway.stop()
+    scorer = RuleScorer([("exact_match", 1.0, {})])
+    with serve_reward(on_free_ports(cfg, "reward", http=True), scorer) as svc:
+        out["reward"] = httpx.get(f"http://127.0.0.1:{svc.server.http_port}/openapi.json", headers=auth).text
+    return out
