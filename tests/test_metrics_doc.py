@@ -20,10 +20,10 @@ from services.common.config import config_from_dict
 from services.critic.server import serve as serve_critic
 from services.gateway.server import serve as serve_gateway
 from services.generation.server import serve as serve_generation
-from services.learner.client import LearnerClient
 from services.learner.server import serve as serve_learner
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import serve as serve_rollout
+from services.weights.pull import LearnerClient
 from tests.grpc_helpers import TOKEN
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

@@ -1,5 +1,7 @@
 """The package structure the architecture promises, checked on the source (ast, every import,
 also those inside functions):
+- every package under services/ has a layer (`LAYERS`), and every import goes down the layers or
+  stays in its package: none runs back up, none crosses to another package of the same layer;
 - `services.common` imports no service; `services.ppo` imports nothing else of the project;
 - `services.weights` (weight transfer) imports only `services.common`;
 - a service (generation, reward, critic, learner, rollout, gateway) imports another service only
@@ -29,6 +31,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("generation", "reward", "critic", "learner", "rollout", "gateway")
+# every package under services/ (and the composition roots), lowest first: a module imports only
+# from its own package or a lower layer, never from its own layer's others or from above
+LAYERS = (
+    ("ppo",),  # the algorithm: pure tensor functions
+    ("common",),  # the shared kernel
+    ("weights", "training"),  # moving a policy version; what the training loop needs
+    ("agents",),  # sessions, the agents' endpoint, episode loops
+    ("generation", "reward", "critic"),  # the services others call, through their clients
+    ("learner", "rollout", "gateway", "reward_model"),  # the services that call them; offline jobs
+    ("launcher", "local"),  # composition roots: the distributed and the in-process wiring
+    ("cli",),  # the command, over everything
+)
 ROOTS = ("services.cli", "services.launcher", "services.local")  # composition roots: wire everything
 # common parts shared through the objects every service is handed rather than through imports
 SHARED_BY_CONTRACT = {
@@ -81,6 +95,33 @@ def _service_of(mod: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in SERVICES else None
 
 
+def _layer(mod: str) -> int:
+    package = mod.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if package in names)
+
+
+def test_every_package_has_a_layer():
+    packages = {m.split(".")[1] for m in GRAPH if m.count(".") >= 1}
+    layered = {name for names in LAYERS for name in names}
+    assert packages == layered, (
+        f"without a layer: {packages - layered}; a layer's name with no package: {layered - packages}"
+    )
+
+
+def test_no_import_runs_back_up_the_layers():
+    """Every import of every package (functions' own included) goes down the layers or stays in
+    its package: a package that imports one of its own layer, or one above, is refused."""
+    assert _layer("services.agents.host") < _layer("services.gateway.server")  # it tells them apart
+    bad = sorted(
+        (m, d)
+        for m, deps in GRAPH.items()
+        if m.count(".") >= 1
+        for d in deps
+        if d.count(".") >= 1 and d.split(".")[1] != m.split(".")[1] and _layer(d) >= _layer(m)
+    )
+    assert not bad, f"imports that run back up (or across) the layers: {bad}"
+
+
 def test_the_graph_sees_the_project():
     assert len(GRAPH) > 40
     assert "services.learner.run" in GRAPH and "services.generation.client" in GRAPH["services.learner.run"]
@@ -125,7 +166,7 @@ def test_services_meet_only_through_clients():
 
 def test_client_modules_import_only_common():
     clients = [m for m in GRAPH if m.endswith(".client") and _service_of(m)]
-    assert len(clients) == 4  # generation, reward, critic, learner
+    assert len(clients) == 3  # generation, reward, critic (the learner's pull is weights/pull.py)
     bad = [
         (m, d)
         for m in clients

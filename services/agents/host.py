@@ -6,7 +6,7 @@ rollout workers' samples, the learner's held-out eval and `rlhf eval` all run th
 
 `client` is bound to one session (its requests carry the session's id); `sample` is the prompt's
 record (`prompt`, `label`, `metadata`); the return value is the session's reward. `AgentHost`
-hosts the gateway's app on a free loopback port over a pool of generation servers and runs the
+hosts the agents' endpoint (routes.py) on a free loopback port over a pool of generation servers and runs the
 sessions, many at once (a thread each, or one event loop for async agents).
 
 A session whose agent raises, runs past its timeout, returns what is not a finite number, or made
@@ -18,7 +18,7 @@ outage, not its input.
 
 The hops of one session:
     AgentHost.run                 the sessions opened (the endpoint serves only those), run at once
-      agent(client, sample)       the user's code: chat completions through the endpoint (app.py)
+      agent(client, sample)       the user's code: chat completions through the endpoint (routes.py)
       Session.record              the token-exact trajectory the endpoint recorded (sessions.py)
       Episode                     the reward or the failure, and the trajectory
 The held-out eval of an agent is evaluate.py (`AgentSessions`).
@@ -41,24 +41,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from ..common import environments
 from ..common.lifecycle import HTTPServerThread
-from ..common.openenv_ref import is_openenv
 from ..common.rpc.client import reachable_host
 from ..common.types import PromptRecord, SampleGroup, SamplingParams, ScoreResult
 from ..common.userfn import load_function
-from ..common.verifiers_envs import is_env_ref as is_verifiers_env
-from ..gateway.app import (
-    CONTEXT_LENGTH_EXCEEDED,
-    MAX_TURNS_EXCEEDED,
-    SESSION_HEADER,
-    Gateway,
-    TurnSampler,
-    build_app,
-    session_key,
-)
 from .errors import AgentFailed, AgentServiceDown, Outage, Unscored  # noqa: F401 (others import them from here)
+from .handler import TurnHandler
+from .protocol import SESSION_HEADER
+from .routes import build_app, session_key
 from .scores import Reward
 from .sessions import Sessions, as_sample
+from .turns import TurnSampler
 
 if TYPE_CHECKING:
     from ..common.config import Config, RolloutConfig
@@ -70,65 +64,17 @@ AGENT_TAKES = ("client", "sample")
 
 def load_agent(rc: RolloutConfig) -> Callable:
     """The agent function of a session, from whichever of `rollout.agent` (your function),
-    `rollout.environment` (your reset/step class, driven by `environment_agent`; an OpenEnv
-    environment, openenv.py; a verifiers Environment, verifiers_env.py) or
-    `rollout.agent_url` (your agent service, called by `http_agent`) is set; ValueError saying
-    why not (it does not load, or takes other arguments)."""
+    `rollout.environment` (an environment of any kind the registry knows, common/environments.py:
+    your reset/step class, an OpenEnv environment, a verifiers Environment) or `rollout.agent_url`
+    (your agent service, called by `http_agent`) is set; ValueError saying why not (it does not
+    load, or takes other arguments)."""
     if rc.agent:
         return load_function(rc.agent, takes=AGENT_TAKES)
-    if rc.environment and is_openenv(rc.environment):  # an OpenEnv server or class (openenv.py)
-        from .openenv import openenv_agent
-
-        return openenv_agent(rc.environment, rc.max_turns, rc.agent_timeout_s)
-    if rc.environment and is_verifiers_env(rc.environment):  # a verifiers Environment (verifiers_env.py)
-        from ..common.verifiers_envs import load_env
-        from .verifiers_env import verifiers_agent
-
-        return verifiers_agent(load_env(rc.environment))
     if rc.environment:
-        return environment_agent(load_function(rc.environment), rc.max_turns)
+        return environments.agent(rc.environment, rc)
     if rc.agent_url:
         return http_agent(rc.agent_url, rc.agent_timeout_s)
     raise ValueError("rollout: none of agent, environment, agent_url is set")
-
-
-def environment_agent(make_env: Callable, max_turns: int) -> Callable:
-    """An agent that plays an environment written gym-like:
-
-        env = make_env()                       # your class (or a factory), once per session
-        first = env.reset(sample)              # the first user message: a str, or a list of messages
-        message, reward, done = env.step(reply)  # after each reply of the policy (its text)
-
-    `message` (a str: the user's; or a dict such as {"role": "tool", "content": ...}) goes into the
-    conversation; the session's reward is the sum of the steps' rewards. After `max_turns` replies
-    without `done`, or when the session's tokens (response_length) are spent, the episode ends
-    there (truncated) with the rewards so far. An environment's `max_tokens` attribute, if it has
-    one, bounds each reply."""
-    import openai
-
-    def run(client, sample) -> float:
-        env = make_env()
-        first = env.reset(sample)
-        messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
-        limit = {"max_tokens": env.max_tokens} if getattr(env, "max_tokens", None) else {}
-        total = 0.0
-        for _ in range(max_turns):
-            try:
-                answer = client.chat.completions.create(model="policy", messages=messages, **limit)
-            except openai.BadRequestError as e:
-                if e.code in (CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED):  # the session's budget is spent
-                    break
-                raise
-            reply = answer.choices[0].message.content or ""
-            message, reward, done = env.step(reply)
-            total += float(reward)
-            if done:
-                break
-            said = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
-            messages += [{"role": "assistant", "content": reply}, said]
-        return total
-
-    return run
 
 
 def http_agent(url: str, timeout_s: float) -> Callable:
@@ -234,7 +180,7 @@ class AgentHost:
         self.generate_timeout_s, self.per_token_s, self.max_tokens = generate_timeout_s, per_token_s, max_tokens
         self.is_async = inspect.iscoroutinefunction(agent)
         self.sessions = Sessions(create_unknown=False, max_session_bytes=max_session_bytes)
-        gateway = Gateway(
+        handler = TurnHandler(
             tokenizer,
             TurnSampler(servers, self.turn_deadline),
             self.sessions,
@@ -247,7 +193,7 @@ class AgentHost:
             max_session_id_bytes=max_session_id_bytes,
         )
         self.http = HTTPServerThread(
-            build_app(gateway, token, session_secret=self.secret, max_request_bytes=max_request_bytes),
+            build_app(handler, token, session_secret=self.secret, max_request_bytes=max_request_bytes),
             bind[0],
             bind[1],
             name="agent-endpoint",

@@ -1,5 +1,5 @@
 """OpenEnv environments as the agent of a session (`rollout.environment: openenv...`,
-common/openenv_ref.py: the syntax): a running OpenEnv server (`openenv+http://HOST:PORT`), one
+openenv_ref.py: the syntax): a running OpenEnv server (`openenv+http://HOST:PORT`), one
 WebSocket per session, or an OpenEnv `Environment` class run in this process
 (`openenv:path/to/env.py:MyEnvironment`), one instance per session. Many sessions at once, as
 AgentHost runs them (a thread each).
@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..common.openenv_ref import OpenEnvRef, parse_openenv
 from ..common.userfn import load_function
-from ..gateway.app import CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED
 from .errors import AgentFailed, AgentServiceDown, Unscored
+from .openenv_ref import OpenEnvRef, parse_openenv
 from .openenv_sessions import EnvError, EnvGone, LocalSession, ServerSession, load_class
+from .protocol import budget_spent
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,17 @@ def openai_tools(tools: list) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the agent
+# ------------------------------------------------ the kind's parts (common/environments.py asks them)
+def check(ref: str) -> None:
+    """The reference's syntax (openenv_ref.py); nothing imported or contacted."""
+    parse_openenv(ref)
+
+
+def agent(ref: str, rc) -> Callable:
+    """The agent of a session of `ref`'s environment, with the rollout section's bounds."""
+    return openenv_agent(ref, rc.max_turns, rc.agent_timeout_s)
+
+
 def openenv_agent(reference: str, max_turns: int, timeout_s: float) -> Callable:
     """The agent of `rollout.environment: openenv...`: `run(client, sample) -> reward`, a session
     of the environment (module docstring). ValueError, when it loads, saying why it cannot be
@@ -259,7 +270,7 @@ class OpenEnvAgent:
             try:
                 answer = client.chat.completions.create(model="policy", messages=messages, **self.limit, **offered)
             except openai.BadRequestError as e:
-                if e.code in (CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED):  # the session's budget is spent
+                if budget_spent(e):
                     break
                 raise
             said = answer.choices[0].message

@@ -15,8 +15,8 @@ import logging
 import typing
 from typing import Any
 
-from ..common.openenv_ref import OpenEnvRef
 from ..common.userfn import load_function
+from .openenv_ref import OpenEnvRef
 
 log = logging.getLogger("services.agents.openenv")  # one logger for the OpenEnv sessions and their agent
 

@@ -1,5 +1,5 @@
 """A verifiers environment as the agent of a session (`rollout.environment: verifiers:REF`;
-common/verifiers_envs.py loads it and makes its dataset the prompts).
+verifiers_data.py loads it and makes its dataset the prompts).
 
 Each session is one rollout of the environment, as prime-rl runs one, against the session's
 endpoint, then the environment's rubric scores it:
@@ -33,10 +33,11 @@ import logging
 import math
 from typing import Callable
 
-from ..common.verifiers_envs import rollout_input
-from ..gateway.app import CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED
 from .errors import AgentFailed, Unscored
+from .protocol import budget_spent
 from .scores import Reward
+from .verifiers_data import load_env, ref_problem, rollout_input
+from .verifiers_data import records as dataset_records
 
 # the reward functions that raised during the scoring of the session in this context (verifiers'
 # Rubric logs such a failure and scores the function 0.0)
@@ -55,6 +56,25 @@ class _RaisedReward(logging.Handler):
 
 
 _handler = _RaisedReward(logging.ERROR)
+
+
+# ------------------------------------------------ the kind's parts (common/environments.py asks them)
+def check(ref: str) -> None:
+    """The reference's syntax (verifiers_data.py); nothing imported."""
+    problem = ref_problem(ref)
+    if problem:
+        raise ValueError(problem)
+
+
+def agent(ref: str, rc) -> Callable:
+    """The agent of a session of `ref`'s environment (built once in this process)."""
+    return verifiers_agent(load_env(ref))
+
+
+def records(ref: str, split: str, tokenizer, limit: int | None = None) -> list[dict] | None:
+    """The environment's dataset ("train") or eval_dataset ("eval"; None when it has none) as rows
+    of prompt records: data.train / data.eval `verifiers` take them."""
+    return dataset_records(load_env(ref), split, tokenizer, limit)
 
 
 def verifiers_agent(env) -> Callable:
@@ -113,7 +133,7 @@ def _check_rollout(state) -> None:
     if error is None or isinstance(error, EmptyModelResponseError):  # the policy replied nothing
         return
     cause = _cause(error)
-    if isinstance(cause, openai.BadRequestError) and cause.code in (CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED):
+    if isinstance(cause, openai.BadRequestError) and budget_spent(cause):
         state["is_truncated"] = True
         return
     if isinstance(cause, openai.APIConnectionError) or (

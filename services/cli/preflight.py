@@ -164,7 +164,7 @@ def reward_errors(rc: RewardConfig) -> list[str]:
 def served_reward_model_errors(path: Path) -> list[str]:
     """What keeps reward.model_path from being served: a reward model directory, or an ensemble
     whose every member is one (with the reward_stats.json its normalisation needs)."""
-    from ..reward_model.ensemble import is_ensemble, members
+    from ..common.reward_model_dir import is_ensemble, members
 
     try:
         dirs = members(path)

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
-from . import verifiers_envs
+from . import environments
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig,
     DataConfig,
@@ -206,7 +206,7 @@ class Config(Strict):
                 f"adv_estimator={self.adv_estimator!r} needs num_return_sequences_in_group >= 2 "
                 f"(got {self.num_return_sequences_in_group})"
             )
-        self._verifiers_consistent()
+        self._environment_prompts()
         if self.critic.init_from_reward_model:
             if self.critic.model_path is not None:
                 raise ValueError(
@@ -218,15 +218,18 @@ class Config(Strict):
                 )
         return self
 
-    def _verifiers_consistent(self) -> None:
-        """A data source `verifiers` has a verifiers environment to take its prompts from (the
-        reference's syntax: RolloutConfig's; whether it loads: the pre-flight's)."""
+    def _environment_prompts(self) -> None:
+        """A data source that takes an environment's prompts (`verifiers`) has an environment of
+        that kind to take them from (the reference's syntax: RolloutConfig's; whether it loads:
+        the pre-flight's)."""
         env = self.rollout.environment
         for key in ("train", "eval"):
-            if getattr(self.data, key) == verifiers_envs.SOURCE and not verifiers_envs.is_env_ref(env):
+            source = getattr(self.data, key)
+            if source in environments.SOURCES and not environments.brings_prompts(env, source):
+                kind = environments.SOURCES[source]
                 raise ValueError(
-                    f"data.{key}: `{verifiers_envs.SOURCE}` takes the prompts of a verifiers environment; "
-                    f"set rollout.environment to one (verifiers:path/to/env.py:load_environment or verifiers:ENV_ID)"
+                    f"data.{key}: `{source}` takes the prompts of a {kind.name} environment; "
+                    f"set rollout.environment to one ({kind.syntax})"
                 )
 
     @property

@@ -9,11 +9,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .openenv_ref import is_openenv, parse_openenv
+from . import environments
 from .reasoning_gym_tasks import is_task_source
 from .reasoning_gym_tasks import source_problem as task_source_problem
-from .verifiers_envs import is_env_ref as is_verifiers_env
-from .verifiers_envs import ref_problem as verifiers_ref_problem
 
 
 class Strict(BaseModel):
@@ -707,19 +705,10 @@ class RolloutConfig(Strict):
 
     @field_validator("environment")
     @classmethod
-    def _openenv_reference(cls, ref: Optional[str]) -> Optional[str]:
-        # an OpenEnv server's URL or class: its syntax (agents/openenv.py loads and contacts it)
-        if is_openenv(ref):
-            parse_openenv(ref)
-        return ref
-
-    @field_validator("environment")
-    @classmethod
-    def _verifiers_reference(cls, ref: Optional[str]) -> Optional[str]:
-        # a verifiers environment: its syntax (common/verifiers_envs.py loads it, pre-flight)
-        problem = verifiers_ref_problem(ref) if is_verifiers_env(ref) else None
-        if problem:
-            raise ValueError(problem)
+    def _environment_reference(cls, ref: Optional[str]) -> Optional[str]:
+        # its kind's syntax, by the registry (environments.py); whether it loads is the pre-flight's
+        if ref is not None:
+            environments.check(ref)
         return ref
 
     @model_validator(mode="after")

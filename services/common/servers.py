@@ -24,7 +24,7 @@ A generation server killed mid-run, hop by hop (docs/architecture.md, section 12
     rollout/sampling.py:ServerSampler.sample    its Generate fails: Tries.failed(address, Fault.FAILED)
       ServerPool.avoid                         left out for a while; the next try picks another
     learner/run.py:LearnerLoop.evaluate        the eval skips it the same way (ServerPool.wait_for)
-    gateway/app.py:TurnSampler.generate        a session goes on on another server, each tried once
+    agents/turns.py:TurnSampler.generate       a session goes on on another server, each tried once
     generation/registration.py                 restarted, its heartbeat puts it back in every pool
 """
 

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
+from ..common.reward_model_dir import is_ensemble, members, reward_stats
 from ..common.sharding.group import ONE_PROCESS, Ranks
 from ..ppo import AggNorm, compute_value_loss
-from ..reward_model.ensemble import is_ensemble, members, reward_stats
 
 if TYPE_CHECKING:
     from ..common.config import Config

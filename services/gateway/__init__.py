@@ -1,3 +1,4 @@
-"""The gateway: an OpenAI-compatible endpoint for agents in front of the generation servers, with
-token-exact sessions (sessions.py: what the policy saw and sampled, turn by turn), the HTTP API
-(app.py) and the service (server.py: `rlhf serve gateway`)."""
+"""The gateway service (`rlhf serve gateway`, server.py): the agents' OpenAI-compatible endpoint
+(services/agents/: protocol, handler, routes) composed with the generation servers it samples on
+and its metrics (metrics.py). It holds the sessions, so a session outlives the generation server
+it was on."""

@@ -5,8 +5,9 @@ goes to another server with the same tokens. It reaches the generation servers t
 registry in a distributed run (`replay.url`: every live server, as the rollout workers do), else
 the one at `rpc.generation`. It loads only the model's tokenizer and chat template.
 
-On its HTTP port: the API (app.py), `/health` (200 while a generation server answers, else 503)
-and `/metrics` (metrics.py; behind the token unless `rpc.open_metrics`). What one client can make
+On its HTTP port: the agents' endpoint (agents/routes.py over handler.py and protocol.py),
+`/health` (200 while a generation server answers, else 503) and `/metrics` (metrics.py; behind the
+token unless `rpc.open_metrics`). What one client can make
 it hold is bounded by `rpc.gateway`'s keys: a request's bytes, a session id's, a session's, all
 sessions' (docs/security.md says how much memory each allows)."""
 
@@ -18,13 +19,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from ..agents.handler import TurnHandler
+from ..agents.routes import build_app
 from ..agents.sessions import Sessions
+from ..agents.turns import TurnSampler
 from ..common.lifecycle import HTTPServerThread, Service
 from ..common.modeling import load_tokenizer
 from ..common.rpc.client import endpoint_address
 from ..common.servers import ServerPool
 from ..generation.client import generation_clients
-from .app import Gateway, TurnSampler, build_app
 from .metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ class GatewayService(Service):
         self.store: object | None = None  # the replay store whose registry lists the servers
         self.fixed: str | None = None  # or the one configured server (no registry)
         self.port: int | None = None
-        self.gateway: Gateway | None = None
+        self.handler: TurnHandler | None = None
         self.metrics: GatewayMetrics | None = None
         self._done = threading.Event()
 
@@ -65,7 +68,7 @@ class GatewayService(Service):
             max_bytes=ep.max_sessions_bytes,
             max_session_bytes=ep.max_session_bytes,
         )
-        gateway = Gateway(
+        handler = TurnHandler(
             load_tokenizer(cfg.model.path),
             TurnSampler(self.servers, cfg.rpc.timeout_s),
             sessions,
@@ -75,9 +78,9 @@ class GatewayService(Service):
             prompt_length=cfg.prompt_length,
             max_session_id_bytes=ep.max_session_id_bytes,
         )
-        self.gateway, self.metrics = gateway, GatewayMetrics(sessions)
+        self.handler, self.metrics = handler, GatewayMetrics(sessions)
         app = build_app(
-            gateway,
+            handler,
             cfg.rpc.resolved_auth_token(),
             policy_version=self._policy_version,
             max_request_bytes=ep.max_request_bytes,

@@ -34,7 +34,7 @@ class Registration:
         info = self.store.learner_info()
         if not info or int(info.get("policy_version", 0)) <= self.backend.policy_version:
             return False
-        from ..learner.client import LearnerClient
+        from ..weights.pull import LearnerClient
 
         client = LearnerClient(info["address"], self.cfg.rpc)
         try:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ..common.compute import ComputeThread
+from ..common.reward_model_dir import is_ensemble, members, reward_logits, reward_stats
 from ..common.types import RewardSample, Scorer, ScoreResult
-from ..reward_model.ensemble import is_ensemble, members, reward_stats
 from .functions import RewardFunction
 from .rules import RULES
 
@@ -79,15 +79,8 @@ class ModelScorer:
         out = []
         for i in range(0, len(samples), self.batch_size):
             chunk = samples[i : i + self.batch_size]
-            enc = self.tokenizer(
-                [s.prompt + s.response for s in chunk],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-            ).to(self.device)
-            logits = self.model(**enc).logits.float()
-            for v in logits[:, 0].tolist():
+            texts = [s.prompt + s.response for s in chunk]
+            for v in reward_logits(self.model, self.tokenizer, texts, self.device, self.max_length).tolist():
                 v = (v - self.shift) / self.scale
                 out.append(ScoreResult(v, {"model": v}))
         return out

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..common.config import Config
 from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device, save_model_dir
-from .ensemble import reward_stats, write_ensemble
+from ..common.reward_model_dir import reward_logits, reward_stats, write_ensemble
 from .measure import describe, measure, plot_calibration
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
 
@@ -104,13 +104,9 @@ class RewardModel:
         self.device = torch.device(device)
         self.model.to(self.device)
 
-    def encode(self, texts: Sequence[str], max_length: int | None = None) -> dict:
-        kw = dict(truncation=True, max_length=max_length) if max_length else {}
-        return self.tokenizer(list(texts), return_tensors="pt", padding=True, **kw).to(self.device)
-
     def scores(self, texts: Sequence[str], bf16: bool = False) -> torch.Tensor:
         with bf16_autocast(self.device, bf16):
-            return self.model(**self.encode(texts)).logits[:, 0].float()
+            return reward_logits(self.model, self.tokenizer, list(texts), self.device)
 
     def param_groups(self, lr: float, head_lr: float | None, weight_decay: float) -> list[dict]:
         head: list[torch.nn.Parameter] = []

@@ -13,7 +13,7 @@ synthetic task are disjoint. `reasoning-gym:NAME[?size=N&seed=S&OPTION=VALUE...]
 reasoning-gym task's items (common/reasoning_gym_tasks.py): its question as the prompt, its answer as
 the label; its held-out items come from another seed, none with a training item's question.
 `verifiers` takes the dataset of rollout.environment's verifiers environment
-(common/verifiers_envs.py); its held-out prompts are its eval_dataset, else a split of it.
+(common/environments.py: the kind's `records`); its held-out prompts are its eval_dataset, else a split of it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from ..common import environments
 from ..common import reasoning_gym_tasks as gym
-from ..common import verifiers_envs as vfe
 from ..common.types import STRUCTURED_LABEL, PromptRecord
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def source_problem(source: str) -> str | None:
     package. None otherwise; hub dataset names are not checked."""
     if gym.is_task_source(source):
         return gym.source_problem(source)
-    if source == vfe.SOURCE:  # the environment's (config.py checks rollout.environment names one)
+    if source in environments.SOURCES:  # the environment's (config.py checks rollout.environment names one)
         return None
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
@@ -319,7 +319,7 @@ def is_jsonl(source: str) -> bool:
     return (
         not source.startswith(("synthetic:", "hf:", gym.PREFIX))
         and not source.endswith(DATASETS_FILE_TYPES)
-        and source != vfe.SOURCE
+        and source not in environments.SOURCES
     )
 
 
@@ -452,8 +452,8 @@ def config_prompts(cfg: Config, split: str, tokenizer, label_reader: str | None 
     held_out = split == "eval"
     from_train = d.eval is None and not d.train.startswith(("synthetic:", gym.PREFIX))
     source = d.eval if held_out and d.eval is not None else d.train
-    if source == vfe.SOURCE:  # the dataset of rollout.environment's verifiers environment
-        records = verifiers_prompts(cfg, split, tokenizer)
+    if source in environments.SOURCES:  # the prompts rollout.environment's environment brings
+        records = environment_prompts(cfg, source, split, tokenizer)
         return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, "held-out" if held_out else "training")
     if gym.is_task_source(source):  # its labels are the task's answers (or none: its scorer needs none)
         records = task_held_out(cfg, source, tokenizer) if held_out else task_training(cfg, source, tokenizer)
@@ -486,49 +486,38 @@ def config_prompts(cfg: Config, split: str, tokenizer, label_reader: str | None 
     return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, what="held-out" if held_out else "training")
 
 
-def verifiers_prompts(cfg: Config, split: str, tokenizer) -> list[PromptRecord]:
-    """The training (`split` "train") or held-out ("eval") prompts of rollout.environment's verifiers
-    environment, for data.train / data.eval `verifiers`: every row of its dataset for training;
-    held out, the first data.eval_size rows of its eval_dataset less any whose prompt a training
-    row has (data.train `verifiers`). An environment without an eval_dataset holds out a split of
-    its dataset (`split_held_out`, when data.train is `verifiers` too) that training never sees."""
-    d = cfg.data
-    env = vfe.load_env(cfg.rollout.environment or "")
-    both = d.train == vfe.SOURCE and d.eval in (None, vfe.SOURCE)
-    evals = verifiers_records(env, "eval", tokenizer)
+def environment_prompts(cfg: Config, source: str, split: str, tokenizer) -> list[PromptRecord]:
+    """The training (`split` "train") or held-out ("eval") prompts of rollout.environment's
+    environment, for data.train / data.eval `source` (`verifiers`: common/environments.py's
+    `records`): every row of its dataset for training; held out, the first data.eval_size rows of
+    its eval_dataset less any whose prompt a training row has (data.train the same source). An
+    environment without an eval_dataset holds out a split of its dataset (`split_held_out`, when
+    data.train is the same source too) that training never sees."""
+    d, ref = cfg.data, cfg.rollout.environment or ""
+    name = f"the {environments.kind_of(ref).name} environment {ref}"
+
+    def rows(which: str, limit: int | None = None) -> list[PromptRecord] | None:
+        found = environments.records(ref, which, tokenizer, limit)
+        return None if found is None else [PromptRecord(**r) for r in found]
+
+    both = d.train == source and d.eval in (None, source)
+    evals = rows("eval")
     if evals is None and both:  # no eval_dataset: a split of the dataset, the same in every run
-        train, held = split_held_out(
-            verifiers_records(env, "train", tokenizer) or [], d.eval_size, f"{cfg.rollout.environment}"
-        )
+        train, held = split_held_out(rows("train") or [], d.eval_size, ref)
         if split == "eval":
-            log.info(
-                "%d of the dataset's prompts of %s are held out (it has no eval_dataset)", len(held), env_name(cfg)
-            )
+            log.info("%d of the dataset's prompts of %s are held out (it has no eval_dataset)", len(held), name)
         return held if split == "eval" else train
     if split == "train":
-        return verifiers_records(env, "train", tokenizer) or []
+        return rows("train") or []
     if evals is None:  # data.train another source: the dataset's first rows
-        return verifiers_records(env, "train", tokenizer, limit=d.eval_size) or []
-    trained = {r.prompt for r in verifiers_records(env, "train", tokenizer) or []} if d.train == vfe.SOURCE else set()
+        return rows("train", limit=d.eval_size) or []
+    trained = {r.prompt for r in rows("train") or []} if d.train == source else set()
     kept = [r for r in evals if r.prompt not in trained]
     if len(kept) < len(evals):
-        log.info(
-            "held-out rows of %s: dropped %d whose prompt a training row has", env_name(cfg), len(evals) - len(kept)
-        )
+        log.info("held-out rows of %s: dropped %d whose prompt a training row has", name, len(evals) - len(kept))
     if not kept:
-        raise ValueError(f"every eval_dataset row of {env_name(cfg)} has a training row's prompt: nothing is held out")
+        raise ValueError(f"every eval_dataset row of {name} has a training row's prompt: nothing is held out")
     return kept[: d.eval_size]
-
-
-def verifiers_records(env, which: str, tokenizer, limit: int | None = None) -> list[PromptRecord] | None:
-    """The prompt records of a verifiers environment's dataset (`which` "train") or eval_dataset
-    ("eval"; None when it has none): common/verifiers_envs.py's `records`."""
-    rows = vfe.records(env, which, tokenizer, limit)
-    return None if rows is None else [PromptRecord(**r) for r in rows]
-
-
-def env_name(cfg: Config) -> str:
-    return f"the verifiers environment {cfg.rollout.environment}"
 
 
 def task_training(cfg: Config, source: str, tokenizer) -> list[PromptRecord]:
@@ -589,8 +578,9 @@ def _record_keys(record: PromptRecord, prompt_key: str) -> list[str]:
 def held_out_source(cfg: Config) -> str:
     """Where the held-out prompts come from, in words: data.eval, or the held-out split of data.train."""
     d = cfg.data
-    if (d.eval or d.train) == vfe.SOURCE:
-        return f"{env_name(cfg)} (its held-out prompts)"
+    if (d.eval or d.train) in environments.SOURCES:
+        ref = cfg.rollout.environment or ""
+        return f"the {environments.kind_of(ref).name} environment {ref} (its held-out prompts)"
     if d.eval is not None or d.train.startswith("synthetic:"):
         return d.eval or d.train
     if gym.is_task_source(d.train):

@@ -9,13 +9,15 @@ import openai
 import pytest
 import torch
 
+from services.agents.handler import TurnHandler
+from services.agents.routes import build_app
 from services.agents.sessions import Sessions, as_sample
+from services.agents.turns import TurnSampler
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
 from services.common.servers import ServerPool
 from services.common.types import Rollout
-from services.gateway.app import Gateway, TurnSampler, build_app
 from services.generation.backend import HFBackend
 from services.generation.client import generation_clients
 from services.generation.server import serve
@@ -46,7 +48,7 @@ class Running:
         ]
         self.pool = ServerPool(self._live, generation_clients(cfg.rpc), 0.0)
         self.tok = load_tokenizer(model_dir)
-        self.gateway = Gateway(self.tok, TurnSampler(self.pool, 60), Sessions(), "tiny", cfg.response_length, 8)
+        self.gateway = TurnHandler(self.tok, TurnSampler(self.pool, 60), Sessions(), "tiny", cfg.response_length, 8)
         self.http = HTTPServerThread(build_app(self.gateway, TOKEN), "127.0.0.1", 0, name="gateway-test")
         self.url = f"http://127.0.0.1:{self.http.start()}/v1"
         self.client = openai.OpenAI(base_url=self.url, api_key=TOKEN, max_retries=0, timeout=120)
@@ -127,7 +129,7 @@ def test_a_session_key_opens_its_own_session_on_its_own_endpoint_only(one, run_t
     that opened it (a rollout worker's, with its own secret) serves that session's requests and
     record, and is refused for another session, for none, and on any other endpoint (the public
     gateway: one.url). Without a run token that endpoint still asks for the key."""
-    from services.gateway.app import session_key
+    from services.agents.routes import session_key
 
     http = HTTPServerThread(build_app(one.gateway, run_token, session_secret="s3cret"), "127.0.0.1", 0, name="keyed")
     url = f"http://127.0.0.1:{http.start()}/v1"

@@ -124,7 +124,7 @@ def test_the_connection_is_usable_after_every_kind_of_error(up, monkeypatch):
         calls["n"] += 1
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(up.gw.gateway, "completion", broken)
+    monkeypatch.setattr(up.gw.handler, "completion", broken)
     with httpx.Client(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1), timeout=60) as c:
         for _ in range(3):
             error_of(post(up, "/v1/chat/completions", {**CHAT, "temperature": math.nan}, client=c), 400)
@@ -177,7 +177,7 @@ def test_a_prompt_too_long_is_refused_on_its_text_then_on_its_tokens_before_any_
     """Text that cannot fit (more characters than prompt_length + response_length tokens of
     the longest token) is refused before it is tokenised; text that might fit is tokenised
     and refused on its token count by the gateway itself (not the generation server)."""
-    chars = up.gw.gateway.token_chars * (64 + 32) + 1
+    chars = up.gw.handler.limits.token_chars * (64 + 32) + 1
     t0 = time.perf_counter()
     e = error_of(
         post(up, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "q" * chars}]}), 400
@@ -200,7 +200,7 @@ def test_session_ids_are_bounded_and_printable(up):
     error_of(httpx.get(f"{up.base}/v1/sessions/{long}", headers=AUTH), 400)
     ok = post(up, "/v1/chat/completions", {**CHAT, "session_id": "s" * 128})
     assert ok.status_code == 200 and ok.headers["x-session-id"] == "s" * 128
-    assert len(up.gw.gateway.sessions) >= 1
+    assert len(up.gw.handler.sessions) >= 1
 
 
 def test_a_session_keeps_only_what_it_compares_and_is_refused_past_its_bytes(up):
@@ -210,7 +210,7 @@ def test_a_session_keeps_only_what_it_compares_and_is_refused_past_its_bytes(up)
     max_session_bytes, then its turns are refused (400 session_too_large) and it can be ended."""
     junk = {**CHAT, "session_id": "s-junk", "messages": [{"role": "user", "content": "abc=", "x": "j" * 300}]}
     assert post(up, "/v1/chat/completions", junk).status_code == 200
-    session = up.gw.gateway.sessions.find("s-junk")
+    session = up.gw.handler.sessions.find("s-junk")
     assert session.bytes < 8_000 and session.segments[-1].messages == [{"role": "user", "content": "abc="}]
     junk["messages"][0]["x"] = "j" * 100_000
     error_of(post(up, "/v1/chat/completions", junk), 400, param="messages", code="context_length_exceeded")
@@ -223,7 +223,7 @@ def test_a_session_keeps_only_what_it_compares_and_is_refused_past_its_bytes(up)
             error_of(r, 400, param="session_id", code="session_too_large")
             break
     assert codes[-1] == 400 and codes.count(200) >= 5, codes
-    grown = up.gw.gateway.sessions.find("s-grows")
+    grown = up.gw.handler.sessions.find("s-grows")
     assert 65_536 < grown.bytes < 65_536 + 16_384  # the limit plus one turn at most
     assert httpx.delete(f"{up.base}/v1/sessions/s-grows", headers=AUTH).status_code == 200
     assert post(up, "/v1/chat/completions", {**CHAT, "session_id": "s-grows"}).status_code == 200  # a new one
@@ -282,8 +282,8 @@ def test_metrics_count_requests_by_route_and_code_sessions_bytes_and_turns(up):
     assert grew("rlhf_http_requests_total", path="/v1/chat/completions", code="401") == 1
     assert grew("rlhf_http_requests_total", path="/v1/sessions/{id}", code="404") == 1
     assert grew("rlhf_gateway_turn_seconds_count") == 1
-    assert sample(after, "rlhf_gateway_sessions", service="gateway") == len(up.gw.gateway.sessions)
-    assert sample(after, "rlhf_gateway_session_bytes") == up.gw.gateway.sessions.bytes > 0
+    assert sample(after, "rlhf_gateway_sessions", service="gateway") == len(up.gw.handler.sessions)
+    assert sample(after, "rlhf_gateway_session_bytes") == up.gw.handler.sessions.bytes > 0
     assert sample(after, "rlhf_gateway_sessions_evicted_total", reason="bytes") >= 0
     assert sample(after, "process_resident_memory_bytes", service="gateway") > 1e6
 

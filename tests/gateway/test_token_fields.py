@@ -17,10 +17,10 @@ import pytest
 
 from services.agents.evaluate import AgentSessions
 from services.agents.host import AgentFailed, AgentHost, Unscored
+from services.agents.routes import build_app, session_key
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
 from services.common.types import PromptRecord, SampleGroup, SamplingParams
-from services.gateway.app import build_app, session_key
 from tests.gateway.test_gateway import Running
 from tests.grpc_helpers import TOKEN
 from tests.http_helpers import error_of, head, raw
@@ -239,7 +239,7 @@ def _bad(message: dict, vocab: int, too_long: int) -> list[tuple[str, dict, str]
 
 def test_malformed_token_fields_are_400s_in_the_one_shape(up):
     message = echoed(chat(up.client, FIRST).choices[0].message)
-    cases = _bad(message, len(up.tok), up.gateway.max_context + 1)
+    cases = _bad(message, len(up.tok), up.gateway.limits.max_context + 1)
     for case, bad, param in cases:
         body = {"model": "tiny", "messages": FIRST + [bad] + AFTER, "max_tokens": 2}
         r = httpx.post(

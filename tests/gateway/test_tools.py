@@ -12,12 +12,13 @@ import json
 import openai
 import pytest
 
+from services.agents.handler import TurnHandler
+from services.agents.routes import build_app
 from services.agents.sessions import Sessions
 from services.agents.tools import parse_tool_calls, same_calls
 from services.common.lifecycle import HTTPServerThread
 from services.common.modeling import load_tokenizer
 from services.common.types import Completion, GenerationResult
-from services.gateway.app import Gateway, build_app
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 TOOLS = [
@@ -60,7 +61,7 @@ class Scripted:
 def endpoint(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     sampler = Scripted(tok, [CALL, "the sum is 5."])
-    gateway = Gateway(tok, sampler, Sessions(), "tiny", 256, 1)
+    gateway = TurnHandler(tok, sampler, Sessions(), "tiny", 256, 1)
     http = HTTPServerThread(build_app(gateway, None), "127.0.0.1", 0, name="tools-test")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{http.start()}/v1", api_key="unused", max_retries=0)
     yield client, gateway, sampler, tok

@@ -10,9 +10,9 @@ import pytest
 from services.common.config import config_from_dict
 from services.common.rpc import health
 from services.generation.server import serve as serve_generation
-from services.learner.client import LearnerClient
 from services.learner.server import serve as serve_learner
 from services.reward.server import serve as serve_reward
+from services.weights.pull import LearnerClient
 from tests.grpc_helpers import on_free_ports
 
 

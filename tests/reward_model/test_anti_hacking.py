@@ -14,10 +14,10 @@ import torch
 from services.cli import main
 from services.common.config import ConfigError, config_from_dict
 from services.common.modeling import build_token_batch
+from services.common.reward_model_dir import write_ensemble
 from services.common.types import RewardSample
 from services.critic.critic import Critic
 from services.reward.scorer import ModelScorer, build_scorer
-from services.reward_model.ensemble import write_ensemble
 
 TEXTS = ["ab=ba", "abc=cba", "abc=zzz", "q=", "hello=olleh", "x=y"]
 SAMPLES = [RewardSample(t.split("=")[0] + "=", t.split("=")[1], None) for t in TEXTS]

@@ -296,14 +296,15 @@ def test_mcp_tools_are_offered_and_called_on_the_episodes_environment(server, ti
     the next reply is the action."""
     import openai
 
+    from services.agents.handler import TurnHandler
+    from services.agents.routes import build_app
     from services.agents.sessions import Sessions
     from services.common.lifecycle import HTTPServerThread
-    from services.gateway.app import Gateway, build_app
 
     tok = load_tokenizer(tiny_model_dir)
     call = '<tool_call>\n{"name": "reverse", "arguments": {"text": "abcd"}}\n</tool_call>'
     sampler = Scripted(tok, [call, "dcba"])
-    gateway = Gateway(tok, sampler, Sessions(), "tiny", 256, 1)
+    gateway = TurnHandler(tok, sampler, Sessions(), "tiny", 256, 1)
     http = HTTPServerThread(build_app(gateway, None), "127.0.0.1", 0, name="openenv-tools-test")
     url = f"http://127.0.0.1:{http.start()}/v1"
     ref = f"openenv+{server}/tools" if where == "server" else f"openenv:{EXAMPLE}:ReverseToolsEnvironment"

@@ -13,12 +13,13 @@ import pytest
 
 pytest.importorskip("verifiers")
 
+from services.common import environments  # noqa: E402
 from services.common.config import ConfigError, config_from_dict  # noqa: E402
 from services.common.replay import ReplayStore  # noqa: E402
 from services.common.replay.records import group_from_proto  # noqa: E402
-from services.common.verifiers_envs import load_env  # noqa: E402
+from services.common.types import PromptRecord  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
-from services.training.data import config_prompts, reverse_task, verifiers_records  # noqa: E402
+from services.training.data import config_prompts, reverse_task  # noqa: E402
 from tests.rollout import vf_reverse_env as vre  # noqa: E402
 from tests.rollout.test_worker import _claim_all, _feed, _generation, _trajectories  # noqa: E402
 
@@ -27,6 +28,11 @@ HELPER = Path(vre.__file__)
 
 def ref(fn: str = "load_environment", options: str = "") -> str:
     return f"verifiers:{HELPER}:{fn}" + (f"?{options}" if options else "")
+
+
+def records(cfg, tokenizer) -> list[PromptRecord]:
+    """The training rows of the run's verifiers environment, through the registry of kinds."""
+    return [PromptRecord(**r) for r in environments.records(cfg.rollout.environment, "train", tokenizer)]
 
 
 def _worker(make_cfg, env: str, response_length: int = 16, **rollout):
@@ -49,7 +55,7 @@ def test_each_session_is_a_rollout_of_the_environment_scored_by_its_rubric(make_
     cfg, worker = _worker(make_cfg, ref(options="n=20"))
     store = ReplayStore.from_config(cfg)
     tok = worker.tokenizer
-    fed = verifiers_records(load_env(cfg.rollout.environment), "train", tok)[:3] + reverse_task("train", 1)
+    fed = records(cfg, tok)[:3] + reverse_task("train", 1)
     try:
         with _generation(cfg):
             uids = _feed(store, fed)
@@ -90,7 +96,7 @@ def test_a_rollout_that_fails_or_cannot_be_scored_is_a_dead_letter_never_a_zero(
            "abw=": "the rubric gave reward nan, not a finite number"}  # fmt: skip
     cfg, worker = _worker(make_cfg, ref(options=f"n=1&extra={','.join(bad)}"))
     store = ReplayStore.from_config(cfg)
-    fed = verifiers_records(load_env(cfg.rollout.environment), "train", worker.tokenizer)
+    fed = records(cfg, worker.tokenizer)
     assert len(fed) == 5
     try:
         with _generation(cfg):
@@ -118,7 +124,7 @@ def test_a_multi_turn_environment_plays_until_the_endpoint_ends_the_episode(make
     messages between the replies are masked out of the loss (log-prob 0)."""
     cfg, worker = _worker(make_cfg, ref("load_multiturn"), response_length=response_length, max_turns=max_turns)
     store = ReplayStore.from_config(cfg)
-    fed = verifiers_records(load_env(cfg.rollout.environment), "train", worker.tokenizer)[:1]
+    fed = records(cfg, worker.tokenizer)[:1]
     try:
         with _generation(cfg):
             _feed(store, fed)

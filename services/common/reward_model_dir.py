@@ -1,4 +1,6 @@
-"""The directory of an ensemble of reward models: `ensemble.json` naming its members, each a reward
+"""A reward model's directory, as `rlhf train-rm` writes it and the reward server and the critic
+(`critic.init_from_reward_model`) read it: its normalisation (`reward_stats.json`) and, for an
+ensemble of reward models, `ensemble.json` naming its members, each a reward
 model directory of its own (`rlhf train-rm` with reward_model.ensemble > 1 writes it; the reward
 server serves it as one model, `reward.ensemble_penalty`).
 
@@ -53,3 +55,12 @@ def write_ensemble(out: Path, names: list[str] | None) -> None:
         index.unlink(missing_ok=True)
     else:
         index.write_text(json.dumps({"members": names}, indent=2) + "\n")
+
+
+def reward_logits(model, tokenizer, texts: list[str], device, max_length: int | None = None):
+    """The reward model's forward, one for training (reward_model/train.py) and serving
+    (reward/scorer.py): the texts tokenised in one call (padded; cut at `max_length` tokens when
+    given), the logit of the single label at each text's last token, as float32 (batch,)."""
+    kw = dict(truncation=True, max_length=max_length) if max_length else {}
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True, **kw).to(device)
+    return model(**enc).logits[:, 0].float()

@@ -1,5 +1,7 @@
-"""gRPC client of the learner: pull the current policy (a generation server that starts late),
-and the run's status."""
+"""Pulling a policy version from the learner (a generation server that starts late, or finds it
+missed a push): the learner's gRPC client, its PullWeights (a chunk stream, applied by
+receiver.py) and, for operators and tests, its Status. It lives here, beside the push, so that the
+generation service reaches the learner's weights without importing the learner."""
 
 from __future__ import annotations
 

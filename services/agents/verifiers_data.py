@@ -100,7 +100,7 @@ def load_env(ref: str):
 
 
 def _build(vf, ref: str, target: str, kwargs: dict):
-    from .userfn import load_function
+    from ..common.userfn import load_function
 
     try:
         if ":" in target:
