@@ -119,10 +119,10 @@ def main() -> None:
     import httpx
 
     from services.agents.host import agent_host, session_name
+    from services.agents.openenv_ref import parse_openenv
     from services.agents.openenv_sessions import LocalSession, ServerSession
     from services.common.config import load_config
     from services.common.modeling import load_tokenizer
-    from services.agents.openenv_ref import parse_openenv
     from services.common.types import PromptRecord, SamplingParams
     from services.generation.inprocess import in_process_pool
     from services.generation.server import make_backend

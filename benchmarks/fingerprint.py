@@ -52,7 +52,8 @@ def schemas(model: str) -> dict:
     code = (
         "import json, hashlib, sys\n"
         "from tests.http_helpers import openapi_schemas\n"
-        f"print(json.dumps({{k: hashlib.sha256(v.encode()).hexdigest() for k, v in openapi_schemas({model!r}).items()}}))\n"
+        f"texts = openapi_schemas({model!r})\n"
+        "print(json.dumps({k: hashlib.sha256(v.encode()).hexdigest() for k, v in texts.items()}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

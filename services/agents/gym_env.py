@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..common.userfn import load_function
-from .protocol import budget_spent
+from .episode import Step, play
 
 
 # ------------------------------------------------ the kind's parts (common/environments.py asks them)
@@ -44,28 +44,18 @@ def environment_agent(make_env: Callable, max_turns: int) -> Callable:
     without `done`, or when the session's tokens (response_length) are spent, the episode ends
     there (truncated) with the rewards so far. An environment's `max_tokens` attribute, if it has
     one, bounds each reply."""
-    import openai
 
     def run(client, sample) -> float:
         env = make_env()
         first = env.reset(sample)
         messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
         limit = {"max_tokens": env.max_tokens} if getattr(env, "max_tokens", None) else {}
-        total = 0.0
-        for _ in range(max_turns):
-            try:
-                answer = client.chat.completions.create(model="policy", messages=messages, **limit)
-            except openai.BadRequestError as e:
-                if budget_spent(e):
-                    break
-                raise
-            reply = answer.choices[0].message.content or ""
+
+        def step(reply: str) -> Step:
             message, reward, done = env.step(reply)
-            total += float(reward)
-            if done:
-                break
-            said = {"role": "user", "content": message} if isinstance(message, str) else dict(message)
-            messages += [{"role": "assistant", "content": reply}, said]
-        return total
+            said = None if done else {"role": "user", "content": message} if isinstance(message, str) else dict(message)
+            return Step(float(reward), bool(done), said)
+
+        return play(client, messages, step, max_turns, limit).total
 
     return run

@@ -92,7 +92,7 @@ class TurnHandler:
                 "index": i,
                 "message": message,
                 "finish_reason": c.finish_reason,
-                "logprobs": {"content": self._logprobs(c)} if req.logprobs else None,
+                "logprobs": {"content": token_logprobs(self.tok, c)} if req.logprobs else None,
             }
 
         return self._answer(req, session_id, plan_of, "chat.completion", "chatcmpl", choice, tools=bool(req.tools))
@@ -214,7 +214,7 @@ class TurnHandler:
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 text, reason = text[:cut], "stop"
-                k = self._first_with_stop(ids, stops)
+                k = first_with_stop(self.tok, ids, stops)
                 ids, log_probs = ids[:k], log_probs[:k]
             choice = Choice(ids, log_probs, text, reason, policy_version)
             if tools:  # the request offered tools: calls written in the reply come back as tool_calls
@@ -224,25 +224,28 @@ class TurnHandler:
             out.append(choice)
         return out
 
-    def _first_with_stop(self, ids: list[int], stops: list[str]) -> int:
-        """The fewest leading tokens of `ids` whose text holds a stop string (a longer prefix holds
-        it too: found by halving, log2(len) decodes)."""
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            text = self.tok.decode(ids[:mid], skip_special_tokens=True)
-            if any(s in text for s in stops):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
-    def _logprobs(self, choice: Choice) -> list[dict]:
-        out = []
-        for t, lp in zip(choice.ids, choice.log_probs):
-            token = self.tok.decode([t])
-            out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
-        return out
+def first_with_stop(tok, ids: list[int], stops: list[str]) -> int:
+    """The fewest leading tokens of `ids` whose text holds a stop string (a longer prefix holds
+    it too: found by halving, log2(len) decodes)."""
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        text = tok.decode(ids[:mid], skip_special_tokens=True)
+        if any(s in text for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def token_logprobs(tok, choice: Choice) -> list[dict]:
+    """A chat choice's `logprobs.content`: each sampled token, its log-prob and bytes."""
+    out = []
+    for t, lp in zip(choice.ids, choice.log_probs):
+        token = tok.decode([t])
+        out.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
+    return out
 
 
 def token_fields(prompt: list[int], c: Choice) -> dict:

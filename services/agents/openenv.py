@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..common.userfn import load_function
+from .episode import Step, play
 from .errors import AgentFailed, AgentServiceDown, Unscored
 from .openenv_ref import OpenEnvRef, parse_openenv
 from .openenv_sessions import EnvError, EnvGone, LocalSession, ServerSession, load_class
-from .protocol import budget_spent
 
 log = logging.getLogger(__name__)
 
@@ -261,37 +261,29 @@ class OpenEnvAgent:
     def _play(self, client, env, how: Shape, tools: list, observation: dict) -> float:
         """The turns until the episode is done (or the session's budget is spent): the sum of
         the steps' rewards; `Unscored` when no step gave one."""
-        import openai
-
         messages: list[dict] = [{"role": "user", "content": how.message(observation)}]
         offered = {"tools": tools} if tools else {}
-        total, scored, steps = 0.0, False, 0
-        for _ in range(self.max_turns):
-            try:
-                answer = client.chat.completions.create(model="policy", messages=messages, **self.limit, **offered)
-            except openai.BadRequestError as e:
-                if budget_spent(e):
-                    break
-                raise
-            said = answer.choices[0].message
-            if tools and said.tool_calls:  # MCP tools, on the episode's own environment
-                messages += self._tool_turn(env, said)
-                continue
-            reply = said.content or ""
-            steps += 1
-            result = self._step(env, how.action_of(reply, observation), steps)
-            if result.get("reward") is not None:
-                total, scored = total + float(result["reward"]), True
+        seen = [observation]  # the observation the next reply answers
+        steps = [0]
+
+        def step(reply: str) -> Step:
+            steps[0] += 1
+            result = self._step(env, how.action_of(reply, seen[0]), steps[0])
+            reward = result.get("reward")
             if result.get("done"):
-                break
-            observation = result.get("observation") or {}
-            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": how.message(observation)}]
-        if not scored:
+                return Step(reward, True)
+            seen[0] = result.get("observation") or {}
+            return Step(reward, False, {"role": "user", "content": how.message(seen[0])})
+
+        # MCP tools, on the episode's own environment
+        tool_turn = (lambda said: self._tool_turn(env, said)) if tools else None
+        played = play(client, messages, step, self.max_turns, {**self.limit, **offered}, tool_turn)
+        if not played.scored:
             raise Unscored(
-                f"{self.ref.where}: unscored: no step of the episode gave a reward ({steps} steps; "
+                f"{self.ref.where}: unscored: no step of the episode gave a reward ({played.steps} steps; "
                 "an OpenEnv reward of null is not taken as 0)"
             )
-        return total
+        return played.total
 
     def _tool_turn(self, env, said) -> list[dict]:
         """The assistant's message with its tool calls, then each call's result as a tool message."""

@@ -225,8 +225,8 @@ class Config(Strict):
         env = self.rollout.environment
         for key in ("train", "eval"):
             source = getattr(self.data, key)
-            if source in environments.SOURCES and not environments.brings_prompts(env, source):
-                kind = environments.SOURCES[source]
+            if source in environments.sources() and not environments.brings_prompts(env, source):
+                kind = environments.sources()[source]
                 raise ValueError(
                     f"data.{key}: `{source}` takes the prompts of a {kind.name} environment; "
                     f"set rollout.environment to one ({kind.syntax})"

@@ -66,7 +66,11 @@ KINDS = (
     ),
     EnvironmentKind("python", (), "FILE.py:Class or module.path:Class", "services.agents.gym_env"),
 )
-SOURCES = {k.source: k for k in KINDS if k.source}  # data.train / data.eval names that take an environment's prompts
+
+
+def sources() -> dict[str, EnvironmentKind]:
+    """The data.train / data.eval names that take an environment's prompts, and the kind of each."""
+    return {k.source: k for k in KINDS if k.source}
 
 
 def known() -> str:
@@ -99,7 +103,8 @@ def agent(ref: str, rc) -> Callable:
 
 def brings_prompts(ref: Optional[str], source: str) -> bool:
     """Whether `ref` (rollout.environment) is of the kind whose prompts the data source `source` takes."""
-    return ref is not None and source in SOURCES and kind_of(ref) is SOURCES[source]
+    kinds = sources()
+    return ref is not None and source in kinds and kind_of(ref) is kinds[source]
 
 
 def records(ref: str, split: str, tokenizer, limit: Optional[int] = None) -> Optional[list[dict]]:

@@ -17,6 +17,7 @@ from ..common.lifecycle import Service
 from ..common.rpc.gen import learner_pb2 as lpb
 from ..common.rpc.gen import learner_pb2_grpc
 from ..common.rpc.http_guard import error_bytes
+from ..common.rpc.metrics_http import reply
 from ..common.rpc.server import RPCServer, advertised_address
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import weight_chunks
@@ -118,14 +119,7 @@ def status_http(loop, host: str, port: int, token: str | None = None) -> Threadi
         def _reply(self, status: int, body: bytes, extra=()):
             if status >= 400:
                 self.close_connection = True  # a body a client sent is not read: the connection ends here
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in extra:
-                self.send_header(k, v)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+            reply(self, status, body, "application/json", extra)
 
         def log_message(self, *args):
             pass

@@ -134,8 +134,8 @@ class RolloutWorker:
         self.close()
         try:
             self.store.deregister("worker", self.name)
-        except Exception:
-            pass
+        except Exception as e:  # Redis gone at shutdown: the entry expires with its heartbeat's TTL
+            log.info("could not deregister worker %s (%s); its registry entry expires on its own", self.name, e)
         log.info("rollout worker %s stopped after %d groups", self.name, self.produced)
 
     def heartbeat(self) -> None:

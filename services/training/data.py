@@ -120,7 +120,7 @@ def source_problem(source: str) -> str | None:
     package. None otherwise; hub dataset names are not checked."""
     if gym.is_task_source(source):
         return gym.source_problem(source)
-    if source in environments.SOURCES:  # the environment's (config.py checks rollout.environment names one)
+    if source in environments.sources():  # the environment's (config.py checks rollout.environment names one)
         return None
     if source.startswith("synthetic:"):
         task = source.split(":", 1)[1]
@@ -319,7 +319,7 @@ def is_jsonl(source: str) -> bool:
     return (
         not source.startswith(("synthetic:", "hf:", gym.PREFIX))
         and not source.endswith(DATASETS_FILE_TYPES)
-        and source not in environments.SOURCES
+        and source not in environments.sources()
     )
 
 
@@ -452,7 +452,7 @@ def config_prompts(cfg: Config, split: str, tokenizer, label_reader: str | None 
     held_out = split == "eval"
     from_train = d.eval is None and not d.train.startswith(("synthetic:", gym.PREFIX))
     source = d.eval if held_out and d.eval is not None else d.train
-    if source in environments.SOURCES:  # the prompts rollout.environment's environment brings
+    if source in environments.sources():  # the prompts rollout.environment's environment brings
         records = environment_prompts(cfg, source, split, tokenizer)
         return drop_overlong(records, tokenizer, cfg.prompt_length, d.overlong, "held-out" if held_out else "training")
     if gym.is_task_source(source):  # its labels are the task's answers (or none: its scorer needs none)
@@ -578,7 +578,7 @@ def _record_keys(record: PromptRecord, prompt_key: str) -> list[str]:
 def held_out_source(cfg: Config) -> str:
     """Where the held-out prompts come from, in words: data.eval, or the held-out split of data.train."""
     d = cfg.data
-    if (d.eval or d.train) in environments.SOURCES:
+    if (d.eval or d.train) in environments.sources():
         ref = cfg.rollout.environment or ""
         return f"the {environments.kind_of(ref).name} environment {ref} (its held-out prompts)"
     if d.eval is not None or d.train.startswith("synthetic:"):

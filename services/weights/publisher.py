@@ -304,8 +304,8 @@ class Publisher:
         self._snap: tuple[int, dict, bool] = (0, {}, False)  # (policy_version, state, whether only the LoRA targets)
         self._base: dict | None = None  # LoRA: a full state whose other tensors are the frozen base
         # rpc.delta_push: the previous full snapshot, which deltas are against: (delta.base_key, version, state)
-        self.delta_push = bool(getattr(cfg.rpc, "delta_push", False)) and delta.available()
-        if getattr(cfg.rpc, "delta_push", False) and not self.delta_push:
+        self.delta_push = cfg.rpc.delta_push and delta.available()
+        if cfg.rpc.delta_push and not self.delta_push:
             log.warning("rpc.delta_push is on but the zstandard package is missing: every version goes whole")
         self._prev: tuple[str, int, dict] | None = None
         self.reach = Reach(cfg, servers.client, on_progress)  # what both transports use

@@ -128,7 +128,7 @@ class WeightReceiver:
         self.on_applied = on_applied  # told of each version applied (the server's metrics)
         self.base = f"model:{cfg.model.path}"
         self.lock = threading.Lock()  # one update at a time
-        self.keeps_delta_base = bool(getattr(cfg.rpc, "delta_push", False))
+        self.keeps_delta_base = cfg.rpc.delta_push
         if self.keeps_delta_base and not delta.available():
             log.warning("rpc.delta_push is on but the zstandard package is missing: every version comes whole")
             self.keeps_delta_base = False

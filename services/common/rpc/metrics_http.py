@@ -88,14 +88,7 @@ def serve_metrics(
             self._reply(status, error_bytes(status, message, code=code), "application/json", extra)
 
         def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra=()):
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in extra:
-                self.send_header(k, v)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
+            reply(self, code, body, content_type, extra)
 
         def log_message(self, *args):
             pass
@@ -106,3 +99,16 @@ def serve_metrics(
     httpd = Server((host, port), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True, name=f"metrics-http-{httpd.server_address[1]}").start()
     return httpd, httpd.server_address[1]
+
+
+def reply(handler, status: int, body: bytes, content_type: str, extra=()) -> None:
+    """One answer of a stdlib `BaseHTTPRequestHandler` (the metrics port's, the learner's status
+    port's): status, content type and length, `extra` headers, the body (none to a HEAD)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    for k, v in extra:
+        handler.send_header(k, v)
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
