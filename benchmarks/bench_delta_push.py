@@ -103,7 +103,7 @@ def compressor_rows(planes: list[np.ndarray], levels: list[int], zlib_mb: int) -
 def offline(new: dict, old: dict) -> dict:
     """Encoding and assembly alone (no network): seconds and bytes, delta and full."""
     from services.weights import delta
-    from services.weights.stream import WeightChunkDecoder, assemble_weights, encode_weights
+    from services.weights.stream import StreamSpec, WeightChunkDecoder, assemble_weights, encode_weights
 
     specs = {k: (tuple(t.shape), t.dtype) for k, t in new.items()}
     out = {}
@@ -111,7 +111,10 @@ def offline(new: dict, old: dict) -> dict:
         t0 = time.perf_counter()
         chunks = list(
             encode_weights(
-                new, 2, fmt=kind, base=old if kind == "delta" else None, base_version=1 if kind == "delta" else 0
+                new,
+                StreamSpec(
+                    2, kind=kind, base=old if kind == "delta" else None, base_version=1 if kind == "delta" else 0
+                ),
             )
         )
         encode_s = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.types import Completion, GenerationResult, SamplingParams
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
-from ..weights.stream import encode_weights
+from ..weights.stream import StreamSpec, encode_weights
 
 if TYPE_CHECKING:
     from ..common.config_sections import RPCConfig
@@ -96,7 +96,8 @@ class GenerationClient(RPCClient):
         from the run's learner: (run_id, epoch) as published in the replay registry."""
         return self.push_encoded(
             encode_weights(
-                state_dict, policy_version, min(chunk_bytes, self.max_chunk_bytes), run_id=run_id, epoch=epoch
+                state_dict,
+                StreamSpec(policy_version, min(chunk_bytes, self.max_chunk_bytes), run_id=run_id, epoch=epoch),
             )
         )
 

@@ -20,7 +20,7 @@ from ..common.rpc.http_guard import error_bytes
 from ..common.rpc.metrics_http import reply
 from ..common.rpc.server import RPCServer, advertised_address
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
-from ..weights.stream import weight_chunks
+from ..weights.stream import StreamSpec, weight_chunks
 from .run import LearnerLoop
 
 if TYPE_CHECKING:
@@ -37,9 +37,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         policy_version, state = self.loop.publisher.snapshot
         if not state or request.have_policy_version >= policy_version:
             return
-        yield from weight_chunks(
-            state, policy_version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch
-        )
+        spec = StreamSpec(policy_version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch)
+        yield from weight_chunks(state, spec)
 
     def Status(self, request, context):
         s = self.loop.status()

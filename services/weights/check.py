@@ -13,7 +13,7 @@ import torch
 from ..common.rpc.codec import DTYPE_NAMES, DTYPES
 from ..common.rpc.errors import BadRequest, Reason
 from ..common.rpc.gen import common_pb2 as pb
-from .protocol import COMPLETE_FORMATS, WEIGHT_FORMATS
+from .protocol import COMPLETE_FORMATS, WEIGHT_FORMATS, PushKind
 
 Specs = Mapping[str, tuple[tuple, torch.dtype]]
 
@@ -29,7 +29,7 @@ def check_header(
     the model and the size limit."""
     if h.format not in formats:
         raise BadRequest(f"weights.header.format: {h.format!r} is not one of {', '.join(formats)}")
-    if h.format == "delta":
+    if h.format == PushKind.DELTA:
         if not 0 <= h.base_policy_version < h.policy_version:
             raise BadRequest(
                 f"weights.header.base_policy_version: {h.base_policy_version}, expected in "

@@ -5,6 +5,7 @@ the shared-memory files."""
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import zlib
@@ -19,9 +20,23 @@ try:
 except ImportError:  # crc32 per piece (and the stream's sha256): slower, the same guarantees against corruption
     xxhash = None  # type: ignore[assignment]
 
-WEIGHT_FORMATS = ("full", "partial")  # what any transport carries
-STREAM_FORMATS = (*WEIGHT_FORMATS, "delta")  # the stream also: every tensor, as changes to a base (delta.py)
-COMPLETE_FORMATS = ("full", "delta")  # versions with every tensor of the model
+
+class PushKind(str, enum.Enum):
+    """What a version's push carries (`WeightHeader.format` on the wire, `rlhf.format` in a
+    shared file). A member is its string wherever one is used: compared, hashed, formatted."""
+
+    FULL = "full"  # every tensor of the model
+    PARTIAL = "partial"  # a subset (LoRA's merged target modules) over the base the server holds
+    DELTA = "delta"  # every tensor, as what changed since a base version the server holds (delta.py)
+
+    __str__ = str.__str__
+    __format__ = str.__format__  # type: ignore[assignment]  # its value in f-strings, on 3.10 to 3.13 alike
+    __hash__ = str.__hash__
+
+
+WEIGHT_FORMATS = (PushKind.FULL, PushKind.PARTIAL)  # what any transport carries
+STREAM_FORMATS = (*WEIGHT_FORMATS, PushKind.DELTA)  # the stream also: every tensor, as changes to a base
+COMPLETE_FORMATS = (PushKind.FULL, PushKind.DELTA)  # versions with every tensor of the model
 CHUNK_BYTES = 16 << 20  # a stream's piece and a shared file's checksummed piece; well under rpc.max_message_mb
 
 

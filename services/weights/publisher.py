@@ -49,8 +49,8 @@ from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.waits import Counted, wait_failed
 from ..common.types import Progress, no_progress
 from . import delta, shm
-from .protocol import COMPLETE_FORMATS, chunk_bytes, nbytes
-from .stream import Fanout, encode_weights
+from .protocol import COMPLETE_FORMATS, PushKind, chunk_bytes, nbytes
+from .stream import Fanout, StreamSpec, encode_weights
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -71,6 +71,28 @@ class Delivery(enum.Enum):
     FAILED = "failed"  # unreachable, or its deadline passed: it pulls when it sees it is behind
     STREAM_INSTEAD = "stream"  # shared memory: the server refused the load; stream it over gRPC in this push
     FULL_INSTEAD = "full"  # a delta: the server holds no such base; stream it the full version in this push
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one server gets a version: the payload `kind` and the transport `via` ("shm" or "grpc")."""
+
+    kind: PushKind
+    via: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one server's push (`delivery`), the transport that carried it and the
+    payload kind it got."""
+
+    delivery: Delivery
+    via: str
+    kind: PushKind
+
+    @property
+    def took(self) -> bool:
+        return self.delivery in (Delivery.TOOK, Delivery.HELD)
 
 
 def _newer_already(e: grpc.RpcError) -> bool:
@@ -111,25 +133,23 @@ class StreamTransport:
     def __init__(self, reach: Reach):
         self.reach = reach
         self._fans: list[Fanout] = []
-        self.encoded: dict[str, int] = {}  # payload kind -> bytes of its one encoding (read by all its servers)
+        self.encoded: dict[PushKind, int] = {}  # payload kind -> bytes of its one encoding (read by all its servers)
 
     def chunk_bytes(self) -> int:
         return chunk_bytes(self.reach.cfg.rpc.max_message_mb)
 
     def jobs(
-        self, targets: list[str], state: dict, kind: str, policy_version: int, base: tuple[int, dict] | None = None
+        self, targets: list[str], state: dict, kind: PushKind, policy_version: int, base: tuple[int, dict] | None = None
     ) -> dict[str, Job]:
         """Stream `state` to every address of `targets`: {address: its job}; the jobs run at once
-        (the encoding waits for its slowest reader). Kind "delta": as changes to `base`, (its
+        (the encoding waits for its slowest reader). A DELTA: as changes to `base`, (its
         policy_version, its state)."""
         run_id, epoch = self.reach.identity
         chunk = self.chunk_bytes()
         base_version, base_state = base if base is not None else (0, None)
         fan = Fanout(
             self._counted(
-                encode_weights(
-                    state, policy_version, chunk, kind, run_id, epoch, base=base_state, base_version=base_version
-                ),
+                encode_weights(state, StreamSpec(policy_version, chunk, kind, run_id, epoch, base_state, base_version)),
                 kind,
             ),
             len(targets),
@@ -145,7 +165,7 @@ class StreamTransport:
 
         return {a: functools.partial(one, i, a) for i, a in enumerate(targets)}
 
-    def _counted(self, chunks, kind: str):
+    def _counted(self, chunks, kind: PushKind):
         self.encoded.setdefault(kind, 0)
         try:
             for chunk in chunks:
@@ -194,7 +214,7 @@ class StreamTransport:
             fan.join()
         self._fans.clear()
 
-    def take_encoded(self) -> dict[str, int]:
+    def take_encoded(self) -> dict[PushKind, int]:
         """Bytes encoded per payload kind since the last call (after `finish`)."""
         out, self.encoded = self.encoded, {}
         return out
@@ -212,7 +232,7 @@ class SharedMemoryTransport:
     def colocated(self, info: dict) -> bool:
         return shm.colocated(self.reach.cfg.rpc.shm_dir, info.get("shm"))
 
-    def _write(self, state: dict, policy_version: int, kind: str):
+    def _write(self, state: dict, policy_version: int, kind: PushKind):
         """The version written into shared memory (the request that points a server at it); None
         when it cannot be written (then its servers get the stream)."""
         run_id, epoch = self.reach.identity
@@ -235,7 +255,7 @@ class SharedMemoryTransport:
             )
             return None
 
-    def jobs(self, targets: list[str], state: dict, kind: str, policy_version: int) -> dict[str, Job] | None:
+    def jobs(self, targets: list[str], state: dict, kind: PushKind, policy_version: int) -> dict[str, Job] | None:
         """{address: its job}; None when the file cannot be written."""
         request = self._write(state, policy_version, kind)
         if request is None:
@@ -326,28 +346,28 @@ class Publisher:
         The push's metrics."""
         t0 = time.perf_counter()
         full = self.take_snapshot(policy_version)
-        payloads = {"full": full}
+        payloads = {PushKind.FULL: full}
         if self._snap[2]:
-            payloads["partial"] = self._snap[1]
+            payloads[PushKind.PARTIAL] = self._snap[1]
         elif self._prev is not None:
-            payloads["delta"] = full  # as changes to the previous snapshot
+            payloads[PushKind.DELTA] = full  # as changes to the previous snapshot
         servers = self.servers.live(fresh=True)
-        plan = {a: self.plan(a, info, "partial" in payloads) for a, info in servers.items()}
+        plan = {a: self.plan(a, info, PushKind.PARTIAL in payloads) for a, info in servers.items()}
         ok = self.deliver(servers, plan, payloads, policy_version) if servers else {}
         self.store.publish_learner(learner_address, policy_version, *self.identity)
         sizes = {k: nbytes(s) for k, s in payloads.items()}
         # a delta's bytes: its encoded stream, read by every server it went to
-        sizes["delta"] = self.stream.take_encoded().get("delta", 0)
-        sent = sum(sizes[kind] for _, _, kind in ok.values()) if servers else sizes["full"]
+        sizes[PushKind.DELTA] = self.stream.take_encoded().get(PushKind.DELTA, 0)
+        sent = sum(sizes[o.kind] for o in ok.values()) if servers else sizes[PushKind.FULL]
         secs = time.perf_counter() - t0
-        took = {a for a, (d, _, _) in ok.items() if d in (Delivery.TOOK, Delivery.HELD)}
+        took = [o for o in ok.values() if o.took]
         return {
             "time/push_s": secs,
             "push/servers": len(servers),
             "push/failed": len(ok) - len(took),
-            "push/shm": sum(a in took and via == "shm" for a, (_, via, _) in ok.items()),
-            "push/partial": sum(a in took and kind == "partial" for a, (_, _, kind) in ok.items()),
-            "push/delta": sum(a in took and kind == "delta" for a, (_, _, kind) in ok.items()),
+            "push/shm": sum(o.via == self.shared.name for o in took),
+            "push/partial": sum(o.kind is PushKind.PARTIAL for o in took),
+            "push/delta": sum(o.kind is PushKind.DELTA for o in took),
             "push/bytes": sent,
             "push/mb_per_s": sent / max(secs, 1e-9) / 1e6,
         }
@@ -389,11 +409,12 @@ class Publisher:
         assert self._base is not None  # built with the first partial snapshot
         return policy_version, {**self._base, **state}
 
-    def plan(self, address: str, info: dict, partial: bool) -> tuple[str, str]:
-        """(payload, transport) for one server: ("full" | "partial" | "delta", "shm" | "grpc"). A
-        delta goes over the stream to a server whose entry says it holds the previous snapshot."""
+    def plan(self, address: str, info: dict, partial: bool) -> Route:
+        """How one server gets this version: FULL, PARTIAL or DELTA, over shared memory or the
+        stream. A delta goes over the stream to a server whose entry says it holds the previous
+        snapshot."""
         run_id = self.identity[0]
-        kind = "full"
+        kind = PushKind.FULL
         if partial:
             base = info.get("base", "")
             if not info.get("partial", False):
@@ -409,78 +430,77 @@ class Publisher:
                     self.cfg.model.path,
                 )
             else:
-                kind = "partial"
+                kind = PushKind.PARTIAL
         via = self.via(info)
-        if kind == "full" and via == self.stream.name and self._prev is not None:
+        if kind is PushKind.FULL and via == self.stream.name and self._prev is not None:
             if info.get("delta_base") == self._prev[0]:
-                kind = "delta"
-        return kind, via
+                kind = PushKind.DELTA
+        return Route(kind, via)
 
     def via(self, info: dict) -> str:
         """The transport that reaches a server with registry entry `info`: "shm" or "grpc"."""
         return self.shared.name if self.shared.colocated(info) else self.stream.name
 
-    def deliver(
-        self, servers: dict, plan: dict, payloads: dict, policy_version: int
-    ) -> dict[str, tuple[Delivery, str, str]]:
-        """Every server's push as `plan` says ({address: (kind, via)}), each registered as it
-        takes the version: {address: (what became of it, the transport that carried it, the
-        payload it got)}. A load refused from shared memory is streamed, a delta refused for its
+    def deliver(self, servers: dict, plan: dict[str, Route], payloads: dict, policy_version: int) -> dict[str, Outcome]:
+        """Every server's push as `plan` says, each registered as it takes the version: each
+        server's `Outcome`. A load refused from shared memory is streamed, a delta refused for its
         base is streamed whole, both in a second round."""
-        groups: dict[tuple[str, str], list[str]] = {}
-        for a, (kind, via) in plan.items():
-            groups.setdefault((kind, via), []).append(a)
-        ok: dict[str, tuple[Delivery, str, str]] = {}
+        groups: dict[Route, list[str]] = {}
+        for a, route in plan.items():
+            groups.setdefault(route, []).append(a)
+        ok: dict[str, Outcome] = {}
         # every server's stream or load runs at once (a Fanout needs all its readers reading)
         try:
             with ThreadPoolExecutor(max_workers=max(1, 2 * len(servers))) as pool:
 
-                def run(jobs: dict[str, Job], kind: str, via: str) -> dict:
+                def run(jobs: dict[str, Job], kind: PushKind, via: str) -> dict:
                     return {
                         a: pool.submit(self._settled, job, a, servers[a], policy_version, kind, via)
                         for a, job in jobs.items()
                     }
 
-                def stream(targets: list[str], kind: str) -> dict:
-                    base = self._prev[1:] if kind == "delta" and self._prev is not None else None
+                def stream(targets: list[str], kind: PushKind) -> dict:
+                    base = self._prev[1:] if kind is PushKind.DELTA and self._prev is not None else None
                     jobs = self.stream.jobs(targets, payloads[kind], kind, policy_version, base=base)
                     return run(jobs, kind, self.stream.name)
 
                 futures: dict = {}
                 shared: set[str] = set()
-                for (kind, via), targets in groups.items():
-                    if via == self.stream.name:
-                        futures.update(stream(targets, kind))
-                for (kind, via), targets in groups.items():
-                    if via == self.shared.name:
-                        loads = self.shared.jobs(targets, payloads[kind], kind, policy_version)
+                for route, targets in groups.items():
+                    if route.via == self.stream.name:
+                        futures.update(stream(targets, route.kind))
+                for route, targets in groups.items():
+                    if route.via == self.shared.name:
+                        loads = self.shared.jobs(targets, payloads[route.kind], route.kind, policy_version)
                         if loads is None:
-                            futures.update(stream(targets, kind))
+                            futures.update(stream(targets, route.kind))
                         else:
                             shared.update(loads)
-                            futures.update(run(loads, kind, self.shared.name))
-                retry: dict[str, list[str]] = {}
+                            futures.update(run(loads, route.kind, self.shared.name))
+                retry: dict[PushKind, list[str]] = {}
                 for a, f in futures.items():
                     result = f.result()
                     if result is Delivery.STREAM_INSTEAD:
-                        retry.setdefault(plan[a][0], []).append(a)
+                        retry.setdefault(plan[a].kind, []).append(a)
                     elif result is Delivery.FULL_INSTEAD:
-                        retry.setdefault("full", []).append(a)
-                    ok[a] = (result, self.shared.name if a in shared else self.stream.name, plan[a][0])
+                        retry.setdefault(PushKind.FULL, []).append(a)
+                    ok[a] = Outcome(result, self.shared.name if a in shared else self.stream.name, plan[a].kind)
                 for kind, targets in retry.items():
-                    ok.update({a: (f.result(), self.stream.name, kind) for a, f in stream(targets, kind).items()})
+                    ok.update(
+                        {a: Outcome(f.result(), self.stream.name, kind) for a, f in stream(targets, kind).items()}
+                    )
         finally:
             self.stream.finish()
         return ok
 
-    def _settled(self, job: Job, address: str, info: dict, policy_version: int, kind: str, via: str) -> Delivery:
+    def _settled(self, job: Job, address: str, info: dict, policy_version: int, kind: PushKind, via: str) -> Delivery:
         """One server's job, then its registration if it took the version."""
         delivery = job()
         if delivery is Delivery.TOOK:
             self.register(address, info, policy_version, kind, via)
         return delivery
 
-    def register(self, address: str, info: dict, policy_version: int, kind: str, via: str = "grpc") -> None:
+    def register(self, address: str, info: dict, policy_version: int, kind: PushKind, via: str = "grpc") -> None:
         """The server's registry entry after it took `policy_version`: workers see the version at once,
         and the next push plans with what this one changed (a server that keeps delta bases holds
         a version that came whole or as a delta over the stream). A registry that does not answer

@@ -12,6 +12,7 @@ import queue
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Generator, Iterable, Iterator, Mapping
 
@@ -23,7 +24,7 @@ from ..common.rpc.errors import BadRequest, FailedPrecondition, Reason
 from ..common.rpc.gen import common_pb2 as pb
 from . import delta
 from .check import all_finite, check_coverage, check_header, check_tensor
-from .protocol import CHUNK_BYTES, STREAM_FORMATS, raw_view, threads, xxhash
+from .protocol import CHUNK_BYTES, STREAM_FORMATS, PushKind, raw_view, threads, xxhash
 
 
 def _varint(n: int) -> bytes:
@@ -92,16 +93,22 @@ class _InOrder:
         self._q.put(None)
 
 
-def encode_weights(
-    state_dict: Mapping[str, torch.Tensor],
-    policy_version: int,
-    chunk_bytes: int = CHUNK_BYTES,
-    fmt: str = "full",
-    run_id: str = "",
-    epoch: int = 0,
-    base: Mapping[str, torch.Tensor] | None = None,
-    base_version: int = 0,
-) -> Iterator[bytes]:
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a push stream is of, one bundle for the encoder and the chunker: `policy_version`, in
+    pieces of at most `chunk_bytes`, its `kind`, the writer's fence (`run_id`, `epoch`) and, for a
+    DELTA, the `base` state it is changes to and that state's `base_version`."""
+
+    policy_version: int
+    chunk_bytes: int = CHUNK_BYTES
+    kind: PushKind = PushKind.FULL
+    run_id: str = ""
+    epoch: int = 0
+    base: Mapping[str, torch.Tensor] | None = None
+    base_version: int = 0
+
+
+def encode_weights(state_dict: Mapping[str, torch.Tensor], spec: StreamSpec) -> Iterator[bytes]:
     """A state dict as a push stream of serialised `WeightChunk` messages: header (with the
     writer's run id and epoch, the fencing token), pieces of at most `chunk_bytes`, each with the
     xxh3_64 of its data (~30 GB/s; with the receiver's exact coverage of every tensor, the whole
@@ -112,14 +119,17 @@ def encode_weights(
     is the protobuf encoding of its metadata followed by the data field, written straight from the
     tensor's memory: one copy per byte (into the message), no intermediate `bytes` of the tensor.
 
-    With `base` (format "delta"): every tensor as what changed since `base`, the state of version
+    A DELTA (`spec.base` given): every tensor as what changed since `base`, the state of version
     `base_version` (same names, shapes and dtypes), each piece encoded by `delta.encode` on a few
     threads (zstd releases the GIL), or RAW where that would not be smaller. Pieces cover the same
     raw byte ranges and carry the same checksums (of the new bytes) as the full stream's."""
+    chunk_bytes, base = spec.chunk_bytes, spec.base
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: {chunk_bytes}, expected at least 1")
-    if (fmt == "delta") != (base is not None):
-        raise ValueError(f"format {fmt!r} {'with' if base is not None else 'without'} a base (only 'delta' has one)")
+    if (spec.kind == PushKind.DELTA) != (base is not None):
+        raise ValueError(
+            f"format {spec.kind!r} {'with' if base is not None else 'without'} a base (only 'delta' has one)"
+        )
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     for t in tensors.values():
         if t.dtype not in DTYPE_NAMES:
@@ -128,13 +138,13 @@ def encode_weights(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     yield pb.WeightChunk(
         header=pb.WeightHeader(
-            policy_version=policy_version,
-            format=fmt,
+            policy_version=spec.policy_version,
+            format=str(spec.kind),
             num_tensors=len(tensors),
             total_bytes=total,
-            run_id=run_id,
-            epoch=epoch,
-            base_policy_version=base_version if base is not None else 0,
+            run_id=spec.run_id,
+            epoch=spec.epoch,
+            base_policy_version=spec.base_version if base is not None else 0,
         )
     ).SerializeToString()
     digest = hashlib.sha256()
@@ -226,18 +236,9 @@ def _delta_pieces(spans: Iterator[Span], olds: Mapping[str, np.ndarray]) -> Gene
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def weight_chunks(
-    state_dict: Mapping[str, torch.Tensor],
-    policy_version: int,
-    chunk_bytes: int = CHUNK_BYTES,
-    fmt: str = "full",
-    run_id: str = "",
-    epoch: int = 0,
-    base: Mapping[str, torch.Tensor] | None = None,
-    base_version: int = 0,
-) -> Iterator[pb.WeightChunk]:
+def weight_chunks(state_dict: Mapping[str, torch.Tensor], spec: StreamSpec) -> Iterator[pb.WeightChunk]:
     """`encode_weights` as `WeightChunk` messages (for a servicer's response stream and tests)."""
-    for raw in encode_weights(state_dict, policy_version, chunk_bytes, fmt, run_id, epoch, base, base_version):
+    for raw in encode_weights(state_dict, spec):
         yield pb.WeightChunk.FromString(raw)
 
 
@@ -527,7 +528,7 @@ class _Assembly:
         check_header(header, self.specs, self.max_bytes, STREAM_FORMATS)
         if self.on_header is not None:
             self.on_header(header)
-        if header.format == "delta":
+        if header.format == PushKind.DELTA:
             self._check_base(header)
 
     def _check_base(self, h: pb.WeightHeader) -> None:

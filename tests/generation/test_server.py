@@ -20,7 +20,7 @@ from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
-from services.weights.stream import weight_chunks
+from services.weights.stream import StreamSpec, weight_chunks
 from tests.grpc_helpers import TOKEN, expect_code, on_free_ports, restream
 from tests.waits import wait_until
 
@@ -235,7 +235,7 @@ def test_push_makes_server_generate_exactly_what_the_pushed_model_generates(clie
 
 
 def _chunks_of(state, policy_version, mutate=None):
-    chunks = list(weight_chunks(state, policy_version, chunk_bytes=50_000))
+    chunks = list(weight_chunks(state, StreamSpec(policy_version, chunk_bytes=50_000)))
     if mutate:
         mutate(chunks)
     return iter(chunks)
@@ -280,7 +280,9 @@ def test_bad_pushes_are_refused_and_old_weights_keep_serving(client, server):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason_of(refused.value) is Reason.VERSION_NOT_NEWER  # what a publisher counts as delivered
     expect_code(
-        lambda: push(iter(list(weight_chunks(noisy, v + 1))[:-1])), grpc.StatusCode.INVALID_ARGUMENT, "without a footer"
+        lambda: push(iter(list(weight_chunks(noisy, StreamSpec(v + 1)))[:-1])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "without a footer",
     )
     assert client.policy_version == v
     assert client.generate(prompts, greedy).completions[0][0].token_ids == before
@@ -308,7 +310,7 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
         return [c for c in chunks if c.WhichOneof("payload") == "piece" and c.piece.name == name]
 
     # the piece at offset 0 twice and the one at 8,448 left out: the byte count is right, the ranges are not
-    chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
+    chunks = list(weight_chunks(noisy, StreamSpec(v + 1, chunk_bytes=piece_bytes)))
     first, second = pieces_of(chunks)[:2]
     second.CopyFrom(first)
     expect_code(
@@ -317,7 +319,7 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
         f"weights.piece[{name}]: bytes [0, {piece_bytes}) were already received",
     )
     # only the hole
-    chunks = list(weight_chunks(noisy, v + 1, chunk_bytes=piece_bytes))
+    chunks = list(weight_chunks(noisy, StreamSpec(v + 1, chunk_bytes=piece_bytes)))
     chunks.remove(pieces_of(chunks)[1])
     expect_code(
         lambda: push(iter(restream(chunks))),
@@ -327,13 +329,13 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
     # a "full" push without a whole tensor
     without = {k: t for k, t in noisy.items() if k != "model.norm.weight"}
     expect_code(
-        lambda: push(iter(weight_chunks(without, v + 1))),
+        lambda: push(iter(weight_chunks(without, StreamSpec(v + 1)))),
         grpc.StatusCode.INVALID_ARGUMENT,
         "a full push without 1 of the model's tensors: model.norm.weight",
     )
     # a format the server does not know
     expect_code(
-        lambda: push(iter(weight_chunks(noisy, v + 1, fmt="sparse"))),
+        lambda: push(iter(weight_chunks(noisy, StreamSpec(v + 1, kind="sparse")))),
         grpc.StatusCode.INVALID_ARGUMENT,
         "weights.header.format: 'sparse' is not one of full, partial, delta",
     )
@@ -343,7 +345,7 @@ def test_every_byte_of_every_tensor_exactly_once_and_finite(client, server):
         poisoned[name] = noisy[name].clone()
         poisoned[name][5, 7] = bad
         expect_code(
-            lambda: push(iter(weight_chunks(poisoned, v + 1))),
+            lambda: push(iter(weight_chunks(poisoned, StreamSpec(v + 1)))),
             grpc.StatusCode.INVALID_ARGUMENT,
             f"weights.piece[{name}]: contains NaN or infinity",
         )
@@ -356,7 +358,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
     name = "model.norm.weight"
     new = good[name] * 1.5
     partial = lambda: client.stub.PushWeights(  # noqa: E731
-        weight_chunks({name: new}, v + 1, fmt="partial"), metadata=client.metadata
+        weight_chunks({name: new}, StreamSpec(v + 1, kind="partial")), metadata=client.metadata
     )
     if server.servicer.cfg.generation.backend == "vllm":
         # vLLM fuses q/k/v and gate/up projections: a layer loaded from part of its tensors would be
@@ -371,7 +373,7 @@ def test_partial_push_replaces_only_its_tensors(client, server):
     server.state = {**good, name: new}
     server.assert_weights(server.state)
     # each tensor of a partial push is still complete
-    chunks = list(weight_chunks({name: good[name]}, v + 2, chunk_bytes=128, fmt="partial"))
+    chunks = list(weight_chunks({name: good[name]}, StreamSpec(v + 2, chunk_bytes=128, kind="partial")))
     del chunks[2]
     expect_code(
         lambda: client.stub.PushWeights(iter(restream(chunks)), metadata=client.metadata),
@@ -401,7 +403,7 @@ def test_declared_sizes_are_checked_against_the_model_before_allocating(client, 
     v = client.policy_version
     if value == "model+1":
         value = sum(t.numel() * t.element_size() for t in state.values()) + 1
-    chunks = list(weight_chunks(state, v + 1, chunk_bytes=8448))
+    chunks = list(weight_chunks(state, StreamSpec(v + 1, chunk_bytes=8448)))
     if where.startswith("header."):
         setattr(chunks[0].header, where.split(".")[1], value)
     else:

@@ -19,7 +19,9 @@ from services.generation.server import serve
 from services.weights import delta
 from services.weights import stream as stream_module
 from services.weights.check import check_header
-from services.weights.stream import WeightChunkDecoder, assemble_weights, encode_weights, weight_chunks
+from services.weights.protocol import PushKind
+from services.weights.publisher import Route
+from services.weights.stream import StreamSpec, WeightChunkDecoder, assemble_weights, encode_weights, weight_chunks
 from tests.grpc_helpers import closed, on_free_ports, publisher
 
 XOR = pb.TensorPiece.XOR_PLANES_ZSTD
@@ -72,8 +74,8 @@ def test_a_delta_assembles_the_full_push_bit_for_bit(dtype, chunk_bytes, checksu
     old = _source(dtype)
     new = _step(old, 1)
     base = delta.Base("run-a", 2, 3, old)
-    full = list(encode_weights(new, 4, chunk_bytes, run_id="run-a", epoch=2))
-    diff = list(encode_weights(new, 4, chunk_bytes, "delta", "run-a", 2, base=old, base_version=3))
+    full = list(encode_weights(new, StreamSpec(4, chunk_bytes, run_id="run-a", epoch=2)))
+    diff = list(encode_weights(new, StreamSpec(4, chunk_bytes, "delta", "run-a", 2, base=old, base_version=3)))
     pieces = [pb.WeightChunk.FromString(c).piece for c in diff[1:-1]]
     assert any(p.encoding == XOR for p in pieces)
     aligned = chunk_bytes % 4 == 0  # else the pieces' planes are of single bytes: less saved
@@ -93,7 +95,7 @@ def test_a_delta_assembles_the_full_push_bit_for_bit(dtype, chunk_bytes, checksu
 def test_a_piece_that_would_not_shrink_goes_raw():
     old = {**_source(torch.float32), "counts": torch.randint(-(2**63), 2**63 - 1, (20_000,))}
     new = {**_step(old, 1), "counts": torch.randint(-(2**63), 2**63 - 1, (20_000,))}  # a random XOR
-    chunks = list(weight_chunks(new, 2, 1 << 16, "delta", base=old, base_version=1))
+    chunks = list(weight_chunks(new, StreamSpec(2, 1 << 16, "delta", base=old, base_version=1)))
     encodings = {(c.piece.name, c.piece.encoding) for c in chunks if c.WhichOneof("payload") == "piece"}
     assert {("counts", pb.TensorPiece.RAW), ("big", XOR)} <= encodings and ("counts", XOR) not in encodings
     _, _, got, _, _ = assemble_weights(iter(chunks), _specs(old), base=delta.Base("", 0, 1, old))
@@ -101,7 +103,9 @@ def test_a_piece_that_would_not_shrink_goes_raw():
 
 
 def _delta_chunks(old, new, base_version=1, chunk_bytes=1 << 16):
-    return list(weight_chunks(new, base_version + 1, chunk_bytes, "delta", base=old, base_version=base_version))
+    return list(
+        weight_chunks(new, StreamSpec(base_version + 1, chunk_bytes, "delta", base=old, base_version=base_version))
+    )
 
 
 def _first_encoded(chunks):
@@ -128,7 +132,7 @@ def test_a_corrupt_delta_piece_is_refused_by_its_checksum():
 
 def test_a_delta_without_its_base_is_refused_with_a_reason():
     old = _source(torch.float32)
-    chunks = list(weight_chunks(_step(old, 1), 8, 1 << 16, "delta", "run-a", 3, base=old, base_version=7))
+    chunks = list(weight_chunks(_step(old, 1), StreamSpec(8, 1 << 16, "delta", "run-a", 3, base=old, base_version=7)))
     for held, holds in [
         (None, "no delta base"),
         (delta.Base("run-a", 3, 6, old), "run-a/e3/v6"),  # it missed version 7
@@ -183,7 +187,7 @@ def test_decompression_bombs_and_malformed_pieces_are_refused():
     chunks = fresh()
     chunks[0].header.base_policy_version = chunks[0].header.policy_version
     _refused(chunks, old, r"base_policy_version: 2, expected in \[0, policy_version=2\)")
-    full = list(weight_chunks(new, 2, 1 << 16))
+    full = list(weight_chunks(new, StreamSpec(2, 1 << 16)))
     full[0].header.base_policy_version = 1
     _refused(full, old, "base_policy_version: set in a 'full' version")
     # shared memory carries whole versions only
@@ -321,7 +325,9 @@ def test_a_delta_to_a_server_without_its_base_fails_with_the_reason(cfg, tiny_mo
             old = _weights(svc)
             client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
             with pytest.raises(grpc.RpcError) as e:
-                client.push_encoded(encode_weights(_step(old, 1), 1, fmt="delta", base=old, base_version=0))
+                client.push_encoded(
+                    encode_weights(_step(old, 1), StreamSpec(1, kind="delta", base=old, base_version=0))
+                )
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert reason_of(e.value) is Reason.DELTA_BASE_MISSING and "holds no delta base" in e.value.details()
             assert svc.servicer.backend.policy_version == 0 and _serves(svc, old)
@@ -336,23 +342,27 @@ def test_the_plan_picks_delta_or_full_per_server(cfg, tmp_path):
     try:
         info = lambda held, **kw: {"base": "run:run-a", "partial": True, "delta_base": held, **kw}  # noqa: E731
         bc.take_snapshot(1)
-        assert bc.plan("s", info("run-a/e1/v1"), False) == ("full", "grpc")  # no previous snapshot yet
+        assert bc.plan("s", info("run-a/e1/v1"), False) == Route(PushKind.FULL, "grpc")  # no previous snapshot yet
         learner.state = {"w": torch.ones(4)}
         bc.take_snapshot(2)
-        assert bc.plan("s", info("run-a/e1/v1"), False) == ("delta", "grpc")  # it holds the previous version
+        assert bc.plan("s", info("run-a/e1/v1"), False) == Route(
+            PushKind.DELTA, "grpc"
+        )  # it holds the previous version
         for held in ("run-a/e1/v0", "run-a/e0/v1", "run-b/e1/v1", ""):  # behind, another epoch or run, none
-            assert bc.plan("s", info(held), False) == ("full", "grpc")
-        assert bc.plan("s", {"base": "run:run-a", "partial": True}, False) == ("full", "grpc")  # keeps no base
-        assert bc.plan("s", info("run-a/e1/v1"), True) == ("partial", "grpc")  # LoRA: partial as before
+            assert bc.plan("s", info(held), False) == Route(PushKind.FULL, "grpc")
+        assert bc.plan("s", {"base": "run:run-a", "partial": True}, False) == Route(
+            PushKind.FULL, "grpc"
+        )  # keeps no base
+        assert bc.plan("s", info("run-a/e1/v1"), True) == Route(PushKind.PARTIAL, "grpc")  # LoRA: partial as before
         bc.shared.colocated = lambda info: True  # type: ignore[method-assign]
-        assert bc.plan("s", info("run-a/e1/v1"), False) == ("full", "shm")  # shared memory: whole
+        assert bc.plan("s", info("run-a/e1/v1"), False) == Route(PushKind.FULL, "shm")  # shared memory: whole
     finally:
         closed(bc)
     off = publisher(_delta_cfg(cfg, False), Registry([]), Learner(state))
     try:
         off.take_snapshot(1)
         off.take_snapshot(2)
-        assert off._prev is None and off.plan("s", {"delta_base": "/e0/v1"}, False) == ("full", "grpc")
+        assert off._prev is None and off.plan("s", {"delta_base": "/e0/v1"}, False) == Route(PushKind.FULL, "grpc")
     finally:
         closed(off)
 
@@ -396,7 +406,7 @@ def test_an_abandoned_delta_stream_stops_its_encoding_threads():
     import threading
 
     old = _source(torch.float32)
-    chunks = encode_weights(_step(old, 1), 2, 1 << 12, "delta", base=old, base_version=1)
+    chunks = encode_weights(_step(old, 1), StreamSpec(2, 1 << 12, "delta", base=old, base_version=1))
     next(chunks), next(chunks)
     assert any(t.name.startswith("weights-delta") for t in threading.enumerate())
     chunks.close()

@@ -22,7 +22,7 @@ from services.generation.client import GenerationClient
 from services.generation.registration import Registration
 from services.generation.server import serve
 from services.weights.receiver import LearnerFence
-from services.weights.stream import weight_chunks
+from services.weights.stream import StreamSpec, weight_chunks
 from tests.grpc_helpers import expect_code, on_free_ports
 
 NOT_THE_LEARNER = "push from a writer that is not the run's learner"
@@ -106,7 +106,7 @@ def test_the_header_is_checked_before_the_pieces_are_read(fenced):
     epoch = _learner_starts(store)
     v = client.policy_version
     store.raise_version_to(v + 1)
-    chunks = list(weight_chunks(_state(servicer), v + 1, run_id="run-a", epoch=epoch - 1))
+    chunks = list(weight_chunks(_state(servicer), StreamSpec(v + 1, run_id="run-a", epoch=epoch - 1)))
     chunks[1].piece.data = b"garbage"  # never read: the header is refused first
     expect_code(
         lambda: client.stub.PushWeights(iter(chunks), metadata=client.metadata),
@@ -132,7 +132,7 @@ def test_a_learner_that_takes_over_during_a_push_wins(fenced, monkeypatch):
     monkeypatch.setattr(servicer, "fence", fence)
 
     def stream():
-        chunks = weight_chunks(_state(servicer, 0.02), v + 1, run_id="run-a", epoch=epoch)
+        chunks = weight_chunks(_state(servicer, 0.02), StreamSpec(v + 1, run_id="run-a", epoch=epoch))
         yield next(chunks)
         assert header_checked.wait(120)
         _learner_starts(store)  # a new learner process starts while the old one still pushes
@@ -171,7 +171,7 @@ class _FakeLearner(learner_pb2_grpc.LearnerServicer):
 
     def PullWeights(self, request, context):
         if request.have_policy_version < self.policy_version:
-            yield from weight_chunks(self.state, self.policy_version, run_id=self.run_id, epoch=self.epoch)
+            yield from weight_chunks(self.state, StreamSpec(self.policy_version, run_id=self.run_id, epoch=self.epoch))
 
 
 def test_pulls_from_the_learner_pass_the_same_fence(fenced):

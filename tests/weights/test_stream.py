@@ -10,7 +10,15 @@ import torch
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
 from services.weights.check import all_finite
-from services.weights.stream import Fanout, WeightChunkDecoder, _varint, assemble_weights, encode_weights, weight_chunks
+from services.weights.stream import (
+    Fanout,
+    StreamSpec,
+    WeightChunkDecoder,
+    _varint,
+    assemble_weights,
+    encode_weights,
+    weight_chunks,
+)
 
 STATE = {
     "big": torch.randn(300, 400),
@@ -24,10 +32,10 @@ SPECS = {k: (tuple(t.shape), t.dtype) for k, t in STATE.items()}
 
 @pytest.mark.parametrize("chunk_bytes", [1 << 16, 100_000, 1 << 24])
 def test_encoded_stream_is_the_protobuf_stream(chunk_bytes):
-    raw = list(encode_weights(STATE, 4, chunk_bytes, run_id="r", epoch=2))
+    raw = list(encode_weights(STATE, StreamSpec(4, chunk_bytes, run_id="r", epoch=2)))
     msgs = [pb.WeightChunk.FromString(b) for b in raw]
     assert [m.SerializeToString() for m in msgs] == [
-        m.SerializeToString() for m in weight_chunks(STATE, 4, chunk_bytes, run_id="r", epoch=2)
+        m.SerializeToString() for m in weight_chunks(STATE, StreamSpec(4, chunk_bytes, run_id="r", epoch=2))
     ]
     decoded = [WeightChunkDecoder().FromString(b) for b in raw]
     for fast, slow in zip(decoded, msgs):
@@ -119,7 +127,7 @@ def test_finiteness_check(dtype, bad):
 def test_non_finite_found_in_a_large_piece_is_refused():
     state = {k: v.clone() for k, v in STATE.items()}
     state["big"][299, 399] = float("nan")
-    decoded = [WeightChunkDecoder().FromString(b) for b in encode_weights(state, 1, 1 << 20)]
+    decoded = [WeightChunkDecoder().FromString(b) for b in encode_weights(state, StreamSpec(1, 1 << 20))]
     with pytest.raises(BadRequest, match=r"weights.piece\[big\]: contains NaN or infinity"):
         assemble_weights(iter(decoded), SPECS)
 

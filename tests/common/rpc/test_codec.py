@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services.common.rpc.errors import BadRequest
-from services.weights.stream import assemble_weights, weight_chunks
+from services.weights.stream import StreamSpec, assemble_weights, weight_chunks
 from tests.grpc_helpers import restream
 
 STATE = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.int64)}
@@ -17,7 +17,7 @@ def _pieces(chunks, name):
 
 
 def test_round_trip_in_any_piece_order_with_the_header():
-    chunks = list(weight_chunks(STATE, 3, chunk_bytes=8, run_id="run-a", epoch=7))
+    chunks = list(weight_chunks(STATE, StreamSpec(3, chunk_bytes=8, run_id="run-a", epoch=7)))
     body = chunks[1:-1]
     shuffled = [chunks[0], *reversed(body), chunks[-1]]
     for specs in (SPECS, None):
@@ -33,7 +33,7 @@ def test_the_header_callback_runs_before_any_piece():
         seen.append(h.policy_version)
         raise BadRequest("refused")
 
-    chunks = list(weight_chunks(STATE, 3))
+    chunks = list(weight_chunks(STATE, StreamSpec(3)))
     chunks[1].piece.xxh3 ^= 1  # would be refused if read
     with pytest.raises(BadRequest, match="refused"):
         assemble_weights(iter(chunks), SPECS, on_header=on_header)
@@ -65,7 +65,7 @@ def test_the_header_callback_runs_before_any_piece():
     ],
 )
 def test_refused(specs, tamper, fragment):
-    chunks = list(weight_chunks(STATE, 1, chunk_bytes=8))
+    chunks = list(weight_chunks(STATE, StreamSpec(1, chunk_bytes=8)))
     tamper(chunks)
     with pytest.raises(BadRequest) as e:
         assemble_weights(iter(restream(chunks)), specs, max_bytes=1000)
@@ -75,17 +75,19 @@ def test_refused(specs, tamper, fragment):
 def test_full_needs_every_tensor_partial_a_complete_subset():
     only_a = {"a": STATE["a"]}
     with pytest.raises(BadRequest, match="a full push without 1 of the model's tensors: b"):
-        assemble_weights(weight_chunks(only_a, 1), SPECS)
-    _, fmt, state, _, _ = assemble_weights(weight_chunks(only_a, 1, fmt="partial"), SPECS)
+        assemble_weights(weight_chunks(only_a, StreamSpec(1)), SPECS)
+    _, fmt, state, _, _ = assemble_weights(weight_chunks(only_a, StreamSpec(1, kind="partial")), SPECS)
     assert fmt == "partial" and list(state) == ["a"]
     with pytest.raises(BadRequest, match="weights.header.format: 'sparse'"):
-        assemble_weights(weight_chunks(only_a, 1, fmt="sparse"), SPECS)
+        assemble_weights(weight_chunks(only_a, StreamSpec(1, kind="sparse")), SPECS)
     # a delta (changes since a version the server holds) is every tensor too
     from services.weights.delta import Base
 
     with pytest.raises(BadRequest, match="a delta push without 1 of the model's tensors: b"):
         assemble_weights(
-            weight_chunks(only_a, 2, fmt="delta", base=only_a, base_version=1), SPECS, base=Base("", 0, 1, STATE)
+            weight_chunks(only_a, StreamSpec(2, kind="delta", base=only_a, base_version=1)),
+            SPECS,
+            base=Base("", 0, 1, STATE),
         )
 
 
@@ -94,7 +96,7 @@ def test_non_finite_weights_are_refused(bad):
     state = dict(STATE, a=STATE["a"].clone())
     state["a"][1, 2] = bad
     with pytest.raises(BadRequest, match=r"weights.piece\[a\]: contains NaN or infinity"):
-        assemble_weights(weight_chunks(state, 1), SPECS)
+        assemble_weights(weight_chunks(state, StreamSpec(1)), SPECS)
 
 
 def _legacy(chunks):
@@ -113,7 +115,7 @@ def _legacy(chunks):
 
 
 def test_pieces_carry_xxh3_and_a_corrupt_piece_is_refused():
-    chunks = list(weight_chunks(STATE, 3, chunk_bytes=8))
+    chunks = list(weight_chunks(STATE, StreamSpec(3, chunk_bytes=8)))
     pieces = [c.piece for c in chunks if c.WhichOneof("payload") == "piece"]
     assert all(p.HasField("xxh3") for p in pieces) and not chunks[-1].footer.sha256
     pieces[1].data = bytes(len(pieces[1].data))
@@ -123,21 +125,21 @@ def test_pieces_carry_xxh3_and_a_corrupt_piece_is_refused():
 
 def test_a_writer_without_xxhash_is_still_understood_and_checked():
     policy_version, _, state, _, _ = assemble_weights(
-        iter(_legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))), SPECS
+        iter(_legacy(list(weight_chunks(STATE, StreamSpec(3, chunk_bytes=8))))), SPECS
     )
     assert policy_version == 3 and all(torch.equal(state[k], STATE[k]) for k in STATE)
-    bad = _legacy(list(weight_chunks(STATE, 3, chunk_bytes=8)))
+    bad = _legacy(list(weight_chunks(STATE, StreamSpec(3, chunk_bytes=8))))
     bad[-1].footer.sha256 = "0" * 64
     with pytest.raises(BadRequest, match="sha256: checksum mismatch"):
         assemble_weights(iter(bad), SPECS)
 
 
 def test_one_kind_of_check_per_push():
-    mixed = list(weight_chunks(STATE, 3, chunk_bytes=8))
+    mixed = list(weight_chunks(STATE, StreamSpec(3, chunk_bytes=8)))
     mixed[2].piece.ClearField("xxh3")  # this piece would be checked by crc32 only
     with pytest.raises(BadRequest, match="xxh3 on some pieces"):
         assemble_weights(iter(mixed), SPECS)
-    signed = list(weight_chunks(STATE, 3, chunk_bytes=8))
+    signed = list(weight_chunks(STATE, StreamSpec(3, chunk_bytes=8)))
     signed[-1].footer.sha256 = "0" * 64
     with pytest.raises(BadRequest, match="set in a push whose pieces carry xxh3"):
         assemble_weights(iter(signed), SPECS)

@@ -14,7 +14,7 @@ from services.common.rpc.codec import MAX_NDIM, bytes_to_tensor, checked_shape, 
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
 from services.weights import shm
-from services.weights.stream import assemble_weights, weight_chunks
+from services.weights.stream import StreamSpec, assemble_weights, weight_chunks
 from tests.grpc_helpers import restream
 
 OVERFLOWING = [
@@ -76,7 +76,7 @@ SPECS = {k: (tuple(t.shape), t.dtype) for k, t in STATE.items()}
 @pytest.mark.parametrize("shape", OVERFLOWING)
 def test_a_push_refuses_overflowing_piece_shapes(specs, shape):
     for total in {_wrapped(shape, 4), 0, 48}:
-        chunks = list(weight_chunks(STATE, 1, chunk_bytes=1 << 20))
+        chunks = list(weight_chunks(STATE, StreamSpec(1, chunk_bytes=1 << 20)))
         piece = next(c.piece for c in chunks if c.WhichOneof("payload") == "piece" and c.piece.name == "e")
         piece.shape[:] = shape
         piece.total_bytes = total
@@ -85,7 +85,7 @@ def test_a_push_refuses_overflowing_piece_shapes(specs, shape):
 
 
 def test_a_push_without_specs_still_takes_an_ordinary_empty_tensor():
-    policy_version, _, state, _, _ = assemble_weights(iter(restream(list(weight_chunks(STATE, 2)))), None)
+    policy_version, _, state, _, _ = assemble_weights(iter(restream(list(weight_chunks(STATE, StreamSpec(2))))), None)
     assert policy_version == 2 and state["e"].shape == (0, 3) and torch.equal(state["a"], STATE["a"])
 
 
