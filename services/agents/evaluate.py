@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from ..common.servers import ServerPool
 from ..common.types import PromptRecord, SamplingParams
-from ..training.evaluate import Evaluator, Sampled, SingleTurn, how_sampled
+from ..training.evaluate import Evaluator, HowSampled, SingleTurn, how_sampled
 from .host import AgentHost, Outage, Unscored, agent_host, session_name
 from .sessions import as_sample
 
@@ -105,7 +105,7 @@ def held_out_evaluator(
     - an agent's sessions: `servers()` opens the pool of generation servers the agent's endpoint
       samples from (closed after), every turn with `turn_params` (default `params`), `params.n`
       sessions per prompt, generation.max_batch_size prompts' sessions at once."""
-    if how_sampled(cfg, rule) is Sampled.REPLY:
+    if how_sampled(cfg, rule) is HowSampled.REPLY:
         yield Evaluator(SingleTurn(backend, scorer, tokenizer, params, proxy), batch)
         return
     with servers() as pool:

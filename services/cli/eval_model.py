@@ -36,7 +36,7 @@ from ..generation.policy import load_policy
 from ..reward.labels import label_reader
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
 from ..training.data import config_prompts, held_out_source
-from ..training.evaluate import Sampled, how_sampled, summarize, write_rows
+from ..training.evaluate import HowSampled, how_sampled, summarize, write_rows
 
 
 def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:
@@ -80,7 +80,7 @@ def run_eval(
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
     kind = cfg.rollout.agent_kind
-    agent = how_sampled(cfg, rule) is Sampled.SESSIONS  # the agent's reward, or --rule on one reply
+    agent = how_sampled(cfg, rule) is HowSampled.SESSIONS  # the agent's reward, or --rule on one reply
     scorer = None if agent else _scorer(cfg, rule)
     models = {"model": model or cfg.model.path}
     if baseline is not None:

@@ -19,8 +19,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from ..agents.host import AgentFailed, AgentHost, AgentServiceDown, Outage
-from ..common.modeling import build_token_batch
 from ..common.rpc.retry import DependencyUnavailable
+from ..training.sampling import values_of
 from .outcomes import Failed, Then, classify, message
 from .sampling import Prompt, Rejected, Sampled
 
@@ -119,10 +119,10 @@ def too_long_for_training(cfg: Config, group: SampleGroup) -> str | None:
 
 
 def value_group(group: SampleGroup, critic, tokenizer) -> None:
-    """The critic's values of each session's tokens, into `group.values`."""
+    """The critic's values of each session's tokens, into `group.values` (training/sampling.py's
+    `values_of`, as a single-turn batch is valued)."""
     responses = [c.token_ids for c in group.completions]
-    v = critic.values(build_token_batch([group.prompt_ids] * len(responses), responses, tokenizer.pad_token_id))
-    group.values = [v[i, : len(r)].tolist() for i, r in enumerate(responses)]
+    group.values = values_of(critic, tokenizer, [group.prompt_ids] * len(responses), responses)
 
 
 def trained_tokens(group: SampleGroup) -> int:

@@ -71,7 +71,7 @@ class Then(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Call:
+class Rpc:
     """A failed gRPC call, each of these that is not None as given: its status code, its
     `Reason`, and whether a generation server answered it (else the reward or critic server, which
     the worker's clients tag: `e.service`)."""
@@ -105,7 +105,7 @@ class Row:
     (its kind: `error_kind`); one that is not counts as what the worker makes of it (a dead
     letter, a dropped group), or stops the worker."""
 
-    when: Call | Raised
+    when: Rpc | Raised
     outcome: Outcome
     then: Then
     fault: Fault | None = None
@@ -125,13 +125,13 @@ INVALID, DEADLINE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_E
 # fmt: off
 TABLE: tuple[Row, ...] = (
     #   the error                                    what it means                   what the worker does
-    Row(Call(reason=Reason.REWARD_FUNCTION_FAILED),  Outcome.REWARD_FUNCTION_FAILED, Then.STOP, counted=False),
-    Row(Call(INVALID, generation=False),             Outcome.PROMPT_REFUSED,         Then.DEAD_LETTER, counted=False),
-    Row(Call(INVALID, reason=Reason.PROMPT_INVALID), Outcome.PROMPT_REFUSED,         Then.DEAD_LETTER, counted=False),
-    Row(Call(generation=False),                      Outcome.OTHER_SERVER_FAILED,    Then.RETRY, Fault.ELSEWHERE),
-    Row(Call(INVALID),                               Outcome.REQUEST_REFUSED,        Then.RETRY, Fault.REFUSED),
-    Row(Call(DEADLINE),                              Outcome.PAST_DEADLINE,          Then.RETRY_LONGER, Fault.FAILED),
-    Row(Call(),                                      Outcome.SERVER_FAILED,          Then.RETRY, Fault.FAILED),
+    Row(Rpc(reason=Reason.REWARD_FUNCTION_FAILED),   Outcome.REWARD_FUNCTION_FAILED, Then.STOP, counted=False),
+    Row(Rpc(INVALID, generation=False),              Outcome.PROMPT_REFUSED,         Then.DEAD_LETTER, counted=False),
+    Row(Rpc(INVALID, reason=Reason.PROMPT_INVALID),  Outcome.PROMPT_REFUSED,         Then.DEAD_LETTER, counted=False),
+    Row(Rpc(generation=False),                       Outcome.OTHER_SERVER_FAILED,    Then.RETRY, Fault.ELSEWHERE),
+    Row(Rpc(INVALID),                                Outcome.REQUEST_REFUSED,        Then.RETRY, Fault.REFUSED),
+    Row(Rpc(DEADLINE),                               Outcome.PAST_DEADLINE,          Then.RETRY_LONGER, Fault.FAILED),
+    Row(Rpc(),                                       Outcome.SERVER_FAILED,          Then.RETRY, Fault.FAILED),
     Row(Raised(DependencyUnavailable),               Outcome.DEPENDENCY_GONE,        Then.LEAVE_PENDING),
     Row(Raised(ScoringFailed),                       Outcome.UNSCORED,               Then.DROP_UNSCORED, counted=False),
     Row(Raised(ValueError),                          Outcome.PROMPT_REFUSED,         Then.DEAD_LETTER, counted=False),

@@ -18,7 +18,7 @@ the longest response of the batch; each response keeps the policy version of eve
 
 What a part is decoded by is `call(prompts, params, first_prompt_tokens, part)`: a rollout worker's
 Generate on one server (`part` gives each round an idempotency key of its own; round 0 sends no
-`first_prompt_tokens`), or an in-process backend (`PartialRollouts.over`). A seed, when given, is
+`first_prompt_tokens`), or an in-process backend (`PartialRollouts.part_of`). A seed, when given, is
 `seed + r` in round r: a continuation does not replay the draws of the round before it. Under
 greedy decoding the joined response is the one an unpaused call decodes, up to the float rounding
 of a prefill of prompt + tokens in place of the incremental steps (tests/rollout/test_partial.py).
@@ -72,10 +72,11 @@ class PartialRollouts:
         self.call, self.partial_tokens = call, partial_tokens
         self.metrics: dict[str, float] = {}
 
-    @classmethod
-    def over(cls, backend, partial_tokens: int) -> PartialRollouts:
-        """Over a backend in this process (its `generate(prompts, params)`; no server, no key)."""
-        return cls(lambda prompts, params, _first, _part: backend.generate(prompts, params), partial_tokens)
+    @staticmethod
+    def part_of(backend) -> PartCall:
+        """The part call of a backend in this process (its `generate(prompts, params)`; no server,
+        no key)."""
+        return lambda prompts, params, _first, _part: backend.generate(prompts, params)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationResult:
         t0 = time.perf_counter()

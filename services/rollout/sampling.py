@@ -6,8 +6,8 @@ one, once: a rollout worker `ServerSampler` or `AgentSampler` (worker.py), `trai
 
     GroupSampler.sample(prompts)    -> Sampled | Failed
       ServerSampler                 one reply per sample, on the generation servers: the tries
-                                    (`Tries` under the worker's `RetryPolicy`), one `sample_groups`
-                                    call each (step.py: generate, score, value)
+                                    (`Tries` under the worker's `RetryPolicy`), one `one_step`
+                                    each (training/sampling.py: generate, score, value)
         _OneBatch.generate          the batch's Generate: its deadline, its idempotency key
         partial.py:PartialRollouts  with `rollout.partial_tokens`: the batch decoded in chunks, a
                                     paused response resumed from its tokens (`_OneBatch.part`:
@@ -15,7 +15,7 @@ one, once: a rollout worker `ServerSampler` or `AgentSampler` (worker.py), `trai
         _Scoring.score              a batch the reward API failed, scored again
         outcomes.classify           a failed try -> another (counted, logged) or the batch given up
       BackendSampler                one reply per sample, on a backend in this process: one
-                                    `sample_groups` call (in chunks with `rollout.partial_tokens`)
+                                    `one_step` (in chunks with `rollout.partial_tokens`)
       agents.py:AgentSampler        each sample a session of the user's agent (`rollout.agent`,
                                     `environment` or `agent_url`)
 
@@ -41,10 +41,10 @@ from ..common.servers import Fault, RetryPolicy, ServerPool, Tries
 from ..common.types import PromptRecord, SampleGroup, SamplingParams
 from ..generation.client import GenerationClient
 from ..reward.client import RewardAPIFailure
+from ..training.sampling import sample_groups
 from .metrics import WorkerMetrics
 from .outcomes import Failed, Outcome, Row, ScoringFailed, Then, classify, error_kind, message
 from .partial import PartialRollouts
-from .step import sample_groups
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -112,24 +112,28 @@ class BackendSampler:
     critic: object = None
 
     def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
-        partial = self.cfg.rollout.partial_tokens
-        generation = PartialRollouts.over(self.backend, partial) if partial else self.backend
-        groups, metrics = sample_groups(
-            [p.record for p in prompts],
-            [p.uid for p in prompts],
-            generation,
-            self.scorer,
-            self.tokenizer,
-            SamplingParams.for_training(self.cfg, prompts[0].group_size or None),
-            self.critic,
-            self.cfg.prompt_length,
+        part = PartialRollouts.part_of(self.backend)
+        params = SamplingParams.for_training(self.cfg, prompts[0].group_size or None)
+        groups, metrics = one_step(
+            self.cfg, prompts, self.backend, part, self.scorer, self.tokenizer, params, self.critic
         )
-        if isinstance(generation, PartialRollouts):
-            metrics.update(generation.metrics)
         return Sampled(list(groups), metrics)
 
     def close(self) -> None:
         pass
+
+
+def one_step(cfg: Config, prompts: list[Prompt], generation, part, scorer, tokenizer, params: SamplingParams, critic):
+    """One rollout step of `prompts` (training/sampling.py:`sample_groups`) on `generation`, or,
+    with `rollout.partial_tokens`, decoded in parts by `part` (partial.py: its metrics added)."""
+    partial = cfg.rollout.partial_tokens
+    if partial:
+        generation = PartialRollouts(part, partial)
+    records, uids = [p.record for p in prompts], [p.uid for p in prompts]
+    groups, metrics = sample_groups(records, uids, generation, scorer, tokenizer, params, critic, cfg.prompt_length)
+    if partial:
+        metrics.update(generation.metrics)
+    return groups, metrics
 
 
 def generate_timeout(cfg: Config, n_prompts: int, params: SamplingParams) -> float:
@@ -179,20 +183,7 @@ class ServerSampler:
                 continue
             try:
                 one = _OneBatch(self.servers.client(address), key, timeout)
-                partial = self.cfg.rollout.partial_tokens
-                generation = PartialRollouts(one.part, partial) if partial else one
-                groups, m = sample_groups(
-                    [p.record for p in prompts],
-                    [p.uid for p in prompts],
-                    generation,
-                    scoring,
-                    self.tokenizer,
-                    params,
-                    self.critic,
-                    self.cfg.prompt_length,
-                )
-                if isinstance(generation, PartialRollouts):
-                    m.update(generation.metrics)
+                groups, m = one_step(self.cfg, prompts, one, one.part, scoring, self.tokenizer, params, self.critic)
             except Exception as e:
                 row = classify(e)
                 if row is None:  # no failure the worker knows: the claim loop's to log

@@ -8,7 +8,8 @@ rows, or the training loop's `eval/...` metrics of them. Which sampling an eval 
 once, by `how_sampled`.
 
     Evaluator.rows        the prompts in batches of `batch`, each batch -> `sampling.rows`
-      SingleTurn.rows     one generate call; every sample decoded, scored (and scored by the proxy)
+      SingleTurn.rows     one generate call; every sample decoded, scored (sampling.py:
+                          generate_and_score, as training's step), and scored by the proxy
     Evaluator.metrics     the rows' `eval/...` metrics (`eval_metrics`), the rows under "generations"
 
 A generation row: {"id", "prompt", "response", "label", "reward", "components", "sample"}
@@ -23,24 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
-from ..common.types import PromptRecord, RewardSample, SamplingParams
+from ..common.types import PromptRecord, SamplingParams
+from .sampling import generate_and_score
 
 if TYPE_CHECKING:
     from ..common.config import Config
 
 
-class Sampled(enum.Enum):
+class HowSampled(enum.Enum):
     """How each held-out prompt is sampled and scored."""
 
     REPLY = "reply"  # `params.n` completions in one generate call, each scored by the held-out reward
     SESSIONS = "sessions"  # `params.n` sessions of the config's agent, each with the agent's reward
 
 
-def how_sampled(cfg: Config, rule: str | None = None) -> Sampled:
+def how_sampled(cfg: Config, rule: str | None = None) -> HowSampled:
     """The one choice of how a held-out prompt is sampled: the sessions of the config's agent
     (`rollout.agent`, `environment` or `agent_url`), unless a reward `rule` is to score one reply
     (`rlhf eval --rule`); else one completion per sample."""
-    return Sampled.SESSIONS if cfg.rollout.sessions and rule is None else Sampled.REPLY
+    return HowSampled.SESSIONS if cfg.rollout.sessions and rule is None else HowSampled.REPLY
 
 
 class Sampling(Protocol):
@@ -64,14 +66,14 @@ class SingleTurn:
     proxy: Any = None
 
     def rows(self, records: list[PromptRecord]) -> list[dict]:
-        gen = self.backend.generate([self.tokenizer(r.prompt)["input_ids"] for r in records], self.params)
-        decode = self.tokenizer.decode
-        texts = [[decode(c.token_ids, skip_special_tokens=True) for c in comps] for comps in gen.completions]
-        samples = [RewardSample(r.prompt, t, r.label, r.metadata) for r, ts in zip(records, texts) for t in ts]
-        scored = iter(self.scorer.score(samples))
-        rows = [_row(r, t, j, next(scored)) for r, ts in zip(records, texts) for j, t in enumerate(ts)]
+        batch = generate_and_score(records, self.backend, self.scorer, self.tokenizer, self.params)
+        rows, k = [], 0
+        for r, comps in zip(records, batch.result.completions):
+            for j in range(len(comps)):  # prompt-major, as the batch was scored
+                rows.append(_row(r, batch.samples[k].response, j, batch.scores[k]))
+                k += 1
         if self.proxy is not None and rows:
-            for row, s in zip(rows, self.proxy.score(samples)):
+            for row, s in zip(rows, self.proxy.score(batch.samples)):
                 row["proxy_reward"] = s.reward
         return rows
 

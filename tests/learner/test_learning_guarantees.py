@@ -32,8 +32,8 @@ from services.learner.trainer import PolicyTrainer
 from services.ppo import explained_variance
 from services.ppo.core import masked_sum
 from services.reward.scorer import build_scorer
-from services.rollout.step import sample_groups
 from services.training.data import config_prompts
+from services.training.sampling import sample_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 32

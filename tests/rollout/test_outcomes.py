@@ -11,9 +11,9 @@ from services.common.rpc.retry import DependencyUnavailable
 from services.common.servers import Fault
 from services.rollout.outcomes import (
     TABLE,
-    Call,
     Outcome,
     Row,
+    Rpc,
     ScoringFailed,
     Then,
     classify,
@@ -123,6 +123,6 @@ def test_the_table_covers_every_outcome_and_only_a_row_that_tries_again_has_a_fa
     assert {row.outcome for row in TABLE} == set(Outcome)
     assert all((row.fault is not None) == (row.then in (Then.RETRY, Then.RETRY_LONGER)) for row in TABLE)
     with pytest.raises(ValueError, match="has a fault"):
-        Row(Call(), Outcome.SERVER_FAILED, Then.RETRY)
+        Row(Rpc(), Outcome.SERVER_FAILED, Then.RETRY)
     with pytest.raises(ValueError, match="has a fault"):
-        Row(Call(), Outcome.PROMPT_REFUSED, Then.DEAD_LETTER, Fault.FAILED)
+        Row(Rpc(), Outcome.PROMPT_REFUSED, Then.DEAD_LETTER, Fault.FAILED)

@@ -101,7 +101,7 @@ def test_a_round_that_gives_nothing_back_is_an_error():
 def test_paused_every_3_tokens_equals_unpaused_under_greedy(backend):
     prompts = [backend.tokenizer(t)["input_ids"] for t in TEXTS]
     whole = backend.generate(prompts, GREEDY)
-    partial = PartialRollouts.over(backend, 3)
+    partial = PartialRollouts(PartialRollouts.part_of(backend), 3)
     paused = partial.generate(prompts, GREEDY)
     finishes = [c.finish_reason for cs in whole.completions for c in cs]
     assert "stop" in finishes and "length" in finishes  # both ways of ending are covered
@@ -132,7 +132,7 @@ class _PushedAfterEachCall:
 def test_each_part_keeps_the_version_that_sampled_it(tiny_model_dir):
     pushed = _PushedAfterEachCall(HFBackend(tiny_model_dir, "cpu"))
     prompts = [pushed.backend.tokenizer(t)["input_ids"] for t in TEXTS]
-    out = PartialRollouts.over(pushed, 3).generate(prompts, GREEDY)
+    out = PartialRollouts(PartialRollouts.part_of(pushed), 3).generate(prompts, GREEDY)
     assert out.policy_version == 0 and pushed.backend.policy_version >= 3
     for c in (c for cs in out.completions for c in cs):
         expected = [i // 3 for i in range(len(c.token_ids))]  # round r decoded tokens 3r..3r+2 on version r
