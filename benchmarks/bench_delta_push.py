@@ -103,7 +103,8 @@ def compressor_rows(planes: list[np.ndarray], levels: list[int], zlib_mb: int) -
 def offline(new: dict, old: dict) -> dict:
     """Encoding and assembly alone (no network): seconds and bytes, delta and full."""
     from services.weights import delta
-    from services.weights.stream import StreamSpec, WeightChunkDecoder, assemble_weights, encode_weights
+    from services.weights.assemble import WeightChunkDecoder, assemble_weights
+    from services.weights.stream import StreamSpec, encode_weights
 
     specs = {k: (tuple(t.shape), t.dtype) for k, t in new.items()}
     out = {}

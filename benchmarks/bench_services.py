@@ -77,7 +77,8 @@ def main() -> None:
         pushes.append(time.perf_counter() - t0)
     # the server only accepts its model's own tensors, so a larger payload times the chunk codec
     # (encode, crc32/sha256, assemble) in-process
-    from services.weights.stream import StreamSpec, assemble_weights, weight_chunks
+    from services.weights.assemble import assemble_weights
+    from services.weights.stream import StreamSpec, weight_chunks
 
     big = {f"t{i}": torch.randn(1024, 1024) for i in range(int(args.push_mb // 4.194304) or 1)}
     big_mb = sum(t.numel() * 4 for t in big.values()) / 1e6

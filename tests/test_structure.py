@@ -178,7 +178,7 @@ def test_client_modules_import_only_common():
 
 def test_weights_imports_only_common():
     mods = [m for m in GRAPH if m.startswith("services.weights")]
-    assert "services.weights.stream" in mods and "services.weights.receiver" in mods
+    assert {"services.weights.stream", "services.weights.assemble", "services.weights.receiver"} <= set(mods)
     bad = [(m, d) for m in mods for d in GRAPH[m] if not d.startswith(("services.common", "services.weights"))]
     assert not bad, f"services.weights imports beyond services.common: {bad}"
 

@@ -27,9 +27,9 @@ from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.rpc.server import RPCServer
 from ..common.types import GenerationBackend, SamplingParams
+from ..weights.assemble import WeightChunkDecoder
 from ..weights.receiver import Applied, WeightReceiver, shm_probe
 from ..weights.shm import Probe
-from ..weights.stream import WeightChunkDecoder
 from .batching import InFlight, make_batcher
 from .client import IDEMPOTENCY_KEY
 from .decode import GREEDY_BELOW

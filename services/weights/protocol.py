@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import enum
 import os
+import queue
 import re
+import threading
 import zlib
+from typing import Callable
 
 import numpy as np
 import torch
@@ -111,3 +114,45 @@ def safe_run_id(run_id: str) -> str:
 
 def weights_file_name(run_id: str, epoch: int, policy_version: int, fmt: str) -> str:
     return f"{FILE_PREFIX}{safe_run_id(run_id)}-e{int(epoch)}-v{int(policy_version)}-{fmt}.safetensors"
+
+
+class InOrder:
+    """A background thread running submitted jobs in order; at most `depth` wait at once (the
+    submitter blocks beyond that, which bounds the bytes they hold). hashlib, zlib and torch
+    release the GIL on large buffers, so the jobs overlap the submitter's own work."""
+
+    def __init__(self, depth: int = 4):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="weights-worker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if self._error is None:
+                try:
+                    job()
+                except BaseException as e:  # reported by finish()
+                    self._error = e
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._q.put(job)
+
+    def check(self) -> None:
+        """Raise a failed job's exception now (the stream need not be read to its end)."""
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """Wait for every job; raise the first one's exception."""
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self) -> None:
+        """Stop after the queued jobs, without waiting (the stream failed)."""
+        self._q.put(None)

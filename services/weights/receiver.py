@@ -25,10 +25,10 @@ from ..common.rpc.errors import BadRequest, DeadlineExceeded, Unavailable
 from ..common.rpc.gen import common_pb2
 from ..common.rpc.waits import Counted, wait_failed
 from . import delta
+from .assemble import assemble_weights
 from .check import check_newer
 from .protocol import COMPLETE_FORMATS
 from .shm import Probe, open_shared_weights
-from .stream import assemble_weights
 
 if TYPE_CHECKING:
     from ..common.config import Config

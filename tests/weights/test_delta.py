@@ -16,12 +16,14 @@ from services.common.rpc.gen import common_pb2 as pb
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve
+from services.weights import assemble as assemble_module
 from services.weights import delta
 from services.weights import stream as stream_module
+from services.weights.assemble import WeightChunkDecoder, assemble_weights
 from services.weights.check import check_header
 from services.weights.protocol import PushKind
 from services.weights.publisher import Route
-from services.weights.stream import StreamSpec, WeightChunkDecoder, assemble_weights, encode_weights, weight_chunks
+from services.weights.stream import StreamSpec, encode_weights, weight_chunks
 from tests.grpc_helpers import closed, on_free_ports, publisher
 
 XOR = pb.TensorPiece.XOR_PLANES_ZSTD
@@ -71,6 +73,7 @@ def _assemble(chunks, specs, base):
 def test_a_delta_assembles_the_full_push_bit_for_bit(dtype, chunk_bytes, checksum, monkeypatch):
     if checksum == "crc32":
         monkeypatch.setattr(stream_module, "xxhash", None)
+        monkeypatch.setattr(assemble_module, "xxhash", None)
     old = _source(dtype)
     new = _step(old, 1)
     base = delta.Base("run-a", 2, 3, old)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from services.common.rpc.errors import BadRequest
-from services.weights.stream import StreamSpec, assemble_weights, weight_chunks
+from services.weights.assemble import assemble_weights
+from services.weights.stream import StreamSpec, weight_chunks
 from tests.grpc_helpers import restream
 
 STATE = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.int64)}

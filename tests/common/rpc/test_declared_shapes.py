@@ -14,7 +14,8 @@ from services.common.rpc.codec import MAX_NDIM, bytes_to_tensor, checked_shape, 
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
 from services.weights import shm
-from services.weights.stream import StreamSpec, assemble_weights, weight_chunks
+from services.weights.assemble import assemble_weights
+from services.weights.stream import StreamSpec, weight_chunks
 from tests.grpc_helpers import restream
 
 OVERFLOWING = [
