@@ -145,7 +145,7 @@ def measure(model: str, batch: int, prompt: int, response: int, micro: int, voca
     rollout = Rollout(
         prompts, responses, torch.rand(batch, generator=g).tolist(), list(range(batch)), None, None, [0] * batch
     )
-    from services.common.modeling import build_token_batch
+    from services.common.token_batch import build_token_batch
 
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _rss_kib("VmRSS")

@@ -122,7 +122,7 @@ def main() -> None:
     from services.agents.openenv_ref import parse_openenv
     from services.agents.openenv_sessions import LocalSession, ServerSession
     from services.common.config import load_config
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
     from services.common.types import PromptRecord, SamplingParams
     from services.generation.inprocess import in_process_pool
     from services.generation.server import make_backend

@@ -85,7 +85,7 @@ def one_iteration(learner, critic, cfg, vocab: int, seed: int) -> dict:
     """The critic's values and the learner's step (critic update included) on a random rollout."""
     import torch
 
-    from services.common.modeling import build_token_batch
+    from services.common.token_batch import build_token_batch
     from services.common.types import Rollout
 
     batch, prompt, response = cfg.rollout_batch_size, cfg.prompt_length, cfg.response_length

@@ -90,7 +90,7 @@ def random_llama(out: Path, tokenizer_from: str, layers: int, hidden: int) -> in
 
 def swap_times(model_dir: Path, repeats: int) -> dict:
     """PushWeights end to end over loopback gRPC and the engine's reload alone, in seconds."""
-    from services.common.modeling import load_causal_lm
+    from services.common.model_files import load_causal_lm
     from services.generation.client import GenerationClient
     from services.generation.server import serve
 
@@ -127,7 +127,7 @@ def main() -> None:
     from vllm import LLM
     from vllm import SamplingParams as VSamplingParams
 
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
     from services.common.types import SamplingParams
     from services.generation.client import GenerationClient
     from services.generation.server import serve

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .common.lifecycle import EXIT_RUN_FAILED
-from .common.modeling import check_model_dir
+from .common.model_files import check_model_dir
 from .common.rpc import health
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from .common.checkpoints import (
     read_state,
     write_state,
 )
-from .common.modeling import resolve_device
+from .common.model_files import resolve_device
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.inprocess import in_process_pool

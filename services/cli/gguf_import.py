@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.modeling import save_model_dir
+from ..common.model_files import save_model_dir
 
 log = logging.getLogger(__name__)
 

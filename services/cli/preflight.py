@@ -76,7 +76,7 @@ def model_findings(cfg: Config) -> tuple[list[str], list[str]]:
     top = Path(*p.parts[:2])
     if p.is_absolute() and not top.exists():
         return [], [f"model.path: {p} is not on this machine (no {top} here); it is checked where the run starts"]
-    from ..common.modeling import check_model_dir
+    from ..common.model_files import check_model_dir
 
     try:
         check_model_dir(path)

@@ -7,14 +7,16 @@ starting policy is imperfect but not random. No model hub is involved.
 
 from __future__ import annotations
 
+import json
 import logging
 import string
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..common.modeling import ModelCard, save_model_dir
+from ..common.model_files import save_model_dir
 from ..training.data import reverse_task, sft_examples
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,19 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+
+
+@dataclass
+class ModelCard:
+    """What `rlhf init-model` records about the model it built (model_card.json)."""
+
+    task: str
+    vocab_size: int
+    warm_start_steps: int
+    notes: dict = field(default_factory=dict)
+
+    def write(self, path: Path) -> None:
+        (path / "model_card.json").write_text(json.dumps(self.__dict__, indent=2))
 
 
 def build_tokenizer(size: int | None = None):
@@ -83,7 +98,8 @@ def sft_train(
     progress_every: int = 50,
 ) -> list[float]:
     """Plain next-token training on the answers (prompt tokens are not targets)."""
-    from ..common.modeling import build_token_batch, response_log_probs
+    from ..common.modeling import response_log_probs
+    from ..common.token_batch import build_token_batch
 
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -1,38 +1,28 @@
-"""Loading models and tokenizers, padding token batches, and the forward passes every service
-shares: response log-probs of a causal LM and per-token values of a value model.
-
-A batch holds `B` sequences laid out as `[left-padded prompt | right-padded response]`, with
-`P` prompt columns and `T` response columns. `response_mask` (B, T) is 1 on generated tokens.
-"""
+"""The forward passes every service shares: response log-probs of a causal LM (chunked over the
+vocabulary, never a whole (batch, sequence, vocabulary) tensor), per-token values of a value model,
+bf16 autocast, and whether a model's train-mode forward differs from its eval-mode one. Model
+directories are model_files.py; the batches, token_batch.py."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-import json
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from ..ppo.losses import entropy_from_logits, logprobs_from_logits
-from .padding import pad_left, pad_right
+from .model_files import check_model_dir, save_model_dir
+from .token_batch import TokenBatch
 
 
 def bf16_autocast(device: torch.device, bf16: bool):
     """bfloat16 autocast on `device` when `bf16` (model.bf16), else no context."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
@@ -47,199 +37,6 @@ def has_dropout(model: torch.nn.Module) -> bool:
         ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
         for k, v in items
     )
-
-
-# what a hub model is fetched with: config, tokenizer, chat template and safetensors weights
-HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """The local directory of the model `path`: `path` itself when it holds config.json; for a hub
-    id (`name` or `org/name` that is not a local path) the snapshot directory huggingface_hub
-    resolves it to, from its cache or by downloading (unless HF_HUB_OFFLINE is set)."""
-    text = str(path)
-    p = Path(text).expanduser()
-    if (p / "config.json").exists():
-        return p
-    if text.startswith(("/", ".", "~")) or p.exists() or text.count("/") > 1:
-        raise FileNotFoundError(
-            f"no model at {p} (config.json missing: {_missing_model_reason(p)}); build the tiny default with "
-            f"`rlhf init-model --out {p}`, or set model.path to a model directory or a hub id (org/name)"
-        )
-    return _hub_snapshot(text)
-
-
-def _missing_model_reason(p: Path) -> str:
-    """Why the local path `p` is no model directory, in a few words."""
-    if p.is_file():
-        return "it is a file, not a directory"
-    if not p.exists():
-        parent = next((a for a in p.parents if a.exists()), None)
-        return (
-            "the directory does not exist"
-            if parent is None or parent.is_dir()
-            else f"{parent} is a file, not a directory"
-        )
-    try:
-        names = sorted(c.name for c in p.iterdir())
-    except OSError as e:
-        return f"the directory cannot be read: {e.strerror}"
-    if not names:
-        return "the directory is empty"
-    shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
-    return f"the directory holds only {shown}"
-
-
-def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        snapshot = Path(snapshot_download(repo_id, allow_patterns=HUB_MODEL_FILES))
-    except (OSError, ValueError) as e:
-        reason = str(e).split("\n")[0]
-        raise FileNotFoundError(
-            f"model {repo_id!r} is neither a local directory nor reachable on the Hugging Face hub (no network "
-            f"or not cached: {type(e).__name__}: {reason}); pre-download it into the hub cache (HF_HOME), or give "
-            f"a local directory (`rlhf init-model --out DIR` builds the tiny default)"
-        ) from e
-    if not (snapshot / "config.json").exists():
-        raise FileNotFoundError(f"model {repo_id!r} on the Hugging Face hub has no config.json ({snapshot})")
-    return snapshot
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(check_model_dir(path)))
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def save_model_dir(model, path: str | Path, tokenizer=None, **kwargs) -> None:
-    """`model` (and `tokenizer`) as a Hugging Face directory at `path`, every file readable as the
-    umask allows: safetensors writes its file 0600 (through a temporary file), which other users
-    and containers running as another uid could not read. `kwargs` go to `save_pretrained`."""
-    path = Path(path)
-    model.save_pretrained(str(path), **kwargs)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in path.iterdir():
-        if f.is_file():
-            f.chmod(0o666 & ~umask)
-
-
-def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(check_model_dir(path)), dtype=dtype)
-    return model.to(device)
-
-
-def empty_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
-    """The architecture `load_causal_lm` loads, without its weights: built under the caller's
-    default device (the meta device: no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(check_model_dir(path)))
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-@dataclass
-class TokenBatch:
-    """Prompt + response tokens of `B` sequences, padded into one rectangle.
-
-    input_ids, attention_mask, position_ids: (B, P + T); response_mask: (B, T).
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    response_mask: torch.Tensor
-    prompt_width: int
-
-    @property
-    def responses(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_width :]
-
-    def to(self, device) -> "TokenBatch":
-        return TokenBatch(
-            self.input_ids.to(device),
-            self.attention_mask.to(device),
-            self.position_ids.to(device),
-            self.response_mask.to(device),
-            self.prompt_width,
-        )
-
-    def select(self, idx: torch.Tensor | Sequence[int]) -> "TokenBatch":
-        idx = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
-        return TokenBatch(
-            self.input_ids[idx],
-            self.attention_mask[idx],
-            self.position_ids[idx],
-            self.response_mask[idx],
-            self.prompt_width,
-        )
-
-    def trimmed(self) -> "TokenBatch":
-        """The same sequences without the columns that are padding in every row: leading prompt
-        columns and trailing response columns (at least one of each stays). Positions are kept,
-        so every forward gives the same numbers; outputs are (B, T') with T' <= T, the first T'
-        response columns of the untrimmed batch."""
-        P = self.prompt_width
-        used = self.attention_mask[:, :P].any(0).nonzero()
-        first = min(int(used[0]) if len(used) else P - 1, P - 1)
-        answered = self.response_mask.any(0).nonzero()
-        T = int(answered[-1]) + 1 if len(answered) else 1
-        end = P + T
-        return TokenBatch(
-            self.input_ids[:, first:end],
-            self.attention_mask[:, first:end],
-            self.position_ids[:, first:end],
-            self.response_mask[:, :T],
-            P - first,
-        )
-
-
-def widen(t: torch.Tensor, width: int) -> torch.Tensor:
-    """A (B, T', ...) result of a `TokenBatch.trimmed` batch zero-padded back to (B, width, ...)."""
-    if t.shape[1] == width:
-        return t
-    pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
-    return torch.nn.functional.pad(t, pad)
-
-
-def build_token_batch(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    pad_id: int,
-    response_width: int | None = None,
-    loss_masks: Sequence[Sequence[int]] | None = None,
-) -> TokenBatch:
-    """Left-pad prompts and right-pad responses into one rectangle (see `TokenBatch`). With
-    `loss_masks` (multi-turn trajectories: 0 where the environment put a token in context),
-    `response_mask` is 0 on those tokens too: they stay in context (attention), but no loss, KL,
-    entropy, value or advantage is taken on them."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    T = max(max((len(r) for r in responses), default=0), 1)
-    if response_width is not None:
-        T = max(T, response_width)
-    prompt_ids, prompt_attn = pad_left(prompts, pad_id)
-    response_ids = pad_right(responses, T, pad_id, torch.long)
-    response_attn = pad_right([[1] * len(r) for r in responses], T, 0, torch.long)
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attn = torch.cat([prompt_attn, response_attn], dim=1)
-    P = prompt_ids.shape[1]
-    response_mask = response_attn.float()
-    if loss_masks is not None:
-        if [len(m) for m in loss_masks] != [len(r) for r in responses]:
-            raise ValueError("loss_masks: one entry per response token of each response")
-        response_mask = response_mask * pad_right(loss_masks, T, 0, torch.float32)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    return TokenBatch(ids, attn, position_ids, response_mask, P)
 
 
 def response_logits(model: nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
@@ -472,16 +269,3 @@ def reward_head(path: str | Path) -> tuple[torch.Tensor, float]:
             f"{path}: no one-label reward head (score.weight) in its safetensors files; is it a reward model?"
         )
     return found["weight"].reshape(-1), float(found["bias"].reshape(-1)[0]) if "bias" in found else 0.0
-
-
-@dataclass
-class ModelCard:
-    """What `rlhf init-model` records about the model it built (model_card.json)."""
-
-    task: str
-    vocab_size: int
-    warm_start_steps: int
-    notes: dict = field(default_factory=dict)
-
-    def write(self, path: Path) -> None:
-        (path / "model_card.json").write_text(json.dumps(self.__dict__, indent=2))

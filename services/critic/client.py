@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..common.modeling import TokenBatch
 from ..common.rpc.client import RPCClient
 from ..common.rpc.codec import batch_to_proto, tensor_from_proto, tensor_to_proto
 from ..common.rpc.gen import critic_pb2 as cpb
 from ..common.rpc.gen import critic_pb2_grpc
+from ..common.token_batch import TokenBatch
 
 
 class CriticClient(RPCClient):

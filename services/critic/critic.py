@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
-from ..common.modeling import TokenBatch, ValueModel, bf16_autocast, resolve_device, widen
+from ..common.model_files import resolve_device
+from ..common.modeling import ValueModel, bf16_autocast
 from ..common.reward_model_dir import is_ensemble, members, reward_stats
 from ..common.sharding.group import ONE_PROCESS, Ranks
+from ..common.token_batch import TokenBatch, widen
 from ..ppo import AggNorm, compute_value_loss
 
 if TYPE_CHECKING:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..common.modeling import TokenBatch, ValueModel, save_model_dir
+from ..common.model_files import save_model_dir
+from ..common.modeling import ValueModel
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import (
     full_state_dict,
@@ -25,6 +26,7 @@ from ..common.sharding.fsdp import (
     read_sharded_optimizer,
     shard,
 )
+from ..common.token_batch import TokenBatch
 from .critic import CHECKPOINT_FILES, CheckpointError, Critic
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from ..agents.routes import build_app
 from ..agents.sessions import Sessions
 from ..agents.turns import TurnSampler
 from ..common.lifecycle import HTTPServerThread, Service
-from ..common.modeling import load_tokenizer
+from ..common.model_files import load_tokenizer
 from ..common.rpc.client import endpoint_address
 from ..common.servers import ServerPool
 from ..generation.client import generation_clients

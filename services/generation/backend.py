@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..common.modeling import load_causal_lm, load_tokenizer, resolve_device
+from ..common.model_files import load_causal_lm, load_tokenizer, resolve_device
 from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
 from ..weights.check import check_newer, check_version
 from ..weights.hostcopy import copy_to_device

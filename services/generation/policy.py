@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..common.checkpoints import is_complete, policy_weights
-from ..common.modeling import check_model_dir, save_model_dir
+from ..common.model_files import check_model_dir, save_model_dir
 from .backend import HFBackend
 
 

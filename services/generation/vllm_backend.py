@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ..common.compute import Call, run_call, wait_for_call
-from ..common.modeling import check_model_dir, load_tokenizer
+from ..common.model_files import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
 from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
 from ..weights.check import check_newer, check_version

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..common.modeling import TokenBatch, build_token_batch, response_log_probs, widen
+from ..common.modeling import response_log_probs
 from ..common.padding import pad_right
 from ..common.sharding.group import Ranks
+from ..common.token_batch import TokenBatch, build_token_batch, widen
 from ..common.types import Progress, Rollout
 from ..ppo import (
     apply_kl_penalty,

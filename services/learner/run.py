@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from ..agents.evaluate import held_out_evaluator
 from ..agents.host import AgentServiceDown, Outage
 from ..common.lifecycle import RunFailed
-from ..common.modeling import load_tokenizer
+from ..common.model_files import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.rpc.client import endpoint_address
 from ..common.rpc.errors import Reason, reason_of

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..common.modeling import empty_causal_lm, load_causal_lm, save_model_dir
+from ..common.model_files import empty_causal_lm, load_causal_lm, save_model_dir
 from ..common.sharding.followers import collective
 from ..common.sharding.fsdp import full_state_dict, load_and_shard, load_full
 from ..common.sharding.group import Dist

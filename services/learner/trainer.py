@@ -30,16 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..common.modeling import (
-    TokenBatch,
-    bf16_autocast,
-    has_dropout,
-    load_causal_lm,
-    resolve_device,
-    response_log_probs,
-    save_model_dir,
-)
+from ..common.model_files import load_causal_lm, resolve_device, save_model_dir
+from ..common.modeling import bf16_autocast, has_dropout, response_log_probs
 from ..common.sharding.group import ONE_PROCESS, Ranks
+from ..common.token_batch import TokenBatch
 from ..common.types import Progress, Rollout, no_progress
 from ..ppo import RunningMeanStd, make_kl_controller
 from ..ppo.objective import ObjectiveSettings

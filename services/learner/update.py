@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..common.modeling import build_token_batch, response_log_probs
+from ..common.modeling import response_log_probs
+from ..common.token_batch import build_token_batch
 from ..ppo import AggNorm, compute_sft_loss, kl_penalty, masked_mean
 from ..ppo.objective import ppo_objective
 from .experience import Actor, Experience

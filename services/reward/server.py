@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import Request  # at module level: FastAPI resolves the handlers' annotations here
 
 from ..common.lifecycle import GrpcService, HTTPServerThread
-from ..common.modeling import load_tokenizer
+from ..common.model_files import load_tokenizer
 from ..common.rpc.errors import BadRequest, DeadlineExceeded, FailedPrecondition, Reason, Unavailable
 from ..common.rpc.gen import reward_pb2 as rpb
 from ..common.rpc.gen import reward_pb2_grpc

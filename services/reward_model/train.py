@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from ..common.config import Config
-from ..common.modeling import bf16_autocast, check_model_dir, load_tokenizer, resolve_device, save_model_dir
+from ..common.model_files import check_model_dir, load_tokenizer, resolve_device, save_model_dir
+from ..common.modeling import bf16_autocast
 from ..common.reward_model_dir import reward_logits, reward_stats, write_ensemble
 from .measure import describe, measure, plot_calibration
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..agents.host import agent_host
 from ..common.lifecycle import RunFailed, Service
-from ..common.modeling import load_tokenizer
+from ..common.model_files import load_tokenizer
 from ..common.replay import ReplayStore
 from ..common.rpc.client import endpoint_address
 from ..common.rpc.errors import Reason

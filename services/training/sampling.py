@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..common.modeling import build_token_batch
+from ..common.token_batch import build_token_batch
 from ..common.types import GenerationResult, PromptRecord, RewardSample, SampleGroup, SamplingParams, ScoreResult
 
 

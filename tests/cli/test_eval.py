@@ -168,7 +168,7 @@ def test_a_learner_checkpoint_and_a_lora_adapter_load_as_their_policies(tiny_mod
         for n, p in lora.policy.named_parameters():
             if "lora_B" in n:
                 p.add_(0.05)  # adapters that change something
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
 
     lora.save_policy(tmp_path / "final", load_tokenizer(tiny_model_dir))  # merged model, and adapter/ beside it
     merged = load_policy(str(tmp_path / "final"), tiny_model_dir).model.state_dict()

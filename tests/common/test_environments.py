@@ -9,7 +9,7 @@ from services.agents.host import load_agent
 from services.cli.preflight import agent_errors
 from services.common import environments
 from services.common.config import ConfigError, config_from_dict
-from services.common.modeling import load_tokenizer
+from services.common.model_files import load_tokenizer
 from services.training.data import config_prompts
 
 

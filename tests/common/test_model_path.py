@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.modeling import ValueModel, check_model_dir, load_tokenizer
+from services.common.model_files import check_model_dir, load_tokenizer
+from services.common.modeling import ValueModel
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 import torch
 
-from services.common.modeling import build_token_batch
+from services.common.token_batch import build_token_batch
 
 
 def critic_kwargs() -> dict:

@@ -1,6 +1,6 @@
 import torch
 
-from services.common.modeling import build_token_batch
+from services.common.token_batch import build_token_batch
 from services.critic.critic import Critic
 
 
@@ -11,7 +11,7 @@ def _batch(tok):
 
 
 def test_values_are_masked_and_training_fits_returns(tiny_model_dir, tmp_path):
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     critic = Critic(tiny_model_dir, lr=3e-3, device="cpu")
@@ -32,7 +32,7 @@ def test_values_are_masked_and_training_fits_returns(tiny_model_dir, tmp_path):
 
 
 def test_value_clip_limits_the_step(tiny_model_dir):
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     batch = _batch(tok)
@@ -48,7 +48,7 @@ def test_value_clip_limits_the_step(tiny_model_dir):
 def test_a_non_finite_step_is_not_taken(tiny_model_dir):
     import pytest
 
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
     from services.critic.critic import NonFiniteStep
 
     batch = _batch(load_tokenizer(tiny_model_dir))

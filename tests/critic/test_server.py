@@ -5,9 +5,9 @@ import grpc
 import pytest
 import torch
 
-from services.common.modeling import build_token_batch
 from services.common.rpc.codec import batch_to_proto, tensor_to_proto
 from services.common.rpc.gen import critic_pb2 as cpb
+from services.common.token_batch import build_token_batch
 from services.critic.client import CriticClient
 from services.critic.critic import Critic
 from services.critic.server import serve

@@ -15,7 +15,7 @@ from services.agents.sessions import Sessions, as_sample
 from services.agents.turns import TurnSampler
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
-from services.common.modeling import load_tokenizer
+from services.common.model_files import load_tokenizer
 from services.common.servers import ServerPool
 from services.common.types import Rollout
 from services.generation.backend import HFBackend

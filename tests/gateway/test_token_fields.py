@@ -340,7 +340,7 @@ def test_a_template_that_rewrites_earlier_turns_cannot_go_on_from_echoed_tokens(
     tokens cannot be told apart from the new messages', so the request is refused (the gateway
     answers 400 naming the message), never re-templated behind the client's back."""
     from services.agents.sessions import ChatTokens, Echo, NotTokenExact, Session
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = (

@@ -17,7 +17,7 @@ from services.agents.routes import build_app
 from services.agents.sessions import Sessions
 from services.agents.tools import parse_tool_calls, same_calls
 from services.common.lifecycle import HTTPServerThread
-from services.common.modeling import load_tokenizer
+from services.common.model_files import load_tokenizer
 from services.common.types import Completion, GenerationResult
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

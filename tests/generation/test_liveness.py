@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.modeling import load_causal_lm, load_tokenizer
+from services.common.model_files import load_causal_lm, load_tokenizer
 from services.common.rpc import health
 from services.common.types import SamplingParams
 from services.generation.client import GenerationClient

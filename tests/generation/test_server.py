@@ -12,10 +12,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import config_from_dict
-from services.common.modeling import build_token_batch, load_causal_lm, response_log_probs
+from services.common.model_files import load_causal_lm
+from services.common.modeling import response_log_probs
 from services.common.rpc.errors import Reason, details_of, reason_of
 from services.common.rpc.gen import generation_pb2 as gpb
 from services.common.rpc.gen import generation_pb2_grpc
+from services.common.token_batch import build_token_batch
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from services.common.config import config_from_dict
-from services.common.modeling import build_token_batch, response_log_probs
+from services.common.modeling import response_log_probs
+from services.common.token_batch import build_token_batch
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.learner.trainer import PolicyTrainer
@@ -115,7 +116,7 @@ def test_an_engine_that_fails_midway_through_a_reload_serves_nothing(vllm_backen
     """Every check passed and vLLM's reload still raised: the engine may hold a half-loaded policy,
     so it answers UNAVAILABLE (the pusher and the rollout workers go elsewhere) instead of
     sampling from it under the old version number."""
-    from services.common.modeling import load_causal_lm
+    from services.common.model_files import load_causal_lm
     from services.common.rpc.errors import Unavailable
 
     state = load_causal_lm(tiny_model_dir).state_dict()

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from services.common.config import load_config
-from services.common.modeling import ValueModel, build_token_batch
+from services.common.modeling import ValueModel
+from services.common.token_batch import build_token_batch
 from services.local import run_local
 from services.ppo import explained_variance
 

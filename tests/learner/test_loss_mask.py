@@ -4,8 +4,8 @@ reward lands on the policy's last token; the loss mask survives the replay buffe
 
 import pytest
 
-from services.common.modeling import build_token_batch
 from services.common.replay.records import group_from_proto, group_to_proto, make_task
+from services.common.token_batch import build_token_batch
 from services.common.types import Completion, PromptRecord, Rollout, SampleGroup, ScoreResult
 from services.generation.backend import HFBackend
 from services.learner.trainer import PolicyTrainer

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from services.common import modeling
-from services.common.modeling import build_token_batch, response_log_probs, response_logits
+from services.common.modeling import response_log_probs, response_logits
+from services.common.token_batch import build_token_batch
 from services.critic.critic import Critic
 from services.generation.backend import HFBackend
 from services.learner.trainer import PolicyTrainer

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.config import load_config
 from services.common.lifecycle import HTTPServerThread
-from services.common.modeling import load_tokenizer
+from services.common.model_files import load_tokenizer
 from services.reward.scorer import build_scorer
 from services.reward.server import build_http_app, special_token_strings
 

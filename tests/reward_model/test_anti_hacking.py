@@ -13,8 +13,8 @@ import torch
 
 from services.cli import main
 from services.common.config import ConfigError, config_from_dict
-from services.common.modeling import build_token_batch
 from services.common.reward_model_dir import write_ensemble
+from services.common.token_batch import build_token_batch
 from services.common.types import RewardSample
 from services.critic.critic import Critic
 from services.reward.scorer import ModelScorer, build_scorer

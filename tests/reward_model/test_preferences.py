@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from services.common.modeling import load_tokenizer
+from services.common.model_files import load_tokenizer
 from services.reward_model.preferences import PreferenceKeys, load_preferences, preference_from_row, split_held_out
 from services.reward_model.train import pairwise_loss
 

@@ -441,7 +441,7 @@ def test_only_an_agent_service_is_handed_an_advertised_address(agents_file, tiny
 
     from services.agents.host import agent_host
     from services.common.config import config_from_dict
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
     from services.common.types import SamplingParams
 
     tok = load_tokenizer(tiny_model_dir)

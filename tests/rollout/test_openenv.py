@@ -23,7 +23,7 @@ pytest.importorskip("openenv.core")
 from services.agents.host import AgentFailed, Outage, Unscored, agent_host, session_name  # noqa: E402
 from services.agents.openenv import EnvironmentDown, Shape, openenv_agent, text_field  # noqa: E402
 from services.common.config import ConfigError, config_from_dict  # noqa: E402
-from services.common.modeling import load_tokenizer  # noqa: E402
+from services.common.model_files import load_tokenizer  # noqa: E402
 from services.common.types import PromptRecord, SamplingParams  # noqa: E402
 from tests.waits import wait_until  # noqa: E402
 

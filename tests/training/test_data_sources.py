@@ -123,7 +123,7 @@ def test_drop_overlong_error_mode_and_all_overlong():
 
 
 def test_drop_overlong_counts_the_tokenizers_tokens(tiny_model_dir):
-    from services.common.modeling import load_tokenizer
+    from services.common.model_files import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     recs = _records("abc=", "abcd=")  # the tiny tokenizer adds a BOS token: 5 and 6 tokens

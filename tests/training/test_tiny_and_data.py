@@ -1,4 +1,4 @@
-from services.common.modeling import load_tokenizer
+from services.common.model_files import load_tokenizer
 from services.training.data import EpochSampler, load_prompts, reverse_task
 
 

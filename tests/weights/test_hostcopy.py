@@ -85,7 +85,7 @@ def test_copy_to_device_stages_through_page_locked_buffers(monkeypatch, tmp_path
 @cuda
 def test_hf_backend_on_a_gpu_serves_pushed_weights(tiny_model_dir):
     """A GPU generation server's swap (page-locked staging) gives the pushed weights exactly."""
-    from services.common.modeling import load_causal_lm
+    from services.common.model_files import load_causal_lm
     from services.generation.backend import HFBackend
 
     backend = HFBackend(tiny_model_dir, "cuda")
