@@ -35,7 +35,7 @@ def main() -> None:
     from services.generation.backend import HFBackend
     from services.generation.client import GenerationClient
     from services.generation.server import serve
-    from services.training.data import reverse_task
+    from services.training.sources.synthetic import reverse_task
 
     cfg = config_from_dict(
         {

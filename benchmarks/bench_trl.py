@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from services.reward.rules import math_answer
-from services.training.data import arithmetic_task
+from services.training.sources.synthetic import arithmetic_task
 
 SAMPLES_PER_ITERATION = 128  # 16 prompts x 8 samples
 

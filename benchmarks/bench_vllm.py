@@ -131,7 +131,7 @@ def main() -> None:
     from services.common.types import SamplingParams
     from services.generation.client import GenerationClient
     from services.generation.server import serve
-    from services.training.data import reverse_task
+    from services.training.sources.synthetic import reverse_task
 
     tok = load_tokenizer(args.model)
     prompts = [tok(r.prompt)["input_ids"] for r in reverse_task("eval", args.prompts)]

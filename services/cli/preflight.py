@@ -31,7 +31,8 @@ from ..common.reasoning_gym_tasks import source_problem as task_source_problem
 from ..reward.functions import rule_errors
 from ..reward.labels import label_reader
 from ..reward.rules import RULES
-from ..training.data import data_source_errors, first_problems, is_jsonl, jsonl_rows, source_problem
+from ..training.data import data_source_errors, first_problems, is_jsonl, source_problem
+from ..training.sources.jsonl import jsonl_rows
 from ..training.tracking import tracking_errors
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..common.model_files import save_model_dir
-from ..training.data import reverse_task, sft_examples
+from ..training.data import sft_examples
+from ..training.sources.synthetic import reverse_task
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from ..training.data import read_rows, render_prompt
+from ..training.data import read_rows
+from ..training.sources.records import render_prompt
 
 
 @dataclass

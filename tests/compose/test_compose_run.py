@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.training.data import reverse_task
+from services.training.sources.synthetic import reverse_task
 from tests.compose.support import CPU_FILES, ROOT, Project, docker, require_docker
 
 pytestmark = pytest.mark.docker

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from services.training.data import reverse_task
+from services.training.sources.synthetic import reverse_task
 
 
 def write_train_data(path: Path, n: int, seed: int) -> list:

@@ -15,7 +15,7 @@ from services.common.config import config_from_dict
 from services.common.types import RewardSample
 from services.reward.scorer import build_scorer
 from services.reward_model.train import RewardModel
-from services.training.data import reverse_task
+from services.training.sources.synthetic import reverse_task
 
 
 def _pairs(path, split, n):

@@ -12,7 +12,7 @@ import pytest
 from services.common.replay import ReplayStore
 from services.common.replay.records import group_from_proto
 from services.rollout.worker import RolloutWorker
-from services.training.data import reverse_task
+from services.training.sources.synthetic import reverse_task
 from tests.rollout.test_worker import _claim_all, _feed, _generation, _trajectories
 
 AGENTS = '''

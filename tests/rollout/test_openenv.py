@@ -211,7 +211,7 @@ def test_a_server_that_is_down_leaves_the_prompt_pending(make_cfg, tiny_model_di
 
     from services.common.replay import ReplayStore
     from services.rollout.worker import RolloutWorker
-    from services.training.data import reverse_task
+    from services.training.sources.synthetic import reverse_task
     from tests.rollout.test_worker import _claim_all, _errors, _feed, _trajectories
 
     with socket.socket() as s:  # a port nothing listens on

@@ -25,7 +25,7 @@ from services.common.replay.streams import WORKERS_GROUP
 from services.generation.server import serve as serve_generation
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import RolloutWorker
-from services.training.data import reverse_task
+from services.training.sources.synthetic import reverse_task
 from tests.grpc_helpers import on_free_ports
 from tests.reward.fault_api import FaultAPI
 

@@ -19,7 +19,8 @@ from services.common.replay import ReplayStore  # noqa: E402
 from services.common.replay.records import group_from_proto  # noqa: E402
 from services.common.types import PromptRecord  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
-from services.training.data import config_prompts, reverse_task  # noqa: E402
+from services.training.data import config_prompts  # noqa: E402
+from services.training.sources.synthetic import reverse_task  # noqa: E402
 from tests.rollout import vf_reverse_env as vre  # noqa: E402
 from tests.rollout.test_worker import _claim_all, _feed, _generation, _trajectories  # noqa: E402
 

@@ -17,7 +17,7 @@ from services.common.types import PromptRecord, SamplingParams
 from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
 from services.rollout.worker import RolloutWorker
-from services.training.data import reverse_task
+from services.training.sources.synthetic import reverse_task
 from tests.grpc_helpers import on_free_ports
 from tests.rollout.conftest import GROUP, _cfg
 from tests.waits import wait_until

@@ -9,7 +9,9 @@ import pytest
 
 from services.cli.tiny import build_tokenizer
 from services.common.config import config_from_dict
-from services.training.data import arithmetic_task, gsm8k_label, load_prompts, render_prompt, source_problem
+from services.training.data import load_prompts, source_problem
+from services.training.sources.records import gsm8k_label, render_prompt
+from services.training.sources.synthetic import arithmetic_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,7 +172,7 @@ def test_arithmetic_task_splits_labels_and_a_fixed_eval():
 
 
 def test_multiply_task_holds_out_the_same_pairs_with_products():
-    from services.training.data import multiply_task
+    from services.training.sources.synthetic import multiply_task
 
     train, held = multiply_task("train"), multiply_task("eval")
     pairs = {frozenset((r.metadata["a"], r.metadata["b"])) for r in held}
@@ -187,7 +189,7 @@ def test_the_calculator_example_answers_the_call_the_policy_wrote():
     number copied gives a wrong result); the next reply is the answer; a reply without a
     calculation is the answer at once."""
     from services.common.userfn import load_function
-    from services.training.data import multiply_task
+    from services.training.sources.synthetic import multiply_task
 
     Calculator = load_function(str(ROOT / "examples/calculator_env.py") + ":Calculator")
     sample = multiply_task("eval", 1)[0]

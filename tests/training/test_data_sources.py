@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.common.config import config_from_dict
-from services.training.data import PromptRecord, data_source_errors, drop_overlong, load_prompts
+from services.common.types import PromptRecord
+from services.training.data import data_source_errors, drop_overlong, load_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 

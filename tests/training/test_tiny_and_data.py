@@ -1,5 +1,6 @@
 from services.common.model_files import load_tokenizer
-from services.training.data import EpochSampler, load_prompts, reverse_task
+from services.training.data import EpochSampler, load_prompts
+from services.training.sources.synthetic import reverse_task
 
 
 def test_tokenizer_roundtrip_and_chat_template(tiny_model_dir):
