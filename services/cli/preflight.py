@@ -203,7 +203,7 @@ def raw_errors(data: dict) -> list[str]:
     for key in ("train", "eval"):
         source = section.get(key)
         if is_task_source(source) and task_source_problem(source, need_package=False):
-            continue  # the config's validation said it (common/config_sections.py: DataConfig)
+            continue  # the config's validation said it (common/config_sections/training.py: DataConfig)
         problem = source_problem(source) if isinstance(source, str) else None
         if problem:
             errors.append(f"data.{key}: {problem}")
