@@ -125,7 +125,7 @@ def main() -> None:
     from services.common.model_files import load_tokenizer
     from services.common.types import PromptRecord, SamplingParams
     from services.generation.inprocess import in_process_pool
-    from services.generation.server import make_backend
+    from services.generation.policy import make_backend
 
     port = free_port()
     server = subprocess.Popen(

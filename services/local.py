@@ -37,7 +37,7 @@ from .common.model_files import resolve_device
 from .common.types import Rollout, SamplingParams
 from .critic.critic import Critic
 from .generation.inprocess import in_process_pool
-from .generation.server import make_backend
+from .generation.policy import make_backend
 from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader

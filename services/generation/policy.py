@@ -1,4 +1,6 @@
-"""A policy from any of the places a run keeps one, as a generation backend or a model directory.
+"""A policy as a generation backend: the sampling engine the config names (`make_backend`: vLLM's
+or transformers', from `model.path`), or a policy from any of the places a run keeps one, as a
+backend or a model directory.
 
 `path` may be a Hugging Face model directory (the base, a run's `final/` or `best/`, a checkpoint of
 `rlhf train --local`), a checkpoint of `rlhf up` (`learner.pt` alone: its policy loaded into
@@ -9,10 +11,38 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..common.checkpoints import is_complete, policy_weights
 from ..common.model_files import check_model_dir, save_model_dir
 from .backend import HFBackend
+
+if TYPE_CHECKING:
+    from ..common.config import Config
+    from ..common.types import GenerationBackend
+
+
+def make_backend(cfg: Config) -> GenerationBackend:
+    """The sampling engine `generation.backend` names, loaded from `model.path`."""
+    dtype = cfg.generation.engine_dtype(cfg.model.bf16)
+    if cfg.generation.backend == "vllm":
+        from .vllm_backend import VLLMBackend
+
+        return VLLMBackend(
+            cfg.model.path,
+            cfg.generation.vllm,
+            dtype=dtype,
+            max_model_len=cfg.prompt_length + cfg.response_length,
+            in_flight=cfg.generation.weight_update == "in_flight",
+            recompute=cfg.generation.in_flight_cache == "recompute",
+        )
+    import torch
+
+    from .backend import HFBackend
+
+    return HFBackend(
+        cfg.model.path, cfg.model.device, getattr(torch, dtype), recompute=cfg.generation.in_flight_cache == "recompute"
+    )
 
 
 def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:

@@ -34,6 +34,7 @@ from .batching import InFlight, make_batcher
 from .client import IDEMPOTENCY_KEY
 from .decode import GREEDY_BELOW
 from .metrics import GenerationMetrics
+from .policy import make_backend
 
 if TYPE_CHECKING:
     from typing import Mapping, Protocol, Sequence
@@ -336,29 +337,6 @@ def add_generation_servicer(servicer, grpc_server) -> None:
         handlers["PushWeights"] = handlers["PushWeights"]._replace(request_deserializer=WeightChunkDecoder().FromString)
         grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         grpc_server.add_registered_method_handlers(service, handlers)
-
-
-def make_backend(cfg: Config) -> GenerationBackend:
-    """The sampling engine `generation.backend` names, loaded from `model.path`."""
-    dtype = cfg.generation.engine_dtype(cfg.model.bf16)
-    if cfg.generation.backend == "vllm":
-        from .vllm_backend import VLLMBackend
-
-        return VLLMBackend(
-            cfg.model.path,
-            cfg.generation.vllm,
-            dtype=dtype,
-            max_model_len=cfg.prompt_length + cfg.response_length,
-            in_flight=cfg.generation.weight_update == "in_flight",
-            recompute=cfg.generation.in_flight_cache == "recompute",
-        )
-    import torch
-
-    from .backend import HFBackend
-
-    return HFBackend(
-        cfg.model.path, cfg.model.device, getattr(torch, dtype), recompute=cfg.generation.in_flight_cache == "recompute"
-    )
 
 
 def serve(cfg: Config, backend=None) -> GrpcService:

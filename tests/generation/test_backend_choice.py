@@ -9,7 +9,8 @@ import pytest
 
 from services.common.config import config_from_dict
 from services.generation.client import GenerationClient
-from services.generation.server import make_backend, serve
+from services.generation.policy import make_backend
+from services.generation.server import serve
 from tests.grpc_helpers import on_free_ports
 
 ROOT = Path(__file__).resolve().parents[2]

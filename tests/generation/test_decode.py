@@ -133,7 +133,7 @@ def test_sampler_dtype_apart_from_the_learners(tiny_model_dir, dtype, expect):
     """generation.dtype sets the sampler's dtype; auto follows model.bf16. Under model.bf16 a
     float32 sampler is what follows the policy's small steps (docs/speed.md)."""
     from services.common.config import config_from_dict
-    from services.generation.server import make_backend
+    from services.generation.policy import make_backend
 
     cfg = config_from_dict(
         {"model": {"path": tiny_model_dir, "device": "cpu", "bf16": True}, "generation": {"dtype": dtype}}

@@ -27,7 +27,7 @@ from services.common.config import load_config
 from services.common.modeling import response_log_probs
 from services.common.types import Rollout, SamplingParams
 from services.critic.critic import Critic
-from services.generation.server import make_backend
+from services.generation.policy import make_backend
 from services.learner.trainer import PolicyTrainer
 from services.ppo import explained_variance
 from services.ppo.core import masked_sum

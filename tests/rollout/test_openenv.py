@@ -78,7 +78,7 @@ def _cfg(model_dir, environment: str, **over):
 def _host(cfg):
     """An AgentHost for `cfg`'s environment, every turn sampled by the tiny model in this process."""
     from services.generation.inprocess import in_process_pool
-    from services.generation.server import make_backend
+    from services.generation.policy import make_backend
 
     tok = load_tokenizer(cfg.model.path)
     backend = make_backend(cfg)
