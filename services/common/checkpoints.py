@@ -6,7 +6,8 @@
                                   trainer's state, whose "policy" holds the actor's weights
                                   (absent when the actor is sharded: then actor/ holds them)
         critic/                   the critic's weights and optimiser (the critic server writes it
-                                  under `rlhf up`, the run's process under `train --local`)
+                                  under `rlhf up`, the run's process under `train --local`); its
+                                  critic_optim.pt is written and read here (`CriticOptim`)
         actor/                    a sharded actor (the learner service with learner.nproc > 1)
         config.json, weights      `rlhf train --local` only: the policy as a Hugging Face
                                   directory beside learner.pt (a checkpoint any tool can load)
@@ -20,6 +21,7 @@ loop's counters); only that mode goes on from it (`mode`).
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -102,3 +104,38 @@ def policy_weights(path: str | Path) -> dict[str, torch.Tensor]:
             f"{path} holds LoRA adapters in a PEFT wrapper; use the run's final/ or best/ (merged) instead"
         )
     return policy
+
+
+# ------------------------------------------------------------------ the critic's optimiser state
+CRITIC_OPTIM = "critic_optim.pt"  # in a critic directory, beside its weights
+
+
+@dataclass(frozen=True)
+class CriticOptim:
+    """What a critic directory's critic_optim.pt holds: the critic's step count, and its
+    optimiser's state either whole (`state`: one process's, `critic.nproc` 1) or as the folder,
+    relative to the directory, where a sharded critic wrote its shards (`sharded`)."""
+
+    steps: int
+    state: dict | None = None
+    sharded: str | None = None
+
+
+def write_critic_optim(path: str | Path, optim: CriticOptim) -> None:
+    entry = {"sharded_optimizer": optim.sharded} if optim.sharded is not None else {"optimizer": optim.state}
+    torch.save({**entry, "steps": optim.steps}, Path(path) / CRITIC_OPTIM)
+
+
+def read_critic_optim(path: str | Path, map_location="cpu") -> CriticOptim:
+    """The critic_optim.pt of the critic directory `path`; ValueError saying why it cannot be read
+    (unreadable, no step count, no optimiser state of either shape)."""
+    try:
+        raw = torch.load(Path(path) / CRITIC_OPTIM, map_location=map_location, weights_only=True)
+        steps = int(raw["steps"])
+    except Exception as e:
+        raise ValueError(f"{CRITIC_OPTIM}: cannot be read ({type(e).__name__}: {e})") from None
+    if "sharded_optimizer" in raw:
+        return CriticOptim(steps, sharded=str(raw["sharded_optimizer"]))
+    if "optimizer" not in raw:
+        raise ValueError(f"{CRITIC_OPTIM}: holds no optimiser state")
+    return CriticOptim(steps, state=raw["optimizer"])

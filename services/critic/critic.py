@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
+from ..common.checkpoints import CriticOptim, read_critic_optim, write_critic_optim
 from ..common.model_files import resolve_device
 from ..common.modeling import ValueModel, bf16_autocast
 from ..common.reward_model_dir import is_ensemble, members, reward_stats
@@ -180,7 +181,7 @@ class Critic:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         self.model.save_pretrained(path)
-        torch.save({"optimizer": self.optimizer.state_dict(), "steps": self.steps}, path / "critic_optim.pt")
+        write_critic_optim(path, CriticOptim(self.steps, state=self.optimizer.state_dict()))
 
     def load(self, path: str | Path) -> None:
         """Weights, optimiser state and step count from `path`, all or nothing: everything is read
@@ -202,22 +203,22 @@ class Critic:
             raise CheckpointError("model weights: names, shapes or dtypes differ from this critic's model")
         optimizer = self._optimizer(model)
         try:
-            state = torch.load(path / "critic_optim.pt", map_location=self.device, weights_only=True)
-            if "sharded_optimizer" in state:  # written by a sharded critic (critic.nproc > 1)
+            saved = read_critic_optim(path, map_location=self.device)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        try:
+            if saved.sharded is not None:  # written by a sharded critic (critic.nproc > 1)
                 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
                 from ..common.sharding.fsdp import read_sharded_optimizer
 
-                set_optimizer_state_dict(
-                    model,
-                    optimizer,  # written by a sharded critic (critic.nproc > 1)
-                    read_sharded_optimizer(model, optimizer, path / state["sharded_optimizer"]),
-                )
+                shards = read_sharded_optimizer(model, optimizer, path / saved.sharded)
+                set_optimizer_state_dict(model, optimizer, shards)
             else:
-                optimizer.load_state_dict(state["optimizer"])
-            steps = int(state["steps"])
+                optimizer.load_state_dict(saved.state or {})
         except Exception as e:
             raise CheckpointError(f"critic_optim.pt: cannot be read ({type(e).__name__}: {e})") from None
+        steps = saved.steps
         for p, s in optimizer.state.items():
             if any(torch.is_tensor(v) and v.dim() and v.shape != p.shape for v in s.values()):
                 raise CheckpointError("critic_optim.pt: optimiser state does not fit the model's parameters")

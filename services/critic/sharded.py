@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..common.checkpoints import CriticOptim, read_critic_optim, write_critic_optim
 from ..common.model_files import save_model_dir
 from ..common.modeling import ValueModel
 from ..common.sharding.followers import collective
@@ -96,7 +97,7 @@ class ShardedCritic(Critic):
                 {"optim": get_optimizer_state_dict(self.model, self.optimizer)}, checkpoint_id=str(path / OPTIM_DIR)
             )
         if self.dist.main:
-            torch.save({"sharded_optimizer": OPTIM_DIR, "steps": self.steps}, path / "critic_optim.pt")
+            write_critic_optim(path, CriticOptim(self.steps, sharded=OPTIM_DIR))
 
     def _write_model(self, path: Path, state: dict) -> None:
         from safetensors.torch import save_file
@@ -129,21 +130,19 @@ class ShardedCritic(Critic):
         if {k: tuple(v.shape) for k, v in full.items()} != live:
             raise CheckpointError("model weights: names or shapes differ from this critic's model")
         try:
-            meta = torch.load(path / "critic_optim.pt", map_location="cpu", weights_only=True)
-            steps = int(meta["steps"])
-        except Exception as e:
-            raise CheckpointError(f"critic_optim.pt: cannot be read ({type(e).__name__}: {e})") from None
-        if "sharded_optimizer" not in meta and "optimizer" not in meta:
-            raise CheckpointError("critic_optim.pt: holds no optimiser state")
+            saved = read_critic_optim(path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        steps = saved.steps
         optim = None
-        if "sharded_optimizer" in meta:  # read before anything changes
+        if saved.sharded is not None:  # read before anything changes
             try:
-                optim = read_sharded_optimizer(self.model, self.optimizer, path / meta["sharded_optimizer"])
+                optim = read_sharded_optimizer(self.model, self.optimizer, path / saved.sharded)
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
         set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
         if optim is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optim)
         else:
-            load_full_optimizer(self.model, self.optimizer, meta["optimizer"])
+            load_full_optimizer(self.model, self.optimizer, saved.state or {})
         self.steps = steps
