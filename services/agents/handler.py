@@ -21,8 +21,8 @@ from .protocol import (
     EndpointError,
     Limits,
     TurnRequest,
+    check_messages,
     max_token_chars,
-    stop_list,
 )
 from .sessions import ChatTokens, Choice, NotTokenExact, Plan, Session, Sessions, without_token_fields
 from .tools import parse_tool_calls
@@ -46,22 +46,24 @@ class TurnHandler:
         max_turns: int | None = None,
         prompt_length: int | None = None,
         max_session_id_bytes: int = 256,
+        max_request_tokens: int | None = None,
     ):
         """`pinned`: the temperature, top-p and top-k every request samples with, whatever it
         asks (a rollout worker's endpoint: the learner's log-probs are of that distribution).
         `max_tokens`: a session's budget of tokens after its first prompt (response_length);
         `max_turns`: of sampled turns in one session (None: no limit); `prompt_length`: the
         most tokens of a conversation's first prompt (None: the generation server says).
-        `max_session_id_bytes`: the longest session id taken."""
+        `max_session_id_bytes`: the longest session id taken; `max_request_tokens`: what one
+        Generate may cost (rpc.max_request_tokens; None: the generation server says)."""
         self.tok, self.sampler, self.sessions = tokenizer, sampler, sessions
         self.chat = ChatTokens(tokenizer)
         self.model_name, self.max_tokens, self.max_n, self.pinned = model_name, max_tokens, max_n, pinned
         self.max_turns, self.prompt_length = max_turns, prompt_length
-        self.limits = Limits(
-            len(tokenizer), prompt_length, max_tokens, max_token_chars(tokenizer), max_session_id_bytes
-        )
+        chars = max_token_chars(tokenizer)
+        self.limits = Limits(len(tokenizer), prompt_length, max_tokens, chars, max_session_id_bytes, max_request_tokens)
 
     def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
+        check_messages(req.messages)
         if self.prompt_length is not None:
             bound = f"prompt_length={self.prompt_length} + response_length={self.max_tokens}"
             self.limits.text([req.messages, req.tools], "messages", self.prompt_length + self.max_tokens, bound)
@@ -108,7 +110,8 @@ class TurnHandler:
         else:
             if self.prompt_length is not None:
                 self.limits.text(req.prompt, "prompt", self.prompt_length, f"prompt_length={self.prompt_length}")
-            ids = self.chat.encode(req.prompt)
+            # as the trainer tokenises a prompt: its special tokens too (none for an empty text)
+            ids = list(self.tok(req.prompt)["input_ids"]) if req.prompt else []
         if not ids:
             raise EndpointError(400, "prompt: empty", param="prompt")
 
@@ -133,61 +136,72 @@ class TurnHandler:
         self, req: TurnRequest, session_id: str | None, plan_of, kind: str, prefix: str, choice, tools: bool = False
     ):
         """One turn of a session: its prompt (`plan_of(session)`), sampled, cut at the stop
-        strings, then recorded (a turn that fails changes nothing); the answer's body
-        (`choice(i, c, prompt)` shapes each choice), the session and the policy version that sampled it."""
-        stops = stop_list(req.stop)
+        strings, then recorded (a turn that fails changes nothing, and a session that a failed
+        first turn would have started is not kept); the answer's body (`choice(i, c, prompt)`
+        shapes each choice), the session and the policy version that sampled it."""
+        stops = self.limits.stops(req.stop)
         params = self._params(req, stops)
         sid = self.limits.session_id(session_id, "x-session-id") or self.limits.session_id(req.session_id)
-        session = self.sessions.get(sid)
+        session = self.sessions.begin(sid)
         if session is None:
             raise EndpointError(404, f"no session {sid!r} here (ended, or never opened)", code="session_not_found")
         with session.lock:
-            if self.sessions.over_limit(session):
-                raise EndpointError(
-                    400,
-                    f"session {session.id}: it holds {session.bytes} bytes, more than max_session_bytes="
-                    f"{self.sessions.max_session_bytes}; end it (DELETE /v1/sessions/{{id}}) or start another",
-                    code=SESSION_TOO_LARGE,
-                    param="session_id",
-                )
-            plan = plan_of(session)
-            prompt = plan.ids
-            if self.max_turns is not None and plan.turn > self.max_turns:
-                raise EndpointError(
-                    400,
-                    f"session {session.id}: turn {plan.turn}, more than this endpoint's max_turns={self.max_turns}",
-                    code=MAX_TURNS_EXCEEDED,
-                )
-            room = self.max_tokens - (len(prompt) - plan.first)  # the session's budget: response_length
-            if room < 1:
-                raise EndpointError(
-                    400,
-                    f"session {session.id}: its conversation after the first prompt is {len(prompt) - plan.first} "
-                    f"tokens, no room for another reply in response_length={self.max_tokens} (what the learner "
-                    "trains on); end the session",
-                    code=CONTEXT_LENGTH_EXCEEDED,
-                )
-            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
             try:
-                result = self.sampler.generate(session, prompt, params, plan.first)
-            except EndpointError as e:
-                if e.status in (429, 503):  # an outage its agent may report as its own failure
-                    session.unavailable = True
-                raise
-            choices = self._choices(result.completions[0], result.policy_version, stops, tools)
-            session.apply(plan, choices)
+                prompt, choices, policy_version = self._turn(session, plan_of, params, stops, tools)
+            finally:
+                self.sessions.settle(session)  # a session a turn started is kept once it holds one
             self.sessions.resized(session)
         body = {
             "id": f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,
             "created": int(time.time()),
             "model": req.model or self.model_name,
-            "system_fingerprint": f"policy-v{result.policy_version}",
+            "system_fingerprint": f"policy-v{policy_version}",
             "session_id": session.id,
             "choices": [choice(i, c, prompt) for i, c in enumerate(choices)],
             "usage": usage(prompt, choices),
         }
-        return body, session, result.policy_version
+        return body, session, policy_version
+
+    def _turn(self, session: Session, plan_of, params: SamplingParams, stops: list[str], tools: bool):
+        """The turn inside its session's lock: the session's budget checked, the prompt planned,
+        sampled and applied to the session. (prompt, choices, the policy version that sampled them)."""
+        if self.sessions.over_limit(session):
+            raise EndpointError(
+                400,
+                f"session {session.id}: it holds {session.bytes} bytes, more than max_session_bytes="
+                f"{self.sessions.max_session_bytes}; end it (DELETE /v1/sessions/{{id}}) or start another",
+                code=SESSION_TOO_LARGE,
+                param="session_id",
+            )
+        plan = plan_of(session)
+        prompt = plan.ids
+        if self.max_turns is not None and plan.turn > self.max_turns:
+            raise EndpointError(
+                400,
+                f"session {session.id}: turn {plan.turn}, more than this endpoint's max_turns={self.max_turns}",
+                code=MAX_TURNS_EXCEEDED,
+            )
+        room = self.max_tokens - (len(prompt) - plan.first)  # the session's budget: response_length
+        if room < 1:
+            raise EndpointError(
+                400,
+                f"session {session.id}: its conversation after the first prompt is {len(prompt) - plan.first} "
+                f"tokens, no room for another reply in response_length={self.max_tokens} (what the learner "
+                "trains on); end the session",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        self.limits.cost(params.n, len(prompt), params.max_new_tokens)
+        try:
+            result = self.sampler.generate(session, prompt, params, plan.first)
+        except EndpointError as e:
+            if e.status in (429, 503):  # an outage its agent may report as its own failure
+                session.unavailable = True
+            raise
+        choices = self._choices(result.completions[0], result.policy_version, stops, tools)
+        session.apply(plan, choices)
+        return prompt, choices, result.policy_version
 
     def _params(self, req: TurnRequest, stops: list[str]) -> SamplingParams:
         if req.n > self.max_n:

@@ -26,7 +26,9 @@ SESSION_HEADER = "x-session-id"
 POLICY_VERSION_HEADER = "x-policy-version"
 INT64 = 2**63  # a seed is an int64 on the wire (generation.proto)
 INT32 = 2**31  # a token id is an int32 on the wire
-SESSION_ID = re.compile(r"[\x20-\x7e]*")  # printable ASCII: it goes back in the x-session-id header
+# printable ASCII, no space at either end (an HTTP header value cannot begin or end with one): it
+# goes back in the x-session-id header of the answer
+SESSION_ID = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?")
 MAX_PROMPT_TOKENS = 1 << 17  # echoed prompts' bound without prompt_length (the generation server bounds its own)
 
 
@@ -103,17 +105,10 @@ class EndpointError(Exception):
         self.status, self.kind, self.code, self.param = status, kind, code, param
 
 
-def stop_list(stop) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise EndpointError(400, "stop: an empty string", param="stop")
-    if len(stops) > 4:
-        raise EndpointError(400, f"stop: {len(stops)} sequences, at most 4", param="stop")
-    return stops
-
-
 def text_chars(value: Any) -> int:
-    """How many characters the strings of a JSON-like value have together (its messages' text)."""
+    """How many characters a JSON-like value can become as text (what a chat template may render
+    of it): its strings' characters, and for every other value (a number, true, false, null) its
+    own text and a separator: `[0] * 2500000` is 7.5 million characters, not none."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
@@ -124,7 +119,26 @@ def text_chars(value: Any) -> int:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
+        else:
+            total += len(str(v)) + 2
     return total
+
+
+def check_messages(messages: list) -> None:
+    """Each message an object whose `content` is a string, null or a list of content parts
+    (objects, as OpenAI's are), refused by its field otherwise, before a chat template sees it."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise EndpointError(400, f"messages[{i}]: {shown(m)}, not a message object", param=f"messages[{i}]")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+            raise EndpointError(
+                400,
+                f"messages[{i}].content: {shown(content)}, neither a string nor a list of content parts",
+                param=f"messages[{i}].content",
+            )
 
 
 def max_token_chars(tokenizer) -> int:
@@ -158,6 +172,7 @@ class Limits:
     max_tokens: int
     token_chars: int
     max_session_id_bytes: int = 256
+    max_request_tokens: int | None = None  # rpc.max_request_tokens: what one Generate may cost
 
     @property
     def max_context(self) -> int:
@@ -172,11 +187,43 @@ class Limits:
         if len(sid) > self.max_session_id_bytes or not SESSION_ID.fullmatch(sid):
             raise EndpointError(
                 400,
-                f"{param}: a session id is 1 to {self.max_session_id_bytes} printable ASCII characters "
-                f"(this one: {len(sid)} characters)",
+                f"{param}: a session id is 1 to {self.max_session_id_bytes} printable ASCII characters, "
+                f"no space at either end (this one: {len(sid)} characters)",
                 param=param,
             )
         return sid
+
+    def stops(self, stop) -> list[str]:
+        """The request's stop strings: at most 4, none empty, none longer than a whole reply can
+        be (`max_tokens` tokens of the longest token's characters: a longer one never matches)."""
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise EndpointError(400, "stop: an empty string", param="stop")
+        if len(stops) > 4:
+            raise EndpointError(400, f"stop: {len(stops)} sequences, at most 4", param="stop")
+        longest = self.max_tokens * self.token_chars
+        for s in stops:
+            if len(s) > longest:
+                raise EndpointError(
+                    400,
+                    f"stop: a stop string of {len(s)} characters, longer than a reply of response_length="
+                    f"{self.max_tokens} tokens can be ({longest} characters)",
+                    param="stop",
+                )
+        return stops
+
+    def cost(self, n: int, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A turn that can never fit a Generate (n x (prompt + max_new_tokens) token positions over
+        rpc.max_request_tokens): 400 naming the bound, not a "server full" to retry."""
+        cost = n * (prompt_tokens + max_new_tokens)
+        if self.max_request_tokens is not None and cost > self.max_request_tokens:
+            raise EndpointError(
+                400,
+                f"n={n} x ({prompt_tokens} prompt tokens + max_tokens={max_new_tokens}) = {cost} token positions, "
+                f"more than rpc.max_request_tokens={self.max_request_tokens}; ask for fewer samples or tokens",
+                code="request_too_large",
+                param="n",
+            )
 
     def text(self, value: Any, param: str, tokens: int, bound: str) -> None:
         """Refuse text that cannot be `tokens` tokens or fewer (`bound` says which), before

@@ -429,6 +429,8 @@ class Sessions:
         self.ttl_s, self.limit, self.create_unknown = ttl_s, limit, create_unknown
         self.max_bytes, self.max_session_bytes = max_bytes, max_session_bytes
         self._by_id: OrderedDict[str, Session] = OrderedDict()  # the longest idle first
+        # new sessions no turn has succeeded in yet, each with its turns in flight
+        self._pending: dict[str, tuple[Session, int]] = {}
         self._lock = threading.Lock()
         self.bytes = 0  # what the sessions hold together (each as of its last turn)
         self.evicted = dict.fromkeys(self.EVICTIONS, 0)
@@ -446,15 +448,56 @@ class Sessions:
             if session is None:
                 if not create:
                     return None
-                while len(self._by_id) >= self.limit:
-                    self._drop(next(iter(self._by_id)), "count")
-                session = self._by_id[sid] = Session(sid)
-                session.counted = session.bytes
-                self.bytes += session.counted
-                self._evict_bytes(sid)
+                session = Session(sid)
+                self._admit(session)
             session.used = now
             self._by_id.move_to_end(sid)
             return session
+
+    def begin(self, session_id: str | None) -> Session | None:
+        """The session a turn is for: the one `session_id` names, or, for an unknown one (a fresh
+        id when None) when `create_unknown`, a new session that is not kept, counted or let evict
+        another until a turn of it succeeds (`settle`); None for an unknown one otherwise. Turns of
+        one new id at once share its new session."""
+        if not self.create_unknown:
+            return self.get(session_id)
+        sid = session_id or uuid.uuid4().hex
+        with self._lock:
+            found = self._by_id.get(sid)
+            if found is not None:
+                found.used = time.monotonic()
+                self._by_id.move_to_end(sid)
+                return found
+            new, turns = self._pending.get(sid, (None, 0))
+            new = new or Session(sid)
+            self._pending[sid] = (new, turns + 1)
+            return new
+
+    def settle(self, session: Session) -> None:
+        """After a turn of `session` (taken or refused), under its lock: a new session that holds a
+        turn now is kept (counted, evicting as `get` does); one whose turns all failed is forgotten
+        once none is in flight."""
+        with self._lock:
+            new, turns = self._pending.get(session.id, (None, 0))
+            if new is not session:
+                return
+            if session.segments:
+                del self._pending[session.id]
+                self._admit(session)
+            elif turns <= 1:
+                del self._pending[session.id]
+            else:
+                self._pending[session.id] = (session, turns - 1)
+
+    def _admit(self, session: Session) -> None:
+        """Keep `session` (under the lock): the longest idle ones forgotten past the count and the bytes."""
+        while len(self._by_id) >= self.limit:
+            self._drop(next(iter(self._by_id)), "count")
+        self._by_id[session.id] = session
+        session.counted = session.bytes
+        self.bytes += session.counted
+        self._evict_bytes(session.id)
+        session.used = time.monotonic()
 
     def open(self, session_id: str, min_version: int = 0) -> Session:
         """A session of this id (new, or the one there), its turns preferring servers at `min_version`."""

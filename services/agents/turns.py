@@ -96,6 +96,8 @@ def refused(e: grpc.RpcError) -> None:
     (400), or the server full (429)."""
     if reason_of(e) is Reason.PROMPT_INVALID or e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         raise EndpointError(400, f"the request: {e.details()}") from None
+    if reason_of(e) is Reason.REQUEST_TOO_LARGE:  # it can never fit: not a "full" to retry
+        raise EndpointError(400, f"the request: {e.details()}", code="request_too_large", param="n") from None
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         raise EndpointError(
             429, f"the generation server is full: {e.details()}", "rate_limit_error", "server_full"

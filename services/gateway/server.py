@@ -77,6 +77,7 @@ class GatewayService(Service):
             max_n=cfg.rpc.max_samples_per_prompt,
             prompt_length=cfg.prompt_length,
             max_session_id_bytes=ep.max_session_id_bytes,
+            max_request_tokens=cfg.rpc.max_request_tokens,
         )
         self.handler, self.metrics = handler, GatewayMetrics(sessions)
         app = build_app(

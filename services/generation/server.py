@@ -203,7 +203,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise ResourceExhausted(
                 f"request: {n_prompts} prompts x n={params.n} x ({'' if exact else 'at least '}{width} prompt tokens "
                 f"+ max_new_tokens={params.max_new_tokens}) = {cost} token positions, more than "
-                f"rpc.max_request_tokens={limit}; send fewer prompts or samples per request"
+                f"rpc.max_request_tokens={limit}; send fewer prompts or samples per request",
+                Reason.REQUEST_TOO_LARGE,
             )
 
     @staticmethod

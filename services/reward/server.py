@@ -55,9 +55,11 @@ SLICE_CHARS = 1 << 20
 class RewardRequest(BaseModel):
     """OpenRLHF's remote reward request."""
 
-    query: list[str] = Field(..., description="prompt + response per sample, decoded with special tokens kept")
-    prompts: Optional[list[str]] = None
-    labels: Optional[list[Optional[str]]] = None
+    query: list[str] = Field(
+        ..., max_length=MAX_SAMPLES, description="prompt + response per sample, decoded with special tokens kept"
+    )
+    prompts: Optional[list[str]] = Field(default=None, max_length=MAX_SAMPLES)
+    labels: Optional[list[Optional[str]]] = Field(default=None, max_length=MAX_SAMPLES)
 
 
 def _check_scores(results) -> None:
@@ -230,6 +232,10 @@ def parse_reward_request(raw: bytes) -> RewardRequest:
         raise HTTPException(400, f"body: not UTF-8 ({e.reason} at byte {e.start})") from None
     except (ValueError, RecursionError) as e:
         raise HTTPException(400, f"body: not JSON ({e})") from None
+    for key in ("query", "prompts", "labels"):  # before a model of every sample is built (gRPC's Score bound)
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, list) and len(value) > MAX_SAMPLES:
+            raise HTTPException(422, f"{key}: {len(value)} samples, more than {MAX_SAMPLES} in one request")
     try:
         return RewardRequest.model_validate(data)
     except ValidationError as e:

@@ -44,6 +44,10 @@ class Reason(enum.Enum):
     REWARD_FUNCTION_FAILED = "REWARD_FUNCTION_FAILED"
     """Reward (FAILED_PRECONDITION): the user's reward function raised. Repeating will not help:
     the worker and the learner stop the run (the message carries the function's traceback)."""
+    REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
+    """Generation (RESOURCE_EXHAUSTED): the request costs more token positions than the server's
+    rpc.max_request_tokens: it can never fit, however long one waits. The gateway answers 400
+    naming the bound (not 429, which a client retries)."""
     DELTA_BASE_MISSING = "DELTA_BASE_MISSING"
     """Weights (FAILED_PRECONDITION): a delta push against a version the server does not hold (it
     restarted, missed a version, or keeps no delta base). A publisher streams the server the full
