@@ -27,6 +27,7 @@ from .common.checkpoints import (
     LEARNER_STATE,
     Mode,
     checkpoint_dir,
+    complete_checkpoints,
     is_complete,
     mode,
     newest_checkpoint,
@@ -135,16 +136,27 @@ class LocalState:
         return state["loop"]
 
 
+def checkpoint_problem(path: Path) -> str:
+    """Why `path` is no checkpoint to go on from, and the complete ones there are to choose from
+    (its run directory's, when it names a checkpoint of one)."""
+    if path.is_dir():
+        why = f"{path} is no complete checkpoint ({LEARNER_STATE} missing)"
+    else:
+        why = f"no such checkpoint {path}"
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
+    found = complete_checkpoints(run_dir)
+    if found:
+        return f"{why}; the complete checkpoints of {run_dir} are: {', '.join(str(c) for c in found)}"
+    return f"{why}; a run keeps its checkpoints as RUN/checkpoints/iter_N (run.keep_checkpoints of them)"
+
+
 def resume_point(cfg: Config, run_dir: Path) -> Path | None:
     """The checkpoint a local run goes on from: run.resume_from when set, else the newest complete
     one in the run directory (None: a fresh start)."""
     if cfg.run.resume_from:
         path = Path(cfg.run.resume_from).expanduser()
         if not is_complete(path):
-            raise FileNotFoundError(
-                f"run.resume_from: {path} is no complete checkpoint ({LEARNER_STATE} missing); "
-                f"checkpoints are {run_dir}/checkpoints/iter_N"
-            )
+            raise FileNotFoundError(f"run.resume_from: {checkpoint_problem(path)}")
         if mode(path) is not Mode.LOCAL:
             raise ValueError(
                 f"run.resume_from: {path} is a checkpoint of `rlhf up`, which `rlhf train --local` cannot go on "

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# what a command interrupted by Ctrl-C leaves, and how to go on
+INTERRUPTED = {
+    "train-rm": "its directory holds only what it logged so far (no model); run the same command to train again",
+    "eval": "the rows of each model evaluated to the end are in its --out directory; run the same command again",
+    "make-prefs": "no pairs were written (they are written when it finishes); run the same command again",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -93,3 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except AgentServiceDown as e:  # your agent service or environment server, down or full: its URL and what to do
         print(f"error: the run stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C in a command that does not stop at a checkpoint of its own (train and up do)
+        left = INTERRUPTED.get(args.command)
+        print(
+            f"stopped (Ctrl-C): `rlhf {args.command}` was interrupted" + (f"; {left}" if left else ""), file=sys.stderr
+        )
+        return 130

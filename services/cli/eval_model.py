@@ -37,6 +37,7 @@ from ..reward.labels import label_reader
 from ..reward.scorer import RuleScorer, build_eval_scorer, build_scorer
 from ..training.data import config_prompts, held_out_source
 from ..training.evaluate import HowSampled, how_sampled, summarize, write_rows
+from .preflight import looks_local
 
 
 def _params(cfg: Config, n: int, temperature: float | None) -> SamplingParams:
@@ -173,7 +174,20 @@ def _served(cfg: Config, backend: HFBackend) -> Iterator[ServerPool]:
         servers.close()
 
 
+def missing_policies(paths: dict[str, str | None]) -> list[str]:
+    """The policies that are not here, named by their flag: a path that looks local and does not
+    exist (checked before anything is evaluated or written; a hub id is fetched as it loads)."""
+    return [
+        f"{flag} {path}: no such model directory or checkpoint (relative paths are from {Path.cwd()})"
+        for flag, path in paths.items()
+        if path is not None and looks_local(path) and not Path(path).expanduser().exists()
+    ]
+
+
 def main_eval(cfg: Config, args) -> int:
+    missing = missing_policies({"--model": args.model or cfg.model.path, "--baseline": args.baseline})
+    if missing:
+        raise ValueError("; ".join(missing))
     out = Path(args.out or Path(cfg.run.run_dir) / "eval")
     out.mkdir(parents=True, exist_ok=True)
     run_eval(

@@ -20,7 +20,9 @@ A config that does not validate gets what can still be checked of its raw keys (
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import json
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -45,6 +47,7 @@ def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False, 
     judged_apart = judge and cfg.reward.eval_rules is not None
     return (
         (model_findings(cfg)[0] if validate else [])
+        + context_errors(cfg)
         + data_source_errors(cfg, label_reader(cfg))
         + (reward_model_errors(cfg) if validate else [])
         + tracking_errors(cfg)
@@ -59,8 +62,48 @@ def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False, 
 
 
 def looks_local(path: str) -> bool:
-    """`path` names a local directory, not a hub id, as the model loaders tell them apart."""
-    return path.startswith(("/", ".", "~")) or Path(path).expanduser().exists() or path.count("/") > 1
+    """`path` names a local directory, not a hub id, as the model loaders tell them apart: an
+    absolute or relative path, one that exists, one of more than two parts, or one beside model
+    directories here (`runs/tiny-modle` next to `runs/tiny-model` is a mistyped directory, not a
+    repository of the hub's "runs")."""
+    p = Path(path).expanduser()
+    return path.startswith(("/", ".", "~")) or p.exists() or path.count("/") > 1 or bool(models_beside(p))
+
+
+def models_beside(p: Path) -> list[str]:
+    """The model directories (with a config.json) in `p`'s parent directory here, when it has one."""
+    parent = p.parent
+    if parent == Path(".") or not parent.is_dir():
+        return []
+    try:
+        return sorted(c.name for c in parent.iterdir() if (c / "config.json").is_file())
+    except OSError:
+        return []
+
+
+# what a model's config calls the most positions it takes, by architecture
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def context_errors(cfg: Config) -> list[str]:
+    """prompt_length + response_length against the most positions the model takes (its
+    config.json, when model.path is a directory here): a longer conversation runs past what the
+    model was built for (positions it never saw), silently."""
+    config = Path(cfg.model.path).expanduser() / "config.json"
+    if not config.is_file():
+        return []
+    try:
+        known = json.loads(config.read_text())
+    except ValueError:
+        return []  # the model's own loader says what is wrong with it
+    limit = next((known[k] for k in CONTEXT_KEYS if isinstance(known.get(k), int)), None)
+    need = cfg.prompt_length + cfg.response_length
+    if limit is None or need <= limit:
+        return []
+    return [
+        f"prompt_length + response_length = {cfg.prompt_length} + {cfg.response_length} = {need} tokens, more than "
+        f"the model takes ({limit} positions, its config.json); lower them to fit"
+    ]
 
 
 def model_findings(cfg: Config) -> tuple[list[str], list[str]]:
@@ -77,6 +120,13 @@ def model_findings(cfg: Config) -> tuple[list[str], list[str]]:
     top = Path(*p.parts[:2])
     if p.is_absolute() and not top.exists():
         return [], [f"model.path: {p} is not on this machine (no {top} here); it is checked where the run starts"]
+    if not p.exists():
+        near = difflib.get_close_matches(p.name, models_beside(p), n=1)
+        hint = f"did you mean {p.parent / near[0]}? " if near else ""
+        return [
+            f"model.path: no such directory {path} (relative paths are from the current directory, {Path.cwd()}); "
+            f"{hint}`rlhf init-model --out {path}` builds the tiny default there"
+        ], []
     from ..common.model_files import check_model_dir
 
     try:

@@ -92,6 +92,29 @@ def test_up_refuses_a_run_directory_of_train_local(local_run):
     )
 
 
+def test_a_checkpoint_that_is_not_there_names_the_ones_that_are(local_run):
+    """docs/resume.md's `run.resume_from=.../iter_000002` followed in order, when only the newest two
+    are kept: it said "learner.pt missing" for a directory that does not exist; now it says so and
+    lists the complete checkpoints to choose from (issue 54)."""
+    root, _ = local_run
+    gone = "runs/mine/checkpoints/iter_000001"
+    r = _cli(root, "train", "--local", "-c", "mine.yaml", "--set", f"run.resume_from={gone}", timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"no such checkpoint {gone}; the complete checkpoints of runs/mine are: " in r.stderr
+    assert "runs/mine/checkpoints/iter_000003" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_checks_every_model_before_it_evaluates_any(untrained_model_dir, tmp_path, capsys, monkeypatch):
+    """`rlhf eval --baseline B --model M` evaluated the whole baseline before finding M missing, and
+    left an empty eval directory; now it checks both first and writes nothing (issue 54)."""
+    monkeypatch.chdir(tmp_path)
+    tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
+    args = ["--set", f"model.path={untrained_model_dir}", "--baseline", str(untrained_model_dir)]
+    code, _, err = _rlhf(capsys, "eval", "-c", tiny, *args, "--model", "runs/nope/final", "--out", "ev")
+    assert code == 2 and "--model runs/nope/final: no such model directory or checkpoint" in err
+    assert not (tmp_path / "ev").exists() and "Traceback" not in err
+
+
 def test_train_local_refuses_a_run_directory_of_up_or_of_another_config(tmp_path, capsys, monkeypatch):
     """The checkpoint of `rlhf up` is its learner.pt alone (the policy is not beside it); the run's
     config is the config.yaml it saved."""
@@ -198,6 +221,25 @@ def test_validate_notes_a_model_it_cannot_see_from_here(tmp_path, capsys, monkey
     )
 
 
+def test_a_mistyped_model_directory_and_a_context_too_long_are_errors(tmp_path, capsys, monkeypatch):
+    """A path that looks local (beside model directories here) and is missing is an error, with the
+    one it was likely meant to be (issue 54: `runs/tiny-modle` passed as "will download from the
+    hub" and training failed 8 s later); prompt_length + response_length past the positions the
+    model takes is an error (64 + 128 ran silently on the 128-position tiny model)."""
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "runs" / "tiny-model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, "--set", "model.path=runs/tiny-modle")
+    assert code == 2 and "no such directory runs/tiny-modle" in err and "did you mean runs/tiny-model?" in err
+    sets = ["--set", "model.path=runs/tiny-model", "--set", "prompt_length=64", "--set", "response_length=128"]
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, *sets)
+    assert code == 2 and "64 + 128 = 192 tokens, more than the model takes (128 positions" in err
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, *sets[:4], "--set", "response_length=64")
+    assert code == 0, err
+
+
 # 4. Ctrl-C
 def test_ctrl_c_checkpoints_and_says_how_to_resume(untrained_model_dir, tmp_path):
     _mine(tmp_path, untrained_model_dir)
@@ -233,6 +275,35 @@ def test_ctrl_c_checkpoints_and_says_how_to_resume(untrained_model_dir, tmp_path
 
 
 # 5. a reward API that is down
+@pytest.mark.parametrize(
+    "command, target, left",
+    [
+        ("train-rm", "services.reward_model.train.train_reward_model", "no model"),
+        ("eval", "services.cli.eval_model.run_eval", "--out directory"),
+        ("make-prefs", "services.reward_model.rlaif.make_preferences", "no pairs were written"),
+    ],
+)
+def test_ctrl_c_in_the_offline_commands_is_one_line(
+    command, target, left, untrained_model_dir, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C on `train-rm`, `eval` and `make-prefs` printed a 34-100 line KeyboardInterrupt
+    traceback with exit 1; now one line saying what is left, exit 130 (issue 54)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a=", "chosen": "a", "rejected": "b"}) + "\n")
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, interrupted)
+    sets = ["--set", f"model.path={untrained_model_dir}", "--set", "reward_model.train=pairs.jsonl"]
+    sets += ["--set", f"reward_model.base={untrained_model_dir}"]
+    extra = ["--out", "out.jsonl"] if command == "make-prefs" else []
+    code, _, err = _rlhf(capsys, command, "-c", str(ROOT / "configs" / "tiny-cpu.yaml"), *sets, *extra)
+    assert code == 130, err
+    assert err.startswith(f"stopped (Ctrl-C): `rlhf {command}` was interrupted; ") and left in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_a_reward_api_that_is_down_is_one_line(untrained_model_dir, tmp_path):
     with socket.socket() as closed:  # bound, never listening: connections to it are refused
         closed.bind(("127.0.0.1", 0))

@@ -101,6 +101,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/async.md", "max_staleness: 1 # generation runs ahead of the learner:"): PARTIAL,
     ("docs/async.md", ".venv/bin/python benchmarks/bench_partial.py -c"): PARSE,  # SmolLM2, minutes
     ("docs/cluster.md", "docker build -t rlhf:cpu --build-arg FLAVOUR=cpu ."): PARSE,  # a cluster
+    ("docs/environments.md", "config error in c.yaml: rollout.environment:"): PROSE,  # an unknown kind refused
     ("docs/environments.md", "# gym.yaml"): CONFIG,  # test_reasoning_gym writes it as gym.yaml
     ("docs/environments.md", "$ rlhf config validate bad-gym.yaml"): RUN,  # test_reasoning_gym_mistakes
     ("docs/environments.md", "$ rlhf train --local -c gym.yaml"): RUN,  # test_reasoning_gym
