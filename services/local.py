@@ -67,6 +67,7 @@ class LocalSource:
 
     def __init__(self, cfg: Config, epochs: EpochSampler, sampler: GroupSampler, stop_event=None):
         self.cfg, self.epochs, self.sampler, self.stop_event = cfg, epochs, sampler, stop_event
+        self.lost: str | None = None  # why the run stopped: its environment, reward or agent lost mid-run
 
     @property
     def data_epoch(self) -> int:
@@ -77,16 +78,19 @@ class LocalSource:
             return None
         picked = self.epochs.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
         sampled = self.sampler.sample([Prompt(r, f"{e}:{r.id}") for e, r in picked])
-        if isinstance(sampled, Failed):
-            raise RuntimeError(f"iteration {iteration}: the batch could not be sampled: {sampled.why}")
+        if isinstance(sampled, Failed):  # the environment, the reward or the agent lost: stop, checkpointed
+            self.lost = f"iteration {iteration} could not be sampled: {sampled.why or sampled.then.name.lower()}"
+            return None
         kept = []
         for group in sampled.groups:
             if isinstance(group, Rejected):
                 log.warning("a prompt left out of iteration %d: %s", iteration, group.reason)
             else:
                 kept.append(group)
-        if not kept:
-            raise RuntimeError(f"iteration {iteration}: every prompt's agent sessions failed (see the warnings)")
+        if not kept:  # a partial failure goes on; a whole batch of them is the environment's
+            first = next(g.reason for g in sampled.groups if isinstance(g, Rejected))
+            self.lost = f"every prompt of iteration {iteration} failed (the first: {first})"
+            return None
         return Batch(Rollout.from_groups(kept), policy_version, sampled.metrics)
 
     def trained(self, batch: Batch, iteration: int) -> dict:
@@ -250,7 +254,10 @@ def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_ev
     loop.begin(RunLog(run_dir, cfg, mode="local", resume_from=loop.iteration if start is not None else None))
     it, stopped = loop.iterate(schedule, loop.iteration)
     if stopped and it < cfg.run.iterations:  # a stop after the last iteration finishes the run
-        return _stopped(loop, it, schedule)
+        summary = _stopped(loop, it, schedule)
+        if source.lost is not None:
+            summary["lost"] = source.lost
+        return summary
     return loop.finish(it, time.time() - schedule.t_start, run_dir / "final_critic")
 
 

@@ -304,6 +304,49 @@ def test_ctrl_c_in_the_offline_commands_is_one_line(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+DIES = """
+class Dies:
+    \"\"\"An environment that serves 14 sessions, then is gone (every reset raises).\"\"\"
+
+    sessions = 0
+
+    def reset(self, sample):
+        type(self).sessions += 1
+        if type(self).sessions > 14:
+            raise RuntimeError("the environment is gone")
+        return sample.prompt
+
+    def step(self, reply):
+        return "", float(len(reply) > 0), True
+"""
+
+
+def test_an_environment_lost_mid_run_checkpoints_and_stops_with_one_sentence(untrained_model_dir, tmp_path):
+    """An environment that dies mid-run ended `train --local` in an uncaught RuntimeError
+    traceback with no checkpoint (issue 54); now the run keeps its last iteration's checkpoint
+    and stops with one sentence saying why and how to go on, exit 1, as a stop does. A partial
+    failure (some prompts' sessions) goes on, as before."""
+    (tmp_path / "dies.py").write_text(DIES)
+    config = (
+        "base: tiny-cpu\n"
+        f"model: {{path: {untrained_model_dir}}}\n"
+        "adv_estimator: grpo\nnum_return_sequences_in_group: 2\nrollout_batch_size: 4\nppo_mini_batch_size: 8\n"
+        "prompt_length: 64\n"
+        "rollout: {environment: dies.py:Dies, max_turns: 1}\n"
+        "data: {eval_size: 4}\nrun: {iterations: 5, eval_interval: 0, checkpoint_interval: 0}\n"
+    )
+    (tmp_path / "dies.yaml").write_text(config)
+    r = _cli(tmp_path, "train", "--local", "-c", "dies.yaml", timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the run stopped: every prompt of iteration ") and "Traceback" not in r.stderr
+    assert "the environment is gone" in last and "; once mended, resume with rlhf train --local -c dies.yaml" in last
+    stopped = int(last.split("checkpoint of iteration ")[1].split()[0])
+    assert (
+        stopped >= 1 and (tmp_path / "runs" / "dies" / "checkpoints" / f"iter_{stopped:06d}" / "learner.pt").is_file()
+    )
+
+
 def test_a_reward_api_that_is_down_is_one_line(untrained_model_dir, tmp_path):
     with socket.socket() as closed:  # bound, never listening: connections to it are refused
         closed.bind(("127.0.0.1", 0))

@@ -60,6 +60,9 @@ def _run(cfg: Config, args) -> int:
         return 128 + signal.SIGINT
     if "stopped_at" not in summary:
         return 0
+    if "lost" in summary:  # the environment, the reward or the agent lost mid-run: checkpointed, as a stop is
+        print(f"error: the run stopped: {summary['lost']}; {_go_on(summary, cfg, args)}", file=sys.stderr)
+        return 1
     print(_interrupted(summary, cfg, args), file=sys.stderr)
     return 128 + stop.signum
 
@@ -86,6 +89,18 @@ class StopSignal:
         finally:
             for sig, handler in before.items():
                 signal.signal(sig, handler)
+
+
+def _go_on(summary: dict, cfg: Config, args) -> str:
+    """Where a stopped run's checkpoint is and the command that goes on from it."""
+    again = shlex.join(["rlhf", *args.argv])
+    if summary["checkpoint"] is None:
+        return f"no iteration was done; start again with {again}"
+    if cfg.run.resume_from:
+        again += f" --set run.resume_from={summary['checkpoint']}"
+    return (
+        f"checkpoint of iteration {summary['stopped_at']} in {summary['checkpoint']}; once mended, resume with {again}"
+    )
 
 
 def _interrupted(summary: dict, cfg: Config, args) -> str:
