@@ -48,6 +48,7 @@ def preflight_errors(cfg: Config, sampler: bool = True, validate: bool = False, 
     return (
         (model_findings(cfg)[0] if validate else [])
         + context_errors(cfg)
+        + tokenizer_errors(cfg)
         + data_source_errors(cfg, label_reader(cfg))
         + (reward_model_errors(cfg) if validate else [])
         + tracking_errors(cfg)
@@ -79,6 +80,40 @@ def models_beside(p: Path) -> list[str]:
         return sorted(c.name for c in parent.iterdir() if (c / "config.json").is_file())
     except OSError:
         return []
+
+
+def tokenizer_errors(cfg: Config) -> list[str]:
+    """The models that read the policy's tokens must share its tokenizer: the reference (its KL is
+    per token), the critic (a value per token) and, when the critic starts from it, the reward
+    model. Each such directory here whose vocabulary differs from model.path's is an error (a
+    reference of another vocabulary gave a KL of ~10 at every iteration, silently)."""
+    readers = {"model.reference_path": cfg.model.reference_path, "critic.model_path": cfg.critic.model_path}
+    if cfg.critic.init_from_reward_model:
+        readers["reward.model_path"] = cfg.reward.model_path
+    readers = {k: v for k, v in readers.items() if v and (Path(v).expanduser() / "config.json").is_file()}
+    policy = Path(cfg.model.path).expanduser()
+    if not readers or not (policy / "config.json").is_file():
+        return []
+    from ..common.model_files import load_tokenizer
+
+    try:
+        vocab = load_tokenizer(policy).get_vocab()
+    except Exception:  # the policy's own loading says what is wrong with it
+        return []
+    errors = []
+    for key, path in readers.items():
+        try:
+            other = load_tokenizer(Path(path).expanduser()).get_vocab()
+        except Exception as e:
+            errors.append(f"{key}: its tokenizer does not load ({type(e).__name__}: {e})")
+            continue
+        if other != vocab:
+            errors.append(
+                f"{key}: {path}'s tokenizer has {len(other):,} tokens, model.path's {len(vocab):,}"
+                + (" (the same number, other ids)" if len(other) == len(vocab) else "")
+                + f"; it reads the policy's tokens, so it must share model.path's tokenizer ({cfg.model.path})"
+            )
+    return errors
 
 
 # what a model's config calls the most positions it takes, by architecture

@@ -92,6 +92,31 @@ def test_up_refuses_a_run_directory_of_train_local(local_run):
     )
 
 
+def test_a_reference_of_another_tokenizer_is_refused_before_the_run(untrained_model_dir, tmp_path, capsys, monkeypatch):
+    """docs/resume.md's branch block gave a reference of another vocabulary (66 against 49,152
+    tokens) and every iteration showed a KL of ~10 (issue 54): the reference, the critic and a
+    critic's reward model read the policy's tokens, so a tokenizer that differs is refused."""
+    import shutil
+
+    from services.common.model_files import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(untrained_model_dir, other)
+    tok = load_tokenizer(other)
+    tok.add_tokens(["<another>"])
+    tok.save_pretrained(other)
+    tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
+    base = ["--set", f"model.path={untrained_model_dir}"]
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, *base, "--set", f"model.reference_path={other}")
+    assert code == 2 and f"model.reference_path: {other}'s tokenizer has {len(tok):,} tokens" in err, err
+    assert "it must share model.path's tokenizer" in err
+    code, _, err = _rlhf(capsys, "config", "validate", tiny, *base, "--set", f"critic.model_path={other}")
+    assert code == 2 and "critic.model_path:" in err
+    same = ["--set", f"model.reference_path={untrained_model_dir}"]
+    assert _rlhf(capsys, "config", "validate", tiny, *base, *same)[0] == 0
+
+
 def test_a_checkpoint_that_is_not_there_names_the_ones_that_are(local_run):
     """docs/resume.md's `run.resume_from=.../iter_000002` followed in order, when only the newest two
     are kept: it said "learner.pt missing" for a directory that does not exist; now it says so and
