@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -48,6 +49,14 @@ class TurnRequest(BaseModel):
     stream: bool = False  # answered as server-sent events, the whole turn in one chunk once sampled
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage
     session_id: str | None = None  # or the x-session-id header
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_on_the_wire(cls, top_p: float) -> float:
+        # the wire carries a float32: a top_p that rounds to 0 there would be refused as 0.0
+        if struct.unpack("<f", struct.pack("<f", top_p))[0] == 0.0:
+            raise ValueError(f"{top_p:g} rounds to 0 as the float32 the generation server is sent; at least 1e-38")
+        return top_p
 
 
 class ChatRequest(TurnRequest):
@@ -131,13 +140,31 @@ def check_messages(messages: list) -> None:
         if not isinstance(m, dict):
             raise EndpointError(400, f"messages[{i}]: {shown(m)}, not a message object", param=f"messages[{i}]")
         content = m.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        if content is not None and not isinstance(content, str):
+            if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+                raise EndpointError(
+                    400,
+                    f"messages[{i}].content: {shown(content)}, neither a string nor a list of content parts",
+                    param=f"messages[{i}].content",
+                )
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+
+
+def _check_tool_calls(calls: Any, param: str) -> None:
+    """OpenAI's shape of an assistant message's tool calls: a list of objects, each with a
+    `function` object of a string `name` and string `arguments` (JSON text)."""
+    if not isinstance(calls, list):
+        raise EndpointError(400, f"{param}: {shown(calls)}, not a list of tool calls", param=param)
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise EndpointError(
-                400,
-                f"messages[{i}].content: {shown(content)}, neither a string nor a list of content parts",
-                param=f"messages[{i}].content",
+                400, f"{param}[{j}]: {shown(call)}, not a tool call ({{function: {{name, arguments}}}})", param=param
+            )
+        if not isinstance(function.get("arguments", ""), str):
+            raise EndpointError(
+                400, f"{param}[{j}].function.arguments: {shown(function['arguments'])}, not JSON text", param=param
             )
 
 

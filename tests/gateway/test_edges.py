@@ -160,3 +160,17 @@ def test_a_completions_prompt_is_tokenised_as_the_trainer_tokenises_it(up, tiny_
     assert choice["prompt_token_ids"][0] == tok.bos_token_id
     as_ids = up.post("/v1/completions", {"prompt": tok("abcd=")["input_ids"], "max_tokens": 4, "temperature": 0})
     assert as_ids.json()["choices"][0]["text"] == choice["text"]  # the same context, the same greedy reply
+
+
+def test_a_top_p_the_wire_rounds_to_zero_and_a_malformed_tool_call_are_named(up):
+    """`top_p: 1e-300` was reported as 0.0 (the float32 the generation server is sent); malformed
+    `tool_calls` were blamed on the chat template. Each is now a 400 naming its own field."""
+    e = error_of(up.post("/v1/chat/completions", {**CHAT, "top_p": 1e-300}), 400, param="top_p")
+    assert "1e-300 rounds to 0" in e["message"]
+    assert up.post("/v1/chat/completions", {**CHAT, "top_p": 1e-30}).status_code == 200
+    bad_calls = [{"function": 5}], [{"function": {"name": "f", "arguments": {"a": 1}}}], "call f"
+    for calls in bad_calls:
+        said = {"role": "assistant", "content": None, "tool_calls": calls}
+        messages = [{"role": "user", "content": "abc="}, said, {"role": "user", "content": "again"}]
+        e = error_of(up.post("/v1/chat/completions", {**CHAT, "messages": messages}), 400)
+        assert e["param"] == "messages[1].tool_calls" and "chat template" not in e["message"], e
