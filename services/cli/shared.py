@@ -191,7 +191,7 @@ def _blamed(make, origins: dict[str, str]):
 def _config_errors(path, errors: list[str], origins: dict[str, str]) -> None:
     """The report of a config that does not load: one line for one error, else a list; `in FILE`
     unless every error names its file, or a key or override of the command line."""
-    own = (f"{Path(path)}:", *(f"{o}:" for o in origins.values()), *(f"{k}:" for k in origins))
+    own = (f"{Path(path)}:", "--set ", "$RLHF_SET ", *(f"{o}:" for o in origins.values()), *(f"{k}:" for k in origins))
     where = "" if all(err.startswith(own) for err in errors) else f" in {path}"
     if len(errors) == 1:
         print(f"config error{where}: {errors[0]}", file=sys.stderr)

@@ -276,7 +276,7 @@ def _describe(err: ErrorDetails, data: dict | None = None) -> str:
         hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
         if close and data is not None:
             hint += _as_suggested(data, loc, close[0])
-        return f"{key}: unknown key{hint}"
+        return f"{key}: {UNKNOWN_KEY}{hint}"
     msg = err["msg"]
     if err["type"] == "literal_error":
         msg = f"got {err['input']!r}; allowed: {err['ctx']['expected']}"
@@ -335,6 +335,9 @@ def parse_overrides(overrides: list | None) -> list[tuple[str, Any]]:
     return out
 
 
+UNKNOWN_KEY = "unknown key"  # how a key the schema does not have is reported (blame_overrides reads it)
+
+
 def blame_overrides(errors: list[str], origins: dict[str, str]) -> list[str]:
     """`errors` ("KEY: problem") with each KEY that an override set (or a key inside it) named by
     that override, as `origins` ({key: "--set KEY=VALUE"}) has it: "--set gamma=3: Input ...". A
@@ -343,6 +346,12 @@ def blame_overrides(errors: list[str], origins: dict[str, str]) -> list[str]:
     for err in errors:
         key, sep, problem = err.partition(": ")
         owner = next((k for k in sorted(origins, key=len, reverse=True) if key == k or key.startswith(f"{k}.")), None)
+        if owner is None:  # a section's problem: the override inside it that the problem names
+            inside = [k for k in sorted(origins) if k.startswith(f"{key}.")]
+            named = [k for k in inside if k.rsplit(".", 1)[-1] in problem]
+            owner = (
+                max(named, key=len) if named else (inside[0] if inside and problem.startswith(UNKNOWN_KEY) else None)
+            )
         if not sep or owner is None:
             out.append(err)
         else:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ...common.config import dump_config
-from ..preflight import backend_errors, model_findings
+from ..preflight import backend_errors, context_errors, model_findings
 from ..shared import add_set_args, error, load_config
 
 
@@ -33,7 +33,7 @@ def cmd_config_validate(args) -> int:
     )  # no sampler check: a config is often checked away from where it runs
     for note in backend_errors(cfg):
         print(f"note: {note} (the generation servers need it where they run)", file=sys.stderr)
-    for note in model_findings(cfg)[1]:
+    for note in model_findings(cfg)[1] + context_errors(cfg):
         print(f"note: {note}", file=sys.stderr)
     sys.stdout.write(dump_config(cfg))
     return 0
