@@ -155,12 +155,13 @@ def model_findings(cfg: Config) -> tuple[list[str], list[str]]:
     top = Path(*p.parts[:2])
     if p.is_absolute() and not top.exists():
         return [], [f"model.path: {p} is not on this machine (no {top} here); it is checked where the run starts"]
-    if not p.exists():
-        near = difflib.get_close_matches(p.name, models_beside(p), n=1)
+    beside = models_beside(p) if not p.exists() else []
+    if beside:  # a mistyped directory next to real ones (the loader would look for it on the hub)
+        near = difflib.get_close_matches(p.name, beside, n=1)
         hint = f"did you mean {p.parent / near[0]}? " if near else ""
         return [
-            f"model.path: no such directory {path} (relative paths are from the current directory, {Path.cwd()}); "
-            f"{hint}`rlhf init-model --out {path}` builds the tiny default there"
+            f"model.path: no model at {path} (the directory does not exist); {hint}build the tiny default with "
+            f"`rlhf init-model --out {path}`, or set model.path to a model directory"
         ], []
     from ..common.model_files import check_model_dir
 

@@ -257,7 +257,7 @@ def test_a_mistyped_model_directory_and_a_context_too_long_are_errors(tmp_path, 
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
     tiny = str(ROOT / "configs" / "tiny-cpu.yaml")
     code, _, err = _rlhf(capsys, "config", "validate", tiny, "--set", "model.path=runs/tiny-modle")
-    assert code == 2 and "no such directory runs/tiny-modle" in err and "did you mean runs/tiny-model?" in err
+    assert code == 2 and "no model at runs/tiny-modle" in err and "did you mean runs/tiny-model?" in err
     sets = ["--set", "model.path=runs/tiny-model", "--set", "prompt_length=64", "--set", "response_length=128"]
     code, _, err = _rlhf(capsys, "config", "validate", tiny, *sets)  # a note here: a preset may name another model
     assert code == 0 and "note: prompt_length + response_length = 64 + 128 = 192 tokens, more than the model" in err
