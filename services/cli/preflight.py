@@ -87,7 +87,10 @@ def tokenizer_errors(cfg: Config) -> list[str]:
     per token), the critic (a value per token) and, when the critic starts from it, the reward
     model. Each such directory here whose vocabulary differs from model.path's is an error (a
     reference of another vocabulary gave a KL of ~10 at every iteration, silently)."""
-    readers = {"model.reference_path": cfg.model.reference_path, "critic.model_path": cfg.critic.model_path}
+    readers: dict[str, str | None] = {
+        "model.reference_path": cfg.model.reference_path,
+        "critic.model_path": cfg.critic.model_path,
+    }
     if cfg.critic.init_from_reward_model:
         readers["reward.model_path"] = cfg.reward.model_path
     readers = {k: v for k, v in readers.items() if v and (Path(v).expanduser() / "config.json").is_file()}
@@ -103,7 +106,7 @@ def tokenizer_errors(cfg: Config) -> list[str]:
     errors = []
     for key, path in readers.items():
         try:
-            other = load_tokenizer(Path(path).expanduser()).get_vocab()
+            other = load_tokenizer(Path(str(path)).expanduser()).get_vocab()
         except Exception as e:
             errors.append(f"{key}: its tokenizer does not load ({type(e).__name__}: {e})")
             continue

@@ -152,11 +152,25 @@ class HTTPServerThread:
     """An ASGI app (FastAPI) served by uvicorn in a background thread, stoppable: the HTTP side of
     a service (the reward server's OpenRLHF protocol, the gateway's OpenAI API)."""
 
-    def __init__(self, app, host: str, port: int, name: str = "http"):
+    def __init__(self, app, host: str, port: int, name: str = "http", header_timeout_s: float | None = None):
+        """Each connection's request headers are due within HEADER_TIMEOUT_S (a silent or
+        trickling one is closed: rpc/http_guard.py's `timed_protocol`), at most MAX_CONNECTIONS
+        are held at once (a request beyond them is answered 503), an idle keep-alive connection
+        closes after 5 s (uvicorn's own)."""
         import uvicorn
 
+        from .rpc.http_guard import HEADER_TIMEOUT_S, MAX_CONNECTIONS, timed_protocol
+
         self.name = name
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            http=timed_protocol(header_timeout_s or HEADER_TIMEOUT_S),
+            limit_concurrency=MAX_CONNECTIONS,
+        )
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 
     def start(self, timeout: float = 10.0) -> int:

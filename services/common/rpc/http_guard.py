@@ -12,7 +12,8 @@ A request, in order:
                        (before one byte of the body is read)
     Content-Length     over `max_body_bytes`: 413 at once; not a number: 400
     body               read here, counting (a chunked body too): over `max_body_bytes`: 413;
-                       then handed to the app as it came
+                       not all there within `body_timeout_s`: 408 (a body stopped short is not
+                       held); then handed to the app as it came
     the app            whatever it raises is answered 500 in the shape (the connection stays
                        usable); after its answer has started, it is logged and swallowed (uvicorn
                        would drop the keep-alive connection otherwise)
@@ -23,6 +24,7 @@ The shape (OpenAI's, on every surface): `{"error": {"message", "type", "param", 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -37,6 +39,7 @@ TYPES = {  # the error "type" of a status (OpenAI's names)
     403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -90,6 +93,63 @@ class TooLarge(Exception):
     pass
 
 
+class TooSlow(Exception):
+    pass
+
+
+BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this
+HEADER_TIMEOUT_S = 10.0  # a connection's request headers must arrive within this (from connecting, or the last answer)
+MAX_CONNECTIONS = 1024  # connections held at once; a request beyond is answered 503 (uvicorn's limit_concurrency)
+
+
+def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers: a connection that
+    says nothing, or trickles its headers (slowloris), is closed `header_timeout_s` after it
+    connected or after its last answer, instead of being held for ever. uvicorn's own keep-alive
+    timeout closes an idle connection between requests; this covers the first request and a slow
+    next one. (uvicorn takes the protocol as a class: this one is its h11 protocol with that timer.)"""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_deadline: asyncio.TimerHandle | None = None
+            self._arm()
+
+        def _arm(self) -> None:
+            """Start the headers' deadline while no request is in flight."""
+            self._disarm()
+            if self.cycle is None or self.cycle.response_complete:
+                self._waiting_for = self.cycle
+                self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            deadline, self._header_deadline = getattr(self, "_header_deadline", None), None
+            if deadline is not None:
+                deadline.cancel()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_deadline is not None and self.cycle is not self._waiting_for:
+                self._disarm()  # a request's headers arrived: the body has its own deadline (Guard)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _headers_late(self) -> None:
+            self._header_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
 class Guard:
     """The ASGI middleware the module's docstring describes. `observe(method, path, status,
     seconds)`, when given, is told of every answered request (the 401s and 413s it gives itself
@@ -104,9 +164,11 @@ class Guard:
         max_body_bytes: int = 8 << 20,
         max_header_bytes: int = 64 << 10,
         observe: Callable[[str, str, int, float], None] | None = None,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ):
         self.app, self.authorized, self.open_paths = app, authorized, frozenset(open_paths)
         self.max_body_bytes, self.max_header_bytes, self.observe = max_body_bytes, max_header_bytes, observe
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "websocket":  # no API here speaks it
@@ -151,6 +213,14 @@ class Guard:
             body = await self._body(receive)
         except TooLarge:
             return await self._too_large(send)
+        except TooSlow:  # the rest of the body stays unread: the connection cannot carry another request
+            return await send_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                code="request_timeout",
+                headers=((b"connection", b"close"),),
+            )
         if body is None:  # the client went away
             return
         replayed = [False]
@@ -177,8 +247,12 @@ class Guard:
 
     async def _body(self, receive) -> bytes | None:
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise TooSlow from None
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
