@@ -142,6 +142,21 @@ def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
             self._disarm()
             super().connection_lost(exc)
 
+        def send_400_response(self, msg: str) -> None:
+            """A request HTTP itself cannot parse (a malformed Content-Length, a broken request
+            line), answered in the one error shape, as every other error, not uvicorn's plain text."""
+            import h11
+
+            body = error_bytes(400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')})", code="invalid_http")
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
         def _headers_late(self) -> None:
             self._header_deadline = None
             if not self.transport.is_closing():

@@ -73,3 +73,30 @@ def test_a_silent_or_trickling_connection_is_closed_and_a_stopped_body_is_408():
             s.close()
     finally:
         http.stop()
+
+
+def test_a_request_http_cannot_parse_is_answered_in_the_one_error_shape():
+    """A malformed Content-Length got uvicorn's plain-text 400 (issue 54); now the one shape."""
+    http = HTTPServerThread(_app(), "127.0.0.1", 0, name="bad-http", header_timeout_s=HEADERS_DUE_S)
+    port = http.start()
+    try:
+        for request in (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\nabc",
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc",
+        ):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(request)
+            sock.settimeout(15)
+            answer = b""
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), answer
+            error = json.loads(body)["error"]
+            assert error["code"] == "invalid_http" and set(error) == {"message", "type", "param", "code"}
+            sock.close()
+    finally:
+        http.stop()
