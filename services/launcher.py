@@ -32,6 +32,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from .common.lifecycle import EXIT_RUN_FAILED
 from .common.model_files import check_model_dir
 from .common.rpc import health
+from .training.runlog import shown_path
 
 if TYPE_CHECKING:
     from .common.config import Config
@@ -269,7 +270,8 @@ class Launcher:
             self._start_redis()
             assert self.redis is not None  # set by _start_redis
             print(
-                f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {self.run_dir / 'redis'})", flush=True
+                f"embedded Redis on {self.redis.host}:{self.redis.port} (data in {shown_path(self.run_dir / 'redis')})",
+                flush=True,
             )
         free = ["--port", "0", "--metrics-port", "0"]
         first = [self._spawn("reward", "reward", [], *free, "--http-port", "-1")]
@@ -289,14 +291,14 @@ class Launcher:
         learner.pin_ports()
         print(
             f"learner ready on port {r.get('port')}; status at http://127.0.0.1:{r.get('http_port')}/status "
-            f"(send 'Authorization: Bearer <{cfg.rpc.auth_token_env} in {self.run_dir / 'secrets.env'}>')",
+            f"(send 'Authorization: Bearer <{cfg.rpc.auth_token_env} in {shown_path(self.run_dir / 'secrets.env')}>')",
             flush=True,
         )
         for i in range(args.workers):
             self._spawn(f"rollout-{i}", "rollout", self.sets, "--metrics-port", "0", "--name", f"rollout-{i}")
         for i in range(args.workers):
             self.children[f"rollout-{i}"].wait_ready(args.startup_timeout)
-        print(f"{args.workers} rollout worker(s) running; logs in {self.log_dir}", flush=True)
+        print(f"{args.workers} rollout worker(s) running; logs in {shown_path(self.log_dir)}", flush=True)
         self.write_manifest()
 
     def _supervise_redis(self) -> int | None:
@@ -458,5 +460,5 @@ def run_up(cfg: Config, args) -> int:
         launcher.shutdown()
     summary = launcher.run_dir / "summary.json"
     if code == 0 and summary.exists():
-        print(f"summary: {summary}", flush=True)
+        print(f"summary: {shown_path(summary)}", flush=True)
     return code

@@ -45,6 +45,16 @@ def _clean(v):
     return v
 
 
+def shown_path(path: str | Path) -> str:
+    """A path as a line shows it: relative to the current directory when under it (what a reader
+    typed), else as it is."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 class RunLog:
     def __init__(self, run_dir: str | Path, cfg: Config, mode: str, stream=None, resume_from: int | None = None):
         """`resume_from`: keep the rows of iterations up to this one (a run resumed from its
@@ -137,8 +147,8 @@ class RunLog:
         except Exception as e:  # a plot is a convenience; the numbers are in metrics.jsonl
             print(f"warning: could not draw curves.png: {e}", file=sys.stderr)
         print(
-            f"done: held-out reward {baseline:.3f} -> {final:.3f} in {iterations} iterations, "
-            f"{wall_s:.0f}s; results in {self.dir}",
+            f"done: held-out reward {baseline:.3f} -> {final:.3f} in {iterations} iteration{'s' * (iterations != 1)}, "
+            f"{wall_s:.0f}s; results in {shown_path(self.dir)}",
             file=self.stream,
             flush=True,
         )

@@ -107,7 +107,7 @@ class EmbeddedRedis:
                 try:
                     redis.Redis(host=self.host, port=port, password=self.password, socket_timeout=1).ping()
                     self.port = port
-                    log.info("embedded redis-server on %s:%d (data in %s)", self.host, port, self.dir)
+                    log.debug("embedded redis-server on %s:%d (data in %s)", self.host, port, self.dir)
                     return self
                 except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
                     time.sleep(0.05)
