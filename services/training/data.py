@@ -55,12 +55,7 @@ def load_prompts(
     if kind.rows is None:
         assert kind.prompts is not None
         return kind.prompts(source, split, options)
-    return [record_of(row, where, **_row_options(options)) for where, row in kind.rows(source, split, limit)]
-
-
-def _row_options(o: PromptOptions) -> dict:
-    keys = ("tokenizer", "prompt_key", "label_key", "chat_template", "system_prompt", "instruction")
-    return {k: getattr(o, k) for k in keys}
+    return [record_of(row, where, options) for where, row in kind.rows(source, split, limit)]
 
 
 def read_rows(source: str, split: str, limit: int | None = None) -> list[tuple[str, dict]]:

@@ -86,19 +86,10 @@ def fields(record: dict, prompt_key: str, label_key: str) -> tuple[object, objec
     return (record[prompt_key] if messages is None else messages), label, used
 
 
-def record_of(
-    record: dict,
-    default_id: str,
-    tokenizer,
-    prompt_key: str,
-    label_key: str,
-    chat_template: bool,
-    system_prompt: str | None,
-    instruction: str | None = None,
-) -> PromptRecord:
-    """A row as a PromptRecord: its rendered prompt, its label, and its other fields (verl's
-    `data_source` among them) as metadata."""
-    prompt, label, used = fields(record, prompt_key, label_key)
+def record_of(record: dict, default_id: str, options: PromptOptions) -> PromptRecord:
+    """A row as a PromptRecord: its prompt rendered as `options` say, its label, and its other
+    fields (verl's `data_source` among them) as metadata."""
+    prompt, label, used = fields(record, options.prompt_key, options.label_key)
     rid = str(record.get("id", default_id))
     if prompt is None:
         raise ValueError(f"record {rid}: its prompt is null")
@@ -107,9 +98,7 @@ def record_of(
         metadata[STRUCTURED_LABEL] = label
     return PromptRecord(
         id=rid,
-        prompt=render_prompt(
-            prompt if isinstance(prompt, list) else str(prompt), tokenizer, chat_template, system_prompt, instruction
-        ),
+        prompt=options.render(prompt if isinstance(prompt, list) else str(prompt)),
         label=None if label is None else label_text(label),
         metadata=metadata,
     )
