@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 
+from ..common.rpc.client import Abandoned, Cancel
 from ..common.types import SamplingParams
 from .protocol import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -62,7 +63,9 @@ class TurnHandler:
         chars = max_token_chars(tokenizer)
         self.limits = Limits(len(tokenizer), prompt_length, max_tokens, chars, max_session_id_bytes, max_request_tokens)
 
-    def chat_completion(self, req: ChatRequest, session_id: str | None) -> tuple[dict, Session, int]:
+    def chat_completion(
+        self, req: ChatRequest, session_id: str | None, cancel: Cancel | None = None
+    ) -> tuple[dict, Session, int]:
         check_messages(req.messages)
         if self.prompt_length is not None:
             bound = f"prompt_length={self.prompt_length} + response_length={self.max_tokens}"
@@ -97,9 +100,11 @@ class TurnHandler:
                 "logprobs": {"content": token_logprobs(self.tok, c)} if req.logprobs else None,
             }
 
-        return self._answer(req, session_id, plan_of, "chat.completion", "chatcmpl", choice, tools=bool(req.tools))
+        return self._answer(req, session_id, cancel, plan_of, "chat.completion", "chatcmpl", choice, bool(req.tools))
 
-    def completion(self, req: CompletionRequest, session_id: str | None) -> tuple[dict, Session, int]:
+    def completion(
+        self, req: CompletionRequest, session_id: str | None, cancel: Cancel | None = None
+    ) -> tuple[dict, Session, int]:
         if isinstance(req.prompt, list):
             ids = list(req.prompt)
             bad = next((t for t in ids if t >= self.limits.vocab_size), None)
@@ -130,15 +135,24 @@ class TurnHandler:
                 **token_fields(prompt, c),
             }
 
-        return self._answer(req, session_id, plan_of, "text_completion", "cmpl", choice)
+        return self._answer(req, session_id, cancel, plan_of, "text_completion", "cmpl", choice)
 
     def _answer(
-        self, req: TurnRequest, session_id: str | None, plan_of, kind: str, prefix: str, choice, tools: bool = False
+        self,
+        req: TurnRequest,
+        session_id: str | None,
+        cancel: Cancel | None,
+        plan_of,
+        kind: str,
+        prefix: str,
+        choice,
+        tools: bool = False,
     ):
         """One turn of a session: its prompt (`plan_of(session)`), sampled, cut at the stop
         strings, then recorded (a turn that fails changes nothing, and a session that a failed
-        first turn would have started is not kept); the answer's body (`choice(i, c, prompt)`
-        shapes each choice), the session and the policy version that sampled it."""
+        first turn would have started is not kept; nor does a turn whose client hung up:
+        `cancel`); the answer's body (`choice(i, c, prompt)` shapes each choice), the session and
+        the policy version that sampled it."""
         stops = self.limits.stops(req.stop)
         params = self._params(req, stops)
         sid = self.limits.session_id(session_id, "x-session-id") or self.limits.session_id(req.session_id)
@@ -147,7 +161,7 @@ class TurnHandler:
             raise EndpointError(404, f"no session {sid!r} here (ended, or never opened)", code="session_not_found")
         with session.lock:
             try:
-                prompt, choices, policy_version = self._turn(session, plan_of, params, stops, tools)
+                prompt, choices, policy_version = self._turn(session, plan_of, params, stops, tools, cancel)
             finally:
                 self.sessions.settle(session)  # a session a turn started is kept once it holds one
             self.sessions.resized(session)
@@ -163,7 +177,9 @@ class TurnHandler:
         }
         return body, session, policy_version
 
-    def _turn(self, session: Session, plan_of, params: SamplingParams, stops: list[str], tools: bool):
+    def _turn(
+        self, session: Session, plan_of, params: SamplingParams, stops: list[str], tools: bool, cancel: Cancel | None
+    ):
         """The turn inside its session's lock: the session's budget checked, the prompt planned,
         sampled and applied to the session. (prompt, choices, the policy version that sampled them)."""
         if self.sessions.over_limit(session):
@@ -194,7 +210,11 @@ class TurnHandler:
         params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
         self.limits.cost(params.n, len(prompt), params.max_new_tokens)
         try:
-            result = self.sampler.generate(session, prompt, params, plan.first)
+            result = self.sampler.generate(session, prompt, params, plan.first, cancel)
+        except Abandoned:
+            raise EndpointError(
+                499, "the client closed the connection; the turn was cancelled", code="client_closed"
+            ) from None
         except EndpointError as e:
             if e.status in (429, 503):  # an outage its agent may report as its own failure
                 session.unavailable = True

@@ -8,7 +8,9 @@ it, in this order: `_authorizer` for the Guard, the FastAPI app, `_completion_ro
                                   (`_authorizer`: the run's bearer token, or the key of the
                                   session the header or the path names), then the body read up
                                   to max_request_bytes (413 beyond)
-    chat_completions              (`_completion_routes`) the request's models (protocol.py)
+    chat_completions              (`_completion_routes`) the request's models (protocol.py);
+                                  the turn on a thread while `_hang_up` watches the client: a
+                                  hang-up cancels the turn's Generate and records nothing
       TurnHandler.chat_completion (handler.py) the request checked against the endpoint's Limits:
                                   finite floats, an int64 seed, int32 token ids, a bounded session
                                   id, the text's length against what prompt_length allows before
@@ -28,12 +30,17 @@ it, in this order: `_authorizer` for the Guard, the FastAPI app, `_completion_ro
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import hmac
 import json
 import time
 from typing import Any, Callable, Protocol
 
+from starlette.requests import Request
+
+from ..common.rpc.client import Cancel
 from ..common.rpc.http_guard import Guard, document_guard, error_body, install_error_handlers
 from .handler import TurnHandler
 from .protocol import (
@@ -198,7 +205,7 @@ def _fastapi_app(concurrency: int):
     from contextlib import asynccontextmanager
 
     import anyio.to_thread
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
     @asynccontextmanager
@@ -225,6 +232,7 @@ def _fastapi_app(concurrency: int):
 def _completion_routes(app, handler: TurnHandler, metrics: EndpointMetrics | None) -> None:
     """POST /v1/chat/completions and /v1/completions, also as /sessions/{id}/v1/...: each request
     one turn of its session (`TurnHandler.chat_completion`, `TurnHandler.completion`), timed."""
+    import anyio.to_thread
     from fastapi import Header
 
     # a turn answers JSON, or server-sent events with `stream`
@@ -232,29 +240,52 @@ def _completion_routes(app, handler: TurnHandler, metrics: EndpointMetrics | Non
         200: {"content": {"application/json": {}, "text/event-stream": {}}}
     }
 
-    def turn(work, req: TurnRequest, x_session_id: str | None):
+    async def turn(request: Request, work, req: TurnRequest, x_session_id: str | None):
+        """`work` on a thread, while the client is watched: a client that hangs up cancels the
+        turn's sampling (the generation server stops), and nothing of it is recorded."""
         t0 = time.perf_counter()
-        out = work(req, x_session_id)
+        cancel = Cancel()
+        watcher = asyncio.ensure_future(_hang_up(request, cancel))
+        try:
+            out = await anyio.to_thread.run_sync(functools.partial(work, req, x_session_id, cancel))
+        finally:
+            watcher.cancel()
         if metrics is not None:
             metrics.turn_seconds.observe(time.perf_counter() - t0)
         return _turn_answer(req, *out)
 
     @app.post("/v1/chat/completions", responses=turn_answers)
-    def chat_completions(req: ChatRequest, x_session_id: str | None = Header(None)):
-        return turn(handler.chat_completion, req, x_session_id)
+    async def chat_completions(request: Request, req: ChatRequest, x_session_id: str | None = Header(None)):
+        return await turn(request, handler.chat_completion, req, x_session_id)
 
     @app.post("/v1/completions", responses=turn_answers)
-    def completions(req: CompletionRequest, x_session_id: str | None = Header(None)):
-        return turn(handler.completion, req, x_session_id)
+    async def completions(request: Request, req: CompletionRequest, x_session_id: str | None = Header(None)):
+        return await turn(request, handler.completion, req, x_session_id)
 
     # the same routes with the session in the path (an agent given a base URL of its own session)
     @app.post("/sessions/{session_id:path}/v1/chat/completions", responses=turn_answers)
-    def session_chat_completions(session_id: str, req: ChatRequest, x_session_id: str | None = Header(None)):
-        return turn(handler.chat_completion, req, _path_session(handler, session_id, x_session_id))
+    async def session_chat_completions(
+        request: Request, session_id: str, req: ChatRequest, x_session_id: str | None = Header(None)
+    ):
+        sid = _path_session(handler, session_id, x_session_id)
+        return await turn(request, handler.chat_completion, req, sid)
 
     @app.post("/sessions/{session_id:path}/v1/completions", responses=turn_answers)
-    def session_completions(session_id: str, req: CompletionRequest, x_session_id: str | None = Header(None)):
-        return turn(handler.completion, req, _path_session(handler, session_id, x_session_id))
+    async def session_completions(
+        request: Request, session_id: str, req: CompletionRequest, x_session_id: str | None = Header(None)
+    ):
+        sid = _path_session(handler, session_id, x_session_id)
+        return await turn(request, handler.completion, req, sid)
+
+
+async def _hang_up(request, cancel: Cancel) -> None:
+    """Sets `cancel` when the client of `request` disconnects (its body is read: the next ASGI
+    message is the disconnect, whenever it comes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel()
+            return
 
 
 def _path_session(handler: TurnHandler, session_id: str, x_session_id: str | None) -> str:

@@ -12,6 +12,7 @@ from typing import Callable
 
 import grpc
 
+from ..common.rpc.client import Cancel
 from ..common.rpc.errors import Reason, reason_of
 from ..common.servers import Fault, RetryPolicy, Tries
 from ..common.types import SamplingParams
@@ -39,8 +40,12 @@ class TurnSampler:
         self._health: tuple[float, str | None] = (-HEALTH_CACHE_S, None)
         self._health_lock = threading.Lock()
 
-    def generate(self, session: Session, prompt: list[int], params: SamplingParams, first: int):
-        """`first`: how many of `prompt`'s tokens are its conversation's first prompt."""
+    def generate(
+        self, session: Session, prompt: list[int], params: SamplingParams, first: int, cancel: Cancel | None = None
+    ):
+        """`first`: how many of `prompt`'s tokens are its conversation's first prompt; `cancel`:
+        set when the turn's client hangs up (the call is cancelled: `Abandoned`, no other server
+        is tried)."""
         key = uuid.uuid4().hex  # one request: a retry on the same server joins its work
         # the session's server first, else a new one at the session's policy version if one is
         tries = Tries(self.servers, self.RETRY, session.min_version, first=session.server)
@@ -49,7 +54,7 @@ class TurnSampler:
                 break
             try:
                 result = self.servers.client(address).generate(
-                    [prompt], params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first]
+                    [prompt], params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first], cancel=cancel
                 )
             except ValueError as e:  # a value the wire cannot carry (the request's checks let none through)
                 raise EndpointError(400, f"the request: {e}") from None

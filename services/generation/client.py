@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 import grpc
 import torch
 
-from ..common.rpc.client import RPCClient
+from ..common.rpc.client import Abandoned, Cancel, RPCClient
 from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.types import Completion, GenerationResult, SamplingParams
@@ -59,6 +59,7 @@ class GenerationClient(RPCClient):
         timeout: float | None = None,
         key: str | None = None,
         first_prompt_tokens: Sequence[int] | None = None,
+        cancel: Cancel | None = None,
     ) -> GenerationResult:
         """`timeout`: this call's deadline in seconds (default the client's). `key`: an idempotency
         key; a retry that sends the same request with the same key while the server still works on
@@ -74,7 +75,18 @@ class GenerationClient(RPCClient):
                 else gpb.Prompt(tokens=gpb.TokenIds(ids=list(p)), first_prompt_tokens=first)
             )
         metadata = self.metadata + ((IDEMPOTENCY_KEY, key),) if key else self.metadata
-        resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
+        if cancel is None:
+            resp = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=metadata)
+        else:
+            cancel.check()
+            call = self.stub.Generate.future(req, timeout=timeout or self.timeout, metadata=metadata)
+            cancel.bind(call.cancel)
+            try:
+                resp = call.result()
+            except (grpc.FutureCancelledError, grpc.RpcError):
+                if cancel.is_set:
+                    raise Abandoned("the caller went away; its Generate was cancelled") from None
+                raise
         comps = [
             [
                 Completion(list(c.token_ids), list(c.log_probs), c.finish_reason, None, list(c.token_versions) or None)

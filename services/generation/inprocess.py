@@ -5,9 +5,12 @@ own continuous batching), so many sessions' turns share a forward."""
 
 from __future__ import annotations
 
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Sequence
 
+from ..common.rpc.client import Abandoned, Cancel
 from ..common.servers import ServerPool
+from .backend import GenerationStopped
 from .batching import make_batcher
 
 if TYPE_CHECKING:
@@ -28,10 +31,22 @@ class InProcessClient:
         timeout: float | None = None,
         key: str | None = None,
         first_prompt_tokens: Sequence[int] | None = None,
+        cancel: Cancel | None = None,
     ) -> GenerationResult:
         """As `GenerationClient.generate`; `key` and `first_prompt_tokens` (a server's idempotency
-        and prefix-cache hints) mean nothing in one process."""
-        return self.batcher.start([list(p) for p in prompts], params).result(timeout)
+        and prefix-cache hints) mean nothing in one process. `cancel` set: the work stops at its
+        next decoding step (or never starts), `Abandoned`."""
+        if cancel is None:
+            return self.batcher.start([list(p) for p in prompts], params).result(timeout)
+        cancel.check()
+        future = self.batcher.start([list(p) for p in prompts], params, lambda: cancel.is_set)
+        cancel.bind(future.cancel)
+        try:
+            return future.result(timeout)
+        except (CancelledError, GenerationStopped):
+            if cancel.is_set:
+                raise Abandoned("the caller went away; its generation was stopped") from None
+            raise
 
     def close(self) -> None:
         self.batcher.close()

@@ -73,11 +73,16 @@ def up(tiny_model_dir):
 
 def test_content_that_is_not_text_is_refused_or_bounded_as_text_before_the_template(up):
     """`content: [0] * 2500000` (7.5 MB) was rendered by the chat template and tokenised whole
-    (16-57 s, 3.4 GB): now a 400 naming the field, at once; numbers inside content parts count
+    (16-57 s, 3.4 GB): now a 413 before it is parsed (more JSON values than any request needs), and
+    under that bound a 400 naming the field, at once; numbers inside content parts count
     as the text they would render as."""
     t0 = time.perf_counter()
     e = error_of(
-        up.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [0] * 2_500_000}]}), 400
+        up.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [0] * 2_500_000}]}), 413
+    )
+    assert e["code"] == "request_too_large" and "JSON values" in e["message"]  # not even parsed
+    e = error_of(
+        up.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [0] * 200_000}]}), 400
     )
     assert e["param"] == "messages[0].content" and "content parts" in e["message"]
     parts = [{"type": "text", "text": "a", "n": [0] * 100_000}]

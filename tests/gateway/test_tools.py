@@ -51,7 +51,7 @@ class Scripted:
     def __init__(self, tok, replies: list[str]):
         self.tok, self.replies, self.prompts = tok, list(replies), []
 
-    def generate(self, session, prompt, params, first):
+    def generate(self, session, prompt, params, first, cancel=None):
         self.prompts.append(list(prompt))
         ids = self.tok(self.replies.pop(0), add_special_tokens=False)["input_ids"]
         return GenerationResult([[Completion(ids, [-0.5] * len(ids), "stop")]], 7, len(ids), 0.0)

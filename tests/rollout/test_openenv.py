@@ -280,7 +280,7 @@ class Scripted:
     def __init__(self, tok, replies):
         self.tok, self.replies, self.prompts = tok, list(replies), []
 
-    def generate(self, session, prompt, params, first):
+    def generate(self, session, prompt, params, first, cancel=None):
         from services.common.types import Completion, GenerationResult
 
         self.prompts.append(list(prompt))

@@ -4,8 +4,9 @@ reconnects), the bearer token, a default deadline, and the interceptors a caller
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 
@@ -16,6 +17,41 @@ if TYPE_CHECKING:
 # metadata (headers, and the trailer with a status's message and error details) a peer may send:
 # past gRPC's default (8 KiB soft, 16 KiB hard) the receiver drops the call's status
 METADATA_BYTES = 64 << 10
+
+
+class Abandoned(Exception):
+    """The caller of a call went away (its HTTP client hung up): the call was cancelled."""
+
+
+class Cancel:
+    """Set when whoever waits for a piece of work goes away: every call bound to it (`bind`) is
+    cancelled then, or at once when bound after; `check` raises `Abandoned` once it is set."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._calls: list[Callable[[], object]] = []
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._set, calls, self._calls = True, self._calls, []
+        for cancel in calls:
+            cancel()
+
+    @property
+    def is_set(self) -> bool:
+        return self._set
+
+    def bind(self, cancel: Callable[[], object]) -> None:
+        with self._lock:
+            if not self._set:
+                self._calls.append(cancel)
+                return
+        cancel()
+
+    def check(self) -> None:
+        if self._set:
+            raise Abandoned("the caller went away")
 
 
 def channel_options(max_message_mb: int) -> list[tuple[str, int]]:

@@ -13,7 +13,11 @@ A request, in order:
     Content-Length     over `max_body_bytes`: 413 at once; not a number: 400
     body               read here, counting (a chunked body too): over `max_body_bytes`: 413;
                        not all there within `body_timeout_s`: 408 (a body stopped short is not
-                       held); then handed to the app as it came
+                       held)
+    JSON values        more than `max_json_values` array items, objects and arrays outside its
+                       strings: 413 before it is parsed (what parsing costs scales with these,
+                       not with bytes: 8 MiB of `{},` would be 2.8 million dicts, 212 MB); then
+                       the body is handed to the app as it came
     the app            whatever it raises is answered 500 in the shape (the connection stays
                        usable); after its answer has started, it is logged and swallowed (uvicorn
                        would drop the keep-alive connection otherwise)
@@ -28,6 +32,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from typing import Any, Awaitable, Callable
 
@@ -44,6 +49,7 @@ TYPES = {  # the error "type" of a status (OpenAI's names)
     422: "invalid_request_error",
     429: "rate_limit_error",
     431: "invalid_request_error",
+    499: "invalid_request_error",  # the client closed the connection (nobody reads the answer)
     503: "service_unavailable",
 }
 
@@ -165,6 +171,20 @@ def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
     return TimedH11Protocol
 
 
+MAX_JSON_VALUES = 1 << 18
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_values(body: bytes, bound: int) -> int:
+    """An upper estimate of the Python objects parsing `body` as JSON builds beyond its strings'
+    characters: its commas, `[` and `{` outside strings. Counted on the bytes first (a few ms for
+    8 MiB); only a body with more than `bound` of them anywhere has its strings taken out."""
+    if body.count(b",") + body.count(b"[") + body.count(b"{") <= bound:
+        return 0
+    bare = _JSON_STRING.sub(b"", body)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+
+
 class Guard:
     """The ASGI middleware the module's docstring describes. `observe(method, path, status,
     seconds)`, when given, is told of every answered request (the 401s and 413s it gives itself
@@ -177,13 +197,14 @@ class Guard:
         authorized: Callable[[str, str, dict[str, str]], bool],
         open_paths: frozenset[str] | set[str] = frozenset({"/health"}),
         max_body_bytes: int = 8 << 20,
+        max_json_values: int = MAX_JSON_VALUES,
         max_header_bytes: int = 64 << 10,
         observe: Callable[[str, str, int, float], None] | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
     ):
         self.app, self.authorized, self.open_paths = app, authorized, frozenset(open_paths)
         self.max_body_bytes, self.max_header_bytes, self.observe = max_body_bytes, max_header_bytes, observe
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.max_json_values = body_timeout_s, max_json_values
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "websocket":  # no API here speaks it
@@ -238,6 +259,14 @@ class Guard:
             )
         if body is None:  # the client went away
             return
+        if len(body) > self.max_json_values and json_values(body, self.max_json_values) > self.max_json_values:
+            return await send_error(
+                send,
+                413,
+                f"the request body holds more than {self.max_json_values} JSON values (array items, objects, "
+                "arrays), this server's limit",
+                code="request_too_large",
+            )
         replayed = [False]
 
         async def replay() -> dict:
