@@ -16,6 +16,7 @@ from ..common.types import SamplingParams
 from .protocol import (
     CONTEXT_LENGTH_EXCEEDED,
     MAX_TURNS_EXCEEDED,
+    SESSION_EVICTED,
     SESSION_TOO_LARGE,
     ChatRequest,
     CompletionRequest,
@@ -25,7 +26,7 @@ from .protocol import (
     check_messages,
     max_token_chars,
 )
-from .sessions import ChatTokens, Choice, NotTokenExact, Plan, Session, Sessions, without_token_fields
+from .sessions import ChatTokens, Choice, Forgotten, NotTokenExact, Plan, Session, Sessions, without_token_fields
 from .tools import parse_tool_calls
 from .turns import TurnSampler
 
@@ -156,7 +157,10 @@ class TurnHandler:
         stops = self.limits.stops(req.stop)
         params = self._params(req, stops)
         sid = self.limits.session_id(session_id, "x-session-id") or self.limits.session_id(req.session_id)
-        session = self.sessions.begin(sid)
+        try:
+            session = self.sessions.begin(sid)
+        except Forgotten as e:
+            raise EndpointError(410, forgotten_message(e), code=SESSION_EVICTED, param="session_id") from None
         if session is None:
             raise EndpointError(404, f"no session {sid!r} here (ended, or never opened)", code="session_not_found")
         with session.lock:
@@ -257,6 +261,18 @@ class TurnHandler:
                     choice.text, choice.tool_calls, choice.finish_reason = content, calls, "tool_calls"
             out.append(choice)
         return out
+
+
+def forgotten_message(e: Forgotten) -> str:
+    why = {
+        "idle": "idle past session_ttl_s",
+        "count": "past max_sessions",
+        "bytes": "past max_sessions_bytes",
+    }.get(e.why, e.why)
+    return (
+        f"session {e.session_id!r} was forgotten ({why}): its earlier turns are gone, so a turn now could not "
+        "be trained with them token-exactly; start the conversation again under a new session id"
+    )
 
 
 def first_with_stop(tok, ids: list[int], stops: list[str]) -> int:

@@ -88,6 +88,7 @@ class RewardPost(BaseModel):
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_TURNS_EXCEEDED = "max_turns_exceeded"
 SESSION_TOO_LARGE = "session_too_large"  # a session holds more than max_session_bytes
+SESSION_EVICTED = "session_evicted"  # a turn names a session the endpoint forgot (410)
 BUDGET_SPENT = (CONTEXT_LENGTH_EXCEEDED, MAX_TURNS_EXCEEDED)
 
 

@@ -407,11 +407,22 @@ class Plan:
         return len(self.segment.policy_versions) + 2 if self.segment is not None else 1
 
 
+class Forgotten(LookupError):
+    """A turn names a session this endpoint forgot (`why`: one of `Sessions.EVICTIONS`): its
+    earlier turns are gone, so the turn cannot go on from them token-exactly."""
+
+    def __init__(self, session_id: str, why: str):
+        super().__init__(session_id, why)
+        self.session_id, self.why = session_id, why
+
+
 class Sessions:
     """The gateway's sessions by id, each forgotten after `ttl_s` idle; at most `limit` of them
     and, with `max_bytes`, at most that many bytes of them all (`Session.bytes`): the longest
     idle goes first. `max_session_bytes`: what one session may hold before its next turn is
-    refused (the gateway asks `over_limit`)."""
+    refused (the gateway asks `over_limit`). A forgotten session's id is remembered for `ttl_s`
+    (the newest `limit` of them): a turn naming it is refused (`Forgotten`), not started afresh
+    as a session whose record would lack the turns before."""
 
     EVICTIONS = ("idle", "count", "bytes")  # why a session was forgotten (`evicted`)
 
@@ -431,6 +442,7 @@ class Sessions:
         self._by_id: OrderedDict[str, Session] = OrderedDict()  # the longest idle first
         # new sessions no turn has succeeded in yet, each with its turns in flight
         self._pending: dict[str, tuple[Session, int]] = {}
+        self._forgotten: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id: (why, when), oldest first
         self._lock = threading.Lock()
         self.bytes = 0  # what the sessions hold together (each as of its last turn)
         self.evicted = dict.fromkeys(self.EVICTIONS, 0)
@@ -458,7 +470,7 @@ class Sessions:
         """The session a turn is for: the one `session_id` names, or, for an unknown one (a fresh
         id when None) when `create_unknown`, a new session that is not kept, counted or let evict
         another until a turn of it succeeds (`settle`); None for an unknown one otherwise. Turns of
-        one new id at once share its new session."""
+        one new id at once share its new session. A forgotten one: `Forgotten`."""
         if not self.create_unknown:
             return self.get(session_id)
         sid = session_id or uuid.uuid4().hex
@@ -468,6 +480,9 @@ class Sessions:
                 found.used = time.monotonic()
                 self._by_id.move_to_end(sid)
                 return found
+            self._forget_expired()
+            if sid in self._forgotten:
+                raise Forgotten(sid, self._forgotten[sid][0])
             new, turns = self._pending.get(sid, (None, 0))
             new = new or Session(sid)
             self._pending[sid] = (new, turns + 1)
@@ -533,6 +548,15 @@ class Sessions:
         session = self._by_id.pop(sid)
         self.bytes -= session.counted
         self.evicted[why] += 1
+        self._forgotten[sid] = (why, time.monotonic())
+        while len(self._forgotten) > self.limit:
+            self._forgotten.popitem(last=False)
+
+    def _forget_expired(self) -> None:
+        """The forgotten ids remembered past `ttl_s` let go (a turn naming one starts it afresh)."""
+        now = time.monotonic()
+        while self._forgotten and now - next(iter(self._forgotten.values()))[1] > self.ttl_s:
+            self._forgotten.popitem(last=False)
 
     def find(self, session_id: str) -> Session | None:
         with self._lock:

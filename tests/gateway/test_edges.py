@@ -153,6 +153,29 @@ def test_sessions_are_kept_only_once_a_turn_of_theirs_succeeds(up):
     assert len(up.sessions) == before + 1 and up.sessions.bytes >= up.sessions.find("s-refused").bytes
 
 
+def test_the_next_turn_of_a_forgotten_session_is_refused_not_started_afresh(up):
+    """An evicted session's next turn silently started a new session whose record lacked the
+    earlier turns (their sampled tokens out of the loss mask): now a 410 naming the bound that
+    forgot it, which the openai client does not retry."""
+    limit = up.sessions.limit
+    up.sessions.limit = 1  # each new session evicts the one before
+    try:
+        assert up.post("/v1/chat/completions", {**CHAT, "session_id": "forgot-a"}).status_code == 200
+        assert up.post("/v1/chat/completions", {**CHAT, "session_id": "forgot-b"}).status_code == 200
+        assert up.sessions.find("forgot-a") is None
+        again = {
+            **CHAT,
+            "session_id": "forgot-a",
+            "messages": CHAT["messages"] + [{"role": "assistant", "content": "x"}],
+        }
+        e = error_of(up.post("/v1/chat/completions", again), 410, code="session_evicted", param="session_id")
+        assert "max_sessions" in e["message"] and "new session id" in e["message"]
+        assert up.sessions.find("forgot-a") is None
+    finally:
+        up.sessions.limit = limit
+    assert up.post("/v1/chat/completions", {**CHAT, "session_id": "forgot-c"}).status_code == 200
+
+
 def test_a_completions_prompt_is_tokenised_as_the_trainer_tokenises_it(up, tiny_model_dir):
     """The text of /v1/completions was tokenised without the special tokens the generation server
     and the trainer add (`<s>` on the tiny model): an agent was sampled on another context than

@@ -45,6 +45,7 @@ TYPES = {  # the error "type" of a status (OpenAI's names)
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
+    410: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
