@@ -47,30 +47,43 @@ class TurnSampler:
         set when the turn's client hangs up (the call is cancelled: `Abandoned`, no other server
         is tried)."""
         key = uuid.uuid4().hex  # one request: a retry on the same server joins its work
-        # the session's server first, else a new one at the session's policy version if one is
-        tries = Tries(self.servers, self.RETRY, session.min_version, first=session.server)
-        for address in tries:
-            if address is None:
+        for asked in (False, True):
+            # the session's server first, else a new one at the session's policy version if one is
+            tries = Tries(self.servers, self.RETRY, session.min_version, first=session.server)
+            for address in tries:
+                if address is None:
+                    break
+                result = self._call(address, session, tries, [prompt], params, key, first, cancel)
+                if result is not None:
+                    return result
+            # every server avoided after an earlier failure: one that answers now is let back
+            # (as /health finds it), so a restarted server serves as soon as /health says so
+            if asked or tries.tried or self.unavailable() is not None:
                 break
-            try:
-                result = self.servers.client(address).generate(
-                    [prompt], params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first], cancel=cancel
-                )
-            except ValueError as e:  # a value the wire cannot carry (the request's checks let none through)
-                raise EndpointError(400, f"the request: {e}") from None
-            except grpc.RpcError as e:
-                refused(e)
-                log.warning("generation server %s failed (%s); the session goes on on another", address, e.code().name)
-                tries.failed(address, Fault.FAILED)
-                session.server = None
-                continue
-            session.server = address
-            return result
         raise EndpointError(503, "no generation server is available", "service_unavailable", "no_generation_server")
+
+    def _call(self, address: str, session: Session, tries: Tries, prompts, params, key, first, cancel):
+        """One try on `address`: its result, or None when the server failed (avoided now)."""
+        try:
+            result = self.servers.client(address).generate(
+                prompts, params, timeout=self.timeout_s(), key=key, first_prompt_tokens=[first], cancel=cancel
+            )
+        except ValueError as e:  # a value the wire cannot carry (the request's checks let none through)
+            raise EndpointError(400, f"the request: {e}") from None
+        except grpc.RpcError as e:
+            refused(e)
+            log.warning("generation server %s failed (%s); the session goes on on another", address, e.code().name)
+            tries.failed(address, Fault.FAILED)
+            session.server = None
+            return None
+        session.server = address
+        return result
 
     def unavailable(self) -> str | None:
         """Why the endpoint cannot sample now (no generation server is listed, or none of them
-        answers GetInfo within a second), or None when it can. Asked at most once a second."""
+        answers GetInfo within a second), or None when it can: then the server that answered is
+        one turns may go to at once (`ServerPool.restore`: /health says 200 only when a turn would
+        be served). Asked at most once a second."""
         with self._health_lock:
             at, why = self._health
             if time.monotonic() - at < HEALTH_CACHE_S:
@@ -90,9 +103,10 @@ class TurnSampler:
         for address in live:
             try:
                 servers.client(address).info(timeout=1.0)
-                return None
             except Exception:
                 continue
+            servers.restore(address)
+            return None
         return f"none of the {len(live)} generation servers answers"
 
 

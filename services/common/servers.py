@@ -108,6 +108,11 @@ class ServerPool(Generic[C]):
             self._avoided[address] = self.clock() + seconds
             self._read_at = None
 
+    def restore(self, address: str) -> None:
+        """`address` answers again: `pick` may give it at once, whatever its avoidance had left."""
+        with self._lock:
+            self._avoided.pop(address, None)
+
     def avoided(self) -> dict[str, float]:
         """The servers `pick` leaves out now: address -> seconds left."""
         with self._lock:

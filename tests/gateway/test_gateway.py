@@ -23,6 +23,7 @@ from services.generation.client import generation_clients
 from services.generation.server import serve
 from services.learner.trainer import PolicyTrainer
 from tests.grpc_helpers import TOKEN, on_free_ports
+from tests.waits import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +381,44 @@ def test_a_turn_that_fails_changes_nothing_and_can_be_sent_again(gcfg, tiny_mode
         assert traj["turns"] == 2  # it went on token-exact: the failure left no trace
     finally:
         r.close()
+
+
+def test_health_says_ready_only_when_a_turn_would_be_served(gcfg, tiny_model_dir):
+    """After a generation server's restart /health said 200 about 6 s before turns stopped failing
+    (the turns' pool still avoided the server that had failed): now what /health finds answering
+    is let back at once, and a turn that finds every server avoided asks as /health does."""
+    from services.common.servers import RetryPolicy
+
+    r = Running(gcfg, tiny_model_dir, servers=1)
+    pool = ServerPool.fixed(r.address(0), generation_clients(gcfg.rpc))  # as a configured server: listed while down
+    r.gateway.sampler = TurnSampler(pool, 60)
+    r.gateway.sampler.RETRY = RetryPolicy(avoid_s=600.0, each_once=True)  # a failed server stays avoided
+    base = r.url.removesuffix("/v1")
+    try:
+        for ask_health in (True, False):
+            port = r.gen[0].server.port
+            r.gen[0].stop()
+            with pytest.raises(openai.APIStatusError) as failed:
+                _turn(r.client, f"s-health-{ask_health}", [{"role": "user", "content": "abc="}])
+            assert failed.value.status_code == 503 and pool.avoided()
+            cfg = gcfg.model_copy(deep=True)
+            cfg.rpc.generation.port = port  # the same address, restarted
+            r.gen[0] = serve(cfg, backend=HFBackend(tiny_model_dir, "cpu")).start()
+            if ask_health:  # once /health says 200, a turn is served at once
+                wait_until(lambda: httpx.get(base + "/health", timeout=30).status_code == 200, "/health 200", 60)
+                reply = _turn(r.client, "s-health", [{"role": "user", "content": "abc="}])
+            else:  # with nobody asking /health, turns find the server again within seconds, not 600
+                reply = wait_until(lambda: _served(r.client, "s-health-2"), "a turn served", 60)
+            assert reply.choices[0].message.content is not None and not pool.avoided()
+    finally:
+        pool.close()
+        r.close()
+
+
+def _served(client, session):
+    """A turn's reply, or None when it was refused 503 (no generation server is available)."""
+    try:
+        return _turn(client, session, [{"role": "user", "content": "abc="}])
+    except openai.APIStatusError as e:
+        assert e.status_code == 503
+        return None
