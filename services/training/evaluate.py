@@ -132,13 +132,16 @@ def summarize(rows: list[dict], pass_reward: float | None = None) -> dict:
 
 def eval_metrics(rows: list[dict]) -> dict:
     """The training loop's `eval/...` metrics of scored rows (`summarize`; `eval/proxy_reward_mean`
-    when a proxy scored them too), the rows under "generations"."""
+    when a proxy scored them too; `eval/unscored`, the share of rows whose reward could not be had,
+    when the rows say), the rows under "generations"."""
     summary = summarize(rows)
     out: dict = {"eval/reward_mean": summary["reward_mean"]}
     out.update({f"eval/{k}": v for k, v in summary.items() if k not in ("reward_mean", "prompts", "samples")})
     out["generations"] = rows
     if rows and "proxy_reward" in rows[0]:
         out["eval/proxy_reward_mean"] = sum(r["proxy_reward"] for r in rows) / len(rows)
+    if any("unscored" in r for r in rows):  # an agent's sessions: the share whose reward could not be had
+        out["eval/unscored"] = sum(bool(r.get("unscored")) for r in rows) / len(rows)
     return out
 
 

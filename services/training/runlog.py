@@ -39,6 +39,16 @@ PROGRESS_KEYS = [
 ]
 
 
+def unscored_eval(reward: float, unscored: float) -> str:
+    """The eval column of an eval some of whose rows could not be scored: 'eval unscored' when
+    none could (its 0 is no reward), else the mean with the share left unscored."""
+    if unscored >= 1.0:
+        return "eval unscored"
+    if unscored > 0.0:
+        return f"eval {reward:.3f} ({unscored:.0%} unscored)"
+    return f"eval {reward:.3f}"
+
+
 def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -125,7 +135,9 @@ class RunLog:
     def _print(self, iteration: int, metrics: dict) -> None:
         parts = [f"iter {iteration:>4}/{self.cfg.run.iterations}"]
         for label, key, fmt in PROGRESS_KEYS:
-            if isinstance(metrics.get(key), (int, float)) and math.isfinite(metrics[key]):
+            if key == "eval/reward_mean" and "eval/unscored" in metrics:
+                parts.append(unscored_eval(metrics[key], metrics["eval/unscored"]))
+            elif isinstance(metrics.get(key), (int, float)) and math.isfinite(metrics[key]):
                 parts.append(f"{label} {fmt.format(metrics[key])}")
         print("  ".join(parts), file=self.stream, flush=True)
 

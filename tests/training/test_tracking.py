@@ -214,3 +214,20 @@ def test_wandb_plots_by_iteration_so_a_resume_keeps_the_redone_iterations(tmp_pa
     assert fake.runs[1].init["id"] == fake.runs[0].init["id"]
     ((step, values),) = fake.runs[1].logged
     assert step == 3 and values["reward/score_mean"] == 0.35  # W&B keeps it, though step 3 was logged before
+
+
+def test_an_eval_whose_rows_were_all_unscored_says_so_not_0(tmp_path):
+    """Iteration 0 printed `eval 0.000` when every held-out row was unscored (issue 54, item 12)."""
+    from services.training.evaluate import eval_metrics
+
+    shown = io.StringIO()
+    log = RunLog(tmp_path, config_from_dict({"run": {"tensorboard": False}}), mode="local", stream=shown)
+    row = {"id": "p", "reward": 0.0, "components": {"failed": 1.0}, "unscored": True}
+    log.log_eval(0, eval_metrics([row, {**row, "id": "q"}]))
+    log.log_eval(1, eval_metrics([row, {**row, "id": "q", "reward": 1.0, "unscored": False}]))
+    log.log_eval(2, eval_metrics([{"id": "p", "reward": 0.25, "components": {}}]))  # a single-turn eval
+    log.close()
+    lines = shown.getvalue().splitlines()
+    assert "eval unscored" in lines[0] and "eval 0.000" not in lines[0]
+    assert "eval 0.500 (50% unscored)" in lines[1]
+    assert "eval 0.250" in lines[2] and "unscored" not in lines[2]
