@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 from ..agents.host import load_agent
 from ..common.config import Config, RewardConfig, RuleSpec
+from ..common.model_files import build_hint
 from ..common.reasoning_gym_tasks import is_task_source
 from ..common.reasoning_gym_tasks import source_problem as task_source_problem
 from ..reward.functions import rule_errors
@@ -163,8 +164,8 @@ def model_findings(cfg: Config) -> tuple[list[str], list[str]]:
         near = difflib.get_close_matches(p.name, beside, n=1)
         hint = f"did you mean {p.parent / near[0]}? " if near else ""
         return [
-            f"model.path: no model at {path} (the directory does not exist); {hint}build the tiny default with "
-            f"`rlhf init-model --out {path}`, or set model.path to a model directory"
+            f"model.path: no model at {path} (the directory does not exist); {hint}{build_hint(path)}, or set "
+            "model.path to a model directory"
         ], []
     from ..common.model_files import check_model_dir
 
@@ -187,11 +188,11 @@ def _hub_model_findings(repo_id: str) -> tuple[list[str], list[str]]:
     if constants.HF_HUB_OFFLINE:
         return [
             f"model.path: {repo_id} is no directory here and not in the Hugging Face cache, and HF_HUB_OFFLINE "
-            "is set; download it first, or set model.path to a model directory"
+            f"is set; download it first, {build_hint(repo_id)}, or set model.path to a model directory"
         ], []
     return [], [
         f"model.path: {repo_id} is no directory here, so a run downloads it from the Hugging Face hub; if it is "
-        f"meant as a directory, make it first (`rlhf init-model --out {repo_id}` builds the tiny default)"
+        f"meant as a directory, {build_hint(repo_id)}"
     ]
 
 
@@ -206,7 +207,9 @@ def reward_model_errors(cfg: Config) -> list[str]:
         source = getattr(rm, key)
         problem = source_problem(source) if source is not None else None
         if problem:
-            errors.append(f"reward_model.{key}: {problem}")
+            made = f"; `rlhf make-prefs -c CONFIG --out {source}` writes pairs of the policy's samples"
+            made = made if is_jsonl(source) else ""
+            errors.append(f"reward_model.{key}: {problem}{made}")
         elif source is not None and is_jsonl(source):
             errors += [f"reward_model.{key}: {p}" for p in first_problems(jsonl_rows(source)[1])]
     return errors
@@ -261,7 +264,8 @@ def served_reward_model_errors(path: Path) -> list[str]:
     except ValueError as e:
         return [f"reward.model_path: {e}"]
     errors = [
-        f"reward.model_path: no reward model at {d} (config.json missing)"
+        f"reward.model_path: no reward model at {d} (config.json missing); `rlhf train-rm -c CONFIG --out {d}` "
+        "trains one on preference pairs (reward_model.train)"
         for d in dirs
         if not (d / "config.json").exists()
     ]

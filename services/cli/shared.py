@@ -44,15 +44,16 @@ def add_set_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    env = os.environ.get("RLHF_CONFIG")
+    """-c/--config and --set. The config is not required of argparse (its usage would show `-c` as
+    a must although $RLHF_CONFIG gives it): `load_config` says, in one line, when neither does."""
     p.add_argument(
         "-c",
         "--config",
-        required=required and not env,
-        default=env,
+        default=os.environ.get("RLHF_CONFIG"),
         help="YAML config file (default $RLHF_CONFIG): a path, or a file name looked up in the "
         "directories of $RLHF_CONFIG_PATH",
     )
+    p.set_defaults(config_required=required)
     add_set_args(p)
 
 
@@ -74,6 +75,8 @@ def load_config(args, data: bool = False, sampler: bool = False, validate: bool 
     `sampler` the generation backend, with `validate` the model and the reward model's data), every
     error of them in one report. An unknown key or a bad value set on the command line is said as
     its --set (or flag) said it, not as the config file's."""
+    if not args.config and getattr(args, "config_required", False):
+        sys.exit(error("give a config file: -c FILE (or set $RLHF_CONFIG)"))
     if args.config:
         args.config = find_config(args.config)
     origins: dict[str, str] = {}
@@ -191,6 +194,8 @@ def _blamed(make, origins: dict[str, str]):
 def _config_errors(path, errors: list[str], origins: dict[str, str]) -> None:
     """The report of a config that does not load: one line for one error, else a list; `in FILE`
     unless every error names its file, or a key or override of the command line."""
+    if path:  # a command to copy names the config it was given
+        errors = [err.replace("-c CONFIG", f"-c {path}") for err in errors]
     own = (f"{Path(path)}:", "--set ", "$RLHF_SET ", *(f"{o}:" for o in origins.values()), *(f"{k}:" for k in origins))
     where = "" if all(err.startswith(own) for err in errors) else f" in {path}"
     if len(errors) == 1:

@@ -31,10 +31,18 @@ def check_model_dir(path: str | Path) -> Path:
         return p
     if text.startswith(("/", ".", "~")) or p.exists() or text.count("/") > 1:
         raise FileNotFoundError(
-            f"no model at {p} (config.json missing: {_missing_model_reason(p)}); build the tiny default with "
-            f"`rlhf init-model --out {p}`, or set model.path to a model directory or a hub id (org/name)"
+            f"no model at {p} (config.json missing: {_missing_model_reason(p)}); {build_hint(p)}, or set model.path "
+            "to a model directory or a hub id (org/name)"
         )
     return _hub_snapshot(text)
+
+
+def build_hint(p: str | Path) -> str:
+    """How to build a model at `p` offline: the tiny default, or SmolLM2 (what `make smollm2` does)."""
+    return (
+        f"build one with `rlhf init-model --out {p}` (the tiny default) or `rlhf init-model --from-gguf smollm2 "
+        f"--out {p}` (SmolLM2-135M-Instruct, as `make smollm2` does)"
+    )
 
 
 def _missing_model_reason(p: Path) -> str:

@@ -218,11 +218,14 @@ def test_validate_checks_the_model_every_data_line_and_the_reward_model_pairs(tm
     assert err.splitlines() == [
         "config errors in v.yaml:",
         f"  model.path: no model at {tmp_path / 'nomodel'} (config.json missing: the directory does not exist); "
-        f"build the tiny default with `rlhf init-model --out {tmp_path / 'nomodel'}`, or set model.path to a "
-        "model directory or a hub id (org/name)",
+        f"build one with `rlhf init-model --out {tmp_path / 'nomodel'}` (the tiny default) or `rlhf init-model "
+        f"--from-gguf smollm2 --out {tmp_path / 'nomodel'}` (SmolLM2-135M-Instruct, as `make smollm2` does), or "
+        "set model.path to a model directory or a hub id (org/name)",
         "  data.train: broken.jsonl:2: not JSON: Expecting value at column 27",
         "  reward_model.train: pairs.jsonl:2: not JSON: Expecting value at column 1",
-        "  reward_model.eval: no such file missing-pairs.jsonl",
+        f"  reward_model.eval: no such file missing-pairs.jsonl (relative paths are read from the current "
+        f"directory, {tmp_path}); `rlhf make-prefs -c v.yaml --out missing-pairs.jsonl` writes pairs of the "
+        "policy's samples",
     ]
 
 
@@ -233,8 +236,9 @@ def test_validate_notes_a_model_it_cannot_see_from_here(tmp_path, capsys, monkey
     code, _, err = _rlhf(capsys, "config", "validate", str(ROOT / "configs" / "tiny-cpu.yaml"))
     assert code == 0 and err == (
         "note: model.path: runs/tiny-model is no directory here, so a run downloads it from the Hugging Face "
-        "hub; if it is meant as a directory, make it first (`rlhf init-model --out runs/tiny-model` builds the "
-        "tiny default)\n"
+        "hub; if it is meant as a directory, build one with `rlhf init-model --out runs/tiny-model` (the tiny "
+        "default) or `rlhf init-model --from-gguf smollm2 --out runs/tiny-model` (SmolLM2-135M-Instruct, as "
+        "`make smollm2` does)\n"
     )
     code, _, err = _rlhf(
         capsys, "config", "validate", str(ROOT / "configs" / "tiny-cpu.yaml"), "--set", "model.path=/runs-x/m"
@@ -266,6 +270,63 @@ def test_a_mistyped_model_directory_and_a_context_too_long_are_errors(tmp_path, 
     assert not (tmp_path / "r").exists()
     code, _, err = _rlhf(capsys, "config", "validate", tiny, *sets[:4], "--set", "response_length=64")
     assert code == 0 and "note" not in err, err
+
+
+def test_the_config_is_given_as_c_everywhere_and_its_absence_is_one_line(
+    untrained_model_dir, tmp_path, capsys, monkeypatch
+):
+    """`rlhf config validate -c FILE` was refused (only the bare file worked) while every other
+    command's usage showed `-c` as a must although $RLHF_CONFIG gives it (issue 54, item 18)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RLHF_CONFIG", raising=False)
+    (tmp_path / "c.yaml").write_text(f"model: {{path: {untrained_model_dir}}}\n")
+    code, out, _ = _rlhf(capsys, "config", "validate", "-c", "c.yaml")
+    assert code == 0 and str(untrained_model_dir) in out
+    code, _, err = _rlhf(capsys, "config", "validate", "c.yaml", "-c", "other.yaml")
+    assert code == 2 and err == "error: two config files given (c.yaml and -c other.yaml): give one\n"
+    for command in ("train", "up", "eval", "train-rm", "make-prefs", "export"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "[-c CONFIG]" in capsys.readouterr().out, command
+    code, _, err = _rlhf(capsys, "train", "--local")
+    assert code == 2 and err == "error: give a config file: -c FILE (or set $RLHF_CONFIG)\n"
+
+
+def test_a_fresh_checkouts_pipeline_config_says_which_command_makes_each_missing_input(tmp_path, capsys, monkeypatch):
+    """configs/smollm2-rlhf.yaml failed `config validate` on a fresh checkout with advice for
+    another model (issue 54, item 19): each missing input now names the command that makes it, with
+    the config it was given, and a relative path says where it was looked for."""
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as here: no hub to download it from
+    code, _, err = _rlhf(capsys, "config", "validate", str(ROOT / "configs" / "smollm2-rlhf.yaml"))
+    config = ROOT / "configs" / "smollm2-rlhf.yaml"
+    assert code == 2
+    assert "`rlhf init-model --from-gguf smollm2 --out runs/smollm2-135m` (SmolLM2-135M-Instruct" in err
+    assert f"(relative paths are read from the current directory, {tmp_path})" in err
+    assert f"`rlhf make-prefs -c {config} --out runs/smollm2-rlhf/pairs.jsonl`" in err
+    assert f"`rlhf train-rm -c {config} --out runs/smollm2-rlhf/reward-model` trains one" in err
+
+
+def test_train_rm_refuses_to_mix_an_ensemble_into_a_folder_of_another_shape(tmp_path, capsys, monkeypatch):
+    """An ensemble `train-rm` mixed its members into an existing reward-model folder (issue 54,
+    item 19): a folder holding another shape is refused before any training."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "config.json").write_text("{}")
+    (tmp_path / "c.yaml").write_text("reward_model: {train: pairs.jsonl, out: rm, ensemble: 3}\n")
+    code, _, err = _rlhf(capsys, "train-rm", "-c", "c.yaml")
+    assert code == 2
+    assert err == (
+        "error: rm already holds one reward model; an ensemble of 3 written into it would mix with it: give "
+        "another --out, or remove the folder first\n"
+    )
+    (tmp_path / "ens").mkdir()
+    (tmp_path / "ens" / "ensemble.json").write_text('{"members": ["member-0", "member-1"]}')
+    code, _, err = _rlhf(capsys, "train-rm", "-c", "c.yaml", "--out", "ens", "--set", "reward_model.ensemble=1")
+    assert code == 2 and "ens already holds an ensemble of 2; one reward model written into it" in err
 
 
 # 4. Ctrl-C

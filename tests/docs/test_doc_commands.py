@@ -881,7 +881,7 @@ def test_reward_function_mistakes(scratch):
     `score`): every error as the page shows it, exit code 2."""
     (scratch / "bad.yaml").write_text(BAD_YAML)
     (scratch / "my_reward.py").write_text("def score(prompt, response, label, metadata, **kwargs):\n    return 0.0\n")
-    run_console(block(*MISTAKES), scratch, _env(), rcs=[2])
+    run_console(block(*MISTAKES), scratch, _env(), rcs=[2], subst={"/home/me/run": str(scratch)})
 
 
 RAISES = ("docs/reward-functions.md", "$ rlhf train --local -c my-run.yaml")

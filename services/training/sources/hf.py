@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .kind import SourceKind
+from .kind import SourceKind, missing
 
 DATASETS_FILE_TYPES = (".parquet", ".csv", ".json")
 # the dataset splits `hf:` sources fall back to, in order, when the wanted split is missing
@@ -22,8 +22,8 @@ def problem(source: str) -> str | None:
     """A local file or dataset directory that does not exist; hub dataset names are not checked."""
     if source.startswith("hf:"):
         local = _local_dataset_dir(_parse_hf(source)[0])
-        return f"no such dataset directory {local}" if local is not None and not local.exists() else None
-    return None if Path(source).exists() else f"no such file {source}"
+        return missing(str(local), "dataset directory") if local is not None else None
+    return missing(source)
 
 
 def _parse_hf(source: str) -> tuple[str, str | None, str | None]:

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from .kind import SourceKind
+from .kind import SourceKind, missing
 
 
 def problem(source: str) -> str | None:
-    return None if Path(source).exists() else f"no such file {source}"
+    return missing(source)
 
 
 def rows(source: str, split: str, limit: int | None = None) -> list[tuple[str, dict]]:

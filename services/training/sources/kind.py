@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 
@@ -32,3 +33,13 @@ class SourceKind:
     def own_held_out(self) -> bool:
         """Whether it gives its own held-out prompts (else they are a split of data.train's)."""
         return self.rows is None
+
+
+def missing(path: str, what: str = "file") -> str | None:
+    """'no such file PATH' when nothing is there, saying where a relative path was looked for (the
+    current directory, not the config file's: `base:` alone is read from the file's folder)."""
+    p = Path(path)
+    if p.exists():
+        return None
+    where = "" if p.is_absolute() else f" (relative paths are read from the current directory, {Path.cwd()})"
+    return f"no such {what} {path}{where}"
