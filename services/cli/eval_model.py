@@ -100,10 +100,18 @@ def run_eval(
                 + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}")
             )
 
-        def progress(done: int, total: int, name=name) -> None:
-            say(f"  {name}: {done}/{total} prompts")
+        done = [0]
 
-        rows = _rows(cfg, backend, prompts, params, scorer, rule, progress)
+        def progress(finished: int, total: int, name=name) -> None:
+            done[0] = finished
+            say(f"  {name}: {finished}/{total} prompts")
+
+        step = min(cfg.generation.max_batch_size, len(prompts))
+        waiting = lambda name=name: (  # noqa: E731
+            f"  {name}: {done[0]}/{len(prompts)} prompts, sampling the next {min(step, len(prompts) - done[0])}"
+        )
+        with heartbeat(say, waiting):
+            rows = _rows(cfg, backend, prompts, params, scorer, rule, progress)
         rows_of[name] = rows
         write_rows(out / f"{name}.jsonl", rows)
         results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
@@ -143,6 +151,31 @@ def run_eval(
         f"summary: {out / 'summary.json'}"
     )
     return summary
+
+
+HEARTBEAT_S = 30.0
+
+
+@contextlib.contextmanager
+def heartbeat(say, waiting, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the block runs, `say(waiting() + how long so far)` every `every_s` seconds: a batch
+    of a real model's eval takes minutes, and its progress line comes only at the batch's end."""
+    import threading
+
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            say(f"{waiting()} ({time.monotonic() - t0:.0f} s so far)")
+
+    thread = threading.Thread(target=beat, name="eval-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _rows(cfg: Config, backend: HFBackend, prompts: list, params: SamplingParams, scorer, rule, progress) -> list:

@@ -241,7 +241,10 @@ def secret_problem(name: str, value: str | None, host: str) -> str | None:
 def quiet_model_files() -> None:
     """transformers' own progress bars off: one per model loaded or saved ("Loading weights",
     "Writing model shards"), i.e. per checkpoint. The hub's download bars, where a user waits,
-    stay (unless HF_HUB_DISABLE_PROGRESS_BARS), and so do the run's own progress lines."""
+    stay (unless HF_HUB_DISABLE_PROGRESS_BARS), and so do the run's own progress lines. The
+    datasets library's bars ("Map", "Generating train split": instant on the data a run reads) off
+    too, unless HF_DATASETS_DISABLE_PROGRESS_BARS says otherwise."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is imported
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging as transformers_logging
 

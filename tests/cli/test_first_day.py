@@ -520,3 +520,24 @@ def test_a_short_run_shows_its_own_progress_lines_and_no_model_file_bars(local_r
     ]
     assert "done: held-out reward" in r.stdout
     assert json.loads((root / "runs" / "mine" / "summary.json").read_text())["iterations"] == 3
+
+
+def test_a_long_eval_batch_says_it_is_still_sampling_and_instant_steps_show_no_bars(monkeypatch):
+    """`rlhf eval` said nothing between its batches (256 prompts: minutes on a real model), while
+    instant steps drew bars ("Map", "Loading weights") (issue 54, item 19)."""
+    from services.cli.eval_model import heartbeat
+    from services.cli.shared import quiet_model_files
+
+    said: list[str] = []
+    seen = threading.Event()
+
+    def say(line: str) -> None:
+        said.append(line)
+        seen.set()
+
+    with heartbeat(say, lambda: "  model: 0/1000 prompts, sampling the next 256", every_s=0.05):
+        assert seen.wait(30)
+    assert said[0].startswith("  model: 0/1000 prompts, sampling the next 256 (") and said[0].endswith(" s so far)")
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
+    quiet_model_files()
+    assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
