@@ -138,7 +138,7 @@ def test_without_rlhf_config_the_config_file_is_required():
         timeout=120,
         env=env,
     )
-    assert p.returncode == 2 and "-c/--config" in p.stderr
+    assert p.returncode == 2 and p.stderr == "error: give a config file: -c FILE (or set $RLHF_CONFIG)\n"
 
 
 def test_rlhf_redis_serves_with_the_password_and_keeps_an_aof(tmp_path):

@@ -58,7 +58,8 @@ RUN, PARSE, PROSE, CONFIG, PARTIAL, SOURCE = "run", "parse", "prose", "config", 
 # fmt: off
 BLOCKS: dict[tuple[str, str], str] = {
     ("README.md", "make run # the main job: PPO on the tiny CPU default"): PARSE,
-    ("README.md", "embedded Redis on 127.0.0.1:41234 (data in runs/tiny-cpu/redis)"): PROSE,  # what make run prints
+    # what make run prints: each line against what rlhf up prints, tests/e2e/test_sync_matches_local.py
+    ("README.md", "embedded Redis on 127.0.0.1:41234 (data in runs/tiny-cpu/redis)"): PROSE,
     ("README.md", "=== summary (logs in runs/test-logs/) ==="): PROSE,
     ("docs/agents.md", "rlhf serve generation -c configs/tiny-cpu.yaml --set"): RUN,  # test_agents_talk_to_it
     ("docs/agents.md", "... INFO services.gateway.server: gateway: the OpenAI-compatible"): PROSE,  # its output
