@@ -80,7 +80,6 @@ def run_eval(
 ) -> dict:
     """Evaluate `model` (default model.path) and `baseline` on the same prompts; the summary."""
     params = _params(cfg, n, temperature)
-    kind = cfg.rollout.agent_kind
     agent = how_sampled(cfg, rule) is HowSampled.SESSIONS  # the agent's reward, or --rule on one reply
     scorer = None if agent else _scorer(cfg, rule)
     models = {"model": model or cfg.model.path}
@@ -93,39 +92,60 @@ def run_eval(
         t0 = time.monotonic()
         backend = load_policy(path, cfg.model.path, cfg.model.device)
         if prompts is None:  # their labels checked against the reward this eval scores with
-            scored = _scored_by(cfg, rule)
-            prompts = config_prompts(scored, "eval", backend.tokenizer, label_reader(scored))
-            say(
-                f"{len(prompts)} prompts from {held_out_source(cfg)}, {n} sample(s) each"
-                + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}")
-            )
-
-        done = [0]
-
-        def progress(finished: int, total: int, name=name) -> None:
-            done[0] = finished
-            say(f"  {name}: {finished}/{total} prompts")
-
-        step = min(cfg.generation.max_batch_size, len(prompts))
-        waiting = lambda name=name: (  # noqa: E731
-            f"  {name}: {done[0]}/{len(prompts)} prompts, sampling the next {min(step, len(prompts) - done[0])}"
-        )
-        with heartbeat(say, waiting):
-            rows = _rows(cfg, backend, prompts, params, scorer, rule, progress)
+            prompts = _prompts(cfg, rule, backend.tokenizer, params, say)
+        rows = _model_rows(cfg, name, backend, prompts, params, scorer, rule, say)
         rows_of[name] = rows
         write_rows(out / f"{name}.jsonl", rows)
         results[name] = {"path": path, **summarize(rows, pass_reward), "seconds": round(time.monotonic() - t0, 1)}
         del backend
+    summary = _summary(cfg, params, rule, agent, results, rows_of)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _report(summary, results, out, say)
+    return summary
+
+
+def _prompts(cfg: Config, rule: str | None, tokenizer, params: SamplingParams, say) -> list:
+    """The held-out prompts (their labels checked against the reward this eval scores with), said."""
+    scored = _scored_by(cfg, rule)
+    prompts = config_prompts(scored, "eval", tokenizer, label_reader(scored))
+    say(
+        f"{len(prompts)} prompts from {held_out_source(cfg)}, {params.n} sample(s) each"
+        + (" (greedy)" if params.temperature == 0 else f" at temperature {params.temperature:g}")
+    )
+    return prompts
+
+
+def _model_rows(cfg: Config, name: str, backend, prompts: list, params: SamplingParams, scorer, rule, say) -> list:
+    """One model's rows, a progress line after each batch and a heartbeat while one takes long."""
+    done = [0]
+
+    def progress(finished: int, total: int) -> None:
+        done[0] = finished
+        say(f"  {name}: {finished}/{total} prompts")
+
+    step = min(cfg.generation.max_batch_size, len(prompts))
+
+    def waiting() -> str:
+        return f"  {name}: {done[0]}/{len(prompts)} prompts, sampling the next {min(step, len(prompts) - done[0])}"
+
+    with heartbeat(say, waiting):
+        return _rows(cfg, backend, prompts, params, scorer, rule, progress)
+
+
+def _summary(cfg: Config, params: SamplingParams, rule, agent: bool, results: dict, rows_of: dict) -> dict:
+    """summary.json: the data, the sampling, what scored, each model's results and, with a
+    baseline, how the model compares per sample."""
+    kind = cfg.rollout.agent_kind
     summary: dict = {
         "data": held_out_source(cfg),
-        "n": n,
+        "n": params.n,
         "temperature": params.temperature,
         "reward": rule
         or (f"the agent's (rollout.{kind}: {getattr(cfg.rollout, kind)})" if agent and kind else None)
         or ("reward.eval_rules" if cfg.reward.eval_rules else f"reward.{cfg.reward.type}"),
         **results,
     }
-    if baseline is not None:
+    if "baseline" in rows_of:
         by_id = {(r["id"], r["sample"]): r["reward"] for r in rows_of["baseline"]}
         diffs = [r["reward"] - by_id[(r["id"], r["sample"])] for r in rows_of["model"]]
         summary["compared"] = {
@@ -134,23 +154,26 @@ def run_eval(
             "same": sum(d == 0 for d in diffs),
             "reward_mean_change": (results["model"]["reward_mean"] - results["baseline"]["reward_mean"]),
         }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _report(summary: dict, results: dict, out: Path, say) -> None:
+    """The results side by side, the comparison, and where the rows and summary are."""
     keys = [k for k in results["model"] if k not in ("path", "seconds")]
     say("")
     say(f"{'':<14}" + "".join(f"{name:>14}" for name in results))
     for k in keys:
         say(f"{k:<14}" + "".join(f"{_fmt(results[name].get(k)):>14}" for name in results))
-    if baseline is not None:
+    if "compared" in summary:
         c = summary["compared"]
         say(
             f"per sample against the baseline: {c['better']} better, {c['worse']} worse, {c['same']} the same; "
             f"reward_mean {c['reward_mean_change']:+.4f}"
         )
     say(
-        f"every prompt, response and reward: {out}/{'{baseline,model}' if baseline else 'model'}.jsonl; "
+        f"every prompt, response and reward: {out}/{'{baseline,model}' if 'compared' in summary else 'model'}.jsonl; "
         f"summary: {out / 'summary.json'}"
     )
-    return summary
 
 
 HEARTBEAT_S = 30.0

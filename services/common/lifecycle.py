@@ -154,12 +154,12 @@ class HTTPServerThread:
 
     def __init__(self, app, host: str, port: int, name: str = "http", header_timeout_s: float | None = None):
         """Each connection's request headers are due within HEADER_TIMEOUT_S (a silent or
-        trickling one is closed: rpc/http_guard.py's `timed_protocol`), at most MAX_CONNECTIONS
+        trickling one is closed: rpc/http_connection.py), at most MAX_CONNECTIONS
         are held at once (a request beyond them is answered 503), an idle keep-alive connection
         closes after 5 s (uvicorn's own)."""
         import uvicorn
 
-        from .rpc.http_guard import HEADER_TIMEOUT_S, MAX_CONNECTIONS, timed_protocol
+        from .rpc.http_connection import HEADER_TIMEOUT_S, MAX_CONNECTIONS, timed_protocol
 
         self.name = name
         config = uvicorn.Config(
