@@ -13,6 +13,7 @@ import uuid
 
 from ..common.rpc.client import Abandoned, Cancel
 from ..common.types import SamplingParams
+from .chat_tokens import ChatTokens, NotTokenExact
 from .protocol import (
     CONTEXT_LENGTH_EXCEEDED,
     MAX_TURNS_EXCEEDED,
@@ -26,7 +27,8 @@ from .protocol import (
     check_messages,
     max_token_chars,
 )
-from .sessions import ChatTokens, Choice, Forgotten, NotTokenExact, Plan, Session, Sessions, without_token_fields
+from .session_store import Forgotten, Sessions
+from .sessions import Choice, Plan, Session, without_token_fields
 from .tools import parse_tool_calls
 from .turns import TurnSampler
 

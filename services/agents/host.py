@@ -51,7 +51,8 @@ from .handler import TurnHandler
 from .protocol import SESSION_HEADER
 from .routes import build_app, session_key
 from .scores import Reward
-from .sessions import Sessions, as_sample
+from .session_store import Sessions
+from .sessions import as_sample
 from .turns import TurnSampler
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..agents.sessions import Sessions
+from ..agents.session_store import Sessions
 from ..common.metrics import register_process_metrics
 from ..common.rpc.server import LATENCY_BUCKETS
 

@@ -21,7 +21,7 @@ import grpc
 
 from ..agents.handler import TurnHandler
 from ..agents.routes import build_app
-from ..agents.sessions import Sessions
+from ..agents.session_store import Sessions
 from ..agents.turns import TurnSampler
 from ..common.lifecycle import HTTPServerThread, Service
 from ..common.model_files import load_tokenizer

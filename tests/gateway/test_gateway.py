@@ -11,7 +11,8 @@ import torch
 
 from services.agents.handler import TurnHandler
 from services.agents.routes import build_app
-from services.agents.sessions import Sessions, as_sample
+from services.agents.session_store import Sessions
+from services.agents.sessions import as_sample
 from services.agents.turns import TurnSampler
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
@@ -347,7 +348,8 @@ def test_the_end_of_turn_is_added_unless_the_policy_sampled_it(tiny_model_dir):
     """A turn cut by a stop string (or a stop token other than EOS) did not sample its end of
     turn: the environment's tokens start with the template's whole closing; one that sampled EOS
     gets only the rest of it."""
-    from services.agents.sessions import ChatTokens, Choice
+    from services.agents.chat_tokens import ChatTokens
+    from services.agents.sessions import Choice
 
     tok = load_tokenizer(tiny_model_dir)
     tok.chat_template = (

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from services.agents.sessions import Session, Sessions
+from services.agents.session_store import Sessions
+from services.agents.sessions import Session
 from services.common.config import config_from_dict
 from services.gateway.server import serve as serve_gateway
 from services.generation.backend import HFBackend

@@ -339,7 +339,8 @@ def test_a_template_that_rewrites_earlier_turns_cannot_go_on_from_echoed_tokens(
     another once more follow (as templates that drop earlier turns' reasoning do): the echoed
     tokens cannot be told apart from the new messages', so the request is refused (the gateway
     answers 400 naming the message), never re-templated behind the client's back."""
-    from services.agents.sessions import ChatTokens, Echo, NotTokenExact, Session
+    from services.agents.chat_tokens import ChatTokens, NotTokenExact
+    from services.agents.sessions import Echo, Session
     from services.common.model_files import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)

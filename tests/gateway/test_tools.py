@@ -14,7 +14,7 @@ import pytest
 
 from services.agents.handler import TurnHandler
 from services.agents.routes import build_app
-from services.agents.sessions import Sessions
+from services.agents.session_store import Sessions
 from services.agents.tools import parse_tool_calls, same_calls
 from services.common.lifecycle import HTTPServerThread
 from services.common.model_files import load_tokenizer

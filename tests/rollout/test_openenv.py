@@ -298,7 +298,7 @@ def test_mcp_tools_are_offered_and_called_on_the_episodes_environment(server, ti
 
     from services.agents.handler import TurnHandler
     from services.agents.routes import build_app
-    from services.agents.sessions import Sessions
+    from services.agents.session_store import Sessions
     from services.common.lifecycle import HTTPServerThread
 
     tok = load_tokenizer(tiny_model_dir)
