@@ -161,24 +161,9 @@ class Guard:
                 self.observe(method, path, status[0], time.perf_counter() - t0)
 
     async def _serve(self, scope, receive, send: Send, method: str, path: str) -> None:
-        raw = scope.get("headers") or []
-        if sum(len(k) + len(v) for k, v in raw) > self.max_header_bytes:
-            return await send_error(send, 431, f"the request's headers are over {self.max_header_bytes} bytes")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
-        if path not in self.open_paths and not self.authorized(method, path, headers):
-            return await send_error(
-                send,
-                401,
-                "missing or wrong bearer token (Authorization: Bearer <token>)",
-                code="invalid_api_key",
-                headers=((b"www-authenticate", b"Bearer"),),
-            )
-        length = headers.get("content-length")
-        if length is not None:
-            if not (length.isascii() and length.isdigit()):
-                return await send_error(send, 400, "Content-Length: not a number", code="invalid_content_length")
-            if int(length) > self.max_body_bytes:
-                return await self._too_large(send)
+        refused = self._refused_on_headers(scope, method, path)
+        if refused is not None:
+            return await send_error(send, *refused[:2], **refused[2])
         try:
             body = await self._body(receive)
         except TooLarge:
@@ -201,6 +186,32 @@ class Guard:
                 "arrays), this server's limit",
                 code="request_too_large",
             )
+        await self._app(scope, receive, send, body, method, path)
+
+    def _refused_on_headers(self, scope, method: str, path: str) -> tuple[int, str, dict] | None:
+        """The answer (status, message, send_error's keywords) to a request refused on its headers
+        alone, before one byte of its body is read; None when it passes."""
+        raw = scope.get("headers") or []
+        if sum(len(k) + len(v) for k, v in raw) > self.max_header_bytes:
+            return 431, f"the request's headers are over {self.max_header_bytes} bytes", {}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+        if path not in self.open_paths and not self.authorized(method, path, headers):
+            return (
+                401,
+                "missing or wrong bearer token (Authorization: Bearer <token>)",
+                {"code": "invalid_api_key", "headers": ((b"www-authenticate", b"Bearer"),)},
+            )
+        length = headers.get("content-length")
+        if length is not None:
+            if not (length.isascii() and length.isdigit()):
+                return 400, "Content-Length: not a number", {"code": "invalid_content_length"}
+            if int(length) > self.max_body_bytes:
+                return 413, *self._too_large_answer()
+        return None
+
+    async def _app(self, scope, receive, send: Send, body: bytes, method: str, path: str) -> None:
+        """The app, its body given as it came, then `receive` as it goes on (a disconnect); what it
+        raises before answering is a 500 in the shape, after, logged."""
         replayed = [False]
 
         async def replay() -> dict:
@@ -241,15 +252,16 @@ class Guard:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, send: Send) -> None:
+    def _too_large_answer(self) -> tuple[str, dict]:
         # the rest of the body stays unread on the connection: it cannot carry another request
-        await send_error(
-            send,
-            413,
+        return (
             f"the request body is over {self.max_body_bytes} bytes, this server's limit",
-            code="request_too_large",
-            headers=((b"connection", b"close"),),
+            {"code": "request_too_large", "headers": ((b"connection", b"close"),)},
         )
+
+    async def _too_large(self, send: Send) -> None:
+        message, keywords = self._too_large_answer()
+        await send_error(send, 413, message, **keywords)
 
 
 def field_path(loc: tuple | list) -> str | None:
