@@ -201,33 +201,42 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
     with contextlib.ExitStack() as stack:
         # the agent's sessions (and its held-out eval) sample through the backend here, batched
         pool = stack.enter_context(contextlib.closing(in_process_pool(backend, cfg))) if cfg.rollout.sessions else None
-
-        def servers():
-            assert pool is not None  # asked for only when the config has an agent
-            return contextlib.nullcontext(pool)
-
-        evaluator = stack.enter_context(
-            held_out_evaluator(
-                cfg,
-                tokenizer,
-                SamplingParams.for_eval(cfg),
-                backend=backend,
-                scorer=eval_scorer,
-                servers=servers,
-                proxy=proxy,
-            )
-        )
-        sampler: GroupSampler
-        if cfg.rollout.sessions:  # the agent's sessions, sampled here (a worker's endpoint, in this process)
-            assert pool is not None
-            host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
-            sampler = AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event())
-        else:
-            sampler = BackendSampler(cfg, backend, scorer, tokenizer, critic)
+        evaluator = stack.enter_context(local_evaluator(cfg, tokenizer, backend, eval_scorer, proxy, pool))
+        sampler = local_sampler(cfg, tokenizer, backend, scorer, critic, pool, stop_event)
         stack.callback(sampler.close)
         source = LocalSource(cfg, epochs, sampler, stop_event)
         parts = (learner, critic, tokenizer, source, backend, evaluator, held_out, state)
         return _train(cfg, run_dir, schedule, parts, stop_event)
+
+
+def local_evaluator(cfg: Config, tokenizer, backend, scorer, proxy, pool):
+    """The held-out eval (a context manager) through the backend here: one reply per prompt scored
+    by `scorer` (and by the `proxy` trained on, besides a gold reward), or the agent's sessions on
+    `pool` (the backend, batched)."""
+
+    def servers():
+        assert pool is not None  # asked for only when the config has an agent
+        return contextlib.nullcontext(pool)
+
+    return held_out_evaluator(
+        cfg,
+        tokenizer,
+        SamplingParams.for_eval(cfg),
+        backend=backend,
+        scorer=scorer,
+        servers=servers,
+        proxy=proxy,
+    )
+
+
+def local_sampler(cfg: Config, tokenizer, backend, scorer, critic, pool, stop_event) -> GroupSampler:
+    """How the rollout step samples, chosen once as a worker chooses: the agent's sessions on an
+    endpoint in this process over `pool`, or one reply per sample from the backend."""
+    if cfg.rollout.sessions:  # the agent's sessions, sampled here (a worker's endpoint, in this process)
+        assert pool is not None
+        host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
+        return AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event())
+    return BackendSampler(cfg, backend, scorer, tokenizer, critic)
 
 
 def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_event) -> dict:

@@ -17,7 +17,7 @@ from ..common.model_files import load_causal_lm, load_tokenizer, resolve_device
 from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
 from ..weights.check import check_newer, check_version
 from ..weights.hostcopy import copy_to_device
-from .decode import decode
+from .decode import Decoded, decode
 
 
 class GenerationStopped(Exception):
@@ -127,18 +127,24 @@ class HFBackend:
             raise GenerationStopped(
                 f"stopped after {out.steps} of {params.max_new_tokens} tokens: nobody waits for this batch any more"
             )
-        switches = list(zip(out.switches, versions[1:]))
-        completions = [
-            [
-                Completion(
-                    out.tokens[i],
-                    out.logps[i],
-                    out.finish[i],
-                    None,
-                    switched_versions(versions[0], switches, len(out.tokens[i])),
-                )
-                for i in range(j * params.n, (j + 1) * params.n)
-            ]
-            for j in range(len(prompts))
-        ]
+        completions = grouped(out, len(prompts), params.n, versions)
         return GenerationResult(completions, versions[0], sum(len(t) for t in out.tokens), time.perf_counter() - t0)
+
+
+def grouped(out: Decoded, n_prompts: int, n: int, versions: list[int]) -> list[list[Completion]]:
+    """`out`'s samples as each prompt's `n` completions; `versions` are the policy versions the
+    batch decoded under (the first, then one per switch): each completion's `token_versions`."""
+    switches = list(zip(out.switches, versions[1:]))
+    return [
+        [
+            Completion(
+                out.tokens[i],
+                out.logps[i],
+                out.finish[i],
+                None,
+                switched_versions(versions[0], switches, len(out.tokens[i])),
+            )
+            for i in range(j * n, (j + 1) * n)
+        ]
+        for j in range(n_prompts)
+    ]

@@ -93,6 +93,63 @@ def step_forward(model, tok: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor
     return out.logits[:, -1]
 
 
+class Samples:
+    """What each sample has drawn so far (on the CPU, one row per sample, prompt-major): its tokens
+    and their log-probs, how many it keeps and whether a stop token ended it."""
+
+    def __init__(self, N: int, T: int, pad_token_id: int):
+        self.tokens = torch.full((N, T), pad_token_id, dtype=torch.long)
+        self.logps = torch.zeros(N, T)
+        self.length = torch.full((N,), T, dtype=torch.long)  # tokens kept per sample; T = cut at the limit
+        self.ended = torch.zeros(N, dtype=torch.bool)
+
+    def record(
+        self, step: int, tok: torch.Tensor, lp: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, stops
+    ) -> None:
+        """Step `step`'s token and log-prob of each live row of the batch into its sample (`rows`);
+        a row that drew one of `stops` ends its sample there and leaves `live` (in place)."""
+        tok_cpu, lp_cpu = tok.cpu(), lp.float().cpu()
+        mine = rows[live]
+        self.tokens[mine, step], self.logps[mine, step] = tok_cpu[live], lp_cpu[live]
+        hit = torch.isin(tok, stops).cpu() & live
+        self.length[rows[hit]] = step + 1
+        self.ended[rows[hit]] = True
+        live &= ~hit
+
+    def decoded(self, steps: int, switches: list[int]) -> Decoded:
+        N = len(self.length)
+        return Decoded(
+            [self.tokens[i, : self.length[i]].tolist() for i in range(N)],
+            [self.logps[i, : self.length[i]].tolist() for i in range(N)],
+            ["stop" if e else "length" for e in self.ended.tolist()],
+            steps,
+            switches=switches,
+        )
+
+
+def prefill_samples(model, prompts: Sequence[Sequence[int]], n: int, pad_token_id: int, device):
+    """The prefill, once per prompt (only the last position's logits are computed), its cache,
+    logits, mask and next positions then repeated for each prompt's `n` samples; and each sample's
+    left-padded prompt ids (for a recomputed cache)."""
+    ids, attn = pad_left(prompts, pad_token_id)
+    ids, attn = ids.to(device), attn.to(device)
+    cache, logits, next_pos = prefill(model, ids, attn)
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+        logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        next_pos = next_pos.repeat_interleave(n, 0)
+    return cache, logits, attn, next_pos, ids
+
+
+def drop_finished(cache, live: torch.Tensor, device, tok, attn, next_pos, rows):
+    """The batch without its finished rows: the cache's rows dropped (in place), the rows' last
+    tokens, masks, next positions, samples and live flags kept for the others."""
+    keep = live.nonzero().squeeze(1)
+    keep_d = keep.to(device)
+    cache.batch_select_indices(keep_d)
+    return tok[keep_d], attn[keep_d], next_pos[keep_d], rows[keep], live[keep]
+
+
 @torch.no_grad()
 def decode(
     model,
@@ -110,20 +167,11 @@ def decode(
     weights; then the live rows' cache is recomputed (`recompute`) or kept."""
     device = next(model.parameters()).device
     n, T = params.n, params.max_new_tokens
-    ids, attn = pad_left(prompts, pad_token_id)
-    ids, attn = ids.to(device), attn.to(device)
     # 1. the prefill, once per prompt; only the last position's logits are computed
-    cache, logits, next_pos = prefill(model, ids, attn)
-    if n > 1:
-        cache.batch_repeat_interleave(n)
-        logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
-        next_pos = next_pos.repeat_interleave(n, 0)
+    cache, logits, attn, next_pos, ids = prefill_samples(model, prompts, n, pad_token_id, device)
     N = len(prompts) * n
     stops = torch.tensor(sorted(set(stop_token_ids)), device=device)
-    tokens = torch.full((N, T), pad_token_id, dtype=torch.long)
-    logps = torch.zeros(N, T)
-    length = torch.full((N,), T, dtype=torch.long)  # tokens kept per sample; T = cut at the limit
-    ended = torch.zeros(N, dtype=torch.bool)
+    out = Samples(N, T, pad_token_id)
     rows = torch.arange(N)  # the sample each row of the batch decodes
     live = torch.ones(N, dtype=torch.bool)  # rows of the batch still decoding
     steps = 0
@@ -132,13 +180,7 @@ def decode(
     for step in range(T):
         # 2. one token per row, its log-prob kept; the logits of this step are dropped after it
         tok, lp = pick(logits, params)
-        tok_cpu, lp_cpu = tok.cpu(), lp.float().cpu()
-        mine = rows[live]
-        tokens[mine, step], logps[mine, step] = tok_cpu[live], lp_cpu[live]
-        hit = torch.isin(tok, stops).cpu() & live
-        length[rows[hit]] = step + 1
-        ended[rows[hit]] = True
-        live &= ~hit
+        out.record(step, tok, lp, rows, live, stops)
         steps = step + 1
         if stop is not None and stop():
             return Decoded([], [], [], steps, stopped=True)
@@ -146,24 +188,14 @@ def decode(
             break
         # 3. finished rows leave once they are a quarter of the batch
         if (~live).sum() >= max(1, COMPACT_AT * len(live)):
-            keep = live.nonzero().squeeze(1)
-            keep_d = keep.to(device)
-            cache.batch_select_indices(keep_d)
-            tok, attn, next_pos = tok[keep_d], attn[keep_d], next_pos[keep_d]
-            rows, live = rows[keep], live[keep]
+            tok, attn, next_pos, rows, live = drop_finished(cache, live, device, tok, attn, next_pos, rows)
         tok = torch.where(live.to(device), tok, torch.full_like(tok, pad_token_id))
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
         if between is not None and between():  # new weights, from the next token on
             switches.append(step + 1)
             if recompute:  # the whole context again, under them
-                context = torch.cat([prompt_ids[rows.to(device)], tokens[rows, : step + 1].to(device)], dim=1)
+                context = torch.cat([prompt_ids[rows.to(device)], out.tokens[rows, : step + 1].to(device)], dim=1)
                 cache, logits, next_pos = prefill(model, context, attn)
                 continue
         logits, next_pos = step_forward(model, tok, attn, next_pos, cache), next_pos + 1
-    return Decoded(
-        [tokens[i, : length[i]].tolist() for i in range(N)],
-        [logps[i, : length[i]].tolist() for i in range(N)],
-        ["stop" if e else "length" for e in ended.tolist()],
-        steps,
-        switches=switches,
-    )
+    return out.decoded(steps, switches)

@@ -199,17 +199,7 @@ def log_probs(learner: Actor, rollout: Rollout, batch: TokenBatch, fused: bool) 
         old_log_probs = cur["log_probs"]
     else:
         old_log_probs = gen_log_probs
-    rollout_is_weights, is_metrics = None, {}
-    if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
-        assert old_log_probs is not None and gen_log_probs is not None  # rollout_is: never fused, checked above
-        rollout_is_weights, is_metrics = rollout_importance_weights(
-            old_log_probs, gen_log_probs, mask, cfg.rollout_is_threshold
-        )
-    if rollout.token_versions is not None:  # tokens of several versions: the staleness bound per token
-        versions = pad_right(rollout.token_versions, mask.shape[1], dtype=torch.long)
-        fresh, stale_metrics = staleness_weights(versions, learner.policy_version, cfg.max_staleness, mask)
-        rollout_is_weights = fresh if rollout_is_weights is None else rollout_is_weights * fresh
-        is_metrics = {**is_metrics, **stale_metrics}
+    rollout_is_weights, is_metrics = token_weights(learner, rollout, old_log_probs, gen_log_probs, mask)
     old_for_ref = cur["full"] if full and cur is not None else old_log_probs
     ref_log_probs = None
     if cfg.use_kl_loss or cfg.add_token_level_kl:
@@ -221,6 +211,31 @@ def log_probs(learner: Actor, rollout: Rollout, batch: TokenBatch, fused: bool) 
         sft_lp = None if sft is None else (sft["full"] if full else sft["log_probs"])
         ref_log_probs = reference_log_probs(cfg.ref_model, sft_lp, old_for_ref, cfg.ref_mix_coef)  # type: ignore[arg-type]
     return LogProbs(cur, old_log_probs, ref_log_probs, old_for_ref, rollout_is_weights, is_metrics)
+
+
+def token_weights(
+    learner: Actor,
+    rollout: Rollout,
+    old_log_probs: torch.Tensor | None,
+    gen_log_probs: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor | None, dict]:
+    """The loss's per-token weights (None: none) and their metrics: the truncated importance
+    weights pi_old / sampler (rollout_is), times 0 on tokens beyond the staleness bound (a rollout
+    whose tokens are of several versions)."""
+    cfg = learner.cfg
+    rollout_is_weights, is_metrics = None, {}
+    if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
+        assert old_log_probs is not None and gen_log_probs is not None  # rollout_is: never fused, checked above
+        rollout_is_weights, is_metrics = rollout_importance_weights(
+            old_log_probs, gen_log_probs, mask, cfg.rollout_is_threshold
+        )
+    if rollout.token_versions is not None:  # tokens of several versions: the staleness bound per token
+        versions = pad_right(rollout.token_versions, mask.shape[1], dtype=torch.long)
+        fresh, stale_metrics = staleness_weights(versions, learner.policy_version, cfg.max_staleness, mask)
+        rollout_is_weights = fresh if rollout_is_weights is None else rollout_is_weights * fresh
+        is_metrics = {**is_metrics, **stale_metrics}
+    return rollout_is_weights, is_metrics
 
 
 @dataclass

@@ -85,33 +85,43 @@ class TrajectoryIntake:
                         )
                     continue
             entry_id, msg, trained = self._queue.popleft()
-            uid = msg.task.uid
-            if trained or uid in uids or uid in self._uncommitted_uids:
-                self.store.discard(entry_id)
-                self.counters["duplicates"] += 1
-                continue
-            newest = newest_version(msg)  # a group of several versions is as fresh as its newest tokens
-            if policy_version - newest > cfg.max_staleness or newest > policy_version:
-                self._refeed(entry_id, msg, policy_version)
-                continue
-            try:
-                group = group_from_proto(msg)
-                if cfg.needs_critic and group.values is None:
-                    raise ValueError(
-                        "it has no critic values and this run trains a critic (the worker that wrote it "
-                        "runs with another config than the learner's)"
-                    )
-            except ValueError as e:
-                log.error("malformed trajectory %s dropped: %s", entry_id, e)
-                self.store.discard(entry_id)
-                self.counters["malformed"] += 1
+            group = self._examined(entry_id, msg, trained, policy_version, uids)
+            if group is None:
                 continue
             self.stale_streak = self._streak_reported = 0
             batch.append((entry_id, group))
             if msg.generate_seconds > 0:
                 self.gen_rates.append(msg.batch_tokens / msg.generate_seconds)
-            uids.add(uid)
+            uids.add(msg.task.uid)
         return batch
+
+    def _examined(self, entry_id, msg, trained: bool, policy_version: int, uids: set):
+        """The group of a read entry for the learner at `policy_version` (`uids`: the batch's so
+        far), or None when it is left out: a duplicate (acknowledged), too stale or ahead (its
+        prompt fed again), or malformed (with an error in the log)."""
+        cfg = self.cfg
+        uid = msg.task.uid
+        if trained or uid in uids or uid in self._uncommitted_uids:
+            self.store.discard(entry_id)
+            self.counters["duplicates"] += 1
+            return None
+        newest = newest_version(msg)  # a group of several versions is as fresh as its newest tokens
+        if policy_version - newest > cfg.max_staleness or newest > policy_version:
+            self._refeed(entry_id, msg, policy_version)
+            return None
+        try:
+            group = group_from_proto(msg)
+            if cfg.needs_critic and group.values is None:
+                raise ValueError(
+                    "it has no critic values and this run trains a critic (the worker that wrote it "
+                    "runs with another config than the learner's)"
+                )
+        except ValueError as e:
+            log.error("malformed trajectory %s dropped: %s", entry_id, e)
+            self.store.discard(entry_id)
+            self.counters["malformed"] += 1
+            return None
+        return group
 
     def _refeed(self, entry_id, msg, policy_version: int) -> None:
         refeed = type(msg.task)()

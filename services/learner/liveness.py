@@ -51,6 +51,7 @@ class Heartbeat:
         self._last = clock()
         self.phase = "starting"
         self.running = True  # False once the loop has ended (done, stopped, failed): nothing to watch
+        self.waiting_for: str | None = None  # the dependency the loop waits for, if any
         self._lock = threading.Lock()
 
     def beat(self, phase: str | None = None) -> None:
@@ -62,6 +63,11 @@ class Heartbeat:
     def __call__(self, *_args, **_kwargs) -> None:
         """`beat()`, usable as any callback (`RideThrough`'s `on_wait`, `EachAnswer`, an `on_progress`)."""
         self.beat()
+
+    def waiting(self, msg: str | None) -> None:
+        """`RideThrough`'s `on_wait`: what the loop waits for (None once it is answered)."""
+        self.waiting_for = msg
+        self.beat()  # a retry's tick: waiting for a dependency, not stuck
 
     def ended(self) -> None:
         with self._lock:

@@ -40,9 +40,12 @@ def _finite(v, default: float = math.nan) -> float:
 class LearnerMetrics:
     def __init__(self, registry):
         self.registry = registry
-
         gauge, counter = labelled(Gauge, registry, SERVICE), labelled(Counter, registry, SERVICE)
+        self._per_iteration(gauge)
+        self._replay(gauge, counter)
 
+    def _per_iteration(self, gauge) -> None:
+        """The gauges `observe` sets from each iteration's metrics."""
         self.iteration = gauge("rlhf_learner_iteration", "completed iterations")
         self.policy_version = gauge("rlhf_learner_policy_version", "newest policy version")
         self.reward = gauge("rlhf_learner_reward", "mean training reward of the last batch")
@@ -72,10 +75,13 @@ class LearnerMetrics:
             "rlhf_learner_phase_seconds",
             "seconds of each part of the last iteration",
             ["service", "phase"],
-            registry=registry,
+            registry=self.registry,
         )
         for p in PHASES:
             self.phases.labels(SERVICE, p)
+
+    def _replay(self, gauge, counter) -> None:
+        """The prompt queue's gauges (`queue`) and the counters of groups and prompts left out (`counted`)."""
         self.prompts_waiting = gauge(
             "rlhf_replay_prompts_waiting",
             "prompts in the prompt stream not done: not yet delivered to a rollout worker, or delivered and pending",

@@ -3,6 +3,7 @@ Status) and a JSON status page over HTTP; and `serve(cfg)`, its lifecycle."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -37,7 +38,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
         policy_version, state = self.loop.publisher.snapshot
         if not state or request.have_policy_version >= policy_version:
             return
-        spec = StreamSpec(policy_version, self.chunk_bytes, run_id=self.loop.run_id, epoch=self.loop.fence_epoch)
+        sink = self.loop.sink  # the fencing identity of this process's pushes
+        spec = StreamSpec(policy_version, self.chunk_bytes, run_id=sink.run_id, epoch=sink.fence_epoch)
         yield from weight_chunks(state, spec)
 
     def Status(self, request, context):
@@ -67,65 +69,72 @@ def status_http(loop, host: str, port: int, token: str | None = None) -> Threadi
     what http.server refuses itself (a malformed request line, headers too long). The status is
     strict JSON (a value that is not finite is null)."""
     expected = f"Bearer {token}".encode() if token is not None else None
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            path = self.path.split("?")[0]
-            if path == "/healthz":
-                check = getattr(loop, "liveness", None)
-                reason = check() if check is not None else None
-                body, code = (
-                    (json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason else (b'{"ok": true}', 200)
-                )
-                return self._reply(code, body)
-            if not self._authorized():
-                return
-            if path not in ("/status", "/"):
-                return self._error(404, f"no route GET {path[:200]}; try /status")
-            try:
-                body = json.dumps(finite(loop.status()), default=str, allow_nan=False).encode()
-            except Exception:
-                log.exception("the learner's status could not be read")
-                return self._error(500, "internal error (the learner logged it)")
-            self._reply(200, body)
-
-        def _refuse(self):
-            if self._authorized():
-                self._error(405, f"{self.command} is not allowed; GET /status", extra=(("Allow", "GET"),))
-
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _refuse
-
-        def _authorized(self) -> bool:
-            given = self.headers.get("Authorization", "").encode("utf-8", "replace")
-            if expected is None or hmac.compare_digest(given, expected):
-                return True
-            self._error(
-                401,
-                "missing or wrong bearer token (Authorization: Bearer <token>)",
-                code="invalid_api_key",
-                extra=(("WWW-Authenticate", "Bearer"),),
-            )
-            return False
-
-        def send_error(self, code, message=None, explain=None):
-            """http.server's own refusals (400, 414, 431, 501) in the one shape."""
-            self.close_connection = True
-            self._error(code, message or explain or "the request could not be read")
-
-        def _error(self, status: int, message: str, code: str | None = None, extra=()):
-            self._reply(status, error_bytes(status, message, code=code), extra)
-
-        def _reply(self, status: int, body: bytes, extra=()):
-            if status >= 400:
-                self.close_connection = True  # a body a client sent is not read: the connection ends here
-            reply(self, status, body, "application/json", extra)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd = ThreadingHTTPServer((host, port), functools.partial(StatusHandler, loop, expected))
     threading.Thread(target=httpd.serve_forever, daemon=True, name="status-http").start()
     return httpd
+
+
+class StatusHandler(BaseHTTPRequestHandler):
+    """One request to `status_http`'s server: `loop`'s status or liveness, or the error, for a
+    request that carries `expected` (the whole Authorization header; None: any request)."""
+
+    def __init__(self, loop, expected: bytes | None, *args):
+        self.loop, self.expected = loop, expected
+        super().__init__(*args)
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        if path == "/healthz":
+            check = getattr(self.loop, "liveness", None)
+            reason = check() if check is not None else None
+            body, code = (
+                (json.dumps({"ok": False, "reason": reason}).encode(), 503) if reason else (b'{"ok": true}', 200)
+            )
+            return self._reply(code, body)
+        if not self._authorized():
+            return
+        if path not in ("/status", "/"):
+            return self._error(404, f"no route GET {path[:200]}; try /status")
+        try:
+            body = json.dumps(finite(self.loop.status()), default=str, allow_nan=False).encode()
+        except Exception:
+            log.exception("the learner's status could not be read")
+            return self._error(500, "internal error (the learner logged it)")
+        self._reply(200, body)
+
+    def _refuse(self):
+        if self._authorized():
+            self._error(405, f"{self.command} is not allowed; GET /status", extra=(("Allow", "GET"),))
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _refuse
+
+    def _authorized(self) -> bool:
+        given = self.headers.get("Authorization", "").encode("utf-8", "replace")
+        if self.expected is None or hmac.compare_digest(given, self.expected):
+            return True
+        self._error(
+            401,
+            "missing or wrong bearer token (Authorization: Bearer <token>)",
+            code="invalid_api_key",
+            extra=(("WWW-Authenticate", "Bearer"),),
+        )
+        return False
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (400, 414, 431, 501) in the one shape."""
+        self.close_connection = True
+        self._error(code, message or explain or "the request could not be read")
+
+    def _error(self, status: int, message: str, code: str | None = None, extra=()):
+        self._reply(status, error_bytes(status, message, code=code), extra)
+
+    def _reply(self, status: int, body: bytes, extra=()):
+        if status >= 400:
+            self.close_connection = True  # a body a client sent is not read: the connection ends here
+        reply(self, status, body, "application/json", extra)
+
+    def log_message(self, *args):
+        pass
 
 
 class LearnerService(Service):
@@ -147,7 +156,7 @@ class LearnerService(Service):
         registry = CollectorRegistry()  # the loop's metrics and the server's on one /metrics
         self.loop = LearnerLoop(cfg, self.run_dir, registry=registry)
         self.server = RPCServer("learner", cfg.rpc, ep.port, ep.metrics_port, host=ep.host, registry=registry)
-        self.loop.address = advertised_address(cfg.rpc, ep.host, self.server.port)
+        self.loop.sink.address = advertised_address(cfg.rpc, ep.host, self.server.port)
         self.server.set_liveness(self.loop.liveness)  # gRPC health "" says what /healthz says
         learner_pb2_grpc.add_LearnerServicer_to_server(
             LearnerServicer(self.loop, chunk_bytes(cfg.rpc.max_message_mb)), self.server.grpc

@@ -57,6 +57,57 @@ def ptx_examples_for(cfg: Config, tokenizer, records) -> list | None:
     return sft_examples(tokenizer, records)
 
 
+def with_lora(policy, cfg: Config) -> Any:
+    """`policy` inside PEFT's model with the LoRA adapters of `model.lora`."""
+    from peft import LoraConfig, get_peft_model
+
+    lc = cfg.model.lora
+    return get_peft_model(
+        policy,
+        LoraConfig(
+            r=lc.rank,
+            lora_alpha=lc.alpha,  # type: ignore[arg-type]  # peft annotates int, takes a float
+            lora_dropout=lc.dropout,
+            target_modules=list(lc.target_modules),
+        ),
+    )
+
+
+def optimizer_and_scheduler(cfg: Config, policy, total_updates: int | None) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the policy's trainable parameters, and its LR scheduler (`lr_scheduler`, a
+    transformers one) over `total_updates` steps."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+        params, lr=cfg.actor_lr, betas=(cfg.adam_betas[0], cfg.adam_betas[1]), weight_decay=cfg.weight_decay
+    )
+    from transformers import get_scheduler
+
+    scheduler = get_scheduler(
+        cfg.lr_scheduler,
+        optimizer,
+        num_warmup_steps=cfg.lr_warmup_steps,
+        num_training_steps=max(total_updates or 1, 1),
+    )
+    return optimizer, scheduler
+
+
+def old_log_probs_fusable(cfg: Config, policy) -> bool:
+    """Whether the configuration lets a batch take its old log-probs from the training forward
+    (`PolicyTrainer.fuses_old_log_probs` adds the batch's size)."""
+    # the old log-probs equal the training forward's (verl's on-policy shortcut) when the only
+    # optimiser step comes after every forward, and nothing before the update needs them
+    return (
+        cfg.fuse_old_log_probs
+        and cfg.recompute_old_log_probs
+        and cfg.ppo_epochs == 1
+        and not cfg.add_token_level_kl
+        and not cfg.rollout_is
+        and cfg.kl_penalty != "full"
+        and (cfg.ref_model == "sft" or not cfg.use_kl_loss)
+        and not has_dropout(policy)
+    )
+
+
 class PolicyTrainer:
     """Owns the actor, the reference model, the optimiser, the KL controller and the running
     reward statistics. `cfg` is the validated `Config`."""
@@ -79,54 +130,21 @@ class PolicyTrainer:
         self.pad_id = self.policy.config.pad_token_id if self.policy.config.pad_token_id is not None else 0
         self.lora = cfg.model.lora.rank > 0
         if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            lc = cfg.model.lora
-            self.policy = get_peft_model(
-                self.policy,
-                LoraConfig(
-                    r=lc.rank,
-                    lora_alpha=lc.alpha,  # type: ignore[arg-type]  # peft annotates int, takes a float
-                    lora_dropout=lc.dropout,
-                    target_modules=list(lc.target_modules),
-                ),
-            )
+            self.policy = with_lora(self.policy, cfg)
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             if self.lora:
                 self.policy.enable_input_require_grads()
         self.needs_ref = (cfg.use_kl_loss or cfg.add_token_level_kl) and cfg.ref_model != "policy"
         self.ref = self._reference()
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            params, lr=cfg.actor_lr, betas=(cfg.adam_betas[0], cfg.adam_betas[1]), weight_decay=cfg.weight_decay
-        )
-        from transformers import get_scheduler
-
-        self.scheduler = get_scheduler(
-            cfg.lr_scheduler,
-            self.optimizer,
-            num_warmup_steps=cfg.lr_warmup_steps,
-            num_training_steps=max(total_updates or 1, 1),
-        )
+        self.optimizer, self.scheduler = optimizer_and_scheduler(cfg, self.policy, total_updates)
         self.kl_ctl = make_kl_controller(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)
         self.reward_stats = RunningMeanStd()
         self.ptx_examples = list(ptx_examples or [])
         self.rng = random.Random(cfg.run.seed)
         self.policy_version = 0
         self.temperature = cfg.generation.temperature
-        # the old log-probs equal the training forward's (verl's on-policy shortcut) when the only
-        # optimiser step comes after every forward, and nothing before the update needs them
-        self._fusable = (
-            cfg.fuse_old_log_probs
-            and cfg.recompute_old_log_probs
-            and cfg.ppo_epochs == 1
-            and not cfg.add_token_level_kl
-            and not cfg.rollout_is
-            and cfg.kl_penalty != "full"
-            and (cfg.ref_model == "sft" or not cfg.use_kl_loss)
-            and not has_dropout(self.policy)
-        )
+        self._fusable = old_log_probs_fusable(cfg, self.policy)
         self.forwards_saved = 0
         self.objective = ObjectiveSettings.from_config(cfg)
         micro = cfg.micro_batch_size or cfg.ppo_mini_batch_size

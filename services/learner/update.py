@@ -126,7 +126,6 @@ def mini_batch_step(
     over micro-batches (each weighted by its share of the mini-batch), clipped, stepped; with fused
     old log-probs (`rollout_stats` given) the old log-probs are the forward's own."""
     cfg = learner.cfg
-    full = cfg.kl_penalty == "full"
     world = learner.ranks.world
     norm = AggNorm(exp.batch.response_mask[mb_rows])
     picks = (
@@ -137,36 +136,7 @@ def mini_batch_step(
     learner.optimizer.zero_grad(set_to_none=True)
     bad_loss = None  # a non-finite loss on any process's rows stops every process alike
     for micro_pos, real in learner.ranks.micro_batches(len(mb_rows), micro_size):
-        micro_rows = mb_rows[micro_pos]
-        micro_batch = exp.batch.select(micro_rows).trimmed()
-        micro_width = micro_batch.response_mask.shape[1]
-        with learner.autocast():
-            out = response_log_probs(learner.policy, micro_batch, learner.temperature, with_entropy=True, full=full)
-        log_prob = out["log_probs"]
-        if rollout_stats is not None:  # fused: the old log-probs are this forward's
-            old = log_prob.detach()
-            if real:
-                rollout_stats.add(cfg, out, old, exp, micro_rows, micro_batch.response_mask, micro_width)
-        else:
-            assert exp.old_log_probs is not None  # not fused
-            old = exp.old_log_probs[micro_rows, :micro_width]
-        ptx = ptx_loss(learner, [picks[i] for i in micro_pos.tolist()] if picks else [])
-        loss, terms = ppo_objective(
-            learner.objective,
-            log_prob,
-            out["entropy"],
-            old,
-            exp.advantages[micro_rows, :micro_width],
-            micro_batch.response_mask,
-            norm,
-            ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[micro_rows, :micro_width],
-            kl_input=out.get("full"),
-            rollout_is_weights=None
-            if exp.rollout_is_weights is None
-            else exp.rollout_is_weights[micro_rows, :micro_width],
-            ptx_loss=ptx,
-            ptx_share=len(micro_rows) / len(mb_rows),
-        )
+        loss, terms = micro_batch_loss(learner, exp, mb_rows, micro_pos, real, norm, picks, rollout_stats)
         if real and not torch.isfinite(loss):
             bad_loss = loss.item()
         # FSDP averages the processes' gradients: each process's share is scaled up by N
@@ -175,6 +145,60 @@ def mini_batch_step(
             for k, (v, w) in terms.items():
                 metrics.add(k, v, w)
         learner.on_progress()
+    optimizer_step(learner, metrics, bad_loss)
+
+
+def micro_batch_loss(
+    learner: Actor,
+    exp: Experience,
+    mb_rows: torch.Tensor,
+    micro_pos: torch.Tensor,
+    real: bool,
+    norm: AggNorm,
+    picks: list,
+    rollout_stats: RolloutStats | None,
+) -> tuple[torch.Tensor, dict]:
+    """The objective and its terms on the micro-batch at `micro_pos` of the mini-batch `mb_rows`
+    (its padding columns trimmed), from the policy's forward on it; `real`: rows of this process's
+    share (not padding of an uneven split); `picks`: the mini-batch's PTX examples."""
+    cfg = learner.cfg
+    full = cfg.kl_penalty == "full"
+    micro_rows = mb_rows[micro_pos]
+    micro_batch = exp.batch.select(micro_rows).trimmed()
+    micro_width = micro_batch.response_mask.shape[1]
+    with learner.autocast():
+        out = response_log_probs(learner.policy, micro_batch, learner.temperature, with_entropy=True, full=full)
+    log_prob = out["log_probs"]
+    if rollout_stats is not None:  # fused: the old log-probs are this forward's
+        old = log_prob.detach()
+        if real:
+            rollout_stats.add(cfg, out, old, exp, micro_rows, micro_batch.response_mask, micro_width)
+    else:
+        assert exp.old_log_probs is not None  # not fused
+        old = exp.old_log_probs[micro_rows, :micro_width]
+    ptx = ptx_loss(learner, [picks[i] for i in micro_pos.tolist()] if picks else [])
+    return ppo_objective(
+        learner.objective,
+        log_prob,
+        out["entropy"],
+        old,
+        exp.advantages[micro_rows, :micro_width],
+        micro_batch.response_mask,
+        norm,
+        ref_log_prob=None if exp.ref_log_probs is None else exp.ref_log_probs[micro_rows, :micro_width],
+        kl_input=out.get("full"),
+        rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[micro_rows, :micro_width],
+        ptx_loss=ptx,
+        ptx_share=len(micro_rows) / len(mb_rows),
+    )
+
+
+def optimizer_step(learner: Actor, metrics: Metrics, bad_loss: float | None) -> None:
+    """The mini-batch's step, its gradient accumulated: refused on every process when any
+    process's loss was not finite (`bad_loss`); else the gradient clipped (its norm measured) and
+    stepped when finite; the scheduler steps either way."""
+    cfg = learner.cfg
+    world = learner.ranks.world
     if learner.ranks.all_sum([bad_loss is not None])[0] and bad_loss is None:
         bad_loss = float("nan")  # another process's rows
     if bad_loss is not None:

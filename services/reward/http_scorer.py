@@ -6,7 +6,8 @@
 Batches are split into requests of `batch_size`, sent by one pool of `concurrency` threads per
 scorer, so that many requests at most are in flight however many Score calls run at once. A
 sample whose reward could not be had is an error, never a number (no default, no 0), and a batch
-is scored whole or not at all. What happens to a request, by the API's answer:
+is scored whole or not at all. What happens to a request (its attempts: `HTTPAttempts`,
+http_attempts.py), by the API's answer:
 
     timeout, connection refused or closed, 5xx, 429
         -> retried (`retries` times) after a backoff with decorrelated jitter (each wait drawn
@@ -36,12 +37,7 @@ request; its value is cut out of every message, log line and status this module 
 
 from __future__ import annotations
 
-import email.utils
-import json
-import logging
-import math
 import os
-import random
 import threading
 import time
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -50,70 +46,25 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from ..common.rpc.errors import BadRequest, Reason
 from ..common.types import RewardSample, ScoreResult
 from .breaker import CircuitBreaker, RewardUnavailable
+from .http_attempts import HTTPAttempts, RewardAPIFailed, RewardRejected, decorrelated_jitter, retry_after_s
 
 if TYPE_CHECKING:
     from ..common.config_sections import RewardConfig
 
-log = logging.getLogger(__name__)
-
-REFUSES_US = frozenset({401, 403, 404, 405, 407})  # a credential or URL problem, not this input's
-UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)  # never the input's fault
-JSON = {"Content-Type": "application/json"}
-
-
-class RewardAPIFailed(RewardUnavailable):
-    """The API failed this batch: every attempt of a request timed out, lost its connection or got
-    5xx/429, or its answer was not rewards. UNAVAILABLE with `Reason.REWARD_API_FAILED`: a
-    rollout worker scores the batch again a few times, then drops its groups (and counts them)."""
-
-    def __init__(self, message: str):
-        super().__init__(f"reward API failed: {message}", Reason.REWARD_API_FAILED)
-
-
-class RewardRejected(BadRequest):
-    """The API answered 4xx about this input (400, 413, 422, ...): INVALID_ARGUMENT, never retried
-    (a worker isolates the prompt that causes it and dead-letters it)."""
-
-
-def _to_float(x, i: int) -> float:
-    if isinstance(x, (list, tuple)):
-        if not x:
-            raise ValueError(f"an empty list for sample {i}")
-        x = sum(float(v) for v in x)
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise ValueError(f"{x!r} for sample {i}, not a number")
-    v = float(x)
-    if not math.isfinite(v):
-        raise ValueError(f"{v} for sample {i}")
-    return v
-
-
-def retry_after_s(value: str | None, now: float | None = None) -> float | None:
-    """Seconds a `Retry-After` header asks to wait (a number of seconds, or an HTTP date); None
-    when absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-def decorrelated_jitter(rng: random.Random, base_s: float, cap_s: float, last_s: float) -> float:
-    """The wait before the next retry: drawn between `base_s` and 3 x the last wait, at most `cap_s`
-    (spreads the retries of many callers; grows about threefold while they keep failing)."""
-    return min(cap_s, rng.uniform(base_s, 3 * last_s))
+# the names importers take from here (the errors and the retry helpers live in http_attempts.py)
+__all__ = [
+    "HTTPScorer",
+    "RewardAPIFailed",
+    "RewardRejected",
+    "RewardUnavailable",
+    "api_scorers",
+    "auth_headers",
+    "decorrelated_jitter",
+    "public_url",
+    "retry_after_s",
+]
 
 
 def public_url(url: str) -> str:
@@ -149,8 +100,7 @@ class HTTPScorer:
         breaker_cooldown_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.url, self.retries, self.batch_size, self.backoff_s = url, retries, batch_size, backoff_s
-        self.max_backoff_s, self.retry_after_max_s = max(max_backoff_s, backoff_s), retry_after_max_s
+        self.url, self.batch_size = url, batch_size
         self.public_url = public_url(url)
         headers = dict(headers or {})
         secrets = {v for v in headers.values()} | {v.split(None, 1)[-1] for v in headers.values() if v.strip()}
@@ -166,9 +116,20 @@ class HTTPScorer:
             redact=self.redact,
             clock=clock,
         )
-        self.client = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=concurrency))
+        client = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=concurrency))
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reward-http")
-        self._rng = random.Random()
+        self.attempts = HTTPAttempts(
+            url,
+            self.public_url,
+            client,
+            self.breaker,
+            self.redact,
+            metrics,
+            retries=retries,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            retry_after_max_s=retry_after_max_s,
+        )
 
     @classmethod
     def from_config(cls, reward_cfg: RewardConfig, metrics=None) -> "HTTPScorer":
@@ -188,6 +149,15 @@ class HTTPScorer:
             metrics=metrics,
         )
 
+    @property
+    def client(self) -> httpx.Client:
+        """The HTTP client every request goes through (its connections, timeout and headers)."""
+        return self.attempts.client
+
+    @client.setter
+    def client(self, client: httpx.Client) -> None:
+        self.attempts.client = client
+
     def redact(self, text: str) -> str:
         for s in self._secrets:
             text = text.replace(s, "***")
@@ -197,121 +167,15 @@ class HTTPScorer:
         if self.metrics is not None:
             self.metrics.breaker(state, opened)
 
-    def _record(self, outcome: str, t0: float) -> None:
-        if self.metrics is not None:
-            self.metrics.record(outcome, time.perf_counter() - t0)
-
     def _post(self, chunk: Sequence[RewardSample], abort: threading.Event | None = None) -> list[float]:
-        """The rewards of `chunk` (one request, retried). `abort` is set when a request of the same
-        call failed: then this one is not sent (again)."""
+        """The rewards of `chunk` (one request, retried: `HTTPAttempts`). `abort` is set when a
+        request of the same call failed: then this one is not sent (again)."""
         try:
-            return self._attempts(chunk, abort or threading.Event())
+            return self.attempts.rewards(chunk, abort or threading.Event())
         except Exception:
             if abort is not None:
                 abort.set()
             raise
-
-    def _attempts(self, chunk: Sequence[RewardSample], abort: threading.Event) -> list[float]:
-        body = json.dumps(
-            {
-                "query": [s.prompt + s.response for s in chunk],
-                "prompts": [s.prompt for s in chunk],
-                "labels": [s.label for s in chunk],
-            },
-            ensure_ascii=False,
-        ).encode()
-        key = hash(body)  # the breaker counts a body's failures that may be its own once
-        last_error, delay, unreachable = "no attempt", self.backoff_s, False
-        for attempt in range(self.retries + 1):
-            if abort.is_set():
-                raise CancelledError()
-            try:
-                self.breaker.allow()
-            except RewardUnavailable:
-                if self.metrics is not None:
-                    self.metrics.refused()
-                raise
-            t0 = time.perf_counter()
-            wait = None  # the Retry-After of this answer, if it asks for one
-            try:
-                r = self.client.post(self.url, content=body, headers=JSON)
-            except httpx.TransportError as e:  # timeouts, refused or closed connections
-                self._record("transport_error", t0)
-                unreachable = True
-                last_error = self.redact(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-                self.breaker.failure(last_error, None if isinstance(e, UNREACHABLE) else key)
-            else:
-                code, unreachable = r.status_code, False
-                if code >= 500 or code == 429:
-                    self._record("http_error", t0)
-                    last_error = f"HTTP {code}"
-                    if code in (429, 503):
-                        wait = retry_after_s(r.headers.get("retry-after"))
-                        if wait is not None:
-                            last_error += f" (Retry-After {r.headers.get('retry-after')[:40]})"
-                    self.breaker.failure(last_error, None if code in (429, 503) else key)
-                elif code >= 400:
-                    self._record("http_error", t0)
-                    snippet = " ".join(self.redact(r.text[:4000]).split())[:200]  # redacted before it is cut
-                    if code in REFUSES_US:
-                        self.breaker.failure(f"HTTP {code}")
-                        raise RewardUnavailable(
-                            f"reward API {self.public_url} refuses the request: HTTP {code} "
-                            f"{snippet} (check reward.http_url and the token in "
-                            f"reward.http_auth_env)"
-                        )
-                    self.breaker.success()  # it is up, and judged this input
-                    raise RewardRejected(f"reward API {self.public_url} rejected the request: HTTP {code} {snippet}")
-                else:
-                    try:
-                        values = self._rewards(r, len(chunk))
-                    except ValueError as e:
-                        self._record("bad_answer", t0)
-                        msg = self.redact(f"{self.public_url} answered {e}")
-                        self.breaker.failure(msg, key)
-                        raise RewardAPIFailed(msg) from None
-                    self._record("ok", t0)
-                    self.breaker.success()
-                    return values
-            if attempt == self.retries:
-                break
-            if wait is not None:
-                pause = min(wait, self.retry_after_max_s)
-            else:
-                pause = delay = decorrelated_jitter(self._rng, self.backoff_s, self.max_backoff_s, delay)
-            log.info(
-                "reward API %s attempt %d/%d failed (%s); retrying in %.2fs",
-                self.public_url,
-                attempt + 1,
-                self.retries + 1,
-                last_error,
-                pause,
-            )
-            time.sleep(pause)
-        raise RewardAPIFailed(self._gave_up(last_error, unreachable))
-
-    def _gave_up(self, last_error: str, unreachable: bool) -> str:
-        """Why a request got no reward after its attempts, and what to check."""
-        attempts = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
-        check = (
-            "check that it is running and reachable at that URL (reward.http_url)" if unreachable else "check its log"
-        )
-        return f"{self.public_url} gave no reward after {attempts} ({last_error}); {check}"
-
-    def _rewards(self, r: httpx.Response, n: int) -> list[float]:
-        try:
-            answer = r.json()
-        except ValueError:
-            body = self.redact(r.text[:4000])[:100]  # redacted before it is cut
-            raise ValueError(f"HTTP {r.status_code} with a body that is not JSON: {body!r}") from None
-        rewards = answer.get("rewards") if isinstance(answer, dict) else None
-        if isinstance(rewards, (int, float)) and not isinstance(rewards, bool) and n == 1:
-            rewards = [rewards]
-        if not isinstance(rewards, list) or len(rewards) != n:
-            raise ValueError(
-                f"{len(rewards) if isinstance(rewards, list) else repr(rewards)[:100]} rewards for {n} samples"
-            )
-        return [_to_float(x, i) for i, x in enumerate(rewards)]
 
     def score(self, samples: Sequence[RewardSample]) -> list[ScoreResult]:
         """A reward for every sample, or an exception: never a part of the batch. After the first

@@ -69,15 +69,7 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
         evaluator = Evaluator(SingleTurn(backend, judge, backend.tokenizer, params), batch=max(1, 64 // n))
         return evaluator.rows(records, lambda done, total: say(f"  {done}/{total} prompts"))
 
-    rows = sample(prompts, plan.n, cfg.run.seed)
-    answers: dict[str, list[Judged]] = {}
-    for r in rows:
-        answers.setdefault(r["id"], []).append(Judged(r["response"], r["reward"]))
-    if plan.more:
-        apart = [p for p in prompts if _spread(answers[p.id]) >= plan.min_gap]
-        say(f"{len(apart)} prompts whose samples the judge told apart: {plan.more} samples more each")
-        for r in sample(apart, plan.more, cfg.run.seed + 1):
-            answers[r["id"]].append(Judged(r["response"], r["reward"]))
+    answers = _sampled_answers(prompts, plan, sample, cfg.run.seed, say)
     synthetic = _add_counterfactuals(prompts, answers, judge, plan.hard_negatives, random.Random(cfg.run.seed))
     rng = random.Random(cfg.run.seed)
     pairs = [
@@ -86,8 +78,35 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
         for c, r in cap_pairs(judged_pairs(answers[p.id], plan.min_gap), plan.max_pairs_per_prompt, rng)
     ]
     write_rows(out, pairs)
+    stats = _stats(prompts, answers, synthetic, pairs, t0)
+    say(
+        f"{stats['pairs']} pairs written to {out} from {stats['prompts_with_pairs']} of {len(prompts)} prompts "
+        f"({stats['hard_pairs']} hard: two answers of one form, different numbers); {stats['samples']} samples, "
+        f"mean reward {stats['reward_mean']:.3f}, {synthetic} counterfactuals judged; {stats['seconds']:.0f} s"
+    )
+    return stats
+
+
+def _sampled_answers(prompts, plan: PairPlan, sample, seed: int, say: Callable[[str], None]) -> dict[str, list[Judged]]:
+    """Hops 1 and 2: each prompt's judged samples, by prompt id (`sample(records, n, seed)` gives
+    the judged rows)."""
+    rows = sample(prompts, plan.n, seed)
+    answers: dict[str, list[Judged]] = {}
+    for r in rows:
+        answers.setdefault(r["id"], []).append(Judged(r["response"], r["reward"]))
+    if plan.more:
+        apart = [p for p in prompts if _spread(answers[p.id]) >= plan.min_gap]
+        say(f"{len(apart)} prompts whose samples the judge told apart: {plan.more} samples more each")
+        for r in sample(apart, plan.more, seed + 1):
+            answers[r["id"]].append(Judged(r["response"], r["reward"]))
+    return answers
+
+
+def _stats(prompts, answers: dict[str, list[Judged]], synthetic: int, pairs: list[dict], t0: float) -> dict:
+    """What `make_preferences` returns: prompts, samples (the policy's, scored), counterfactuals
+    judged, pairs (hard ones), prompts with pairs, the samples' mean reward, seconds since `t0`."""
     sampled = [a for a_s in answers.values() for a in a_s if not a.synthetic and math.isfinite(a.score)]
-    stats = {
+    return {
         "prompts": len(prompts),
         "samples": len(sampled),
         "counterfactuals": synthetic,
@@ -97,12 +116,6 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
         "reward_mean": sum(a.score for a in sampled) / max(1, len(sampled)),
         "seconds": round(time.monotonic() - t0, 1),
     }
-    say(
-        f"{stats['pairs']} pairs written to {out} from {stats['prompts_with_pairs']} of {len(prompts)} prompts "
-        f"({stats['hard_pairs']} hard: two answers of one form, different numbers); {stats['samples']} samples, "
-        f"mean reward {stats['reward_mean']:.3f}, {synthetic} counterfactuals judged; {stats['seconds']:.0f} s"
-    )
-    return stats
 
 
 def _spread(answers: list[Judged]) -> float:

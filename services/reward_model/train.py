@@ -17,7 +17,7 @@ What a run writes in `reward_model.out`:
     metrics.jsonl        one row per optimiser step (loss, accuracy, lr) and per held-out evaluation
     curves.png           training loss and accuracy per step, held-out accuracy per epoch
 
-It prints one line per step and one per held-out evaluation:
+It prints one line per step and one per held-out evaluation (what it prints and draws: report.py):
 
     step   12/120  epoch 1  loss 0.5512  acc 0.719  lr 9.8e-06  2.31 s/step  eta 4m09s
     held-out (epoch 1): pairwise accuracy 0.812 on 96 pairs (before training 0.479), loss 0.4410
@@ -41,8 +41,9 @@ from ..common.config import Config
 from ..common.model_files import check_model_dir, load_tokenizer, resolve_device, save_model_dir
 from ..common.modeling import bf16_autocast
 from ..common.reward_model_dir import reward_logits, reward_stats, write_ensemble
-from .measure import describe, measure, plot_calibration
+from .measure import describe, measure
 from .preferences import Preference, PreferenceKeys, load_preferences, split_held_out
+from .report import MetricsLog, fmt_s, held_out_line, held_out_stats, plan_line, report, report_ensemble, step_line
 
 log = logging.getLogger(__name__)
 STATS_PAIRS = 1024  # training pairs (drawn) the written model's mean, std and training accuracy are read on
@@ -179,11 +180,6 @@ def _schedule(optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _fmt_s(s: float) -> str:
-    m, s = divmod(int(s), 60)
-    return f"{m}m{s:02d}s"
-
-
 def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     """Train the reward model `cfg.reward_model` describes (or its ensemble); returns what
     reward_stats.json holds."""
@@ -194,6 +190,17 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     out = Path(rc.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
+    train, held_out = training_pairs(rc, base)
+    if rc.ensemble == 1:
+        write_ensemble(out, None)  # an ensemble written here before would go on being served
+        stats, _ = train_one(cfg, base, rc.seed, out, train, held_out, say)
+        return stats
+    return train_ensemble(cfg, base, out, train, held_out, say, t_start)
+
+
+def training_pairs(rc, base: str) -> tuple[list[Preference], list[Preference]]:
+    """The training and held-out pairs (`reward_model.eval`, else a share of the training ones),
+    those longer than `max_length` dropped, `reward_model.margin` added to each pair's margin."""
     tokenizer = load_tokenizer(str(check_model_dir(base)))
     keys = PreferenceKeys(rc.prompt_key, rc.chosen_key, rc.rejected_key, rc.margin_key)
     pairs = load_preferences(rc.train, "train", keys, tokenizer, rc.chat_template)
@@ -205,10 +212,22 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
     held_out = drop_long(held_out, tokenizer, rc.max_length, "held-out") if held_out else []
     for p in train + held_out:
         p.margin += rc.margin
-    if rc.ensemble == 1:
-        write_ensemble(out, None)  # an ensemble written here before would go on being served
-        stats, _ = train_one(cfg, base, rc.seed, out, train, held_out, say)
-        return stats
+    return train, held_out
+
+
+def train_ensemble(
+    cfg: Config,
+    base: str,
+    out: Path,
+    train: list[Preference],
+    held_out: list[Preference],
+    say: Callable[[str], None],
+    t_start: float,
+) -> dict:
+    """`reward_model.ensemble` reward models, member i trained with seed + i into out/member-i,
+    then measured together on the held-out pairs as the reward server combines them; returns what
+    reward_stats.json holds (`t_start`: when the run began)."""
+    rc = cfg.reward_model
     scores, names = [], []
     for i in range(rc.ensemble):
         names.append(f"member-{i}")
@@ -218,42 +237,21 @@ def train_reward_model(cfg: Config, say: Callable[[str], None] = print) -> dict:
             mean, std = reward_stats(out / names[-1])
             scores.append(((held["chosen"] - mean) / std, (held["rejected"] - mean) / std))
     write_ensemble(out, names)
-    stats = {"members": names, "train_pairs": len(train), "held_out_pairs": len(held_out), "base": base}
+    stats: dict = {"members": names, "train_pairs": len(train), "held_out_pairs": len(held_out), "base": base}
     if scores:
         penalty = cfg.reward.ensemble_penalty
         chosen, rejected = (torch.stack([s[k] for s in scores]) for k in (0, 1))
         combined = [x.mean(0) - penalty * x.std(0, unbiased=False) for x in (chosen, rejected)]
         measured = measure(held_out, *combined)
-        stats.update(_held_out_stats(measured), ensemble_penalty=penalty)
-        say(f"the ensemble on the held-out pairs (mean - {penalty:g} x std of the members' normalised scores):")
-        for line in describe(measured):
-            say("  " + line)
-        if measured["calibration"]:
-            _draw(lambda: plot_calibration(measured, out / "calibration.png"), say)
+        stats.update(held_out_stats(measured), ensemble_penalty=penalty)
+        report_ensemble(measured, penalty, out, say)
     stats["seconds"] = round(time.monotonic() - t_start, 1)
     (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     say(
-        f"ensemble of {rc.ensemble} reward models written to {out} in {_fmt_s(stats['seconds'])}; serve it with "
+        f"ensemble of {rc.ensemble} reward models written to {out} in {fmt_s(stats['seconds'])}; serve it with "
         f"reward.type: model, reward.model_path: {out} (reward.ensemble_penalty: {cfg.reward.ensemble_penalty:g})"
     )
     return stats
-
-
-def _held_out_stats(m: dict) -> dict:
-    return {
-        "held_out_accuracy": m["accuracy"],
-        "held_out_hard_accuracy": m["hard_accuracy"],
-        "held_out_hard_pairs": m["hard_pairs"],
-        "held_out_auc": m["auc"],
-        "calibration": m["calibration"],
-    }
-
-
-def _draw(plot: Callable[[], None], say: Callable[[str], None]) -> None:
-    try:
-        plot()
-    except Exception as e:  # a missing plotting library never loses the model
-        say(f"warning: could not draw: {e}")
 
 
 def train_one(
@@ -272,25 +270,53 @@ def train_one(
     t_start = time.monotonic()
     rm = RewardModel(base, seed, rc.lora, rc.gradient_checkpointing, str(resolve_device(cfg.model.device)))
     steps_per_epoch = max(1, len(train) // rc.batch_size)
-    total = steps_per_epoch * rc.epochs
-    say(_plan(base, train, held_out, rc, steps_per_epoch, rm.lora))
-    rows: list[dict] = []
-    metrics = (out / "metrics.jsonl").open("w")
-
-    def record(row: dict) -> None:
-        rows.append(row)
-        metrics.write(json.dumps(row) + "\n")
-        metrics.flush()
+    say(plan_line(base, train, held_out, rc, steps_per_epoch, rm.lora))
+    metrics = MetricsLog(out / "metrics.jsonl")
 
     def held_out_eval(epoch: int, step: int) -> dict:
         e, row = _held_out_eval(rm, held_out, rc, epoch, step)
-        record(row)
+        metrics.record(row)
         return e
 
     before = None
     if held_out:
         before = held_out_eval(0, 0)
         say(f"held-out before training: {describe(before['measured'])[0]}, loss {before['loss']:.4f}")
+    evaluate = held_out_eval if held_out else None
+    step, last = _epochs(rm, train, rc, seed, steps_per_epoch, metrics.record, evaluate, before, say)
+    metrics.close()
+    rm.save(out)  # the statistics below are the written model's
+    stats = {
+        **answer_stats(rm, train, seed, rc.micro_batch_size * 2),
+        "held_out_accuracy_before": before["accuracy"] if before else None,
+        **(held_out_stats(last["measured"]) if last else {"held_out_accuracy": None}),
+        "train_pairs": len(train),
+        "held_out_pairs": len(held_out),
+        "steps": step,
+        "base": base,
+        "seed": seed,
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    report(out, metrics.rows, last, stats, say)
+    return stats, last
+
+
+def _epochs(
+    rm: RewardModel,
+    train: list[Preference],
+    rc,
+    seed: int,
+    steps_per_epoch: int,
+    record: Callable[[dict], None],
+    held_out_eval: Callable[[int, int], dict] | None,
+    before: dict | None,
+    say: Callable[[str], None],
+) -> tuple[int, dict | None]:
+    """The training: each epoch a pass over `train` shuffled (by `seed`), in steps of
+    `rc.batch_size` pairs (the rest left out), each step's row `record`ed; after each epoch the
+    held-out evaluation (when there are held-out pairs). The steps taken and the last evaluation."""
+    total = steps_per_epoch * rc.epochs
     optimizer = torch.optim.AdamW(rm.param_groups(rc.lr, rc.head_lr, rc.weight_decay), lr=rc.lr)
     scheduler = _schedule(optimizer, rc.warmup_steps, total)
     rng = random.Random(seed)
@@ -306,33 +332,11 @@ def train_one(
             per_step = (time.monotonic() - t0) / step
             row.update(step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"])
             record(row)
-            say(
-                f"step {step:4d}/{total}  epoch {epoch}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
-                f"lr {row['lr']:.1e}  {per_step:.2f} s/step  eta {_fmt_s(per_step * (total - step))}"
-            )
-        if held_out:
+            say(step_line(row, total, per_step))
+        if held_out_eval is not None:
             last = held_out_eval(epoch, step)
-            say(
-                f"held-out (epoch {epoch}): {describe(last['measured'])[0]}"
-                + (f" (before training {before['accuracy']:.3f})" if before else "")
-                + f", loss {last['loss']:.4f}"
-            )
-    metrics.close()
-    rm.save(out)  # the statistics below are the written model's
-    stats = {
-        **answer_stats(rm, train, seed, rc.micro_batch_size * 2),
-        "held_out_accuracy_before": before["accuracy"] if before else None,
-        **(_held_out_stats(last["measured"]) if last else {"held_out_accuracy": None}),
-        "train_pairs": len(train),
-        "held_out_pairs": len(held_out),
-        "steps": step,
-        "base": base,
-        "seed": seed,
-        "seconds": round(time.monotonic() - t_start, 1),
-    }
-    (out / "reward_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    _report(out, rows, last, stats, say)
-    return stats, last
+            say(held_out_line(epoch, last, before))
+    return step, last
 
 
 def _held_out_eval(rm: RewardModel, held_out: list[Preference], rc, epoch: int, step: int) -> tuple[dict, dict]:
@@ -343,17 +347,6 @@ def _held_out_eval(rm: RewardModel, held_out: list[Preference], rc, epoch: int, 
     if e["measured"]["hard_accuracy"] is not None:
         row["eval/hard_accuracy"] = e["measured"]["hard_accuracy"]
     return e, row
-
-
-def _plan(base: str, train: list, held_out: list, rc, steps_per_epoch: int, lora: bool) -> str:
-    hard = sum(p.hard for p in held_out)
-    return (
-        f"reward model on {base}: {len(train)} training pairs, {len(held_out)} held out"
-        + (f" ({hard} hard)" if hard else "")
-        + f"; {rc.epochs} epoch(s) of {steps_per_epoch} steps of {rc.batch_size} pairs"
-        + (", LoRA" if lora else "")
-        + (", bf16" if rc.bf16 else "")
-    )
 
 
 def answer_stats(rm: RewardModel, train: list[Preference], seed: int, batch: int) -> dict:
@@ -373,20 +366,6 @@ def answer_stats(rm: RewardModel, train: list[Preference], seed: int, batch: int
     }
 
 
-def _report(out: Path, rows: list[dict], last: dict | None, stats: dict, say: Callable[[str], None]) -> None:
-    """The curves and calibration drawn, the held-out measures and where the model is, printed."""
-    _draw(lambda: plot_rm_curves(rows, out / "curves.png"), say)
-    if last:
-        for line in describe(last["measured"])[1:]:
-            say(line)
-        if last["measured"]["calibration"]:
-            _draw(lambda: plot_calibration(last["measured"], out / "calibration.png"), say)
-    say(
-        f"reward model written to {out} in {_fmt_s(stats['seconds'])}: reward mean {stats['mean']:.3f}, std "
-        f"{stats['std']:.3f} on its training pairs; serve it with reward.type: model, reward.model_path: {out}"
-    )
-
-
 def _step(rm: RewardModel, batch: list[Preference], optimizer, rc) -> dict:
     """One optimiser step on `batch` (micro-batches accumulate): its loss, accuracy, gradient norm."""
     rm.model.train()
@@ -403,29 +382,3 @@ def _step(rm: RewardModel, batch: list[Preference], optimizer, rc) -> dict:
     grad_norm = torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0).item()
     optimizer.step()
     return {"loss": loss_sum / len(batch), "accuracy": right / len(batch), "grad_norm": grad_norm}
-
-
-def plot_rm_curves(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval/accuracy" in r]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="pairwise loss (train batch)")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("loss")
-    ax1.grid(alpha=0.3)
-    ax1.legend()
-    ax2.plot([r["step"] for r in steps], [r["accuracy"] for r in steps], alpha=0.5, label="train batch accuracy")
-    ax2.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="held-out accuracy")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("pairwise accuracy")
-    ax2.set_ylim(0, 1)
-    ax2.grid(alpha=0.3)
-    ax2.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)

@@ -13,7 +13,7 @@
     evaluate()                          the held-out eval (in-process, or through a generation server)
 
 and, where the learner service needs them: `checkpoint(iteration, tick)` (its own checkpoint in
-place of the policy directory), `observe(iteration, metrics)` (each iteration's metrics),
+place of the policy directory, policy_checkpoints.py), `observe(iteration, metrics)` (each iteration's metrics),
 `judged(verdict)` (each verdict of the reward-hacking watch), `phase` (the phase it is in).
 
 One iteration: collect, the PPO step (`learner.step`; the critic trains in it), publish, feed the
@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from ..common.checkpoints import checkpoint_dir, checkpoints_root
 from ..common.types import Rollout
 from .evaluate import write_rows
+from .policy_checkpoints import PolicyCheckpoints
 from .runlog import RunLog
 from .schedule import Schedule, Tick
 from .watch import HackingWatch, Verdict, judge
@@ -104,6 +103,23 @@ class Phase:
             self._on_change(name)
 
 
+def best_so_far(run_dir: Path) -> float:
+    """The held-out reward of the policy kept in `best/` (best.json), or -inf when none is."""
+    best = run_dir / "best" / "best.json"
+    return json.loads(best.read_text())["eval/reward_mean"] if best.exists() else float("-inf")
+
+
+def check_rollback(cfg: Config, learner: Trainer) -> None:
+    """run.on_gold_drop: rollback needs what it loads back: best/ (run.save_best), into a
+    one-process learner without LoRA."""
+    if cfg.run.gold_drop is not None and cfg.run.on_gold_drop == "rollback":
+        if getattr(learner, "lora", False) or getattr(learner, "sharded", False) or not cfg.run.save_best:
+            raise ValueError(
+                "run.on_gold_drop: rollback loads best/ back into a one-process learner without LoRA "
+                "(run.save_best on); use run.on_gold_drop: stop here"
+            )
+
+
 class TrainingLoop:
     """The loop's state (iteration, baseline, the last train and eval rewards, the watch) and the
     loop. `time_eval`: the eval's time is reported (`time/eval_s`) and counted in
@@ -137,8 +153,9 @@ class TrainingLoop:
         self.log = logger or log
         self.learner, self.critic, self.tokenizer = learner, critic, tokenizer
         self.source, self.sink, self.evaluate = source, sink, evaluate
-        self._keep_state = keep_state
-        self.checkpoint = checkpoint or self.checkpoint_policy
+        self.checkpoint = checkpoint or PolicyCheckpoints(
+            cfg, self.run_dir, learner, tokenizer, keep_state, self.loop_state
+        )
         self._observe, self._judged = observe, judged
         self.phase = phase or Phase()
         self.stop_event, self.time_eval = stop_event, time_eval
@@ -147,30 +164,12 @@ class TrainingLoop:
         self.baseline: float | None = None
         self.last = {"reward": float("nan"), "eval": float("nan")}
         self.runlog: RunLog | None = None
-        best = self.run_dir / "best" / "best.json"  # a resumed run keeps its best
-        self.best = json.loads(best.read_text())["eval/reward_mean"] if best.exists() else float("-inf")
+        self.best = best_so_far(self.run_dir)  # a resumed run keeps its best
         self.halted: str | None = None  # why the run stops before its last iteration (run.on_gold_drop)
         self.rollbacks = 0  # of run.on_gold_drop: rollback so far
-        if cfg.run.gold_drop is not None and cfg.run.on_gold_drop == "rollback":
-            if getattr(learner, "lora", False) or getattr(learner, "sharded", False) or not cfg.run.save_best:
-                raise ValueError(
-                    "run.on_gold_drop: rollback loads best/ back into a one-process learner without LoRA "
-                    "(run.save_best on); use run.on_gold_drop: stop here"
-                )
+        check_rollback(cfg, learner)
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_policy(self, iteration: int, tick: Tick) -> None:
-        """The policy alone, as a Hugging Face directory under checkpoints/ (the last one is
-        `final/`); the newest run.keep_checkpoints are kept. With `keep_state` (a resumable run),
-        the last iteration is checkpointed too: a later run with more iterations goes on from it."""
-        if not tick.last or self._keep_state is not None:
-            root, path = checkpoints_root(self.run_dir), checkpoint_dir(self.run_dir, iteration)
-            self.learner.save_policy(path, self.tokenizer)
-            if self._keep_state is not None:
-                self._keep_state(path, self.loop_state())
-            for old in sorted(root.glob("iter_*"))[: -self.cfg.run.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-
     def loop_state(self) -> dict:
         """The loop's own state, what a resumed run restores with `load_loop_state`."""
         return {
@@ -261,21 +260,7 @@ class TrainingLoop:
             if batch is None:
                 stopped, it = True, it - 1
                 break
-            t1 = time.perf_counter()
-            self.phase.enter("training")
-            metrics = dict(batch.metrics)
-            metrics.update(self.learner.step(batch.rollout, self.critic))
-            t2 = time.perf_counter()
-            self.phase.enter("pushing")
-            self.learner.policy_version, pushed = self.sink.publish(self.learner)
-            metrics.update(pushed)
-            self.iteration = it
-            metrics.update({self.source.wait_metric: t1 - t0, "time/train_s": t2 - t1})
-            metrics.update(self.source.trained(batch, it))
-            metrics.update({"data/epoch": self.source.data_epoch, "policy/version": self.learner.policy_version})
-            if not self.time_eval:
-                metrics["time/iteration_s"] = time.perf_counter() - t0
-            self.watch.train(metrics.get("reward/score_mean", nan))
+            metrics = self._trained(it, batch, t0)
             tick = schedule.at(it)
             if tick.evaluate:
                 t3 = time.perf_counter()
@@ -302,6 +287,26 @@ class TrainingLoop:
                 stopped = True
                 break
         return it, stopped
+
+    def _trained(self, it: int, batch: Batch, t0: float) -> dict:
+        """Iteration `it` on `batch` (collected since `t0`): the PPO step, the new policy published,
+        the batch trained; the iteration's metrics so far, the train reward to the watch."""
+        t1 = time.perf_counter()
+        self.phase.enter("training")
+        metrics = dict(batch.metrics)
+        metrics.update(self.learner.step(batch.rollout, self.critic))
+        t2 = time.perf_counter()
+        self.phase.enter("pushing")
+        self.learner.policy_version, pushed = self.sink.publish(self.learner)
+        metrics.update(pushed)
+        self.iteration = it
+        metrics.update({self.source.wait_metric: t1 - t0, "time/train_s": t2 - t1})
+        metrics.update(self.source.trained(batch, it))
+        metrics.update({"data/epoch": self.source.data_epoch, "policy/version": self.learner.policy_version})
+        if not self.time_eval:
+            metrics["time/iteration_s"] = time.perf_counter() - t0
+        self.watch.train(metrics.get("reward/score_mean", float("nan")))
+        return metrics
 
     def finish(self, iterations: int, wall_s: float, critic_dir: str | Path, **extra) -> dict:
         """The final policy (`final/`), the critic's (`critic_dir`), summary.json; the summary."""

@@ -1,7 +1,8 @@
-"""Weights over gRPC, the receiver's end: a push stream's pieces decoded without a copy
-(`WeightChunkDecoder`, the PushWeights deserializer) and collected into a checked state dict
-(`assemble_weights`: every piece's checksum, exact coverage of every tensor, finite floats, the
-header's fence; a DELTA decoded against the base this server holds). The sender's end is stream.py."""
+"""Weights over gRPC, the receiver's end: a push stream's pieces (decoded without a copy by
+`WeightChunkDecoder`, the PushWeights deserializer in decoder.py) collected into a checked state
+dict (`assemble_weights`: every piece's checksum, exact coverage of every tensor, finite floats,
+the header's fence; a DELTA decoded against the base this server holds). The sender's end is
+stream.py."""
 
 from __future__ import annotations
 
@@ -20,99 +21,6 @@ from ..common.rpc.gen import common_pb2 as pb
 from . import delta
 from .check import all_finite, check_coverage, check_header, check_tensor
 from .protocol import STREAM_FORMATS, InOrder, PushKind, raw_view, xxhash
-
-
-def _read_varint(buf, i: int, end: int) -> tuple[int, int]:
-    shift = value = 0
-    while i < end and shift < 64:
-        b = buf[i]
-        value |= (b & 0x7F) << shift
-        i += 1
-        if not b & 0x80:
-            return value, i
-        shift += 7
-    raise ValueError("bad varint")
-
-
-class _PieceView:
-    """A `WeightChunk` holding a piece, decoded without copying its data: the metadata is a
-    `TensorPiece` (parsed by protobuf from the message without its data field) and `piece.data`
-    a memoryview of the received message's bytes."""
-
-    __slots__ = ("piece",)
-
-    def __init__(self, piece):
-        self.piece = piece
-
-    @staticmethod
-    def WhichOneof(group: str) -> str:  # the protobuf name
-        return "piece"
-
-
-class _PieceMeta:
-    __slots__ = ("_m", "data")
-
-    def __init__(self, m: pb.TensorPiece, data: memoryview):
-        self._m, self.data = m, data
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
-
-
-class WeightChunkDecoder:
-    """The PushWeights request deserializer: `FromString(raw)` is `WeightChunk.FromString(raw)`,
-    except that a piece's data is not copied (twice: into protobuf's arena, and again on every
-    read of the field) but handed on as a memoryview of `raw`. Only the plain layout (one piece
-    field filling the message, at most one data field, known wire types) takes the fast path;
-    anything else is parsed by protobuf itself, so what is accepted or refused is unchanged."""
-
-    DESCRIPTOR = pb.WeightChunk.DESCRIPTOR  # the message's name in decode errors
-
-    def FromString(self, raw: bytes):  # as protobuf's
-        try:
-            view = self._fast(raw)
-        except Exception:  # whatever is wrong, protobuf says it in its own words below
-            view = None
-        return view if view is not None else pb.WeightChunk.FromString(raw)
-
-    @staticmethod
-    def _fast(raw: bytes):
-        if len(raw) < (1 << 16) or raw[0] != 0x12:  # small messages: protobuf is as fast
-            return None
-        size, i = _read_varint(raw, 1, len(raw))
-        end = len(raw)
-        if i + size != end:
-            return None
-        start, data = i, None
-        while i < end:
-            tag, j = _read_varint(raw, i, end)
-            field, wire = tag >> 3, tag & 7
-            if wire == 0:
-                _, j = _read_varint(raw, j, end)
-            elif wire == 2:
-                n, j = _read_varint(raw, j, end)
-                if j + n > end:
-                    return None
-                if field == 6:
-                    if data is not None:
-                        return None
-                    data = (i, j, j + n)  # the field starts at i, its bytes are [j, j + n)
-                j += n
-            elif wire == 5:
-                j += 4
-            elif wire == 1:
-                j += 8
-            else:
-                return None
-            if j > end:
-                return None
-            i = j
-        if data is None:
-            return None
-        mv = memoryview(raw)
-        meta = pb.TensorPiece.FromString(bytes(mv[start : data[0]]) + bytes(mv[data[2] : end]))
-        return _PieceView(_PieceMeta(meta, mv[data[1] : data[2]]))
-
 
 MAX_EMPTY_SPAN = 1 << 30  # what an empty tensor's other dimensions may span however small the push
 
@@ -223,11 +131,10 @@ class _Assembly:
         self.meta: dict[str, tuple[str, tuple, int]] = {}
         self.spans: dict[str, list[list[int]]] = {}
         self.filled: dict[str, int] = {}
-        self.digest = hashlib.sha256()
+        self.sums = _Checksums()
         self.nonfinite: set[str] = set()
         self.received = self.allocated = 0
         self.wire = 0  # bytes of the pieces' data as they came (a delta's are encoded)
-        self.xxh3: bool | None = None  # whether this push's pieces carry xxh3 (decided by its first piece)
         self.worker = InOrder(depth=4)  # holds at most a few pieces' data
 
     def take_header(self, header: pb.WeightHeader) -> None:
@@ -267,14 +174,14 @@ class _Assembly:
         n = len(data)
         if p.raw_bytes not in (0, n):
             raise BadRequest(f"weights.piece[{p.name}].raw_bytes: {p.raw_bytes} in a RAW piece of {n} bytes")
-        self._check_sum(p, data)
+        self.sums.check(p, data)
         name = p.name
         self._take_meta(p, header)
         self._place(p, n)
         if n:
             self.views[name][p.offset : p.offset + n] = np.frombuffer(data, dtype=np.uint8)
-        if not self.xxh3:
-            self.worker.submit(partial(self.digest.update, data))
+        if not self.sums.xxh3:
+            self.worker.submit(partial(self.sums.digest.update, data))
         self._filled(p, n, n)
 
     def _take_meta(self, p: pb.TensorPiece, header: pb.WeightHeader) -> None:
@@ -324,7 +231,7 @@ class _Assembly:
             raise BadRequest(
                 f"{where}.encoding: XOR_PLANES_ZSTD in a {header.format!r} push (only 'delta' has encoded pieces)"
             )
-        self._sum_kind(p)
+        self.sums.kind(p)
         self._take_meta(p, header)
         n = int(p.raw_bytes)
         if n <= 0:
@@ -341,31 +248,9 @@ class _Assembly:
 
     def _decode(self, p, data, n: int, itemsize: int, old: np.ndarray, out: np.ndarray, where: str) -> None:
         delta.decode(data, n, itemsize, int(p.offset), old, out, where)
-        self._verify_sum(p, out)
-        if not self.xxh3:
-            self.digest.update(out.data)
-
-    def _check_sum(self, p: pb.TensorPiece, data) -> None:
-        """The piece's xxh3_64, or its crc32 (one kind per push, decided by its first piece)."""
-        self._sum_kind(p)
-        self._verify_sum(p, data)
-
-    def _sum_kind(self, p: pb.TensorPiece) -> None:
-        """xxh3 on every piece of a push, or on none (then crc32 and the footer's sha256)."""
-        has_xxh3 = p.HasField("xxh3")
-        if self.xxh3 is None:
-            self.xxh3 = has_xxh3
-            if has_xxh3 and xxhash is None:
-                raise BadRequest("weights.piece.xxh3: this server cannot check xxh3_64 (install xxhash)")
-        elif has_xxh3 != self.xxh3:
-            raise BadRequest(f"weights.piece[{p.name}]: xxh3 on some pieces of a push and not on others")
-
-    def _verify_sum(self, p: pb.TensorPiece, data) -> None:
-        if self.xxh3:
-            if xxhash.xxh3_64_intdigest(data) != p.xxh3:
-                raise BadRequest(f"weights.piece[{p.name}]: xxh3 mismatch at offset {p.offset}")
-        elif zlib.crc32(data) != p.crc32:
-            raise BadRequest(f"weights.piece[{p.name}]: crc32 mismatch at offset {p.offset}")
+        self.sums.verify(p, out)
+        if not self.sums.xxh3:
+            self.sums.digest.update(out.data)
 
     def _allocate(self, p: pb.TensorPiece, header: pb.WeightHeader) -> None:
         """A tensor's first piece: its declared name, shape, dtype and size checked, then its
@@ -400,12 +285,7 @@ class _Assembly:
         header, footer = self.header, self.footer
         if header is None or footer is None:
             raise BadRequest("weights: the push ended without " + ("a header" if header is None else "a footer"))
-        if self.xxh3:
-            if footer.sha256:
-                raise BadRequest("weights.footer.sha256: set in a push whose pieces carry xxh3")
-        elif footer.sha256 != self.digest.hexdigest() and not (self.xxh3 is None and not footer.sha256):
-            # (xxh3 None: no piece came)
-            raise BadRequest("weights.footer.sha256: checksum mismatch; the push is incomplete or corrupt")
+        self.sums.check_footer(footer)
         if len(self.buffers) != header.num_tensors:
             raise BadRequest(f"weights: {len(self.buffers)} tensors received, header announced {header.num_tensors}")
         if self.specs is not None:
@@ -435,3 +315,43 @@ class _Assembly:
                 f"weights.piece[{name}]: {self.filled[name]} of {size} bytes received; "
                 f"bytes [{hole[0]}, {hole[1]}) missing"
             )
+
+
+class _Checksums:
+    """One push's checksums: xxh3_64 on every piece, or on none (then crc32 on every piece and the
+    footer's sha256 of all their data, in stream order), as its first piece decides."""
+
+    def __init__(self):
+        self.digest = hashlib.sha256()
+        self.xxh3: bool | None = None  # whether this push's pieces carry xxh3 (decided by its first piece)
+
+    def check(self, p: pb.TensorPiece, data) -> None:
+        """The piece's xxh3_64, or its crc32 (one kind per push, decided by its first piece)."""
+        self.kind(p)
+        self.verify(p, data)
+
+    def kind(self, p: pb.TensorPiece) -> None:
+        """xxh3 on every piece of a push, or on none (then crc32 and the footer's sha256)."""
+        has_xxh3 = p.HasField("xxh3")
+        if self.xxh3 is None:
+            self.xxh3 = has_xxh3
+            if has_xxh3 and xxhash is None:
+                raise BadRequest("weights.piece.xxh3: this server cannot check xxh3_64 (install xxhash)")
+        elif has_xxh3 != self.xxh3:
+            raise BadRequest(f"weights.piece[{p.name}]: xxh3 on some pieces of a push and not on others")
+
+    def verify(self, p: pb.TensorPiece, data) -> None:
+        if self.xxh3:
+            if xxhash.xxh3_64_intdigest(data) != p.xxh3:
+                raise BadRequest(f"weights.piece[{p.name}]: xxh3 mismatch at offset {p.offset}")
+        elif zlib.crc32(data) != p.crc32:
+            raise BadRequest(f"weights.piece[{p.name}]: crc32 mismatch at offset {p.offset}")
+
+    def check_footer(self, footer: pb.WeightFooter) -> None:
+        """The footer's sha256: of every piece's data when the pieces carry no xxh3, else none."""
+        if self.xxh3:
+            if footer.sha256:
+                raise BadRequest("weights.footer.sha256: set in a push whose pieces carry xxh3")
+        elif footer.sha256 != self.digest.hexdigest() and not (self.xxh3 is None and not footer.sha256):
+            # (xxh3 None: no piece came)
+            raise BadRequest("weights.footer.sha256: checksum mismatch; the push is incomplete or corrupt")

@@ -2,7 +2,7 @@
 version is taken only from the run's learner, `LearnerFence`), a version received (the gRPC
 stream, `apply_chunks`; a file in shared memory, `apply_shared`; a late server's `pull` from the
 learner), checked, and swapped into the backend atomically between batches, one update at a time,
-each wait bounded by the call's deadline.
+each wait bounded by the call's deadline (the waits and the swap itself: swap.py).
 
 The generation server is a thin adapter over `WeightReceiver`: its RPCs call it, and it hands the
 receiver its backend, its compute thread (`run(fn, timeout=)`: fn runs between batches; a run that
@@ -11,6 +11,7 @@ has not started within `timeout` is withdrawn and raises a TimeoutError) and its
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -29,6 +30,7 @@ from .assemble import assemble_weights
 from .check import check_newer
 from .protocol import COMPLETE_FORMATS
 from .shm import Probe, open_shared_weights
+from .swap import Swapper, Waits
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -111,8 +113,6 @@ class WeightReceiver:
     (`delta_base`; none after a restart, a partial version or one from shared memory). A server
     advertises it (`delta_base_key`), and the learner sends it only what changed since."""
 
-    NO_DEADLINE_S = 1e7  # what gRPC reports as the time left of a call without a deadline is beyond this
-
     def __init__(
         self,
         backend,
@@ -125,6 +125,7 @@ class WeightReceiver:
     ):
         self.backend, self.run, self.cfg, self.fence, self.probe = backend, run, cfg, fence, probe
         self.readiness = readiness  # the RPC server (set_ready, liveness), or None
+        self.swapper = Swapper(run, readiness, backend)  # the swap, between batches on `run`
         self.on_applied = on_applied  # told of each version applied (the server's metrics)
         self.base = f"model:{cfg.model.path}"
         self.lock = threading.Lock()  # one update at a time
@@ -225,88 +226,37 @@ class WeightReceiver:
             )
             return False
 
-    def budget(self, context) -> float:
-        """Seconds a weight update may wait: the call's remaining deadline; rpc.timeout_s for a
-        pull (no call) or a call without a deadline."""
-        remaining = context.time_remaining() if context is not None else None
-        if remaining is None or remaining > self.NO_DEADLINE_S:
-            return self.cfg.rpc.timeout_s
-        return max(float(remaining), 0.0)
-
-    @staticmethod
-    def _timed_out(what: str, peer: str, phase: str, t0: float, budget: float, why: str) -> DeadlineExceeded:
-        msg = wait_failed(what, peer, phase, DeadlineExceeded(why), time.monotonic() - t0, budget)
-        log.warning("%s", msg)
-        return DeadlineExceeded(msg)
-
     def _apply(self, source, via: str = "stream", context=None, origin: str = "", owned: bool = False) -> Applied:
         """One update at a time (`owned`: the source's tensors are this receiver's to keep, as a
-        delta base). Each wait ends with the call's deadline (`budget`), naming its
+        delta base). Each wait ends with the call's deadline (`Waits`), naming its
         phase and the peer: for an earlier update to finish ('wait-for-previous-update'), the
         stream itself (gRPC ends it at the deadline), for the running batch before the swap
         ('swap'; a swap that has not started by then is withdrawn, nothing changes)."""
-        t0, t_mono = time.perf_counter(), time.monotonic()
-        budget = self.budget(context)
-        peer = origin or (context.peer() if context is not None else "?")
-        server = self.readiness
-        if not self.lock.acquire(timeout=budget):
-            raise self._timed_out(
+        t0 = time.perf_counter()
+        waits = Waits(context, self.cfg.rpc.timeout_s, origin)
+        if not self.lock.acquire(timeout=waits.budget):
+            raise waits.passed(
                 f"weight update ({via}) from",
-                peer,
                 "wait-for-previous-update",
-                t_mono,
-                budget,
                 "another weight update held this server for the whole deadline",
             )
         try:
             with source() as (policy_version, fmt, state, nbytes, header):
-                started: list[float] = []
-
-                def swap():
-                    started.append(time.perf_counter())
-                    self._swap(policy_version, fmt, state, header, owned)
-                    started.append(time.perf_counter())
-
-                if server:
-                    server.set_ready(False)  # alive, not ready, while the swap waits for the batch
-                t_queued = time.perf_counter()
-                try:
-                    self.run(swap, timeout=max(budget - (time.monotonic() - t_mono), 0.0))
-                except TimeoutError as e:
-                    if started:
-                        raise
-                    raise self._timed_out(
-                        f"weight update v{policy_version} ({via}) from",
-                        peer,
-                        "swap",
-                        t_mono,
-                        budget,
-                        f"not applied: {e}",
-                    ) from None
-                except BadRequest:
-                    raise
-                except (KeyError, ValueError) as e:
-                    raise BadRequest(f"weights: {e}") from None
-                finally:
-                    state.clear()  # shared memory: the views go now, so the file unmaps without waiting for them
-                    if server and not self.backend.broken:
-                        server.set_ready(True)  # a broken engine stays not ready, and fails liveness
-                    elif server:
-                        server.liveness()  # says why now, not at the next probe
+                wait_s, swap_s = self.swapper.swap(
+                    functools.partial(self._swap, policy_version, fmt, state, header, owned),
+                    state,
+                    waits,
+                    f"weight update v{policy_version} ({via}) from",
+                )
         except grpc.RpcError:  # reading the pushed stream: gRPC ended the call (its deadline, a cancel)
             if context is not None and not context.is_active():
-                raise self._timed_out(
-                    f"weight update ({via}) from",
-                    peer,
-                    "stream",
-                    t_mono,
-                    budget,
-                    "the call ended before the whole stream came",
+                raise waits.passed(
+                    f"weight update ({via}) from", "stream", "the call ended before the whole stream came"
                 ) from None
             raise
         finally:
             self.lock.release()
-        secs, wait_s, swap_s = time.perf_counter() - t0, started[0] - t_queued, started[1] - started[0]
+        secs = time.perf_counter() - t0
         return self._applied(Applied(policy_version, nbytes, secs, wait_s, swap_s), fmt, via)
 
     def _swap(self, policy_version: int, fmt: str, state: dict, header, owned: bool) -> None:

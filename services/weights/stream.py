@@ -77,18 +77,7 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], spec: StreamSpec) -> 
         if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"dtype {t.dtype} cannot go on the wire")
     olds = None if base is None else _base_views(tensors, base)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    yield pb.WeightChunk(
-        header=pb.WeightHeader(
-            policy_version=spec.policy_version,
-            format=str(spec.kind),
-            num_tensors=len(tensors),
-            total_bytes=total,
-            run_id=spec.run_id,
-            epoch=spec.epoch,
-            base_policy_version=spec.base_version if base is not None else 0,
-        )
-    ).SerializeToString()
+    yield _header(tensors, spec)
     digest = hashlib.sha256()
     hasher = InOrder(depth=64)  # holds views of `tensors`, no bytes
     spans = _spans(tensors, chunk_bytes)
@@ -97,19 +86,7 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], spec: StreamSpec) -> 
         for (name, t, off, size, new), (data, check, encoding) in pieces:
             if xxhash is None:
                 hasher.submit(partial(digest.update, new))  # the new bytes, whatever the encoding
-            meta = pb.TensorPiece(
-                name=name,
-                dtype=DTYPE_NAMES[t.dtype],
-                shape=list(t.shape),
-                offset=off,
-                total_bytes=size,
-                encoding=encoding,
-                raw_bytes=len(new) if encoding != delta.RAW else 0,
-                **check,  # type: ignore[arg-type]
-            ).SerializeToString()
-            n = len(data)
-            field = _DATA_TAG + _varint(n) if n else b""
-            yield b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
+            yield _piece(name, t, off, size, new, data, check, encoding)
     except BaseException:
         hasher.abandon()
         raise
@@ -118,6 +95,41 @@ def encode_weights(state_dict: Mapping[str, torch.Tensor], spec: StreamSpec) -> 
     hasher.finish()
     footer = pb.WeightFooter(sha256="" if xxhash is not None else digest.hexdigest())
     yield pb.WeightChunk(footer=footer).SerializeToString()
+
+
+def _header(tensors: Mapping[str, torch.Tensor], spec: StreamSpec) -> bytes:
+    """The serialised header: the version, its format, the tensors' count and bytes, the writer's
+    fence and, for a DELTA, the version it is against."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return pb.WeightChunk(
+        header=pb.WeightHeader(
+            policy_version=spec.policy_version,
+            format=str(spec.kind),
+            num_tensors=len(tensors),
+            total_bytes=total,
+            run_id=spec.run_id,
+            epoch=spec.epoch,
+            base_policy_version=spec.base_version if spec.base is not None else 0,
+        )
+    ).SerializeToString()
+
+
+def _piece(name: str, t: torch.Tensor, off: int, size: int, new, data, check: dict, encoding) -> bytes:
+    """One serialised piece: its metadata's protobuf encoding, then the data field written
+    straight from `data` (the tensor's memory, or its encoded delta)."""
+    meta = pb.TensorPiece(
+        name=name,
+        dtype=DTYPE_NAMES[t.dtype],
+        shape=list(t.shape),
+        offset=off,
+        total_bytes=size,
+        encoding=encoding,
+        raw_bytes=len(new) if encoding != delta.RAW else 0,
+        **check,  # type: ignore[arg-type]
+    ).SerializeToString()
+    n = len(data)
+    field = _DATA_TAG + _varint(n) if n else b""
+    return b"".join((_PIECE_TAG, _varint(len(meta) + len(field) + n), meta, field, data))
 
 
 Span = tuple  # (name, tensor, offset, tensor bytes, the new bytes [offset, offset + chunk) as a memoryview)

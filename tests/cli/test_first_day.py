@@ -311,7 +311,8 @@ def test_a_fresh_checkouts_pipeline_config_says_which_command_makes_each_missing
 
 def test_train_rm_refuses_to_mix_an_ensemble_into_a_folder_of_another_shape(tmp_path, capsys, monkeypatch):
     """An ensemble `train-rm` mixed its members into an existing reward-model folder (issue 54,
-    item 19): a folder holding another shape is refused before any training."""
+    item 19): a folder holding one model, or an ensemble of another size, is refused before any
+    training (one model trained into an ensemble's folder replaces it: test_anti_hacking)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "pairs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
     (tmp_path / "rm").mkdir()
@@ -325,8 +326,8 @@ def test_train_rm_refuses_to_mix_an_ensemble_into_a_folder_of_another_shape(tmp_
     )
     (tmp_path / "ens").mkdir()
     (tmp_path / "ens" / "ensemble.json").write_text('{"members": ["member-0", "member-1"]}')
-    code, _, err = _rlhf(capsys, "train-rm", "-c", "c.yaml", "--out", "ens", "--set", "reward_model.ensemble=1")
-    assert code == 2 and "ens already holds an ensemble of 2; one reward model written into it" in err
+    code, _, err = _rlhf(capsys, "train-rm", "-c", "c.yaml", "--out", "ens")
+    assert code == 2 and "ens already holds an ensemble of 2; an ensemble of 3 written into it" in err
 
 
 # 4. Ctrl-C

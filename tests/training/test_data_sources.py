@@ -19,12 +19,13 @@ def _errors(data: dict) -> list[str]:
 
 def test_missing_data_sources_are_config_errors_naming_the_key(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    here = f"(relative paths are read from the current directory, {tmp_path})"  # not the config file's
     assert _errors({"train": "missing.jsonl", "eval": "hf:/no/such/dir"}) == [
-        "data.train: no such file missing.jsonl",
+        f"data.train: no such file missing.jsonl {here}",
         "data.eval: no such dataset directory /no/such/dir",
     ]
-    assert _errors({"train": "p.parquet"}) == ["data.train: no such file p.parquet"]
-    assert _errors({"eval": "hf:./dsdir@test"}) == ["data.eval: no such dataset directory dsdir"]
+    assert _errors({"train": "p.parquet"}) == [f"data.train: no such file p.parquet {here}"]
+    assert _errors({"eval": "hf:./dsdir@test"}) == [f"data.eval: no such dataset directory dsdir {here}"]
     assert _errors({"train": "synthetic:sort"}) == [
         "data.train: unknown synthetic task 'sort'; valid: reverse, arithmetic, multiply"
     ]

@@ -19,8 +19,9 @@ from services.generation.server import serve
 from services.weights import assemble as assemble_module
 from services.weights import delta
 from services.weights import stream as stream_module
-from services.weights.assemble import WeightChunkDecoder, assemble_weights
+from services.weights.assemble import assemble_weights
 from services.weights.check import check_header
+from services.weights.decoder import WeightChunkDecoder
 from services.weights.protocol import PushKind
 from services.weights.publisher import Route
 from services.weights.stream import StreamSpec, encode_weights, weight_chunks
@@ -406,11 +407,17 @@ def test_a_version_from_shared_memory_leaves_no_delta_base(cfg, tiny_model_dir, 
 
 
 def test_an_abandoned_delta_stream_stops_its_encoding_threads():
+    import gc
     import threading
 
+    def delta_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("weights-delta")}
+
+    gc.collect()  # a stream an earlier test left open is closed as it is collected
+    before = delta_threads()  # and any of its threads still ending are not this stream's
     old = _source(torch.float32)
     chunks = encode_weights(_step(old, 1), StreamSpec(2, 1 << 12, "delta", base=old, base_version=1))
     next(chunks), next(chunks)
-    assert any(t.name.startswith("weights-delta") for t in threading.enumerate())
+    assert delta_threads() - before
     chunks.close()
-    assert not any(t.name.startswith("weights-delta") for t in threading.enumerate())
+    assert not delta_threads() - before

@@ -9,8 +9,9 @@ import torch
 
 from services.common.rpc.errors import BadRequest
 from services.common.rpc.gen import common_pb2 as pb
-from services.weights.assemble import WeightChunkDecoder, assemble_weights
+from services.weights.assemble import assemble_weights
 from services.weights.check import all_finite
+from services.weights.decoder import WeightChunkDecoder
 from services.weights.stream import Fanout, StreamSpec, _varint, encode_weights, weight_chunks
 
 STATE = {

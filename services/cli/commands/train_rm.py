@@ -28,26 +28,29 @@ def cmd_train_rm(args) -> int:
 
 
 def _out_problem(rc) -> str | None:
-    """A reward model of another shape already in reward_model.out (a single model where an
-    ensemble would go, or an ensemble of another size): training would mix the two in one folder."""
+    """An ensemble that would mix with what reward_model.out holds already (a single model, or an
+    ensemble of another size): refused. One model trained into a folder is what is served from it
+    after (an ensemble's index there is removed), as is an ensemble of the same size trained again."""
     from pathlib import Path
 
     from ...common.reward_model_dir import is_ensemble, members
 
     out = Path(rc.out)
-    if not (out / "config.json").exists() and not is_ensemble(out):
+    if rc.ensemble == 1 or not ((out / "config.json").exists() or is_ensemble(out)):
         return None
-    try:
-        held = len(members(out)) if is_ensemble(out) else 1
-    except ValueError:
-        held = 0
-    shape = "one reward model" if held == 1 else f"an ensemble of {held}" if held else "a broken ensemble index"
-    if held == rc.ensemble and (held == 1) == (not is_ensemble(out)):
-        return None  # the same shape: trained again in place
-    wanted = "one reward model" if rc.ensemble == 1 else f"an ensemble of {rc.ensemble}"
+    if not is_ensemble(out):
+        held = "one reward model"
+    else:
+        try:
+            size = len(members(out))
+        except ValueError:
+            size = 0
+        if size == rc.ensemble:
+            return None
+        held = f"an ensemble of {size}" if size else "a broken ensemble index"
     return (
-        f"{out} already holds {shape}; {wanted} written into it would mix with it: give another --out, "
-        "or remove the folder first"
+        f"{out} already holds {held}; an ensemble of {rc.ensemble} written into it would mix with it: give "
+        "another --out, or remove the folder first"
     )
 
 
