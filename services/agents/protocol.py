@@ -180,11 +180,17 @@ def max_token_chars(tokenizer) -> int:
 
 
 def shown(value: Any) -> str:
-    """A value of a request in an error message: its JSON, cut at 40 characters."""
-    try:
-        return json.dumps(value)[:40]
-    except (TypeError, ValueError):
-        return type(value).__name__
+    """A value of a request in an error message, described, never echoed (an answer does not carry
+    a request's content back): a number or a boolean as it is, else its JSON type and size."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    return type(value).__name__
 
 
 @dataclass(frozen=True)
