@@ -100,12 +100,12 @@ def pb(tmp_path_factory):
 
 # ------------------------------------------------------------------ servers
 class FakeLearner:
-    """What LearnerServicer needs of the learner: a status and the latest weights snapshot."""
-
-    run_id, fence_epoch = "fuzz-run", 1
+    """What LearnerServicer needs of the learner: a status, the latest weights snapshot and the
+    fencing identity its pushes carry."""
 
     def __init__(self, state):
         self.publisher = type("Publisher", (), {"snapshot": (3, state)})()
+        self.sink = type("PushSink", (), {"run_id": "fuzz-run", "fence_epoch": 1})()  # the pushes' fencing identity
 
     def status(self):
         return {

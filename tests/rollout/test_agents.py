@@ -352,7 +352,8 @@ def test_the_learners_eval_runs_the_agent_on_the_server_at_its_version(make_cfg,
         finally:
             loop.close()
     rows = out.pop("generations")
-    assert sorted(out) == ["eval/agent", "eval/failed", "eval/reward_mean"] and out["eval/failed"] == 0.0
+    assert sorted(out) == ["eval/agent", "eval/failed", "eval/reward_mean", "eval/unscored"]
+    assert out["eval/failed"] == 0.0 and out["eval/unscored"] == 0.0
     assert len(rows) == 3 and [r["sample"] for r in rows] == [0, 0, 0]
     assert out["eval/reward_mean"] == pytest.approx(sum(r["reward"] for r in rows) / 3)
     for r in rows:
