@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_gateway import start  # noqa: E402  (the same start as the gateway benchmark's)
+from benchmarks.probe_gateway import memory  # noqa: E402  (VmRSS and VmHWM from /proc, as that probe reads them)
 
 TOKEN = "probe-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -58,16 +59,6 @@ SHAPE = {"message", "type", "param", "code"}
 
 
 # ---------------------------------------------------------------- measuring
-def memory(pid: int) -> dict[str, float]:
-    """VmRSS and VmHWM (the peak) of `pid`, in MB."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
-
-
 def reset_peak(pid: int) -> bool:
     """VmHWM back to VmRSS (Linux's clear_refs 5), so that a case's peak is its own."""
     try:
@@ -354,13 +345,16 @@ class Probe:
         """5: slowloris headers, silent connections, bodies stopped short."""
         port, deadline = self.port, self.args.hold_s
 
-        def closed_times(socks: list[socket.socket], t0: float, trickle: bool) -> list[float | None]:
-            """Seconds until each socket was closed by the server (None: still open at the deadline);
-            a trickling socket sends another header line every second meanwhile."""
+        def closed_times(
+            socks: list[socket.socket], t0: float, trickle: bool, until: float, answers: list[bytes] | None = None
+        ) -> list[float | None]:
+            """Seconds until each socket was closed by the server (None: still open `until` seconds
+            after t0); a trickling socket sends another header line every second meanwhile; what
+            each one was answered, into `answers` when given."""
             out: list[float | None] = [None] * len(socks)
             open_ = {s.fileno(): i for i, s in enumerate(socks)}
             last = time.monotonic()
-            while open_ and time.monotonic() - t0 < deadline:
+            while open_ and time.monotonic() - t0 < until:
                 ready, _, _ = select.select([socks[i] for i in open_.values()], [], [], 0.2)
                 for s in ready:
                     i = open_[s.fileno()]
@@ -368,6 +362,8 @@ class Probe:
                         data = s.recv(65536)
                     except OSError:
                         data = b""
+                    if answers is not None:
+                        answers[i] += data
                     if not data:
                         out[i] = round(time.monotonic() - t0, 2)
                         del open_[s.fileno()]
@@ -397,11 +393,11 @@ class Probe:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
         silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
         res: dict = {}
-        th = threading.Thread(target=lambda: res.update(silent=closed_times(silent, t0, False)))
+        th = threading.Thread(target=lambda: res.update(silent=closed_times(silent, t0, False, deadline)))
         th.start()
         time.sleep(1)
         meanwhile = self.chat_latency()
-        slow_times = closed_times(slow, t0, True)
+        slow_times = closed_times(slow, t0, True, deadline)
         th.join()
         mem = watch.done(0.2)
         for s in slow + silent:
@@ -437,20 +433,7 @@ class Probe:
         sent_s = time.monotonic() - t0
         hwm_sent = memory(self.gw.pid)
         answers: list[bytes] = [b""] * 20
-        times: list[float | None] = [None] * 20
-        open_ = {s.fileno(): i for i, s in enumerate(stopped)}
-        while open_ and time.monotonic() - t0 < deadline + 30:
-            ready, _, _ = select.select([stopped[i] for i in open_.values()], [], [], 0.2)
-            for s in ready:
-                i = open_[s.fileno()]
-                try:
-                    data = s.recv(65536)
-                except OSError:
-                    data = b""
-                answers[i] += data
-                if not data:
-                    times[i] = round(time.monotonic() - t0, 2)
-                    del open_[s.fileno()]
+        times = closed_times(stopped, t0, False, deadline + 30, answers)
         mem = watch.done(0.5)
         for s in stopped:
             s.close()
