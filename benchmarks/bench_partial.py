@@ -5,7 +5,7 @@
 
 One greedy batch (`--prompts` open-ended instructions through the model's chat template, or the
 config's own prompts with `--config-prompts`; n=1, `--tokens` new tokens at most) decoded whole and
-then paused every P tokens for each P of `--partial` (services/rollout/partial.py over the backend),
+then paused every P tokens for each P of `--partial` (services/training/partial.py over the backend),
 each round of the benchmark running every way in turn (noise hits all alike), medians over the
 rounds. Prints per way the batch's seconds, its cost over the whole batch (each continuation
 prefills prompt + tokens so far again), the longest single call (what a weight push waits for at
@@ -56,7 +56,7 @@ def main() -> None:
     from services.common.config import load_config
     from services.common.types import SamplingParams
     from services.generation.backend import HFBackend
-    from services.rollout.partial import PartialRollouts
+    from services.training.partial import PartialRollouts
 
     cfg = load_config(args.config)
     backend = HFBackend(cfg.model.path, "cpu")

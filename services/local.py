@@ -3,7 +3,7 @@ services host (generation backend, reward scorer, critic, learner step), wired d
 reference the distributed run is measured against. The loop is the learner service's
 (`services.training.loop`), with an in-process rollout source (`LocalSource`: a batch of prompts
 through the sampler chosen once, as a worker chooses: one reply per sample from the backend here,
-`BackendSampler`, or an agent's sessions on an endpoint in the process, `AgentSampler`) and the
+`ReplySampler`, or an agent's sessions on an endpoint in the process, `AgentSampler`) and the
 backend as weight sink.
 
     rlhf train --local -c configs/tiny-cpu.yaml --run-dir runs/local
@@ -22,6 +22,7 @@ import torch
 
 from .agents.evaluate import held_out_evaluator
 from .agents.host import agent_host
+from .agents.sampler import AgentSampler
 from .common.checkpoints import (
     CRITIC_DIR,
     LEARNER_STATE,
@@ -43,12 +44,10 @@ from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
-from .rollout.agents import AgentSampler
-from .rollout.outcomes import Failed
-from .rollout.sampling import BackendSampler, GroupSampler, Prompt, Rejected
 from .training.data import EpochSampler, config_prompts
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
+from .training.sampling import Failed, Prompt, Rejected, ReplySampler, Sampler
 from .training.schedule import Schedule, planned_updates
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ class LocalSource:
 
     wait_metric = "time/rollout_s"
 
-    def __init__(self, cfg: Config, epochs: EpochSampler, sampler: GroupSampler, stop_event=None):
+    def __init__(self, cfg: Config, epochs: EpochSampler, sampler: Sampler, stop_event=None):
         self.cfg, self.epochs, self.sampler, self.stop_event = cfg, epochs, sampler, stop_event
         self.lost: str | None = None  # why the run stopped: its environment, reward or agent lost mid-run
 
@@ -229,14 +228,15 @@ def local_evaluator(cfg: Config, tokenizer, backend, scorer, proxy, pool):
     )
 
 
-def local_sampler(cfg: Config, tokenizer, backend, scorer, critic, pool, stop_event) -> GroupSampler:
+def local_sampler(cfg: Config, tokenizer, backend, scorer, critic, pool, stop_event) -> Sampler:
     """How the rollout step samples, chosen once as a worker chooses: the agent's sessions on an
     endpoint in this process over `pool`, or one reply per sample from the backend."""
     if cfg.rollout.sessions:  # the agent's sessions, sampled here (a worker's endpoint, in this process)
         assert pool is not None
         host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
         return AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event())
-    return BackendSampler(cfg, backend, scorer, tokenizer, critic)
+    params = SamplingParams.for_training(cfg)
+    return ReplySampler(backend, scorer, tokenizer, params, critic, cfg.prompt_length, cfg.rollout.partial_tokens)
 
 
 def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_event) -> dict:

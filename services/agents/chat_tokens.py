@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 
-class Sampled(Protocol):
+class SampledTurn(Protocol):
     """A sampled turn, as `continuation` reads it (sessions.py's `Choice`): its token ids."""
 
     ids: list[int]
@@ -46,7 +46,7 @@ class ChatTokens:
         return self.encode(self.render(messages, True, tools))
 
     def continuation(
-        self, before: list[dict], after: list[dict], last: Sampled, tools: list | None = None
+        self, before: list[dict], after: list[dict], last: SampledTurn, tools: list | None = None
     ) -> list[int] | None:
         """The tokens that follow the sampled turn `last` (the last message of `before`) when the
         conversation goes on with `after`: the rest of the template's closing of that turn (its end

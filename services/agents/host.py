@@ -21,7 +21,7 @@ The hops of one session:
       agent(client, sample)       the user's code: chat completions through the endpoint (routes.py)
       Session.record              the token-exact trajectory the endpoint recorded (sessions.py)
       Episode                     the reward or the failure, and the trajectory
-The held-out eval of an agent is evaluate.py (`AgentSessions`).
+A batch of sessions as training groups and eval rows is sampler.py (`AgentSampler`).
 """
 
 from __future__ import annotations
@@ -253,37 +253,9 @@ class AgentHost:
     def groups(
         self, items: list[tuple[PromptRecord, str, int]], min_version: int = 0
     ) -> list[SampleGroup | AgentFailed]:
-        """The groups of several prompts (record, uid, group size), every session of them at once:
-        per prompt its group (its version: the oldest policy version that sampled any of its
-        turns) or why it failed (the first AgentFailed of its sessions). Raises Outage when any
-        session met an outage (every prompt stays pending: the others may have met it too)."""
-        work = [(record, session_name(uid, j)) for record, uid, n in items for j in range(n)]
-        episodes = iter(self.run(work, min_version))
-        chunks = [[next(episodes) for _ in range(n)] for _, _, n in items]
-        down = [e.error for chunk in chunks for e in chunk if isinstance(e.error, Outage)]
-        if down:
-            raise down[0]
-        out: list[SampleGroup | AgentFailed] = []
-        for (record, uid, _), chunk in zip(items, chunks):
-            failed = [e.error for e in chunk if isinstance(e.error, AgentFailed)]
-            samples = [as_sample(e.trajectory) for e in chunk if e.trajectory is not None]
-            if failed:
-                out.append(failed[0])
-            elif len({tuple(p) for p, _ in samples}) != 1:
-                out.append(
-                    AgentFailed(f"prompt {uid}: its sessions began with different prompts; a group shares its prompt")
-                )
-            else:
-                versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["policy_versions"]]
-                rewards = [float(e.reward) for e in chunk if e.reward is not None and math.isfinite(e.reward)]
-                if len(rewards) < len(chunk):  # `run` gives none such (`_checked`): never read as 0
-                    out.append(Unscored(f"prompt {uid}: a session of it has no reward"))
-                    continue
-                scores = [ScoreResult(r, {**e.components, "agent": r}) for r, e in zip(rewards, chunk)]
-                out.append(
-                    SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions))
-                )
-        return out
+        """The groups of several prompts (record, uid, group size), every session of them at once
+        (`groups_of` their episodes)."""
+        return groups_of(items, self.run(session_work(items), min_version))
 
     def _run_threads(self, work: list[tuple[PromptRecord, str]]) -> list:
         # not `with`: its exit waits for every thread, and a hung agent's never ends (it is left
@@ -403,3 +375,40 @@ def agent_host(cfg: Config, tokenizer, servers, params: SamplingParams, port: in
         max_session_id_bytes=cfg.rpc.gateway.max_session_id_bytes,
         max_session_bytes=cfg.rpc.gateway.max_session_bytes,
     )
+
+
+def session_work(items: list[tuple[PromptRecord, str, int]]) -> list[tuple[PromptRecord, str]]:
+    """The sessions of several prompts (record, uid, group size): (record, session id) each."""
+    return [(record, session_name(uid, j)) for record, uid, n in items for j in range(n)]
+
+
+def groups_of(items: list[tuple[PromptRecord, str, int]], episodes: list[Episode]) -> list[SampleGroup | AgentFailed]:
+    """The groups of several prompts (record, uid, group size) from their sessions' episodes (in
+    `session_work`'s order): per prompt its group (its version: the oldest policy version that
+    sampled any of its turns) or why it failed (the first AgentFailed of its sessions). Raises
+    Outage when any session met an outage (every prompt stays pending: the others may have met it
+    too)."""
+    it = iter(episodes)
+    chunks = [[next(it) for _ in range(n)] for _, _, n in items]
+    down = [e.error for chunk in chunks for e in chunk if isinstance(e.error, Outage)]
+    if down:
+        raise down[0]
+    out: list[SampleGroup | AgentFailed] = []
+    for (record, uid, _), chunk in zip(items, chunks):
+        failed = [e.error for e in chunk if isinstance(e.error, AgentFailed)]
+        samples = [as_sample(e.trajectory) for e in chunk if e.trajectory is not None]
+        if failed:
+            out.append(failed[0])
+        elif len({tuple(p) for p, _ in samples}) != 1:
+            out.append(
+                AgentFailed(f"prompt {uid}: its sessions began with different prompts; a group shares its prompt")
+            )
+        else:
+            versions = [v for e in chunk if e.trajectory is not None for v in e.trajectory["policy_versions"]]
+            rewards = [float(e.reward) for e in chunk if e.reward is not None and math.isfinite(e.reward)]
+            if len(rewards) < len(chunk):  # `run` gives none such (`_checked`): never read as 0
+                out.append(Unscored(f"prompt {uid}: a session of it has no reward"))
+                continue
+            scores = [ScoreResult(r, {**e.components, "agent": r}) for r, e in zip(rewards, chunk)]
+            out.append(SampleGroup(uid, record, samples[0][0], [c for _, c in samples], scores, None, min(versions)))
+    return out

@@ -26,7 +26,8 @@ from ..common.types import RewardSample, SamplingParams
 from ..reward.labels import label_reader
 from ..reward.scorer import build_eval_scorer, build_scorer
 from ..training.data import config_prompts
-from ..training.evaluate import Evaluator, SingleTurn, write_rows
+from ..training.evaluate import Evaluator, write_rows
+from ..training.sampling import ReplySampler
 from .pairs import Judged, cap_pairs, counterfactuals, judged_pairs, pair_row
 
 
@@ -66,7 +67,7 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
     def sample(records, n: int, seed: int) -> list[dict]:
         params = SamplingParams(n=n, temperature=t, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,
                                 max_new_tokens=cfg.response_length, seed=seed)  # fmt: skip
-        evaluator = Evaluator(SingleTurn(backend, judge, backend.tokenizer, params), batch=max(1, 64 // n))
+        evaluator = Evaluator(ReplySampler(backend, judge, backend.tokenizer, params), batch=max(1, 64 // n))
         return evaluator.rows(records, lambda done, total: say(f"  {done}/{total} prompts"))
 
     answers = _sampled_answers(prompts, plan, sample, cfg.run.seed, say)

@@ -5,7 +5,7 @@ split to find the prompt at fault and dead-letter it, split to score each prompt
 the group the reward API still fails, or the worker stopped. Each batch, and each prompt of one
 that was split, ends as a `Fate`.
 
-    Batches.settle         sample (`GroupSampler.sample`), then append (a `Rejected` prompt dead-lettered)
+    Batches.settle         sample (`Sampler.sample`), then append (a `Rejected` prompt dead-lettered)
       _stop                the user's reward function failed: the worker stops, the run with it
       _refused             a prompt refused: each prompt alone; the one refused dead-lettered
       _unscored            the reward API failed the batch: `_isolate`, each prompt scored alone
@@ -20,9 +20,8 @@ import time
 
 from ..common.replay import ReplayStore
 from ..common.replay.records import group_to_proto
+from ..training.sampling import Failed, Prompt, Rejected, Sampled, Sampler, Then
 from .metrics import WorkerMetrics
-from .outcomes import Failed, Then
-from .sampling import GroupSampler, Prompt, Rejected, Sampled
 
 log = logging.getLogger("services.rollout.worker")  # the worker's log lines read as they did in one module
 
@@ -38,7 +37,7 @@ class Fate(enum.Enum):
 
 
 class Batches:
-    """Claimed batches settled: each sampled by `sampler` (the worker's choice of `GroupSampler`),
+    """Claimed batches settled: each sampled by `sampler` (the worker's choice of `Sampler`),
     appended to `store` as worker `name`, or dead-lettered, dropped or left
     pending as the sampling's `Failed` says. `produced`: the groups appended; `failure`: why the
     run cannot go on (the user's reward function failed), once it cannot."""
@@ -47,7 +46,7 @@ class Batches:
         self,
         store: ReplayStore,
         name: str,
-        sampler: GroupSampler,
+        sampler: Sampler,
         stop_event: threading.Event,
         metrics: WorkerMetrics,
     ):

@@ -40,6 +40,7 @@ import grpc
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable
 from ..common.servers import Fault
+from ..training.sampling import Then
 
 
 class ScoringFailed(RuntimeError):
@@ -57,17 +58,6 @@ class Outcome(enum.Enum):
     SERVER_FAILED = enum.auto()  # a generation server failed the call (unavailable, gone, ...)
     DEPENDENCY_GONE = enum.auto()  # the reward or critic server gone longer than the worker waits
     UNSCORED = enum.auto()  # the reward API failed the batch on every try (`ScoringFailed`)
-
-
-class Then(enum.Enum):
-    """What the worker does about a failed try."""
-
-    RETRY = enum.auto()  # another try (the generation server avoided as the row's `Fault` says)
-    RETRY_LONGER = enum.auto()  # that, with twice the deadline (the same one would pass again)
-    LEAVE_PENDING = enum.auto()  # give the batch up for now: its prompts stay pending, reclaimed later
-    DEAD_LETTER = enum.auto()  # split the batch to find the prompt at fault; dead-letter it alone
-    DROP_UNSCORED = enum.auto()  # split the batch, each prompt scored alone; drop a group the API still fails
-    STOP = enum.auto()  # stop the worker, and with it the run (the prompts stay pending)
 
 
 @dataclass(frozen=True)
@@ -153,13 +143,3 @@ def error_kind(e: BaseException) -> str:
 def message(e: BaseException) -> str:
     """What the error says, for the log and a dead letter: a failed call's details."""
     return str(e.details()) if isinstance(e, grpc.RpcError) else str(e)
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Sampling a batch came to no groups: what the worker does now (`then`: leave the batch
-    pending, split it to dead-letter a prompt, split it to score each prompt alone, or stop) and
-    the error's `message`."""
-
-    then: Then
-    why: str = ""

@@ -1,23 +1,13 @@
-"""The one seam of sampling for training: a batch of prompts -> per prompt its group (or the
-prompt `Rejected`), with the batch's metrics (`Sampled`); or the batch given up (`Failed`: what
-a worker does instead). Every sampler has the shape of `GroupSampler`, and each caller chooses
-one, once: a rollout worker `ServerSampler` or `AgentSampler` (worker.py), `train --local`
-`BackendSampler` or `AgentSampler` (local.py).
+"""A rollout worker's single-turn sampler (training/sampling.py's seam: `Sampler`): a batch's
+tries over the generation servers, each try a `ReplySampler` on one server.
 
-    GroupSampler.sample(prompts)    -> Sampled | Failed
-      ServerSampler                 one reply per sample, on the generation servers: the tries
-                                    (`Tries` under the worker's `RetryPolicy`), one `one_step`
-                                    each (training/sampling.py: generate, score, value)
-        _OneBatch.generate          the batch's Generate: its deadline, its idempotency key
-        partial.py:PartialRollouts  with `rollout.partial_tokens`: the batch decoded in chunks, a
-                                    paused response resumed from its tokens (`_OneBatch.part`:
-                                    each round a key of its own)
-        _Scoring.score              a batch the reward API failed, scored again
-        outcomes.classify           a failed try -> another (counted, logged) or the batch given up
-      BackendSampler                one reply per sample, on a backend in this process: one
-                                    `one_step` (in chunks with `rollout.partial_tokens`)
-      agents.py:AgentSampler        each sample a session of the user's agent (`rollout.agent`,
-                                    `environment` or `agent_url`)
+    ServerSampler.sample(prompts)   -> Sampled | Failed: the tries (`Tries` under the worker's
+                                       `RetryPolicy`), one `ReplySampler.sample` each
+      _OneBatch.generate            the batch's Generate: its deadline, its idempotency key
+      _OneBatch.part                with `rollout.partial_tokens`: each round of a batch decoded in
+                                    parts a key of its own (training/partial.py)
+      _Scoring.score                a batch the reward API failed, scored again
+      outcomes.classify             a failed try -> another (counted, logged) or the batch given up
 
 A Generate call's deadline grows with the work it asks for: `rollout.generate_timeout_s` (default
 `rpc.timeout_s`) plus `rollout.generate_timeout_per_token_s` x prompts x n x max_new_tokens. Every
@@ -32,108 +22,21 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from ..common.replay.records import task_record
 from ..common.rpc.retry import DependencyUnavailable
 from ..common.servers import Fault, RetryPolicy, ServerPool, Tries
-from ..common.types import PromptRecord, SampleGroup, SamplingParams
+from ..common.types import SampleGroup, SamplingParams
 from ..generation.client import GenerationClient
 from ..reward.client import RewardAPIFailure
-from ..training.sampling import sample_groups
+from ..training.sampling import Failed, Prompt, ReplySampler, Sampled, Then
 from .metrics import WorkerMetrics
-from .outcomes import Failed, Outcome, Row, ScoringFailed, Then, classify, error_kind, message
-from .partial import PartialRollouts
+from .outcomes import Outcome, Row, ScoringFailed, classify, error_kind, message
 
 if TYPE_CHECKING:
     from ..common.config import Config
 
 log = logging.getLogger("services.rollout.worker")  # the worker's log lines read as they did in one module
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt to sample a group of: its record, the group's `uid` (epoch:record id), its size
-    (0: the config's `num_return_sequences_in_group`) and the oldest policy version that may
-    sample it (a prompt fed again after a push asks for that version)."""
-
-    record: PromptRecord
-    uid: str
-    group_size: int = 0
-    min_version: int = 0
-
-    @classmethod
-    def of_task(cls, task) -> Prompt:
-        """A claimed replay task's prompt."""
-        return cls(task_record(task), task.uid, task.group_size, task.min_version)
-
-
-@dataclass
-class Rejected:
-    """A prompt whose samples cannot be trained on (an agent's sessions failed on it, or ran longer
-    than the learner takes): a worker dead-letters it with `reason`, `train --local` leaves it out;
-    the batch's other prompts go on."""
-
-    reason: str
-
-
-@dataclass
-class Sampled:
-    """A batch sampled: per prompt (in order) its group or `Rejected`; the batch's metrics
-    (time/generate_s, time/score_s, time/values_s, rollout/tokens, ...); the generation server
-    that sampled every group, when one did (an agent's turns may each be on another: None)."""
-
-    groups: list[SampleGroup | Rejected]
-    metrics: dict
-    server: str | None = None
-
-
-class GroupSampler(Protocol):
-    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
-        """`score_retries`: times a batch the reward API failed is scored again (None:
-        `reward.group_retries`; where the reward is a service)."""
-        ...
-
-    def close(self) -> None:
-        """Once no batch is sampled any more (an agent's sessions in flight finish first)."""
-        ...
-
-
-@dataclass
-class BackendSampler:
-    """One reply per sample from `backend` in this process (`train --local`), scored by `scorer`,
-    valued by `critic` (None: no critic). A failure raises: there is no other server to try."""
-
-    cfg: Config
-    backend: object
-    scorer: object
-    tokenizer: object
-    critic: object = None
-
-    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
-        part = PartialRollouts.part_of(self.backend)
-        params = SamplingParams.for_training(self.cfg, prompts[0].group_size or None)
-        groups, metrics = one_step(
-            self.cfg, prompts, self.backend, part, self.scorer, self.tokenizer, params, self.critic
-        )
-        return Sampled(list(groups), metrics)
-
-    def close(self) -> None:
-        pass
-
-
-def one_step(cfg: Config, prompts: list[Prompt], generation, part, scorer, tokenizer, params: SamplingParams, critic):
-    """One rollout step of `prompts` (training/sampling.py:`sample_groups`) on `generation`, or,
-    with `rollout.partial_tokens`, decoded in parts by `part` (partial.py: its metrics added)."""
-    partial = cfg.rollout.partial_tokens
-    if partial:
-        generation = PartialRollouts(part, partial)
-    records, uids = [p.record for p in prompts], [p.uid for p in prompts]
-    groups, metrics = sample_groups(records, uids, generation, scorer, tokenizer, params, critic, cfg.prompt_length)
-    if partial:
-        metrics.update(generation.metrics)
-    return groups, metrics
 
 
 def generate_timeout(cfg: Config, n_prompts: int, params: SamplingParams) -> float:
@@ -144,8 +47,8 @@ def generate_timeout(cfg: Config, n_prompts: int, params: SamplingParams) -> flo
 
 
 class ServerSampler:
-    """One reply per sample, each try of a batch one `sample_groups` call on a generation server
-    of `servers` (picked under `retry`), scored by `reward` (a batch the reward API failed is
+    """One reply per sample, each try of a batch a `ReplySampler` on a generation server of
+    `servers` (picked under `retry`), scored by `reward` (a batch the reward API failed is
     scored again), valued by `critic` (None: no critic)."""
 
     def __init__(
@@ -181,9 +84,11 @@ class ServerSampler:
                 log.info("no live generation server registered; waiting %.1fs", tries.backoff_s)
                 tries.failed(None)
                 continue
+            one = _OneBatch(self.servers.client(address), key, timeout)
+            reply = ReplySampler(one, scoring, self.tokenizer, params, self.critic, self.cfg.prompt_length,
+                                 self.cfg.rollout.partial_tokens, one.part)  # fmt: skip
             try:
-                one = _OneBatch(self.servers.client(address), key, timeout)
-                groups, m = one_step(self.cfg, prompts, one, one.part, scoring, self.tokenizer, params, self.critic)
+                sampled = reply.sample(prompts)
             except Exception as e:
                 row = classify(e)
                 if row is None:  # no failure the worker knows: the claim loop's to log
@@ -195,10 +100,12 @@ class ServerSampler:
                     timeout *= 2  # the server was slower than the budget: the same deadline would fail again
                 tries.failed(address, row.fault)
                 continue
-            if groups and groups[0].policy_version < min_version:  # the server missed a push; it will catch up
-                log.info("%s served version %d < %d; trying another", address, groups[0].policy_version, min_version)
+            version = min(g.policy_version for g in sampled.groups if isinstance(g, SampleGroup))
+            if version < min_version:  # the server missed a push; it will catch up
+                log.info("%s served version %d < %d; trying another", address, version, min_version)
                 tries.failed(address, Fault.BEHIND)
                 continue
+            m = sampled.metrics
             log.debug(
                 "batch of %d: generate %.3fs score %.3fs values %.3fs",
                 len(prompts),
@@ -206,7 +113,8 @@ class ServerSampler:
                 m["time/score_s"],
                 m["time/values_s"],
             )
-            return Sampled(list(groups), m, address)
+            sampled.server = address
+            return sampled
         return Failed(Then.LEAVE_PENDING)
 
     def _report(self, row: Row, e, address: str, n_prompts: int, attempt: int) -> None:

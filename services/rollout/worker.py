@@ -7,8 +7,9 @@ atomic step); beside them it keeps its registry entry alive (a heartbeat).
       RolloutWorker.run                    `rollout.concurrency` claim loops and the heartbeat, until stopped
         claims.py:ClaimLoop.run            claim a batch (its claim renewed while it is worked on)
         batches.py:Batches.settle          append its groups, or dead-letter, drop or leave them pending
-        sampling.py:GroupSampler.sample    the worker's sampler, chosen once: the tries over the generation
-                                           servers (ServerSampler), or an agent's sessions (agents.py)
+        Sampler.sample                     the worker's sampler (training/sampling.py's seam), chosen once:
+                                           the tries over the generation servers (sampling.py:ServerSampler),
+                                           or an agent's sessions (agents/sampler.py:AgentSampler)
         outcomes.py:TABLE                  what a failed try means, and what the worker does about it
         metrics.py:WorkerMetrics           rlhf_rollout_*
 
@@ -25,6 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..agents.host import agent_host
+from ..agents.sampler import AgentSampler
 from ..common.lifecycle import RunFailed, Service
 from ..common.model_files import load_tokenizer
 from ..common.replay import ReplayStore
@@ -36,11 +38,11 @@ from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import generation_clients
 from ..reward.client import RewardClient
-from .agents import AgentSampler
+from ..training.sampling import Sampler
 from .batches import Batches
 from .claims import ClaimLoop
 from .metrics import WorkerMetrics
-from .sampling import GroupSampler, ServerSampler, generate_timeout
+from .sampling import ServerSampler, generate_timeout
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 
 class RolloutWorker:
     """A worker's parts, composed: its clients of the reward and critic servers, its pool of
-    generation servers and the policy it tries them under, its sampling (a `GroupSampler`), what it does
+    generation servers and the policy it tries them under, its sampling (a `Sampler`), what it does
     with a sampled batch (`Batches`), its claim loop (`ClaimLoop`) and its metrics."""
 
     def __init__(self, cfg: Config, store: ReplayStore, name: str | None = None):
@@ -74,7 +76,7 @@ class RolloutWorker:
         self.loop = ClaimLoop(cfg, store, self.name, self.batches.process, self.stop_event, self.metrics)
         self.last_heartbeat = time.monotonic()
 
-    def _sampler(self, cfg: Config) -> GroupSampler:
+    def _sampler(self, cfg: Config) -> Sampler:
         """The worker's one choice of how a prompt is sampled: each sample a session of the user's
         agent, on an endpoint of the worker's own, or one reply of a generation server."""
         if cfg.rollout.sessions:

@@ -1,15 +1,13 @@
 """Held-out evaluation: one `Evaluator` for every held-out eval: the training loop's, in-process
 (`rlhf train --local`: the generation backend and the scorer) and in the learner service (a
 generation server serving the current version, the reward server's held-out scorer), and
-`rlhf eval` on any model directory. An Evaluator takes the prompts in batches, each batch to its
-`sampling` (how a prompt is sampled and scored, data: `SingleTurn` here, one completion per sample
-scored by a `Scorer`; or an agent's sessions, agents/evaluate.py:`AgentSessions`), and gives the
-rows, or the training loop's `eval/...` metrics of them. Which sampling an eval uses is decided
-once, by `how_sampled`.
+`rlhf eval` on any model directory. An Evaluator samples the prompts in batches through the one
+sampling seam (sampling.py: a `ReplySampler`, one completion per sample scored by a `Scorer`; or an
+agent's sessions, agents/sampler.py:`AgentSampler`) and reads the batch's rows, or the training
+loop's `eval/...` metrics of them. Which sampler an eval uses is decided once, by `how_sampled`
+(agents/evaluate.py:`held_out_evaluator` builds it).
 
-    Evaluator.rows        the prompts in batches of `batch`, each batch -> `sampling.rows`
-      SingleTurn.rows     one generate call; every sample decoded, scored (sampling.py:
-                          generate_and_score, as training's step), and scored by the proxy
+    Evaluator.rows        the prompts in batches of `batch`, each batch -> `sampler.sample` -> its rows
     Evaluator.metrics     the rows' `eval/...` metrics (`eval_metrics`), the rows under "generations"
 
 A generation row: {"id", "prompt", "response", "label", "reward", "components", "sample"}
@@ -22,10 +20,10 @@ import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from ..common.types import PromptRecord, SamplingParams
-from .sampling import generate_and_score
+from ..common.types import PromptRecord
+from .sampling import Failed, Prompt, Sampler
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -45,56 +43,12 @@ def how_sampled(cfg: Config, rule: str | None = None) -> HowSampled:
     return HowSampled.SESSIONS if cfg.rollout.sessions and rule is None else HowSampled.REPLY
 
 
-class Sampling(Protocol):
-    """How a batch of held-out prompts becomes eval rows: one per sample, in record order."""
-
-    def rows(self, records: list[PromptRecord]) -> list[dict]: ...
-
-
-@dataclass
-class SingleTurn:
-    """Each prompt's `params.n` samples in one generate call of `backend` (a `GenerationBackend`:
-    in-process, or a generation server's client), decoded with `tokenizer`, each scored by
-    `scorer`. `proxy`: the training reward, when the held-out one is a gold reward apart
-    (`reward.eval_rules`): the same responses scored by it too (each row's `proxy_reward`), so a
-    policy that pleases the proxy but not the gold shows."""
-
-    backend: Any
-    scorer: Any
-    tokenizer: Any
-    params: SamplingParams
-    proxy: Any = None
-
-    def rows(self, records: list[PromptRecord]) -> list[dict]:
-        batch = generate_and_score(records, self.backend, self.scorer, self.tokenizer, self.params)
-        rows, k = [], 0
-        for r, comps in zip(records, batch.result.completions):
-            for j in range(len(comps)):  # prompt-major, as the batch was scored
-                rows.append(_row(r, batch.samples[k].response, j, batch.scores[k]))
-                k += 1
-        if self.proxy is not None and rows:
-            for row, s in zip(rows, self.proxy.score(batch.samples)):
-                row["proxy_reward"] = s.reward
-        return rows
-
-
-def _row(record: PromptRecord, response: str, sample: int, score) -> dict:
-    return {
-        "id": record.id,
-        "prompt": record.prompt,
-        "response": response,
-        "label": record.label,
-        "reward": score.reward,
-        "components": dict(score.components),
-        "sample": sample,
-    }
-
-
 @dataclass
 class Evaluator:
-    """A held-out eval: the prompts `batch` at a time (None: all at once) through `sampling`."""
+    """A held-out eval: the prompts `batch` at a time (None: all at once) through `sampler` (a
+    `ReplySampler`, or an agent's sessions: agents/sampler.py), its rows read."""
 
-    sampling: Sampling
+    sampler: Sampler
     batch: int | None = None
 
     def rows(self, records: list[PromptRecord], progress: Callable[[int, int], None] | None = None) -> list[dict]:
@@ -102,7 +56,10 @@ class Evaluator:
         rows: list[dict] = []
         step = self.batch or max(1, len(records))
         for start in range(0, len(records), step):
-            rows += self.sampling.rows(records[start : start + step])
+            sampled = self.sampler.sample([Prompt(r, f"eval/{r.id}") for r in records[start : start + step]])
+            if isinstance(sampled, Failed):  # an eval measures no policy through an outage: the caller's to say
+                raise sampled.cause or RuntimeError(sampled.why)
+            rows += sampled.rows
             if progress is not None:
                 progress(min(start + step, len(records)), len(records))
         return rows

@@ -1,25 +1,152 @@
-"""Single-turn sampling, written once for training and evaluation: a batch of prompts tokenised,
-generated (`params.n` samples each), decoded and scored (`generate_and_score`); for training, the
-samples valued by the critic and grouped per prompt (`sample_groups`: the rollout workers' and
-`train --local`'s step); for the held-out eval, the same scored batch as rows
-(evaluate.py: `SingleTurn`). Valuing a response, single-turn or an agent's session, is
-`values_of`.
+"""The one seam of sampling, for training and evaluation, single-turn and agent: a batch of prompts
+-> `Sampled` (per prompt its group, or the prompt `Rejected`; the batch's metrics; every sample as
+an eval row) or the batch given up (`Failed`). Every sampler has the shape of `Sampler`, and each
+caller chooses one, once:
+
+    Sampler.sample(prompts)     -> Sampled | Failed
+      ReplySampler              one reply per sample from one backend (in the process, or one
+                                generation server's client): `sample_groups`, in parts with
+                                `partial_tokens` (partial.py: PartialRollouts wrapped here, once)
+        generate_and_score      tokenise (prompt_length checked) -> generate -> decode -> score
+        values_of               the critic's value of each response token (an agent's sessions
+                                are valued by it too)
+      rollout/sampling.py:ServerSampler    a rollout worker's: tries over the generation servers,
+                                           each try a ReplySampler on one server
+      agents/sampler.py:AgentSampler       each sample a session of the user's agent
+
+    training: `train --local` (local.py) and a rollout worker (rollout/worker.py) read the groups
+    evaluation: evaluate.py:Evaluator reads the rows
 
 `backend`, `scorer` and `critic` are the domain objects in-process and gRPC clients in a worker or
 the learner; both satisfy the same interfaces (`GenerationBackend.generate`, `Scorer.score`,
 `ValueFunction.values` in common/types.py).
 
-    generate_and_score    tokenise (prompt_length checked) -> generate -> decode -> score
-    sample_groups         that, then values_of (with a critic), as one SampleGroup per prompt
+A row (evaluate.py writes them): {"id", "prompt", "response", "label", "reward", "components",
+"sample"} (`sample`: 0..n-1, the samples of one prompt), and `proxy_reward` when a proxy scores
+them too; an agent's session adds its conversation (agents/evaluate.py).
 """
 
 from __future__ import annotations
 
+import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
+from ..common.replay.records import task_record
 from ..common.token_batch import build_token_batch
 from ..common.types import GenerationResult, PromptRecord, RewardSample, SampleGroup, SamplingParams, ScoreResult
+from .partial import PartialRollouts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt to sample a group of: its record, the group's `uid` (epoch:record id), its size
+    (0: the sampler's own) and the oldest policy version that may sample it (a prompt fed again
+    after a push asks for that version)."""
+
+    record: PromptRecord
+    uid: str
+    group_size: int = 0
+    min_version: int = 0
+
+    @classmethod
+    def of_task(cls, task) -> Prompt:
+        """A claimed replay task's prompt."""
+        return cls(task_record(task), task.uid, task.group_size, task.min_version)
+
+
+@dataclass
+class Rejected:
+    """A prompt whose samples cannot be trained on (an agent's sessions failed on it, or ran longer
+    than the learner takes): a worker dead-letters it with `reason`, `train --local` leaves it out;
+    the batch's other prompts go on."""
+
+    reason: str
+
+
+@dataclass
+class Sampled:
+    """A batch sampled: per prompt (in order) its group or `Rejected`; the batch's metrics
+    (time/generate_s, time/score_s, time/values_s, rollout/tokens, ...); every sample as an eval
+    row, prompt-major (a rejected prompt's samples too: an eval scores what the policy does); the
+    generation server that sampled every group, when one did (an agent's turns may each be on
+    another: None)."""
+
+    groups: list[SampleGroup | Rejected]
+    metrics: dict
+    rows: list[dict] = field(default_factory=list)
+    server: str | None = None
+
+
+class Then(enum.Enum):
+    """What the caller does about a batch that came to no groups (a worker: rollout/outcomes.py's
+    table; `train --local` stops; an eval raises the cause)."""
+
+    RETRY = enum.auto()  # another try (the generation server avoided as the row's `Fault` says)
+    RETRY_LONGER = enum.auto()  # that, with twice the deadline (the same one would pass again)
+    LEAVE_PENDING = enum.auto()  # give the batch up for now: its prompts stay pending, reclaimed later
+    DEAD_LETTER = enum.auto()  # split the batch to find the prompt at fault; dead-letter it alone
+    DROP_UNSCORED = enum.auto()  # split the batch, each prompt scored alone; drop a group the API still fails
+    STOP = enum.auto()  # stop the worker, and with it the run (the prompts stay pending)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Sampling a batch came to no groups: what the caller does now (`then`) and the error's
+    message (`why`); `cause`, the error itself, when one was raised."""
+
+    then: Then
+    why: str = ""
+    cause: BaseException | None = field(default=None, compare=False)
+
+
+class Sampler(Protocol):
+    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
+        """`score_retries`: times a batch the reward API failed is scored again (None:
+        `reward.group_retries`; where the reward is a service)."""
+        ...
+
+    def close(self) -> None:
+        """Once no batch is sampled any more (an agent's sessions in flight finish first)."""
+        ...
+
+
+@dataclass
+class ReplySampler:
+    """One reply per sample from `backend`, `params.n` per prompt (a prompt's `group_size`, when it
+    has one), scored by `scorer`, valued by `critic` (None: no critic); with `partial_tokens`,
+    decoded in parts, each part a call of `part` (None: the backend's `generate`). A prompt over
+    `prompt_length` tokens is refused (None: not checked). `proxy`: the training reward, when the
+    held-out one is a gold reward apart (`reward.eval_rules`): each row's `proxy_reward`, so a
+    policy that pleases the proxy but not the gold shows. A failure raises: the caller knows what
+    it means."""
+
+    backend: Any
+    scorer: Any
+    tokenizer: Any
+    params: SamplingParams
+    critic: Any = None
+    prompt_length: int | None = None
+    partial_tokens: int = 0
+    part: Any = None
+    proxy: Any = None
+
+    def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled:
+        params = replace(self.params, n=prompts[0].group_size) if prompts[0].group_size else self.params
+        generation = self.backend
+        if self.partial_tokens:
+            generation = PartialRollouts(self.part or PartialRollouts.part_of(self.backend), self.partial_tokens)
+        records, uids = [p.record for p in prompts], [p.uid for p in prompts]
+        groups, metrics, batch = sample_groups(
+            records, uids, generation, self.scorer, self.tokenizer, params, self.critic, self.prompt_length
+        )
+        if self.partial_tokens:
+            metrics.update(generation.metrics)
+        return Sampled(list(groups), metrics, reply_rows(records, batch, self.proxy))
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -74,9 +201,9 @@ def sample_groups(
     params: SamplingParams,
     critic=None,
     prompt_length: int | None = None,
-) -> tuple[list[SampleGroup], dict]:
+) -> tuple[list[SampleGroup], dict, ScoredBatch]:
     """One rollout step: `generate_and_score`, then (with a critic) the values, as one group per
-    prompt; the step's metrics."""
+    prompt; the step's metrics; the scored batch."""
     batch = generate_and_score(records, backend, scorer, tokenizer, params, prompt_length)
     gen, scored = batch.result, batch.scores
     flat_values = None
@@ -94,16 +221,46 @@ def sample_groups(
         values = flat_values[k : k + n] if flat_values is not None else None
         groups.append(SampleGroup(uid, rec, p, comps, scored[k : k + n], values, gen.policy_version))
         k += n
-    comp_means: dict[str, float] = {}
-    for s in scored:
-        for name, v in s.components.items():
-            comp_means[name] = comp_means.get(name, 0.0) + v / len(scored)
     metrics = {
         "rollout/tokens_per_s": gen.tokens / max(batch.generate_s, 1e-9),
         "rollout/tokens": gen.tokens,
         "time/generate_s": batch.generate_s,
         "time/score_s": batch.score_s,
         "time/values_s": t_values,
-        **{f"reward/{name}": v for name, v in comp_means.items()},
+        **component_means(scored),
     }
-    return groups, metrics
+    return groups, metrics, batch
+
+
+def component_means(scores: list[ScoreResult]) -> dict[str, float]:
+    """`reward/<name>`: the mean of each reward component over `scores` (a rule's parts, an agent's
+    reward and a verifiers rubric's functions alike)."""
+    means: dict[str, float] = {}
+    for s in scores:
+        for name, v in s.components.items():
+            means[name] = means.get(name, 0.0) + v / len(scores)
+    return {f"reward/{name}": v for name, v in means.items()}
+
+
+def reply_rows(records: list[PromptRecord], batch: ScoredBatch, proxy=None) -> list[dict]:
+    """Every sample of a scored batch as a row, prompt-major; scored by `proxy` too when given."""
+    rows, k = [], 0
+    for r, comps in zip(records, batch.result.completions):
+        for j in range(len(comps)):
+            score = batch.scores[k]
+            rows.append(
+                {
+                    "id": r.id,
+                    "prompt": r.prompt,
+                    "response": batch.samples[k].response,
+                    "label": r.label,
+                    "reward": score.reward,
+                    "components": dict(score.components),
+                    "sample": j,
+                }
+            )
+            k += 1
+    if proxy is not None and rows:
+        for row, s in zip(rows, proxy.score(batch.samples)):
+            row["proxy_reward"] = s.reward
+    return rows

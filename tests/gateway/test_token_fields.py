@@ -10,17 +10,19 @@ rows)."""
 
 import json
 import math
+import threading
 
 import httpx
 import openai
 import pytest
 
-from services.agents.evaluate import AgentSessions
 from services.agents.host import AgentFailed, AgentHost, Unscored
 from services.agents.routes import build_app, session_key
+from services.agents.sampler import AgentSampler
 from services.common.config import config_from_dict
 from services.common.lifecycle import HTTPServerThread
 from services.common.types import PromptRecord, SampleGroup, SamplingParams
+from services.training.evaluate import Evaluator
 from tests.gateway.test_gateway import Running
 from tests.grpc_helpers import TOKEN
 from tests.http_helpers import error_of, head, raw
@@ -296,7 +298,7 @@ def test_an_agent_without_a_reward_is_a_dead_letter_and_an_unscored_eval_row(up)
         assert [s.reward for s in out[2].scores] == [1.0, 1.0]
         for reward in (None, math.nan, math.inf, "1", True):
             assert isinstance(AgentHost._checked("s", reward), Unscored)
-        rows = AgentSessions(host, up.tok).rows(
+        rows = Evaluator(AgentSampler(up.cfg, host, up.tok, None, threading.Event(), group_size=1, backoff_s=0)).rows(
             [PromptRecord("e-none", "abc=", "none"), PromptRecord("e-one", "abc=", "one")]
         )
         assert [(r["reward"], r["components"]["failed"], r["unscored"]) for r in rows] == [

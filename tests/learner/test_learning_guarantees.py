@@ -51,7 +51,7 @@ def _rollout(cfg, critic: Critic | None) -> tuple[Rollout, list[float]]:
     torch.manual_seed(cfg.run.seed)
     backend = make_backend(cfg)
     records = config_prompts(cfg, "train", backend.tokenizer)[: cfg.rollout_batch_size]
-    groups, _ = sample_groups(
+    groups, _, _ = sample_groups(
         records,
         [f"0:{r.id}" for r in records],
         backend,

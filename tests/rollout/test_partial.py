@@ -1,4 +1,4 @@
-"""Partial rollouts (rollout.partial_tokens, services/rollout/partial.py): a response paused at a
+"""Partial rollouts (rollout.partial_tokens, services/training/partial.py): a response paused at a
 budget of new tokens and resumed from its tokens so far is, under greedy decoding, the one decoded
 without a pause; every token keeps the version that sampled it; a rollout worker's continuations
 reach a real generation server over gRPC; off (0), nothing changes."""
@@ -17,9 +17,10 @@ from services.generation.backend import HFBackend
 from services.generation.client import GenerationClient
 from services.generation.server import serve as serve_generation
 from services.rollout.metrics import WorkerMetrics
-from services.rollout.partial import PartialRollouts
-from services.rollout.sampling import BackendSampler, Prompt, ServerSampler
+from services.rollout.sampling import ServerSampler
 from services.rollout.worker import retry_policy
+from services.training.partial import PartialRollouts
+from services.training.sampling import Prompt, ReplySampler
 from tests.grpc_helpers import on_free_ports
 from tests.rollout.conftest import _cfg
 
@@ -166,7 +167,9 @@ def test_backend_sampler_in_parts_only_when_asked(tiny_model_dir, backend, parti
     )
     spy = _Calls(backend)
     prompts = [Prompt(PromptRecord(str(i), t), f"0:{i}") for i, t in enumerate(TEXTS)]
-    sampled = BackendSampler(cfg, spy, _Scorer(), backend.tokenizer).sample(prompts)
+    params = SamplingParams.for_training(cfg)
+    reply = ReplySampler(spy, _Scorer(), backend.tokenizer, params, partial_tokens=cfg.rollout.partial_tokens)
+    sampled = reply.sample(prompts)
     if partial_tokens == 0:  # not wrapped: the one call as ever
         assert [p.max_new_tokens for _, p in spy.calls] == [12]
         assert not any(k.startswith("rollout/partial") for k in sampled.metrics)
