@@ -44,6 +44,7 @@ from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
+from .training.dapo import GroupFilter, merged
 from .training.data import EpochSampler, config_prompts
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
@@ -75,7 +76,31 @@ class LocalSource:
     def collect(self, iteration: int, policy_version: int) -> Batch | None:
         if self.stop_event is not None and self.stop_event.is_set():  # asked before this iteration began
             return None
-        picked = self.epochs.take_with_epochs(self.cfg.rollout_batch_size)  # a batch may cross an epoch boundary
+        if not self.cfg.rollout.dynamic_sampling:
+            sampled = self._sample(iteration, self.cfg.rollout_batch_size)
+            return None if sampled is None else Batch(Rollout.from_groups(sampled[0]), policy_version, sampled[1])
+        return self._dynamic(iteration, policy_version)
+
+    def _dynamic(self, iteration: int, policy_version: int) -> Batch | None:
+        """DAPO's dynamic sampling (training/dapo.py): rounds of more prompts until the batch is
+        full of groups whose rewards differ, at most `rollout.dynamic_sampling_max_rounds`."""
+        groups = GroupFilter.of(self.cfg.rollout_batch_size, self.cfg.rollout.dynamic_sampling_max_rounds)
+        rounds: list[tuple[dict, int]] = []
+        n = self.cfg.rollout_batch_size
+        while n:
+            sampled = self._sample(iteration, n)
+            if sampled is None:
+                return None
+            groups.add(sampled[0])
+            rounds.append((sampled[1], n))
+            n = groups.more()
+        metrics = {**merged(rounds), **groups.metrics()}
+        return Batch(Rollout.from_groups(groups.batch(f"iteration {iteration}")), policy_version, metrics)
+
+    def _sample(self, iteration: int, n: int) -> tuple[list, dict] | None:
+        """`n` prompts sampled (a batch may cross an epoch boundary): their groups, the metrics; None
+        when the run cannot go on (`lost` says why)."""
+        picked = self.epochs.take_with_epochs(n)
         sampled = self.sampler.sample([Prompt(r, f"{e}:{r.id}") for e, r in picked])
         if isinstance(sampled, Failed):  # the environment, the reward or the agent lost: stop, checkpointed
             self.lost = f"iteration {iteration} could not be sampled: {sampled.why or sampled.then.name.lower()}"
@@ -90,7 +115,7 @@ class LocalSource:
             first = next(g.reason for g in sampled.groups if isinstance(g, Rejected))
             self.lost = f"every prompt of iteration {iteration} failed (the first: {first})"
             return None
-        return Batch(Rollout.from_groups(kept), policy_version, sampled.metrics)
+        return kept, sampled.metrics
 
     def trained(self, batch: Batch, iteration: int) -> dict:
         return {}
@@ -235,8 +260,7 @@ def local_sampler(cfg: Config, tokenizer, backend, scorer, critic, pool, stop_ev
         assert pool is not None
         host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
         return AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event())
-    params = SamplingParams.for_training(cfg)
-    return ReplySampler(backend, scorer, tokenizer, params, critic, cfg.prompt_length, cfg.rollout.partial_tokens)
+    return ReplySampler.for_training(cfg, backend, scorer, tokenizer, critic)
 
 
 def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_event) -> dict:

@@ -23,6 +23,12 @@ ROWS = [
         ("KL to the reference", "none", [("rlhf_learner_kl", "KL")]),
         ("Clip fraction", "percentunit", [("rlhf_learner_clip_fraction", "clipped")]),
         ("Policy entropy", "none", [("rlhf_learner_entropy", "entropy")]),
+        ("Sampler/learner drift (rollout_correction)", "none", [
+            ("rlhf_learner_rollout_drift_kl", "KL"), ("rlhf_learner_rollout_drift_ess", "ESS per sequence"),
+            ("rlhf_learner_rollout_masked_fraction", "masked fraction")]),
+        ("Push parity: the servers' log-probs against the learner's", "none", [
+            ("max by (server) (rlhf_push_parity_mean_abs)", "{{server}} mean |diff|"),
+            ("sum(increase(rlhf_push_parity_failures_total[1h]))", "failed checks (1h)")]),
         ("Iteration", "none", [("rlhf_learner_iteration", "iteration"),
                                ("rlhf_learner_policy_version", "policy version")]),
     ]),
@@ -44,7 +50,8 @@ ROWS = [
         ("Dropped, duplicate, dead-lettered (per minute)", "none", [
             ("rate(rlhf_replay_dropped_stale_total[5m]) * 60", "dropped stale"),
             ("sum(rate(rlhf_rollout_duplicates_total[5m])) * 60", "duplicates"),
-            ("sum(rate(rlhf_rollout_dead_letters_total[5m])) * 60", "dead letters")]),
+            ("sum(rate(rlhf_rollout_dead_letters_total[5m])) * 60", "dead letters"),
+            ("rate(rlhf_replay_dropped_equal_total[5m]) * 60", "all-equal rewards (dynamic sampling)")]),
         ("Rollout workers: prompts claimed and reclaimed (per minute)", "none", [
             ("count(up{job=\"rollout\"} == 1)", "workers up"),
             ("sum(rate(rlhf_rollout_prompts_claimed_total[5m])) * 60", "claimed"),

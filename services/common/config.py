@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from ..ppo import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REFERENCE_CHOICES, REWARD_NORMS
+from ..ppo import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    REFERENCE_CHOICES,
+    REWARD_NORMS,
+    ROLLOUT_CORRECTIONS,
+)
 from . import environments
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig,
@@ -47,6 +55,7 @@ if TYPE_CHECKING:
 ADV_ESTIMATOR_NAMES = ADV_ESTIMATORS.names()
 KL_PENALTY_NAMES = KL_ESTIMATORS.choices()
 POLICY_LOSS_NAMES = POLICY_LOSSES.names()
+ROLLOUT_CORRECTION_NAMES = ROLLOUT_CORRECTIONS.names()
 
 
 class Config(Strict):
@@ -125,7 +134,15 @@ class Config(Strict):
     policy_loss: Literal[POLICY_LOSS_NAMES] = Field(  # type: ignore[valid-type]
         default="vanilla",
         description="policy objective: 'vanilla' = PPO clip on the token ratio (dual clip when "
-        "dual_clip_loss), 'gspo' = clip on the sequence ratio (GSPO)",
+        "dual_clip_loss), 'gspo' = clip on the sequence ratio (GSPO), 'cispo' = REINFORCE weighted by the "
+        "clipped, detached token ratio (CISPO; bounds: cispo_clip_low, pg_clip_high)",
+    )
+    cispo_clip_low: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="policy_loss cispo: lower bound of the weight (ratio >= 1 - this); 1 = no lower "
+        "bound, as the CISPO paper; the upper bound is pg_clip_high (null = pg_clip)",
     )
     entropy_coef: float = Field(default=0.0, ge=0, description="weight of the entropy bonus")
     ptx_coef: float = Field(default=0.0, ge=0, description="PTX/SFT next-token loss weight (InstructGPT)")
@@ -142,17 +159,42 @@ class Config(Strict):
         default=True,
         description="skip the forward that recomputes old log-probs when it "
         "provably equals the training forward (one epoch, one mini-batch, no KL in "
-        "the reward, reference 'sft', kl_penalty not 'full', no rollout_is, no "
+        "the reward, reference 'sft', kl_penalty not 'full', no rollout correction nor its metrics, no "
         "dropout) and take them from the training forward; false = always recompute",
+    )
+    rollout_correction: Optional[Literal[ROLLOUT_CORRECTION_NAMES]] = Field(  # type: ignore[valid-type]
+        default=None,
+        description="correction for a sampler that differs from the learner (bf16 vLLM, staleness), "
+        "from the ratio pi_old / sampler of each sampled token: none; token_tis (each token's loss x "
+        "min(ratio, rollout_is_threshold)); seq_tis (every token of a sequence x min(product of its "
+        "ratios, rollout_is_threshold)); seq_mask (drop a sequence whose geometric-mean ratio is outside "
+        "[rollout_mask_low, rollout_mask_high], default [0.99, 1.01]); icepop (drop a token whose ratio is "
+        "outside the band, default [0.5, 2.0]). Needs the sampler's log-probs. null = token_tis when "
+        "rollout_is is true, else none (set, it wins over rollout_is)",
     )
     rollout_is: bool = Field(
         default=False,
-        description="truncated importance sampling: weight each token's policy "
-        "loss by min(exp(old_log_prob - sampler's log_prob), rollout_is_threshold), "
-        "correcting for a sampler that differs from the learner (bf16 vLLM, staleness); "
-        "needs the sampler's log-probs; with recompute_old_log_probs false every weight is 1",
+        description="the older spelling of rollout_correction: token_tis, read only when rollout_correction is null",
     )
-    rollout_is_threshold: float = Field(default=2.0, gt=0, description="cap of the truncated importance weight")
+    rollout_is_threshold: float = Field(
+        default=2.0, gt=0, description="cap C of the truncated importance weight (token_tis, seq_tis)"
+    )
+    rollout_mask_low: Optional[float] = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description="lower end of the ratio band seq_mask and icepop keep; null = the mode's (0.99, 0.5)",
+    )
+    rollout_mask_high: Optional[float] = Field(
+        default=None,
+        gt=1,
+        description="upper end of the ratio band seq_mask and icepop keep; null = the mode's (1.01, 2.0)",
+    )
+    rollout_correction_metrics: bool = Field(
+        default=False,
+        description="log the sampler/learner drift metrics (rollout_correction/*) with rollout_correction "
+        "none too (needs the sampler's log-probs; keeps the old-log-prob forward); any other mode logs them",
+    )
     max_staleness: int = Field(
         default=0,
         ge=0,
@@ -206,6 +248,11 @@ class Config(Strict):
                 f"adv_estimator={self.adv_estimator!r} needs num_return_sequences_in_group >= 2 "
                 f"(got {self.num_return_sequences_in_group})"
             )
+        if self.rollout.dynamic_sampling and self.num_return_sequences_in_group < 2:
+            raise ValueError(
+                "rollout.dynamic_sampling drops groups whose rewards are all equal: with "
+                "num_return_sequences_in_group=1 every group is; set it to 2 or more"
+            )
         self._environment_prompts()
         if self.critic.init_from_reward_model:
             if self.critic.model_path is not None:
@@ -239,6 +286,20 @@ class Config(Strict):
     @property
     def needs_critic(self) -> bool:
         return self.adv_estimator == "gae"
+
+    @property
+    def rollout_correction_mode(self) -> str:
+        """The rollout correction in force: `rollout_correction`, else token_tis with the older
+        `rollout_is: true`, else none."""
+        if self.rollout_correction is not None:
+            return self.rollout_correction
+        return "token_tis" if self.rollout_is else "none"
+
+    @property
+    def uses_sampler_log_probs(self) -> bool:
+        """Whether each step compares the sampler's log-probs with the learner's old ones (a
+        correction, or its metrics alone)."""
+        return self.rollout_correction_mode != "none" or self.rollout_correction_metrics
 
     @property
     def clip_low(self) -> float:

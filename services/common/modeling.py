@@ -9,7 +9,7 @@ import contextlib
 import functools
 import inspect
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, Sequence, cast
 
 import torch
 import torch.utils.checkpoint
@@ -116,6 +116,25 @@ def response_log_probs(
     if with_entropy:
         out["entropy"] = stats[..., 1]
     return out
+
+
+def token_log_probs(model: nn.Module, token_ids: Sequence[int], start: int) -> torch.Tensor:
+    """log p(token_ids[t] | token_ids[:t]) for t in [start, len(token_ids)), float32, at
+    temperature 1: one unpadded no-grad forward of the sequence (`response_log_probs` on a batch
+    of one, so the output layer runs on the scored positions only, in float32). What both ends
+    of the push parity check compute: the generation server's ScoreTokens and the learner."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+    n = ids.shape[1]
+    batch = TokenBatch(
+        ids,
+        torch.ones_like(ids),
+        torch.arange(n, device=device).unsqueeze(0),
+        torch.ones((1, n - start), dtype=torch.long, device=device),
+        start,
+    )
+    with torch.no_grad():
+        return response_log_probs(model, batch)["log_probs"][0].float()
 
 
 def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy: bool) -> torch.Tensor:

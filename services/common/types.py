@@ -191,6 +191,17 @@ class Rollout:
         return out
 
 
+@dataclass
+class TokenScores:
+    """Teacher-forced log-probs of given tokens (a generation server's ScoreTokens): per sequence,
+    the log-prob of each scored token at temperature 1; the policy version that scored them all,
+    and the dtype its engine ran in."""
+
+    log_probs: list[list[float]]
+    policy_version: int
+    dtype: str
+
+
 class GenerationBackend(Protocol):
     """What the generation server serves and the in-process trainer samples with (the `hf` and
     `vllm` backends); `GenerationClient` offers `generate`/`update_weights` over gRPC."""

@@ -1,5 +1,6 @@
 """The `hf` generation backend: a transformers model sampled step by step (`decode`: each prompt
-prefilled once for its group, the sampled tokens' log-probs kept as it goes), and new policy weights
+prefilled once for its group, the sampled tokens' log-probs kept as it goes), given tokens scored
+under the version it serves (`score`: the push parity check's ScoreTokens), and new policy weights
 swapped in atomically between batches. It implements
 `GenerationBackend` (`services/common/types.py`), the interface the generation server and the
 in-process trainer call.
@@ -14,7 +15,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..common.model_files import load_causal_lm, load_tokenizer, resolve_device
-from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
+from ..common.modeling import token_log_probs
+from ..common.types import Completion, GenerationResult, SamplingParams, TokenScores, switched_versions
 from ..weights.check import check_newer, check_version
 from ..weights.hostcopy import copy_to_device
 from .decode import Decoded, decode
@@ -35,6 +37,7 @@ class HFBackend:
 
     continuous_batching = False  # the server batches calls in its window (batching.py:Batcher)
     partial_updates = True  # a partial version loads over the weights it has
+    scores_tokens = True  # ScoreTokens: `score`
     broken: str | None = None  # never: a failed update changes nothing
 
     def __init__(
@@ -85,6 +88,15 @@ class HFBackend:
             else:
                 self.model.load_state_dict(dict(state_dict), strict=False)
             self.policy_version = policy_version
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> TokenScores:
+        """The log-prob of each token of `sequences[i][starts[i]:]` given the tokens before it, at
+        temperature 1, under the version served (taken under the lock: no swap in between), each
+        sequence in an unpadded forward of its own (`token_log_probs`, the learner's too)."""
+        with self._lock:
+            with torch.no_grad():
+                out = [token_log_probs(self.model, ids, start).tolist() for ids, start in zip(sequences, starts)]
+            return TokenScores(out, self.policy_version, self.info()["dtype"])
 
     def generate(
         self,

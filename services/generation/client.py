@@ -1,5 +1,6 @@
 """A gRPC client of the generation server with the backend's own interface: `generate` returns a
 `GenerationResult`, `update_weights` pushes a state dict as a versioned, checksummed stream;
+`score_tokens` has given tokens scored under the version served (ScoreTokens);
 `load_shared` points a co-located server at a version in shared memory. `generation_clients`: how
 a `ServerPool` (common/servers.py: which live generation server to call) reaches one."""
 
@@ -13,7 +14,7 @@ import torch
 from ..common.rpc.client import Abandoned, Cancel, RPCClient
 from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
-from ..common.types import Completion, GenerationResult, SamplingParams
+from ..common.types import Completion, GenerationResult, SamplingParams, TokenScores
 from ..weights.protocol import CHUNK_BYTES, chunk_bytes
 from ..weights.stream import StreamSpec, encode_weights
 
@@ -128,6 +129,18 @@ class GenerationClient(RPCClient):
         """LoadSharedWeights: load a version the learner wrote into the shared-memory directory it
         shares with this server (`services.weights.shm`)."""
         return self.stub.LoadSharedWeights(request, timeout=timeout or self.timeout, metadata=self.metadata)
+
+    def score_tokens(
+        self, sequences: Sequence[Sequence[int]], starts: Sequence[int], timeout: float | None = None
+    ) -> TokenScores:
+        """ScoreTokens: the log-prob (temperature 1) of each token of `sequences[i][starts[i]:]`
+        given the tokens before it, under the version the server serves, which the answer names.
+        A server that cannot score (vLLM, or one older than the method): UNIMPLEMENTED."""
+        req = gpb.ScoreTokensRequest(
+            sequences=[gpb.ScoredSequence(token_ids=list(ids), prompt_tokens=s) for ids, s in zip(sequences, starts)]
+        )
+        resp = self.stub.ScoreTokens(req, timeout=timeout or self.timeout, metadata=self.metadata)
+        return TokenScores([list(r.log_probs) for r in resp.results], int(resp.policy_version), resp.dtype)
 
     def info(self, timeout: float | None = None) -> gpb.GenerationInfo:
         return self.stub.GetInfo(gpb.InfoRequest(), timeout=timeout or self.timeout, metadata=self.metadata)

@@ -8,6 +8,8 @@
    the cost again at the prompts' exact width;
 3. the work's key (`work_key`: the caller's idempotency key with a digest of the request);
 4. the response: each prompt's ids and its completions, their text decoded.
+
+A ScoreTokens call (the push parity check's) is read by `read_scored`, under the same limits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 
 from ..common.rpc.errors import BadRequest, Reason, ResourceExhausted
 from ..common.rpc.gen import generation_pb2 as gpb
-from ..common.types import GenerationResult, SamplingParams
+from ..common.types import GenerationResult, SamplingParams, TokenScores
 from .client import IDEMPOTENCY_KEY
 from .decode import GREEDY_BELOW
 
@@ -194,3 +196,53 @@ class GenerateRequests:
                 )
             )
         return out
+
+
+def read_scored(request: gpb.ScoreTokensRequest, vocab_size: int, cfg: Config) -> tuple[list[list[int]], list[int]]:
+    """A ScoreTokens request's sequences and where each one's scored tokens start, checked under
+    Generate's limits: at most rpc.max_prompts_per_request sequences, each at most prompt_length +
+    response_length tokens with at least one of context and one scored, every id in the
+    vocabulary, and rpc.max_request_tokens token positions in all."""
+    seqs = request.sequences
+    if not seqs:
+        raise BadRequest("sequences: empty batch (0 sequences)")
+    if len(seqs) > cfg.rpc.max_prompts_per_request:
+        raise BadRequest(f"sequences: {len(seqs)} sequences, more than {cfg.rpc.max_prompts_per_request}")
+    longest = cfg.prompt_length + cfg.response_length
+    total = sum(len(q.token_ids) for q in seqs)
+    if total > cfg.rpc.max_request_tokens:
+        raise ResourceExhausted(
+            f"request: {total} token positions, more than rpc.max_request_tokens={cfg.rpc.max_request_tokens}; "
+            "send fewer or shorter sequences per request",
+            Reason.REQUEST_TOO_LARGE,
+        )
+    out, starts = [], []
+    for i, q in enumerate(seqs):
+        ids, start, field = list(q.token_ids), q.prompt_tokens, f"sequences[{i}]"
+        if not 1 <= start < len(ids):
+            raise BadRequest(
+                f"{field}.prompt_tokens: {start}, expected in [1, {len(ids)}) (at least one token of "
+                "context and one to score)",
+                field=f"{field}.prompt_tokens",
+            )
+        if len(ids) > longest:
+            raise BadRequest(
+                f"{field}: {len(ids)} tokens, more than prompt_length + response_length = {longest}", field=field
+            )
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(
+                f"{field}.token_ids: token id {bad[0]} outside the vocabulary [0, {vocab_size})",
+                field=f"{field}.token_ids",
+            )
+        out.append(ids)
+        starts.append(start)
+    return out, starts
+
+
+def scored_response(scores: TokenScores) -> gpb.ScoreTokensResponse:
+    return gpb.ScoreTokensResponse(
+        results=[gpb.TokenLogProbs(log_probs=lp) for lp in scores.log_probs],
+        policy_version=scores.policy_version,
+        dtype=scores.dtype,
+    )

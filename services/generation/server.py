@@ -1,6 +1,8 @@
 """The generation server: Generate (batched across concurrent callers), PushWeights (streamed,
 checksummed, applied atomically between batches), LoadSharedWeights (the same, the bytes read from
-a file the co-located learner wrote into shared memory), GetInfo.
+a file the co-located learner wrote into shared memory), ScoreTokens (the log-probs of given tokens
+under the version served, run between batches like a Generate: the learner's push parity check),
+GetInfo.
 
 A Generate whose caller has gone (its deadline passed, or it cancelled the call) stops costing
 anything: queued, it never runs; running, its batch ends at the next decoding step once nobody
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 
 from ..common.lifecycle import GrpcService
+from ..common.rpc.errors import Unimplemented
 from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.rpc.server import RPCServer
@@ -28,7 +31,7 @@ from ..weights.decoder import WeightChunkDecoder
 from ..weights.receiver import Applied, WeightReceiver, shm_probe
 from ..weights.shm import Probe
 from .batching import InFlight, make_batcher
-from .generate_request import GenerateRequests, work_key
+from .generate_request import GenerateRequests, read_scored, scored_response, work_key
 from .metrics import GenerationMetrics
 from .policy import make_backend
 
@@ -152,6 +155,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def LoadSharedWeights(self, request, context):
         return _response(self.apply_shared(request, context))
+
+    def ScoreTokens(self, request, context):
+        """The log-prob of each given token under the version served, on the compute thread between
+        batches (or between two decoding steps with weight updates in flight), so one version scores
+        the whole request and the response names it. A backend that cannot (`scores_tokens` false:
+        vLLM) is refused at once, UNIMPLEMENTED, before anything waits for its engine."""
+        if not getattr(self.backend, "scores_tokens", False):
+            raise Unimplemented(
+                f"ScoreTokens: the {self.backend.info()['backend']} backend does not score given tokens yet "
+                "(the push parity check covers hf servers); nothing was run"
+            )
+        seqs, starts = read_scored(request, self.vocab_size, self.cfg)
+        return scored_response(self.batcher.call(self.backend.score, seqs, starts))  # type: ignore[attr-defined]
 
     def GetInfo(self, request, context):
         info = self.backend.info()

@@ -132,6 +132,7 @@ class VLLMBackend:
 
     continuous_batching = True  # the server hands it calls as they come (no batching window)
     partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
+    scores_tokens = False  # no ScoreTokens yet (vLLM's prompt_logprobs would do it): the push parity check skips it
     in_flight = False
     recompute = True
 

@@ -32,7 +32,7 @@ from ..ppo import (
     masked_whiten,
     postprocess_rewards,
     reference_log_probs,
-    rollout_importance_weights,
+    rollout_correction,
     staleness_weights,
 )
 
@@ -81,7 +81,7 @@ class Experience:
     returns: torch.Tensor  # (B, T)
     values: torch.Tensor | None  # (B, T)
     metrics: dict
-    # (B, T) truncated pi_old / sampler weights (rollout_is), times 0 on tokens beyond the staleness bound
+    # (B, T) the rollout correction's weights (rollout_correction), times 0 on tokens beyond the staleness bound
     rollout_is_weights: torch.Tensor | None = None
     # the sequence KL to the reference and the sequences it is over, for the KL controller (None:
     # the update measures it on its own forward, with fused old log-probs)
@@ -160,7 +160,7 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
 class LogProbs:
     """The forwards of a batch: the policy's (`cur`: log-probs and entropy; None when fused), the
     old log-probs the update's ratio starts from, the reference's, what the KL to it is taken
-    from, and the truncated importance weights of the sampler's log-probs (rollout_is)."""
+    from, and the per-token loss weights of the rollout correction (`rollout_correction`)."""
 
     cur: dict[str, torch.Tensor] | None
     old: torch.Tensor | None
@@ -182,10 +182,12 @@ def log_probs(learner: Actor, rollout: Rollout, batch: TokenBatch, fused: bool) 
             lambda b: response_log_probs(learner.policy, b, learner.temperature, with_entropy=True, full=full),
             batch,
         )
-    if cfg.rollout_is and rollout.gen_log_probs is None:
+    if cfg.uses_sampler_log_probs and rollout.gen_log_probs is None:
         raise ValueError(
-            "rollout_is needs the sampler's log-probs, but this rollout has no gen_log_probs; "
-            "set rollout_is: false or have the generation backend return log-probs"
+            f"rollout_correction {cfg.rollout_correction_mode} (rollout_correction_metrics: "
+            f"{str(cfg.rollout_correction_metrics).lower()}) needs the sampler's log-probs, but this rollout has "
+            "no gen_log_probs; set rollout_correction: none (rollout_is: false, rollout_correction_metrics: false) "
+            "or have the generation backend return log-probs"
         )
     gen_log_probs = (
         pad_right(rollout.gen_log_probs, mask.shape[1]).to(learner.device)
@@ -220,15 +222,22 @@ def token_weights(
     gen_log_probs: torch.Tensor | None,
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor | None, dict]:
-    """The loss's per-token weights (None: none) and their metrics: the truncated importance
-    weights pi_old / sampler (rollout_is), times 0 on tokens beyond the staleness bound (a rollout
-    whose tokens are of several versions)."""
+    """The loss's per-token weights (None: none) and their metrics: the rollout correction's
+    weights from pi_old / sampler (`rollout_correction`, with its drift metrics), times 0 on tokens
+    beyond the staleness bound (a rollout whose tokens are of several versions)."""
     cfg = learner.cfg
-    rollout_is_weights, is_metrics = None, {}
-    if cfg.rollout_is:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
-        assert old_log_probs is not None and gen_log_probs is not None  # rollout_is: never fused, checked above
-        rollout_is_weights, is_metrics = rollout_importance_weights(
-            old_log_probs, gen_log_probs, mask, cfg.rollout_is_threshold
+    rollout_is_weights: torch.Tensor | None = None
+    is_metrics: dict[str, float] = {}
+    if cfg.uses_sampler_log_probs:  # with recompute_old_log_probs false, old == sampler's: every weight is 1
+        assert old_log_probs is not None and gen_log_probs is not None  # never fused, checked above
+        rollout_is_weights, is_metrics = rollout_correction(
+            old_log_probs,
+            gen_log_probs,
+            mask,
+            cfg.rollout_correction_mode,
+            cfg.rollout_is_threshold,
+            cfg.rollout_mask_low,
+            cfg.rollout_mask_high,
         )
     if rollout.token_versions is not None:  # tokens of several versions: the staleness bound per token
         versions = pad_right(rollout.token_versions, mask.shape[1], dtype=torch.long)

@@ -38,6 +38,10 @@ class PromptFeeder:
             self._feed(self.cfg.rollout_batch_size, policy_version)
             self.fed_batches += 1
 
+    def feed_more(self, n: int, policy_version: int) -> None:
+        """`n` prompts more, beyond the batches (dynamic sampling's, in place of dropped groups)."""
+        self._feed(n, policy_version)
+
     def replace_dead_letters(self, policy_version: int) -> int:
         """Feed one new prompt per prompt dead-lettered since the last call. Returns how many."""
         dead = self.store.read_dead(self.dead_cursor)

@@ -11,6 +11,10 @@ For each group read:
            drops with nothing fresh in between means the generation servers do not serve the
            learner's weights: it is reported (log and status `stale_streak`), with the reason
     malformed -> dropped with an error in the log
+    its rewards all equal, with `rollout.dynamic_sampling` (DAPO; training/dapo.py)
+        -> dropped (acknowledged, not trained) and one more prompt fed in its place, up to
+           (dynamic_sampling_max_rounds - 1) x rollout_batch_size per batch; past that, into the
+           batch, with a warning
     otherwise -> into the batch
 """
 
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..common.replay.records import group_from_proto
 from ..common.types import Progress, no_progress
+from ..training.dapo import informative
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -38,7 +43,8 @@ class TrajectoryIntake:
         self.uncommitted: list[tuple[bytes | str, str]] = []  # (entry id, prompt uid) trained, not checkpointed
         self._uncommitted_uids: set[str] = set()
         self.gen_rates: list[float] = []  # tokens/s of the Generate calls behind the last batch
-        self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "malformed": 0}
+        self.counters = {"trained_groups": 0, "dropped_stale": 0, "duplicates": 0, "malformed": 0, "dropped_equal": 0}
+        self.equal = {"dropped": 0, "trained": 0}  # the last batch's groups whose rewards were all equal
         self.stale_streak = 0  # groups dropped as stale in a row, since the last fresh one
         self._streak_reported = 0
 
@@ -62,6 +68,7 @@ class TrajectoryIntake:
         batch: list = []
         uids: set = set()
         self.gen_rates = []
+        self.equal = {"dropped": 0, "trained": 0}
         t0 = last_report = time.time()
         while len(batch) < want:
             self.on_progress()
@@ -86,7 +93,7 @@ class TrajectoryIntake:
                     continue
             entry_id, msg, trained = self._queue.popleft()
             group = self._examined(entry_id, msg, trained, policy_version, uids)
-            if group is None:
+            if group is None or self._dropped_equal(entry_id, group, policy_version):
                 continue
             self.stale_streak = self._streak_reported = 0
             batch.append((entry_id, group))
@@ -122,6 +129,29 @@ class TrajectoryIntake:
             self.counters["malformed"] += 1
             return None
         return group
+
+    def _dropped_equal(self, entry_id, group, policy_version: int) -> bool:
+        """With dynamic sampling, a group whose rewards are all equal: dropped, another prompt fed in
+        its place, while the batch's bound allows (True); past it, into the batch (False)."""
+        cfg = self.cfg
+        if not cfg.rollout.dynamic_sampling or informative(group):
+            return False
+        if self.equal["dropped"] < (cfg.rollout.dynamic_sampling_max_rounds - 1) * cfg.rollout_batch_size:
+            self.store.discard(entry_id)
+            self.feeder.feed_more(1, policy_version)
+            self.equal["dropped"] += 1
+            self.counters["dropped_equal"] += 1
+            return True
+        if not self.equal["trained"]:
+            log.warning(
+                "dynamic sampling: %d groups whose rewards are all equal dropped for this batch, the bound "
+                "of rollout.dynamic_sampling_max_rounds=%d; the next such groups are trained on (they carry "
+                "no group-relative advantage: the prompts may be too easy or too hard for the policy)",
+                self.equal["dropped"],
+                cfg.rollout.dynamic_sampling_max_rounds,
+            )
+        self.equal["trained"] += 1
+        return False
 
     def _refeed(self, entry_id, msg, policy_version: int) -> None:
         refeed = type(msg.task)()

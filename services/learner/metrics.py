@@ -43,6 +43,7 @@ class LearnerMetrics:
         gauge, counter = labelled(Gauge, registry, SERVICE), labelled(Counter, registry, SERVICE)
         self._per_iteration(gauge)
         self._replay(gauge, counter)
+        self._parity()
 
     def _per_iteration(self, gauge) -> None:
         """The gauges `observe` sets from each iteration's metrics."""
@@ -66,6 +67,19 @@ class LearnerMetrics:
             "rlhf_learner_reward_hacking",
             "1 while the reward-hacking watch suspects reward "
             "hacking (held-out reward falling, train reward rising), else 0",
+        )
+        self.drift_kl = gauge(
+            "rlhf_learner_rollout_drift_kl",
+            "KL between the sampler and the learner on the last batch's tokens "
+            "(rollout_correction/kl; NaN: not measured)",
+        )
+        self.drift_ess = gauge(
+            "rlhf_learner_rollout_drift_ess",
+            "normalised effective sample size of the sampler/learner ratios per sequence (rollout_correction/ess_seq)",
+        )
+        self.drift_masked = gauge(
+            "rlhf_learner_rollout_masked_fraction",
+            "share of tokens the rollout correction masked on the last batch (rollout_correction/masked_token_frac)",
         )
         self.staleness = gauge("rlhf_replay_staleness", "mean policy-version lag of the last batch")
         self.backlog = gauge("rlhf_replay_lag", "trajectory groups waiting for the learner")
@@ -96,7 +110,37 @@ class LearnerMetrics:
         )
         self.malformed = counter("rlhf_replay_malformed_total", "groups dropped as malformed")
         self.dead_letters = counter("rlhf_replay_dead_letters_total", "dead-lettered prompts the learner replaced")
-        self._seen = {"dropped_stale": 0, "duplicates": 0, "malformed": 0, "dead_letters": 0}
+        self.dropped_equal = counter(
+            "rlhf_replay_dropped_equal_total",
+            "groups whose rewards were all equal, dropped by dynamic sampling (rollout.dynamic_sampling)",
+        )
+        self._seen = {"dropped_stale": 0, "duplicates": 0, "malformed": 0, "dead_letters": 0, "dropped_equal": 0}
+
+    def _parity(self) -> None:
+        """Per generation server, its last push parity check (parity.py), and the checks it failed."""
+
+        def per_server(cls, name: str, doc: str):
+            return cls(name, doc, ["service", "server"], registry=self.registry)
+
+        self.parity_max_abs = per_server(
+            Gauge, "rlhf_push_parity_max_abs", "largest |log-prob difference| on the probe batch at the last check"
+        )
+        self.parity_mean_abs = per_server(
+            Gauge, "rlhf_push_parity_mean_abs", "mean |log-prob difference| per probe token at the last check"
+        )
+        self.parity_kl = per_server(Gauge, "rlhf_push_parity_kl", "KL estimate (learner || server) at the last check")
+        self.parity_failures = per_server(
+            Counter, "rlhf_push_parity_failures_total", "push parity checks the server failed"
+        )
+
+    def parity(self, server: str, max_abs: float, mean_abs: float, kl: float, failed: bool) -> None:
+        """One server's push parity check (its failures counter starts at 0 with its first check)."""
+        self.parity_max_abs.labels(SERVICE, server).set(max_abs)
+        self.parity_mean_abs.labels(SERVICE, server).set(mean_abs)
+        self.parity_kl.labels(SERVICE, server).set(kl)
+        failures = self.parity_failures.labels(SERVICE, server)
+        if failed:
+            failures.inc()
 
     def observe(self, iteration: int, m: dict, counters: dict) -> None:
         """One iteration's metrics `m` and the service's running `counters` into the gauges and counters."""
@@ -112,6 +156,9 @@ class LearnerMetrics:
         self.clip_fraction.set(_finite(m.get("ppo/pg_clipfrac"), 0.0))
         self.entropy.set(_finite(m.get("ppo/entropy_rollout")))
         self.tokens_per_s.set(_finite(m.get("rollout/tokens_per_s"), 0.0))
+        self.drift_kl.set(_finite(m.get("rollout_correction/kl")))
+        self.drift_ess.set(_finite(m.get("rollout_correction/ess_seq")))
+        self.drift_masked.set(_finite(m.get("rollout_correction/masked_token_frac")))
         self.staleness.set(m.get("replay/staleness_mean", 0.0))
         self.backlog.set(m.get("replay/backlog", 0))
         self.push_seconds.set(m.get("time/push_s", 0.0))
@@ -129,6 +176,7 @@ class LearnerMetrics:
             ("duplicates", self.duplicates),
             ("malformed", self.malformed),
             ("dead_letters", self.dead_letters),
+            ("dropped_equal", self.dropped_equal),
         ):
             now = int(counters.get(key, 0))
             if not restored and now > self._seen[key]:

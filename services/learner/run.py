@@ -16,6 +16,7 @@ iteration, hop by hop:
                                   trains over gRPC                   (trainer.py, experience.py, update.py)
     PushSink.publish              the next version from Redis's counter, then     (sink.py)
       publisher.push              snapshot, plan, deliver to every live server    (weights/publisher.py)
+      PushParity.check            when due: every server scores the probe batch   (parity.py)
     ReplaySource.trained          acknowledge the groups as trained               (intake.py)
     LearnerLoop.evaluate          on the schedule: through a server of the `ServerPool`,
                                   tried as `eval_retry` says                      (common/servers.py)
@@ -57,6 +58,7 @@ from .feeder import PromptFeeder
 from .intake import TrajectoryIntake
 from .liveness import Heartbeat, liveness_bound_s
 from .metrics import LearnerMetrics, ReplayPoller
+from .parity import PushParity, PushParityFailed
 from .sharded import ShardedPolicyTrainer
 from .sink import PushSink
 from .source import CriticWatch, ReplaySource
@@ -168,6 +170,13 @@ def service_training_loop(
     )
 
 
+def push_parity(cfg: Config, servers: ServerPool, records, tokenizer, metrics: LearnerMetrics) -> PushParity | None:
+    """The push parity check (`rpc.push_parity`), its probe made from `records`' prompts; None when off."""
+    if cfg.rpc.push_parity.every <= 0:
+        return None
+    return PushParity(cfg, servers.client, [r.prompt for r in records], tokenizer, gauges=metrics)
+
+
 def eval_retry_policy(cfg: Config) -> RetryPolicy:
     """The eval's way through the servers: only one at the current version, waited for up to
     rpc.dependency_wait_s; one that failed it avoided for a heartbeat's time to live."""
@@ -211,9 +220,11 @@ class LearnerLoop:
         )
         # the heartbeat as each server's push is answered
         self.publisher = Publisher(cfg, self.store, self.learner, self.servers, on_progress=self.heartbeat)
-        self.sink = PushSink(self.store, self.publisher, run_id)
-        self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.metrics = LearnerMetrics(registry or CollectorRegistry())
+        # after a push, when due: does every server serve what was pushed? (parity.py)
+        self.parity = push_parity(cfg, self.servers, self.held_out or train, self.tokenizer, self.metrics)
+        self.sink = PushSink(self.store, self.publisher, run_id, self.parity)
+        self.checkpointer = Checkpointer(self.run_dir, self.store, self.critic, keep=cfg.run.keep_checkpoints)
         self.source = ReplaySource(self.store, self.feeder, self.intake, self.stop_event, self.phase, self.critic_watch)
         self.training = service_training_loop(
             cfg, self.run_dir, self.learner, self.critic, self.tokenizer, self.source, self.sink,
@@ -279,6 +290,11 @@ class LearnerLoop:
             return done
         try:
             return self._run()
+        except PushParityFailed as e:
+            self.phase.enter("failed")
+            last = self.checkpointer.latest()
+            log.error("%s. The newest checkpoint is %s", e, last.name if last else "none (a restart starts over)")
+            raise
         except DependencyUnavailable as e:
             self.phase.enter("failed")
             last = self.checkpointer.latest()

@@ -191,12 +191,15 @@ class LearnerService(Service):
 
     def run(self) -> int:
         from ..common.rpc.retry import DependencyUnavailable
+        from .parity import PushParityFailed
 
         loop, _ = self._started()
         try:
             loop.run()
         except DependencyUnavailable:
             return 1  # the service logged what is missing and what a restart does
+        except PushParityFailed:
+            return 1  # the loop logged which server does not serve which version
         return 0
 
     def drain(self) -> None:

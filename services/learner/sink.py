@@ -1,10 +1,12 @@
 """The learner service's weight sink (`PushSink`): the one place its policy versions are
-numbered, and the fencing identity (run id, epoch) every push carries."""
+numbered, and the fencing identity (run id, epoch) every push carries; after a push, when due,
+the push parity check (parity.py: does every server serve what was pushed?)."""
 
 from __future__ import annotations
 
 from ..common.replay import ReplayStore
 from ..weights.publisher import Publisher
+from .parity import PushParity
 
 
 class PushSink:
@@ -13,10 +15,11 @@ class PushSink:
     restarts and above anything a server serves. Each new policy is pushed to every live
     generation server and published in the registry, with `address` (where servers pull from:
     set by the server before the run starts). `run_id` and `fence_epoch` (this process's, from
-    `fence()` at the start) are the identity the generation servers' fence checks."""
+    `fence()` at the start) are the identity the generation servers' fence checks. `parity`, when
+    given, checks the servers a push went to (`rpc.push_parity`), its metrics into the push's."""
 
-    def __init__(self, store: ReplayStore, publisher: Publisher, run_id: str):
-        self.store, self.publisher = store, publisher
+    def __init__(self, store: ReplayStore, publisher: Publisher, run_id: str, parity: PushParity | None = None):
+        self.store, self.publisher, self.parity = store, publisher, parity
         self.address = ""
         self.run_id, self.fence_epoch = run_id, 0
 
@@ -30,7 +33,10 @@ class PushSink:
 
     def publish(self, learner) -> tuple[int, dict]:
         policy_version = self.next_version()
-        return policy_version, self.publisher.push(policy_version, self.address)
+        metrics = self.publisher.push(policy_version, self.address)
+        if self.parity is not None and self.parity.due():
+            metrics.update(self.parity.check(learner, policy_version, self.publisher.pushed_to))
+        return policy_version, metrics
 
     def publish_current(self, policy_version: int) -> None:
         """At the start: the policy the learner holds (version 0, the initial weights every server

@@ -105,4 +105,17 @@ class ReplaySource:
             "replay/backlog": quietly(self.store.backlog, -1),
             "replay/dropped_stale": self.intake.counters["dropped_stale"],
             "replay/duplicates": self.intake.counters["duplicates"],
+            **self._equal_groups(len(batch.items)),
+        }
+
+    def _equal_groups(self, trained: int) -> dict:
+        """With dynamic sampling (training/dapo.py, as `train --local` reports it): the share of the
+        groups read for the batch whose rewards were all equal, and how many of those it trains on."""
+        if not self.intake.cfg.rollout.dynamic_sampling:
+            return {}
+        equal = self.intake.equal
+        return {
+            "rollout/equal_groups_frac": (equal["dropped"] + equal["trained"]) / max(equal["dropped"] + trained, 1),
+            "rollout/equal_groups_trained": equal["trained"],
+            "replay/dropped_equal": self.intake.counters["dropped_equal"],
         }

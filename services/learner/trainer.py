@@ -101,7 +101,7 @@ def old_log_probs_fusable(cfg: Config, policy) -> bool:
         and cfg.recompute_old_log_probs
         and cfg.ppo_epochs == 1
         and not cfg.add_token_level_kl
-        and not cfg.rollout_is
+        and not cfg.uses_sampler_log_probs
         and cfg.kl_penalty != "full"
         and (cfg.ref_model == "sft" or not cfg.use_kl_loss)
         and not has_dropout(policy)
@@ -177,7 +177,8 @@ class PolicyTrainer:
         """Whether a batch of `batch_size` takes its old log-probs from the training forward: true
         with `fuse_old_log_probs` when the batch is one mini-batch of one epoch (its forwards all
         run before the optimiser step), the reward has no KL term, the reference is the SFT model,
-        `kl_penalty` is not 'full', `rollout_is` is off and the model has no dropout."""
+        `kl_penalty` is not 'full', no rollout correction (nor its metrics) compares the sampler's
+        log-probs with the old ones and the model has no dropout."""
         return self._fusable and batch_size <= self.cfg.ppo_mini_batch_size
 
     # ---------------------------------------------------------------- forward passes

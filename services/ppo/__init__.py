@@ -1,6 +1,6 @@
 """The PPO algorithm as pure tensor functions: no I/O, no config objects. Variants sit in
-registries (`ADV_ESTIMATORS`, `KL_ESTIMATORS`, `POLICY_LOSSES`) whose names are the config's
-choices."""
+registries (`ADV_ESTIMATORS`, `KL_ESTIMATORS`, `POLICY_LOSSES`, `ROLLOUT_CORRECTIONS`) whose names
+are the config's choices."""
 
 from .advantages import (
     ADV_ESTIMATORS,
@@ -35,6 +35,7 @@ from .kl import (
 )
 from .losses import (
     POLICY_LOSSES,
+    compute_cispo_policy_loss,
     compute_gspo_policy_loss,
     compute_policy_loss,
     compute_sft_loss,
@@ -44,6 +45,14 @@ from .losses import (
 )
 from .normalize import REWARD_NORMS, RunningMeanStd, normalize_rewards, postprocess_rewards
 from .registry import Registry
+from .rollout_correction import (
+    DRIFT_METRICS,
+    ICEPOP_BOUNDS,
+    ROLLOUT_CORRECTIONS,
+    SEQ_MASK_BOUNDS,
+    drift_metrics,
+    rollout_correction,
+)
 from .rollout_is import rollout_importance_weights, staleness_weights
 
 __all__ = [name for name in dir() if not name.startswith("_")]

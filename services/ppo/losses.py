@@ -1,5 +1,5 @@
-"""Loss terms of the PPO objective: clipped / dual-clipped policy loss, clipped value loss,
-entropy bonus and the PTX/SFT next-token loss.
+"""Loss terms of the PPO objective: clipped / dual-clipped policy loss (and its variants GSPO and
+CISPO), clipped value loss, entropy bonus and the PTX/SFT next-token loss.
 
 Shapes: `B` sequences, `T` response positions, `V` vocabulary. `response_mask` (B, T) is 1 on
 tokens the policy sampled and 0 on padding.
@@ -123,6 +123,53 @@ def compute_gspo_policy_loss(
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = masked_mean(-log_ratio.detach(), response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
+
+
+@POLICY_LOSSES.register("cispo")
+def compute_cispo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585, eq. 4-5): a
+    REINFORCE loss whose tokens are weighted by the clipped, detached importance ratio.
+
+    ratio = exp(clamp(log_prob - old_log_prob, -10, 10))
+    w = sg[clip(ratio, 1 - cliprange_low, 1 + cliprange_high)]
+    L = -A * w * log_prob   per token, aggregated by `loss_agg_mode`.
+    The gradient flows through log_prob only: d L / d log_prob = -A * w (times the aggregation's
+    share of the token), so no token's gradient is dropped as PPO's clip drops it; the clip only
+    bounds the weight. `cliprange_low` = 1 puts no lower bound on the weight (as the paper does);
+    `cliprange_low`/`cliprange_high` default to `cliprange`. `clip_ratio_c` is accepted for a
+    uniform signature and not used (the dual clip is PPO's). `rollout_is_weights` (B, T), when
+    given, multiplies each token's loss before aggregation, as in `compute_policy_loss`.
+    Shapes as `compute_policy_loss`; returns (pg_loss, pg_clipfrac: share of tokens whose ratio
+    lies outside the bounds, ppo_kl: mean of old - new log-prob, pg_clipfrac_lower: share of tokens
+    below the lower bound).
+    """
+    cliprange_low = cliprange if cliprange_low is None else cliprange_low
+    cliprange_high = cliprange if cliprange_high is None else cliprange_high
+    if cliprange_low is None or cliprange_high is None:
+        raise ValueError("compute_cispo_policy_loss needs cliprange or both cliprange_low and cliprange_high")
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-10.0, max=10.0)
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    pg_losses = -advantages * weight * log_prob
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    lower = ratio < 1 - cliprange_low
+    pg_clipfrac = masked_mean((lower | (ratio > 1 + cliprange_high)).float(), response_mask)
+    pg_clipfrac_lower = masked_mean(lower.float(), response_mask)
+    ppo_kl = masked_mean(-log_ratio.detach(), response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
 def compute_value_loss(

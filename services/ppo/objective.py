@@ -1,5 +1,5 @@
 """The full PPO objective of one micro-batch, as a pure function: the policy loss (clipped,
-dual-clipped or GSPO), the entropy bonus, the KL loss to the reference and the PTX/SFT loss.
+dual-clipped, GSPO or CISPO), the entropy bonus, the KL loss to the reference and the PTX/SFT loss.
 
     loss = pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss + ptx_coef * ptx_loss
 
@@ -41,9 +41,11 @@ class ObjectiveSettings:
 
     @classmethod
     def from_config(cls, cfg) -> "ObjectiveSettings":  # a services.common.config.Config (not imported here)
+        # CISPO's lower bound is its own key (default 1: none, as the paper); its upper is pg_clip_high's
+        cispo = POLICY_LOSSES.canonical(cfg.policy_loss) == "cispo"
         return cls(
             policy_loss=cfg.policy_loss,
-            clip_low=cfg.clip_low,
+            clip_low=cfg.cispo_clip_low if cispo else cfg.clip_low,
             clip_high=cfg.clip_high,
             dual_clip_c=cfg.dual_clip_c if cfg.dual_clip_loss else None,
             loss_agg_mode=cfg.loss_agg_mode,

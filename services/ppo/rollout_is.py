@@ -8,7 +8,8 @@ few tokens the sampler found unlikely cannot dominate the gradient (Yao et al. 2
 Efficient RL Framework Secretly Brings You Off-Policy RL Training",
 https://fengyao.notion.site/off-policy-rl; the truncated IS of IMPALA's V-trace, Espeholt et al.
 2018, arXiv:1802.01561). As verl's `rollout_is` (token level, truncate mode) and OpenRLHF's
-`--enable_vllm_is_correction`.
+`--enable_vllm_is_correction`. The config's `rollout_correction` chooses between this
+(`token_tis`) and the other modes of `rollout_correction.py`.
 
 Shapes: `B` sequences, `T` response positions; `response_mask` (B, T) is 1 on sampled tokens
 and 0 on padding.

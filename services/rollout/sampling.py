@@ -85,8 +85,7 @@ class ServerSampler:
                 tries.failed(None)
                 continue
             one = _OneBatch(self.servers.client(address), key, timeout)
-            reply = ReplySampler(one, scoring, self.tokenizer, params, self.critic, self.cfg.prompt_length,
-                                 self.cfg.rollout.partial_tokens, one.part)  # fmt: skip
+            reply = ReplySampler.for_training(self.cfg, one, scoring, self.tokenizer, self.critic, one.part)
             try:
                 sampled = reply.sample(prompts)
             except Exception as e:

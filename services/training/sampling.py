@@ -31,12 +31,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..common.replay.records import task_record
 from ..common.token_batch import build_token_batch
 from ..common.types import GenerationResult, PromptRecord, RewardSample, SampleGroup, SamplingParams, ScoreResult
+from .dapo import shaped
 from .partial import PartialRollouts
+
+if TYPE_CHECKING:
+    from ..common.config import Config
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,9 @@ class ReplySampler:
     decoded in parts, each part a call of `part` (None: the backend's `generate`). A prompt over
     `prompt_length` tokens is refused (None: not checked). `proxy`: the training reward, when the
     held-out one is a gold reward apart (`reward.eval_rules`): each row's `proxy_reward`, so a
-    policy that pleases the proxy but not the gold shows. A failure raises: the caller knows what
-    it means."""
+    policy that pleases the proxy but not the gold shows. `overlong`: (buffer, penalty) of DAPO's
+    soft overlong punishment (dapo.py), added to each training reward. A failure raises: the
+    caller knows what it means."""
 
     backend: Any
     scorer: Any
@@ -131,6 +136,16 @@ class ReplySampler:
     partial_tokens: int = 0
     part: Any = None
     proxy: Any = None
+    overlong: tuple[int, float] = (0, 0.0)
+
+    @classmethod
+    def for_training(cls, cfg: Config, backend, scorer, tokenizer, critic, part=None) -> ReplySampler:
+        """Training's: the config's sampling, prompts checked against prompt_length, partial
+        rollouts (`rollout.partial_tokens`, each part a call of `part`), the overlong punishment."""
+        params = SamplingParams.for_training(cfg)
+        overlong = (cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+        return cls(backend, scorer, tokenizer, params, critic, cfg.prompt_length, cfg.rollout.partial_tokens, part,
+                   overlong=overlong)  # fmt: skip
 
     def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled:
         params = replace(self.params, n=prompts[0].group_size) if prompts[0].group_size else self.params
@@ -139,8 +154,9 @@ class ReplySampler:
             generation = PartialRollouts(self.part or PartialRollouts.part_of(self.backend), self.partial_tokens)
         records, uids = [p.record for p in prompts], [p.uid for p in prompts]
         groups, metrics, batch = sample_groups(
-            records, uids, generation, self.scorer, self.tokenizer, params, self.critic, self.prompt_length
-        )
+            records, uids, generation, self.scorer, self.tokenizer, params, self.critic, self.prompt_length,
+            self.overlong,
+        )  # fmt: skip
         if self.partial_tokens:
             metrics.update(generation.metrics)
         return Sampled(list(groups), metrics, reply_rows(records, batch, self.proxy))
@@ -201,11 +217,15 @@ def sample_groups(
     params: SamplingParams,
     critic=None,
     prompt_length: int | None = None,
+    overlong: tuple[int, float] = (0, 0.0),
 ) -> tuple[list[SampleGroup], dict, ScoredBatch]:
-    """One rollout step: `generate_and_score`, then (with a critic) the values, as one group per
+    """One rollout step: `generate_and_score`, the overlong punishment (`overlong`: its buffer and
+    penalty; dapo.py) added to each reward, then (with a critic) the values, as one group per
     prompt; the step's metrics; the scored batch."""
     batch = generate_and_score(records, backend, scorer, tokenizer, params, prompt_length)
-    gen, scored = batch.result, batch.scores
+    gen = batch.result
+    lengths = [len(c.token_ids) for comps in gen.completions for c in comps]
+    scored = shaped(batch.scores, lengths, params.max_new_tokens, *overlong)
     flat_values = None
     t_values = 0.0
     if critic is not None:

@@ -77,6 +77,7 @@ class Publisher:
         if cfg.rpc.delta_push and not self.delta_push:
             log.warning("rpc.delta_push is on but the zstandard package is missing: every version goes whole")
         self._prev: tuple[str, int, dict] | None = None
+        self.pushed_to: list[str] = []  # the servers the last push went to (the learner's parity check asks them)
         self.reach = Reach(cfg, servers.client, on_progress)  # what both transports use
         self.stream = StreamTransport(self.reach)
         self.shared = SharedMemoryTransport(self.reach)
@@ -101,6 +102,7 @@ class Publisher:
         elif self._prev is not None:
             payloads[PushKind.DELTA] = full  # as changes to the previous snapshot
         servers = self.servers.live(fresh=True)
+        self.pushed_to = list(servers)
         plan = {a: self.plan(a, info, PushKind.PARTIAL in payloads) for a, info in servers.items()}
         ok = self.deliver(servers, plan, payloads, policy_version) if servers else {}
         self.store.publish_learner(learner_address, policy_version, *self.identity)

@@ -96,6 +96,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/architecture.md", '@register_rule("starts_with_label")'): SOURCE,
     ("docs/architecture.md", "reward:"): PARTIAL,
     ("docs/architecture.md", "rlhf serve learner -c FILE --nproc 4 # or model.nproc:"): PARSE,  # GPUs
+    ("docs/algorithms.md", "dynamic sampling: iteration 1 has 1 of 4 groups with"): PROSE,  # what the log says
     ("docs/async.md", "generation:"): PARTIAL,
     ("docs/async.md", ".venv/bin/python benchmarks/bench_in_flight.py"): PARSE,  # SmolLM2, minutes
     ("docs/async.md", "8 prompts x n=4, up to 64 new tokens, 8 full pushes, 2 threads"): PROSE,  # what it prints
@@ -125,6 +126,8 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/evaluate.md", "16 prompts from synthetic:reverse, 1 sample(s) each (greedy)"): PROSE,
     ("docs/evaluate.md", '{"id": "reverse-eval-dcf", "prompt": "dcf=", "response":'): PROSE,
     ("docs/evaluate.md", "rlhf export runs/my-run/checkpoints/iter_000040 -c"): PARSE,  # your run
+    ("docs/failure-model.md", "rpc:"): PARTIAL,  # rpc.push_parity
+    ("docs/failure-model.md", "... INFO services.learner.parity: push parity v6: 1"): PROSE,  # what the check logs
     ("docs/gpu-box.md", "cp .env.example .env # set RLHF_AUTH_TOKEN and"): PARSE,  # Docker and GPUs
     ("docs/gpu-box.md", "RLHF_GENERATION_GPUS=0,1 # two generation replicas, one per GPU:"): PARSE,
     ("docs/gpu-box.md", "pip install '.[vllm]' # a GPU box: vLLM with its CUDA torch"): PARSE,

@@ -87,6 +87,8 @@ def test_fused_step_equals_the_recomputing_step(tiny_model_dir, rollout, micro):
         {"kl_penalty": "full"},
         {"ref_model": "mixture"},
         {"rollout_is": True},
+        {"rollout_correction": "seq_mask"},
+        {"rollout_correction_metrics": True},
         {"recompute_old_log_probs": False},
         {"model": {"lora": {"rank": 4, "dropout": 0.1}}},  # train-mode forwards differ from eval-mode ones
     ],

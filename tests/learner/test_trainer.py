@@ -1,5 +1,5 @@
 """The learner step's contracts: weights it pushes are the weights it trains, LoRA stays LoRA,
-rollout_is weights the loss by the sampler/learner importance ratio."""
+rollout_is (rollout_correction) weights the loss by the sampler/learner importance ratio."""
 
 import math
 
@@ -170,9 +170,46 @@ def test_rollout_is_without_sampler_log_probs_raises(tiny_model_dir):
     ro = _rollout(HFBackend(tiny_model_dir, "cpu"))
     no_lp = Rollout(ro.prompt_ids, ro.response_ids, ro.scores, ro.index, None, None, ro.policy_versions)
     learner = PolicyTrainer(_cfg(tiny_model_dir, rollout_is=True))
-    with pytest.raises(ValueError, match="rollout_is needs the sampler's log-probs"):
+    with pytest.raises(ValueError, match="rollout_correction token_tis .* needs the sampler's log-probs"):
         learner.make_experience(no_lp)
     PolicyTrainer(_cfg(tiny_model_dir)).make_experience(no_lp)  # without rollout_is it is fine
+
+
+def test_seq_mask_drops_the_sequences_the_sampler_drifted_on(tiny_model_dir):
+    """rollout_correction: seq_mask on sequences whose every token's ratio is exp(shift): shift 0
+    is kept (weight 1 on each token), shift 0.5 dropped (weight 0); the drift metrics are those of
+    the shifts (k1 KL = -mean shift over the tokens)."""
+    backend = HFBackend(tiny_model_dir, "cpu")
+    ro = _rollout(backend)
+    old = PolicyTrainer(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
+    shifts = [0.0 if i % 2 == 0 else 0.5 for i in range(len(ro.response_ids))]
+    learner = PolicyTrainer(_cfg(tiny_model_dir, rollout_correction="seq_mask"))
+    exp = learner.make_experience(_shifted(ro, old, shifts))
+    mask = exp.batch.response_mask
+    keep = torch.tensor([s == 0.0 for s in shifts], dtype=torch.float)
+    assert torch.allclose(exp.rollout_is_weights, keep.unsqueeze(-1) * mask)
+    m = exp.metrics
+    lengths = mask.sum(-1)
+    dropped = lengths[keep == 0].sum() / lengths.sum()
+    assert m["rollout_correction/masked_seq_frac"] == pytest.approx(0.5)
+    assert m["rollout_correction/masked_token_frac"] == pytest.approx(dropped.item(), rel=1e-5)
+    mean_shift = (torch.tensor(shifts) * lengths).sum() / lengths.sum()
+    assert m["rollout_correction/kl_k1"] == pytest.approx(-mean_shift.item(), rel=1e-3)
+    assert "ppo/is_ratio_mean" not in m  # the older names are token_tis's
+
+
+def test_the_drift_metrics_alone_leave_the_loss_unweighted(tiny_model_dir):
+    """rollout_correction_metrics with rollout_correction none: the metrics, no weights."""
+    backend = HFBackend(tiny_model_dir, "cpu")
+    ro = _rollout(backend)
+    old = PolicyTrainer(_cfg(tiny_model_dir, fuse_old_log_probs=False)).make_experience(ro).old_log_probs
+    shifted = _shifted(ro, old, [0.25] * len(ro.response_ids))
+    assert "rollout_correction/kl" not in PolicyTrainer(_cfg(tiny_model_dir)).make_experience(shifted).metrics
+    exp = PolicyTrainer(_cfg(tiny_model_dir, rollout_correction_metrics=True)).make_experience(shifted)
+    assert exp.rollout_is_weights is None
+    assert exp.metrics["rollout_correction/kl_k1"] == pytest.approx(-0.25, rel=1e-3)
+    assert exp.metrics["rollout_correction/chi2_token"] == pytest.approx(math.exp(0.5) - 1, rel=1e-3)
+    assert exp.metrics["rollout_correction/weight_mean"] == pytest.approx(1.0)
 
 
 def test_lora_final_holds_the_merged_model_and_the_peft_adapter(tiny_model_dir, tmp_path):

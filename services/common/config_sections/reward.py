@@ -128,6 +128,16 @@ class RewardConfig(Strict):
         ge=0,
         description="rollout workers: seconds before a batch is scored again after the reward API failed it",
     )
+    overlong_buffer: int = Field(
+        default=0,
+        ge=0,
+        description="DAPO's soft overlong punishment: a training response in the last this many tokens of "
+        "response_length loses up to overlong_penalty, linearly (one cut at the budget all of it), added to its "
+        "reward by the sampler (rollout workers, train --local; not the held-out eval). 0 = off",
+    )
+    overlong_penalty: float = Field(
+        default=1.0, ge=0, allow_inf_nan=False, description="the most reward the overlong punishment takes"
+    )
     max_text_chars: int = Field(
         default=100_000,
         ge=1,

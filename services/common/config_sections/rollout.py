@@ -81,6 +81,18 @@ class RolloutConfig(Strict):
         "one came: each token keeps its version), so a push waits for one chunk, not the longest "
         "response; each resume prefills prompt + tokens again (docs/async.md). 0 = off",
     )
+    dynamic_sampling: bool = Field(
+        default=False,
+        description="DAPO's dynamic sampling: a group whose rewards are all equal (all right or all wrong: no "
+        "group-relative advantage) is dropped from the batch and more prompts are sampled until it is full "
+        "(the learner, or train --local); needs num_return_sequences_in_group >= 2",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        default=3,
+        ge=1,
+        description="rounds of sampling one batch may take with dynamic_sampling; past them the batch is "
+        "filled with groups whose rewards are all equal, with a warning",
+    )
     agent: Optional[str] = Field(
         default=None,
         description="an agent function ('path/to/agent.py:run' or 'module:run'): each sample is a "

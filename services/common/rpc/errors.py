@@ -99,6 +99,11 @@ class DeadlineExceeded(ServiceError):
     """The caller's deadline passed while the work was running; DEADLINE_EXCEEDED."""
 
 
+class Unimplemented(ServiceError):
+    """A method this server's backend cannot serve (vLLM's ScoreTokens); UNIMPLEMENTED, as a
+    server too old to have the method answers."""
+
+
 class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
     pass
 

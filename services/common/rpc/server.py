@@ -29,7 +29,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..metrics import register_process_metrics
 from .client import channel_options, reachable_host
-from .errors import BadRequest, DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable, status_for
+from .errors import (
+    BadRequest,
+    DeadlineExceeded,
+    FailedPrecondition,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+    status_for,
+)
 from .metrics_http import metrics_token, serve_metrics
 
 if TYPE_CHECKING:
@@ -49,6 +57,7 @@ STATUS_OF = (
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     ((RecursionError, OverflowError), grpc.StatusCode.INVALID_ARGUMENT),
 )
 _MAPPED = tuple(c for classes, _ in STATUS_OF for c in (classes if isinstance(classes, tuple) else (classes,)))

@@ -140,3 +140,33 @@ class SharedWeights(_message.Message):
     digest: str
     piece_digests: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, file_name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., header: _Optional[_Union[_common_pb2.WeightHeader, _Mapping]] = ..., piece_bytes: _Optional[int] = ..., digest: _Optional[str] = ..., piece_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScoredSequence(_message.Message):
+    __slots__ = ("token_ids", "prompt_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[ScoredSequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[ScoredSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenLogProbs(_message.Message):
+    __slots__ = ("log_probs",)
+    LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    log_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, log_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreTokensResponse(_message.Message):
+    __slots__ = ("results", "policy_version", "dtype")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TokenLogProbs]
+    policy_version: int
+    dtype: str
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenLogProbs, _Mapping]]] = ..., policy_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...

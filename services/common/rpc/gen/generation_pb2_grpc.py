@@ -55,6 +55,11 @@ class GenerationStub:
                 request_serializer=rlhf_dot_v1_dot_generation__pb2.InfoRequest.SerializeToString,
                 response_deserializer=rlhf_dot_v1_dot_generation__pb2.GenerationInfo.FromString,
                 _registered_method=True)
+        self.ScoreTokens = channel.unary_unary(
+                '/rlhf.v1.Generation/ScoreTokens',
+                request_serializer=rlhf_dot_v1_dot_generation__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_generation__pb2.ScoreTokensResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -85,6 +90,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreTokens(self, request, context):
+        """Teacher-forced log-probs of given tokens under the version served, between batches like a
+        Generate (one version for the whole request). Backends that cannot: UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=rlhf_dot_v1_dot_generation__pb2.InfoRequest.FromString,
                     response_serializer=rlhf_dot_v1_dot_generation__pb2.GenerationInfo.SerializeToString,
+            ),
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=rlhf_dot_v1_dot_generation__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=rlhf_dot_v1_dot_generation__pb2.ScoreTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class Generation:
             '/rlhf.v1.Generation/GetInfo',
             rlhf_dot_v1_dot_generation__pb2.InfoRequest.SerializeToString,
             rlhf_dot_v1_dot_generation__pb2.GenerationInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.Generation/ScoreTokens',
+            rlhf_dot_v1_dot_generation__pb2.ScoreTokensRequest.SerializeToString,
+            rlhf_dot_v1_dot_generation__pb2.ScoreTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,
