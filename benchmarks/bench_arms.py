@@ -77,9 +77,9 @@ def main() -> int:
         results[name] = read_arm(out / name)
         (out / "arms.json").write_text(json.dumps(results, indent=1))
     for name, r in results.items():
-        extra = ", ".join(f"{k} {v:.3f}" for k, v in r.items() if k in SHOWN)
-        print(f"\n{name}: {r['iterations']} iterations in {r['minutes']:.1f} min, "
-              f"{r['samples_per_s']:.1f} samples/s of sampling{', ' + extra if extra else ''}")  # fmt: skip
+        extra = "".join(f", {k} {v:.3f}" for k, v in r.items() if k in SHOWN)
+        rate = f"{r['samples_per_s']:.1f} trained samples per second of sampling"
+        print(f"\n{name}: {r['iterations']} iterations in {r['minutes']:.1f} min, {rate}{extra}")
         print("  iteration  minute  held-out")
         for it, minute, acc in r["evals"]:
             print(f"  {it:9d}  {minute:6.1f}  {acc:8.3f}")

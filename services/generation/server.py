@@ -159,12 +159,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def ScoreTokens(self, request, context):
         """The log-prob of each given token under the version served, on the compute thread between
         batches (or between two decoding steps with weight updates in flight), so one version scores
-        the whole request and the response names it. A backend that cannot (`scores_tokens` false:
-        vLLM) is refused at once, UNIMPLEMENTED, before anything waits for its engine."""
+        the whole request and the response names it. A backend that cannot (`scores_tokens` false) is
+        refused at once, UNIMPLEMENTED, before anything waits for its engine."""
         if not getattr(self.backend, "scores_tokens", False):
             raise Unimplemented(
                 f"ScoreTokens: the {self.backend.info()['backend']} backend does not score given tokens yet "
-                "(the push parity check covers hf servers); nothing was run"
+                "(a server of another version of this project); nothing was run"
             )
         seqs, starts = read_scored(request, self.vocab_size, self.cfg)
         return scored_response(self.batcher.call(self.backend.score, seqs, starts))  # type: ignore[attr-defined]

@@ -41,7 +41,7 @@ import torch
 from ..common.compute import Call, run_call, wait_for_call
 from ..common.model_files import check_model_dir, load_tokenizer
 from ..common.rpc.errors import BadRequest, Unavailable
-from ..common.types import Completion, GenerationResult, SamplingParams, switched_versions
+from ..common.types import Completion, GenerationResult, SamplingParams, TokenScores, switched_versions
 from ..weights.check import check_newer, check_version
 from .backend import GenerationStopped
 from .decode import GREEDY_BELOW
@@ -132,7 +132,7 @@ class VLLMBackend:
 
     continuous_batching = True  # the server hands it calls as they come (no batching window)
     partial_updates = False  # whole policies only (see update_weights): the learner pushes it full versions
-    scores_tokens = False  # no ScoreTokens yet (vLLM's prompt_logprobs would do it): the push parity check skips it
+    scores_tokens = True  # ScoreTokens: `score`, vLLM's prompt log-probs on the engine thread
     in_flight = False
     recompute = True
 
@@ -160,6 +160,7 @@ class VLLMBackend:
         self._sampling_params = VSamplingParams
         # in flight, every step's new tokens (to know each token's version); else each request's end
         self._output_kind = RequestOutputKind.DELTA if in_flight else RequestOutputKind.FINAL_ONLY
+        self._final_only = RequestOutputKind.FINAL_ONLY
 
         model_dir = check_model_dir(model_path)
         self.tokenizer = load_tokenizer(model_dir)
@@ -271,6 +272,41 @@ class VLLMBackend:
         fut: Future = Future()
         self._q.put(Call(lambda: fn(*args), fut))
         return wait_for_call(fut, timeout)
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> TokenScores:
+        """The log-prob of each token of `sequences[i][starts[i]:]` given the tokens before it, at
+        temperature 1, under the version served: vLLM's prompt log-probs (a prefill, one token
+        sampled and dropped), run on the engine thread (a `call`: no swap in between; with
+        `in_flight`, other requests go on stepping meanwhile and keep their outputs)."""
+        if threading.current_thread() is not self._thread:
+            return self.call(self.score, sequences, starts)
+        sp = self._sampling_params(max_tokens=1, temperature=1.0, prompt_logprobs=0, logprobs=None,
+                                   detokenize=False, output_kind=self._final_only)  # fmt: skip
+        rids = [f"score-{next(self._ids)}-{i}" for i in range(len(sequences))]
+        for rid, ids in zip(rids, sequences):
+            self.engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
+        done = self._step_until(set(rids))
+        out = []
+        for rid, ids, start in zip(rids, sequences, starts):
+            prompt = done[rid].prompt_logprobs  # per position: {token: Logprob} (None at the first)
+            out.append([prompt[t][ids[t]].logprob for t in range(max(start, 1), len(ids))])
+        return TokenScores(out, self.policy_version, self.dtype)
+
+    def _step_until(self, rids: set[str]) -> dict:
+        """Step the engine until the requests `rids` finish (their final outputs); the outputs of
+        any other request in flight go where the loop sends them."""
+        done: dict = {}
+        while len(done) < len(rids):
+            for out in self.engine.step():
+                if out.request_id in rids:
+                    if out.finished:
+                        done[out.request_id] = out
+                    continue
+                if self.in_flight:
+                    self._collect(out)
+                if out.finished:
+                    self._finished(out)
+        return done
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> None:
         """Load a full state dict (transformers names, see `parameter_specs`) as `policy_version`.

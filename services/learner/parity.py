@@ -13,7 +13,7 @@ another version than the one pushed, or its mean difference is beyond the bound 
 dtype (`max_mean_abs` for float32, `max_mean_abs_bf16` for bfloat16 or float16, whose rounding
 alone moves log-probs): a warning naming the server and the version, its counter
 (`rlhf_push_parity_failures_total`) and, with `on_mismatch: stop`, `PushParityFailed`, which stops
-the run. A server that cannot score (vLLM, a server older than the method) or does not answer is
+the run. A server that cannot score (a server older than the method) or does not answer is
 not checked (the first said once; the second is the push's failure already).
 
 The probe: the first `probe_sequences` held-out prompts (else training prompts), each with the

@@ -87,16 +87,19 @@ class GroupFilter:
         them up to `want` (with a warning naming `where`)."""
         short = self.want - len(self.kept)
         if short > 0 and self.held_back:
+            filled = min(short, len(self.held_back))
             log.warning(
                 "dynamic sampling: %s has %d of %d groups with rewards that differ after %d rounds "
-                "(rollout.dynamic_sampling_max_rounds); %d groups whose rewards are all equal fill it "
+                "(rollout.dynamic_sampling_max_rounds); %d %s whose rewards are all equal %s it "
                 "(they carry no group-relative advantage: the prompts may be too easy or too hard "
                 "for the policy)",
                 where,
                 len(self.kept),
                 self.want,
                 self.rounds,
-                min(short, len(self.held_back)),
+                filled,
+                "group" if filled == 1 else "groups",
+                "fills" if filled == 1 else "fill",
             )
         return self.kept[: self.want] + self.held_back[: max(short, 0)]
 

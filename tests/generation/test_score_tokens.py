@@ -1,8 +1,8 @@
 """ScoreTokens (the learner's push parity check asks it): a real generation server on a loopback
 port scores given tokens under the version it serves, teacher-forced, equal to a plain forward of
 the same model on the same tokens; it runs on the compute thread between batches, names the
-version it scored with, keeps Generate's auth and limits, and a backend that cannot score (vLLM)
-answers UNIMPLEMENTED."""
+version it scored with, keeps Generate's auth and limits, and a backend that cannot score answers
+UNIMPLEMENTED; the vLLM backend scores with its prompt log-probs."""
 
 import threading
 
@@ -135,8 +135,22 @@ def test_a_backend_that_cannot_score_answers_unimplemented(served, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_the_vllm_backend_answers_unimplemented(cfg):
+def test_the_vllm_backend_scores_as_a_plain_forward_and_after_a_push(cfg, tiny_model_dir):
+    """vLLM's prompt log-probs, on its engine thread: the tokens' log-probs of a plain forward of the
+    same model (float32 on the CPU), and after a push, of the pushed version, named."""
+    model = load_causal_lm(tiny_model_dir).eval()
     with serve(on_free_ports(backend_cfg(cfg, "vllm"), "generation")) as svc:
         client = GenerationClient(f"127.0.0.1:{svc.server.port}", cfg.rpc)
-        expect_code(lambda: client.score_tokens(SEQS, STARTS), grpc.StatusCode.UNIMPLEMENTED, "vllm backend")
+        got = client.score_tokens(SEQS, STARTS)
+        assert got.policy_version == 0 and got.dtype == "float32"
+        for ids, start, lp in zip(SEQS, STARTS, got.log_probs):
+            assert torch.allclose(torch.tensor(lp), plain_log_probs(model, ids, start), atol=1e-3)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        client.update_weights(tied(model.state_dict()), 1)
+        got = client.score_tokens(SEQS[:1], STARTS[:1])
+        assert got.policy_version == 1
+        assert torch.allclose(torch.tensor(got.log_probs[0]), plain_log_probs(model, SEQS[0], STARTS[0]), atol=1e-3)
         client.close()
