@@ -97,6 +97,8 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/architecture.md", "reward:"): PARTIAL,
     ("docs/architecture.md", "rlhf serve learner -c FILE --nproc 4 # or model.nproc:"): PARSE,  # GPUs
     ("docs/algorithms.md", "dynamic sampling: iteration 1 has 1 of 4 groups with"): PROSE,  # what the log says
+    ("docs/algorithms.md", ".venv/bin/python benchmarks/bench_arms.py -c"): PARSE,  # SmolLM2, 25 minutes
+    ("docs/algorithms.md", ".venv/bin/python benchmarks/bench_arms.py -c #2"): PARSE,  # SmolLM2, 20 minutes
     ("docs/async.md", "generation:"): PARTIAL,
     ("docs/async.md", ".venv/bin/python benchmarks/bench_in_flight.py"): PARSE,  # SmolLM2, minutes
     ("docs/async.md", "8 prompts x n=4, up to 64 new tokens, 8 full pushes, 2 threads"): PROSE,  # what it prints
