@@ -14,6 +14,16 @@ from .core import agg_loss, masked_mean
 from .registry import Registry
 
 
+def clip_bounds(cliprange: float | None, low: float | None, high: float | None, loss: str) -> tuple[float, float]:
+    """The clip range's two sides: `low` and `high`, each `cliprange` when not given; `loss` names
+    the loss in the error when a side is still missing."""
+    low = cliprange if low is None else low
+    high = cliprange if high is None else high
+    if low is None or high is None:
+        raise ValueError(f"{loss} needs cliprange or both cliprange_low and cliprange_high")
+    return low, high
+
+
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -44,12 +54,7 @@ def compute_policy_loss(
     """
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be greater than 1.0 for dual-clip PPO, got {clip_ratio_c}")
-    if cliprange_low is None:
-        cliprange_low = cliprange
-    if cliprange_high is None:
-        cliprange_high = cliprange
-    if cliprange_low is None or cliprange_high is None:
-        raise ValueError("compute_policy_loss needs cliprange or both cliprange_low and cliprange_high")
+    cliprange_low, cliprange_high = clip_bounds(cliprange, cliprange_low, cliprange_high, "compute_policy_loss")
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-10.0, max=10.0)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
@@ -104,10 +109,7 @@ def compute_gspo_policy_loss(
     in `compute_policy_loss`.
     Shapes as `compute_policy_loss`; returns the same four values (pg_clipfrac_lower = 0).
     """
-    cliprange_low = cliprange if cliprange_low is None else cliprange_low
-    cliprange_high = cliprange if cliprange_high is None else cliprange_high
-    if cliprange_low is None or cliprange_high is None:
-        raise ValueError("compute_gspo_policy_loss needs cliprange or both cliprange_low and cliprange_high")
+    cliprange_low, cliprange_high = clip_bounds(cliprange, cliprange_low, cliprange_high, "compute_gspo_policy_loss")
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
     # selected, not multiplied: a NaN or -inf at padding would survive `* 0`
@@ -154,10 +156,7 @@ def compute_cispo_policy_loss(
     lies outside the bounds, ppo_kl: mean of old - new log-prob, pg_clipfrac_lower: share of tokens
     below the lower bound).
     """
-    cliprange_low = cliprange if cliprange_low is None else cliprange_low
-    cliprange_high = cliprange if cliprange_high is None else cliprange_high
-    if cliprange_low is None or cliprange_high is None:
-        raise ValueError("compute_cispo_policy_loss needs cliprange or both cliprange_low and cliprange_high")
+    cliprange_low, cliprange_high = clip_bounds(cliprange, cliprange_low, cliprange_high, "compute_cispo_policy_loss")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-10.0, max=10.0)
     ratio = torch.exp(log_ratio.detach())
     weight = torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)

@@ -18,16 +18,21 @@ from tests.grpc_helpers import closed, on_free_ports, publisher
 from tests.weights.test_publisher import Registry, _serves, with_shm
 
 
-@pytest.fixture(scope="module")
-def learner(tiny_model_dir):
+def lora_policy(model_dir):
+    """A LoRA (rank 4) GRPO learner on `model_dir` (test_push_parity.py's too)."""
     cfg = config_from_dict(
         {
-            "model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
+            "model": {"path": model_dir, "device": "cpu", "lora": {"rank": 4}},
             "adv_estimator": "grpo",
             "num_return_sequences_in_group": 2,
         }
     )
     return PolicyTrainer(cfg)
+
+
+@pytest.fixture(scope="module")
+def learner(tiny_model_dir):
+    return lora_policy(tiny_model_dir)
 
 
 def _train(learner, seed):

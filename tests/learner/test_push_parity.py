@@ -11,15 +11,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.common.config import config_from_dict
 from services.common.model_files import load_causal_lm, load_tokenizer
 from services.generation.backend import HFBackend
 from services.generation.server import serve
 from services.learner.metrics import LearnerMetrics
 from services.learner.parity import PushParity, PushParityFailed
 from services.learner.sink import PushSink
-from services.learner.trainer import PolicyTrainer
 from tests.grpc_helpers import closed, on_free_ports, publisher
+from tests.learner.test_lora_push import lora_policy
 from tests.weights.test_publisher import Registry
 
 TEXTS = ["ab=", "abc=", "ba=", "cab="]
@@ -200,14 +199,7 @@ def test_a_server_that_cannot_score_is_skipped_not_alarmed(run, caplog, monkeypa
 # ---------------------------------------------------------------- LoRA: partial pushes of the merged targets
 @pytest.fixture(scope="module")
 def lora_learner(tiny_model_dir):
-    cfg = config_from_dict(
-        {
-            "model": {"path": tiny_model_dir, "device": "cpu", "lora": {"rank": 4}},
-            "adv_estimator": "grpo",
-            "num_return_sequences_in_group": 2,
-        }
-    )
-    return PolicyTrainer(cfg)
+    return lora_policy(tiny_model_dir)
 
 
 def _train_lora(learner, seed):
