@@ -41,6 +41,7 @@ from .config_sections import (  # noqa: F401 (the sections are importable from h
     RewardEndpoint,
     RewardModelConfig,
     RolloutConfig,
+    DistillConfig,
     RPCConfig,
     RuleSpec,
     RunConfig,
@@ -237,6 +238,9 @@ class Config(Strict):
     rpc: RPCConfig = Field(default_factory=RPCConfig, description="servers: addresses, auth, TLS, limits")
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="the Redis replay buffer")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout workers")
+    distill: DistillConfig = Field(
+        default_factory=DistillConfig, description="on-policy distillation: a teacher scores each sampled token"
+    )
     reward_model: RewardModelConfig = Field(
         default_factory=RewardModelConfig, description="reward-model training (`rlhf train-rm`)"
     )

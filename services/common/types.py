@@ -139,6 +139,8 @@ class SampleGroup:
     scores: list[ScoreResult]
     values: list[list[float]] | None  # per sample, one value per response token
     policy_version: int
+    # per sample, the teacher's log-prob of each response token (on-policy distillation); None: no teacher
+    teacher_log_probs: list[list[float]] | None = None
 
 
 @dataclass
@@ -200,6 +202,27 @@ class TokenScores:
     log_probs: list[list[float]]
     policy_version: int
     dtype: str
+
+
+@dataclass
+class TeacherScores:
+    """A teacher's reading of sampled tokens (on-policy distillation): per sequence, the log-prob
+    of each response token given the teacher's context and the tokens before it, at temperature 1;
+    with top-k asked, per token the teacher's k most likely next tokens and their log-probs."""
+
+    log_probs: list[list[float]]
+    top_ids: list[list[list[int]]] | None = None
+    top_log_probs: list[list[list[float]]] | None = None
+
+
+class Teacher(Protocol):
+    """The teacher of on-policy distillation: the in-process `teacher.Teacher` and `TeacherClient`.
+    `prompts[i]` is the teacher's context (the student's prompt, or it with a hint), `responses[i]`
+    the sampled tokens it scores."""
+
+    def score(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], top_k: int = 0
+    ) -> TeacherScores: ...
 
 
 class GenerationBackend(Protocol):

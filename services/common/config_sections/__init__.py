@@ -14,6 +14,7 @@ from __future__ import annotations
 from .base import Strict
 from .policy import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from .reward import CriticConfig, RewardConfig, RewardModelConfig, RuleSpec
+from .distill import DistillConfig
 from .rollout import AGENT_KINDS, ReplayConfig, RolloutConfig
 from .rpc import Endpoint, GatewayEndpoint, LearnerEndpoint, RewardEndpoint, RPCConfig
 from .training import DataConfig, RunConfig
@@ -34,6 +35,7 @@ __all__ = [
     "RewardEndpoint",
     "RewardModelConfig",
     "RolloutConfig",
+    "DistillConfig",
     "RuleSpec",
     "RunConfig",
     "Strict",

@@ -197,6 +197,10 @@ class RPCConfig(Strict):
     critic: Endpoint = Field(
         default_factory=lambda: Endpoint(port=50053, metrics_port=9103), description="the critic server"
     )
+    teacher: Endpoint = Field(
+        default_factory=lambda: Endpoint(port=50056, metrics_port=9106),
+        description="the teacher server of on-policy distillation (rlhf serve teacher)",
+    )
     learner: LearnerEndpoint = Field(
         default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104), description="the learner service"
     )
