@@ -10,6 +10,7 @@ once.
       groups_of             per prompt its group (host.py), valued by the critic (`values_of`), or
                             the prompt `Rejected` (its sessions failed, or ran longer than the
                             learner takes)
+      Distillation.read     with on-policy distillation, the teacher's log-prob of each token
       session_row           every session as an eval row with its conversation (`transcript`)
 
 A session that found no generation server or agent service (`Outage`) gives the batch up for now
@@ -24,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from ..common.rpc.retry import DependencyUnavailable
+from ..training.distill import Distillation
 from ..training.sampling import Failed, Prompt, Rejected, Sampled, Then, component_means, values_of
 from .host import AgentFailed, AgentHost, AgentServiceDown, Episode, Outage, Unscored, groups_of, session_work
 from .sessions import as_sample
@@ -37,10 +39,11 @@ log = logging.getLogger(__name__)
 
 class AgentSampler:
     """Prompts -> groups of the agent's sessions on `host` (`group_size` sessions a prompt that
-    names none; None: the config's group size), with the critic's values when there is one, and
-    every session as an eval row. `on_down(kind)`: counts a batch given up for now, by what was
-    down ("no_generation_server", "agent_service"); the sampler then waits `backoff_s` (None:
-    `rollout.retry_backoff_s`), so that a worker does not go straight on to its next claim."""
+    names none; None: the config's group size), with the critic's values when there is one, the
+    teacher's log-probs with `distill` (training/distill.py), and every session as an eval row.
+    `on_down(kind)`: counts a batch given up for now, by what was down ("no_generation_server",
+    "agent_service"); the sampler then waits `backoff_s` (None: `rollout.retry_backoff_s`), so
+    that a worker does not go straight on to its next claim."""
 
     def __init__(
         self,
@@ -52,8 +55,10 @@ class AgentSampler:
         on_down: Callable[[str], None] = lambda kind: None,
         group_size: int | None = None,
         backoff_s: float | None = None,
+        distill: Distillation | None = None,
     ):
         self.cfg, self.host, self.tokenizer, self.critic = cfg, host, tokenizer, critic
+        self.distill = distill
         self.stop_event, self.on_down = stop_event, on_down
         self.group_size = group_size or cfg.num_return_sequences_in_group
         self.backoff_s = cfg.rollout.retry_backoff_s if backoff_s is None else backoff_s
@@ -92,7 +97,15 @@ class AgentSampler:
                     log.error("prompt %s left pending: %s", group.uid, e)
                     return Failed(Then.LEAVE_PENDING, str(e), e)
             out.append(group)
-        return Sampled(out, self._metrics(out, t0, t1), self._rows(items, episodes))
+        metrics = self._metrics(out, t0, t1)
+        kept = [g for g in out if not isinstance(g, Rejected)]
+        if self.distill is not None and kept:
+            try:
+                metrics.update(self.distill.read(kept))
+            except DependencyUnavailable as e:
+                log.error("%d prompts left pending: %s", len(prompts), e)
+                return Failed(Then.LEAVE_PENDING, str(e), e)
+        return Sampled(out, metrics, self._rows(items, episodes))
 
     def _metrics(self, out: list, t0: float, t1: float) -> dict:
         kept = [g for g in out if not isinstance(g, Rejected)]

@@ -31,6 +31,7 @@ from . import environments
 from .config_sections import (  # noqa: F401 (the sections are importable from here too)
     CriticConfig,
     DataConfig,
+    DistillConfig,
     Endpoint,
     GenerationConfig,
     LearnerEndpoint,
@@ -41,7 +42,6 @@ from .config_sections import (  # noqa: F401 (the sections are importable from h
     RewardEndpoint,
     RewardModelConfig,
     RolloutConfig,
-    DistillConfig,
     RPCConfig,
     RuleSpec,
     RunConfig,
@@ -258,6 +258,7 @@ class Config(Strict):
                 "num_return_sequences_in_group=1 every group is; set it to 2 or more"
             )
         self._environment_prompts()
+        self._distillation()
         if self.critic.init_from_reward_model:
             if self.critic.model_path is not None:
                 raise ValueError(
@@ -268,6 +269,28 @@ class Config(Strict):
                     "critic.init_from_reward_model: needs reward.model_path (the reward model to start from)"
                 )
         return self
+
+    def _distillation(self) -> None:
+        """A teacher that can say something the student does not already know."""
+        d = self.distill
+        if d.enabled and self.rollout.dynamic_sampling:
+            raise ValueError(
+                "rollout.dynamic_sampling drops groups whose rewards are all equal, but with distill.enabled "
+                "every sampled token carries the teacher's signal: turn one of them off"
+            )
+        if not d.enabled or d.teacher != "policy":
+            return
+        if not d.hint:
+            raise ValueError(
+                "distill.teacher: policy scores with the policy that sampled; without distill.hint its "
+                "context is the student's and every distillation advantage is 0: set distill.hint, or "
+                "distill.teacher: model with distill.teacher_path"
+            )
+        if self.rollout.sessions:
+            raise ValueError(
+                "distill.teacher: policy is for one reply per sample; an agent's sessions (rollout.agent, "
+                "environment, agent_url) are read by a teacher model: distill.teacher: model"
+            )
 
     def _environment_prompts(self) -> None:
         """A data source that takes an environment's prompts (`verifiers`) has an environment of
@@ -290,6 +313,12 @@ class Config(Strict):
     @property
     def needs_critic(self) -> bool:
         return self.adv_estimator == "gae"
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A teacher server scores the samples: on-policy distillation by a model of its own
+        (distill.teacher: model), not by the policy that sampled."""
+        return self.distill.enabled and self.distill.teacher == "model"
 
     @property
     def rollout_correction_mode(self) -> str:

@@ -162,6 +162,8 @@ class Rollout:
     # more than one version (weight updates in flight, resumed partial rollouts); None: each
     # sample's tokens all from its `policy_versions` entry
     token_versions: list[list[int]] | None = None
+    # per response token, the teacher's log-prob (on-policy distillation), when every group has them
+    teacher_log_probs: list[list[float]] | None = None
 
     @classmethod
     def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
@@ -190,6 +192,8 @@ class Rollout:
                     values.append(g.values[j])
         out.loss_masks = masks if holes else None
         out.token_versions = versions if mixed else None
+        if groups and all(g.teacher_log_probs is not None for g in groups):
+            out.teacher_log_probs = [lp for g in groups for lp in g.teacher_log_probs]  # type: ignore[union-attr]
         return out
 
 

@@ -2,6 +2,7 @@
 
     rollout -> old log-probs (the policy before the update), reference log-probs, token-level
                rewards (with the KL penalty when it is in the reward), advantages and returns
+               (with on-policy distillation, the teacher's per-token reverse KL added: `distilled`)
 
 The forwards here run without gradients, in micro-batches (`log_prob_micro_batch_size` rows,
 padding columns trimmed), so their memory does not grow with the rollout batch.
@@ -25,6 +26,7 @@ from ..ppo import (
     apply_kl_penalty,
     clip_by_value,
     compute_advantages,
+    distillation_advantages,
     explained_variance,
     kl_penalty,
     masked_mean,
@@ -140,9 +142,13 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
     if cfg.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
     advantages = clip_by_value(advantages, cfg.advantage_clip)
+    advantages, distill_metrics = distilled(learner, rollout, advantages, lp, mask)
     seq_kl = masked_mean(kl, mask, dim=-1).mean().item() if kl is not None else 0.0
     rewards = Rewards(raw_scores, scores, token_level_rewards, seq_kl)
-    metrics = experience_metrics(learner, rollout, mask, lp, rewards, advantages, returns, values)
+    metrics = {
+        **experience_metrics(learner, rollout, mask, lp, rewards, advantages, returns, values),
+        **distill_metrics,
+    }
     return Experience(
         batch,
         lp.old,
@@ -245,6 +251,24 @@ def token_weights(
         rollout_is_weights = fresh if rollout_is_weights is None else rollout_is_weights * fresh
         is_metrics = {**is_metrics, **stale_metrics}
     return rollout_is_weights, is_metrics
+
+
+def distilled(
+    learner: Actor, rollout: Rollout, advantages: torch.Tensor, lp: LogProbs, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict]:
+    """With on-policy distillation (`distill.enabled`), the advantages with the teacher's per-token
+    reverse KL added (ppo/distill.py), against the old log-probs; else as they are."""
+    d = learner.cfg.distill
+    if not d.enabled:
+        return advantages, {}
+    if rollout.teacher_log_probs is None:
+        raise ValueError(
+            "distill.enabled: this rollout has no teacher log-probs; every rollout worker needs the same "
+            "distill section as the learner (and a teacher server at rpc.teacher with distill.teacher: model)"
+        )
+    assert lp.old is not None  # never fused with distillation (trainer.old_log_probs_fusable)
+    teacher = pad_right(rollout.teacher_log_probs, mask.shape[1]).to(advantages.device)
+    return distillation_advantages(advantages, teacher, lp.old, mask, d.kl_coef, d.reward_weight)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .core import (
     masked_var,
     masked_whiten,
 )
+from .distill import distillation_advantages
 from .kl import (
     KL_ESTIMATORS,
     REFERENCE_CHOICES,

@@ -29,6 +29,7 @@ from ..common.servers import Fault, RetryPolicy, ServerPool, Tries
 from ..common.types import SampleGroup, SamplingParams
 from ..generation.client import GenerationClient
 from ..reward.client import RewardAPIFailure
+from ..training.distill import Distillation
 from ..training.sampling import Failed, Prompt, ReplySampler, Sampled, Then
 from .metrics import WorkerMetrics
 from .outcomes import Outcome, Row, ScoringFailed, classify, error_kind, message
@@ -49,7 +50,7 @@ def generate_timeout(cfg: Config, n_prompts: int, params: SamplingParams) -> flo
 class ServerSampler:
     """One reply per sample, each try of a batch a `ReplySampler` on a generation server of
     `servers` (picked under `retry`), scored by `reward` (a batch the reward API failed is
-    scored again), valued by `critic` (None: no critic)."""
+    scored again), valued by `critic` (None: no critic), read by the teacher with `distill`."""
 
     def __init__(
         self,
@@ -61,9 +62,10 @@ class ServerSampler:
         critic,
         stop_event: threading.Event,
         metrics: WorkerMetrics,
+        distill: Distillation | None = None,
     ):
         self.cfg, self.tokenizer, self.servers, self.retry = cfg, tokenizer, servers, retry
-        self.reward, self.critic = reward, critic
+        self.reward, self.critic, self.distill = reward, critic, distill
         self.stop_event, self.metrics = stop_event, metrics
 
     def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled | Failed:
@@ -85,7 +87,9 @@ class ServerSampler:
                 tries.failed(None)
                 continue
             one = _OneBatch(self.servers.client(address), key, timeout)
-            reply = ReplySampler.for_training(self.cfg, one, scoring, self.tokenizer, self.critic, one.part)
+            reply = ReplySampler.for_training(
+                self.cfg, one, scoring, self.tokenizer, self.critic, one.part, self.distill
+            )
             try:
                 sampled = reply.sample(prompts)
             except Exception as e:
@@ -167,6 +171,10 @@ class _OneBatch:
 
     def generate(self, prompts, params: SamplingParams):
         return self.client.generate(prompts, params, timeout=self.timeout_s, key=self.key)
+
+    def score(self, sequences, starts):
+        """ScoreTokens on the server that sampled the batch (the policy as teacher: distill.py)."""
+        return self.client.score_tokens(sequences, starts, timeout=self.timeout_s)
 
     def part(self, prompts, params: SamplingParams, first_prompt_tokens: list[int] | None, part: int):
         """One call of a batch decoded in parts (`PartialRollouts`' `call`)."""

@@ -10,6 +10,8 @@ caller chooses one, once:
         generate_and_score      tokenise (prompt_length checked) -> generate -> decode -> score
         values_of               the critic's value of each response token (an agent's sessions
                                 are valued by it too)
+        Distillation.read       on-policy distillation: the teacher's log-prob of each response
+                                token (distill.py; an agent's sessions are read by it too)
       rollout/sampling.py:ServerSampler    a rollout worker's: tries over the generation servers,
                                            each try a ReplySampler on one server
       agents/sampler.py:AgentSampler       each sample a session of the user's agent
@@ -37,6 +39,7 @@ from ..common.replay.records import task_record
 from ..common.token_batch import build_token_batch
 from ..common.types import GenerationResult, PromptRecord, RewardSample, SampleGroup, SamplingParams, ScoreResult
 from .dapo import shaped
+from .distill import Distillation
 from .partial import PartialRollouts
 
 if TYPE_CHECKING:
@@ -137,15 +140,19 @@ class ReplySampler:
     part: Any = None
     proxy: Any = None
     overlong: tuple[int, float] = (0, 0.0)
+    distill: Distillation | None = None
 
     @classmethod
-    def for_training(cls, cfg: Config, backend, scorer, tokenizer, critic, part=None) -> ReplySampler:
+    def for_training(
+        cls, cfg: Config, backend, scorer, tokenizer, critic, part=None, distill: Distillation | None = None
+    ) -> ReplySampler:
         """Training's: the config's sampling, prompts checked against prompt_length, partial
-        rollouts (`rollout.partial_tokens`, each part a call of `part`), the overlong punishment."""
+        rollouts (`rollout.partial_tokens`, each part a call of `part`), the overlong punishment,
+        the teacher's reading of each sampled token (`distill`, distill.py; None: none)."""
         params = SamplingParams.for_training(cfg)
         overlong = (cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
         return cls(backend, scorer, tokenizer, params, critic, cfg.prompt_length, cfg.rollout.partial_tokens, part,
-                   overlong=overlong)  # fmt: skip
+                   overlong=overlong, distill=distill)  # fmt: skip
 
     def sample(self, prompts: list[Prompt], score_retries: int | None = None) -> Sampled:
         params = replace(self.params, n=prompts[0].group_size) if prompts[0].group_size else self.params
@@ -159,6 +166,8 @@ class ReplySampler:
         )  # fmt: skip
         if self.partial_tokens:
             metrics.update(generation.metrics)
+        if self.distill is not None:
+            metrics.update(self.distill.read(groups, self.backend))
         return Sampled(list(groups), metrics, reply_rows(records, batch, self.proxy))
 
     def close(self) -> None:

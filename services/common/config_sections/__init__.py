@@ -12,9 +12,9 @@ top-level PPO keys; they are importable from here (and from config.py) by name.
 from __future__ import annotations
 
 from .base import Strict
+from .distill import DistillConfig
 from .policy import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from .reward import CriticConfig, RewardConfig, RewardModelConfig, RuleSpec
-from .distill import DistillConfig
 from .rollout import AGENT_KINDS, ReplayConfig, RolloutConfig
 from .rpc import Endpoint, GatewayEndpoint, LearnerEndpoint, RewardEndpoint, RPCConfig
 from .training import DataConfig, RunConfig

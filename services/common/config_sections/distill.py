@@ -49,3 +49,8 @@ class DistillConfig(Strict):
     )
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="the teacher's weights")
     micro_batch_size: int = Field(default=16, ge=1, description="sequences per teacher forward")
+
+    @property
+    def needs_server(self) -> bool:
+        """Whether a teacher model is loaded (the teacher service, or in the process)."""
+        return self.enabled and self.teacher == "model"

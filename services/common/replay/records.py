@@ -75,11 +75,13 @@ def group_to_proto(
             s.token_versions.extend(c.token_versions)
         if g.values is not None:
             s.values = np.asarray(g.values[j], _F32).tobytes()
+        if g.teacher_log_probs is not None:
+            s.teacher_log_probs = np.asarray(g.teacher_log_probs[j], _F32).tobytes()
     return out
 
 
 def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
-    completions, scores, values = [], [], []
+    completions, scores, values, teacher = [], [], [], []
     for s in m.samples:
         ids = list(s.response_ids)
         lp = np.frombuffer(s.log_probs, _F32)
@@ -97,12 +99,23 @@ def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
         completions.append(Completion(ids, lp.tolist(), s.finish_reason, mask, versions))
         scores.append(ScoreResult(s.score, dict(s.components)))
         if s.values:
-            v = np.frombuffer(s.values, _F32)
-            if len(v) != len(ids):
-                raise ValueError(f"trajectory {m.task.uid}: {len(v)} values for {len(ids)} tokens")
-            values.append(v.tolist())
-    if values and len(values) != len(completions):
-        raise ValueError(f"trajectory {m.task.uid}: values for only some samples")
+            values.append(per_token(s.values, len(ids), "values", m.task.uid))
+        if s.teacher_log_probs:
+            teacher.append(per_token(s.teacher_log_probs, len(ids), "teacher log-probs", m.task.uid))
+    for what, got in (("values", values), ("teacher log-probs", teacher)):
+        if got and len(got) != len(completions):
+            raise ValueError(f"trajectory {m.task.uid}: {what} for only some samples")
     return SampleGroup(
-        m.task.uid, task_record(m.task), list(m.prompt_ids), completions, scores, values or None, int(m.policy_version)
-    )
+        m.task.uid, task_record(m.task), list(m.prompt_ids), completions, scores, values or None,
+        int(m.policy_version), teacher or None,
+    )  # fmt: skip
+
+
+def per_token(raw: bytes, n_tokens: int, what: str, uid: str) -> list[float]:
+    """A sample's float32 per-token field, checked to hold one finite number per response token."""
+    v = np.frombuffer(raw, _F32)
+    if len(v) != n_tokens:
+        raise ValueError(f"trajectory {uid}: {len(v)} {what} for {n_tokens} tokens")
+    if not np.isfinite(v).all():
+        raise ValueError(f"trajectory {uid}: a {what.removesuffix('s')} that is not finite")
+    return v.tolist()

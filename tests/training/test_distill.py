@@ -1,0 +1,157 @@
+"""On-policy distillation on the sampling side (services/training/distill.py): the hint reaches
+the teacher's context and never the student's; each sample's teacher log-probs travel through the
+replay record and into the learner's rollout; the configurations that cannot teach are refused."""
+
+import numpy as np
+import pytest
+
+from services.common.config import ConfigError, config_from_dict
+from services.common.replay.records import group_from_proto, group_to_proto
+from services.common.rpc.gen import replay_pb2 as rpb
+from services.common.types import (
+    Completion,
+    GenerationResult,
+    PromptRecord,
+    Rollout,
+    SampleGroup,
+    SamplingParams,
+    ScoreResult,
+    TeacherScores,
+)
+from services.training.distill import Distillation, Hint
+from services.training.sampling import Prompt, ReplySampler
+
+RECORD = PromptRecord("r1", "What is 12 + 30?", "42", {"source": "unit"})
+
+
+class RecordingBackend:
+    """A stand-in generation backend: two fixed replies per prompt; records the prompts it got."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, prompts, params):
+        self.prompts.extend(list(p) for p in prompts)
+        comps = [[Completion([5, 6, 7], [-1.0, -2.0, -3.0], "length") for _ in range(params.n)] for _ in prompts]
+        return GenerationResult(comps, 3, 3 * params.n * len(prompts), 0.0)
+
+
+class RecordingTeacher:
+    """A stand-in teacher: -0.5 per token, its top-1 the sampled token on even positions."""
+
+    def __init__(self):
+        self.contexts = []
+
+    def score(self, prompts, responses, top_k=0):
+        self.contexts.extend(list(p) for p in prompts)
+        lp = [[-0.5] * len(r) for r in responses]
+        top = [[[t if i % 2 == 0 else t + 1] for i, t in enumerate(r)] for r in responses] if top_k else None
+        return TeacherScores(lp, top, [[[-0.5]] * len(r) for r in responses] if top_k else None)
+
+
+class Rewards:
+    def score(self, samples):
+        return [ScoreResult(1.0) for _ in samples]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from services.common.model_files import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_the_hint_reaches_the_teachers_context_and_never_the_students(tokenizer):
+    tok = tokenizer
+    backend, teacher = RecordingBackend(), RecordingTeacher()
+    distill = Distillation(teacher, tok, Hint("so {label}", tok), top_k=1)
+    sampler = ReplySampler(backend, Rewards(), tok, SamplingParams(n=2, max_new_tokens=3), distill=distill)
+    out = sampler.sample([Prompt(RECORD, "0:r1")])
+    student = tok(RECORD.prompt)["input_ids"]
+    assert backend.prompts == [student]
+    hint = tok.decode(teacher.contexts[0], skip_special_tokens=True)
+    assert teacher.contexts == [teacher.contexts[0]] * 2 and "so 42" in hint
+    assert "42" not in tok.decode(backend.prompts[0], skip_special_tokens=True)
+    (group,) = out.groups
+    assert group.teacher_log_probs == [[-0.5] * 3] * 2
+    # sampler minus teacher over 6 tokens: ((-1 + 0.5) + (-2 + 0.5) + (-3 + 0.5)) * 2 / 6
+    assert out.metrics["distill/reverse_kl_sampler"] == pytest.approx(-1.5)
+    assert out.metrics["distill/teacher_top1_agree"] == pytest.approx(4 / 6)
+    assert "time/teacher_s" in out.metrics
+
+
+def test_the_hint_goes_inside_the_last_user_message_of_a_chat_prompt(tokenizer):
+    tok = tokenizer
+    hint = Hint("so {label}", tok)
+    assert hint.turn_end  # the tiny tokenizer has a chat template
+    rendered = tok.apply_chat_template([{"role": "user", "content": "12="}], tokenize=False, add_generation_prompt=True)
+    context = tok.decode(hint.context(tok(rendered)["input_ids"], RECORD), skip_special_tokens=False)
+    assert context.endswith(hint.turn_end) and "so 42" in context
+    assert context.index("12=") < context.index("so 42") < context.rindex(hint.turn_end)
+
+
+def test_a_hint_that_names_a_field_the_record_lacks_says_which(tokenizer):
+    with pytest.raises(ValueError, match=r"record 'r1' cannot fill it .*'solution'.*\['source'\]"):
+        Hint("{solution}", tokenizer).text(RECORD)
+    assert Hint("{source}: {label}", tokenizer).text(RECORD) == "unit: 42"
+
+
+def test_the_policy_as_teacher_scores_on_the_backend_that_sampled(tokenizer):
+    class ScoringBackend(RecordingBackend):
+        def score(self, sequences, starts):
+            from services.common.types import TokenScores
+
+            self.scored = (sequences, starts)
+            return TokenScores([[-0.25] * (len(s) - st) for s, st in zip(sequences, starts)], 3, "float32")
+
+    tok = tokenizer
+    cfg = config_from_dict({"distill": {"enabled": True, "teacher": "policy", "hint": "so {label}"}})
+    backend = ScoringBackend()
+    distill = Distillation.for_training(cfg, tok, teacher=None)
+    sampler = ReplySampler(backend, Rewards(), tok, SamplingParams(n=2, max_new_tokens=3), distill=distill)
+    (group,) = sampler.sample([Prompt(RECORD, "0:r1")]).groups
+    sequences, starts = backend.scored
+    assert [s[st:] for s, st in zip(sequences, starts)] == [[5, 6, 7]] * 2
+    assert starts[0] > len(tok(RECORD.prompt)["input_ids"])  # the hint is in the scored context
+    assert group.teacher_log_probs == [[-0.25] * 3] * 2
+
+
+def _group(teacher):
+    comps = [Completion([5, 6], [-0.5, -0.7], "stop"), Completion([8], [-0.1], "stop")]
+    return SampleGroup("0:r1", RECORD, [1, 2], comps, [ScoreResult(1.0), ScoreResult(0.0)], None, 4, teacher)
+
+
+def test_teacher_log_probs_travel_through_the_replay_record_into_the_rollout():
+    task = rpb.PromptTask(uid="0:r1", record_id="r1", prompt=RECORD.prompt, label="42")
+    back = group_from_proto(group_to_proto(_group([[-1.5, -2.5], [-0.25]]), task, worker="w", server="s"))
+    assert back.teacher_log_probs == [[-1.5, -2.5], [-0.25]]
+    assert group_from_proto(group_to_proto(_group(None), task, worker="w", server="s")).teacher_log_probs is None
+    assert Rollout.from_groups([back, back]).teacher_log_probs == [[-1.5, -2.5], [-0.25]] * 2
+    assert Rollout.from_groups([back, _group(None)]).teacher_log_probs is None  # only when every group has them
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [([[-1.5], [-0.25]], "1 teacher log-probs for 2 tokens"), ([[-1.5, np.nan], [-0.25]], "not finite")],
+)
+def test_a_record_with_broken_teacher_log_probs_is_refused(bad, says):
+    task = rpb.PromptTask(uid="0:r1", record_id="r1", prompt=RECORD.prompt)
+    msg = group_to_proto(_group([[-1.5, -2.5], [-0.25]]), task, worker="w", server="s")
+    msg.samples[0].teacher_log_probs = np.asarray(bad[0], np.float32).tobytes()
+    with pytest.raises(ValueError, match=says):
+        group_from_proto(msg)
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"distill": {"enabled": True, "teacher": "policy"}}, "without distill.hint"),
+        (
+            {"distill": {"enabled": True}, "num_return_sequences_in_group": 2, "rollout": {"dynamic_sampling": True}},
+            "every sampled token carries the teacher's signal",
+        ),
+    ],
+)
+def test_a_distillation_that_cannot_teach_is_refused(settings, says):
+    with pytest.raises(ConfigError, match=says):
+        config_from_dict(settings)
