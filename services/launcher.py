@@ -2,12 +2,13 @@
 
     rlhf up -c configs/tiny-cpu.yaml --run-dir runs/tiny-cpu [--workers 2] [--generation-servers 2]
 
-Starts an embedded Redis (unless replay.url is set), then the reward, critic and generation
-servers on free localhost ports, then the learner and the rollout workers; waits for each to be
-ready; shows the learner's progress; restarts any service that crashes (Redis included) on the
-ports it had, up to --max-restarts times each (a service after --restart-delay seconds, doubled
-at each further restart of it; Redis at once); at the end, or on Ctrl-C, stops everything in
-order (the learner first, so it writes a checkpoint).
+Starts an embedded Redis (unless replay.url is set), then the reward, critic, teacher (on-policy
+distillation by a model of its own) and generation servers on free localhost ports, then the
+learner and the rollout workers; waits for each to be ready; shows the learner's progress;
+restarts any service that crashes (Redis included) on the ports it had, up to --max-restarts
+times each (a service after --restart-delay seconds, doubled at each further restart of it; Redis
+at once); at the end, or on Ctrl-C, stops everything in order (the learner first, so it writes a
+checkpoint).
 
 Secrets: the Redis password and the auth token come from the config or their environment
 variables; when unset, `rlhf up` generates them and keeps them in DIR/secrets.env (mode 0600).
@@ -228,7 +229,7 @@ class Launcher:
         return cmd + list(extra)
 
     def _spawn(self, name: str, kind: str, sets: list[str], *extra: str, echo: bool = False) -> Child:
-        overlapped = self.cfg.max_staleness > 0 and kind in ("generation", "rollout", "reward")
+        overlapped = self.cfg.max_staleness > 0 and kind in ("generation", "rollout", "reward", "teacher")
         # asynchronous mode: the learner is the critical path; sampling gets the cycles it leaves
         nice = NICE_SAMPLERS if overlapped else 0
         # processes that compute at the same time (learner and critic train together; in
@@ -277,6 +278,8 @@ class Launcher:
         first = [self._spawn("reward", "reward", [], *free, "--http-port", "-1")]
         if cfg.needs_critic:
             first.append(self._spawn("critic", "critic", [], *free))
+        if cfg.distill.needs_server:
+            first.append(self._spawn("teacher", "teacher", [], *free))
         for i in range(args.generation_servers):
             first.append(self._spawn(f"generation-{i}", "generation", [], *free))
         for c in first:
@@ -286,6 +289,8 @@ class Launcher:
         self.sets = [f"rpc.reward.port={self.children['reward'].endpoints['port']}"]
         if cfg.needs_critic:
             self.sets.append(f"rpc.critic.port={self.children['critic'].endpoints['port']}")
+        if cfg.distill.needs_server:  # the rollout workers (and the learner) reach it here
+            self.sets.append(f"rpc.teacher.port={self.children['teacher'].endpoints['port']}")
         learner = self._spawn("learner", "learner", self.sets, *free, "--http-port", "0", echo=True)
         r = learner.wait_ready(args.startup_timeout)
         learner.pin_ports()
@@ -415,7 +420,7 @@ class Launcher:
         if learner is not None and learner.alive():
             learner.stop(timeout_s=120)  # it checkpoints first
         order = [c for c in self.children.values() if c.kind == "rollout"]
-        order += [c for c in self.children.values() if c.kind in ("generation", "critic", "reward")]
+        order += [c for c in self.children.values() if c.kind in ("generation", "critic", "teacher", "reward")]
         for c in order:
             c.signal(signal.SIGTERM)
         for c in order:

@@ -44,8 +44,10 @@ from .learner.checkpoint import finished_run
 from .learner.trainer import PolicyTrainer, ptx_examples_for
 from .reward.labels import label_reader
 from .reward.scorer import build_eval_scorer, build_scorer
+from .teacher.teacher import Teacher
 from .training.dapo import GroupFilter, merged
 from .training.data import EpochSampler, config_prompts
+from .training.distill import Distillation
 from .training.loop import Batch, TrainingLoop
 from .training.runlog import RunLog
 from .training.sampling import Failed, Prompt, Rejected, ReplySampler, Sampler
@@ -226,7 +228,10 @@ def run_local(cfg: Config, run_dir: str | Path | None = None, stop_event=None) -
         # the agent's sessions (and its held-out eval) sample through the backend here, batched
         pool = stack.enter_context(contextlib.closing(in_process_pool(backend, cfg))) if cfg.rollout.sessions else None
         evaluator = stack.enter_context(local_evaluator(cfg, tokenizer, backend, eval_scorer, proxy, pool))
-        sampler = local_sampler(cfg, tokenizer, backend, scorer, critic, pool, stop_event)
+        distill = Distillation.for_training(
+            cfg, tokenizer, Teacher.from_config(cfg) if cfg.distill.needs_server else None
+        )
+        sampler = local_sampler(cfg, tokenizer, backend, scorer, critic, pool, stop_event, distill)
         stack.callback(sampler.close)
         source = LocalSource(cfg, epochs, sampler, stop_event)
         parts = (learner, critic, tokenizer, source, backend, evaluator, held_out, state)
@@ -253,14 +258,15 @@ def local_evaluator(cfg: Config, tokenizer, backend, scorer, proxy, pool):
     )
 
 
-def local_sampler(cfg: Config, tokenizer, backend, scorer, critic, pool, stop_event) -> Sampler:
+def local_sampler(cfg: Config, tokenizer, backend, scorer, critic, pool, stop_event, distill=None) -> Sampler:
     """How the rollout step samples, chosen once as a worker chooses: the agent's sessions on an
-    endpoint in this process over `pool`, or one reply per sample from the backend."""
+    endpoint in this process over `pool`, or one reply per sample from the backend; read by the
+    teacher with `distill` (training/distill.py)."""
     if cfg.rollout.sessions:  # the agent's sessions, sampled here (a worker's endpoint, in this process)
         assert pool is not None
         host = agent_host(cfg, tokenizer, pool, SamplingParams.for_training(cfg), port=0)
-        return AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event())
-    return ReplySampler.for_training(cfg, backend, scorer, tokenizer, critic)
+        return AgentSampler(cfg, host, tokenizer, critic, stop_event or threading.Event(), distill=distill)
+    return ReplySampler.for_training(cfg, backend, scorer, tokenizer, critic, distill=distill)
 
 
 def _train(cfg: Config, run_dir: Path, schedule: Schedule, parts: tuple, stop_event) -> dict:

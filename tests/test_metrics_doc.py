@@ -1,6 +1,6 @@
 """docs/metrics.md is exact: every service runs for real, in-process (reward with its HTTP API
-and an external reward API, critic, generation, the learner for two iterations, a rollout
-worker, the gateway in front of the registry's generation servers, against a real Redis), each
+and an external reward API, critic, the teacher, generation, the learner for two iterations, a
+rollout worker, the gateway in front of the registry's generation servers, against a real Redis), each
 one's /metrics is scraped over HTTP with the bearer token, and the metric names, types and label
 names each exports are those the table lists for it: no more (no empty families of other
 services), no fewer. Every family has samples by then, so a scrape of a live run finds them all.
@@ -23,12 +23,14 @@ from services.generation.server import serve as serve_generation
 from services.learner.server import serve as serve_learner
 from services.reward.server import serve as serve_reward
 from services.rollout.worker import serve as serve_rollout
+from services.teacher.client import TeacherClient
+from services.teacher.server import serve as serve_teacher
 from services.weights.pull import LearnerClient
 from tests.grpc_helpers import TOKEN
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 START, END = "<!-- metrics-table:start -->", "<!-- metrics-table:end -->"
-SERVICES = ("generation", "reward", "critic", "learner", "rollout", "gateway")
+SERVICES = ("generation", "reward", "critic", "teacher", "learner", "rollout", "gateway")
 SAMPLE_SUFFIXES = ("_bucket", "_count", "_sum")
 
 
@@ -147,6 +149,7 @@ def _cfg(model_dir, redis_url, run_dir, api_url):
                 "auth_token": TOKEN,
                 "generation": ep,
                 "critic": ep,
+                "teacher": ep,
                 "reward": {**ep, "http_port": 0},
                 "learner": {**ep, "http_port": None},
                 "gateway": {"port": 0},
@@ -166,8 +169,11 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
     api = RewardAPI()
     cfg = _cfg(tiny_model_dir, redis_server.url, run_dir, api.url)
     try:
-        with serve_reward(cfg) as reward, serve_critic(cfg) as critic:
+        with serve_reward(cfg) as reward, serve_critic(cfg) as critic, serve_teacher(cfg) as teacher:
             cfg.rpc.reward.port, cfg.rpc.critic.port = reward.server.port, critic.server.port
+            teacher_client = TeacherClient(f"127.0.0.1:{teacher.server.port}", cfg.rpc)
+            assert teacher_client.score([[1, 4, 5]], [[6, 7]], top_k=2).log_probs[0]
+            teacher_client.close()
             base = f"http://127.0.0.1:{reward.server.http_port}"
             assert (
                 httpx.post(
@@ -201,6 +207,7 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                     "generation": scrape(generation.server.metrics_port),
                     "reward": scrape(reward.server.metrics_port),
                     "critic": scrape(critic.server.metrics_port),
+                    "teacher": scrape(teacher.server.metrics_port),
                     "learner": scrape(learner.server.metrics_port),
                     "rollout": scrape(worker.metrics_port),
                 }
@@ -251,6 +258,7 @@ def test_the_numbers_are_the_runs(scrapes):
     assert value(learner, "rlhf_rpc_requests_total", method="Status", code="OK") == 1
     assert value(learner, "process_resident_memory_bytes") > 1e6
     assert value(scrapes["generation"], "rlhf_generated_tokens_total") > 0
+    assert value(scrapes["teacher"], "rlhf_rpc_requests_total", method="Score", code="OK") == 1
     assert value(scrapes["rollout"], "rlhf_rollout_groups_produced_total") >= 8
     assert value(reward, "rlhf_reward_api_requests_total", outcome="ok") >= 1
     assert value(reward, "rlhf_reward_api_requests_total", outcome="http_error") == 0

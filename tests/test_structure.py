@@ -4,7 +4,7 @@ also those inside functions):
   stays in its package: none runs back up, none crosses to another package of the same layer;
 - `services.common` imports no service; `services.ppo` imports nothing else of the project;
 - `services.weights` (weight transfer) imports only `services.common`;
-- a service (generation, reward, critic, learner, rollout, gateway) imports another service only
+- a service (generation, reward, critic, teacher, learner, rollout, gateway) imports another service only
   through its `client` module, and client modules
   import no service internals;
 - no module imports another module's privates (`from x import _name`);
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("generation", "reward", "critic", "learner", "rollout", "gateway")
+SERVICES = ("generation", "reward", "critic", "teacher", "learner", "rollout", "gateway")
 # every package under services/ (and the composition roots), lowest first: a module imports only
 # from its own package or a lower layer, never from its own layer's others or from above
 LAYERS = (
@@ -38,7 +38,7 @@ LAYERS = (
     ("common",),  # the shared kernel
     ("weights", "training"),  # moving a policy version; what the training loop needs
     ("agents",),  # sessions, the agents' endpoint, episode loops
-    ("generation", "reward", "critic"),  # the services others call, through their clients
+    ("generation", "reward", "critic", "teacher"),  # the services others call, through their clients
     ("learner", "rollout", "gateway", "reward_model"),  # the services that call them; offline jobs
     ("launcher", "local"),  # composition roots: the distributed and the in-process wiring
     ("cli",),  # the command, over everything
@@ -166,7 +166,7 @@ def test_services_meet_only_through_clients():
 
 def test_client_modules_import_only_common():
     clients = [m for m in GRAPH if m.endswith(".client") and _service_of(m)]
-    assert len(clients) == 3  # generation, reward, critic (the learner's pull is weights/pull.py)
+    assert len(clients) == 4  # generation, reward, critic, teacher (the learner's pull is weights/pull.py)
     bad = [
         (m, d)
         for m in clients

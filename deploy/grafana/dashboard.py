@@ -11,7 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "dashboards" / "rlhf.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
-JOBS = 'job=~"learner|generation|reward|critic|rollout|gateway"'  # this system's processes, not Prometheus's own
+JOBS = 'job=~"learner|generation|reward|critic|teacher|rollout|gateway"'  # this system's processes, not Prometheus's own
 
 # (row title, [(panel title, unit, [(expr, legend)])])
 ROWS = [

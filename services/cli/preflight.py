@@ -85,15 +85,18 @@ def models_beside(p: Path) -> list[str]:
 
 def tokenizer_errors(cfg: Config) -> list[str]:
     """The models that read the policy's tokens must share its tokenizer: the reference (its KL is
-    per token), the critic (a value per token) and, when the critic starts from it, the reward
-    model. Each such directory here whose vocabulary differs from model.path's is an error (a
-    reference of another vocabulary gave a KL of ~10 at every iteration, silently)."""
+    per token), the critic (a value per token), the distillation teacher (a log-prob per token)
+    and, when the critic starts from it, the reward model. Each such directory here whose
+    vocabulary differs from model.path's is an error (a reference of another vocabulary gave a KL
+    of ~10 at every iteration, silently)."""
     readers: dict[str, str | None] = {
         "model.reference_path": cfg.model.reference_path,
         "critic.model_path": cfg.critic.model_path,
     }
     if cfg.critic.init_from_reward_model:
         readers["reward.model_path"] = cfg.reward.model_path
+    if cfg.distill.needs_server:  # the teacher scores the policy's token ids
+        readers["distill.teacher_path"] = cfg.distill.teacher_path
     readers = {k: v for k, v in readers.items() if v and (Path(v).expanduser() / "config.json").is_file()}
     policy = Path(cfg.model.path).expanduser()
     if not readers or not (policy / "config.json").is_file():

@@ -315,12 +315,6 @@ class Config(Strict):
         return self.adv_estimator == "gae"
 
     @property
-    def needs_teacher(self) -> bool:
-        """A teacher server scores the samples: on-policy distillation by a model of its own
-        (distill.teacher: model), not by the policy that sampled."""
-        return self.distill.enabled and self.distill.teacher == "model"
-
-    @property
     def rollout_correction_mode(self) -> str:
         """The rollout correction in force: `rollout_correction`, else token_tis with the older
         `rollout_is: true`, else none."""

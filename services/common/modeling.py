@@ -59,10 +59,17 @@ LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
 def response_log_probs(
-    model: nn.Module, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False, full: bool = False
+    model: nn.Module,
+    batch: TokenBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    full: bool = False,
+    top_k: int = 0,
 ):
-    """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position and
-    the full log-probability tensor (B, T, V). Returns a dict with keys log_probs/entropy/full.
+    """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position,
+    the full log-probability tensor (B, T, V) and, with `top_k` > 0, each position's k most likely
+    tokens: their log-probs (B, T, k) and ids (B, T, k), in descending log-prob (a teacher's
+    top-k). Returns a dict with keys log_probs/entropy/full/top_log_probs/top_ids.
 
     Memory does not grow with the vocabulary times the batch: the output layer runs inside the
     model's forward on the response positions only, a chunk of positions at a time (at most
@@ -76,6 +83,9 @@ def response_log_probs(
             out["entropy"] = entropy_from_logits(logits)
         if full:
             out["full"] = torch.log_softmax(logits, dim=-1)
+        if top_k:
+            top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+            out["top_log_probs"], out["top_ids"] = top.values, top.indices
         return out
     # a Linear (`_head_is_plain`), whose forward is replaced below
     head: Any = cast(_PretrainedModel, model).get_output_embeddings()
@@ -90,7 +100,15 @@ def response_log_probs(
         step = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
         pieces = []
         for s in range(0, B * T, step):
-            args = (flat_h[s : s + step], flat_t[s : s + step], head.weight, head.bias, temperature, with_entropy)
+            args = (
+                flat_h[s : s + step],
+                flat_t[s : s + step],
+                head.weight,
+                head.bias,
+                temperature,
+                with_entropy,
+                top_k,
+            )
             if torch.is_grad_enabled():
                 pieces.append(torch.utils.checkpoint.checkpoint(_token_stats, *args, use_reentrant=False))
             else:
@@ -115,6 +133,10 @@ def response_log_probs(
     out = {"log_probs": stats[..., 0]}
     if with_entropy:
         out["entropy"] = stats[..., 1]
+    if top_k:
+        first = 2 if with_entropy else 1
+        out["top_log_probs"] = stats[..., first : first + top_k]
+        out["top_ids"] = stats[..., first + top_k : first + 2 * top_k].long()
     return out
 
 
@@ -137,10 +159,11 @@ def token_log_probs(model: nn.Module, token_ids: Sequence[int], start: int) -> t
         return response_log_probs(model, batch)["log_probs"][0].float()
 
 
-def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy: bool) -> torch.Tensor:
-    """(N, 1 or 2): the log-prob of each target (and the entropy) under the output layer, in
-    float32 under bf16 autocast too (bf16 logits would move each log-prob by ~1e-2, as much as a
-    PPO step moves it)."""
+def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy: bool, top_k: int = 0) -> torch.Tensor:
+    """(N, 1 [+ 1] [+ 2k]): the log-prob of each target (and the entropy; and the k largest
+    log-probs, then their token ids as floats: exact below 2**24, far above any vocabulary) under
+    the output layer, in float32 under bf16 autocast too (bf16 logits would move each log-prob by
+    ~1e-2, as much as a PPO step moves it)."""
     with torch.autocast(hidden.device.type, enabled=False):
         logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
     if temperature not in (0, 1.0):
@@ -149,6 +172,9 @@ def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy
     cols = [log_probs.gather(-1, targets.unsqueeze(-1))]
     if with_entropy:
         cols.append(-(log_probs.exp() * log_probs).sum(-1, keepdim=True))
+    if top_k:
+        top = log_probs.topk(top_k, dim=-1)
+        cols += [top.values, top.indices.float()]
     return torch.cat(cols, dim=-1)
 
 

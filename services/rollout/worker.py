@@ -38,6 +38,8 @@ from ..common.types import SamplingParams
 from ..critic.client import CriticClient
 from ..generation.client import generation_clients
 from ..reward.client import RewardClient
+from ..teacher.client import teacher_client
+from ..training.distill import Distillation
 from ..training.sampling import Sampler
 from .batches import Batches
 from .claims import ClaimLoop
@@ -66,6 +68,9 @@ class RolloutWorker:
         # (errors say which service answered them: `e.service`)
         self.reward = reward_client(cfg, self.stop_event, self.metrics.waiting)
         self.critic = critic_client(cfg, self.stop_event, self.metrics.waiting) if cfg.needs_critic else None
+        # on-policy distillation: the teacher server, waited for like them (or the sampling server itself)
+        teacher = teacher_client(cfg, self.stop_event, self.metrics.waiting) if cfg.distill.needs_server else None
+        self.distill = Distillation.for_training(cfg, self.tokenizer, teacher)
         # which generation server to call: round robin, at the version if one is, avoiding failures
         self.servers = ServerPool(
             lambda: store.live("generation"), generation_clients(cfg.rpc), cfg.replay.heartbeat_s / 2
@@ -87,6 +92,7 @@ class RolloutWorker:
                 self.critic,
                 self.stop_event,
                 on_down=lambda kind: self.metrics.error(kind).inc(),
+                distill=self.distill,
             )
         return ServerSampler(
             cfg,
@@ -97,6 +103,7 @@ class RolloutWorker:
             critic=self.critic,
             stop_event=self.stop_event,
             metrics=self.metrics,
+            distill=self.distill,
         )
 
     @property

@@ -1,6 +1,6 @@
 """The compose files as Compose itself reads them (`docker-compose config`): the GPU box's file
 and the CPU variant validate, with the values .env.example documents; GPUs come from .env for
-generation, learner, critic and reward (one GPU by default, several as .env.example shows); the
+generation, learner, critic, reward and teacher (one GPU by default, several as .env.example shows); the
 user's workspace and the repo's configs are mounted; HF_TOKEN reaches every service that loads a
 model; every long-running service has a healthcheck (with a start period where it loads a model)
 and the learner waits for its dependencies to be healthy; the secrets must be set, and the image
@@ -29,11 +29,14 @@ SEVERAL_GPUS = {
     "RLHF_LEARNER_GPUS": "2",
     "RLHF_CRITIC_GPUS": "3",
     "RLHF_REWARD_GPUS": "3",
+    "RLHF_TEACHER_GPUS": "1",
     "RLHF_CONFIG": "gpu.yaml",
 }
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
-LOADS_A_MODEL = {"reward", "critic", "generation", "learner"}
-RLHF_SERVICES = LONG_RUNNING | {"init"}
+LOADS_A_MODEL = {"reward", "critic", "generation", "learner", "teacher"}
+DISTILL = {"teacher"}  # --profile distill
+RLHF_SERVICES = LONG_RUNNING | {"init"} | DISTILL
+GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher"}
 MONITORING = {"prometheus", "grafana"}
 AGENTS = {"gateway"}  # --profile agents
 
@@ -108,9 +111,9 @@ def _gpus(config: dict, service: str) -> list[str]:
 
 
 def test_by_default_every_gpu_service_shares_gpu_0_with_the_one_gpu_config(gpu):
-    for service in ("generation", "learner", "critic", "reward"):
+    for service in GPU_SERVICES:
         assert _gpus(gpu, service) == ["0"], service
-    for service in set(gpu["services"]) - {"generation", "learner", "critic", "reward"}:
+    for service in set(gpu["services"]) - GPU_SERVICES:
         assert "deploy" not in gpu["services"][service], service
     for service in RLHF_SERVICES:
         assert gpu["services"][service]["environment"]["RLHF_CONFIG"] == "gpu-1x80gb.yaml"
@@ -125,6 +128,7 @@ def test_several_gpus_come_from_the_env_file():
     # replica of `--scale generation=2` takes one of them (tests/generation/test_gpu_slot.py)
     assert _gpus(config, "generation") == ["0,1"]
     assert (_gpus(config, "learner"), _gpus(config, "critic"), _gpus(config, "reward")) == (["2"], ["3"], ["3"])
+    assert _gpus(config, "teacher") == ["1"]
     assert config["services"]["generation"]["environment"]["RLHF_GPU_SLOTS_DIR"].startswith("/runs/")
     assert config["services"]["learner"]["environment"]["RLHF_CONFIG"] == "gpu.yaml"
 
@@ -181,7 +185,7 @@ def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
 @pytest.mark.parametrize("variant", ["gpu", "cpu"])
 def test_every_long_running_service_has_a_healthcheck_and_a_restart_policy(variant, gpu, cpu):
     services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
-    assert set(services) == LONG_RUNNING | {"init"} | MONITORING | AGENTS
+    assert set(services) == LONG_RUNNING | {"init"} | MONITORING | AGENTS | DISTILL
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck", {}).get("test")
         assert check and check[0] == "CMD", (name, check)
@@ -233,6 +237,22 @@ def test_the_gateway_is_a_profile_on_the_loopback_that_finds_the_servers_in_redi
         "generation": "service_healthy",
     }
     assert g["environment"]["RLHF_SET"] == services["rollout"]["environment"]["RLHF_SET"]  # replay.url, model
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_the_teacher_is_a_profile_every_service_can_reach(variant, gpu, cpu):
+    """`--profile distill` adds `rlhf serve teacher` (on-policy distillation): the run's image and
+    config, healthy once its gRPC health service says rlhf.v1.Teacher, after the model is built;
+    every service is told its address (rpc.teacher.host)."""
+    services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
+    t = services["teacher"]
+    assert t["profiles"] == ["distill"] and t["image"] == services["critic"]["image"]
+    assert t["command"] == ["serve", "teacher", "--host", "0.0.0.0"] and t["restart"] == "on-failure"
+    assert t["healthcheck"]["test"][-2:] == ["127.0.0.1:50056", "rlhf.v1.Teacher"]
+    assert t["healthcheck"]["start_period"] == "1h"
+    assert {k: v["condition"] for k, v in t["depends_on"].items()} == {"init": "service_completed_successfully"}
+    for name in RLHF_SERVICES - {"redis"}:
+        assert "rpc.teacher.host=teacher" in services[name]["environment"]["RLHF_SET"].split(), name
 
 
 def test_state_lives_on_named_volumes(gpu):

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 TOOLS_BIN = K8S / ".tools" / "bin"
 OVERLAYS = ("gpu", "cpu-tiny")
-COMPONENTS = ("keda", "hpa", "servicemonitor", "gateway")
+COMPONENTS = ("keda", "hpa", "servicemonitor", "gateway", "distill")
 # every overlay alone, with each component, and with each autoscaler plus monitoring (keda and hpa
 # both drive the rollout Deployment's replicas: they are never combined)
 COMPONENT_SETS = (
@@ -36,6 +36,8 @@ COMPONENT_SETS = (
     ("keda", "servicemonitor"),
     ("hpa", "servicemonitor"),
     ("gateway",),
+    ("distill",),
+    ("distill", "servicemonitor"),
 )
 VARIANTS = tuple("+".join((o,) + c) for o in OVERLAYS for c in COMPONENT_SETS) + ("my-code",)  # your code, on cpu-tiny
 CRD_KINDS = {"ScaledObject", "TriggerAuthentication", "ServiceMonitor"}

@@ -123,6 +123,27 @@ def test_services_agree_and_dial_what_exists(overlay, resolved, docs):
         assert models == {"/runs/tiny-model"}
 
 
+@pytest.mark.parametrize("overlay", m.OVERLAYS)
+def test_the_teacher_parses_binds_what_is_probed_and_is_where_the_others_dial(overlay, docs, tmp_path):
+    """components/distill: `rlhf serve teacher` with the run's config and environment binds the
+    ports its probes and Service use, on the same model; every other service dials it at the
+    Service `teacher` (rlhf-env's RLHF_SET)."""
+    objs = docs[f"{overlay}+distill"]
+    w = m.one(objs, "Deployment", "teacher")
+    (r,) = [r for r in m.resolve(w, m.pod_spec(w)["containers"][0], objs, tmp_path) if r.cfg is not None]
+    assert r.args.service == "teacher" and r.args.host == "0.0.0.0"
+    ep = r.cfg.rpc.teacher
+    ports = {p["name"]: p["containerPort"] for p in r.container["ports"]}
+    assert ports == {"grpc": ep.port, "metrics": ep.metrics_port} == {"grpc": 50056, "metrics": 9106}
+    assert r.cfg.model.path == r.env["RLHF_MODEL"]
+    for other in m.workloads(objs):
+        c = m.pod_spec(other)["containers"][0]
+        if c["image"].startswith("rlhf") and m.component(other) != "teacher":
+            for o in m.resolve(other, c, objs, tmp_path):
+                if o.cfg is not None:
+                    assert o.cfg.rpc.teacher.host == "teacher" and o.cfg.rpc.teacher.port == ep.port, o.argv
+
+
 def test_the_tiny_model_init_step_builds_once_and_atomically(docs, tmp_path):
     """The cpu-tiny init container's script, run by sh with a stand-in `rlhf` (the real one takes
     seconds of CPU and has its own tests): it builds the model where RLHF_MODEL says when it is

@@ -448,15 +448,17 @@ def test_servicemonitor_scrapes_every_metrics_port_with_the_token(variant, docs)
         for w in m.workloads(objs)
         if any(p.get("name") == "metrics" for c in m.containers(w, init=False) for p in c.get("ports", []))
     }
-    assert scraped == serving == {"generation", "reward", "critic", "learner", "rollout"}
+    teacher = {"teacher"} if "distill" in variant.split("+") else set()  # components/distill
+    assert scraped == serving == {"generation", "reward", "critic", "learner", "rollout"} | teacher
     assert sm["spec"]["jobLabel"] in m.one(objs, "Service", "learner")["metadata"]["labels"]
     # the job label is the component: the names the compose scrape config gives its jobs, which
     # the alert rules and the dashboard select on
-    # (the compose file's gateway, under `--profile agents`, is scraped on its HTTP port; no variant
-    # here combines the gateway component with the ServiceMonitor, so it is left out where absent)
+    # (the compose file's gateway, under `--profile agents`, is scraped on its HTTP port, and its
+    # teacher under `--profile distill`: a job whose component the variant lacks is left out)
     compose_prom = m.ROOT / "deploy" / "prometheus" / "prometheus.yml"
     jobs = {j["job_name"] for j in yaml.safe_load(compose_prom.read_text())["scrape_configs"]}
-    assert scraped == {j for j in jobs if j != "gateway" or "gateway" in variant.split("+")}
+    optional = {"gateway": "gateway", "teacher": "distill"}  # job -> the component that adds it
+    assert scraped == {j for j in jobs if j not in optional or optional[j] in variant.split("+")}
 
 
 @pytest.mark.parametrize("variant", [v for v in m.VARIANTS if "hpa" in v])

@@ -221,6 +221,33 @@ def test_probes_use_the_services_health_names_and_ports(overlay, docs):
 
 
 @pytest.mark.parametrize("overlay", m.OVERLAYS)
+def test_the_teacher_comes_with_components_distill(overlay, docs):
+    """components/distill adds the teacher server (one replica, probed on its health names), sized
+    by the overlay: a GPU of its own on gpu, the tiny model built first on cpu-tiny; without the
+    component there is no teacher, and the overlays' patches for it apply to nothing."""
+    assert not [d for d in docs[overlay] if d["metadata"]["name"] == "teacher"]
+    objs = docs[f"{overlay}+distill"]
+    teacher = m.one(objs, "Deployment", "teacher")
+    assert teacher["spec"]["replicas"] == 1 and teacher["spec"]["strategy"]["type"] == "Recreate"
+    c = m.pod_spec(teacher)["containers"][0]
+    assert c["args"][:4] == ["serve", "teacher", "--host", "0.0.0.0"]
+    assert c["readinessProbe"]["grpc"] == {"port": 50056, "service": readiness_name("teacher")}
+    assert c["livenessProbe"]["grpc"] == c["startupProbe"]["grpc"] == {"port": 50056, "service": ""}
+    assert {p["name"]: p["port"] for p in m.one(objs, "Service", "teacher")["spec"]["ports"]} == {
+        "grpc": 50056,
+        "metrics": 9106,
+    }
+    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    assert gpus == c["resources"]["requests"].get("nvidia.com/gpu")
+    inits = [i["name"] for i in m.pod_spec(teacher).get("initContainers", [])]
+    if overlay == "gpu":
+        assert gpus == 1 and inits == []
+    else:
+        assert gpus is None and inits == ["tiny-model"]
+        assert c["resources"]["requests"] == {"cpu": "250m", "memory": "1Gi"}
+
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS)
 def test_workload_shapes(overlay, docs):
     objs = docs[overlay]
     learner = m.one(objs, "StatefulSet", "learner")

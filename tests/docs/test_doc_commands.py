@@ -105,6 +105,9 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/async.md", "max_staleness: 1 # generation runs ahead of the learner:"): PARTIAL,
     ("docs/async.md", ".venv/bin/python benchmarks/bench_partial.py -c"): PARSE,  # SmolLM2, minutes
     ("docs/cluster.md", "docker build -t rlhf:cpu --build-arg FLAVOUR=cpu ."): PARSE,  # a cluster
+    ("docs/distillation.md", ".venv/bin/rlhf serve teacher -c configs/tiny-cpu.yaml"): PARSE,  # a server, forever
+    ("docs/distillation.md", "error: the teacher's tokenizer (runs/other-model, 67"): PROSE,  # test_teacher_server
+    ("docs/distillation.md", 'RLHF_OVERRIDES="distill.enabled=true" docker compose'): PARSE,  # Docker
     ("docs/environments.md", "config error in c.yaml: rollout.environment:"): PROSE,  # an unknown kind refused
     ("docs/environments.md", "# gym.yaml"): CONFIG,  # test_reasoning_gym writes it as gym.yaml
     ("docs/environments.md", "$ rlhf config validate bad-gym.yaml"): RUN,  # test_reasoning_gym_mistakes

@@ -16,7 +16,7 @@ from ..shared import USER_ERRORS, add_config_args, error, load_config, run_dir_p
 if TYPE_CHECKING:
     from ...common.config import Config
 
-SERVICES = ["generation", "reward", "critic", "learner", "rollout", "gateway"]
+SERVICES = ["generation", "reward", "critic", "teacher", "learner", "rollout", "gateway"]
 
 
 def add_parser(sub) -> None:
