@@ -105,6 +105,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/async.md", "max_staleness: 1 # generation runs ahead of the learner:"): PARTIAL,
     ("docs/async.md", ".venv/bin/python benchmarks/bench_partial.py -c"): PARSE,  # SmolLM2, minutes
     ("docs/cluster.md", "docker build -t rlhf:cpu --build-arg FLAVOUR=cpu ."): PARSE,  # a cluster
+    ("docs/distillation.md", "$ rlhf train --local -c configs/tiny-cpu.yaml --run-dir"): RUN,  # test_self_distill
     ("docs/distillation.md", ".venv/bin/rlhf serve teacher -c configs/tiny-cpu.yaml"): PARSE,  # a server, forever
     ("docs/distillation.md", "error: the teacher's tokenizer (runs/other-model, 67"): PROSE,  # test_teacher_server
     ("docs/distillation.md", 'RLHF_OVERRIDES="distill.enabled=true" docker compose'): PARSE,  # Docker
@@ -208,7 +209,7 @@ ACTIVATE = "source .venv/bin/activate"
 RLHF = {"rlhf", ".venv/bin/rlhf", ".venv-vllm/bin/rlhf"}
 PYTHON = {"python", "python3", ".venv/bin/python", ".venv-vllm/bin/python"}
 # commands a PARSE block may hold whose only check is the paths they name (no Docker, no cluster)
-UNCHECKED = {"kind", "curl", "tail", "head", "mkdir", "cat", "ls"}
+UNCHECKED = {"kind", "curl", "tail", "head", "mkdir", "cat", "ls", "grep"}
 # the top directories of this repository: a path under one that a command names must exist
 REPO_DIRS = ("configs/", "deploy/", "docker/", "examples/", "benchmarks/", "tests/", "services/", "proto/", "docs/")
 COMMAND_LINE = re.compile(
@@ -939,6 +940,16 @@ def test_reasoning_gym_mistakes(scratch):
         (ROOT / "docs" / "environments.md").read_text()
     )
     run_console(block(*GYM_MISTAKES), scratch, _env(), rcs=[2])
+
+
+SELF_DISTILL = ("docs/distillation.md", "$ rlhf train --local -c configs/tiny-cpu.yaml --run-dir")
+
+
+@_runs(SELF_DISTILL)
+def test_self_distill(scratch):
+    """Distillation's tiny run: two iterations of self-distillation with a hint, then its metrics,
+    as the page shows them (the numbers aside)."""
+    run_console(block(*SELF_DISTILL), scratch, _env(), rcs=[0, 0])
 
 
 OPENENV_SERVE = ("docs/environments.md", "python examples/openenv_reverse_env.py --port 8011")

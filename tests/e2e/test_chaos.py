@@ -2,8 +2,9 @@
 model on the CPU): each run must complete by itself, and the learner's ledger must show every
 prompt of every epoch trained exactly once.
 
-- run "one": one generation server. Killed in turn: the generation server, the reward server,
-  the critic server, Redis. Each kill stalls the run until the launcher has the service back.
+- run "one": one generation server, and on-policy distillation (a teacher server). Killed in turn:
+  the generation server, the reward server, the critic server, the teacher server, Redis. Each
+  kill stalls the run until the launcher has the service back.
 - run "two": two generation servers; the one the held-out eval uses is killed and stays
   registered: the run never pauses (iterations go on before it is back).
 - run "no restarts" (--max-restarts 0): the critic dies, the run stops, and the learner's last
@@ -27,6 +28,9 @@ import yaml
 from tests.e2e.support import run_iterations, write_train_data
 
 BATCH, PROMPTS = 8, 40
+KILLED = ("generation-0", "reward", "critic", "teacher", "redis")
+# run "one" distils too: the frozen initial model, shown the label, teaches beside the reward
+DISTILL = {"enabled": True, "hint": "so {label}", "reward_weight": 1.0}
 RESTART_DELAY_S = 10.0  # how long the launcher leaves a killed generation server down (run "two"; an
 # iteration takes ~0.2 s here, two of them must fit in it)
 
@@ -56,6 +60,7 @@ def _start(
     heartbeat_ttl_s: float = 3.0,
     eval_interval: int = 4,
     restart_delay_s: float = 0.0,
+    extra: dict | None = None,
 ):
     run_dir = root / "run"
     data = root / "train.jsonl"
@@ -84,6 +89,7 @@ def _start(
                 },
                 "rollout": {"prompts_per_request": 4, "concurrency": 2},
                 "rpc": {"retry_max_backoff_s": 1.0},
+                **(extra or {}),
             }
         )
     )
@@ -151,13 +157,15 @@ def _command_lines(run_dir: Path) -> dict[str, str] | None:
 @pytest.fixture(scope="module")
 def one_server(tiny_model_dir, tmp_path_factory):
     iterations = 60
-    up, run_dir, log, records = _start(tmp_path_factory.mktemp("chaos-one"), tiny_model_dir, iterations, 1)
+    up, run_dir, log, records = _start(
+        tmp_path_factory.mktemp("chaos-one"), tiny_model_dir, iterations, 1, extra={"distill": DISTILL}
+    )
     kills = []
     try:
         _wait(lambda: (run_dir / "services.json").exists(), 600, "the system to start", up, log)
         secrets = dict(line.split("=", 1) for line in (run_dir / "secrets.env").read_text().splitlines())
         command_lines = _wait(lambda: _command_lines(run_dir), 120, "every process's command line", up, log)
-        for name in ("generation-0", "reward", "critic", "redis"):
+        for name in KILLED:
             _wait(lambda: (run_dir / "services.json").exists(), 600, "the system to start", up, log)
             it = _wait(
                 lambda: run_iterations(run_dir) >= 3 + 4 * len(kills) and run_iterations(run_dir),
@@ -288,11 +296,15 @@ def _assert_exactly_once(run: dict) -> None:
 def test_run_with_one_generation_server_survives_each_service_killed(one_server):
     assert one_server["code"] == 0, one_server["log"][-4000:]
     assert one_server["summary"]["iterations"] == one_server["iterations"]
-    assert [k for k, _ in one_server["kills"]] == ["generation-0", "reward", "critic", "redis"]
+    assert [k for k, _ in one_server["kills"]] == list(KILLED)
     log = one_server["log"]
-    for name in ("generation-0", "reward", "critic", "redis"):
+    for name in KILLED:
         assert f"{name} exited with code -9; restarting it" in log
     _assert_exactly_once(one_server)
+    # every iteration trained on the teacher's log-probs, the teacher's restart notwithstanding
+    rows = [json.loads(x) for x in (one_server["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "time/iteration_s" in r]
+    assert len(trained) == one_server["iterations"] and all("distill/reverse_kl" in r for r in trained)
 
 
 def test_restarted_critic_comes_back_from_the_newest_checkpoint(one_server):

@@ -155,3 +155,43 @@ def test_a_record_with_broken_teacher_log_probs_is_refused(bad, says):
 def test_a_distillation_that_cannot_teach_is_refused(settings, says):
     with pytest.raises(ConfigError, match=says):
         config_from_dict(settings)
+
+
+def _one_distilled_iteration(tiny_model_dir, tmp_path, hint):
+    """One iteration of `train --local` on the tiny model, pure distillation from the frozen
+    initial model (with `hint` in its context, or none), nothing else in the loss; its metrics."""
+    import json
+
+    from services.local import run_local
+
+    cfg = config_from_dict(
+        {
+            "model": {"path": tiny_model_dir, "device": "cpu"},
+            "prompt_length": 16,
+            "response_length": 8,
+            "rollout_batch_size": 16,
+            "ppo_mini_batch_size": 16,
+            "ppo_epochs": 1,
+            "adv_estimator": "grpo",
+            "num_return_sequences_in_group": 2,
+            "use_kl_loss": False,
+            "whiten_advantages": False,
+            "distill": {"enabled": True, "hint": hint, "reward_weight": 0.0},
+            "data": {"train": "synthetic:reverse", "eval": "synthetic:reverse", "eval_size": 4},
+            "run": {"iterations": 1, "eval_interval": 0, "checkpoint_interval": 0, "seed": 0},
+        }
+    )
+    run_local(cfg, tmp_path / ("hint" if hint else "same"))
+    rows = [json.loads(x) for x in (tmp_path / ("hint" if hint else "same") / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if "distill/reverse_kl" in r)
+
+
+def test_a_teacher_identical_to_the_student_leaves_the_policy_where_it_is(tiny_model_dir, tmp_path):
+    """The frozen initial model without a hint is the student at the first step: every advantage is
+    0 up to float noise (its forward and the learner's batch the tokens differently), so the loss
+    has no gradient; the same teacher shown the answer gives one."""
+    same = _one_distilled_iteration(tiny_model_dir, tmp_path, None)
+    hinted = _one_distilled_iteration(tiny_model_dir, tmp_path, "so {label}")
+    assert abs(same["distill/reverse_kl"]) < 1e-4 and abs(same["distill/advantage_mean"]) < 1e-4
+    assert same["ppo/grad_norm"] < 1e-3
+    assert hinted["distill/reverse_kl"] > 0.1 and hinted["ppo/grad_norm"] > 1.0
