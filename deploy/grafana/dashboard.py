@@ -26,6 +26,9 @@ ROWS = [
         ("Sampler/learner drift (rollout_correction)", "none", [
             ("rlhf_learner_rollout_drift_kl", "KL"), ("rlhf_learner_rollout_drift_ess", "ESS per sequence"),
             ("rlhf_learner_rollout_masked_fraction", "masked fraction")]),
+        ("On-policy distillation: the student against the teacher", "none", [
+            ("rlhf_learner_distill_reverse_kl", "reverse KL per token"),
+            ("rlhf_learner_distill_top1_agreement", "teacher top-1 agreement")]),
         ("Push parity: the servers' log-probs against the learner's", "none", [
             ("max by (server) (rlhf_push_parity_mean_abs)", "{{server}} mean |diff|"),
             ("sum(increase(rlhf_push_parity_failures_total[1h]))", "failed checks (1h)")]),

@@ -81,6 +81,16 @@ class LearnerMetrics:
             "rlhf_learner_rollout_masked_fraction",
             "share of tokens the rollout correction masked on the last batch (rollout_correction/masked_token_frac)",
         )
+        self.distill_kl = gauge(
+            "rlhf_learner_distill_reverse_kl",
+            "on-policy distillation: per-token reverse KL of the student to the teacher on the last batch "
+            "(distill/reverse_kl; NaN: no distillation)",
+        )
+        self.distill_agree = gauge(
+            "rlhf_learner_distill_top1_agreement",
+            "share of the last batch's sampled tokens that are the teacher's most likely "
+            "(distill/teacher_top1_agree; NaN: distill.top_k 0 or no distillation)",
+        )
         self.staleness = gauge("rlhf_replay_staleness", "mean policy-version lag of the last batch")
         self.backlog = gauge("rlhf_replay_lag", "trajectory groups waiting for the learner")
         self.push_seconds = gauge("rlhf_learner_push_seconds", "seconds of the last weight push")
@@ -159,6 +169,8 @@ class LearnerMetrics:
         self.drift_kl.set(_finite(m.get("rollout_correction/kl")))
         self.drift_ess.set(_finite(m.get("rollout_correction/ess_seq")))
         self.drift_masked.set(_finite(m.get("rollout_correction/masked_token_frac")))
+        self.distill_kl.set(_finite(m.get("distill/reverse_kl")))
+        self.distill_agree.set(_finite(m.get("distill/teacher_top1_agree")))
         self.staleness.set(m.get("replay/staleness_mean", 0.0))
         self.backlog.set(m.get("replay/backlog", 0))
         self.push_seconds.set(m.get("time/push_s", 0.0))
