@@ -257,7 +257,9 @@ def distilled(
     learner: Actor, rollout: Rollout, advantages: torch.Tensor, lp: LogProbs, mask: torch.Tensor
 ) -> tuple[torch.Tensor, dict]:
     """With on-policy distillation (`distill.enabled`), the advantages with the teacher's per-token
-    reverse KL added (ppo/distill.py), against the old log-probs; else as they are."""
+    reverse KL added (ppo/distill.py), against the old log-probs (the sampler's when the update
+    takes the old ones from its own forward: `fuse_old_log_probs`, as Tinker's recipe does); else
+    as they are."""
     d = learner.cfg.distill
     if not d.enabled:
         return advantages, {}
@@ -266,9 +268,12 @@ def distilled(
             "distill.enabled: this rollout has no teacher log-probs; every rollout worker needs the same "
             "distill section as the learner (and a teacher server at rpc.teacher with distill.teacher: model)"
         )
-    assert lp.old is not None  # never fused with distillation (trainer.old_log_probs_fusable)
+    student = lp.old
+    if student is None:  # fused: the old log-probs come with the update's forward; the sampler's stand in
+        assert rollout.gen_log_probs is not None  # the backends return them (`Completion.log_probs`)
+        student = pad_right(rollout.gen_log_probs, mask.shape[1]).to(advantages.device)
     teacher = pad_right(rollout.teacher_log_probs, mask.shape[1]).to(advantages.device)
-    return distillation_advantages(advantages, teacher, lp.old, mask, d.kl_coef, d.reward_weight)
+    return distillation_advantages(advantages, teacher, student, mask, d.kl_coef, d.reward_weight)
 
 
 @dataclass

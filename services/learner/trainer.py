@@ -102,7 +102,6 @@ def old_log_probs_fusable(cfg: Config, policy) -> bool:
         and cfg.ppo_epochs == 1
         and not cfg.add_token_level_kl
         and not cfg.uses_sampler_log_probs
-        and not cfg.distill.enabled  # its advantages need the old log-probs before the update
         and cfg.kl_penalty != "full"
         and (cfg.ref_model == "sft" or not cfg.use_kl_loss)
         and not has_dropout(policy)

@@ -170,7 +170,7 @@ def _one_distilled_iteration(tiny_model_dir, tmp_path, hint):
             "prompt_length": 16,
             "response_length": 8,
             "rollout_batch_size": 16,
-            "ppo_mini_batch_size": 16,
+            "ppo_mini_batch_size": 32,  # one step on the whole batch: old log-probs fused, the sampler's stand in
             "ppo_epochs": 1,
             "adv_estimator": "grpo",
             "num_return_sequences_in_group": 2,
