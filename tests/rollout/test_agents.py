@@ -457,3 +457,25 @@ def test_only_an_agent_service_is_handed_an_advertised_address(agents_file, tiny
     assert host_of({"agent": f"{agents_file}:two_turns", **here}, {"advertise_host": "10.9.8.7"}) == "127.0.0.1"
     assert host_of({"agent_url": "http://agents:8000/run", **here}) == socket.gethostbyname(socket.gethostname())
     assert host_of({"agent_url": "http://agents:8000/run", **here}, {"advertise_host": "10.9.8.7"}) == "10.9.8.7"
+
+
+def test_an_agents_sessions_are_read_by_the_teacher(agents_file, tmp_path, local_session_cfg):
+    """On-policy distillation of an agent (`train --local`): every session's tokens are scored by
+    the teacher (the frozen initial model, the label as a hint) and trained on; the environment's
+    tokens carry no advantage (masked as always)."""
+    from services.local import run_local
+
+    cfg = local_session_cfg(
+        prompt_length=128,
+        response_length=64,
+        rollout={"agent": f"{agents_file}:two_turns", "agent_timeout_s": 120},
+        distill={"enabled": True, "hint": "so {label}", "reward_weight": 1.0, "top_k": 1},
+    )
+    run_dir = tmp_path / "run"
+    assert run_local(cfg, run_dir)["iterations"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["iteration"] > 0]
+    # the hinted teacher reads the sessions otherwise than the student: a KL estimate, not 0
+    assert all(math.isfinite(r["distill/reverse_kl"]) and r["distill/reverse_kl"] != 0 for r in trained)
+    assert all(0 <= r["distill/teacher_top1_agree"] <= 1 for r in trained)
+    assert all(r["time/teacher_s"] > 0 and r["rollout/prompts_left_out"] == 0 for r in trained)
