@@ -40,6 +40,7 @@ LAYERS = (
     ("agents",),  # sessions, the agents' endpoint, episode loops
     ("generation", "reward", "critic", "teacher"),  # the services others call, through their clients
     ("learner", "rollout", "gateway", "reward_model"),  # the services that call them; offline jobs
+    ("tinker",),  # the Tinker-compatible API: the learner's training parts and a generation backend, in one process
     ("launcher", "local"),  # composition roots: the distributed and the in-process wiring
     ("cli",),  # the command, over everything
 )

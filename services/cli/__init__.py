@@ -10,7 +10,8 @@ rlhf eval -c FILE [--model DIR] [--baseline DIR] [--run-dir DIR]
                                                 what a model says on held-out prompts, scored
 rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
 rlhf make-prefs -c FILE --out PAIRS.jsonl       preference pairs labelled by a judge (RLAIF)
-rlhf serve generation|reward|critic|teacher|learner|rollout|gateway -c FILE   one service, until SIGTERM
+rlhf serve SERVICE -c FILE                      one service until SIGTERM: generation, reward, critic,
+                                                teacher, learner, rollout, gateway or tinker
 rlhf redis [--dir DIR]                          redis-server for the replay buffer (containers)
 rlhf up -c FILE [--run-dir DIR]                 the whole system on localhost (embedded Redis)
 """

@@ -172,7 +172,8 @@ def flag_overrides(args) -> list[tuple[str, object]]:
         out.append((sharded, int(os.environ["WORLD_SIZE"])))  # under torchrun
     elif sharded and args.nproc is not None:
         out.append((sharded, args.nproc))
-    section = "rpc" if service == "rollout" else f"rpc.{service}"  # a worker binds only its /metrics, at rpc.host
+    # a worker binds only its /metrics, at rpc.host; the Tinker API has a section of its own
+    section = {"rollout": "rpc", "tinker": "tinker"}.get(service, f"rpc.{service}")
     if args.host:
         out.append((f"{section}.host", args.host))
     ports = {"port": args.port, "metrics_port": args.metrics_port, "http_port": args.http_port}

@@ -5,10 +5,11 @@ requests to any thread of its pool, so a server that computed in its handlers wo
 per handler thread, and the idle teams' threads spin on the cores the busy one needs. Running
 every tensor op of a service on one dedicated thread keeps one team.
 
-Two shapes of it: `ComputeThread`, a thread of its own that runs each call in order (the critic);
-and a loop that owns its thread already (the generation batcher, the vLLM engine's thread), to
-which other work is handed as a `Call`: queued with its future (`wait_for_call` on the caller's
-side, `run_call` on the loop's), it runs between that loop's batches."""
+Two shapes of it: `ComputeThread`, a thread of its own that runs each call in order (the critic,
+the Tinker API); and a loop that owns its thread already (the generation batcher, the vLLM
+engine's thread), to which other work is handed as a `Call`: queued with its future
+(`wait_for_call` on the caller's side, `run_call` on the loop's), it runs between that loop's
+batches."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ class ComputeThread:
 
     def run(self, fn, *args, **kwargs):
         """Run `fn` on the compute thread, after whatever is queued before it; its result or exception."""
-        return self._pool.submit(fn, *args, **kwargs).result()
+        return self.submit(fn, *args, **kwargs).result()
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        """Queue `fn` on the compute thread, after whatever is queued before it; its Future (for a
+        caller that does not wait: the Tinker API's requests)."""
+        return self._pool.submit(fn, *args, **kwargs)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

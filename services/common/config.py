@@ -46,6 +46,7 @@ from .config_sections import (  # noqa: F401 (the sections are importable from h
     RuleSpec,
     RunConfig,
     Strict,
+    TinkerConfig,
     VLLMConfig,
 )
 
@@ -243,6 +244,9 @@ class Config(Strict):
     )
     reward_model: RewardModelConfig = Field(
         default_factory=RewardModelConfig, description="reward-model training (`rlhf train-rm`)"
+    )
+    tinker: TinkerConfig = Field(
+        default_factory=TinkerConfig, description="the Tinker-compatible training API (`rlhf serve tinker`)"
     )
 
     @model_validator(mode="after")

@@ -65,11 +65,14 @@ def response_log_probs(
     with_entropy: bool = False,
     full: bool = False,
     top_k: int = 0,
+    targets: torch.Tensor | None = None,
 ):
     """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position,
     the full log-probability tensor (B, T, V) and, with `top_k` > 0, each position's k most likely
     tokens: their log-probs (B, T, k) and ids (B, T, k), in descending log-prob (a teacher's
-    top-k). Returns a dict with keys log_probs/entropy/full/top_log_probs/top_ids.
+    top-k). Returns a dict with keys log_probs/entropy/full/top_log_probs/top_ids. `targets`
+    (B, T), when given, are the tokens whose log-probs are read at the response positions instead
+    of the response tokens themselves (the Tinker API's datums name their targets).
 
     Memory does not grow with the vocabulary times the batch: the output layer runs inside the
     model's forward on the response positions only, a chunk of positions at a time (at most
@@ -78,7 +81,7 @@ def response_log_probs(
     """
     if full or not _head_is_plain(model):
         logits = response_logits(model, batch, temperature)
-        out = {"log_probs": logprobs_from_logits(logits, batch.responses)}
+        out = {"log_probs": logprobs_from_logits(logits, batch.responses if targets is None else targets)}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits)
         if full:
@@ -90,7 +93,7 @@ def response_log_probs(
     # a Linear (`_head_is_plain`), whose forward is replaced below
     head: Any = cast(_PretrainedModel, model).get_output_embeddings()
     T = batch.response_mask.shape[1]
-    targets = batch.responses
+    targets = batch.responses if targets is None else targets
 
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
         # hidden (B, L, H), the last L positions; the response is predicted from [-(T+1), -1)

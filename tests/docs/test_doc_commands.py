@@ -177,6 +177,9 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/speed.md", "way s tokens tok/s vs generate (run 1: --vllm float32)"): PROSE,
     ("docs/speed.md", "$ python benchmarks/bench_steps.py -c configs/gpu.yaml"): PARSE,  # a GPU
     ("docs/speed.md", "python benchmarks/bench_delta_push.py --repeats 3"): PARSE,  # SmolLM2, minutes
+    ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve tinker"): PARSE,  # a server, forever
+    ("docs/tinker.md", "... INFO services.tinker.server: tinker: the Tinker"): PROSE,  # its output
+    ("docs/tinker.md", "import tinker"): SOURCE,  # the SDK's calls: tests/tinker/test_tinker_api.py
     ("docs/your-model.md", ".venv/bin/rlhf config validate configs/tiny-cpu.yaml"): RUN,  # test_grpo_in_one_process
     ("docs/your-model.md", "# mine.yaml"): CONFIG,
     ("docs/your-model.md", "data: {train:"): PARTIAL,  # a reasoning-gym task

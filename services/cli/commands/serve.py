@@ -16,15 +16,17 @@ from ..shared import USER_ERRORS, add_config_args, error, load_config, run_dir_p
 if TYPE_CHECKING:
     from ...common.config import Config
 
-SERVICES = ["generation", "reward", "critic", "teacher", "learner", "rollout", "gateway"]
+SERVICES = ["generation", "reward", "critic", "teacher", "learner", "rollout", "gateway", "tinker"]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help=f"run one service: {', '.join(SERVICES[:-1])} or {SERVICES[-1]}")
     p.add_argument("service", choices=SERVICES, help="the service")
     add_config_args(p)
-    p.add_argument("--host", help="the address to listen on (rpc.SERVICE.host; a rollout worker: rpc.host)")
-    p.add_argument("--port", type=int, help="gRPC port (the gateway: its HTTP port; 0 = a free one)")
+    p.add_argument(
+        "--host", help="the address to listen on (rpc.SERVICE.host; a rollout worker: rpc.host; tinker: tinker.host)"
+    )
+    p.add_argument("--port", type=int, help="gRPC port (the gateway and tinker: their HTTP port; 0 = a free one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (0 = a free one, -1 = off)")
     p.add_argument(
         "--http-port", type=int, help="reward: OpenRLHF HTTP API; learner: JSON status (0 = a free port, -1 = off)"
@@ -83,8 +85,9 @@ def flag_problem(args) -> str | None:
             return problem
     if args.http_port is not None and args.service not in ("reward", "learner"):
         return f"--http-port is for the reward server and the learner (not the {args.service})"
-    if args.metrics_port is not None and args.service == "gateway":
-        return "--metrics-port: the gateway serves no /metrics of its own yet (its --port is its HTTP port)"
+    http_only = {"gateway": "the gateway", "tinker": "the Tinker API"}.get(args.service)
+    if args.metrics_port is not None and http_only:
+        return f"--metrics-port: {http_only} serves no /metrics of its own yet (its --port is its HTTP port)"
     if args.port is not None and args.service == "rollout":
         return "--port: a rollout worker serves no gRPC (its /metrics port is --metrics-port)"
     if args.nproc is not None and args.service not in ("learner", "critic"):
@@ -114,7 +117,7 @@ def _follow(cfg: Config, args) -> int:
 def _serve_problem(cfg: Config, args) -> str | None:
     """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, a
     placeholder or short secret on a non-loopback address, an unusable run directory (learner)."""
-    host = cfg.rpc.host if args.service == "rollout" else getattr(cfg.rpc, args.service).host
+    host = {"rollout": cfg.rpc.host, "tinker": cfg.tinker.host}.get(args.service) or getattr(cfg.rpc, args.service).host
     problem = secret_problem(
         "rpc.auth_token" if cfg.rpc.auth_token else cfg.rpc.auth_token_env, cfg.rpc.resolved_auth_token(), host
     )
@@ -135,6 +138,8 @@ def _ports(cfg: Config, service: str) -> list[tuple[str, str, int | None]]:
         return [("metrics", "--metrics-port, rollout.metrics_port", cfg.rollout.metrics_port)]
     if service == "gateway":
         return [("HTTP", "--port, rpc.gateway.port", cfg.rpc.gateway.port)]
+    if service == "tinker":
+        return [("HTTP", "--port, tinker.port", cfg.tinker.port)]
     ep, key = getattr(cfg.rpc, service), f"rpc.{service}"
     ports = [
         ("gRPC", f"--port, {key}.port", ep.port),

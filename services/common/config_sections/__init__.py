@@ -7,6 +7,7 @@ top-level PPO keys; they are importable from here (and from config.py) by name.
     training.py    data, run                                the training loop's prompts and run
     rollout.py     replay, rollout                          Redis, the workers, agents, environments
     rpc.py         rpc (its endpoints)                      the network and the RPC plumbing
+    tinker.py      tinker                                   the Tinker-compatible training API
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .policy import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from .reward import CriticConfig, RewardConfig, RewardModelConfig, RuleSpec
 from .rollout import AGENT_KINDS, ReplayConfig, RolloutConfig
 from .rpc import Endpoint, GatewayEndpoint, LearnerEndpoint, RewardEndpoint, RPCConfig
+from .tinker import TinkerConfig
 from .training import DataConfig, RunConfig
 
 __all__ = [
@@ -39,5 +41,6 @@ __all__ = [
     "RuleSpec",
     "RunConfig",
     "Strict",
+    "TinkerConfig",
     "VLLMConfig",
 ]

@@ -16,8 +16,9 @@ A request, in order:
                        held)
     JSON values        more than `max_json_values` array items, objects and arrays outside its
                        strings: 413 before it is parsed (what parsing costs scales with these,
-                       not with bytes: 8 MiB of `{},` would be 2.8 million dicts, 212 MB); then
-                       the body is handed to the app as it came
+                       not with bytes: 8 MiB of `{},` would be 2.8 million dicts, 212 MB); a body
+                       of one of `binary_types` (protobuf: the Tinker API's) is not JSON and is
+                       not counted; then the body is handed to the app as it came
     the app            whatever it raises is answered 500 in the shape (the connection stays
                        usable); after its answer has started, it is logged and swallowed (uvicorn
                        would drop the keep-alive connection otherwise)
@@ -145,8 +146,13 @@ class Guard:
         max_header_bytes: int = 64 << 10,
         observe: Callable[[str, str, int, float], None] | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        auth_hint: str = "missing or wrong bearer token (Authorization: Bearer <token>)",
+        binary_types: frozenset[str] = frozenset(),
     ):
+        """`auth_hint`: what a 401 says (how this API takes its key); `binary_types`: the
+        Content-Types of bodies that are not JSON (their bytes are not counted as JSON values)."""
         self.app, self.authorized, self.open_paths = app, authorized, frozenset(open_paths)
+        self.auth_hint, self.binary_types = auth_hint, binary_types
         self.max_body_bytes, self.max_header_bytes, self.observe = max_body_bytes, max_header_bytes, observe
         self.body_timeout_s, self.max_json_values = body_timeout_s, max_json_values
 
@@ -188,7 +194,11 @@ class Guard:
             )
         if body is None:  # the client went away
             return
-        if len(body) > self.max_json_values and await self._json_values(body) > self.max_json_values:
+        if (
+            len(body) > self.max_json_values
+            and not self._binary(scope)
+            and await self._json_values(body) > self.max_json_values
+        ):
             return await send_error(
                 send,
                 413,
@@ -197,6 +207,11 @@ class Guard:
                 code="request_too_large",
             )
         await self._app(scope, receive, send, body, method, path)
+
+    def _binary(self, scope) -> bool:
+        """Whether the request's body is of one of `binary_types` (not JSON)."""
+        kind = next((v for k, v in scope.get("headers") or [] if k.lower() == b"content-type"), b"")
+        return kind.decode("latin-1").split(";")[0].strip().lower() in self.binary_types
 
     async def _json_values(self, body: bytes) -> int:
         """`json_values` of the body: a body with few commas and brackets at once, else on a thread
@@ -213,11 +228,7 @@ class Guard:
             return 431, f"the request's headers are over {self.max_header_bytes} bytes", {}
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         if path not in self.open_paths and not self.authorized(method, path, headers):
-            return (
-                401,
-                "missing or wrong bearer token (Authorization: Bearer <token>)",
-                {"code": "invalid_api_key", "headers": ((b"www-authenticate", b"Bearer"),)},
-            )
+            return 401, self.auth_hint, {"code": "invalid_api_key", "headers": ((b"www-authenticate", b"Bearer"),)}
         length = headers.get("content-length")
         if length is not None:
             if not (length.isascii() and length.isdigit()):

@@ -1,0 +1,115 @@
+"""Sampling for the Tinker API: the project's generation backend in this process (`make_backend`,
+the `hf` engine), holding the base model or a sampler checkpoint's weights over it.
+
+Weights are swapped in through the backend's `update_weights` (each swap a newer policy
+version) only when a request names other weights than those it holds: a LoRA checkpoint is its
+merged layers (loaded over the base), and the base tensors those replace are kept (`_base`) so
+that the base, or another checkpoint, can be put back. Each sample is decoded by the backend
+(`generate`: the sampled tokens' log-probs come with them); a prompt's own log-probs are its
+teacher-forced scores (`score`). Everything here runs on the compute thread."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..common.types import GenerationBackend, SamplingParams
+from .protocol import ApiError
+from .wire import Sequence
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One sample request as the backend takes it; `stop_strings` are cut after decoding."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+
+
+class WeightsCache:
+    """Sampler weights by key, the least recently used dropped beyond `limit`: a named checkpoint's
+    read again from disk by its `load`, an unnamed snapshot's gone (its sampling session says so)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._held: OrderedDict[str, Weights] = OrderedDict()
+
+    def put(self, key: str, weights: Weights) -> None:
+        self._held[key] = weights
+        self._held.move_to_end(key)
+        while len(self._held) > self.limit:
+            self._held.popitem(last=False)
+
+    def get(self, key: str, load: Callable[[], Weights] | None) -> Weights:
+        if key in self._held:
+            self._held.move_to_end(key)
+            return self._held[key]
+        if load is None:
+            raise ApiError(
+                400,
+                "this sampling session's weights were dropped to make room for newer ones (tinker.max_sampler_weights "
+                "are held); save them by name (save_weights_for_sampler(name)) to sample them for longer",
+                code="weights_dropped",
+            )
+        self.put(key, load())
+        return self._held[key]
+
+
+class Sampler:
+    BASE = ""  # the key of the base model's weights
+
+    def __init__(self, backend: GenerationBackend):
+        if not backend.partial_updates or not hasattr(backend, "model"):
+            raise ValueError("the Tinker API samples with the hf generation backend (generation.backend: hf)")
+        self.backend = backend
+        self.tokenizer: Any = backend.tokenizer
+        self._model = getattr(backend, "model")
+        self._base: Weights = {}  # the base model's tensors that some loaded weights replaced
+        self._changed: set[str] = set()
+        self._held: tuple[str, Weights] = (self.BASE, {})  # the key and the weights served
+        self._version = int(backend.policy_version)
+
+    def use(self, key: str, weights: Weights) -> None:
+        """Serve `weights` (over the base; {} = the base itself) under `key`: loaded unless they are
+        the ones served (a checkpoint saved again under its name is another dict: loaded)."""
+        if key == self._held[0] and (key == self.BASE or weights is self._held[1]):
+            return
+        own = self._model.state_dict()
+        for name in weights.keys() - self._changed - self._base.keys():
+            self._base[name] = own[name].detach().float().cpu().clone()
+        restore = {name: self._base[name] for name in self._changed - weights.keys()}
+        self._version += 1
+        self.backend.update_weights({**restore, **weights}, self._version)
+        self._changed, self._held = set(weights), (key, weights)
+
+    def sample(self, spec: SampleSpec) -> tuple[list[Sequence], list[float] | None]:
+        """`spec.params.n` samples of the prompt, and its own log-probs when asked (NaN first)."""
+        result = self.backend.generate([spec.prompt], spec.params)
+        sequences = [
+            self._cut(Sequence(list(c.token_ids), list(c.log_probs), c.finish_reason == "stop"), spec.stop_strings)
+            for c in result.completions[0]
+        ]
+        return sequences, (self._prompt_logprobs(spec.prompt) if spec.prompt_logprobs else None)
+
+    def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        if len(prompt) < 2:
+            return [math.nan]
+        score = getattr(self.backend, "score")
+        return [math.nan, *score([prompt], [1]).log_probs[0]]
+
+    def _cut(self, s: Sequence, stops: tuple[str, ...]) -> Sequence:
+        """`s` up to and including the token that completes the first stop string, if one does."""
+        if not stops or not any(stop in self.tokenizer.decode(s.tokens) for stop in stops):
+            return s
+        for k in range(1, len(s.tokens) + 1):
+            if any(stop in self.tokenizer.decode(s.tokens[:k]) for stop in stops):
+                return Sequence(s.tokens[:k], s.logprobs[:k], True)
+        return s
