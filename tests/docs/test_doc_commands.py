@@ -15,7 +15,9 @@ repeat within a page gets " #2", " #3"), with how it is checked:
   as my.yaml, is stood in for by configs/tiny-cpu.yaml, so the overrides are still checked);
   `make X` is dry-run (`make -n X`) and every `rlhf` line that prints is parsed the same way;
   scripts, modules and repository paths named exist and take the flags given; every other command
-  is one this file knows (`_check_command`).
+  is one this file knows (`_check_command`). The client venv's `.venv-tinker/bin/python` (docs/tinker.md):
+  a script with its flags, or a tinker-cookbook recipe whose `key=value` settings are its config's
+  fields (where `.venv-tinker` exists); `export` of the client's environment (`CLIENT_ENV`).
 - PROSE: not a command: what something prints, a diagram, a protocol, a data sample. A PROSE block
   holds no line that looks like a command.
 - CONFIG / PARTIAL: a YAML config file as a whole (loaded as written, `base:` and all) / a part of
@@ -106,6 +108,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/async.md", ".venv/bin/python benchmarks/bench_partial.py -c"): PARSE,  # SmolLM2, minutes
     ("docs/cluster.md", "docker build -t rlhf:cpu --build-arg FLAVOUR=cpu ."): PARSE,  # a cluster
     ("docs/distillation.md", "$ rlhf train --local -c configs/tiny-cpu.yaml --run-dir"): RUN,  # test_self_distill
+    ("docs/distillation.md", ".venv/bin/python benchmarks/bench_arms.py -c"): PARSE,  # SmolLM2, 55 minutes
     ("docs/distillation.md", ".venv/bin/rlhf serve teacher -c configs/tiny-cpu.yaml"): PARSE,  # a server, forever
     ("docs/distillation.md", "error: the teacher's tokenizer (runs/other-model, 67"): PROSE,  # test_teacher_server
     ("docs/distillation.md", 'RLHF_OVERRIDES="distill.enabled=true" docker compose'): PARSE,  # Docker
@@ -180,6 +183,15 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve tinker"): PARSE,  # a server, forever
     ("docs/tinker.md", "... INFO services.tinker.server: tinker: the Tinker"): PROSE,  # its output
     ("docs/tinker.md", "import tinker"): SOURCE,  # the SDK's calls: tests/tinker/test_tinker_api.py
+    ("docs/tinker.md", "$ make tinker-venv"): PARSE,  # pip, minutes
+    ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=local .venv/bin/rlhf serve tinker"): PARSE,  # SmolLM2, a server
+    ("docs/tinker.md", "$ export TINKER_API_KEY=tml-local TINKER_TELEMETRY=0"): PARSE,  # the client's env
+    ("docs/tinker.md", "$ .venv-tinker/bin/python -m"): PARSE,  # chat_sl on SmolLM2, minutes
+    ("docs/tinker.md", "Training for 16 batches x 1 epochs = 16 steps"): PROSE,  # its output
+    ("docs/tinker.md", "$ .venv-tinker/bin/python -m #2"): PARSE,  # math_rl on SmolLM2, minutes
+    ("docs/tinker.md", "step env/all/correct env/all/format env/all/reward/total"): PROSE,  # its output
+    ("docs/tinker.md", "$ .venv-tinker/bin/python examples/tinker_arithmetic_eval.py"): PARSE,  # SmolLM2
+    ("docs/tinker.md", "base model: What is 41 + 34? -> '41 + 34 = 125<|im_end|>' (wrong)"): PROSE,  # its output
     ("docs/your-model.md", ".venv/bin/rlhf config validate configs/tiny-cpu.yaml"): RUN,  # test_grpo_in_one_process
     ("docs/your-model.md", "# mine.yaml"): CONFIG,
     ("docs/your-model.md", "data: {train:"): PARTIAL,  # a reasoning-gym task
@@ -211,6 +223,10 @@ VENV_COMMANDS = {"rlhf", "python", "tensorboard", "mkdocs", "pytest", "torchrun"
 ACTIVATE = "source .venv/bin/activate"
 RLHF = {"rlhf", ".venv/bin/rlhf", ".venv-vllm/bin/rlhf"}
 PYTHON = {"python", "python3", ".venv/bin/python", ".venv-vllm/bin/python"}
+# the client venv of `rlhf serve tinker` (`make tinker-venv`: the tinker SDK and tinker-cookbook),
+# and the environment its commands take (not the services': in no docker-compose file)
+TINKER_VENV, TINKER_PYTHON = ROOT / ".venv-tinker", ".venv-tinker/bin/python"
+CLIENT_ENV = {"TINKER_API_KEY", "TINKER_TELEMETRY", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "NO_PROXY"}
 # commands a PARSE block may hold whose only check is the paths they name (no Docker, no cluster)
 UNCHECKED = {"kind", "curl", "tail", "head", "mkdir", "cat", "ls", "grep"}
 # the top directories of this repository: a path under one that a command names must exist
@@ -453,16 +469,45 @@ def _compose_services() -> tuple[set[str], set[str]]:
     return services, profiles
 
 
+def _check_client(args: list[str], where: str) -> None:
+    """A command of the client venv (`.venv-tinker/bin/python`): a script of this repository with
+    its flags; a module (tinker-cookbook's recipes) found in the client venv, its `key=value`
+    settings fields of its config (checked where the venv is; CI has none)."""
+    if "-m" not in args:
+        script = ROOT / args[0]
+        assert script.is_file(), f"{where}: no script {args[0]}"
+        _check_flags(script, [a for a in args if a.startswith("--")], args[0], where)
+        return
+    module = args[args.index("-m") + 1]
+    found = sorted(TINKER_VENV.glob(f"lib/python3*/site-packages/{module.replace('.', '/')}.py"))
+    if not TINKER_VENV.is_dir():
+        return
+    assert found, f"{where}: no module {module} in {TINKER_VENV.name}"
+    text = found[0].read_text()
+    keys = [a.split("=")[0] for a in args[args.index("-m") + 2 :] if "=" in a]
+    unknown = [k for k in keys if not re.search(rf"^    {re.escape(k)}: ", text, re.M)]
+    assert unknown == [], f"{where}: {module} has no setting {unknown}"
+
+
 def _check_command(words: list[str], where: str) -> None:
     env, words = _without_assignments(words)
+    if words[:1] == ["export"]:
+        env, words = _without_assignments(words[1:])
+        assert not words, f"{where}: export takes NAME=VALUE only"
     compose_text = "".join(p.read_text() for p in [ROOT / ".env.example", *ROOT.glob("docker-compose*.yml")])
+    client = words[:1] == [TINKER_PYTHON] or not words
     for name, value in env.items():
+        if client and name in CLIENT_ENV:
+            continue
         assert name in compose_text, f"{where}: {name} is in no docker-compose file and not in .env.example"
         if name == "RLHF_CONFIG":
             check_rlhf(["config", "validate", value], where)
     if not words:
         return
     cmd, args = words[0], words[1:]
+    if cmd == TINKER_PYTHON:
+        _check_client(args, where)
+        return
     paths = args[:-1] if cmd == "cp" else args
     for p in paths:
         if p.startswith(REPO_DIRS) or p in (".env.example", "Dockerfile"):
