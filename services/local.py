@@ -159,8 +159,10 @@ class LocalState:
         """Restore the learner, the critic and the sampler from the checkpoint `path`; the loop's state."""
         state = read_state(path, weights_only=False)
         self.learner.load_state_dict(state["learner"])
-        if self.critic is not None:
+        if self.critic is not None and (path / CRITIC_DIR).exists():
             self.critic.load(path / CRITIC_DIR)
+        elif self.critic is not None:  # set aside (`rlhf iterate`, iterate.critic: reset)
+            log.info("%s holds no critic: the critic starts from its initial weights", path)
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         return state["loop"]

@@ -6,6 +6,7 @@ rlhf config validate FILE [--set k=v ...]       print the resolved config, or ev
 rlhf config describe [--markdown]               every key: default, choices, meaning
 rlhf train --local -c FILE [--run-dir DIR]      the whole PPO loop in one process
 rlhf train-rm -c FILE [--out DIR]               a reward model from preference pairs
+rlhf iterate -c FILE [--run-dir DIR] [--local]  iterated RLHF: rounds of pairs, reward model, PPO
 rlhf eval -c FILE [--model DIR] [--baseline DIR] [--run-dir DIR]
                                                 what a model says on held-out prompts, scored
 rlhf export CHECKPOINT -c FILE --out DIR        a checkpoint as a Hugging Face model directory
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 INTERRUPTED = {
     "train-rm": "its directory holds only what it logged so far (no model); run the same command to train again",
     "eval": "the rows of each model evaluated to the end are in its --out directory; run the same command again",
+    "iterate": "each hop finished so far is kept (iterate.json says which); run the same command to go on",
     "make-prefs": "no pairs were written (they are written when it finishes); run the same command again",
 }
 

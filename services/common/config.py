@@ -34,6 +34,7 @@ from .config_sections import (  # noqa: F401 (the sections are importable from h
     DistillConfig,
     Endpoint,
     GenerationConfig,
+    IterateConfig,
     LearnerEndpoint,
     LoraConfig,
     ModelConfig,
@@ -244,6 +245,9 @@ class Config(Strict):
     )
     reward_model: RewardModelConfig = Field(
         default_factory=RewardModelConfig, description="reward-model training (`rlhf train-rm`)"
+    )
+    iterate: IterateConfig = Field(
+        default_factory=IterateConfig, description="iterated RLHF (`rlhf iterate`): rounds of pairs, reward model, PPO"
     )
     tinker: TinkerConfig = Field(
         default_factory=TinkerConfig, description="the Tinker-compatible training API (`rlhf serve tinker`)"

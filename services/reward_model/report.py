@@ -48,7 +48,8 @@ def step_line(row: dict, total: int, per_step: float) -> str:
     """The progress line of an optimiser step (`row`: its metrics row)."""
     return (
         f"step {row['step']:4d}/{total}  epoch {row['epoch']}  loss {row['loss']:.4f}  acc {row['accuracy']:.3f}  "
-        f"lr {row['lr']:.1e}  {per_step:.2f} s/step  eta {fmt_s(per_step * (total - row['step']))}"
+        f"lr {row['lr']:.1e}  {row['texts']} texts  {per_step:.2f} s/step  "
+        f"eta {fmt_s(per_step * (total - row['step']))}"
     )
 
 

@@ -38,6 +38,7 @@ class PairPlan:
     n: int = 4
     temperature: float | None = None
     limit: int | None = None
+    offset: int = 0  # the prompts from this one on (the first `limit` of them)
     min_gap: float = 1e-9
     more: int = 0
     hard_negatives: int = 0
@@ -55,7 +56,8 @@ def make_preferences(cfg: Config, out: Path, plan: PairPlan, say: Callable[[str]
         raise ValueError(f"pairs need at least 2 different samples per prompt: n={plan.n}, temperature={t:g}")
     judge = build_eval_scorer(cfg.reward) or build_scorer(cfg.reward, device="cpu")
     backend = load_policy(cfg.model.path, cfg.model.path, cfg.model.device)
-    prompts = config_prompts(cfg, "train", backend.tokenizer, label_reader(cfg))[: plan.limit]
+    prompts = config_prompts(cfg, "train", backend.tokenizer, label_reader(cfg))[plan.offset :]
+    prompts = prompts[: plan.limit]
     if not prompts:
         raise ValueError(f"data.train ({cfg.data.train}): no prompts to make pairs from")
     say(

@@ -112,6 +112,10 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/distillation.md", ".venv/bin/rlhf serve teacher -c configs/tiny-cpu.yaml"): PARSE,  # a server, forever
     ("docs/distillation.md", "error: the teacher's tokenizer (runs/other-model, 67"): PROSE,  # test_teacher_server
     ("docs/distillation.md", 'RLHF_OVERRIDES="distill.enabled=true" docker compose'): PARSE,  # Docker
+    ("docs/iterated-rlhf.md", "rlhf iterate -c configs/smollm2-rlhf-iterated.yaml"): PARSE,  # SmolLM2, an hour
+    ("docs/iterated-rlhf.md", "iterate:"): PARTIAL,
+    ("docs/iterated-rlhf.md", "== round 2 of 3 =="): PROSE,  # what it prints
+    ("docs/iterated-rlhf.md", "RUN_DIR/"): PROSE,  # the layout
     ("docs/environments.md", "config error in c.yaml: rollout.environment:"): PROSE,  # an unknown kind refused
     ("docs/environments.md", "# gym.yaml"): CONFIG,  # test_reasoning_gym writes it as gym.yaml
     ("docs/environments.md", "$ rlhf config validate bad-gym.yaml"): RUN,  # test_reasoning_gym_mistakes

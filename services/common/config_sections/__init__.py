@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .base import Strict
 from .distill import DistillConfig
+from .iterate import IterateConfig
 from .policy import GenerationConfig, LoraConfig, ModelConfig, VLLMConfig
 from .reward import CriticConfig, RewardConfig, RewardModelConfig, RuleSpec
 from .rollout import AGENT_KINDS, ReplayConfig, RolloutConfig
@@ -38,6 +39,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutConfig",
     "DistillConfig",
+    "IterateConfig",
     "RuleSpec",
     "RunConfig",
     "Strict",

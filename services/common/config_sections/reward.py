@@ -194,7 +194,19 @@ class RewardModelConfig(Strict):
     )
     epochs: int = Field(default=1, ge=1, description="passes over the training pairs")
     batch_size: int = Field(default=32, ge=1, description="pairs per optimiser step")
-    micro_batch_size: int = Field(default=8, ge=1, description="pairs per forward and backward (gradients accumulate)")
+    micro_batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="pairs per forward and backward (gradients accumulate): at most 2 x this many distinct "
+        "answers are scored in one forward",
+    )
+    batch_by_prompt: bool = Field(
+        default=True,
+        description="a step's pairs are those of whole prompts, drawn prompt by prompt, so that an answer "
+        "on several pairs (k right of n answers make k(n-k) pairs) is scored once per step and every pair's "
+        "loss is built from those scores; false: pairs drawn one by one across prompts (an answer is still "
+        "scored once per forward)",
+    )
     lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate of the backbone; the new head gets head_lr")
     head_lr: Optional[float] = Field(default=None, gt=0, description="learning rate of the new reward head; null = lr")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
