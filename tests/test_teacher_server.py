@@ -107,6 +107,30 @@ def test_top_k_is_the_same_through_the_chunked_output_layer_and_the_full_logits(
         assert torch.allclose(chunked[key], full[key], atol=1e-5), key
 
 
+def test_gathered_log_probs_are_the_full_log_softmax_at_those_tokens_gradients_too(tiny_model_dir):
+    """`response_log_probs(gather_ids=...)` (the top-k forward KL's read of the teacher's tokens
+    under the policy): through the chunked output layer, with gradients (its chunks recomputed in
+    the backward), the same values and the same gradient as gathering from the full logits."""
+    from services.common.modeling import response_log_probs
+    from services.common.token_batch import build_token_batch
+
+    model = load_causal_lm(tiny_model_dir)
+    model.eval()  # no dropout: both passes see the same function
+    batch = build_token_batch(PROMPTS[:3], RESPONSES[:3], 0)
+    ids = torch.randint(model.config.vocab_size, (3, 8, 5), generator=torch.Generator().manual_seed(0))
+
+    def read(full: bool):
+        model.zero_grad(set_to_none=True)
+        out = response_log_probs(model, batch, full=full, gather_ids=ids)["gathered_log_probs"]
+        (out * torch.linspace(-1, 1, 5)).sum().backward()
+        return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    (chunked, g_chunked), (full, g_full) = read(False), read(True)
+    assert chunked.shape == (3, 8, 5)
+    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_chunked, g_full, rtol=1e-4, atol=1e-6)
+
+
 def test_without_top_k_only_log_probs_come_back(served):
     _, client = served
     got = client.score(PROMPTS[:2], RESPONSES[:2])

@@ -286,6 +286,11 @@ class Config(Strict):
                 "rollout.dynamic_sampling drops groups whose rewards are all equal, but with distill.enabled "
                 "every sampled token carries the teacher's signal: turn one of them off"
             )
+        if d.enabled and d.forward_kl_coef > 0 and (d.top_k < 1 or d.teacher == "policy"):
+            raise ValueError(
+                "distill.forward_kl_coef: the top-k forward KL needs the teacher's top-k log-probs: set distill.top_k "
+                "(e.g. 8) with distill.teacher: model (the policy as the teacher returns no top-k)"
+            )
         if not d.enabled or d.teacher != "policy":
             return
         if not d.hint:

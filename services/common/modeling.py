@@ -66,13 +66,16 @@ def response_log_probs(
     full: bool = False,
     top_k: int = 0,
     targets: torch.Tensor | None = None,
+    gather_ids: torch.Tensor | None = None,
 ):
     """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position,
     the full log-probability tensor (B, T, V) and, with `top_k` > 0, each position's k most likely
     tokens: their log-probs (B, T, k) and ids (B, T, k), in descending log-prob (a teacher's
     top-k). Returns a dict with keys log_probs/entropy/full/top_log_probs/top_ids. `targets`
     (B, T), when given, are the tokens whose log-probs are read at the response positions instead
-    of the response tokens themselves (the Tinker API's datums name their targets).
+    of the response tokens themselves (the Tinker API's datums name their targets). `gather_ids`
+    (B, T, k), when given, are k tokens per position whose log-probs are read too
+    (`gathered_log_probs`, (B, T, k): a teacher's top-k under the policy, for the top-k forward KL).
 
     Memory does not grow with the vocabulary times the batch: the output layer runs inside the
     model's forward on the response positions only, a chunk of positions at a time (at most
@@ -89,17 +92,21 @@ def response_log_probs(
         if top_k:
             top = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
             out["top_log_probs"], out["top_ids"] = top.values, top.indices
+        if gather_ids is not None:
+            out["gathered_log_probs"] = torch.log_softmax(logits, dim=-1).gather(-1, gather_ids)
         return out
     # a Linear (`_head_is_plain`), whose forward is replaced below
     head: Any = cast(_PretrainedModel, model).get_output_embeddings()
     T = batch.response_mask.shape[1]
     targets = batch.responses if targets is None else targets
+    gathered = 0 if gather_ids is None else gather_ids.shape[-1]
 
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
         # hidden (B, L, H), the last L positions; the response is predicted from [-(T+1), -1)
         h = hidden[:, -(T + 1) : -1, :]
         B, _, H = h.shape
         flat_h, flat_t = h.reshape(B * T, H), targets.reshape(B * T)
+        flat_g = None if gather_ids is None else gather_ids.reshape(B * T, gathered)
         step = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
         pieces = []
         for s in range(0, B * T, step):
@@ -111,6 +118,7 @@ def response_log_probs(
                 temperature,
                 with_entropy,
                 top_k,
+                None if flat_g is None else flat_g[s : s + step],
             )
             if torch.is_grad_enabled():
                 pieces.append(torch.utils.checkpoint.checkpoint(_token_stats, *args, use_reentrant=False))
@@ -140,6 +148,8 @@ def response_log_probs(
         first = 2 if with_entropy else 1
         out["top_log_probs"] = stats[..., first : first + top_k]
         out["top_ids"] = stats[..., first + top_k : first + 2 * top_k].long()
+    if gathered:
+        out["gathered_log_probs"] = stats[..., stats.shape[-1] - gathered :]
     return out
 
 
@@ -162,9 +172,12 @@ def token_log_probs(model: nn.Module, token_ids: Sequence[int], start: int) -> t
         return response_log_probs(model, batch)["log_probs"][0].float()
 
 
-def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy: bool, top_k: int = 0) -> torch.Tensor:
-    """(N, 1 [+ 1] [+ 2k]): the log-prob of each target (and the entropy; and the k largest
-    log-probs, then their token ids as floats: exact below 2**24, far above any vocabulary) under
+def _token_stats(
+    hidden, targets, weight, bias, temperature: float, with_entropy: bool, top_k: int = 0, gather=None
+) -> torch.Tensor:
+    """(N, 1 [+ 1] [+ 2k] [+ g]): the log-prob of each target (and the entropy; and the k largest
+    log-probs, then their token ids as floats: exact below 2**24, far above any vocabulary; and
+    the log-probs of the g tokens of each row of `gather`, (N, g)) under
     the output layer, in float32 under bf16 autocast too (bf16 logits would move each log-prob by
     ~1e-2, as much as a PPO step moves it)."""
     with torch.autocast(hidden.device.type, enabled=False):
@@ -178,6 +191,8 @@ def _token_stats(hidden, targets, weight, bias, temperature: float, with_entropy
     if top_k:
         top = log_probs.topk(top_k, dim=-1)
         cols += [top.values, top.indices.float()]
+    if gather is not None:
+        cols.append(log_probs.gather(-1, gather))
     return torch.cat(cols, dim=-1)
 
 

@@ -141,6 +141,9 @@ class SampleGroup:
     policy_version: int
     # per sample, the teacher's log-prob of each response token (on-policy distillation); None: no teacher
     teacher_log_probs: list[list[float]] | None = None
+    # per sample, per response token, the teacher's top-k tokens and their log-probs (distill.forward_kl_coef)
+    teacher_top_ids: list[list[list[int]]] | None = None
+    teacher_top_log_probs: list[list[list[float]]] | None = None
 
 
 @dataclass
@@ -164,6 +167,9 @@ class Rollout:
     token_versions: list[list[int]] | None = None
     # per response token, the teacher's log-prob (on-policy distillation), when every group has them
     teacher_log_probs: list[list[float]] | None = None
+    # per response token, the teacher's top-k tokens and their log-probs, when every group has them
+    teacher_top_ids: list[list[list[int]]] | None = None
+    teacher_top_log_probs: list[list[list[float]]] | None = None
 
     @classmethod
     def from_groups(cls, groups: Sequence[SampleGroup]) -> "Rollout":
@@ -194,6 +200,9 @@ class Rollout:
         out.token_versions = versions if mixed else None
         if groups and all(g.teacher_log_probs is not None for g in groups):
             out.teacher_log_probs = [lp for g in groups for lp in g.teacher_log_probs]  # type: ignore[union-attr]
+        if groups and all(g.teacher_top_ids is not None for g in groups):
+            out.teacher_top_ids = [t for g in groups for t in g.teacher_top_ids]  # type: ignore[union-attr]
+            out.teacher_top_log_probs = [t for g in groups for t in g.teacher_top_log_probs]  # type: ignore[union-attr]
         return out
 
 

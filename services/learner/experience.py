@@ -88,6 +88,9 @@ class Experience:
     # the sequence KL to the reference and the sequences it is over, for the KL controller (None:
     # the update measures it on its own forward, with fused old log-probs)
     kl_measured: tuple[float, int] | None = None
+    # (B, T, k) the teacher's top-k tokens and their log-probs (distill.forward_kl_coef), else None
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_log_probs: torch.Tensor | None = None
 
 
 def forward_in_micro_batches(learner: Actor, forward, batch: TokenBatch) -> dict[str, torch.Tensor]:
@@ -159,6 +162,7 @@ def make_experience(learner: Actor, rollout: Rollout) -> Experience:
         metrics,
         lp.rollout_is_weights,
         kl_measured=None if fused else (seq_kl, len(rollout.scores)),
+        **teacher_top(learner, rollout, mask.shape[1]),
     )
 
 
@@ -274,6 +278,33 @@ def distilled(
         student = pad_right(rollout.gen_log_probs, mask.shape[1]).to(advantages.device)
     teacher = pad_right(rollout.teacher_log_probs, mask.shape[1]).to(advantages.device)
     return distillation_advantages(advantages, teacher, student, mask, d.kl_coef, d.reward_weight)
+
+
+def teacher_top(learner: Actor, rollout: Rollout, width: int) -> dict[str, torch.Tensor]:
+    """With the top-k forward KL (`distill.forward_kl_coef`), the teacher's top-k tokens and
+    log-probs as (B, `width`, k) tensors (zero beyond each response: masked out), each id checked
+    to be in the policy's vocabulary; else nothing."""
+    d = learner.cfg.distill
+    if not (d.enabled and d.forward_kl_coef > 0):
+        return {}
+    ids, lps = rollout.teacher_top_ids, rollout.teacher_top_log_probs
+    if ids is None or lps is None:
+        raise ValueError(
+            "distill.forward_kl_coef: this rollout has no teacher top-k; every rollout worker needs the same "
+            "distill section as the learner (distill.top_k, forward_kl_coef)"
+        )
+    k = next((len(row) for sample in ids for row in sample), 1)
+    out_ids = torch.zeros(len(ids), width, k, dtype=torch.long)
+    out_lps = torch.zeros(len(ids), width, k)
+    for b, (i, lp) in enumerate(zip(ids, lps)):
+        n = min(len(i), width)
+        if n:
+            out_ids[b, :n] = torch.tensor(i[:n], dtype=torch.long)
+            out_lps[b, :n] = torch.tensor(lp[:n], dtype=torch.float32)
+    vocab = learner.policy.config.vocab_size
+    if out_ids.numel() and int(out_ids.max()) >= vocab:
+        raise ValueError(f"a teacher top-k token id {int(out_ids.max())} is beyond the policy's vocabulary ({vocab})")
+    return {"teacher_top_ids": out_ids.to(learner.device), "teacher_top_log_probs": out_lps.to(learner.device)}
 
 
 @dataclass

@@ -166,8 +166,11 @@ def micro_batch_loss(
     micro_rows = mb_rows[micro_pos]
     micro_batch = exp.batch.select(micro_rows).trimmed()
     micro_width = micro_batch.response_mask.shape[1]
+    top_ids = None if exp.teacher_top_ids is None else exp.teacher_top_ids[micro_rows, :micro_width]
     with learner.autocast():
-        out = response_log_probs(learner.policy, micro_batch, learner.temperature, with_entropy=True, full=full)
+        out = response_log_probs(
+            learner.policy, micro_batch, learner.temperature, with_entropy=True, full=full, gather_ids=top_ids
+        )
     log_prob = out["log_probs"]
     if rollout_stats is not None:  # fused: the old log-probs are this forward's
         old = log_prob.detach()
@@ -190,6 +193,8 @@ def micro_batch_loss(
         rollout_is_weights=None if exp.rollout_is_weights is None else exp.rollout_is_weights[micro_rows, :micro_width],
         ptx_loss=ptx,
         ptx_share=len(micro_rows) / len(mb_rows),
+        student_top=out.get("gathered_log_probs"),
+        teacher_top=None if exp.teacher_top_log_probs is None else exp.teacher_top_log_probs[micro_rows, :micro_width],
     )
 
 

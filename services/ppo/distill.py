@@ -8,6 +8,16 @@ gradient step lowers the reverse KL. It adds to the task's advantage, each weigh
 
 The student's log-probs are the old ones the update starts from (detached: the advantage is a
 constant of the step).
+
+The top-k forward KL (`distill.forward_kl_coef`) is a loss beside it, on the same sampled
+positions: with q the teacher's probabilities over its k most likely tokens, renormalised over
+them, and p the student's (under the weights being trained) at those tokens,
+
+    L_t = sum_k q_k (log q_k - log p_k)
+
+KL(q || p) over the teacher's top-k (GKD's forward KL on the student's own samples): its gradient
+raises the student's log-prob of each of the teacher's top tokens in proportion to q_k, a dense
+signal beyond the one sampled token.
 """
 
 from __future__ import annotations
@@ -36,3 +46,11 @@ def distillation_advantages(
         "distill/task_advantage_weight": float(reward_weight),
     }
     return advantages, metrics
+
+
+def topk_forward_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> torch.Tensor:
+    """(B, T) sum_k q_k (log q_k - log p_k): `teacher_top` (B, T, k) the teacher's top-k log-probs
+    (renormalised over the k here), `student_top` (B, T, k) the student's log-probs of the same
+    tokens (with gradients)."""
+    log_q = torch.log_softmax(teacher_top.float(), dim=-1)
+    return (log_q.exp() * (log_q - student_top)).sum(-1)

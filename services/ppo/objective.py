@@ -1,7 +1,9 @@
 """The full PPO objective of one micro-batch, as a pure function: the policy loss (clipped,
-dual-clipped, GSPO or CISPO), the entropy bonus, the KL loss to the reference and the PTX/SFT loss.
+dual-clipped, GSPO or CISPO), the entropy bonus, the KL loss to the reference, the PTX/SFT loss and
+the top-k forward KL to a teacher (on-policy distillation, ppo/distill.py).
 
     loss = pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss + ptx_coef * ptx_loss
+           + forward_kl_coef * forward_kl
 
 Each term is aggregated by `loss_agg_mode` and weighted by the micro-batch's share of its
 mini-batch (`AggNorm.scale`), so summing `loss` over the micro-batches of a mini-batch gives the
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .core import AggNorm, agg_loss, masked_mean
+from .distill import topk_forward_kl
 from .kl import kl_penalty
 from .losses import POLICY_LOSSES
 
@@ -38,6 +41,7 @@ class ObjectiveSettings:
     kl_loss_coef: float = 0.0
     kl_penalty: str = "kl"
     ptx_coef: float = 0.0
+    forward_kl_coef: float = 0.0  # the top-k forward KL to a teacher (distill.forward_kl_coef)
 
     @classmethod
     def from_config(cls, cfg) -> "ObjectiveSettings":  # a services.common.config.Config (not imported here)
@@ -54,6 +58,7 @@ class ObjectiveSettings:
             kl_loss_coef=cfg.kl_loss_coef,
             kl_penalty=cfg.kl_penalty,
             ptx_coef=cfg.ptx_coef,
+            forward_kl_coef=cfg.distill.forward_kl_coef if cfg.distill.enabled else 0.0,
         )
 
 
@@ -70,6 +75,8 @@ def ppo_objective(
     rollout_is_weights: torch.Tensor | None = None,
     ptx_loss: torch.Tensor | None = None,
     ptx_share: float = 1.0,
+    student_top: torch.Tensor | None = None,
+    teacher_top: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, tuple[float, float]]]:
     """The loss of one micro-batch, scaled for accumulation, and its metrics.
 
@@ -78,7 +85,9 @@ def ppo_objective(
     kl_penalty 'full', in which case `kl_input` is the policy's (B, T, V) log-probabilities.
     norm: the mini-batch's `AggNorm` (None: this micro-batch is the whole mini-batch).
     ptx_loss: the PTX/SFT loss of this micro-batch's SFT examples, weighted by `ptx_share`
-    (its share of the mini-batch's examples).
+    (its share of the mini-batch's examples). student_top, teacher_top: (B, T, k) the policy's
+    log-probs (with gradients) and the teacher's of the teacher's top-k tokens, for the top-k
+    forward KL.
     Returns (loss, metrics): each metric is (value, weight), the weight its share of the
     mini-batch, so the sums of value x weight over the micro-batches give the mini-batch's value.
     """
@@ -118,4 +127,8 @@ def ppo_objective(
     if ptx_loss is not None:
         loss = loss + s.ptx_coef * ptx_loss * ptx_share
         metrics["ppo/ptx_loss"] = (ptx_loss.item(), ptx_share)
+    if s.forward_kl_coef and student_top is not None and teacher_top is not None:
+        forward_kl = agg_loss(topk_forward_kl(student_top, teacher_top), mask, s.loss_agg_mode)
+        loss = loss + s.forward_kl_coef * forward_kl * scale
+        metrics["distill/forward_kl_topk"] = (forward_kl.item(), scale)
     return loss, metrics

@@ -95,7 +95,7 @@ class Rounds:
 
     # ------------------------------------------------------------------ hop 1: pairs
     def pairs(self, out: Path, policy: str, offset: int, limit: int, seed: int, entry: dict) -> Path:
-        if not out.exists():
+        if "pairs" not in entry or not out.exists():  # written whole, then recorded: recorded is done
             cfg = self.derive({"model.path": policy, "run.seed": seed})
             it = self.it
             plan = PairPlan(
@@ -107,9 +107,7 @@ class Rounds:
                 max_pairs_per_prompt=it.max_pairs_per_prompt,
             )
             self.say(f"pairs from {policy} on training prompts {offset}..{offset + limit - 1} -> {out}")
-            part = out.with_suffix(".part")
-            stats = make_preferences(cfg, part, plan, say=self.say)
-            part.replace(out)
+            stats = make_preferences(cfg, out, plan, say=self.say)
             entry["pairs"] = {**stats, "policy": policy, "judge_labels": stats["samples"] + stats["counterfactuals"]}
             self.save()
         return out

@@ -96,6 +96,7 @@ class Distillation:
     tokenizer: Any
     hint: Hint | None = None
     top_k: int = 0
+    keep_top: bool = False  # each token's top-k kept in the groups (the top-k forward KL's loss reads them)
 
     @classmethod
     def for_training(cls, cfg: Config, tokenizer, teacher) -> Distillation | None:
@@ -105,10 +106,11 @@ class Distillation:
         if not d.enabled:
             return None
         hint = Hint(d.hint, tokenizer) if d.hint else None
-        return cls(None if d.teacher == "policy" else teacher, tokenizer, hint, d.top_k)
+        return cls(None if d.teacher == "policy" else teacher, tokenizer, hint, d.top_k, d.forward_kl_coef > 0)
 
     def read(self, groups: list[SampleGroup], backend=None) -> dict[str, float]:
-        """Each group's `teacher_log_probs`, one list per sample; the metrics distill/*."""
+        """Each group's `teacher_log_probs`, one list per sample (and, with `keep_top`, its
+        `teacher_top_ids` / `teacher_top_log_probs`); the metrics distill/*."""
         t0 = time.perf_counter()
         teacher = self.teacher if self.teacher is not None else PolicyTeacher(backend)
         contexts, responses, sampler = [], [], []
@@ -122,6 +124,9 @@ class Distillation:
         k = 0
         for g in groups:
             g.teacher_log_probs = scores.log_probs[k : k + len(g.completions)]
+            if self.keep_top and scores.top_ids is not None and scores.top_log_probs is not None:
+                g.teacher_top_ids = scores.top_ids[k : k + len(g.completions)]
+                g.teacher_top_log_probs = scores.top_log_probs[k : k + len(g.completions)]
             k += len(g.completions)
         return {"time/teacher_s": time.perf_counter() - t0, **sampled_metrics(groups, sampler, scores)}
 

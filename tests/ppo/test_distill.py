@@ -54,3 +54,31 @@ def test_one_step_moves_the_student_toward_the_teachers_tokens():
         new = log_probs(student_logits - 1e-3 * student_logits.grad)
     assert torch.equal((new - old).sign(), adv.sign())
     assert (adv * (new - old)).sum() > 0  # the objective rose
+
+
+def test_the_topk_forward_kl_is_zero_at_the_teacher_and_its_step_moves_mass_to_the_teachers_tokens():
+    """sum_k q_k (log q_k - log p_k) over the teacher's top-k (q renormalised over them): 0 where
+    the student's log-probs at those tokens are the teacher's renormalised ones, positive elsewhere;
+    one small gradient step on a free table of logits lowers it, and the student's log-probs of the
+    teacher's top tokens rise in proportion (the first-order guarantee, per position)."""
+    from services.ppo.distill import topk_forward_kl
+
+    g = torch.Generator().manual_seed(1)
+    vocab, steps, k = 10, 5, 3
+    teacher_top = torch.log_softmax(torch.randn(1, steps, k, generator=g), -1) - 0.3  # not normalised over k
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(steps)])[None]  # (1, T, k)
+    at_teacher = torch.log_softmax(teacher_top, -1)
+    assert torch.allclose(topk_forward_kl(at_teacher, teacher_top), torch.zeros(1, steps), atol=1e-6)
+
+    logits = torch.randn(steps, vocab, generator=g).requires_grad_()
+    student_top = torch.log_softmax(logits, -1)[None].gather(-1, ids)
+    loss = topk_forward_kl(student_top, teacher_top)
+    assert (loss > 0).all()
+    loss.sum().backward()
+    with torch.no_grad():
+        after_logits = logits - 1e-2 * logits.grad
+        after = topk_forward_kl(torch.log_softmax(after_logits, -1)[None].gather(-1, ids), teacher_top)
+        mass = torch.log_softmax(after_logits, -1)[None].gather(-1, ids).exp().sum(-1)
+        mass_before = student_top.exp().sum(-1)
+    assert (after < loss.detach()).all()
+    assert (mass > mass_before).all()  # the student gives the teacher's top-k more probability

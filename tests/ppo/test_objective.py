@@ -379,8 +379,10 @@ def test_settings_from_config():
         kl_loss_coef=0.1,
         kl_penalty="low_var_kl",
         ptx_coef=0.5,
+        distill=SimpleNamespace(enabled=True, forward_kl_coef=0.25),
     )
     s = ObjectiveSettings.from_config(cfg)
+    assert s.forward_kl_coef == 0.25
     assert s.dual_clip_c is None and s.clip_high == 0.28 and s.loss_agg_mode == "seq-mean-token-sum"
     assert ObjectiveSettings.from_config(replace_ns(cfg, dual_clip_loss=True, dual_clip_c=4.0)).dual_clip_c == 4.0
 

@@ -45,7 +45,15 @@ class DistillConfig(Strict):
         ge=0,
         le=64,
         description="the teacher also returns its top-k log-probs per token (0 = none; k >= 1 "
-        "gives the distill/teacher_top1_agree metric)",
+        "gives the distill/teacher_top1_agree metric, and what forward_kl_coef's loss reads)",
+    )
+    forward_kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="weight of the top-k forward KL loss beside the reverse-KL advantage: per token, "
+        "sum over the teacher's top_k tokens of q log(q / student), q the teacher's probabilities "
+        "renormalised over them (GKD's forward KL on the student's samples); needs top_k >= 1 and "
+        "teacher: model; 0 = none",
     )
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="the teacher's weights")
     micro_batch_size: int = Field(default=16, ge=1, description="sequences per teacher forward")

@@ -12,6 +12,8 @@ from ..rpc.gen import replay_pb2 as rpb
 from ..types import Completion, PromptRecord, SampleGroup, ScoreResult
 
 _F32 = np.dtype("<f4")
+_I32 = np.dtype("<i4")
+MAX_TOP_K = 64  # distill.top_k's bound
 
 
 def make_task(
@@ -77,11 +79,15 @@ def group_to_proto(
             s.values = np.asarray(g.values[j], _F32).tobytes()
         if g.teacher_log_probs is not None:
             s.teacher_log_probs = np.asarray(g.teacher_log_probs[j], _F32).tobytes()
+        if g.teacher_top_ids is not None and g.teacher_top_log_probs is not None:
+            s.teacher_top_k = next((len(row) for sample in g.teacher_top_ids for row in sample), 0)
+            s.teacher_top_ids = np.asarray(g.teacher_top_ids[j], _I32).tobytes()
+            s.teacher_top_log_probs = np.asarray(g.teacher_top_log_probs[j], _F32).tobytes()
     return out
 
 
 def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
-    completions, scores, values, teacher = [], [], [], []
+    completions, scores, values, teacher, top_ids, top_lps = [], [], [], [], [], []
     for s in m.samples:
         ids = list(s.response_ids)
         lp = np.frombuffer(s.log_probs, _F32)
@@ -102,13 +108,32 @@ def group_from_proto(m: rpb.TrajectoryGroup) -> SampleGroup:
             values.append(per_token(s.values, len(ids), "values", m.task.uid))
         if s.teacher_log_probs:
             teacher.append(per_token(s.teacher_log_probs, len(ids), "teacher log-probs", m.task.uid))
-    for what, got in (("values", values), ("teacher log-probs", teacher)):
+        if s.teacher_top_k or s.teacher_top_ids or s.teacher_top_log_probs:
+            i, lp_k = teacher_top(s, len(ids), m.task.uid)
+            top_ids.append(i)
+            top_lps.append(lp_k)
+    for what, got in (("values", values), ("teacher log-probs", teacher), ("teacher top-k", top_ids)):
         if got and len(got) != len(completions):
             raise ValueError(f"trajectory {m.task.uid}: {what} for only some samples")
     return SampleGroup(
         m.task.uid, task_record(m.task), list(m.prompt_ids), completions, scores, values or None,
-        int(m.policy_version), teacher or None,
+        int(m.policy_version), teacher or None, top_ids or None, top_lps or None,
     )  # fmt: skip
+
+
+def teacher_top(s: rpb.Sample, n_tokens: int, uid: str) -> tuple[list[list[int]], list[list[float]]]:
+    """A sample's teacher top-k, checked: (T, k) ids, each at least 0, and (T, k) finite
+    log-probs, k in [1, MAX_TOP_K]."""
+    k = s.teacher_top_k
+    ids, lps = np.frombuffer(s.teacher_top_ids, _I32), np.frombuffer(s.teacher_top_log_probs, _F32)
+    if not 1 <= k <= MAX_TOP_K or len(ids) != n_tokens * k or len(lps) != n_tokens * k:
+        raise ValueError(
+            f"trajectory {uid}: a teacher top-k of k={k} (1..{MAX_TOP_K}) with {len(ids)} ids and {len(lps)} "
+            f"log-probs for {n_tokens} tokens"
+        )
+    if (ids < 0).any() or not np.isfinite(lps).all():
+        raise ValueError(f"trajectory {uid}: a teacher top-k id below 0 or a log-prob that is not finite")
+    return ids.reshape(n_tokens, k).tolist(), lps.reshape(n_tokens, k).tolist()
 
 
 def per_token(raw: bytes, n_tokens: int, what: str, uid: str) -> list[float]:

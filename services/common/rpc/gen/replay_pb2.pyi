@@ -31,7 +31,7 @@ class PromptTask(_message.Message):
     def __init__(self, uid: _Optional[str] = ..., attempt: _Optional[int] = ..., record_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt: _Optional[str] = ..., label: _Optional[str] = ..., metadata_json: _Optional[str] = ..., min_version: _Optional[int] = ..., group_size: _Optional[int] = ..., fed_at_version: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("response_ids", "log_probs", "values", "score", "components", "finish_reason", "text", "loss_mask", "token_versions", "teacher_log_probs")
+    __slots__ = ("response_ids", "log_probs", "values", "score", "components", "finish_reason", "text", "loss_mask", "token_versions", "teacher_log_probs", "teacher_top_ids", "teacher_top_log_probs", "teacher_top_k")
     class ComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,9 @@ class Sample(_message.Message):
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TEACHER_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TOP_K_FIELD_NUMBER: _ClassVar[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     log_probs: bytes
     values: bytes
@@ -59,7 +62,10 @@ class Sample(_message.Message):
     loss_mask: bytes
     token_versions: _containers.RepeatedScalarFieldContainer[int]
     teacher_log_probs: bytes
-    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., log_probs: _Optional[bytes] = ..., values: _Optional[bytes] = ..., score: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ..., teacher_log_probs: _Optional[bytes] = ...) -> None: ...
+    teacher_top_ids: bytes
+    teacher_top_log_probs: bytes
+    teacher_top_k: int
+    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., log_probs: _Optional[bytes] = ..., values: _Optional[bytes] = ..., score: _Optional[float] = ..., components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., loss_mask: _Optional[bytes] = ..., token_versions: _Optional[_Iterable[int]] = ..., teacher_log_probs: _Optional[bytes] = ..., teacher_top_ids: _Optional[bytes] = ..., teacher_top_log_probs: _Optional[bytes] = ..., teacher_top_k: _Optional[int] = ...) -> None: ...
 
 class TrajectoryGroup(_message.Message):
     __slots__ = ("task", "prompt_ids", "samples", "policy_version", "worker", "generation_server", "created_at", "generate_seconds", "tokens", "batch_tokens")
