@@ -4,4 +4,5 @@ import sys
 
 from . import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned child process imports this as its parent's main
+    sys.exit(main())

@@ -17,7 +17,8 @@ model's answers is read less well the further PPO moves the policy.
         probe/pairs.jsonl            after the last round: pairs from the final policy
 
 Per round R (P = iterate.prompts_per_round, K = iterate.iterations_per_round):
-1. Pairs (`make_preferences`): the round's policy (model.path in round 0, round-(R-1)/policy after)
+1. Pairs (`make_preferences`; in a child process, as every hop that loads a model): the round's
+   policy (model.path in round 0, round-(R-1)/policy after)
    samples data.train's prompts [R*P, (R+1)*P), judged by the gold judge (reward.eval_rules);
    the judge's labels (samples and counterfactuals judged) counted.
 2. The pairs split by prompt into training and held-out pairs.
@@ -40,10 +41,12 @@ A hop whose output is written is not redone: the same command goes on where it s
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -107,7 +110,7 @@ class Rounds:
                 max_pairs_per_prompt=it.max_pairs_per_prompt,
             )
             self.say(f"pairs from {policy} on training prompts {offset}..{offset + limit - 1} -> {out}")
-            stats = make_preferences(cfg, out, plan, say=self.say)
+            stats = in_child(child_make_pairs, cfg, out, plan)
             entry["pairs"] = {**stats, "policy": policy, "judge_labels": stats["samples"] + stats["counterfactuals"]}
             self.save()
         return out
@@ -133,23 +136,13 @@ class Rounds:
 
     # ------------------------------------------------------------------ hop 3 and after 4: measures
     def measure(self, rm_dir: Path, pairs_file: Path) -> dict:
-        from .measure import measure
-        from .train import RewardModel, evaluate_pairs
-
-        rc = self.cfg.reward_model
-        rm = RewardModel(str(rm_dir))
-        pairs = load_preferences(str(pairs_file), "eval", PreferenceKeys(), rm.tokenizer, rc.chat_template)
-        e = evaluate_pairs(rm, pairs, rc.micro_batch_size * 2)
-        m = measure(pairs, e["chosen"], e["rejected"])
-        return {k: m[k] for k in ("accuracy", "pairs", "hard_accuracy", "hard_pairs", "auc")}
+        return in_child(child_measure, self.cfg, rm_dir, pairs_file)
 
     # ------------------------------------------------------------------ hop 4: the reward model
     def train_rm(self, r: int, entry: dict) -> None:
         d = self.round_dir(r)
         out = d / "reward-model"
         if not (out / "reward_stats.json").exists():
-            from .train import train_reward_model
-
             rounds = range(r + 1) if self.it.pairs == "all" else [r]
             write_jsonl(
                 d / "rm-train.jsonl",
@@ -164,7 +157,7 @@ class Rounds:
             self.say(f"reward model of round {r + 1}: from {base} on {d / 'rm-train.jsonl'} -> {out}")
             sets = {"base": base, "train": d / "rm-train.jsonl", "eval": d / "pairs-held-out.jsonl", "out": out}
             cfg = self.derive({f"reward_model.{k}": str(v) for k, v in sets.items()})
-            stats = train_reward_model(cfg, say=self.say)
+            stats = in_child(child_train_rm, cfg)
             entry["reward_model"] = {"base": base, "train_pairs": stats["train_pairs"], "seconds": stats["seconds"]}
             entry.pop("rm_on_held_out", None)
             self.save()
@@ -272,6 +265,44 @@ class Rounds:
 
     def derive(self, sets: dict) -> Config:
         return config_from_dict(self.cfg.model_dump(mode="json"), list(sets.items()))
+
+
+# ---------------------------------------------------------------------- the hops run in a child
+def in_child(fn, *args):
+    """`fn(*args)` in a fresh process (spawned): the models it loads, and the memory they hold (a
+    GPU's included), go with it, so PPO after it finds the device as it was. Its lines print as
+    they come; what it raises is raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def child_make_pairs(cfg: Config, out: Path, plan: PairPlan) -> dict:
+    return make_preferences(cfg, out, plan, say=say)
+
+
+def child_train_rm(cfg: Config) -> dict:
+    from .train import train_reward_model
+
+    return train_reward_model(cfg, say=say)
+
+
+def child_measure(cfg: Config, rm_dir: Path, pairs_file: Path) -> dict:
+    """The reward model in `rm_dir` measured on the pairs of `pairs_file` (measure.py): accuracy,
+    on the hard pairs, the AUC across prompts."""
+    from ..common.model_files import resolve_device
+    from .measure import measure
+    from .train import RewardModel, evaluate_pairs
+
+    rc = cfg.reward_model
+    rm = RewardModel(str(rm_dir), device=str(resolve_device(cfg.model.device)))
+    pairs = load_preferences(str(pairs_file), "eval", PreferenceKeys(), rm.tokenizer, rc.chat_template)
+    e = evaluate_pairs(rm, pairs, rc.micro_batch_size * 2)
+    m = measure(pairs, e["chosen"].cpu(), e["rejected"].cpu())
+    return {k: m[k] for k in ("accuracy", "pairs", "hard_accuracy", "hard_pairs", "auc")}
 
 
 def iterate_problem(cfg: Config) -> str | None:
