@@ -30,13 +30,15 @@ SEVERAL_GPUS = {
     "RLHF_CRITIC_GPUS": "3",
     "RLHF_REWARD_GPUS": "3",
     "RLHF_TEACHER_GPUS": "1",
+    "RLHF_TINKER_GPUS": "2",
     "RLHF_CONFIG": "gpu.yaml",
 }
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
-LOADS_A_MODEL = {"reward", "critic", "generation", "learner", "teacher"}
+LOADS_A_MODEL = {"reward", "critic", "generation", "learner", "teacher", "tinker"}
 DISTILL = {"teacher"}  # --profile distill
-RLHF_SERVICES = LONG_RUNNING | {"init"} | DISTILL
-GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher"}
+TINKER = {"tinker"}  # --profile tinker
+RLHF_SERVICES = LONG_RUNNING | {"init"} | DISTILL | TINKER
+GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher", "tinker"}
 MONITORING = {"prometheus", "grafana"}
 AGENTS = {"gateway"}  # --profile agents
 
@@ -128,7 +130,7 @@ def test_several_gpus_come_from_the_env_file():
     # replica of `--scale generation=2` takes one of them (tests/generation/test_gpu_slot.py)
     assert _gpus(config, "generation") == ["0,1"]
     assert (_gpus(config, "learner"), _gpus(config, "critic"), _gpus(config, "reward")) == (["2"], ["3"], ["3"])
-    assert _gpus(config, "teacher") == ["1"]
+    assert _gpus(config, "teacher") == ["1"] and _gpus(config, "tinker") == ["2"]
     assert config["services"]["generation"]["environment"]["RLHF_GPU_SLOTS_DIR"].startswith("/runs/")
     assert config["services"]["learner"]["environment"]["RLHF_CONFIG"] == "gpu.yaml"
 
@@ -185,7 +187,7 @@ def test_cpu_variant_reserves_no_gpu_and_runs_the_tiny_default(cpu):
 @pytest.mark.parametrize("variant", ["gpu", "cpu"])
 def test_every_long_running_service_has_a_healthcheck_and_a_restart_policy(variant, gpu, cpu):
     services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
-    assert set(services) == LONG_RUNNING | {"init"} | MONITORING | AGENTS | DISTILL
+    assert set(services) == LONG_RUNNING | {"init"} | MONITORING | AGENTS | DISTILL | TINKER
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck", {}).get("test")
         assert check and check[0] == "CMD", (name, check)
@@ -253,6 +255,34 @@ def test_the_teacher_is_a_profile_every_service_can_reach(variant, gpu, cpu):
     assert {k: v["condition"] for k, v in t["depends_on"].items()} == {"init": "service_completed_successfully"}
     for name in RLHF_SERVICES - {"redis"}:
         assert "rpc.teacher.host=teacher" in services[name]["environment"]["RLHF_SET"].split(), name
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the_runs_volume(variant, gpu, cpu):
+    """`--profile tinker` adds `rlhf serve tinker`: the run's image, config and token, its
+    tinker:// checkpoints under /runs (the workspace is read-only), healthy on its open /healthz,
+    published on the host's loopback, needing no other service but the model's init."""
+    services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
+    t = services["tinker"]
+    assert t["profiles"] == ["tinker"] and t["image"] == services["critic"]["image"] and t["restart"] == "on-failure"
+    assert t["command"] == [
+        "serve",
+        "tinker",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8765",
+        "--set",
+        "tinker.root=/runs/tinker",
+    ]
+    assert "127.0.0.1:8765/api/v1/healthz" in t["healthcheck"]["test"][-1]
+    assert t["healthcheck"]["start_period"] == "1h"
+    port = t["ports"][0]
+    assert port in ("127.0.0.1:8765:8765/tcp",) or (port["host_ip"], port["target"]) == ("127.0.0.1", 8765)
+    assert {k: v["condition"] for k, v in t["depends_on"].items()} == {"init": "service_completed_successfully"}
+    assert "runs:/runs:rw" in t["volumes"] or any(
+        v.get("source") == "runs" for v in t["volumes"] if isinstance(v, dict)
+    )
 
 
 def test_state_lives_on_named_volumes(gpu):

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 TOOLS_BIN = K8S / ".tools" / "bin"
 OVERLAYS = ("gpu", "cpu-tiny")
-COMPONENTS = ("keda", "hpa", "servicemonitor", "gateway", "distill")
+COMPONENTS = ("keda", "hpa", "servicemonitor", "gateway", "distill", "tinker")
 # every overlay alone, with each component, and with each autoscaler plus monitoring (keda and hpa
 # both drive the rollout Deployment's replicas: they are never combined)
 COMPONENT_SETS = (
@@ -38,6 +38,7 @@ COMPONENT_SETS = (
     ("gateway",),
     ("distill",),
     ("distill", "servicemonitor"),
+    ("tinker",),
 )
 VARIANTS = tuple("+".join((o,) + c) for o in OVERLAYS for c in COMPONENT_SETS) + ("my-code",)  # your code, on cpu-tiny
 CRD_KINDS = {"ScaledObject", "TriggerAuthentication", "ServiceMonitor"}

@@ -248,6 +248,31 @@ def test_the_teacher_comes_with_components_distill(overlay, docs):
 
 
 @pytest.mark.parametrize("overlay", m.OVERLAYS)
+def test_the_tinker_api_comes_with_components_tinker(overlay, docs):
+    """components/tinker adds `rlhf serve tinker` (one replica, probed on its open /healthz, its
+    tinker:// checkpoints on the runs volume), sized by the overlay: a GPU of its own on gpu, the
+    tiny model built first on cpu-tiny; without the component there is none."""
+    assert not [d for d in docs[overlay] if d["metadata"]["name"] == "tinker"]
+    objs = docs[f"{overlay}+tinker"]
+    tinker = m.one(objs, "Deployment", "tinker")
+    assert tinker["spec"]["replicas"] == 1 and tinker["spec"]["strategy"]["type"] == "Recreate"
+    c = m.pod_spec(tinker)["containers"][0]
+    assert c["args"][:6] == ["serve", "tinker", "--host", "0.0.0.0", "--port", "8765"]
+    assert "tinker.root=/runs/tinker" in c["args"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/api/v1/healthz", "port": 8765}, probe
+    assert {p["name"]: p["port"] for p in m.one(objs, "Service", "tinker")["spec"]["ports"]} == {"http": 8765}
+    assert {v["mountPath"] for v in c["volumeMounts"]} >= {"/runs", "/etc/rlhf"}
+    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    inits = [i["name"] for i in m.pod_spec(tinker).get("initContainers", [])]
+    if overlay == "gpu":
+        assert gpus == 1 and inits == []
+    else:
+        assert gpus is None and inits == ["tiny-model"]
+        assert c["resources"]["requests"] == {"cpu": "250m", "memory": "1Gi"}
+
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS)
 def test_workload_shapes(overlay, docs):
     objs = docs[overlay]
     learner = m.one(objs, "StatefulSet", "learner")

@@ -185,6 +185,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/speed.md", "way s tokens tok/s vs generate (run 1: --vllm float32)"): PROSE,
     ("docs/speed.md", "$ python benchmarks/bench_steps.py -c configs/gpu.yaml"): PARSE,  # a GPU
     ("docs/speed.md", "python benchmarks/bench_delta_push.py --repeats 3"): PARSE,  # SmolLM2, minutes
+    ("docs/tinker.md", "docker compose --profile tinker up -d tinker"): PARSE,  # Docker
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve tinker"): PARSE,  # a server, forever
     ("docs/tinker.md", "... INFO services.tinker.server: tinker: the Tinker"): PROSE,  # its output
     ("docs/tinker.md", "import tinker"): SOURCE,  # the SDK's calls: tests/tinker/test_tinker_api.py
