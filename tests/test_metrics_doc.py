@@ -1,6 +1,7 @@
 """docs/metrics.md is exact: every service runs for real, in-process (reward with its HTTP API
 and an external reward API, critic, the teacher, generation, the learner for two iterations, a
-rollout worker, the gateway in front of the registry's generation servers, against a real Redis), each
+rollout worker, the gateway in front of the registry's generation servers, against a real Redis;
+the Tinker API with the official SDK training a step), each
 one's /metrics is scraped over HTTP with the bearer token, and the metric names, types and label
 names each exports are those the table lists for it: no more (no empty families of other
 services), no fewer. Every family has samples by then, so a scrape of a live run finds them all.
@@ -25,12 +26,13 @@ from services.reward.server import serve as serve_reward
 from services.rollout.worker import serve as serve_rollout
 from services.teacher.client import TeacherClient
 from services.teacher.server import serve as serve_teacher
+from services.tinker.server import serve as serve_tinker
 from services.weights.pull import LearnerClient
 from tests.grpc_helpers import TOKEN
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 START, END = "<!-- metrics-table:start -->", "<!-- metrics-table:end -->"
-SERVICES = ("generation", "reward", "critic", "teacher", "learner", "rollout", "gateway")
+SERVICES = ("generation", "reward", "critic", "teacher", "learner", "rollout", "gateway", "tinker")
 SAMPLE_SUFFIXES = ("_bucket", "_count", "_sum")
 
 
@@ -154,6 +156,7 @@ def _cfg(model_dir, redis_url, run_dir, api_url):
                 "learner": {**ep, "http_port": None},
                 "gateway": {"port": 0},
             },
+            "tinker": {"port": 0, "root": str(run_dir / "tinker"), "model_name": "tiny"},
         }
     )
 
@@ -203,6 +206,7 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
                     gateway_families = scrape(gateway.port)
                 yield {
+                    "tinker": tinker_families(cfg),
                     "gateway": gateway_families,
                     "generation": scrape(generation.server.metrics_port),
                     "reward": scrape(reward.server.metrics_port),
@@ -213,6 +217,28 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                 }
     finally:
         api.close()
+
+
+def tinker_families(cfg) -> dict:
+    """The Tinker API's families after the official SDK made a LoRA model and ran one
+    forward_backward on it, and one request was refused for its key."""
+    import os
+
+    import tinker
+    from tinker import types
+
+    os.environ["TINKER_TELEMETRY"] = "0"
+    with serve_tinker(cfg) as svc:
+        url = f"http://127.0.0.1:{svc.port}"
+        with tinker.ServiceClient(base_url=url, api_key=f"tml-{TOKEN}") as sc:
+            tc = sc.create_lora_training_client(base_model="tiny", rank=2)
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints([1, 4, 5]),
+                loss_fn_inputs={"target_tokens": [4, 5, 6], "weights": [0.0, 1.0, 1.0]},
+            )
+            tc.forward_backward([datum], "cross_entropy").result()
+            assert httpx.get(f"{url}/api/v1/get_server_capabilities", timeout=10).status_code == 401
+            return scrape(svc.port)
 
 
 def test_the_table_is_well_formed():
@@ -300,3 +326,14 @@ def test_the_learner_evaluates_with_the_eval_rules_through_the_reward_server(scr
         assert "eval/proxy_reward_mean" in r  # the same responses, scored by the training reward too
         assert not any(k.startswith("eval/rules") or k.startswith("eval/http") for k in r)
         assert r["eval/hacking_suspected"] == 0
+
+
+def test_the_tinker_apis_numbers_are_the_sdks_requests(scrapes):
+    tinker = scrapes["tinker"]
+    assert value(tinker, "rlhf_tinker_training_models") == 1 and value(tinker, "rlhf_tinker_requests_pending") == 0
+    counts = {
+        labels["kind"]: v for n, labels, v in tinker["rlhf_tinker_work_seconds"]["samples"] if n.endswith("_count")
+    }
+    assert counts == {"create_model": 1, "forward_backward": 1}
+    assert value(tinker, "rlhf_http_requests_total", path="/api/v1/forward_backward", code="200") == 1
+    assert value(tinker, "rlhf_http_requests_total", path="/api/v1/get_server_capabilities", code="401") == 1

@@ -123,6 +123,8 @@ class TinkerApi:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelState] = {}
         self.samplers: OrderedDict[str, SamplerSession] = OrderedDict()
+        # told of each piece of the compute thread's work: its kind and seconds (the service's metrics)
+        self.on_work: Callable[[str, float], None] = lambda kind, seconds: None
 
     def close(self) -> None:
         for state in self.models.values():
@@ -265,7 +267,8 @@ class TinkerApi:
             state.spec = state.model.spec
             return json_outcome({**result, "model_id": model_id})
 
-        self.compute.submit(lambda: future.set_result(outcome_of(work)))
+        timed = self._timed("create_model", work)
+        self.compute.submit(lambda: future.set_result(outcome_of(timed)))
         return state.answer
 
     def create_model(self, req: CreateModel) -> dict:
@@ -331,7 +334,9 @@ class TinkerApi:
         }
 
     # ------------------------------------------------------------------ a training model's requests
-    def _queue(self, state: ModelState, seq_id: int, digest: str, work: Callable[[TrainingModel], Outcome]) -> dict:
+    def _queue(
+        self, state: ModelState, seq_id: int, digest: str, work: Callable[[TrainingModel], Outcome], kind: str
+    ) -> dict:
         if seq_id < 1:
             raise ApiError(400, f"seq_id: {seq_id}; a training client's requests count from 1", param="seq_id")
 
@@ -340,7 +345,22 @@ class TinkerApi:
                 raise ApiError(400, state.failed or f"model {state.id} was not built")
             return work(state.model)
 
-        return {"request_id": state.sequence.add(seq_id, digest, self.futures, run), "model_id": state.id}
+        return {
+            "request_id": state.sequence.add(seq_id, digest, self.futures, self._timed(kind, run)),
+            "model_id": state.id,
+        }
+
+    def _timed(self, kind: str, work: Callable[[], Outcome]) -> Callable[[], Outcome]:
+        """`work`, its seconds told to `on_work` under `kind` when it ends (failed or not)."""
+
+        def run() -> Outcome:
+            t0 = time.perf_counter()
+            try:
+                return work()
+            finally:
+                self.on_work(kind, time.perf_counter() - t0)
+
+        return run
 
     def forward_backward(self, body: bytes) -> dict:
         req = read_forward_backward(body, self.limits)
@@ -353,7 +373,9 @@ class TinkerApi:
             fields, metrics = model.forward_backward(req.data, loss, settings, backward=not req.forward_only)
             return Outcome(forward_backward_output(fields, metrics), PROTOBUF)
 
-        return self._queue(state, req.seq_id, digest_of(body), work)
+        return self._queue(
+            state, req.seq_id, digest_of(body), work, "forward" if req.forward_only else "forward_backward"
+        )
 
     def optim_step(self, req: OptimStep) -> dict:
         state = self._model(req.model_id, "optim_step")
@@ -364,7 +386,7 @@ class TinkerApi:
         def work(model: TrainingModel) -> Outcome:
             return json_outcome({"type": "optim_step", "metrics": model.optim_step(adam)})
 
-        return self._queue(state, req.seq_id, digest_of(req.model_dump_json()), work)
+        return self._queue(state, req.seq_id, digest_of(req.model_dump_json()), work, "optim_step")
 
     def _adam(self, p: AdamSpec) -> Adam:
         t = self.t
@@ -387,7 +409,7 @@ class TinkerApi:
             self.store.write(path, lambda d: torch.save(content, d / STATE_FILE), overwrite=req.overwrite)
             return json_outcome({"type": "save_weights", "path": path.uri})
 
-        return self._queue(state, req.seq_id, digest_of(req.model_dump_json()), work)
+        return self._queue(state, req.seq_id, digest_of(req.model_dump_json()), work, "save_weights")
 
     def save_for_sampler(self, req: SaveForSampler) -> dict:
         """Named: the sampler weights written to tinker://<model>/sampler_weights/<name>. Unnamed
@@ -404,12 +426,13 @@ class TinkerApi:
                 self.weights.put(path.uri, weights)
                 return json_outcome({"type": "save_weights_for_sampler", "path": path.uri})
 
-            return self._queue(state, req.seq_id, digest, named)
+            return self._queue(state, req.seq_id, digest, named, "save_weights_for_sampler")
         if req.sampling_session_seq_id is None:
             raise ApiError(400, "save_weights_for_sampler needs a path (a name) or a sampling_session_seq_id")
         sampler_id = f"{state.session}:sample:{req.sampling_session_seq_id}"
         key = f"snapshot:{self.ids.new('r')}"
-        answer = self._queue(state, req.seq_id, digest, lambda model: self._snapshot(model, key, sampler_id))
+        snapshot = lambda model: self._snapshot(model, key, sampler_id)  # noqa: E731
+        answer = self._queue(state, req.seq_id, digest, snapshot, "save_weights_for_sampler")
         if sampler_id not in self.samplers:
             self._add_sampler(SamplerSession(sampler_id, state.session, key, None))
         return answer
@@ -446,7 +469,7 @@ class TinkerApi:
             model.load_state(torch.load(directory / STATE_FILE, weights_only=True), req.optimizer)
             return json_outcome({**answer, "model_id": state.id})
 
-        return self._queue(state, req.seq_id, digest, work)
+        return self._queue(state, req.seq_id, digest, work, "load_state")
 
     # ------------------------------------------------------------------ sampling
     def _add_sampler(self, sampler: SamplerSession) -> None:
@@ -525,7 +548,8 @@ class TinkerApi:
             sequences, prompt_logprobs = self.sampler.sample(spec)
             return Outcome(sample_response(sequences, prompt_logprobs), PROTOBUF)
 
-        self.compute.submit(lambda: future.set_result(outcome_of(work)))
+        timed = self._timed("sample", work)
+        self.compute.submit(lambda: future.set_result(outcome_of(timed)))
         answer = {
             "request_id": request_id,
             "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)],

@@ -79,6 +79,11 @@ class Futures:
             self._futures[request_id] = future
             return request_id, future
 
+    def pending(self) -> int:
+        """Requests whose result is not computed yet."""
+        with self._lock:
+            return sum(not f.done() for f in self._futures.values())
+
     def _count(self, future: Future) -> None:
         with self._lock:
             self._bytes += len(future.result().body)

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from ..common.rpc.http_guard import TYPES, Guard, error_body, field_path, install_error_handlers
 from .api import TinkerApi, digest_of
 from .futures import PROTOBUF
+from .metrics import RouteLabels, TinkerMetrics
 from .protocol import (
     ApiError,
     CreateModel,
@@ -102,7 +103,11 @@ class Replays:
         return out
 
 
-def build_app(api: TinkerApi, token: str | None) -> Guard:
+def build_app(
+    api: TinkerApi, token: str | None, metrics: TinkerMetrics | None = None, open_metrics: bool = False
+) -> Guard:
+    """The app over `api` behind `Guard`; with `metrics`, GET /metrics serves them (behind the key
+    unless `open_metrics`) and every answered request is counted by its route."""
     app = FastAPI(
         title="rlhf tinker",
         description="A Tinker-compatible training API",
@@ -121,14 +126,26 @@ def build_app(api: TinkerApi, token: str | None) -> Guard:
     _session_routes(app, api, Replays(api.t.max_futures))
     _training_routes(app, api, Replays(api.t.max_futures))
     _sampling_routes(app, api, Replays(api.t.max_futures))
+    observe = None
+    if metrics is not None:
+        _metrics_route(app, metrics)
+        metrics.routes = RouteLabels(getattr(r, "path", "") for r in app.routes)
+        observe = lambda method, path, code, seconds: metrics.http(path, code, seconds)  # noqa: E731
     return Guard(
         app,
         authorized=api_key(token),
-        open_paths=OPEN_PATHS,
+        open_paths=OPEN_PATHS | ({"/metrics"} if open_metrics else set()),
         max_body_bytes=api.t.max_request_bytes,
         auth_hint="missing or wrong API key (X-API-Key: tml-<token>, the server's rpc.auth_token)",
         binary_types=frozenset({PROTOBUF}),
+        observe=observe,
     )
+
+
+def _metrics_route(app: FastAPI, metrics: TinkerMetrics) -> None:
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=metrics.content_type)
 
 
 def _configuration_routes(app: FastAPI, api: TinkerApi) -> None:

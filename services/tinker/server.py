@@ -4,7 +4,8 @@ $TINKER_BASE_URL) `http://HOST:PORT`, the API key `tml-<rpc.auth_token>` (docs/t
 
 In the process: the generation backend the config names (`make_backend`: the `hf` engine) for
 sampling, the training models clients create (LoRA or full weights, each with its AdamW), all
-computed on one thread in the order the requests came (api.py); the HTTP side is routes.py.
+computed on one thread in the order the requests came (api.py); the HTTP side is routes.py, its
+Prometheus metrics (GET /metrics) metrics.py.
 Checkpoints (tinker://) are files under `tinker.root`; everything else lives in this process: a
 restarted server knows its checkpoints, not its clients' sessions, models or gradients."""
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from ..common.lifecycle import HTTPServerThread, Service
 from ..generation.policy import make_backend
 from .api import TinkerApi
+from .metrics import TinkerMetrics
 from .routes import build_app
 
 if TYPE_CHECKING:
@@ -38,7 +40,10 @@ class TinkerService(Service):
     def start(self) -> "TinkerService":
         cfg, t = self.cfg, self.cfg.tinker
         self.api = TinkerApi(cfg, make_backend(cfg))
-        self.http = HTTPServerThread(build_app(self.api, cfg.rpc.resolved_auth_token()), t.host, t.port, "tinker-http")
+        metrics = TinkerMetrics(self.api)
+        self.api.on_work = metrics.worked
+        app = build_app(self.api, cfg.rpc.resolved_auth_token(), metrics, cfg.rpc.open_metrics)
+        self.http = HTTPServerThread(app, t.host, t.port, "tinker-http")
         self.port = self.http.start()
         log.info(
             "tinker: the Tinker API serves %s on http://%s:%d (TINKER_BASE_URL; checkpoints in %s)",

@@ -305,3 +305,35 @@ def test_no_malformed_body_is_a_5xx(raw):
                 r = raw.post(f"/{path}", content=body, headers={"Content-Type": kind})
                 refused = 400 <= r.status_code < 500 and r.json()["error"]["message"]
                 assert refused or (path == "create_session" and r.status_code == 200), (path, body, kind, r.text)
+
+
+def test_metrics_count_the_requests_and_the_work_behind_the_key(tiny_model_dir, tmp_path, tok):
+    """GET /metrics: Prometheus' text behind the API key (401 without it), every answered request
+    counted by its route (a path parameter as its name: no label per id, an unknown path "other"),
+    the compute thread's work by kind, and what the API holds now."""
+    svc = serve(_cfg(tiny_model_dir, tmp_path)).start()
+    url = f"http://127.0.0.1:{svc.port}"
+    try:
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            tc = sc.create_lora_training_client(base_model="tiny", rank=4)
+            tc.forward_backward([_datum(tok, "12 + 30 = 42")], "cross_entropy").result()
+            text = _scrape(url)
+    finally:
+        svc.stop()
+    assert 'rlhf_http_requests_total{code="200",path="/api/v1/forward_backward",service="tinker"}' in text
+    assert 'path="/api/v1/samplers/{sampler_id}"' in text and 'path="other"' in text
+    assert "no-such-sampler" not in text
+    assert 'rlhf_tinker_work_seconds_count{kind="forward_backward",service="tinker"}' in text
+    models = next(line for line in text.splitlines() if line.startswith("rlhf_tinker_training_models{"))
+    assert float(models.split()[-1]) == 1
+
+
+def _scrape(url: str) -> str:
+    """Two requests the label set must not grow by, then /metrics with the key (and without)."""
+    with httpx.Client(base_url=url, timeout=30) as c:
+        assert c.get("/metrics").status_code == 401
+        c.get("/api/v1/samplers/no-such-sampler", headers={"X-API-Key": KEY})
+        c.get("/not/a/route", headers={"X-API-Key": KEY})
+        r = c.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return r.text
