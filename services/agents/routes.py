@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol
 
 from starlette.requests import Request
 
+from ..common.metrics import HttpMetrics
 from ..common.rpc.client import Cancel
 from ..common.rpc.http_guard import Guard, document_guard, error_body, install_error_handlers
 from .handler import TurnHandler
@@ -63,11 +64,7 @@ class EndpointMetrics(Protocol):
     GatewayMetrics): each turn's seconds, each answered request, the exposition at /metrics."""
 
     turn_seconds: Any
-    content_type: str
-
-    def http(self, route: str, status: int, seconds: float) -> None: ...
-
-    def exposition(self) -> bytes: ...
+    http: HttpMetrics
 
 
 def stream_chunks(body: dict, usage: bool) -> list[dict]:
@@ -176,7 +173,7 @@ def build_app(
         _metrics_route(app, metrics)
     open_paths = {"/health", "/health/live"} | ({"/metrics"} if open_metrics else set())
     document_guard(app, open_paths)
-    observe = (lambda m, p, code, s: metrics.http(route_of(m, p), code, s)) if metrics is not None else None
+    observe = (lambda m, p, code, s: metrics.http.request(route_of(m, p), code, s)) if metrics is not None else None
     authorized = _authorizer(token, session_secret)
     return Guard(app, authorized=authorized, open_paths=open_paths, max_body_bytes=max_request_bytes, observe=observe)
 
@@ -393,4 +390,4 @@ def _metrics_route(app, metrics: EndpointMetrics) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus():
-        return PlainTextResponse(metrics.exposition(), media_type=metrics.content_type)
+        return PlainTextResponse(metrics.http.exposition(), media_type=metrics.http.content_type)

@@ -12,8 +12,19 @@ docs/metrics.md lists every metric of every service.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
+
+# request latencies, RPC and HTTP alike: a millisecond to a minute
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ServiceLabelled:
@@ -44,3 +55,41 @@ def labelled(metric_cls, registry: CollectorRegistry, service: str):
         return metric_cls(name, doc, ["service"], registry=registry, **kwargs).labels(service)
 
     return make
+
+
+class HttpMetrics:
+    """The metrics of a service that answers HTTP itself (the gateway, the Tinker API): a registry
+    holding the process's metrics and every answered request, counted and timed by its route
+    label, and what /metrics serves. The service adds its own metrics to `registry`.
+
+        rlhf_http_requests_total{service, path, code}   every request, by route and HTTP status
+        rlhf_http_request_seconds{service, path}        ... and their latency
+
+    `path` is the route a request matched (its parameters as `{name}`), never the raw path: the
+    service names it, so a scanner cannot grow the label set."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, service: str):
+        self.registry, self.service = CollectorRegistry(), service
+        register_process_metrics(self.registry, service)
+        self._requests = Counter(
+            "rlhf_http_requests_total",
+            "HTTP requests answered, by path and status code",
+            ["service", "path", "code"],
+            registry=self.registry,
+        )
+        self._seconds = Histogram(
+            "rlhf_http_request_seconds",
+            "HTTP request latency, by path",
+            ["service", "path"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def request(self, route: str, code: int, seconds: float) -> None:
+        self._requests.labels(self.service, route, str(code)).inc()
+        self._seconds.labels(self.service, route).observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

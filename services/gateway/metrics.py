@@ -16,12 +16,11 @@ and the process's (`process_*`, `python_info`). docs/metrics.md lists them.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..agents.session_store import Sessions
-from ..common.metrics import register_process_metrics
-from ..common.rpc.server import LATENCY_BUCKETS
+from ..common.metrics import LATENCY_BUCKETS, HttpMetrics
 
 
 class SessionsCollector:
@@ -51,36 +50,15 @@ class SessionsCollector:
 
 
 class GatewayMetrics:
-    content_type = CONTENT_TYPE_LATEST
+    """The gateway's registry (`http`: its requests, the process's) with its turns and sessions."""
 
     def __init__(self, sessions: Sessions, service: str = "gateway"):
-        self.registry, self.service = CollectorRegistry(), service
-        register_process_metrics(self.registry, service)
-        self.requests = Counter(
-            "rlhf_http_requests_total",
-            "HTTP requests answered, by path and status code",
-            ["service", "path", "code"],
-            registry=self.registry,
-        )
-        self.seconds = Histogram(
-            "rlhf_http_request_seconds",
-            "HTTP request latency, by path",
-            ["service", "path"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self.http = HttpMetrics(service)
         self.turn_seconds = Histogram(
             "rlhf_gateway_turn_seconds",
             "seconds a sampled turn took, from its request's checks to its answer",
             ["service"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=self.http.registry,
         ).labels(service)
-        self.registry.register(SessionsCollector(sessions, service))
-
-    def http(self, path: str, code: int, seconds: float) -> None:
-        self.requests.labels(self.service, path, str(code)).inc()
-        self.seconds.labels(self.service, path).observe(seconds)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        self.http.registry.register(SessionsCollector(sessions, service))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..common.rpc.server import LATENCY_BUCKETS
+from ..common.metrics import LATENCY_BUCKETS
 
 API_PATHS = ("/score", "/get_reward", "/health", "/status")
 REWARD_API_OUTCOMES = ("ok", "http_error", "transport_error", "bad_answer")

@@ -21,11 +21,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from ..common.metrics import register_process_metrics
-from ..common.rpc.server import LATENCY_BUCKETS
+from ..common.metrics import HttpMetrics
 
 if TYPE_CHECKING:
     from .api import TinkerApi
@@ -76,41 +75,23 @@ class ApiCollector:
 
 
 class TinkerMetrics:
-    content_type = CONTENT_TYPE_LATEST
+    """The Tinker API's registry (`http`: its requests, the process's) with the compute thread's
+    work and the API's holdings; `routes` names a request's route (set once the app is built)."""
 
     def __init__(self, api: TinkerApi, service: str = "tinker"):
-        self.registry, self.service = CollectorRegistry(), service
-        register_process_metrics(self.registry, service)
-        self.requests = Counter(
-            "rlhf_http_requests_total",
-            "HTTP requests answered, by path and status code",
-            ["service", "path", "code"],
-            registry=self.registry,
-        )
-        self.seconds = Histogram(
-            "rlhf_http_request_seconds",
-            "HTTP request latency, by path",
-            ["service", "path"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self.http, self.service = HttpMetrics(service), service
         self.work = Histogram(
             "rlhf_tinker_work_seconds",
             "seconds the compute thread spent on a request, by kind",
             ["service", "kind"],
             buckets=WORK_BUCKETS,
-            registry=self.registry,
+            registry=self.http.registry,
         )
-        self.registry.register(ApiCollector(api, service))
+        self.http.registry.register(ApiCollector(api, service))
         self.routes = RouteLabels([])
 
-    def http(self, path: str, code: int, seconds: float) -> None:
-        label = self.routes(path)
-        self.requests.labels(self.service, label, str(code)).inc()
-        self.seconds.labels(self.service, label).observe(seconds)
+    def request(self, path: str, code: int, seconds: float) -> None:
+        self.http.request(self.routes(path), code, seconds)
 
     def worked(self, kind: str, seconds: float) -> None:
         self.work.labels(self.service, kind).observe(seconds)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)

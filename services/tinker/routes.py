@@ -130,7 +130,7 @@ def build_app(
     if metrics is not None:
         _metrics_route(app, metrics)
         metrics.routes = RouteLabels(getattr(r, "path", "") for r in app.routes)
-        observe = lambda method, path, code, seconds: metrics.http(path, code, seconds)  # noqa: E731
+        observe = lambda method, path, code, seconds: metrics.request(path, code, seconds)  # noqa: E731
     return Guard(
         app,
         authorized=api_key(token),
@@ -145,7 +145,7 @@ def build_app(
 def _metrics_route(app: FastAPI, metrics: TinkerMetrics) -> None:
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.exposition(), media_type=metrics.content_type)
+        return Response(metrics.http.exposition(), media_type=metrics.http.content_type)
 
 
 def _configuration_routes(app: FastAPI, api: TinkerApi) -> None:

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..metrics import register_process_metrics
+from ..metrics import LATENCY_BUCKETS, register_process_metrics
 from .client import channel_options, reachable_host
 from .errors import (
     BadRequest,
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 # the status each exception a servicer raises is answered with (the first match wins); anything
 # else is a bug: INTERNAL. RecursionError / OverflowError come from the input (deeply nested
