@@ -4,7 +4,8 @@
 
 Starts an embedded Redis (unless replay.url is set), then the reward, critic, teacher (on-policy
 distillation by a model of its own) and generation servers on free localhost ports, then the
-learner and the rollout workers; waits for each to be ready; shows the learner's progress;
+learner and the rollout workers (and with --tinker the Tinker API on tinker.port); waits for each
+to be ready; shows the learner's progress;
 restarts any service that crashes (Redis included) on the ports it had, up to --max-restarts
 times each (a service after --restart-delay seconds, doubled at each further restart of it; Redis
 at once); at the end, or on Ctrl-C, stops everything in order (the learner first, so it writes a
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from .common.replay.embedded import EmbeddedRedis
 
 NICE_SAMPLERS = 10
+HTTP_ONLY = ("rollout", "tinker")  # no gRPC health to ask: ready once they print LISTENING
 PROGRESS_MARKERS = ("iter ", "done:", "resumed from", "stopped at", "Traceback", "Error", "ERROR")
 
 
@@ -100,7 +102,7 @@ class Child:
     def _is_ready(self) -> bool:
         if not self.listening.is_set():
             return False
-        if self.kind == "rollout":
+        if self.kind in HTTP_ONLY:  # its LISTENING line comes once it serves
             return True
         return health.check(f"127.0.0.1:{self.endpoints['port']}", health.readiness_name(self.kind))
 
@@ -121,7 +123,8 @@ class Child:
 
     def pin_ports(self) -> None:
         """Replace the free ports asked for ("0") with the ones the service got, for restarts."""
-        keys = {"--port": "port", "--metrics-port": "metrics_port", "--http-port": "http_port"}
+        keys = {"--port": "http_port" if self.kind == "tinker" else "port", "--metrics-port": "metrics_port"}
+        keys["--http-port"] = "http_port"
         for i, arg in enumerate(self.cmd[:-1]):
             value = self.endpoints.get(keys.get(arg, ""))
             if self.cmd[i + 1] == "0" and value and value != "None":
@@ -282,10 +285,14 @@ class Launcher:
             first.append(self._spawn("teacher", "teacher", [], *free))
         for i in range(args.generation_servers):
             first.append(self._spawn(f"generation-{i}", "generation", [], *free))
+        if getattr(args, "tinker", False):
+            # the Tinker API beside the run (--tinker): restarted like the others (a restart loses
+            # the models its clients held; their next request says so)
+            first.append(self._spawn("tinker", "tinker", [], "--port", str(cfg.tinker.port)))
         for c in first:
             r = c.wait_ready(args.startup_timeout)
             c.pin_ports()  # a restart comes back where the others look for it
-            print(f"{c.name} ready on port {r.get('port')}", flush=True)
+            print(self._ready_line(c, r), flush=True)
         self.sets = [f"rpc.reward.port={self.children['reward'].endpoints['port']}"]
         if cfg.needs_critic:
             self.sets.append(f"rpc.critic.port={self.children['critic'].endpoints['port']}")
@@ -303,8 +310,17 @@ class Launcher:
             self._spawn(f"rollout-{i}", "rollout", self.sets, "--metrics-port", "0", "--name", f"rollout-{i}")
         for i in range(args.workers):
             self.children[f"rollout-{i}"].wait_ready(args.startup_timeout)
+        self.write_manifest()  # before the line that says the run is up
         print(f"{args.workers} rollout worker(s) running; logs in {shown_path(self.log_dir)}", flush=True)
-        self.write_manifest()
+
+    def _ready_line(self, c: Child, endpoints: dict) -> str:
+        if c.kind != "tinker":
+            return f"{c.name} ready on port {endpoints.get('port')}"
+        cfg = self.cfg
+        return (
+            f"tinker API ready on http://{cfg.tinker.host}:{endpoints.get('http_port')} (TINKER_BASE_URL; "
+            f"TINKER_API_KEY=tml-<{cfg.rpc.auth_token_env} in {shown_path(self.run_dir / 'secrets.env')}>)"
+        )
 
     def _supervise_redis(self) -> int | None:
         """Restart a crashed embedded Redis on its port (its AOF brings the streams back); never
@@ -420,7 +436,8 @@ class Launcher:
         if learner is not None and learner.alive():
             learner.stop(timeout_s=120)  # it checkpoints first
         order = [c for c in self.children.values() if c.kind == "rollout"]
-        order += [c for c in self.children.values() if c.kind in ("generation", "critic", "teacher", "reward")]
+        servers = ("generation", "critic", "teacher", "reward", "tinker")
+        order += [c for c in self.children.values() if c.kind in servers]
         for c in order:
             c.signal(signal.SIGTERM)
         for c in order:

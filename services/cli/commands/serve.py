@@ -87,7 +87,7 @@ def flag_problem(args) -> str | None:
         return f"--http-port is for the reward server and the learner (not the {args.service})"
     http_only = {"gateway": "the gateway", "tinker": "the Tinker API"}.get(args.service)
     if args.metrics_port is not None and http_only:
-        return f"--metrics-port: {http_only} serves no /metrics of its own yet (its --port is its HTTP port)"
+        return f"--metrics-port: {http_only} serves /metrics on its HTTP port (--port), not a port of its own"
     if args.port is not None and args.service == "rollout":
         return "--port: a rollout worker serves no gRPC (its /metrics port is --metrics-port)"
     if args.nproc is not None and args.service not in ("learner", "critic"):

@@ -35,6 +35,12 @@ def add_parser(sub) -> None:
         "that service (default 0: at once; Redis is always restarted at once)",
     )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds a service may take to be ready")
+    p.add_argument(
+        "--tinker",
+        action="store_true",
+        help="also serve the Tinker API (`rlhf serve tinker`) on tinker.port for as long as the run lasts: "
+        "the official tinker SDK trains models of its own there, beside the run (docs/tinker.md)",
+    )
     p.set_defaults(func=cmd_up)
 
 
