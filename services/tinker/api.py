@@ -52,7 +52,7 @@ from .protocol import (
     SaveWeights,
     SessionRef,
 )
-from .sampling import Sampler, SampleSpec, Weights, WeightsCache
+from .sampling import SampleBatches, SampleJob, Sampler, SampleSpec, Weights, WeightsCache
 from .sequence import Sequence
 from .training import Adam, ModelSpec, TrainingModel, lora_targets
 from .wire import Limits, forward_backward_output, read_forward_backward, sample_response
@@ -114,6 +114,7 @@ class TinkerApi:
         self.store = Store(self.t.root)
         self.sampler = Sampler(backend)
         self.weights = WeightsCache(self.t.max_sampler_weights)
+        self.batches = SampleBatches(self.compute.submit, self._sample_batch, self.t.sample_batch)
         local = Path(cfg.model.path)
         self.model_dir = str(local.resolve()) if local.is_dir() else cfg.model.path
         self.model_name = self.t.model_name or local.name
@@ -542,14 +543,15 @@ class TinkerApi:
             return answer
         request_id, future = self.futures.create()
 
-        def work() -> Outcome:
-            weights = {} if key == Sampler.BASE else self.weights.get(key, load)
-            self.sampler.use(key, weights)
-            sequences, prompt_logprobs = self.sampler.sample(spec)
-            return Outcome(sample_response(sequences, prompt_logprobs), PROTOBUF)
+        def finish(result) -> None:
+            def answer() -> Outcome:
+                if isinstance(result, BaseException):
+                    raise result
+                return Outcome(sample_response(*result), PROTOBUF)
 
-        timed = self._timed("sample", work)
-        self.compute.submit(lambda: future.set_result(outcome_of(timed)))
+            future.set_result(outcome_of(answer))
+
+        self.batches.add(SampleJob(key, load, spec, finish))
         answer = {
             "request_id": request_id,
             "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)],
@@ -559,6 +561,16 @@ class TinkerApi:
             while len(sampler.seen) > 1024:
                 sampler.seen.popitem(last=False)
         return answer
+
+    def _sample_batch(self, key: str, load, specs: list[SampleSpec]):
+        """One batch of sample requests on the compute thread: the weights they name served, one
+        generate call (its seconds are the metrics' `sample` work)."""
+        t0 = time.perf_counter()
+        try:
+            self.sampler.use(key, {} if key == Sampler.BASE else self.weights.get(key, load))
+            return self.sampler.sample(specs)
+        finally:
+            self.on_work("sample", time.perf_counter() - t0)
 
     def _sample_spec(self, req: Sample) -> SampleSpec:
         """The request as the backend takes it, every number inside what this server serves."""

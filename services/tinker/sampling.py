@@ -1,6 +1,12 @@
 """Sampling for the Tinker API: the project's generation backend in this process (`make_backend`,
 the `hf` engine), holding the base model or a sampler checkpoint's weights over it.
 
+Sample requests are decoded in batches (`SampleBatches`): what has queued by the time the compute
+thread comes to them is grouped by weights and sampling parameters, and each group is one
+`generate` call of at most `tinker.sample_batch` sequences (a recipe's `asample`s of one step,
+sent at once, decode together). A seeded request is decoded alone: its samples must not depend on
+what else was queued.
+
 Weights are swapped in through the backend's `update_weights` (each swap a newer policy
 version) only when a request names other weights than those it holds: a LoRA checkpoint is its
 merged layers (loaded over the base), and the base tensors those replace are kept (`_base`) so
@@ -11,6 +17,7 @@ teacher-forced scores (`score`). Everything here runs on the compute thread."""
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -90,14 +97,17 @@ class Sampler:
         self.backend.update_weights({**restore, **weights}, self._version)
         self._changed, self._held = set(weights), (key, weights)
 
-    def sample(self, spec: SampleSpec) -> tuple[list[Sequence], list[float] | None]:
-        """`spec.params.n` samples of the prompt, and its own log-probs when asked (NaN first)."""
-        result = self.backend.generate([spec.prompt], spec.params)
-        sequences = [
-            self._cut(Sequence(list(c.token_ids), list(c.log_probs), c.finish_reason == "stop"), spec.stop_strings)
-            for c in result.completions[0]
+    def sample(self, specs: list[SampleSpec]) -> list[tuple[list[Sequence], list[float] | None]]:
+        """Per spec (one sampling parameters for all), `params.n` samples of its prompt and the
+        prompt's own log-probs when asked (NaN first): one generate call for them all."""
+        result = self.backend.generate([spec.prompt for spec in specs], specs[0].params)
+        return [
+            (
+                [self._cut(_sequence(c), spec.stop_strings) for c in completions],
+                self._prompt_logprobs(spec.prompt) if spec.prompt_logprobs else None,
+            )
+            for spec, completions in zip(specs, result.completions)
         ]
-        return sequences, (self._prompt_logprobs(spec.prompt) if spec.prompt_logprobs else None)
 
     def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
         if len(prompt) < 2:
@@ -113,3 +123,72 @@ class Sampler:
             if any(stop in self.tokenizer.decode(s.tokens[:k]) for stop in stops):
                 return Sequence(s.tokens[:k], s.logprobs[:k], True)
         return s
+
+
+def _sequence(c) -> Sequence:
+    return Sequence(list(c.token_ids), list(c.log_probs), c.finish_reason == "stop")
+
+
+@dataclass
+class SampleJob:
+    """A queued sample request: the weights it names (`key`, and how to read them back when not
+    held), what to decode, and where its answer goes (`finish`: its samples, or the exception)."""
+
+    key: str
+    load: Callable[[], Weights] | None
+    spec: SampleSpec
+    finish: Callable[[tuple[list[Sequence], list[float] | None] | BaseException], None]
+
+    def batch_key(self) -> tuple | None:
+        """Jobs of one key decode together; None: alone (a seeded request)."""
+        p = self.spec.params
+        if p.seed is not None:
+            return None
+        stops = (tuple(p.stop_token_ids), self.spec.stop_strings)
+        return (self.key, p.n, p.temperature, p.top_p, p.top_k, p.max_new_tokens, stops)
+
+
+class SampleBatches:
+    """Sample jobs waiting for the compute thread (`submit` queues work there), run as batches:
+    `run(key, load, specs)` decodes one batch there (a list of each spec's result). A drain is
+    queued when the first job of an empty queue arrives; it takes every job queued by then."""
+
+    def __init__(self, submit: Callable[[Callable[[], None]], Any], run: Callable, max_sequences: int):
+        self.submit, self.run, self.max_sequences = submit, run, max_sequences
+        self._pending: list[SampleJob] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def add(self, job: SampleJob) -> None:
+        with self._lock:
+            self._pending.append(job)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.submit(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            jobs, self._pending, self._scheduled = self._pending, [], False
+        for batch in self.batches(jobs):
+            try:
+                results = self.run(batch[0].key, batch[0].load, [j.spec for j in batch])
+            except BaseException as e:  # every job of the batch is answered with it
+                for job in batch:
+                    job.finish(e)
+                continue
+            for job, result in zip(batch, results):
+                job.finish(result)
+
+    def batches(self, jobs: list[SampleJob]) -> list[list[SampleJob]]:
+        """`jobs` in batches: by batch key, in the order each key first came, each batch at most
+        `max_sequences` sequences (a job larger than that alone)."""
+        groups: dict[object, list[list[SampleJob]]] = {}
+        for i, job in enumerate(jobs):
+            key = job.batch_key()
+            runs = groups.setdefault(key if key is not None else ("alone", i), [[]])
+            size = sum(j.spec.params.n for j in runs[-1])
+            if runs[-1] and size + job.spec.params.n > self.max_sequences:
+                runs.append([])
+            runs[-1].append(job)
+        return [batch for runs in groups.values() for batch in runs]

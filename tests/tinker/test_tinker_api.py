@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -176,6 +178,33 @@ def test_samples_carry_the_log_probs_a_plain_forward_gives(client, tok, tiny_mod
     scored = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert scored[0] is None
     np.testing.assert_allclose(scored[1:], _plain_log_probs(model, prompt[:1], prompt[1:]), atol=1e-4)
+
+
+def test_sample_requests_queued_together_decode_in_one_batch(client, server, tok, monkeypatch):
+    """Eight requests sent while the compute thread is busy: one generate call decodes them all."""
+    sc = client.create_sampling_client(base_model="tiny").result()
+    backend, calls = server.api.sampler.backend, []
+    real = backend.generate
+
+    def counting(prompts, params, *args, **kwargs):
+        calls.append(len(prompts))
+        return real(prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "generate", counting)
+    busy = threading.Event()
+    server.api.compute.submit(busy.wait, 60)
+    try:
+        params = types.SamplingParams(max_tokens=4, temperature=1.0)
+        words = ["abc", "hello", "xy", "pqrs", "a", "bb", "ccc", "dddd"]
+        futures = [sc.sample(types.ModelInput.from_ints(tok.encode(f"{w}=")), 2, params) for w in words]
+        deadline = time.monotonic() + 60
+        while len(server.api.batches._pending) < len(words) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        busy.set()
+    results = [f.result() for f in futures]
+    assert calls == [len(words)]
+    assert all(len(r.sequences) == 2 and all(1 <= len(s.tokens) <= 4 for s in r.sequences) for r in results)
 
 
 def test_a_trained_models_sampler_weights_sample_what_it_says(client, tok):

@@ -57,6 +57,12 @@ class TinkerConfig(Strict):
         "null = prompt_length + response_length",
     )
     max_samples: int = Field(default=64, ge=1, description="most num_samples of one sample request")
+    sample_batch: int = Field(
+        default=64,
+        ge=1,
+        description="most sequences (prompts x num_samples) decoded together: sample requests queued at once on "
+        "the same weights with the same sampling parameters share one generate call, up to this many",
+    )
     max_sample_tokens: Optional[int] = Field(
         default=None, ge=1, description="most max_tokens of one sample request; null = response_length"
     )
