@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..common.rpc.retry import DependencyUnavailable
+from ..training.watch import restore_watch
 from .source import quietly
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class LearnerState:
         t.iteration, t.baseline = int(state["iteration"]), state["baseline"]
         self.source.intake.counters.update(state["counters"])
         self.metrics.counted(self.source.counters, restored=True)  # Prometheus counts this process's events
-        t.watch.load_state_dict(state.get("watch", {}))  # absent in checkpoints of older versions
+        restore_watch(t.watch, state.get("watch", {}), self.log.warning)  # absent in older checkpoints
         self.metrics.suspected(t.watch.last.suspected)
         # versions only go forward: the restored weights get a number above anything served
         self.learner.policy_version = self.sink.next_version()

@@ -42,7 +42,7 @@ from .evaluate import write_rows
 from .policy_checkpoints import PolicyCheckpoints
 from .runlog import RunLog
 from .schedule import Schedule, Tick
-from .watch import HackingWatch, Verdict, judge
+from .watch import HackingWatch, Verdict, judge, restore_watch, reward_identity
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -159,7 +159,7 @@ class TrainingLoop:
         self._observe, self._judged = observe, judged
         self.phase = phase or Phase()
         self.stop_event, self.time_eval = stop_event, time_eval
-        self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change)
+        self.watch = HackingWatch(cfg.run.hacking_window, cfg.run.hacking_min_change, reward_identity(cfg.reward))
         self.iteration = 0
         self.baseline: float | None = None
         self.last = {"reward": float("nan"), "eval": float("nan")}
@@ -183,7 +183,7 @@ class TrainingLoop:
     def load_loop_state(self, state: dict) -> None:
         self.iteration, self.baseline = int(state["iteration"]), state["baseline"]
         self.last = dict(state["last"])
-        self.watch.load_state_dict(state["watch"])
+        restore_watch(self.watch, state["watch"], log.warning)
         self.rollbacks = int(state.get("rollbacks", 0))  # checkpoints from before rollbacks have none
 
     # ------------------------------------------------------------------ the loop

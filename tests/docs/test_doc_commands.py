@@ -136,6 +136,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/environments.md", '{"id": "reverse-eval-dcf", "prompt": "dcf=", "response":'): PROSE,  # its rows
     ("docs/environments.md", "$ python benchmarks/bench_openenv.py -c configs/tiny-cpu.yaml"): PARSE,  # a minute
     ("docs/evaluate.md", "tail -n 3 runs/tiny-cpu/generations/iter_000100.jsonl"): PARSE,  # after make run
+    ("docs/evaluate.md", "WARNING services.learner.run: the reward-hacking watch"): PROSE,  # a log line
     ("docs/evaluate.md", "rlhf eval -c FILE [--model DIR] [--baseline DIR] [--data"): PARSE,  # a synopsis
     ("docs/evaluate.md", "16 prompts from synthetic:reverse, 1 sample(s) each (greedy)"): PROSE,
     ("docs/evaluate.md", '{"id": "reverse-eval-dcf", "prompt": "dcf=", "response":'): PROSE,

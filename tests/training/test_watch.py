@@ -1,6 +1,7 @@
 """The reward-hacking watch on sequences of evaluations: it fires when the held-out reward falls
-while the train reward rises, by at least the threshold across a full window, and only then; it
-warns once per onset; its state survives a checkpoint."""
+while the train reward rises, by at least the threshold across a full window or since the run's
+start, and only then; it warns once per onset; its state survives a checkpoint, but not a change
+of the training reward."""
 
 import pytest
 
@@ -40,6 +41,7 @@ def test_fires_on_falling_eval_and_rising_train():
         "iterations": [2, 4, 6],
         "eval_change": pytest.approx(-0.3),
         "train_change": pytest.approx(0.4),
+        "since_start": False,
         "since_iteration": 6,
     }
 
@@ -89,7 +91,7 @@ def test_warns_once_per_onset_and_clears():
     warnings = []
     rows = []
     for it, (eval_reward, train_reward) in enumerate(
-        [(0.9, 0.1), (0.7, 0.3), (0.5, 0.5), (0.6, 0.5), (0.4, 0.7)], start=1
+        [(0.9, 0.1), (0.7, 0.3), (0.5, 0.5), (1.0, 0.5), (0.8, 0.7)], start=1
     ):
         watch.train(train_reward)
         rows.append(judge(watch, it, {"eval/reward_mean": eval_reward}, warnings.append)[1])
@@ -126,3 +128,40 @@ def test_an_evaluation_without_training_since_repeats_no_onset():
     assert verdicts[-1].suspected and verdicts[-1].onset
     again = w.evaluated(7, 0.5)  # no train reward since
     assert again.suspected and not again.onset
+
+
+def test_a_fall_from_the_start_before_the_window_fills():
+    """Iterated RLHF's first round on SmolLM2, as it went: the held-out reward 0.117 at the
+    baseline, 0.102 and 0.062 after 4 and 8 iterations, the proxy rising all along: two
+    evaluations after the baseline are no window of 3, but the fall from the start is seen."""
+    watch = HackingWatch(window=3, min_change=0.05)
+    assert not watch.evaluated(0, 0.117).suspected
+    verdicts = []
+    for it, (held_out, train) in enumerate([(0.102, 0.9), (0.062, 1.4)], start=1):
+        for _ in range(4):
+            watch.train(train)
+        verdicts.append(watch.evaluated(4 * it, held_out))
+    assert [v.suspected for v in verdicts] == [False, True]
+    v = verdicts[-1]
+    assert v.onset and v.since_start and v.iterations == [0, 8]
+    assert v.eval_change == pytest.approx(-0.055) and v.train_change == pytest.approx(0.5)
+    assert "since the evaluation of iteration 0 (to iteration 8)" in v.message()
+    # a run that gains on the held-out set is not flagged from the start, whatever its train reward
+    calm = HackingWatch(window=3, min_change=0.05)
+    calm.evaluated(0, 0.117)
+    assert not any(v.suspected for v in _feed(calm, [(0.10, 0.9), (0.13, 1.4), (0.15, 1.6)], per_eval=4))
+
+
+def test_a_watch_of_another_reward_is_not_restored():
+    a = HackingWatch(window=3, min_change=0.05, reward="round-1")
+    a.evaluated(0, 0.117)
+    _feed(a, [(0.102, 0.9), (0.062, 1.4)])
+    assert a.last.suspected
+    same = HackingWatch(window=3, min_change=0.05, reward="round-1")
+    assert same.load_state_dict(a.state_dict()) and same.last.suspected and same.start == (0, 0.117)
+    other = HackingWatch(window=3, min_change=0.05, reward="round-2")
+    assert not other.load_state_dict(a.state_dict())
+    assert other.start is None and other.points == [] and not other.last.suspected
+    # from there it starts again: its first evaluation is its start
+    verdicts = _feed(other, [(0.30, 0.2), (0.25, 0.5), (0.20, 0.8)])
+    assert other.start == (2, 0.30) and [v.suspected for v in verdicts] == [False, False, True]

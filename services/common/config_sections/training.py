@@ -150,8 +150,9 @@ class RunConfig(Strict):
         default=3,
         ge=0,
         description="reward-hacking watch: held-out evaluations compared (>= 2); "
-        "it warns while across them the held-out reward falls and the train reward rises; "
-        "0 = off",
+        "it warns while across them the held-out reward falls and the train reward rises, "
+        "or, once this many - 1 have followed the baseline, the held-out reward is below the "
+        "baseline's while the train reward is above its first interval's; 0 = off",
     )
     hacking_min_change: float = Field(
         default=0.05,
