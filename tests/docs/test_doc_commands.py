@@ -116,6 +116,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/iterated-rlhf.md", "rlhf iterate -c configs/smollm2-rlhf-iterated.yaml"): PARSE,  # SmolLM2, an hour
     ("docs/iterated-rlhf.md", "iterate:"): PARTIAL,
     ("docs/iterated-rlhf.md", "== round 2 of 3 =="): PROSE,  # what it prints
+    ("docs/iterated-rlhf.md", "pairs from runs/smollm2-rlhf-iterated/round-2/policy"): PROSE,  # ... at the end
     ("docs/iterated-rlhf.md", "RUN_DIR/"): PROSE,  # the layout
     ("docs/environments.md", "config error in c.yaml: rollout.environment:"): PROSE,  # an unknown kind refused
     ("docs/environments.md", "# gym.yaml"): CONFIG,  # test_reasoning_gym writes it as gym.yaml
