@@ -192,6 +192,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "... INFO services.tinker.server: tinker: the Tinker"): PROSE,  # its output
     ("docs/tinker.md", "$ .venv/bin/rlhf up -c configs/tiny-cpu.yaml --run-dir"): PARSE,  # tests/e2e/test_up_tinker.py
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_sampling.py"): PARSE,  # SmolLM2, a minute
+    ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_overhead.py"): PARSE,  # SmolLM2, a minute
     ("docs/tinker.md", "import tinker"): SOURCE,  # the SDK's calls: tests/tinker/test_tinker_api.py
     ("docs/tinker.md", "$ make tinker-venv"): PARSE,  # pip, minutes
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=local .venv/bin/rlhf serve tinker"): PARSE,  # SmolLM2, a server
