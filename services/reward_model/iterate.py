@@ -120,17 +120,15 @@ class Rounds:
         train_file, held_file = d / "pairs-train.jsonl", d / "pairs-held-out.jsonl"
         if train_file.exists() and held_file.exists():
             return
-        rows = [json.loads(line) for line in pairs.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(pairs)
         if not rows:
             raise ValueError(
                 f"{pairs}: no pairs (the judge told none of the policy's answers apart); more prompts or samples"
             )
-        prompts = {r["prompt"]: r for r in rows}
-        keys = PreferenceKeys()
-        _, held = split_held_out(
-            load_preferences(str(pairs), "train", keys), self.cfg.reward_model.eval_fraction, self.cfg.reward_model.seed
-        )
-        held_prompts = {p.prompt for p in held} & set(prompts)
+        # the held-out prompts as train-rm chooses them (by prompt, its seed), the rows kept as written
+        preferences = load_preferences(str(pairs), "train", PreferenceKeys())
+        _, held = split_held_out(preferences, self.cfg.reward_model.eval_fraction, self.cfg.reward_model.seed)
+        held_prompts = {p.prompt for p in held}
         write_jsonl(train_file, [r for r in rows if r["prompt"] not in held_prompts])
         write_jsonl(held_file, [r for r in rows if r["prompt"] in held_prompts])
 
@@ -332,15 +330,11 @@ def iterate_problem(cfg: Config) -> str | None:
 def held_out_at(metrics: Path, iteration: int) -> dict:
     """The gold (`eval/reward_mean`) and proxy (`eval/proxy_reward_mean`) held-out rewards of the
     newest evaluation at or before `iteration` in a run's metrics.jsonl."""
-    rows = [r for r in read_jsonl(metrics) if "eval/reward_mean" in r and r.get("iteration", 0) <= iteration]
-    if not rows:
+    curve = [point for point in gold_curve(metrics) if point[0] <= iteration]
+    if not curve:
         raise ValueError(f"{metrics}: no held-out evaluation up to iteration {iteration}")
-    last = rows[-1]
-    return {
-        "gold": last["eval/reward_mean"],
-        "proxy": last.get("eval/proxy_reward_mean"),
-        "evaluated_at": last["iteration"],
-    }
+    evaluated_at, gold, proxy = curve[-1]
+    return {"gold": gold, "proxy": proxy, "evaluated_at": evaluated_at}
 
 
 def gold_curve(metrics: Path) -> list[tuple[int, float, float | None]]:
