@@ -39,7 +39,7 @@ def _measure(cfg_path: str, batch: int, args) -> dict:
     svc = serve(cfg).start()
     tok = load_tokenizer(cfg.model.path)
     calls: list[int] = []
-    backend = svc.api.sampler.backend
+    backend = svc.api.engine.backend
     real = backend.generate
 
     def counting(prompts, params, *a, **k):

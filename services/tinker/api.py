@@ -52,7 +52,7 @@ from .protocol import (
     SaveWeights,
     SessionRef,
 )
-from .sampling import SampleBatches, SampleJob, Sampler, SampleSpec, Weights, WeightsCache
+from .sampling import Engine, SampleBatches, SampleJob, SampleSpec, Weights, WeightsCache
 from .sequence import Sequence
 from .training import Adam, ModelSpec, TrainingModel, lora_targets
 from .wire import Limits, forward_backward_output, read_forward_backward, sample_response
@@ -112,7 +112,7 @@ class TinkerApi:
         self.compute = ComputeThread("tinker-compute")
         self.futures = Futures(self.ids, self.t.max_futures, self.t.poll_hold_s, self.t.max_result_bytes)
         self.store = Store(self.t.root)
-        self.sampler = Sampler(backend)
+        self.engine = Engine(backend)
         self.weights = WeightsCache(self.t.max_sampler_weights)
         self.batches = SampleBatches(self.compute.submit, self._sample_batch, self.t.sample_batch)
         local = Path(cfg.model.path)
@@ -492,7 +492,7 @@ class TinkerApi:
         if base_model is None:
             raise ApiError(400, "name the weights to sample: base_model or model_path", param="model_path")
         self._check_base_model(base_model)
-        return Sampler.BASE, dict
+        return Engine.BASE, dict
 
     def create_sampling_session(self, req: CreateSamplingSession) -> dict:
         session = self._session(req.session_id)
@@ -567,8 +567,8 @@ class TinkerApi:
         generate call (its seconds are the metrics' `sample` work)."""
         t0 = time.perf_counter()
         try:
-            self.sampler.use(key, {} if key == Sampler.BASE else self.weights.get(key, load))
-            return self.sampler.sample(specs)
+            self.engine.use(key, {} if key == Engine.BASE else self.weights.get(key, load))
+            return self.engine.sample(specs)
         finally:
             self.on_work("sample", time.perf_counter() - t0)
 

@@ -70,7 +70,10 @@ class WeightsCache:
         return self._held[key]
 
 
-class Sampler:
+class Engine:
+    """The generation backend of this process and the weights it serves now (the base model's, or a
+    sampler checkpoint's over them): one set at a time, swapped when a batch names another."""
+
     BASE = ""  # the key of the base model's weights
 
     def __init__(self, backend: GenerationBackend):
