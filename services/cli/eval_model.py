@@ -5,12 +5,13 @@
 
 MODEL and the baseline may be any model directory: the base, a run's `final/` or `best/`, a
 Hugging Face checkpoint (`checkpoints/iter_N` of `rlhf train --local`), a checkpoint of `rlhf up`
-(`learner.pt`, its policy loaded into model.path's architecture), or a LoRA adapter directory
-(merged into the base it names). The prompts are data.eval (or --data) as the config reads them,
-the first data.eval_size (or --limit); the reward is the config's held-out reward
-(reward.eval_rules, else the training reward: rules, a reward model, an HTTP API), or the rule
---rule names. Greedy by default (generation.eval_temperature); --n N samples per prompt gives
-mean@N and, with --pass-reward, pass@N.
+(`learner.pt`, its policy loaded into model.path's architecture), a LoRA adapter directory
+(merged into the base it names), or the Tinker API's sampler weights (`tinker://RUN/
+sampler_weights/NAME`, found under tinker.root, loaded over model.path). The prompts are
+data.eval (or --data) as the config reads them, the first data.eval_size (or --limit); the reward
+is the config's held-out reward (reward.eval_rules, else the training reward: rules, a reward
+model, an HTTP API), or the rule --rule names. Greedy by default (generation.eval_temperature);
+--n N samples per prompt gives mean@N and, with --pass-reward, pass@N.
 
 Writes OUT/NAME.jsonl (one row per sample: id, prompt, response, label, reward, components,
 sample) and OUT/summary.json, and prints a summary (side by side with --baseline). OUT is --out,
@@ -240,7 +241,23 @@ def missing_policies(paths: dict[str, str | None]) -> list[str]:
     ]
 
 
+def tinker_checkpoint(cfg: Config, flag: str, path: str | None) -> str | None:
+    """A `tinker://RUN/sampler_weights/NAME` path as the directory it names under tinker.root (the
+    Tinker API's sampler weights, over model.path); any other path as it is."""
+    if path is None or not path.startswith("tinker://"):
+        return path
+    from ..tinker.checkpoints import Store, TinkerPath
+    from ..tinker.protocol import ApiError
+
+    try:
+        return str(Store(cfg.tinker.root).found(TinkerPath.parse(path, "sampler_weights", flag)))
+    except ApiError as e:
+        raise ValueError(f"{e.message} (under tinker.root={cfg.tinker.root})") from None
+
+
 def main_eval(cfg: Config, args) -> int:
+    args.model = tinker_checkpoint(cfg, "--model", args.model)
+    args.baseline = tinker_checkpoint(cfg, "--baseline", args.baseline)
     missing = missing_policies({"--model": args.model or cfg.model.path, "--baseline": args.baseline})
     if missing:
         raise ValueError("; ".join(missing))

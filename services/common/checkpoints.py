@@ -13,6 +13,10 @@
                                   directory beside learner.pt (a checkpoint any tool can load)
     RUN_DIR/final/, best/         the policy as a Hugging Face directory
 
+Beside them, weights over a base model (the Tinker API's sampler weights, tinker.root/<run>/
+sampler_weights/<name>/): `weights.safetensors` of the tensors that differ from the base (a LoRA
+merged into its layers), `meta.json`, no config.json (`write_overlay`, `read_overlay`).
+
 The rest of learner.pt's entries belong to the mode that wrote it (`rlhf up`: the feeder's place,
 counters, the trajectories to acknowledge; `train --local`: the prompt sampler's place and the
 loop's counters); only that mode goes on from it (`mode`).
@@ -21,6 +25,7 @@ loop's counters); only that mode goes on from it (`mode`).
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,3 +144,25 @@ def read_critic_optim(path: str | Path, map_location="cpu") -> CriticOptim:
     if "optimizer" not in raw:
         raise ValueError(f"{CRITIC_OPTIM}: holds no optimiser state")
     return CriticOptim(steps, state=raw["optimizer"])
+
+
+# ------------------------------------------------------------------ weights over a base model
+OVERLAY_WEIGHTS, OVERLAY_META = "weights.safetensors", "meta.json"
+
+
+def write_overlay(path: str | Path, weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(Path(path) / OVERLAY_WEIGHTS))
+    (Path(path) / OVERLAY_META).write_text(json.dumps({"tensors": len(weights)}))
+
+
+def is_overlay(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / OVERLAY_WEIGHTS).is_file() and (p / OVERLAY_META).is_file() and not (p / "config.json").exists()
+
+
+def read_overlay(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / OVERLAY_WEIGHTS))

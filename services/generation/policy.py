@@ -4,8 +4,8 @@ backend or a model directory.
 
 `path` may be a Hugging Face model directory (the base, a run's `final/` or `best/`, a checkpoint of
 `rlhf train --local`), a checkpoint of `rlhf up` (`learner.pt` alone: its policy loaded into
-`base`'s architecture; the format is services/common/checkpoints.py's), or a LoRA adapter
-directory (merged into the base it names)."""
+`base`'s architecture; the format is services/common/checkpoints.py's), weights over `base` (the
+Tinker API's sampler weights), or a LoRA adapter directory (merged into the base it names)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..common.checkpoints import is_complete, policy_weights
+from ..common.checkpoints import is_complete, is_overlay, policy_weights, read_overlay
 from ..common.model_files import check_model_dir, save_model_dir
 from .backend import HFBackend
 
@@ -56,6 +56,13 @@ def load_policy(path: str, base: str, device: str = "cpu") -> HFBackend:
             raise ValueError(
                 f"{p}: its policy does not fit model.path={base} (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
+        return backend
+    if is_overlay(p):  # weights over the base (the Tinker API's sampler weights)
+        backend, weights = HFBackend(base, device), read_overlay(p)
+        unexpected = sorted(set(weights) - set(backend.model.state_dict()))
+        if unexpected:
+            raise ValueError(f"{p}: its weights do not fit model.path={base} (unexpected {unexpected[:3]})")
+        backend.model.load_state_dict(weights, strict=False)
         return backend
     if (p / "adapter_config.json").exists() and not (p / "config.json").exists():
         from peft import PeftModel

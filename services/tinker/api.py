@@ -21,7 +21,6 @@ dictionaries here are the loop's; the compute thread gets closures over what the
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..common.checkpoints import read_overlay, write_overlay
 from ..common.compute import ComputeThread
 from ..common.types import GenerationBackend, SamplingParams
 from .checkpoints import Store, TinkerPath, check_name
@@ -60,7 +60,7 @@ from .wire import Limits, forward_backward_output, read_forward_backward, sample
 if TYPE_CHECKING:
     from ..common.config import Config
 
-STATE_FILE, SAMPLER_FILE = "state.pt", "weights.safetensors"
+STATE_FILE = "state.pt"
 
 
 @dataclass
@@ -423,7 +423,7 @@ class TinkerApi:
 
             def named(model: TrainingModel) -> Outcome:
                 weights = model.sampler_weights()
-                self.store.write(path, lambda d: _write_sampler(d, weights))
+                self.store.write(path, lambda d: write_overlay(d, weights))
                 self.weights.put(path.uri, weights)
                 return json_outcome({"type": "save_weights_for_sampler", "path": path.uri})
 
@@ -488,7 +488,7 @@ class TinkerApi:
         if model_path is not None:
             path = TinkerPath.parse(model_path, "sampler_weights", what="model_path")
             directory = self.store.found(path)
-            return path.uri, lambda: _read_sampler(directory)
+            return path.uri, lambda: read_overlay(directory)
         if base_model is None:
             raise ApiError(400, "name the weights to sample: base_model or model_path", param="model_path")
         self._check_base_model(base_model)
@@ -651,16 +651,3 @@ def _restarted(model_id: str, action: str) -> str:
         "Create a training client from your last checkpoint (ServiceClient."
         "create_training_client_from_state_with_optimizer)"
     )
-
-
-def _write_sampler(directory: Path, weights: Weights) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / SAMPLER_FILE))
-    (directory / "meta.json").write_text(json.dumps({"tensors": len(weights)}))
-
-
-def _read_sampler(directory: Path) -> Weights:
-    from safetensors.torch import load_file
-
-    return load_file(str(directory / SAMPLER_FILE))

@@ -193,6 +193,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "$ .venv/bin/rlhf up -c configs/tiny-cpu.yaml --run-dir"): PARSE,  # tests/e2e/test_up_tinker.py
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_sampling.py"): PARSE,  # SmolLM2, a minute
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_overhead.py"): PARSE,  # SmolLM2, a minute
+    ("docs/tinker.md", "$ .venv/bin/rlhf eval -c configs/smollm2-cpu.yaml --model"): PARSE,  # needs the run's weights
     ("docs/tinker.md", "import tinker"): SOURCE,  # the SDK's calls: tests/tinker/test_tinker_api.py
     ("docs/tinker.md", "$ make tinker-venv"): PARSE,  # pip, minutes
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=local .venv/bin/rlhf serve tinker"): PARSE,  # SmolLM2, a server

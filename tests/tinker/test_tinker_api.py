@@ -19,8 +19,11 @@ import torch
 from tinker import types
 from tinker.proto import request_conv
 
+from services.cli.eval_model import tinker_checkpoint
 from services.common.config import config_from_dict
 from services.common.model_files import load_causal_lm, load_tokenizer
+from services.common.types import SamplingParams
+from services.generation.policy import load_policy
 from services.tinker.server import serve
 from tests.grpc_helpers import TOKEN
 
@@ -207,7 +210,7 @@ def test_sample_requests_queued_together_decode_in_one_batch(client, server, tok
     assert all(len(r.sequences) == 2 and all(1 <= len(s.tokens) <= 4 for s in r.sequences) for r in results)
 
 
-def test_a_trained_models_sampler_weights_sample_what_it_says(client, tok):
+def test_a_trained_models_sampler_weights_sample_what_it_says(client, server, tok, tiny_model_dir):
     prompt = tok.encode("hello=")
     greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
     base = client.create_sampling_client(base_model="tiny").result()
@@ -237,6 +240,15 @@ def test_a_trained_models_sampler_weights_sample_what_it_says(client, tok):
     assert named.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0].tokens == after.tokens
     again = base.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
     assert again.tokens == before.tokens and np.allclose(again.logprobs, before.logprobs, atol=1e-5)
+    # `rlhf eval --model tinker://...` finds the file under tinker.root and loads it over the base
+    found = tinker_checkpoint(server.cfg, "--model", path)
+    evaluated = load_policy(found, tiny_model_dir)
+    out = evaluated.generate([prompt], SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
+    assert list(out.completions[0][0].token_ids) == after.tokens
+    with pytest.raises(ValueError, match="no checkpoint"):
+        tinker_checkpoint(server.cfg, "--model", path.replace("step3", "nothing"))
+    with pytest.raises(ValueError, match="this takes sampler_weights"):
+        tinker_checkpoint(server.cfg, "--model", path.replace("sampler_weights", "weights"))
 
 
 def test_a_retried_optim_step_is_applied_once(client, server, raw, tok):

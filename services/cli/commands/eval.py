@@ -12,8 +12,8 @@ def add_parser(sub) -> None:
     add_config_args(p)
     p.add_argument(
         "--model",
-        help="the model: a directory (base, final/, best/, a checkpoint, a LoRA adapter) or "
-        "hub id (default model.path)",
+        help="the model: a directory (base, final/, best/, a checkpoint, a LoRA adapter), the Tinker API's "
+        "sampler weights (tinker://RUN/sampler_weights/NAME under tinker.root) or a hub id (default model.path)",
     )
     p.add_argument("--baseline", help="another model scored on the same prompts, side by side")
     p.add_argument(
