@@ -110,7 +110,7 @@ class HackingWatch:
         before (the baseline) has no train reward to compare with and is not a point."""
         if self.enabled and self.start is None:
             self.start = (iteration, float(eval_reward))  # the baseline, else the first point
-        if not self.enabled or not self._train:
+        if not self.enabled or not self._train or self.start is None:
             return replace(self.last, onset=False)  # nothing new: no second warning for one onset
         train = sum(self._train) / len(self._train)
         self.points.append((iteration, float(eval_reward), train))
