@@ -77,10 +77,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
 fi
 
 # 5. the CPU image: at its peak the build holds the build stage and the runtime's copy of its
-# venv at once (about 4 GB with the base image); say so before Docker's "no space left on device"
+# venv at once (about 5 GB with the base image and the wheelhouse); say so before Docker's "no space
+# left on device"
 free_gib=$(df -Pk "$(docker info -f '{{.DockerRootDir}}')" | awk 'NR==2 {printf "%.1f", $4 / 1048576}')
 if awk -v f="$free_gib" 'BEGIN {exit !(f < 5)}'; then
-  echo "docker setup: WARNING: $free_gib GiB free where Docker keeps its images; building $IMAGE needs about 4.5" >&2
+  echo "docker setup: WARNING: $free_gib GiB free where Docker keeps its images; building $IMAGE needs about 5 GiB" >&2
 fi
 step "building $IMAGE"
 docker build --quiet -t "$IMAGE" --build-arg FLAVOUR=cpu --build-arg BASE_IMAGE="$BASE_IMAGE" . >/dev/null
