@@ -39,14 +39,14 @@ def _measure(cfg_path: str, batch: int, args) -> dict:
     svc = serve(cfg).start()
     tok = load_tokenizer(cfg.model.path)
     calls: list[int] = []
-    backend = svc.api.engine.backend
-    real = backend.generate
+    decoder = svc.api.engine.decoder
+    real = decoder.generate
 
     def counting(prompts, params, *a, **k):
         calls.append(len(prompts))
         return real(prompts, params, *a, **k)
 
-    backend.generate = counting
+    decoder.generate = counting  # type: ignore[method-assign]
     try:
         with tinker.ServiceClient(base_url=f"http://127.0.0.1:{svc.port}", api_key="tml-bench") as sc:
             sampler = sc.create_sampling_client(base_model="bench").result()

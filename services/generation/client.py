@@ -15,7 +15,7 @@ from ..common.rpc.client import Abandoned, Cancel, RPCClient
 from ..common.rpc.gen import common_pb2, generation_pb2_grpc
 from ..common.rpc.gen import generation_pb2 as gpb
 from ..common.types import Completion, GenerationResult, SamplingParams, TokenScores
-from ..weights.protocol import CHUNK_BYTES, chunk_bytes
+from ..weights.protocol import CHUNK_BYTES, PushKind, chunk_bytes
 from ..weights.stream import StreamSpec, encode_weights
 
 if TYPE_CHECKING:
@@ -104,15 +104,13 @@ class GenerationClient(RPCClient):
         chunk_bytes: int = CHUNK_BYTES,
         run_id: str = "",
         epoch: int = 0,
+        kind: PushKind = PushKind.FULL,
     ):
-        """Push `state_dict` as `policy_version`; a server in a distributed run accepts it only
-        from the run's learner: (run_id, epoch) as published in the replay registry."""
-        return self.push_encoded(
-            encode_weights(
-                state_dict,
-                StreamSpec(policy_version, min(chunk_bytes, self.max_chunk_bytes), run_id=run_id, epoch=epoch),
-            )
-        )
+        """Push `state_dict` as `policy_version` (`kind` PARTIAL: some tensors, over what the server
+        holds); a server in a distributed run accepts it only from the run's learner: (run_id,
+        epoch) as published in the replay registry."""
+        spec = StreamSpec(policy_version, min(chunk_bytes, self.max_chunk_bytes), kind, run_id=run_id, epoch=epoch)
+        return self.push_encoded(encode_weights(state_dict, spec))
 
     def push_encoded(self, chunks: Iterable[bytes]):
         """PushWeights with a stream of already serialised `WeightChunk` messages (`encode_weights`):

@@ -183,6 +183,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             response_length=self.cfg.response_length,
             eos_token_id=self.backend.eos_token_id,
             pad_token_id=self.backend.pad_token_id,
+            partial_updates=self.backend.partial_updates,
         )
 
 

@@ -10,6 +10,7 @@ trains and samples the configured model through it, unchanged.
     futures.py     request results for retrieve_future
     losses.py      cross_entropy, importance_sampling, ppo, cispo
     training.py    a training model: the learner's LoRA and AdamW parts, composed
-    sampling.py    the in-process generation backend with a checkpoint's weights swapped in
+    sampling.py    sample requests batched, a checkpoint's weights swapped in for them
+    decoders.py    what decodes: the hf backend in this process, or a generation server of its own
     checkpoints.py tinker:// paths as directories under tinker.root
 """

@@ -32,8 +32,9 @@ import torch
 
 from ..common.checkpoints import read_overlay, write_overlay
 from ..common.compute import ComputeThread
-from ..common.types import GenerationBackend, SamplingParams
+from ..common.types import SamplingParams
 from .checkpoints import Store, TinkerPath, check_name
+from .decoders import Decoder
 from .futures import PROTOBUF, Futures, Outcome, json_outcome, outcome_of
 from .losses import check_inputs, loss_for
 from .protocol import (
@@ -104,7 +105,7 @@ def digest_of(data: bytes | str) -> str:
 
 
 class TinkerApi:
-    def __init__(self, cfg: Config, backend: GenerationBackend, ids: Ids | None = None):
+    def __init__(self, cfg: Config, decoder: Decoder, ids: Ids | None = None):
         from transformers import AutoConfig
 
         self.cfg, self.t = cfg, cfg.tinker
@@ -112,7 +113,7 @@ class TinkerApi:
         self.compute = ComputeThread("tinker-compute")
         self.futures = Futures(self.ids, self.t.max_futures, self.t.poll_hold_s, self.t.max_result_bytes)
         self.store = Store(self.t.root)
-        self.engine = Engine(backend)
+        self.engine = Engine(decoder)
         self.weights = WeightsCache(self.t.max_sampler_weights)
         self.batches = SampleBatches(self.compute.submit, self._sample_batch, self.t.sample_batch)
         local = Path(cfg.model.path)
@@ -120,7 +121,7 @@ class TinkerApi:
         self.model_name = self.t.model_name or local.name
         self.arch = getattr(AutoConfig.from_pretrained(cfg.model.path), "model_type", None)
         self.max_tokens = self.t.datum_tokens(cfg.prompt_length, cfg.response_length)
-        self.limits = Limits(self.t.max_datums, self.max_tokens, int(backend.vocab_size))
+        self.limits = Limits(self.t.max_datums, self.max_tokens, decoder.vocab_size)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelState] = {}
         self.samplers: OrderedDict[str, SamplerSession] = OrderedDict()
@@ -131,6 +132,7 @@ class TinkerApi:
         for state in self.models.values():
             state.sequence.close("the server is stopping")
         self.compute.close()
+        self.engine.decoder.close()
 
     # ------------------------------------------------------------------ the client's configuration
     def client_config(self) -> dict:

@@ -1,5 +1,6 @@
-"""Sampling for the Tinker API: the project's generation backend in this process (`make_backend`,
-the `hf` engine), holding the base model or a sampler checkpoint's weights over it.
+"""Sampling for the Tinker API: a decoder (decoders.py: the `hf` generation backend in this process,
+or a generation server of the API's own over gRPC) holding the base model or a sampler
+checkpoint's weights over it.
 
 Sample requests are decoded in batches (`SampleBatches`): what has queued by the time the compute
 thread comes to them is grouped by weights and sampling parameters, and each group is one
@@ -7,15 +8,18 @@ thread comes to them is grouped by weights and sampling parameters, and each gro
 sent at once, decode together). A seeded request is decoded alone: its samples must not depend on
 what else was queued.
 
-Weights are swapped in through the backend's `update_weights` (each swap a newer policy
+Weights are swapped in through the decoder's `update_weights` (each swap a newer policy
 version) only when a request names other weights than those it holds: a LoRA checkpoint is its
 merged layers (loaded over the base), and the base tensors those replace are kept (`_base`) so
-that the base, or another checkpoint, can be put back. Each sample is decoded by the backend
+that the base, or another checkpoint, can be put back (a decoder that takes whole policies only
+gets the base with the checkpoint over it). A generation server found restarted (serving an
+older version than the last pushed) gets the weights again. Each sample is decoded by the decoder
 (`generate`: the sampled tokens' log-probs come with them); a prompt's own log-probs are its
 teacher-forced scores (`score`). Everything here runs on the compute thread."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -24,9 +28,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..common.types import GenerationBackend, SamplingParams
+from ..common.types import SamplingParams
+from .decoders import Decoder
 from .protocol import ApiError
 from .wire import Sequence
+
+log = logging.getLogger(__name__)
 
 Weights = dict[str, torch.Tensor]
 
@@ -71,39 +78,38 @@ class WeightsCache:
 
 
 class Engine:
-    """The generation backend of this process and the weights it serves now (the base model's, or a
-    sampler checkpoint's over them): one set at a time, swapped when a batch names another."""
+    """The weights a decoder (decoders.py: this process's backend or a generation server) serves
+    now, the base model's or a sampler checkpoint's over them: one set at a time, swapped when a
+    batch names another."""
 
     BASE = ""  # the key of the base model's weights
 
-    def __init__(self, backend: GenerationBackend):
-        if not backend.partial_updates or not hasattr(backend, "model"):
-            raise ValueError("the Tinker API samples with the hf generation backend (generation.backend: hf)")
-        self.backend = backend
-        self.tokenizer: Any = backend.tokenizer
-        self._model = getattr(backend, "model")
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+        self.tokenizer: Any = decoder.tokenizer
         self._base: Weights = {}  # the base model's tensors that some loaded weights replaced
         self._changed: set[str] = set()
         self._held: tuple[str, Weights] = (self.BASE, {})  # the key and the weights served
-        self._version = int(backend.policy_version)
+        self._version = decoder.policy_version
 
     def use(self, key: str, weights: Weights) -> None:
         """Serve `weights` (over the base; {} = the base itself) under `key`: loaded unless they are
         the ones served (a checkpoint saved again under its name is another dict: loaded)."""
         if key == self._held[0] and (key == self.BASE or weights is self._held[1]):
             return
-        own = self._model.state_dict()
-        for name in weights.keys() - self._changed - self._base.keys():
-            self._base[name] = own[name].detach().float().cpu().clone()
-        restore = {name: self._base[name] for name in self._changed - weights.keys()}
+        if self.decoder.partial:
+            self._base.update(self.decoder.base(weights.keys() - self._changed - self._base.keys()))
+            push = {**{name: self._base[name] for name in self._changed - weights.keys()}, **weights}
+        else:  # the whole policy: the base with `weights` over it
+            push = {**self.decoder.base(), **weights}
         self._version += 1
-        self.backend.update_weights({**restore, **weights}, self._version)
+        self.decoder.update_weights(push, self._version)
         self._changed, self._held = set(weights), (key, weights)
 
     def sample(self, specs: list[SampleSpec]) -> list[tuple[list[Sequence], list[float] | None]]:
         """Per spec (one sampling parameters for all), `params.n` samples of its prompt and the
         prompt's own log-probs when asked (NaN first): one generate call for them all."""
-        result = self.backend.generate([spec.prompt for spec in specs], specs[0].params)
+        result = self._generate([spec.prompt for spec in specs], specs[0].params)
         return [
             (
                 [self._cut(_sequence(c), spec.stop_strings) for c in completions],
@@ -112,11 +118,34 @@ class Engine:
             for spec, completions in zip(specs, result.completions)
         ]
 
+    def _generate(self, prompts: list[list[int]], params: SamplingParams):
+        """One generate call on the weights this engine put there. A decoder found serving an older
+        version was restarted (it serves the base again): the weights go back, the call again."""
+        result = self.decoder.generate(prompts, params)
+        if result.policy_version == self._version:
+            return result
+        if result.policy_version > self._version:
+            raise ApiError(
+                503,
+                f"{self.decoder.where} serves version {result.policy_version}, which this API did not push: "
+                "another writer pushes weights to it; give the Tinker API a generation server of its own",
+                code="generation_shared",
+            )
+        log.warning(
+            "%s serves version %d, not %d: restarted; pushing the sampler's weights again",
+            self.decoder.where,
+            result.policy_version,
+            self._version,
+        )
+        key, weights = self._held
+        self._changed, self._held, self._version = set(), (self.BASE, {}), result.policy_version
+        self.use(key, weights)
+        return self._generate(prompts, params)
+
     def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
         if len(prompt) < 2:
             return [math.nan]
-        score = getattr(self.backend, "score")
-        return [math.nan, *score([prompt], [1]).log_probs[0]]
+        return [math.nan, *self.decoder.score([prompt], [1]).log_probs[0]]
 
     def _cut(self, s: Sequence, stops: tuple[str, ...]) -> Sequence:
         """`s` up to and including the token that completes the first stop string, if one does."""

@@ -2,10 +2,11 @@
 official `tinker` SDK (and tinker-cookbook's recipes) talk to unchanged: `base_url` (or
 $TINKER_BASE_URL) `http://HOST:PORT`, the API key `tml-<rpc.auth_token>` (docs/tinker.md).
 
-In the process: the generation backend the config names (`make_backend`: the `hf` engine) for
-sampling, the training models clients create (LoRA or full weights, each with its AdamW), all
-computed on one thread in the order the requests came (api.py); the HTTP side is routes.py, its
-Prometheus metrics (GET /metrics) metrics.py.
+In the process: what decodes samples (decoders.py: the `hf` generation backend here, or a
+generation server of the API's own at `tinker.generation`), the training models clients create
+(LoRA or full weights, each with its AdamW), all computed on one thread in the order the
+requests came (api.py); the HTTP side is routes.py, its Prometheus metrics (GET /metrics)
+metrics.py.
 Checkpoints (tinker://) are files under `tinker.root`; everything else lives in this process: a
 restarted server knows its checkpoints, not its clients' sessions, models or gradients."""
 
@@ -16,8 +17,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..common.lifecycle import HTTPServerThread, Service
-from ..generation.policy import make_backend
 from .api import TinkerApi
+from .decoders import decoder_for
 from .metrics import TinkerMetrics
 from .routes import build_app
 
@@ -39,7 +40,7 @@ class TinkerService(Service):
 
     def start(self) -> "TinkerService":
         cfg, t = self.cfg, self.cfg.tinker
-        self.api = TinkerApi(cfg, make_backend(cfg))
+        self.api = TinkerApi(cfg, decoder_for(cfg))
         metrics = TinkerMetrics(self.api)
         self.api.on_work = metrics.worked
         app = build_app(self.api, cfg.rpc.resolved_auth_token(), metrics, cfg.rpc.open_metrics)

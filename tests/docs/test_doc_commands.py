@@ -190,6 +190,8 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "docker compose --profile tinker up -d tinker"): PARSE,  # Docker
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve tinker"): PARSE,  # a server, forever
     ("docs/tinker.md", "... INFO services.tinker.server: tinker: the Tinker"): PROSE,  # its output
+    ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve generation"): PARSE,  # two servers, forever
+    ("docs/tinker.md", "... INFO services.tinker.decoders: tinker: samples"): PROSE,  # their logs
     ("docs/tinker.md", "$ .venv/bin/rlhf up -c configs/tiny-cpu.yaml --run-dir"): PARSE,  # tests/e2e/test_up_tinker.py
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_sampling.py"): PARSE,  # SmolLM2, a minute
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_overhead.py"): PARSE,  # SmolLM2, a minute

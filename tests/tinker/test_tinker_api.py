@@ -186,7 +186,7 @@ def test_samples_carry_the_log_probs_a_plain_forward_gives(client, tok, tiny_mod
 def test_sample_requests_queued_together_decode_in_one_batch(client, server, tok, monkeypatch):
     """Eight requests sent while the compute thread is busy: one generate call decodes them all."""
     sc = client.create_sampling_client(base_model="tiny").result()
-    backend, calls = server.api.engine.backend, []
+    backend, calls = server.api.engine.decoder.backend, []
     real = backend.generate
 
     def counting(prompts, params, *args, **kwargs):

@@ -25,6 +25,13 @@ class TinkerConfig(Strict):
         description="where tinker:// checkpoints live: ROOT/<training run>/weights/<name> (save_state) "
         "and ROOT/<training run>/sampler_weights/<name> (save_weights_for_sampler)",
     )
+    generation: Optional[str] = Field(
+        default=None,
+        description="host:port of a generation server of this API's own (`rlhf serve generation` on the same "
+        "model.path, no replay.url) that decodes its samples, each sampler's weights pushed to it as the learner "
+        "pushes a policy (hf: the changed tensors; vllm: whole policies); null = an hf generation backend in this "
+        "process",
+    )
     lora_rank: int = Field(
         default=32, ge=0, description="the LoRA rank of a create_model that names none; 0 = full weights"
     )

@@ -100,7 +100,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerationInfo(_message.Message):
-    __slots__ = ("model", "backend", "policy_version", "vocab_size", "prompt_length", "response_length", "eos_token_id", "pad_token_id", "engine_version", "dtype", "device")
+    __slots__ = ("model", "backend", "policy_version", "vocab_size", "prompt_length", "response_length", "eos_token_id", "pad_token_id", "engine_version", "dtype", "device", "partial_updates")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class GenerationInfo(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_UPDATES_FIELD_NUMBER: _ClassVar[int]
     model: str
     backend: str
     policy_version: int
@@ -123,7 +124,8 @@ class GenerationInfo(_message.Message):
     engine_version: str
     dtype: str
     device: str
-    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., engine_version: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    partial_updates: bool
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ..., policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., prompt_length: _Optional[int] = ..., response_length: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., engine_version: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., partial_updates: _Optional[bool] = ...) -> None: ...
 
 class SharedWeights(_message.Message):
     __slots__ = ("file_name", "file_bytes", "header", "piece_bytes", "digest", "piece_digests")
