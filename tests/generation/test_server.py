@@ -115,6 +115,7 @@ def test_generate_tokens_text_and_chat(client, server):
     assert info.backend == server.servicer.backend.info()["backend"] == server.servicer.cfg.generation.backend
     assert info.engine_version.startswith({"hf": "transformers ", "vllm": "vllm "}[info.backend])
     assert info.dtype == "float32" and info.device == "cpu"
+    assert info.partial_updates == server.servicer.backend.partial_updates == (info.backend == "hf")
 
 
 def test_a_later_turn_may_be_longer_than_prompt_length(client):

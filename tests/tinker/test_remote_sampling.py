@@ -23,6 +23,7 @@ from services.generation.policy import load_policy
 from services.generation.server import serve as serve_generation
 from services.tinker.decoders import OverGrpc
 from services.tinker.server import serve
+from tests.generation.test_server import backend_cfg
 from tests.grpc_helpers import TOKEN, on_free_ports
 from tests.tinker.test_tinker_api import KEY, _cfg, _datum, _plain_log_probs
 
@@ -182,26 +183,34 @@ def test_the_token_is_the_one_configured(tiny_model_dir, tmp_path, generation):
         OverGrpc(wrong, wrong.tinker.generation)
 
 
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_a_server_that_takes_whole_policies_gets_the_base_with_the_weights_over_it(
-    cfg, client, api, tok, tiny_model_dir, tmp_path
+    cfg, client, api, tok, tiny_model_dir, engine
 ):
-    """As a vLLM server is pushed to (no partial versions): the same sampler weights, pushed whole,
-    sample what the partial push sampled. A second API on the same tinker.root reads the saved file."""
+    """As a vLLM server is pushed to (no partial versions; the hf backend told to take whole
+    policies only, and the real vLLM engine): the same sampler weights, pushed whole, sample what
+    the partial push sampled. A second API on the same tinker.root reads the saved file."""
     prompt = tok.encode("hello=")
-    path = _saved(client, tok)  # under the tinker.root both APIs share
+    path = _saved(client, tok)
     partial = _greedy(client.create_sampling_client(model_path=path).result(), prompt)
-    backend = HFBackend(tiny_model_dir, "cpu")
-    backend.partial_updates = False  # type: ignore[misc]
-    with serve_generation(_gen_cfg(cfg), backend=backend) as gen:
+    if engine == "hf":
+        backend = HFBackend(tiny_model_dir, "cpu")
+        backend.partial_updates = False  # type: ignore[misc]
+        server = serve_generation(_gen_cfg(cfg), backend=backend)
+    else:
+        server = serve_generation(_gen_cfg(backend_cfg(cfg, "vllm")))
+    with server as gen:
         svc = serve(_api_cfg(tiny_model_dir, api.cfg.tinker.root, f"127.0.0.1:{gen.server.port}")).start()
         try:
             assert svc.api.engine.decoder.partial is False
             with tinker.ServiceClient(base_url=f"http://127.0.0.1:{svc.port}", api_key=KEY) as sc:
                 whole = _greedy(sc.create_sampling_client(model_path=path).result(), prompt)
+                base = _greedy(sc.create_sampling_client(base_model="tiny").result(), prompt)
         finally:
             svc.stop()
     assert whole.tokens == partial.tokens
-    np.testing.assert_allclose(whole.logprobs, partial.logprobs, atol=1e-5)
+    np.testing.assert_allclose(whole.logprobs, partial.logprobs, atol=1e-4)
+    assert base.tokens != whole.tokens or not np.allclose(base.logprobs, whole.logprobs, atol=1e-3)
 
 
 def _saved(client, tok) -> str:
