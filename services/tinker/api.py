@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
@@ -61,6 +61,7 @@ from .wire import Limits, forward_backward_output, read_forward_backward, sample
 if TYPE_CHECKING:
     from ..common.config import Config
 
+T = TypeVar("T")
 STATE_FILE = "state.pt"
 
 
@@ -353,10 +354,10 @@ class TinkerApi:
             "model_id": state.id,
         }
 
-    def _timed(self, kind: str, work: Callable[[], Outcome]) -> Callable[[], Outcome]:
+    def _timed(self, kind: str, work: Callable[[], T]) -> Callable[[], T]:
         """`work`, its seconds told to `on_work` under `kind` when it ends (failed or not)."""
 
-        def run() -> Outcome:
+        def run() -> T:
             t0 = time.perf_counter()
             try:
                 return work()
@@ -567,12 +568,12 @@ class TinkerApi:
     def _sample_batch(self, key: str, load, specs: list[SampleSpec]):
         """One batch of sample requests on the compute thread: the weights they name served, one
         generate call (its seconds are the metrics' `sample` work)."""
-        t0 = time.perf_counter()
-        try:
+
+        def work():
             self.engine.use(key, {} if key == Engine.BASE else self.weights.get(key, load))
             return self.engine.sample(specs)
-        finally:
-            self.on_work("sample", time.perf_counter() - t0)
+
+        return self._timed("sample", work)()
 
     def _sample_spec(self, req: Sample) -> SampleSpec:
         """The request as the backend takes it, every number inside what this server serves."""
