@@ -77,9 +77,32 @@ class Verdict:
         }
 
 
+# the reward section's settings of how its scores are fetched (the HTTP API's transport, retries),
+# not of what they are: changing them leaves the reward the watch compares the same
+DELIVERY = frozenset(
+    {
+        "http_timeout_s",
+        "http_retries",
+        "http_backoff_s",
+        "http_max_backoff_s",
+        "http_retry_after_max_s",
+        "http_concurrency",
+        "http_auth_env",
+        "http_auth_header",
+        "http_auth_scheme",
+        "http_breaker_failures",
+        "http_breaker_cooldown_s",
+        "group_retries",
+        "group_retry_wait_s",
+    }
+)
+
+
 def reward_identity(reward_section) -> str:
-    """What names a training reward for the watch: its config section (rules, reward model, API)."""
-    return hashlib.sha256(reward_section.model_dump_json().encode()).hexdigest()[:16]
+    """What names a training reward for the watch: its config section (rules, reward model, API,
+    weights, penalties) without the settings of how its scores are fetched (`DELIVERY`)."""
+    what = reward_section.model_dump_json(exclude=set(DELIVERY))
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 class HackingWatch:

@@ -165,3 +165,17 @@ def test_a_watch_of_another_reward_is_not_restored():
     # from there it starts again: its first evaluation is its start
     verdicts = _feed(other, [(0.30, 0.2), (0.25, 0.5), (0.20, 0.8)])
     assert other.start == (2, 0.30) and [v.suspected for v in verdicts] == [False, False, True]
+
+
+def test_the_rewards_identity_is_what_it_scores_not_how_its_scores_are_fetched():
+    """A new reward model, rule or API is another reward; the API's timeouts, retries and auth are
+    not (a resumed run that only raised `http_timeout_s` keeps its watch)."""
+    from services.common.config_sections.reward import RewardConfig
+    from services.training.watch import DELIVERY, reward_identity
+
+    assert DELIVERY <= set(RewardConfig.model_fields)
+    base = RewardConfig(type="http", http_url="http://judge:8000/score")
+    same = base.model_copy(update={"http_timeout_s": 90.0, "http_retries": 9, "group_retries": 1})
+    assert reward_identity(same) == reward_identity(base)
+    for change in ({"http_url": "http://other:8000/score"}, {"http_weight": 0.5}, {"overlong_penalty": 2.0}):
+        assert reward_identity(base.model_copy(update=change)) != reward_identity(base), change
