@@ -154,6 +154,35 @@ def test_padding_and_micro_batching_do_not_change_the_scores(served, tiny_model_
     )
 
 
+def test_samples_of_one_prompt_share_its_forward_and_score_as_if_read_whole(tiny_model_dir, monkeypatch):
+    """A group's samples (4 responses to each of 3 prompts, of other lengths, one empty, beside a
+    prompt of one token and one asked once) scored with the prompts' keys and values reused equal
+    each sequence read whole, in log-probs and top-k; the shared path really ran (one prefix
+    forward per piece), in pieces of at most micro_batch_size responses."""
+    prompts = [PROMPTS[0]] * 4 + [PROMPTS[2]] * 4 + [PROMPTS[3]] * 4 + [[1], [1], PROMPTS[1]]
+    responses = [
+        [7, 8, 9], [10], [11, 12, 13, 14, 15], [],
+        [5], [5, 6], [40, 41, 42, 43, 44, 45, 46, 47], [9, 9, 9],
+        [2, 3], [4, 5, 6, 7], [8], [30, 31],
+        [5, 6], [7], [13, 14, 15],
+    ]  # fmt: skip
+    shared = Teacher(tiny_model_dir, "cpu", micro_batch_size=5)
+    whole = Teacher(tiny_model_dir, "cpu", micro_batch_size=1, share_prompts=False)
+    calls = []
+    real = shared._shared
+    monkeypatch.setattr(
+        shared, "_shared", lambda piece, *a: calls.append(sum(len(r) for _, r in piece)) or real(piece, *a)
+    )
+    got = shared.score(prompts, responses, top_k=3)
+    want = whole.score(prompts, responses, top_k=3)
+    assert calls == [3, 4, 4]  # 11 shared responses (the empty one is not read), at most 5 a piece
+    for i, response in enumerate(responses):
+        assert len(got.log_probs[i]) == len(response)
+        assert torch.allclose(torch.tensor(got.log_probs[i]), torch.tensor(want.log_probs[i]), atol=1e-4), i
+        assert got.top_ids[i] == want.top_ids[i], i
+        assert torch.allclose(torch.tensor(got.top_log_probs[i]), torch.tensor(want.top_log_probs[i]), atol=1e-4)
+
+
 def test_info_names_the_model_dtype_and_tokenizer(served, cfg, tiny_model_dir):
     svc, client = served
     info = client.info()

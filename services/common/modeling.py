@@ -67,6 +67,7 @@ def response_log_probs(
     top_k: int = 0,
     targets: torch.Tensor | None = None,
     gather_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
 ):
     """Log-prob (B, T) of each response token; optionally the entropy (B, T) of each position,
     the full log-probability tensor (B, T, V) and, with `top_k` > 0, each position's k most likely
@@ -76,12 +77,17 @@ def response_log_probs(
     of the response tokens themselves (the Tinker API's datums name their targets). `gather_ids`
     (B, T, k), when given, are k tokens per position whose log-probs are read too
     (`gathered_log_probs`, (B, T, k): a teacher's top-k under the policy, for the top-k forward KL).
+    `past_key_values`, when given, is a cache of tokens before the batch's (a shared prompt's
+    prefix, computed once): `batch.attention_mask` then covers them too, and `position_ids` go on
+    from them.
 
     Memory does not grow with the vocabulary times the batch: the output layer runs inside the
     model's forward on the response positions only, a chunk of positions at a time (at most
     `LOGIT_CHUNK_ELEMENTS` float32 logits), and with gradients each chunk's logits are recomputed
     in the backward pass instead of kept. Only `full` (kl_penalty 'full') materialises (B, T, V).
     """
+    if past_key_values is not None and (full or not _head_is_plain(model)):
+        raise ValueError("a cached prefix needs a plain output layer and no full log-probs")
     if full or not _head_is_plain(model):
         logits = response_logits(model, batch, temperature)
         out = {"log_probs": logprobs_from_logits(logits, batch.responses if targets is None else targets)}
@@ -136,6 +142,7 @@ def response_log_probs(
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
             use_cache=False,
+            past_key_values=past_key_values,
             **_keep_kwargs(model, batch),
         ).logits
     finally:

@@ -57,6 +57,11 @@ class DistillConfig(Strict):
     )
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="the teacher's weights")
     micro_batch_size: int = Field(default=16, ge=1, description="sequences per teacher forward")
+    share_prompts: bool = Field(
+        default=True,
+        description="the teacher reads a prompt once for all the samples of it in a batch (its keys and values "
+        "reused for each response) instead of once per sample; false = every sequence read whole",
+    )
 
     @property
     def needs_server(self) -> bool:
