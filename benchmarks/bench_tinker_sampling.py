@@ -8,7 +8,8 @@ Serves the Tinker API in this process (the hf backend on `model.path`) once per 
 through the official SDK sends `--groups` sample requests at once (the same sampling client,
 `--group-size` samples each, `--tokens` new tokens at temperature 1: a math_rl step's
 `groups_per_batch x group_size`), waits for all, `--repeats` times. Prints per setting the seconds
-a step's sampling took (median), the generate calls it made and the sampled tokens per second.
+a step's sampling took (median), the generate calls it made, the sampled tokens per second and
+the most the process's resident memory rose during a step (`memory +MB`, Linux).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,13 +55,15 @@ def _measure(cfg_path: str, batch: int, args) -> dict:
             prompts = [types.ModelInput.from_ints(tok.encode(p)) for p in PROMPTS[: args.groups]]
             params = types.SamplingParams(max_tokens=args.tokens, temperature=1.0)
             sampler.sample(prompts[0], 1, params).result()  # warm
-            seconds, tokens, per_step = [], [], []
+            seconds, tokens, per_step, grew = [], [], [], []
             for _ in range(args.repeats):
                 before = len(calls)
                 t0 = time.perf_counter()
-                futures = [sampler.sample(p, args.group_size, params) for p in prompts]
-                results = [f.result() for f in futures]
+                with PeakRss() as peak:
+                    futures = [sampler.sample(p, args.group_size, params) for p in prompts]
+                    results = [f.result() for f in futures]
                 seconds.append(time.perf_counter() - t0)
+                grew.append(peak.grew_mb)
                 tokens.append(sum(len(s.tokens) for r in results for s in r.sequences))
                 per_step.append(len(calls) - before)
     finally:
@@ -71,7 +75,38 @@ def _measure(cfg_path: str, batch: int, args) -> dict:
         "generate_calls": per_step,
         "tokens": tokens,
         "tokens_per_s": round(statistics.median(tokens) / s, 1),
+        "peak_rss_growth_mb": round(max(grew)),
     }
+
+
+class PeakRss:
+    """The most the process's resident memory rose above its level at entry while the block ran
+    (read from /proc every 10 ms by a thread): what one step's decoding costs in memory."""
+
+    def __enter__(self) -> "PeakRss":
+        self.start = self.peak = _rss_mb()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.01):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
+
+    @property
+    def grew_mb(self) -> float:
+        return self.peak - self.start
+
+
+def _rss_mb() -> float:
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def main() -> int:
@@ -88,9 +123,12 @@ def main() -> int:
     os.environ.setdefault("RLHF_AUTH_TOKEN", "bench")
     rows = [_measure(args.config, int(b), args) for b in args.batches.split(",")]
     print(f"{args.groups} requests x {args.group_size} samples x {args.tokens} tokens, {args.config}")
-    print(f"{'sample_batch':>12} {'s/step':>8} {'generate calls':>15} {'tokens/s':>9}")
+    print(f"{'sample_batch':>12} {'s/step':>8} {'generate calls':>15} {'tokens/s':>9} {'memory +MB':>10}")
     for r in rows:
-        print(f"{r['sample_batch']:>12} {r['seconds']:>8} {str(r['generate_calls']):>15} {r['tokens_per_s']:>9}")
+        print(
+            f"{r['sample_batch']:>12} {r['seconds']:>8} {str(r['generate_calls']):>15} {r['tokens_per_s']:>9} "
+            f"{r['peak_rss_growth_mb']:>10}"
+        )
     if len(rows) > 1:
         print(f"speed-up of the last over the first: {rows[0]['seconds'] / rows[-1]['seconds']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

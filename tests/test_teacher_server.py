@@ -154,11 +154,15 @@ def test_padding_and_micro_batching_do_not_change_the_scores(served, tiny_model_
     )
 
 
-def test_samples_of_one_prompt_share_its_forward_and_score_as_if_read_whole(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("head", ["plain", "full logits"])
+def test_samples_of_one_prompt_share_its_forward_and_score_as_if_read_whole(tiny_model_dir, monkeypatch, head):
     """A group's samples (4 responses to each of 3 prompts, of other lengths, one empty, beside a
     prompt of one token and one asked once) scored with the prompts' keys and values reused equal
     each sequence read whole, in log-probs and top-k; the shared path really ran (one prefix
-    forward per piece), in pieces of at most micro_batch_size responses."""
+    forward per piece), in pieces of at most micro_batch_size responses. Also through the full
+    logits (a head that is not a plain Linear: soft-capped, scaled)."""
+    if head == "full logits":
+        monkeypatch.setattr("services.common.modeling._head_is_plain", lambda model: False)
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[2]] * 4 + [PROMPTS[3]] * 4 + [[1], [1], PROMPTS[1]]
     responses = [
         [7, 8, 9], [10], [11, 12, 13, 14, 15], [],

@@ -39,15 +39,19 @@ def has_dropout(model: torch.nn.Module) -> bool:
     )
 
 
-def response_logits(model: nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+def response_logits(
+    model: nn.Module, batch: TokenBatch, temperature: float = 1.0, past_key_values: Any = None
+) -> torch.Tensor:
     """Logits (B, T, V) in float32 predicting each response token, divided by the sampling
     temperature: the whole vocabulary at every response position (what kl_penalty 'full' needs).
-    Only the response positions go through the output layer."""
+    Only the response positions go through the output layer. `past_key_values`: as in
+    `response_log_probs`."""
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
+        past_key_values=past_key_values,
         **_keep_kwargs(model, batch),
     )
     logits = out.logits[:, -(batch.response_mask.shape[1] + 1) : -1, :].float()
@@ -86,10 +90,8 @@ def response_log_probs(
     `LOGIT_CHUNK_ELEMENTS` float32 logits), and with gradients each chunk's logits are recomputed
     in the backward pass instead of kept. Only `full` (kl_penalty 'full') materialises (B, T, V).
     """
-    if past_key_values is not None and (full or not _head_is_plain(model)):
-        raise ValueError("a cached prefix needs a plain output layer and no full log-probs")
     if full or not _head_is_plain(model):
-        logits = response_logits(model, batch, temperature)
+        logits = response_logits(model, batch, temperature, past_key_values)
         out = {"log_probs": logprobs_from_logits(logits, batch.responses if targets is None else targets)}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import uuid
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import grpc
 import torch
 
 from ..common.model_files import load_causal_lm, load_tokenizer
-from ..common.rpc.retry import DependencyUnavailable, RideThrough
+from ..common.rpc.errors import Reason, reason_of
+from ..common.rpc.retry import DependencyUnavailable, RideThrough, backoff_delays
 from ..common.types import GenerationResult, SamplingParams, TokenScores
 from ..weights.protocol import PushKind
 from .protocol import ApiError
@@ -102,6 +105,7 @@ class OverGrpc:
 
         self.model_path, self.where = cfg.model.path, f"the generation server at {address}"
         ride = RideThrough("generation server", address, cfg.rpc)
+        self.initial_s, self.max_s, self.wait_s = ride.initial_s, ride.max_s, ride.wait_s
         self.client = GenerationClient(address, cfg.rpc, interceptors=[ride])
         try:
             info = self._call(lambda: self.client.info())
@@ -149,20 +153,33 @@ class OverGrpc:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         # a prompt past the server's prompt_length goes as a later turn: its first prompt_length tokens first
         firsts = [min(len(p), self.prompt_length) for p in prompts]
-        return self._call(lambda: self.client.generate(prompts, params, first_prompt_tokens=firsts))
+        key = uuid.uuid4().hex  # a repeat after a lost answer joins the first call's work on the server
+        return self._call(lambda: self.client.generate(prompts, params, key=key, first_prompt_tokens=firsts))
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> TokenScores:
         return self._call(lambda: self.client.score_tokens(sequences, starts))
 
     def update_weights(self, state: Weights, version: int) -> None:
+        """A push (a stream, which `RideThrough` does not repeat): repeated here while the server is
+        unavailable, for as long as the other calls wait."""
         kind = PushKind.PARTIAL if self.partial else PushKind.FULL
-        self._call(lambda: self.client.update_weights(state, version, kind=kind))
+        delays = backoff_delays(self.initial_s, self.max_s)
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.client.update_weights(state, version, kind=kind)
+                return
+            except grpc.RpcError as e:
+                waited = time.monotonic() - t0
+                if e.code() != grpc.StatusCode.UNAVAILABLE or (self.wait_s is not None and waited >= self.wait_s):
+                    raise self._api_error(e) from None
+                log.warning("waiting for %s to take a weight push (%.0fs so far)", self.where, waited)
+                time.sleep(next(delays))
 
     def base(self, names: Iterable[str] | None = None) -> Weights:
         with self._lock:
             if self._base is None:
-                state = load_causal_lm(self.model_path).state_dict()
-                self._base = {k: v.detach().float().clone() for k, v in state.items()}
+                self._base = {k: v.detach().float() for k, v in load_causal_lm(self.model_path).state_dict().items()}
         return dict(self._base) if names is None else {n: self._base[n] for n in names}
 
     def _call(self, call):
@@ -172,13 +189,32 @@ class OverGrpc:
         except DependencyUnavailable as e:
             raise ApiError(503, f"{e}; try again once it is back", code="generation_unavailable") from None
         except grpc.RpcError as e:
-            code = e.code()
-            status = 400 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) else 503
-            what = (e.details() or "").splitlines()[0][:300] if e.details() else ""
-            raise ApiError(status, f"{self.where}: {code.name}: {what}", code="generation_failed") from None
+            raise self._api_error(e) from None
+
+    def _api_error(self, e: grpc.RpcError) -> ApiError:
+        if reason_of(e) is Reason.VERSION_NOT_NEWER:  # a push: the server took a newer one from elsewhere
+            return ApiError(
+                409,
+                f"{self.where} serves a newer version than this API pushed: another writer pushes weights to it; "
+                "give the Tinker API a generation server of its own",
+                code="generation_shared",
+            )
+        code = e.code()
+        what = (e.details() or "").splitlines()[0][:300] if e.details() else ""
+        return ApiError(STATUS.get(code, 502), f"{self.where}: {code.name}: {what}", code="generation_failed")
 
     def close(self) -> None:
         self.client.close()
+
+
+# a generation server's answer as this API's HTTP status: the request's fault (400), the server away
+# (503, worth a retry), anything else a server that cannot serve this API as configured (502)
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 400,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 503,
+}
 
 
 def decoder_for(cfg: Config) -> Decoder:

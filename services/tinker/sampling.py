@@ -83,69 +83,87 @@ class Engine:
     batch names another."""
 
     BASE = ""  # the key of the base model's weights
+    UNKNOWN = None  # what is served is not known: the next `use` pushes the whole policy
 
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
         self.tokenizer: Any = decoder.tokenizer
         self._base: Weights = {}  # the base model's tensors that some loaded weights replaced
-        self._changed: set[str] = set()
-        self._held: tuple[str, Weights] = (self.BASE, {})  # the key and the weights served
-        self._version = decoder.policy_version
+        self._version = 0
+        self._held: tuple[str | None, Weights] = (self.UNKNOWN, {})  # the key and the weights served
+        self._changed: set[str] = set()  # the tensors that differ from the base
+        self._found(decoder.policy_version)
+
+    def _found(self, version: int) -> None:
+        """The decoder serves `version`: 0 is the base model as it loaded it (versions only move
+        forward); any other is what this engine pushed last, or (a server this API did not start
+        clean) not known."""
+        self._version = version
+        self._held, self._changed = ((self.BASE, {}) if version == 0 else (self.UNKNOWN, {})), set()
 
     def use(self, key: str, weights: Weights) -> None:
         """Serve `weights` (over the base; {} = the base itself) under `key`: loaded unless they are
-        the ones served (a checkpoint saved again under its name is another dict: loaded)."""
+        the ones served (a checkpoint saved again under its name is another dict: loaded). A push
+        that fails leaves what is served unknown: the next one is of the whole policy."""
         if key == self._held[0] and (key == self.BASE or weights is self._held[1]):
             return
-        if self.decoder.partial:
+        if self.decoder.partial and self._held[0] is not self.UNKNOWN:
             self._base.update(self.decoder.base(weights.keys() - self._changed - self._base.keys()))
             push = {**{name: self._base[name] for name in self._changed - weights.keys()}, **weights}
         else:  # the whole policy: the base with `weights` over it
             push = {**self.decoder.base(), **weights}
+        self._held = (self.UNKNOWN, {})
+        self.decoder.update_weights(push, self._version + 1)
         self._version += 1
-        self.decoder.update_weights(push, self._version)
         self._changed, self._held = set(weights), (key, weights)
 
     def sample(self, specs: list[SampleSpec]) -> list[tuple[list[Sequence], list[float] | None]]:
         """Per spec (one sampling parameters for all), `params.n` samples of its prompt and the
         prompt's own log-probs when asked (NaN first): one generate call for them all."""
-        result = self._generate([spec.prompt for spec in specs], specs[0].params)
+        key, weights = self._held
+        assert key is not self.UNKNOWN, "use() comes first"
+        result = self.decoder.generate([spec.prompt for spec in specs], specs[0].params)
+        if not self._served(result.policy_version):
+            self.use(key, weights)
+            return self.sample(specs)
         return [
             (
                 [self._cut(_sequence(c), spec.stop_strings) for c in completions],
-                self._prompt_logprobs(spec.prompt) if spec.prompt_logprobs else None,
+                self._prompt_logprobs(spec.prompt, key, weights) if spec.prompt_logprobs else None,
             )
             for spec, completions in zip(specs, result.completions)
         ]
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams):
-        """One generate call on the weights this engine put there. A decoder found serving an older
-        version was restarted (it serves the base again): the weights go back, the call again."""
-        result = self.decoder.generate(prompts, params)
-        if result.policy_version == self._version:
-            return result
-        if result.policy_version > self._version:
+    def _served(self, version: int) -> bool:
+        """Whether an answer computed under `version` is of the weights this engine put there. An
+        older version: the decoder restarted (its weights pushed again, then asked again: False);
+        a newer one: another writer pushes to it (refused)."""
+        if version == self._version:
+            return True
+        if version > self._version:
             raise ApiError(
-                503,
-                f"{self.decoder.where} serves version {result.policy_version}, which this API did not push: "
-                "another writer pushes weights to it; give the Tinker API a generation server of its own",
+                409,
+                f"{self.decoder.where} serves version {version}, which this API did not push: another writer "
+                "pushes weights to it; give the Tinker API a generation server of its own",
                 code="generation_shared",
             )
         log.warning(
             "%s serves version %d, not %d: restarted; pushing the sampler's weights again",
             self.decoder.where,
-            result.policy_version,
+            version,
             self._version,
         )
-        key, weights = self._held
-        self._changed, self._held, self._version = set(), (self.BASE, {}), result.policy_version
-        self.use(key, weights)
-        return self._generate(prompts, params)
+        self._found(version)
+        return False
 
-    def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
+    def _prompt_logprobs(self, prompt: list[int], key: str, weights: Weights) -> list[float]:
         if len(prompt) < 2:
             return [math.nan]
-        return [math.nan, *self.decoder.score([prompt], [1]).log_probs[0]]
+        scores = self.decoder.score([prompt], [1])
+        if not self._served(scores.policy_version):
+            self.use(key, weights)
+            return self._prompt_logprobs(prompt, key, weights)
+        return [math.nan, *scores.log_probs[0]]
 
     def _cut(self, s: Sequence, stops: tuple[str, ...]) -> Sequence:
         """`s` up to and including the token that completes the first stop string, if one does."""

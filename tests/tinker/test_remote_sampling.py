@@ -220,3 +220,27 @@ def _saved(client, tok) -> str:
         tc.forward_backward([_datum(tok, "hello=zzzzzz")], "cross_entropy")
         tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
     return tc.save_weights_for_sampler("whole").result().path
+
+
+def test_an_api_started_on_a_server_with_other_weights_pushes_the_whole_base(
+    client, generation, tok, tiny_model_dir, tmp_path
+):
+    """The module's server holds a trained sampler's weights (pushed by the module's API) when a
+    new API starts on it: not knowing what it serves, the new API's first push is the whole base,
+    so its base sampler samples the base. (Last in the module: the old API then finds a version it
+    did not push, and says so.)"""
+    prompt = tok.encode("hello=")
+    _greedy(client.create_sampling_client(model_path=_saved(client, tok)).result(), prompt)
+    assert generation.servicer.backend.policy_version > 0
+    plain = HFBackend(tiny_model_dir, "cpu").generate([prompt], SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
+    want = plain.completions[0][0]
+    fresh = serve(_api_cfg(tiny_model_dir, tmp_path, generation.address)).start()
+    try:
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{fresh.port}", api_key=KEY) as sc:
+            base = _greedy(sc.create_sampling_client(base_model="tiny").result(), prompt)
+    finally:
+        fresh.stop()
+    assert base.tokens == list(want.token_ids)
+    np.testing.assert_allclose(base.logprobs, want.log_probs, atol=1e-5)
+    with pytest.raises(Exception, match="another writer"):
+        _greedy(client.create_sampling_client(base_model="tiny").result(), prompt)
