@@ -10,6 +10,10 @@ held-out evaluation the watch looks two ways, each needing both rewards to move 
                 baseline before any training, else its first): the held-out reward now below
                 the start's, the train reward (this interval's mean) above the first interval's.
                 A run that falls in its first iterations (before the window fills) is seen here
+    the best    as the start, from the best evaluation since the start instead: the held-out
+                reward now below the best's, the train reward above that evaluation's interval
+                (a run that climbed, then fell while its reward rose: the fall from its best that
+                a target such as "never more than 0.05 below its best" counts)
 
 The watch is for one training reward: given `reward` (an identity of it: `reward_identity`), a
 checkpoint of another reward's watch is not restored (a reward model refreshed between rounds
@@ -54,14 +58,16 @@ class Verdict:
     eval_change: float = 0.0  # trend of the held-out reward across them (since the start: its change)
     train_change: float = 0.0  # trend of the train reward across them (since the start: its change)
     since_start: bool = False  # seen from the start, not the trend: `iterations` are the start's and now
+    since_best: bool = False  # seen from the best evaluation: `iterations` are the best's and now
 
     def message(self) -> str:
         its = self.iterations
-        across = (
-            f"since the evaluation of iteration {its[0]} (to iteration {its[-1]})"
-            if self.since_start
-            else f"across the evaluations of iterations {its[0]}..{its[-1]} ({len(its)} evaluations)"
-        )
+        if self.since_best:
+            across = f"since its best evaluation, at iteration {its[0]} (to iteration {its[-1]})"
+        elif self.since_start:
+            across = f"since the evaluation of iteration {its[0]} (to iteration {its[-1]})"
+        else:
+            across = f"across the evaluations of iterations {its[0]}..{its[-1]} ({len(its)} evaluations)"
         return (
             f"reward hacking suspected: {across} the held-out reward fell by {-self.eval_change:.3f} while the "
             f"train reward rose by {self.train_change:.3f}: the policy may be exploiting the training reward"
@@ -74,6 +80,7 @@ class Verdict:
             "eval_change": round(self.eval_change, 6),
             "train_change": round(self.train_change, 6),
             "since_start": self.since_start,
+            "since_best": self.since_best,
         }
 
 
@@ -118,6 +125,7 @@ class HackingWatch:
         self.start: tuple[int, float] | None = None  # (iteration, held-out reward) it started from
         self.start_train: float | None = None  # the first interval's mean train reward
         self.after_start = 0  # evaluations with training since the start
+        self.best: tuple[int, float, float] | None = None  # the best point since the start
 
     @property
     def enabled(self) -> bool:
@@ -144,7 +152,14 @@ class HackingWatch:
         if self.start[0] != iteration:
             self.after_start += 1
         was = self.last.suspected
-        verdict = self._trend() or self._from_start(iteration, float(eval_reward), train) or Verdict()
+        verdict = (
+            self._trend()
+            or self._from_start(iteration, float(eval_reward), train)
+            or self._from_best(iteration, float(eval_reward), train)
+            or Verdict()
+        )
+        if self.best is None or eval_reward > self.best[1]:
+            self.best = (iteration, float(eval_reward), train)
         self.last = replace(verdict, onset=verdict.suspected and not was)
         if self.last.onset:
             self.since = iteration
@@ -173,6 +188,14 @@ class HackingWatch:
             return None
         return Verdict(True, False, [self.start[0], iteration], eval_change, train_change, since_start=True)
 
+    def _from_best(self, iteration: int, eval_reward: float, train: float) -> Verdict | None:
+        if self.best is None or self.after_start < self.window - 1:  # as from the start: a window's evidence
+            return None
+        eval_change, train_change = eval_reward - self.best[1], train - self.best[2]
+        if not self._counts(eval_change, train_change):
+            return None
+        return Verdict(True, False, [self.best[0], iteration], eval_change, train_change, since_best=True)
+
     def status(self) -> dict | None:
         """For the learner's /status: None while nothing is suspected, else what and since when."""
         if not self.last.suspected:
@@ -188,6 +211,7 @@ class HackingWatch:
             "start": list(self.start) if self.start is not None else None,
             "start_train": self.start_train,
             "after_start": self.after_start,
+            "best": list(self.best) if self.best is not None else None,
             "reward": self.reward,
         }
 
@@ -200,6 +224,8 @@ class HackingWatch:
         self.start = (int(start[0]), float(start[1])) if start else None
         self.start_train = state.get("start_train")
         self.after_start = int(state.get("after_start", 0))
+        best = state.get("best")
+        self.best = (int(best[0]), float(best[1]), float(best[2])) if best else None
         self.points = [(int(i), float(e), float(t)) for i, e, t in state.get("points", [])]
         self.points = self.points[-self.window :] if self.enabled else []
         self._train = [float(v) for v in state.get("train", [])]
@@ -212,6 +238,7 @@ class HackingWatch:
             float(last.get("eval_change", 0.0)),
             float(last.get("train_change", 0.0)),
             bool(last.get("since_start", False)),
+            bool(last.get("since_best", False)),
         )
         return True
 

@@ -1,7 +1,7 @@
 """The reward-hacking watch on sequences of evaluations: it fires when the held-out reward falls
-while the train reward rises, by at least the threshold across a full window or since the run's
-start, and only then; it warns once per onset; its state survives a checkpoint, but not a change
-of the training reward."""
+while the train reward rises, by at least the threshold across a full window, since the run's
+start or since its best evaluation, and only then; it warns once per onset; its state survives a
+checkpoint, but not a change of the training reward."""
 
 import pytest
 
@@ -42,6 +42,7 @@ def test_fires_on_falling_eval_and_rising_train():
         "eval_change": pytest.approx(-0.3),
         "train_change": pytest.approx(0.4),
         "since_start": False,
+        "since_best": False,
         "since_iteration": 6,
     }
 
@@ -179,3 +180,31 @@ def test_the_rewards_identity_is_what_it_scores_not_how_its_scores_are_fetched()
     assert reward_identity(same) == reward_identity(base)
     for change in ({"http_url": "http://other:8000/score"}, {"http_weight": 0.5}, {"overlong_penalty": 2.0}):
         assert reward_identity(base.model_copy(update=change)) != reward_identity(base), change
+
+
+def test_a_climb_then_a_fall_from_the_best():
+    """Round 2 of `rlhf iterate`'s second seed on SmolLM2 (docs/iterated-rlhf.md): from the round's
+    baseline 0.281 the held-out reward climbed to 0.523 at iteration 12, then fell to 0.344 at 16
+    while the train reward rose 0.43 -> 0.80. Above the start, and a 2-point window: only the fall
+    from the best sees it; it says so at iteration 16, naming the best's iteration."""
+    watch = HackingWatch(window=3, min_change=0.05)
+    watch.evaluated(8, 0.281)  # the round's baseline: no training since the last evaluation
+    verdicts = []
+    for it, (eval_reward, train_reward) in zip((12, 16), [(0.523, 0.43), (0.344, 0.80)]):
+        for _ in range(4):
+            watch.train(train_reward)
+        verdicts.append(watch.evaluated(it, eval_reward))
+    assert [v.suspected for v in verdicts] == [False, True]
+    v = verdicts[-1]
+    assert v.onset and v.since_best and v.iterations == [12, 16]
+    assert v.eval_change == pytest.approx(-0.179) and v.train_change == pytest.approx(0.37)
+    assert "since its best evaluation, at iteration 12" in v.message()
+    restored = HackingWatch(window=3, min_change=0.05)
+    assert restored.load_state_dict(watch.state_dict()) and restored.best == (12, 0.523, 0.43)
+    # a climb that holds stays silent
+    calm = HackingWatch(window=3, min_change=0.05)
+    calm.evaluated(8, 0.281)
+    for it, (e, t) in zip((12, 16, 20), [(0.523, 0.43), (0.50, 0.80), (0.53, 0.9)]):
+        for _ in range(4):
+            calm.train(t)
+        assert not calm.evaluated(it, e).suspected
