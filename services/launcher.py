@@ -4,7 +4,8 @@
 
 Starts an embedded Redis (unless replay.url is set), then the reward, critic, teacher (on-policy
 distillation by a model of its own) and generation servers on free localhost ports, then the
-learner and the rollout workers (and with --tinker the Tinker API on tinker.port); waits for each
+learner and the rollout workers (and with --tinker the Tinker API on tinker.port; with
+--tinker-generation also a generation server of the API's own, which decodes its samples); waits for each
 to be ready; shows the learner's progress;
 restarts any service that crashes (Redis included) on the ports it had, up to --max-restarts
 times each (a service after --restart-delay seconds, doubled at each further restart of it; Redis
@@ -285,14 +286,17 @@ class Launcher:
             first.append(self._spawn("teacher", "teacher", [], *free))
         for i in range(args.generation_servers):
             first.append(self._spawn(f"generation-{i}", "generation", [], *free))
-        if getattr(args, "tinker", False):
-            # the Tinker API beside the run (--tinker): restarted like the others (a restart loses
-            # the models its clients held; their next request says so)
-            first.append(self._spawn("tinker", "tinker", [], "--port", str(cfg.tinker.port)))
-        for c in first:
-            r = c.wait_ready(args.startup_timeout)
-            c.pin_ports()  # a restart comes back where the others look for it
-            print(self._ready_line(c, r), flush=True)
+        tinker_generation = getattr(args, "tinker_generation", False)
+        if tinker_generation:
+            # the Tinker API's own generation server: outside the run's registry (no replay.url),
+            # so the learner never pushes the run's policy to it; the API pushes its samplers' weights
+            first.append(self._spawn("tinker-generation", "generation", ["replay.url=null"], *free))
+        elif getattr(args, "tinker", False):
+            first.append(self._spawn_tinker([]))
+        self._wait_ready(first)
+        if tinker_generation:  # the API learns its server's port once that server is up
+            port = self.children["tinker-generation"].endpoints["port"]
+            self._wait_ready([self._spawn_tinker([f"tinker.generation=127.0.0.1:{port}"])])
         self.sets = [f"rpc.reward.port={self.children['reward'].endpoints['port']}"]
         if cfg.needs_critic:
             self.sets.append(f"rpc.critic.port={self.children['critic'].endpoints['port']}")
@@ -312,6 +316,17 @@ class Launcher:
             self.children[f"rollout-{i}"].wait_ready(args.startup_timeout)
         self.write_manifest()  # before the line that says the run is up
         print(f"{args.workers} rollout worker(s) running; logs in {shown_path(self.log_dir)}", flush=True)
+
+    def _spawn_tinker(self, sets: list[str]) -> Child:
+        """The Tinker API beside the run (--tinker): restarted like the others (a restart loses the
+        models its clients held; their next request says so)."""
+        return self._spawn("tinker", "tinker", sets, "--port", str(self.cfg.tinker.port))
+
+    def _wait_ready(self, children: list[Child]) -> None:
+        for c in children:
+            r = c.wait_ready(self.args.startup_timeout)
+            c.pin_ports()  # a restart comes back where the others look for it
+            print(self._ready_line(c, r), flush=True)
 
     def _ready_line(self, c: Child, endpoints: dict) -> str:
         if c.kind != "tinker":

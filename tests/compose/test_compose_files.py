@@ -31,14 +31,15 @@ SEVERAL_GPUS = {
     "RLHF_REWARD_GPUS": "3",
     "RLHF_TEACHER_GPUS": "1",
     "RLHF_TINKER_GPUS": "2",
+    "RLHF_TINKER_GENERATION_GPUS": "3",
     "RLHF_CONFIG": "gpu.yaml",
 }
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
-LOADS_A_MODEL = {"reward", "critic", "generation", "learner", "teacher", "tinker"}
+LOADS_A_MODEL = {"reward", "critic", "generation", "learner", "teacher", "tinker", "tinker-generation"}
 DISTILL = {"teacher"}  # --profile distill
-TINKER = {"tinker"}  # --profile tinker
+TINKER = {"tinker", "tinker-generation"}  # --profile tinker
 RLHF_SERVICES = LONG_RUNNING | {"init"} | DISTILL | TINKER
-GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher", "tinker"}
+GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher", "tinker", "tinker-generation"}
 MONITORING = {"prometheus", "grafana"}
 AGENTS = {"gateway"}  # --profile agents
 
@@ -131,6 +132,7 @@ def test_several_gpus_come_from_the_env_file():
     assert _gpus(config, "generation") == ["0,1"]
     assert (_gpus(config, "learner"), _gpus(config, "critic"), _gpus(config, "reward")) == (["2"], ["3"], ["3"])
     assert _gpus(config, "teacher") == ["1"] and _gpus(config, "tinker") == ["2"]
+    assert _gpus(config, "tinker-generation") == ["3"]
     assert config["services"]["generation"]["environment"]["RLHF_GPU_SLOTS_DIR"].startswith("/runs/")
     assert config["services"]["learner"]["environment"]["RLHF_CONFIG"] == "gpu.yaml"
 
@@ -261,7 +263,8 @@ def test_the_teacher_is_a_profile_every_service_can_reach(variant, gpu, cpu):
 def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the_runs_volume(variant, gpu, cpu):
     """`--profile tinker` adds `rlhf serve tinker`: the run's image, config and token, its
     tinker:// checkpoints under /runs (the workspace is read-only), healthy on its open /healthz,
-    published on the host's loopback, needing no other service but the model's init."""
+    published on the host's loopback, needing no service of a run but the model's init and its own
+    generation server."""
     services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
     t = services["tinker"]
     assert t["profiles"] == ["tinker"] and t["image"] == services["critic"]["image"] and t["restart"] == "on-failure"
@@ -274,15 +277,35 @@ def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the
         "8765",
         "--set",
         "tinker.root=/runs/tinker",
+        "--set",
+        "tinker.generation=tinker-generation:50051",
     ]
     assert "127.0.0.1:8765/api/v1/healthz" in t["healthcheck"]["test"][-1]
     assert t["healthcheck"]["start_period"] == "1h"
     port = t["ports"][0]
     assert port in ("127.0.0.1:8765:8765/tcp",) or (port["host_ip"], port["target"]) == ("127.0.0.1", 8765)
-    assert {k: v["condition"] for k, v in t["depends_on"].items()} == {"init": "service_completed_successfully"}
+    assert {k: v["condition"] for k, v in t["depends_on"].items()} == {
+        "init": "service_completed_successfully",
+        "tinker-generation": "service_healthy",
+    }
     assert "runs:/runs:rw" in t["volumes"] or any(
         v.get("source") == "runs" for v in t["volumes"] if isinstance(v, dict)
     )
+    # its samples decoded by a generation server of its own, in no run's registry, on no shared memory
+    g = services["tinker-generation"]
+    assert g["profiles"] == ["tinker"] and g["image"] == t["image"] and "ports" not in g
+    assert g["command"] == [
+        "serve",
+        "generation",
+        "--host",
+        "0.0.0.0",
+        "--set",
+        "replay.url=null",
+        "--set",
+        "rpc.shm_dir=null",
+    ]
+    assert "rlhf.v1.Generation" in g["healthcheck"]["test"] and "127.0.0.1:50051" in g["healthcheck"]["test"]
+    assert {k: v["condition"] for k, v in g["depends_on"].items()} == {"init": "service_completed_successfully"}
 
 
 def test_state_lives_on_named_volumes(gpu):

@@ -252,7 +252,7 @@ def test_the_tinker_api_comes_with_components_tinker(overlay, docs):
     """components/tinker adds `rlhf serve tinker` (one replica, probed on its open /healthz, its
     tinker:// checkpoints on the runs volume), sized by the overlay: a GPU of its own on gpu, the
     tiny model built first on cpu-tiny; without the component there is none."""
-    assert not [d for d in docs[overlay] if d["metadata"]["name"] == "tinker"]
+    assert not [d for d in docs[overlay] if d["metadata"]["name"] in ("tinker", "tinker-generation")]
     objs = docs[f"{overlay}+tinker"]
     tinker = m.one(objs, "Deployment", "tinker")
     assert tinker["spec"]["replicas"] == 1 and tinker["spec"]["strategy"]["type"] == "Recreate"
@@ -270,6 +270,23 @@ def test_the_tinker_api_comes_with_components_tinker(overlay, docs):
     else:
         assert gpus is None and inits == ["tiny-model"]
         assert c["resources"]["requests"] == {"cpu": "250m", "memory": "1Gi"}
+    # its samples on a generation server of its own, in no run's registry, that the run's
+    # generation Service does not select
+    assert "tinker.generation=tinker-generation:50051" in c["args"]
+    own = m.one(objs, "Deployment", "tinker-generation")
+    g = m.pod_spec(own)["containers"][0]
+    assert g["args"][:2] == ["serve", "generation"] and "replay.url=null" in g["args"] and own["spec"]["replicas"] == 1
+    assert g["readinessProbe"]["grpc"] == {"port": 50051, "service": "rlhf.v1.Generation"}
+    svc = m.one(objs, "Service", "tinker-generation")
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051}
+    assert m.selects(svc["spec"]["selector"], own["spec"]["template"]["metadata"]["labels"])
+    assert not m.selects(
+        m.one(objs, "Service", "generation")["spec"]["selector"], own["spec"]["template"]["metadata"]["labels"]
+    )
+    own_inits = [i["name"] for i in m.pod_spec(own).get("initContainers", [])]
+    assert (g["resources"]["limits"].get("nvidia.com/gpu"), own_inits) == (
+        (1, []) if overlay == "gpu" else (None, ["tiny-model"])
+    )
 
 
 @pytest.mark.parametrize("overlay", m.OVERLAYS)

@@ -1,6 +1,7 @@
-"""`rlhf up --tinker` on the tiny model: the Tinker API comes up beside the run (its address
-printed, services.json names it), the official SDK trains a step on it while PPO runs, and Ctrl-C
-stops it with the rest of the run."""
+"""`rlhf up --tinker-generation` on the tiny model: the Tinker API comes up beside the run with a
+generation server of its own (its address printed, services.json names both), the official SDK
+trains a step on it while PPO runs and samples the step's weights on that server, and Ctrl-C stops
+both with the rest of the run."""
 
 import json
 import math
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import tinker
 import yaml
 from tinker import types
@@ -56,6 +58,14 @@ def _wait_for(lines: "queue.Queue[str]", pattern: re.Pattern, timeout_s: float, 
     raise AssertionError("no line matched; the run printed:\n" + "".join(seen[-40:]))
 
 
+def _generated_tokens(metrics_port: int, token: str) -> float:
+    r = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert r.status_code == 200, r.text
+    return sum(
+        float(line.split()[-1]) for line in r.text.splitlines() if line.startswith("rlhf_generated_tokens_total")
+    )
+
+
 def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     write_train_data(tmp_path / "train.jsonl", 64, seed=0)
@@ -76,7 +86,17 @@ def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, 
         )
     )
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir", str(run_dir), "--tinker"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "-c",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--tinker-generation",
+    ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2]
     )
@@ -96,10 +116,19 @@ def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, 
             tc = sc.create_lora_training_client(base_model="tiny", rank=4).result()
             loss = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            _wait_for(lines, re.compile(r"rollout worker\(s\) running"), 300, seen)  # services.json written
+            services = json.loads((run_dir / "services.json").read_text())["services"]
+            own = services["tinker-generation"]
+            before = _generated_tokens(own["metrics_port"], secrets["RLHF_AUTH_TOKEN"])
+            sampler = tc.save_weights_and_get_sampling_client()
+            params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
+            seqs = sampler.sample(types.ModelInput.from_ints(ids[:3]), 2, params).result().sequences
+            assert len(seqs) == 2 and all(1 <= len(s.tokens) == len(s.logprobs) <= 4 for s in seqs)
+            # decoded by the API's own server, not by the run's nor in the API's process
+            assert _generated_tokens(own["metrics_port"], secrets["RLHF_AUTH_TOKEN"]) > before
         assert math.isfinite(loss) and loss > 0
-        _wait_for(lines, re.compile(r"rollout worker\(s\) running"), 300, seen)  # services.json written
-        services = json.loads((run_dir / "services.json").read_text())["services"]
         assert services["tinker"]["http_port"] == port and services["learner"]["pid"] != services["tinker"]["pid"]
+        assert own["port"] != services["generation-0"]["port"]
         assert proc.poll() is None, "the run ended before it was stopped"
     finally:
         proc.send_signal(signal.SIGINT)
@@ -109,9 +138,10 @@ def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, 
             proc.kill()
             raise
     assert proc.returncode in (0, 130), "".join(seen[-40:])
-    try:
-        os.kill(services["tinker"]["pid"], 0)
-        alive = True
-    except ProcessLookupError:
-        alive = False
-    assert not alive, "the Tinker API outlived the run"
+    for name in ("tinker", "tinker-generation"):
+        try:
+            os.kill(services[name]["pid"], 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive, f"{name} outlived the run"

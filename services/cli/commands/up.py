@@ -41,6 +41,12 @@ def add_parser(sub) -> None:
         help="also serve the Tinker API (`rlhf serve tinker`) on tinker.port for as long as the run lasts: "
         "the official tinker SDK trains models of its own there, beside the run (docs/tinker.md)",
     )
+    p.add_argument(
+        "--tinker-generation",
+        action="store_true",
+        help="serve the Tinker API as --tinker does, its samples decoded by a generation server of its own "
+        "(started with it, outside the run's registry: tinker.generation) instead of in the API's process",
+    )
     p.set_defaults(func=cmd_up)
 
 
