@@ -116,7 +116,10 @@ class TinkerApi:
         self.store = Store(self.t.root)
         self.engine = Engine(decoder)
         self.weights = WeightsCache(self.t.max_sampler_weights)
-        self.batches = SampleBatches(self.compute.submit, self._sample_batch, self.t.sample_batch)
+        # samples decoded elsewhere (a generation server of the API's own) take no turn of the
+        # compute thread: they go on while it trains
+        self.sampling = ComputeThread("tinker-sampling") if decoder.remote else self.compute
+        self.batches = SampleBatches(self.sampling.submit, self._sample_batch, self.t.sample_batch)
         local = Path(cfg.model.path)
         self.model_dir = str(local.resolve()) if local.is_dir() else cfg.model.path
         self.model_name = self.t.model_name or local.name
@@ -133,6 +136,8 @@ class TinkerApi:
         for state in self.models.values():
             state.sequence.close("the server is stopping")
         self.compute.close()
+        if self.sampling is not self.compute:
+            self.sampling.close()
         self.engine.decoder.close()
 
     # ------------------------------------------------------------------ the client's configuration
@@ -566,8 +571,9 @@ class TinkerApi:
         return answer
 
     def _sample_batch(self, key: str, load, specs: list[SampleSpec]):
-        """One batch of sample requests on the compute thread: the weights they name served, one
-        generate call (its seconds are the metrics' `sample` work)."""
+        """One batch of sample requests on the sampling thread (the compute thread, unless the
+        decoder is remote): the weights they name served, one generate call (its seconds are the
+        metrics' `sample` work)."""
 
         def work():
             self.engine.use(key, {} if key == Engine.BASE else self.weights.get(key, load))

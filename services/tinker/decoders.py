@@ -41,6 +41,7 @@ class Decoder(Protocol):
     tokenizer: Any
     vocab_size: int
     partial: bool  # a push may hold some tensors only
+    remote: bool  # decodes in another process: sampling needs no turn of the compute thread
     where: str  # in what it says
 
     @property
@@ -61,6 +62,7 @@ class InProcess:
     """The `hf` generation backend of this process: weights loaded in place, the base read off it."""
 
     partial = True
+    remote = False
     where = "the generation backend in this process"
 
     def __init__(self, backend: GenerationBackend):
@@ -99,6 +101,8 @@ class OverGrpc:
     """A generation server at `address` that serves `model.path`'s model to this API alone (its
     weights are whichever sampler the API last needed). Calls ride through its restarts for
     rpc.dependency_wait_s; the base tensors are read from `model.path` once, when first needed."""
+
+    remote = True
 
     def __init__(self, cfg: Config, address: str):
         from ..generation.client import GenerationClient

@@ -7,7 +7,8 @@ run's token unless `rpc.open_metrics`), every sample labelled `service="tinker"`
                                                      answers with a future at once: its work is
                                                      rlhf_tinker_work_seconds)
     rlhf_tinker_work_seconds{service, kind}         the compute thread's work: forward_backward,
-                                                     optim_step, sample, ...
+                                                     optim_step, sample (on a thread of its own
+                                                     with tinker.generation), ...
     rlhf_tinker_sessions{service}                   client sessions held now
     rlhf_tinker_training_models{service}            training models (LoRA or full, each with its
                                                      optimiser) held now

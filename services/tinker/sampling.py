@@ -55,17 +55,20 @@ class WeightsCache:
     def __init__(self, limit: int):
         self.limit = limit
         self._held: OrderedDict[str, Weights] = OrderedDict()
+        self._lock = threading.Lock()  # put by the compute thread, got by the sampling one
 
     def put(self, key: str, weights: Weights) -> None:
-        self._held[key] = weights
-        self._held.move_to_end(key)
-        while len(self._held) > self.limit:
-            self._held.popitem(last=False)
+        with self._lock:
+            self._held[key] = weights
+            self._held.move_to_end(key)
+            while len(self._held) > self.limit:
+                self._held.popitem(last=False)
 
     def get(self, key: str, load: Callable[[], Weights] | None) -> Weights:
-        if key in self._held:
-            self._held.move_to_end(key)
-            return self._held[key]
+        with self._lock:
+            if key in self._held:
+                self._held.move_to_end(key)
+                return self._held[key]
         if load is None:
             raise ApiError(
                 400,
@@ -73,8 +76,9 @@ class WeightsCache:
                 "are held); save them by name (save_weights_for_sampler(name)) to sample them for longer",
                 code="weights_dropped",
             )
-        self.put(key, load())
-        return self._held[key]
+        weights = load()  # read from disk outside the lock
+        self.put(key, weights)
+        return weights
 
 
 class Engine:
@@ -199,7 +203,8 @@ class SampleJob:
 
 
 class SampleBatches:
-    """Sample jobs waiting for the compute thread (`submit` queues work there), run as batches:
+    """Sample jobs waiting for the thread that samples (`submit` queues work there: the compute
+    thread, or with a generation server of the API's own a sampling thread), run as batches:
     `run(key, load, specs)` decodes one batch there (a list of each spec's result). A drain is
     queued when the first job of an empty queue arrives; it takes every job queued by then."""
 

@@ -194,7 +194,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve generation"): PARSE,  # two servers, forever
     ("docs/tinker.md", "... INFO services.tinker.decoders: tinker: samples"): PROSE,  # their logs
     ("docs/tinker.md", "$ .venv/bin/rlhf up -c configs/tiny-cpu.yaml --run-dir"): PARSE,  # tests/e2e/test_up_tinker.py
-    ("docs/tinker.md", "generation-0 ready on port 43441"): PROSE,  # --tinker-generation's lines: tests/e2e/test_up_tinker.py
+    ("docs/tinker.md", "generation-0 ready on port 43441"): PROSE,  # rlhf up --tinker-generation: tests/e2e
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_sampling.py"): PARSE,  # SmolLM2, a minute
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_overhead.py"): PARSE,  # SmolLM2, a minute
     ("docs/tinker.md", "$ .venv/bin/rlhf eval -c configs/smollm2-cpu.yaml --model"): PARSE,  # needs the run's weights

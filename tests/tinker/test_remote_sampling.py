@@ -1,13 +1,15 @@
 """`tinker.generation`: the Tinker API samples through a real generation server of its own (gRPC over
 loopback, the hf backend on the tiny model), through the official SDK: the samples carry the
-log-probs a plain forward gives; a trained model's sampler weights are pushed there (a partial push
-of the LoRA-merged layers), its greedy answer is the one `rlhf eval` reads from the saved weights,
-and the base sampler gets the base back; a restarted generation server gets the sampler's weights
-again; another writer's push is refused with a sentence; a server that takes whole policies only
-(as vLLM's) gets the base with the weights over it; a server that cannot serve the API is refused
-at start."""
+log-probs a plain forward gives, answered while the compute thread trains; a trained model's
+sampler weights are pushed there (a partial push of the LoRA-merged layers), its greedy answer is
+the one `rlhf eval` reads from the saved weights, and the base sampler gets the base back; a
+restarted generation server gets the sampler's weights again; another writer's push is refused
+with a sentence; a server that takes whole policies only (as vLLM's) gets the base with the
+weights over it; a server that cannot serve the API is refused at start."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -103,6 +105,27 @@ def test_samples_are_the_generation_servers_with_a_plain_forwards_log_probs(
     scored = sc.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert scored[0] is None
     np.testing.assert_allclose(scored[1:], _plain_log_probs(model, prompt[:1], prompt[1:]), atol=1e-4)
+
+
+def test_a_sample_is_answered_while_the_compute_thread_trains(client, api, tok):
+    """Decoded by the generation server, a sample takes no turn of the compute thread: it is
+    answered while other work (a training request's) holds that thread."""
+    sc = client.create_sampling_client(base_model="tiny").result()
+    held, release, released = threading.Event(), threading.Event(), threading.Event()
+
+    def hold():
+        held.set()
+        release.wait(120)
+        released.set()
+
+    api.api.compute.submit(hold)
+    try:
+        assert held.wait(60)
+        seq = _greedy(sc, tok.encode("abc="))
+        assert not released.is_set(), "the sample waited for the compute thread"
+    finally:
+        release.set()
+    assert 1 <= len(seq.tokens) == len(seq.logprobs) <= 6
 
 
 def test_trained_weights_are_pushed_there_and_the_base_comes_back(client, api, generation, tok, tiny_model_dir):
