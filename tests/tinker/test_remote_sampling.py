@@ -18,7 +18,7 @@ from tinker import types
 
 from services.cli.eval_model import tinker_checkpoint
 from services.common.config import config_from_dict
-from services.common.model_files import load_causal_lm, load_tokenizer
+from services.common.model_files import load_causal_lm
 from services.common.types import SamplingParams
 from services.generation.backend import HFBackend
 from services.generation.policy import load_policy
@@ -30,13 +30,6 @@ from tests.grpc_helpers import TOKEN, on_free_ports
 from tests.tinker.test_tinker_api import KEY, _cfg, _datum, _plain_log_probs
 
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_telemetry():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        yield
 
 
 def _gen_cfg(cfg, response_length: int = 16):
@@ -71,11 +64,6 @@ def api(tiny_model_dir, tmp_path_factory, generation):
 def client(api):
     with tinker.ServiceClient(base_url=api.url, api_key=KEY) as sc:
         yield sc
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
 
 
 def _greedy(sampler, prompt):

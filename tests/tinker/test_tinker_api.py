@@ -21,7 +21,7 @@ from tinker.proto import request_conv
 
 from services.cli.eval_model import tinker_checkpoint
 from services.common.config import config_from_dict
-from services.common.model_files import load_causal_lm, load_tokenizer
+from services.common.model_files import load_causal_lm
 from services.common.types import SamplingParams
 from services.generation.policy import load_policy
 from services.tinker.server import serve
@@ -50,13 +50,6 @@ def _cfg(model_dir: str, root, port: int = 0):
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_telemetry():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        yield
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     svc = serve(_cfg(tiny_model_dir, tmp_path_factory.mktemp("tinker"))).start()
@@ -75,11 +68,6 @@ def client(server):
 def raw(server):
     with httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": KEY}, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
 
 
 def _datum(tok, text: str, weight: float = 1.0) -> types.Datum:
