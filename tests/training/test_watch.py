@@ -8,10 +8,15 @@ import pytest
 from services.training.watch import HackingWatch, judge, trend
 
 
-def _feed(watch, points, per_eval=2):
+def _feed(watch, points, per_eval=2, baseline=None):
     """points: (held-out reward, train reward) per evaluation, the train reward given on each of
-    `per_eval` iterations before it; the verdict after each evaluation."""
+    `per_eval` iterations before it; the verdict after each evaluation. `baseline` (iteration,
+    held-out reward): an evaluation with no training before it (a run's or a round's first), where
+    the iterations start."""
     verdicts, it = [], 0
+    if baseline is not None:
+        it = baseline[0]
+        assert not watch.evaluated(*baseline).suspected
     for eval_reward, train_reward in points:
         for _ in range(per_eval):
             it += 1
@@ -136,12 +141,7 @@ def test_a_fall_from_the_start_before_the_window_fills():
     baseline, 0.102 and 0.062 after 4 and 8 iterations, the proxy rising all along: two
     evaluations after the baseline are no window of 3, but the fall from the start is seen."""
     watch = HackingWatch(window=3, min_change=0.05)
-    assert not watch.evaluated(0, 0.117).suspected
-    verdicts = []
-    for it, (held_out, train) in enumerate([(0.102, 0.9), (0.062, 1.4)], start=1):
-        for _ in range(4):
-            watch.train(train)
-        verdicts.append(watch.evaluated(4 * it, held_out))
+    verdicts = _feed(watch, [(0.102, 0.9), (0.062, 1.4)], per_eval=4, baseline=(0, 0.117))
     assert [v.suspected for v in verdicts] == [False, True]
     v = verdicts[-1]
     assert v.onset and v.since_start and v.iterations == [0, 8]
@@ -149,8 +149,8 @@ def test_a_fall_from_the_start_before_the_window_fills():
     assert "since the evaluation of iteration 0 (to iteration 8)" in v.message()
     # a run that gains on the held-out set is not flagged from the start, whatever its train reward
     calm = HackingWatch(window=3, min_change=0.05)
-    calm.evaluated(0, 0.117)
-    assert not any(v.suspected for v in _feed(calm, [(0.10, 0.9), (0.13, 1.4), (0.15, 1.6)], per_eval=4))
+    verdicts = _feed(calm, [(0.10, 0.9), (0.13, 1.4), (0.15, 1.6)], per_eval=4, baseline=(0, 0.117))
+    assert not any(v.suspected for v in verdicts)
 
 
 def test_a_watch_of_another_reward_is_not_restored():
@@ -188,12 +188,8 @@ def test_a_climb_then_a_fall_from_the_best():
     while the train reward rose 0.43 -> 0.80. Above the start, and a 2-point window: only the fall
     from the best sees it; it says so at iteration 16, naming the best's iteration."""
     watch = HackingWatch(window=3, min_change=0.05)
-    watch.evaluated(8, 0.281)  # the round's baseline: no training since the last evaluation
-    verdicts = []
-    for it, (eval_reward, train_reward) in zip((12, 16), [(0.523, 0.43), (0.344, 0.80)]):
-        for _ in range(4):
-            watch.train(train_reward)
-        verdicts.append(watch.evaluated(it, eval_reward))
+    # from the round's baseline (no training since the last evaluation), 4 iterations an evaluation
+    verdicts = _feed(watch, [(0.523, 0.43), (0.344, 0.80)], per_eval=4, baseline=(8, 0.281))
     assert [v.suspected for v in verdicts] == [False, True]
     v = verdicts[-1]
     assert v.onset and v.since_best and v.iterations == [12, 16]
@@ -203,8 +199,5 @@ def test_a_climb_then_a_fall_from_the_best():
     assert restored.load_state_dict(watch.state_dict()) and restored.best == (12, 0.523, 0.43)
     # a climb that holds stays silent
     calm = HackingWatch(window=3, min_change=0.05)
-    calm.evaluated(8, 0.281)
-    for it, (e, t) in zip((12, 16, 20), [(0.523, 0.43), (0.50, 0.80), (0.53, 0.9)]):
-        for _ in range(4):
-            calm.train(t)
-        assert not calm.evaluated(it, e).suspected
+    verdicts = _feed(calm, [(0.523, 0.43), (0.50, 0.80), (0.53, 0.9)], per_eval=4, baseline=(8, 0.281))
+    assert not any(v.suspected for v in verdicts)
