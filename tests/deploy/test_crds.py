@@ -457,7 +457,8 @@ def test_servicemonitor_scrapes_every_metrics_port_with_the_token(variant, docs)
     # teacher under `--profile distill`: a job whose component the variant lacks is left out)
     compose_prom = m.ROOT / "deploy" / "prometheus" / "prometheus.yml"
     jobs = {j["job_name"] for j in yaml.safe_load(compose_prom.read_text())["scrape_configs"]}
-    optional = {"gateway": "gateway", "teacher": "distill", "tinker": "tinker"}  # job -> the component that adds it
+    # job -> the component that adds it
+    optional = {"gateway": "gateway", "teacher": "distill", "tinker": "tinker", "tinker-generation": "tinker"}
     assert scraped == {j for j in jobs if j not in optional or optional[j] in variant.split("+")}
 
 

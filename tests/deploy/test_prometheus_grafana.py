@@ -49,7 +49,17 @@ def test_scrape_config_passes_promtool_as_the_container_lays_it_out(tmp_path):
     proc = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = {j["job_name"] for j in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]}
-    assert jobs == {"learner", "generation", "reward", "critic", "rollout", "gateway", "teacher", "tinker"}
+    assert jobs == {
+        "learner",
+        "generation",
+        "reward",
+        "critic",
+        "rollout",
+        "gateway",
+        "teacher",
+        "tinker",
+        "tinker-generation",
+    }
 
 
 def test_alert_rules_pass_promtool_and_their_unit_tests():
