@@ -46,7 +46,10 @@ from .preferences import Preference, PreferenceKeys, load_preferences, split_hel
 from .report import MetricsLog, fmt_s, held_out_line, held_out_stats, plan_line, report, report_ensemble, step_line
 
 log = logging.getLogger(__name__)
-STATS_PAIRS = 1024  # training pairs (drawn) the written model's mean, std and training accuracy are read on
+# training pairs (drawn) the written model's mean, std and training accuracy are read on: on
+# SmolLM2 on 2 cores, 256 pairs take 58 s and 872 took 196 s (a third of a round's reward model)
+# for a mean 0.02 and a std 0.02 apart (the std is 0.49)
+STATS_PAIRS = 256
 
 
 def pairwise_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
