@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.compose.support import CPU_FILES, IMAGE, Project, docker  # noqa: E402
+from tests.e2e.support import up_command  # noqa: E402
 
 
 def _overrides(iterations: int) -> list[str]:
@@ -36,20 +37,7 @@ def _overrides(iterations: int) -> list[str]:
 def run_up(model: str, iterations: int, workers: int, work: Path) -> dict:
     run_dir = work / "up"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "-c",
-        "configs/tiny-cpu.yaml",
-        "--run-dir",
-        str(run_dir),
-        "--workers",
-        str(workers),
-        "--set",
-        f"model.path={model}",
-    ]
+    cmd = up_command("configs/tiny-cpu.yaml", run_dir, "--workers", str(workers), "--set", f"model.path={model}")
     for o in _overrides(iterations):
         cmd += ["--set", o]
     t0 = time.time()

@@ -11,6 +11,11 @@ seconds the SDK waited (both futures' results), and the seconds the server's com
 on the two requests (its own `rlhf_tinker_work_seconds`: the forward, backward and Adam step, what
 a step inside a trainer costs). The overhead is the difference: HTTP, the protobuf and JSON of
 both ways, the futures and their polling. Prints each step and the median overhead in percent.
+
+With `--trainer` the training model lives in a trainer of the API's own (`rlhf serve
+tinker-trainer`, started in this process, gRPC over loopback: `tinker.trainer`): the compute is
+then the trainer's (its compute thread's seconds on the two calls), and the overhead adds the
+API's hop to it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,28 @@ def _batch(tok, n: int):
     return data
 
 
+def _trainer(cfg, work: list[float]):
+    """A tinker-trainer on a free port, `cfg` pointed at it, each piece of its compute thread's
+    work timed into `work`."""
+    from services.tinker.trainer_server import serve as serve_trainer
+
+    cfg.rpc.tinker_trainer.port, cfg.rpc.tinker_trainer.metrics_port = 0, None
+    trainer = serve_trainer(cfg).start()
+    cfg.tinker.trainer = f"127.0.0.1:{trainer.server.port}"
+    compute = trainer.servicer.compute
+    run = compute.run
+
+    def timed(fn, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return run(fn, *a, **kw)
+        finally:
+            work.append(time.perf_counter() - t0)
+
+    compute.run = timed
+    return trainer
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-c", "--config", default="configs/smollm2-cpu.yaml")
@@ -51,6 +78,8 @@ def main() -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="runs/bench/tinker_overhead.json")
+    p.add_argument("--trainer", action="store_true", help="train in a tinker-trainer over loopback gRPC")
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE over the config")
     args = p.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     os.environ.setdefault("RLHF_AUTH_TOKEN", "bench")
@@ -63,11 +92,13 @@ def main() -> int:
     from services.tinker.server import serve
 
     sets = ["tinker.port=0", "tinker.model_name=bench", f"tinker.root={ROOT}/runs/bench/tinker"]
-    cfg = load_config(args.config, sets)
-    svc = serve(cfg).start()
+    cfg = load_config(args.config, sets + args.set)
     work: list[float] = []
-    told = svc.api.on_work
-    svc.api.on_work = lambda kind, seconds: (work.append(seconds), told(kind, seconds))
+    trainer = _trainer(cfg, work) if args.trainer else None
+    svc = serve(cfg).start()
+    if trainer is None:
+        told = svc.api.on_work
+        svc.api.on_work = lambda kind, seconds: (work.append(seconds), told(kind, seconds))
     tok = load_tokenizer(cfg.model.path)
     batch = _batch(tok, args.datums)
     tokens = sum(len(d.model_input.to_ints()) for d in batch)
@@ -94,9 +125,12 @@ def main() -> int:
                     )
     finally:
         svc.stop()
+        if trainer is not None:
+            trainer.stop()
     overhead = statistics.median((r["wall_s"] - r["compute_s"]) / r["compute_s"] for r in rows)
     print(
-        f"{args.datums} datums ({tokens} tokens), LoRA rank {args.rank}: median overhead {100 * overhead:.1f}% "
+        f"{args.datums} datums ({tokens} tokens), LoRA rank {args.rank}{', in a trainer' if trainer else ''}: "
+        f"median overhead {100 * overhead:.1f}% "
         f"of the compute ({statistics.median(r['compute_s'] for r in rows):.3f} s a step)"
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@
 Starts an embedded Redis (unless replay.url is set), then the reward, critic, teacher (on-policy
 distillation by a model of its own) and generation servers on free localhost ports, then the
 learner and the rollout workers (and with --tinker the Tinker API on tinker.port; with
---tinker-generation also a generation server of the API's own, which decodes its samples); waits for each
+--tinker-generation also a generation server of the API's own, which decodes its samples; with
+--tinker-trainer a trainer of its own, which holds its training models); waits for each
 to be ready; shows the learner's progress;
 restarts any service that crashes (Redis included) on the ports it had, up to --max-restarts
 times each (a service after --restart-delay seconds, doubled at each further restart of it; Redis
@@ -286,17 +287,14 @@ class Launcher:
             first.append(self._spawn("teacher", "teacher", [], *free))
         for i in range(args.generation_servers):
             first.append(self._spawn(f"generation-{i}", "generation", [], *free))
-        tinker_generation = getattr(args, "tinker_generation", False)
-        if tinker_generation:
-            # the Tinker API's own generation server: outside the run's registry (no replay.url),
-            # so the learner never pushes the run's policy to it; the API pushes its samplers' weights
-            first.append(self._spawn("tinker-generation", "generation", ["replay.url=null"], *free))
-        elif getattr(args, "tinker", False):
+        own = self._tinker_own_servers(free)
+        first += own.values()
+        if getattr(args, "tinker", False) and not own:
             first.append(self._spawn_tinker([]))
         self._wait_ready(first)
-        if tinker_generation:  # the API learns its server's port once that server is up
-            port = self.children["tinker-generation"].endpoints["port"]
-            self._wait_ready([self._spawn_tinker([f"tinker.generation=127.0.0.1:{port}"])])
+        if own:  # the API learns its servers' ports once they are up
+            sets = [f"tinker.{key}=127.0.0.1:{child.endpoints['port']}" for key, child in own.items()]
+            self._wait_ready([self._spawn_tinker(sets)])
         self.sets = [f"rpc.reward.port={self.children['reward'].endpoints['port']}"]
         if cfg.needs_critic:
             self.sets.append(f"rpc.critic.port={self.children['critic'].endpoints['port']}")
@@ -316,6 +314,18 @@ class Launcher:
             self.children[f"rollout-{i}"].wait_ready(args.startup_timeout)
         self.write_manifest()  # before the line that says the run is up
         print(f"{args.workers} rollout worker(s) running; logs in {shown_path(self.log_dir)}", flush=True)
+
+    def _tinker_own_servers(self, free: list[str]) -> dict[str, Child]:
+        """The Tinker API's own servers (--tinker-generation, --tinker-trainer), by the tinker.KEY
+        that points the API at each. Its generation server is outside the run's registry (no
+        replay.url), so the learner never pushes the run's policy to it; the API pushes its
+        samplers' weights. Its trainer holds its clients' training models."""
+        own = {}
+        if getattr(self.args, "tinker_generation", False):
+            own["generation"] = self._spawn("tinker-generation", "generation", ["replay.url=null"], *free)
+        if getattr(self.args, "tinker_trainer", False):
+            own["trainer"] = self._spawn("tinker-trainer", "tinker-trainer", [], *free)
+        return own
 
     def _spawn_tinker(self, sets: list[str]) -> Child:
         """The Tinker API beside the run (--tinker): restarted like the others (a restart loses the
@@ -451,7 +461,7 @@ class Launcher:
         if learner is not None and learner.alive():
             learner.stop(timeout_s=120)  # it checkpoints first
         order = [c for c in self.children.values() if c.kind == "rollout"]
-        servers = ("generation", "critic", "teacher", "reward", "tinker")
+        servers = ("generation", "critic", "teacher", "reward", "tinker", "tinker-trainer")
         order += [c for c in self.children.values() if c.kind in servers]
         for c in order:
             c.signal(signal.SIGTERM)

@@ -9,7 +9,6 @@ A reward server without its HTTP API and without a reward API exports exactly th
 "always" metrics."""
 
 import json
-import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -27,13 +26,14 @@ from services.rollout.worker import serve as serve_rollout
 from services.teacher.client import TeacherClient
 from services.teacher.server import serve as serve_teacher
 from services.tinker.server import serve as serve_tinker
+from services.tinker.trainer_server import serve as serve_trainer
 from services.weights.pull import LearnerClient
 from tests.grpc_helpers import TOKEN
+from tests.metrics_helpers import parse_exposition
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 START, END = "<!-- metrics-table:start -->", "<!-- metrics-table:end -->"
-SERVICES = ("generation", "reward", "critic", "teacher", "learner", "rollout", "gateway", "tinker")
-SAMPLE_SUFFIXES = ("_bucket", "_count", "_sum")
+SERVICES = ("generation", "reward", "critic", "teacher", "learner", "rollout", "gateway", "tinker", "tinker-trainer")
 
 
 def documented() -> dict[str, dict]:
@@ -54,38 +54,6 @@ def documented() -> dict[str, dict]:
             "from_start": samples == "from start",
         }
     return out
-
-
-def parse_exposition(text: str) -> dict[str, dict]:
-    """name -> {type, labels (names seen on its samples, without `le`), samples: [(sample name,
-    {label: value}, value)]} of a Prometheus text exposition; the `<name>_created` gauges
-    prometheus_client adds next to each counter and histogram are left out (the doc says so)."""
-    families: dict[str, dict] = {}
-    current = None
-    for line in text.splitlines():
-        m = re.match(r"^# TYPE (\S+) (\S+)$", line)
-        if m:
-            current = m.group(1)
-            families[current] = {"type": m.group(2), "labels": set(), "samples": []}
-            continue
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-        assert m, line
-        name, labels = m.group(1), dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
-        assert current and (name == current or name in (current + s for s in SAMPLE_SUFFIXES)), (
-            f"sample {name} outside its family ({current})"
-        )
-        families[current]["samples"].append((name, labels, float(m.group(3))))
-        families[current]["labels"] |= set(labels) - {"le"}
-    for name in [n for n in families if n.endswith("_created")]:
-        stem = name[: -len("_created")]
-        if (
-            families.get(stem + "_total", {}).get("type") == "counter"
-            or families.get(stem, {}).get("type") == "histogram"
-        ):
-            del families[name]
-    return families
 
 
 def scrape(port: int) -> dict[str, dict]:
@@ -152,6 +120,7 @@ def _cfg(model_dir, redis_url, run_dir, api_url):
                 "generation": ep,
                 "critic": ep,
                 "teacher": ep,
+                "tinker_trainer": ep,
                 "reward": {**ep, "http_port": 0},
                 "learner": {**ep, "http_port": None},
                 "gateway": {"port": 0},
@@ -206,7 +175,7 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
                     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
                     gateway_families = scrape(gateway.port)
                 yield {
-                    "tinker": tinker_families(cfg),
+                    **tinker_families(cfg),
                     "gateway": gateway_families,
                     "generation": scrape(generation.server.metrics_port),
                     "reward": scrape(reward.server.metrics_port),
@@ -220,25 +189,28 @@ def scrapes(tiny_model_dir, redis_server, run_dir):
 
 
 def tinker_families(cfg) -> dict:
-    """The Tinker API's families after the official SDK made a LoRA model and ran one
-    forward_backward on it, and one request was refused for its key."""
+    """The Tinker API's families and its trainer's (`tinker.trainer`) after the official SDK made a
+    LoRA model there and ran one forward_backward on it, and one request was refused for its key."""
     import os
 
     import tinker
     from tinker import types
 
     os.environ["TINKER_TELEMETRY"] = "0"
-    with serve_tinker(cfg) as svc:
-        url = f"http://127.0.0.1:{svc.port}"
-        with tinker.ServiceClient(base_url=url, api_key=f"tml-{TOKEN}") as sc:
-            tc = sc.create_lora_training_client(base_model="tiny", rank=2)
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints([1, 4, 5]),
-                loss_fn_inputs={"target_tokens": [4, 5, 6], "weights": [0.0, 1.0, 1.0]},
-            )
-            tc.forward_backward([datum], "cross_entropy").result()
-            assert httpx.get(f"{url}/api/v1/get_server_capabilities", timeout=10).status_code == 401
-            return scrape(svc.port)
+    with serve_trainer(cfg) as trainer:
+        api_cfg = cfg.model_copy(deep=True)
+        api_cfg.tinker.trainer = f"127.0.0.1:{trainer.server.port}"
+        with serve_tinker(api_cfg) as svc:
+            url = f"http://127.0.0.1:{svc.port}"
+            with tinker.ServiceClient(base_url=url, api_key=f"tml-{TOKEN}") as sc:
+                tc = sc.create_lora_training_client(base_model="tiny", rank=2)
+                datum = types.Datum(
+                    model_input=types.ModelInput.from_ints([1, 4, 5]),
+                    loss_fn_inputs={"target_tokens": [4, 5, 6], "weights": [0.0, 1.0, 1.0]},
+                )
+                tc.forward_backward([datum], "cross_entropy").result()
+                assert httpx.get(f"{url}/api/v1/get_server_capabilities", timeout=10).status_code == 401
+                return {"tinker": scrape(svc.port), "tinker-trainer": scrape(trainer.server.metrics_port)}
 
 
 def test_the_table_is_well_formed():
@@ -337,3 +309,6 @@ def test_the_tinker_apis_numbers_are_the_sdks_requests(scrapes):
     assert counts == {"create_model": 1, "forward_backward": 1}
     assert value(tinker, "rlhf_http_requests_total", path="/api/v1/forward_backward", code="200") == 1
     assert value(tinker, "rlhf_http_requests_total", path="/api/v1/get_server_capabilities", code="401") == 1
+    trainer = scrapes["tinker-trainer"]  # the model lives in the API's trainer: one Create, one ForwardBackward
+    assert value(trainer, "rlhf_rpc_requests_total", method="Create", code="OK") == 1
+    assert value(trainer, "rlhf_rpc_requests_total", method="ForwardBackward", code="OK") == 1

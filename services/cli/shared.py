@@ -173,7 +173,7 @@ def flag_overrides(args) -> list[tuple[str, object]]:
     elif sharded and args.nproc is not None:
         out.append((sharded, args.nproc))
     # a worker binds only its /metrics, at rpc.host; the Tinker API has a section of its own
-    section = {"rollout": "rpc", "tinker": "tinker"}.get(service, f"rpc.{service}")
+    section = {"rollout": "rpc", "tinker": "tinker"}.get(service, f"rpc.{service.replace('-', '_')}")
     if args.host:
         out.append((f"{section}.host", args.host))
     ports = {"port": args.port, "metrics_port": args.metrics_port, "http_port": args.http_port}

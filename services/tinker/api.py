@@ -28,8 +28,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-import torch
-
 from ..common.checkpoints import read_overlay, write_overlay
 from ..common.compute import ComputeThread
 from ..common.types import SamplingParams
@@ -55,8 +53,9 @@ from .protocol import (
 )
 from .sampling import Engine, SampleBatches, SampleJob, SampleSpec, Weights, WeightsCache
 from .sequence import Sequence
-from .training import Adam, ModelSpec, TrainingModel, lora_targets
-from .wire import Limits, forward_backward_output, read_forward_backward, sample_response
+from .trainers import Model, Trainer, trainer_for
+from .training import Adam, Call, ModelSpec, lora_targets
+from .wire import Limits, read_forward_backward, sample_response
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -84,7 +83,7 @@ class ModelState:
     answer: dict
     sequence: Sequence
     spec: ModelSpec | None = None
-    model: TrainingModel | None = None
+    model: Model | None = None
     failed: str | None = None
 
 
@@ -106,10 +105,11 @@ def digest_of(data: bytes | str) -> str:
 
 
 class TinkerApi:
-    def __init__(self, cfg: Config, decoder: Decoder, ids: Ids | None = None):
+    def __init__(self, cfg: Config, decoder: Decoder, ids: Ids | None = None, trainer: Trainer | None = None):
         from transformers import AutoConfig
 
         self.cfg, self.t = cfg, cfg.tinker
+        self.trainer = trainer if trainer is not None else trainer_for(cfg)
         self.ids = ids or Ids()
         self.compute = ComputeThread("tinker-compute")
         self.futures = Futures(self.ids, self.t.max_futures, self.t.poll_hold_s, self.t.max_result_bytes)
@@ -139,6 +139,7 @@ class TinkerApi:
         if self.sampling is not self.compute:
             self.sampling.close()
         self.engine.decoder.close()
+        self.trainer.close()
 
     # ------------------------------------------------------------------ the client's configuration
     def client_config(self) -> dict:
@@ -202,8 +203,14 @@ class TinkerApi:
             state = self.models.pop(model_id, None)
             if state is not None:
                 state.sequence.close(f"model {model_id} is gone: {why}")
+                self.compute.submit(lambda s=state: self._let_go(s))
         for sampler_id in session.samplers:
             self.samplers.pop(sampler_id, None)
+
+    def _let_go(self, state: ModelState) -> None:
+        """The trainer told that a dropped model is no longer used (on the compute thread)."""
+        if state.model is not None:
+            self.trainer.drop(state.model)
 
     def _reap(self) -> None:
         """Sessions silent for session_timeout_s finished (what an abandoned client held)."""
@@ -250,7 +257,7 @@ class TinkerApi:
             )
 
     def _new_model(
-        self, session: Session, model_seq_id: int, digest: str, build: Callable[[], TrainingModel], result: dict
+        self, session: Session, model_seq_id: int, digest: str, build: Callable[[], Model], result: dict
     ) -> dict:
         """A training model `build` makes on the compute thread, as a future whose result is `result`
         with the model's id; a retry of the request that made it answers with the same future."""
@@ -298,9 +305,9 @@ class TinkerApi:
         meta = {"user_metadata": req.user_metadata}
         model_id = f"{session.id}:train:{req.model_seq_id}"
 
-        def build() -> TrainingModel:
+        def build() -> Model:
             spec = ModelSpec(rank, lora_targets(self.cfg, flags) if rank else (), seed)
-            model = TrainingModel(self.cfg, spec)
+            model = self.trainer.create(model_id, spec)
             self._write_run(model_id, spec, meta)
             return model
 
@@ -343,9 +350,7 @@ class TinkerApi:
         }
 
     # ------------------------------------------------------------------ a training model's requests
-    def _queue(
-        self, state: ModelState, seq_id: int, digest: str, work: Callable[[TrainingModel], Outcome], kind: str
-    ) -> dict:
+    def _queue(self, state: ModelState, seq_id: int, digest: str, work: Callable[[Model], Outcome], kind: str) -> dict:
         if seq_id < 1:
             raise ApiError(400, f"seq_id: {seq_id}; a training client's requests count from 1", param="seq_id")
 
@@ -378,24 +383,26 @@ class TinkerApi:
         for i, d in enumerate(req.data):
             check_inputs(loss, i, set(d.inputs))
 
-        def work(model: TrainingModel) -> Outcome:
-            fields, metrics = model.forward_backward(req.data, loss, settings, backward=not req.forward_only)
-            return Outcome(forward_backward_output(fields, metrics), PROTOBUF)
+        digest = digest_of(body)
+        call = Call(body, req.data, loss, settings, not req.forward_only, op=f"{state.id}:{req.seq_id}:{digest}")
 
-        return self._queue(
-            state, req.seq_id, digest_of(body), work, "forward" if req.forward_only else "forward_backward"
-        )
+        def work(model: Model) -> Outcome:
+            return Outcome(model.forward_backward(call), PROTOBUF)
+
+        return self._queue(state, req.seq_id, digest, work, "forward" if req.forward_only else "forward_backward")
 
     def optim_step(self, req: OptimStep) -> dict:
         state = self._model(req.model_id, "optim_step")
         if req.adam_params is None and req.optimizer_params is not None:
             raise ApiError(400, "optimizer_params: this server steps with AdamW only (adam_params)", "optimizer_params")
         adam = self._adam(req.adam_params or AdamSpec())
+        digest = digest_of(req.model_dump_json())
+        op = f"{state.id}:{req.seq_id}:{digest}"
 
-        def work(model: TrainingModel) -> Outcome:
-            return json_outcome({"type": "optim_step", "metrics": model.optim_step(adam)})
+        def work(model: Model) -> Outcome:
+            return json_outcome({"type": "optim_step", "metrics": model.optim_step(adam, op)})
 
-        return self._queue(state, req.seq_id, digest_of(req.model_dump_json()), work, "optim_step")
+        return self._queue(state, req.seq_id, digest, work, "optim_step")
 
     def _adam(self, p: AdamSpec) -> Adam:
         t = self.t
@@ -413,9 +420,8 @@ class TinkerApi:
         if self.store.exists(path) and not req.overwrite:
             raise ApiError(400, f"{path.uri} exists; save under another name or with overwrite", param="path")
 
-        def work(model: TrainingModel) -> Outcome:
-            content = {**model.state(), "spec": model.spec.as_dict()}
-            self.store.write(path, lambda d: torch.save(content, d / STATE_FILE), overwrite=req.overwrite)
+        def work(model: Model) -> Outcome:
+            self.store.write(path, lambda d: model.save(d / STATE_FILE), overwrite=req.overwrite)
             return json_outcome({"type": "save_weights", "path": path.uri})
 
         return self._queue(state, req.seq_id, digest_of(req.model_dump_json()), work, "save_weights")
@@ -429,7 +435,7 @@ class TinkerApi:
         if req.path is not None:
             path = TinkerPath(state.id, "sampler_weights", check_name(req.path, "path"))
 
-            def named(model: TrainingModel) -> Outcome:
+            def named(model: Model) -> Outcome:
                 weights = model.sampler_weights()
                 self.store.write(path, lambda d: write_overlay(d, weights))
                 self.weights.put(path.uri, weights)
@@ -446,7 +452,7 @@ class TinkerApi:
             self._add_sampler(SamplerSession(sampler_id, state.session, key, None))
         return answer
 
-    def _snapshot(self, model: TrainingModel, key: str, sampler_id: str) -> Outcome:
+    def _snapshot(self, model: Model, key: str, sampler_id: str) -> Outcome:
         self.weights.put(key, model.sampler_weights())
         return json_outcome({"type": "save_weights_for_sampler", "sampling_session_id": sampler_id})
 
@@ -462,10 +468,13 @@ class TinkerApi:
             model_id = f"{session.id}:train:{req.model_seq_id}"
             source = self.store.read_run(path.run)
 
-            def build() -> TrainingModel:
-                content = torch.load(directory / STATE_FILE, weights_only=True)
-                model = TrainingModel(self.cfg, ModelSpec.from_dict(content["spec"]))
-                model.load_state(content, req.optimizer)
+            def build() -> Model:
+                model = self.trainer.create(model_id, ModelSpec.from_dict(source["spec"]))
+                try:
+                    model.load(directory / STATE_FILE, req.optimizer)
+                except Exception:
+                    self.trainer.drop(model)
+                    raise
                 self._write_run(model_id, model.spec, {"user_metadata": source.get("user_metadata")})
                 return model
 
@@ -474,8 +483,8 @@ class TinkerApi:
             raise ApiError(400, "load_weights needs session_id and model_seq_id (a new model), or model_id and seq_id")
         state = self._model(req.model_id, "load_state")
 
-        def work(model: TrainingModel) -> Outcome:
-            model.load_state(torch.load(directory / STATE_FILE, weights_only=True), req.optimizer)
+        def work(model: Model) -> Outcome:
+            model.load(directory / STATE_FILE, req.optimizer)
             return json_outcome({**answer, "model_id": state.id})
 
         return self._queue(state, req.seq_id, digest, work, "load_state")

@@ -15,6 +15,7 @@ own target (the SDK's datums need not be shifted copies of their input)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from ..learner.lora import merged_lora_weights
 from ..learner.trainer import optimizer_and_scheduler, with_lora
 from .losses import Loss
 from .protocol import ApiError
-from .wire import Datum
+from .wire import Datum, forward_backward_output
 
 if TYPE_CHECKING:
     from ..common.config import Config
@@ -68,6 +69,20 @@ class Adam:
     eps: float
     weight_decay: float
     grad_clip_norm: float
+
+
+@dataclass(frozen=True)
+class Call:
+    """One forward_backward (or forward) as a training model takes it: the request as the client
+    sent it (`body`, the SDK's protobuf: what a trainer in another process reads again), as read
+    here, and `op`, the call's name (a trainer answers the same op twice with one result)."""
+
+    body: bytes
+    data: list[Datum]
+    loss: Loss
+    settings: dict[str, float]
+    backward: bool
+    op: str = ""
 
 
 def lora_targets(cfg: Config, flags: dict[str, bool]) -> tuple[str, ...]:
@@ -116,7 +131,11 @@ class TrainingModel:
         return with_lora(policy, cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})}))
 
     # ------------------------------------------------------------ forward_backward and forward
-    def forward_backward(
+    def forward_backward(self, call: Call) -> bytes:
+        """The call's answer, the SDK's ForwardBackwardOutput (`compute`)."""
+        return forward_backward_output(*self.compute(call.data, call.loss, call.settings, call.backward))
+
+    def compute(
         self, data: list[Datum], loss: Loss, settings: dict[str, float], backward: bool
     ) -> tuple[dict[str, list[np.ndarray]], dict[str, float]]:
         """Per datum its targets' log-probs and its per-token loss, and the summed loss; with
@@ -155,8 +174,9 @@ class TrainingModel:
         return {k: torch.from_numpy(np.array(v)).to(self.device) for k, v in d.inputs.items() if k != "target_tokens"}
 
     # ------------------------------------------------------------ optim_step
-    def optim_step(self, adam: Adam) -> dict[str, float]:
-        """One AdamW step with `adam`'s hyperparameters over the accumulated gradients, then none."""
+    def optim_step(self, adam: Adam, op: str = "") -> dict[str, float]:
+        """One AdamW step with `adam`'s hyperparameters over the accumulated gradients, then none
+        (`op`: the call's name, which a trainer in another process needs; here each call is one)."""
         for group in self.optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -175,6 +195,14 @@ class TrainingModel:
         if self.spec.rank:
             return {k: v.float() for k, v in merged_lora_weights(self.policy).items()}
         return {k: v.detach().float().cpu().clone() for k, v in self.policy.state_dict().items()}
+
+    def save(self, file: Path) -> None:
+        """The model's state written to `file` (save_state, save_weights): what `load` reads."""
+        torch.save({**self.state(), "spec": self.spec.as_dict()}, file)
+
+    def load(self, file: Path, optimizer: bool) -> None:
+        """The state `save` wrote to `file` over this model (see `load_state`)."""
+        self.load_state(torch.load(file, weights_only=True), optimizer)
 
     def state(self, optimizer: bool = True) -> dict:
         """save_state's content: the trainable tensors and the optimiser's state."""

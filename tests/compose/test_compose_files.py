@@ -35,11 +35,20 @@ SEVERAL_GPUS = {
     "RLHF_CONFIG": "gpu.yaml",
 }
 LONG_RUNNING = {"redis", "reward", "critic", "generation", "learner", "rollout"}
-LOADS_A_MODEL = {"reward", "critic", "generation", "learner", "teacher", "tinker", "tinker-generation"}
+LOADS_A_MODEL = {
+    "reward",
+    "critic",
+    "generation",
+    "learner",
+    "teacher",
+    "tinker",
+    "tinker-generation",
+    "tinker-trainer",
+}
 DISTILL = {"teacher"}  # --profile distill
-TINKER = {"tinker", "tinker-generation"}  # --profile tinker
+TINKER = {"tinker", "tinker-generation", "tinker-trainer"}  # --profile tinker
 RLHF_SERVICES = LONG_RUNNING | {"init"} | DISTILL | TINKER
-GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher", "tinker", "tinker-generation"}
+GPU_SERVICES = {"generation", "learner", "critic", "reward", "teacher", "tinker-trainer", "tinker-generation"}
 MONITORING = {"prometheus", "grafana"}
 AGENTS = {"gateway"}  # --profile agents
 
@@ -131,7 +140,7 @@ def test_several_gpus_come_from_the_env_file():
     # replica of `--scale generation=2` takes one of them (tests/generation/test_gpu_slot.py)
     assert _gpus(config, "generation") == ["0,1"]
     assert (_gpus(config, "learner"), _gpus(config, "critic"), _gpus(config, "reward")) == (["2"], ["3"], ["3"])
-    assert _gpus(config, "teacher") == ["1"] and _gpus(config, "tinker") == ["2"]
+    assert _gpus(config, "teacher") == ["1"] and _gpus(config, "tinker-trainer") == ["2"]
     assert _gpus(config, "tinker-generation") == ["3"]
     assert config["services"]["generation"]["environment"]["RLHF_GPU_SLOTS_DIR"].startswith("/runs/")
     assert config["services"]["learner"]["environment"]["RLHF_CONFIG"] == "gpu.yaml"
@@ -263,8 +272,8 @@ def test_the_teacher_is_a_profile_every_service_can_reach(variant, gpu, cpu):
 def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the_runs_volume(variant, gpu, cpu):
     """`--profile tinker` adds `rlhf serve tinker`: the run's image, config and token, its
     tinker:// checkpoints under /runs (the workspace is read-only), healthy on its open /healthz,
-    published on the host's loopback, needing no service of a run but the model's init and its own
-    generation server."""
+    published on the host's loopback, needing no service of a run but the model's init, its own
+    generation server and its own trainer."""
     services = {"gpu": gpu, "cpu": cpu}[variant]["services"]
     t = services["tinker"]
     assert t["profiles"] == ["tinker"] and t["image"] == services["critic"]["image"] and t["restart"] == "on-failure"
@@ -279,6 +288,8 @@ def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the
         "tinker.root=/runs/tinker",
         "--set",
         "tinker.generation=tinker-generation:50051",
+        "--set",
+        "tinker.trainer=tinker-trainer:50057",
     ]
     assert "127.0.0.1:8765/api/v1/healthz" in t["healthcheck"]["test"][-1]
     assert t["healthcheck"]["start_period"] == "1h"
@@ -287,6 +298,7 @@ def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the
     assert {k: v["condition"] for k, v in t["depends_on"].items()} == {
         "init": "service_completed_successfully",
         "tinker-generation": "service_healthy",
+        "tinker-trainer": "service_healthy",
     }
     assert "runs:/runs:rw" in t["volumes"] or any(
         v.get("source") == "runs" for v in t["volumes"] if isinstance(v, dict)
@@ -306,6 +318,12 @@ def test_the_tinker_api_is_a_profile_on_the_loopback_with_its_checkpoints_in_the
     ]
     assert "rlhf.v1.Generation" in g["healthcheck"]["test"] and "127.0.0.1:50051" in g["healthcheck"]["test"]
     assert {k: v["condition"] for k, v in g["depends_on"].items()} == {"init": "service_completed_successfully"}
+    # its training models held by a trainer of its own, on its default port
+    tr = services["tinker-trainer"]
+    assert tr["profiles"] == ["tinker"] and tr["image"] == t["image"] and "ports" not in tr
+    assert tr["command"] == ["serve", "tinker-trainer", "--host", "0.0.0.0"]
+    assert "rlhf.v1.Tinker-trainer" in tr["healthcheck"]["test"] and "127.0.0.1:50057" in tr["healthcheck"]["test"]
+    assert {k: v["condition"] for k, v in tr["depends_on"].items()} == {"init": "service_completed_successfully"}
 
 
 def test_state_lives_on_named_volumes(gpu):

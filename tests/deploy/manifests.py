@@ -39,6 +39,7 @@ COMPONENT_SETS = (
     ("distill",),
     ("distill", "servicemonitor"),
     ("tinker",),
+    ("tinker", "servicemonitor"),
 )
 VARIANTS = tuple("+".join((o,) + c) for o in OVERLAYS for c in COMPONENT_SETS) + ("my-code",)  # your code, on cpu-tiny
 CRD_KINDS = {"ScaledObject", "TriggerAuthentication", "ServiceMonitor"}

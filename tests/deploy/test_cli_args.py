@@ -209,3 +209,43 @@ def test_the_gateway_component_binds_what_is_probed_and_finds_the_servers(overla
         for k, v in r.env.items():
             mp.setenv(k, v)
         assert r.cfg.rpc.resolved_auth_token() == secret["RLHF_AUTH_TOKEN"]
+
+
+@pytest.mark.parametrize("overlay", m.OVERLAYS)
+def test_the_tinker_component_binds_what_is_probed_and_scraped(overlay, docs, tmp_path):
+    """components/tinker: `rlhf serve tinker`, its own `rlhf serve generation` and `rlhf serve
+    tinker-trainer` parse and validate
+    under the overlay's environment and bind the ports their probes and Services use; the Services'
+    `metrics` ports (what the ServiceMonitor scrapes) reach where each serves /metrics: the Tinker
+    API's HTTP port, the generation server's metrics port."""
+    objs = docs[f"{overlay}+tinker"]
+    w = m.one(objs, "Deployment", "tinker")
+    (r,) = [r for r in m.resolve(w, m.pod_spec(w)["containers"][0], objs, tmp_path) if r.cfg is not None]
+    assert r.args.service == "tinker" and r.args.host == "0.0.0.0"
+    assert r.validated["model"]["path"] == r.env["RLHF_MODEL"]
+    port = r.cfg.tinker.port
+    assert {p["name"]: p["containerPort"] for p in r.container["ports"]} == {"http": port}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert r.container[probe]["httpGet"]["port"] == port, probe
+    svc = {p["name"]: p for p in m.one(objs, "Service", "tinker")["spec"]["ports"]}
+    assert svc["http"]["port"] == port and svc["http"]["targetPort"] == svc["metrics"]["targetPort"] == "http"
+
+    w = m.one(objs, "Deployment", "tinker-generation")
+    (g,) = [r for r in m.resolve(w, m.pod_spec(w)["containers"][0], objs, tmp_path) if r.cfg is not None]
+    assert g.args.service == "generation" and g.cfg.replay.url is None
+    ep = g.cfg.rpc.generation
+    bound = {"grpc": ep.port, "metrics": ep.metrics_port}
+    assert {p["name"]: p["containerPort"] for p in g.container["ports"]} == bound == {"grpc": 50051, "metrics": 9101}
+    svc = m.one(objs, "Service", "tinker-generation")["spec"]["ports"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc} == {n: (v, n) for n, v in bound.items()}
+    assert r.cfg.tinker.generation == f"tinker-generation:{ep.port}"
+
+    w = m.one(objs, "Deployment", "tinker-trainer")
+    (t,) = [r for r in m.resolve(w, m.pod_spec(w)["containers"][0], objs, tmp_path) if r.cfg is not None]
+    assert t.args.service == "tinker-trainer" and t.validated["model"]["path"] == r.validated["model"]["path"]
+    ep = t.cfg.rpc.tinker_trainer
+    bound = {"grpc": ep.port, "metrics": ep.metrics_port}
+    assert {p["name"]: p["containerPort"] for p in t.container["ports"]} == bound == {"grpc": 50057, "metrics": 9107}
+    svc = m.one(objs, "Service", "tinker-trainer")["spec"]["ports"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc} == {n: (v, n) for n, v in bound.items()}
+    assert r.cfg.tinker.trainer == f"tinker-trainer:{ep.port}"

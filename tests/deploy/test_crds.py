@@ -442,14 +442,26 @@ def test_servicemonitor_scrapes_every_metrics_port_with_the_token(variant, docs)
         if m.selects(sm["spec"]["selector"], svc["metadata"]["labels"]):
             if any(p["name"] == ep["port"] for p in svc["spec"]["ports"]):
                 scraped.add(m.component(svc))
-    # every workload that serves metrics, through a Service port named `metrics`
+    # every workload that serves metrics, through a Service port named `metrics`: on a container
+    # port named `metrics`, or the Tinker API on its HTTP port (/metrics beside the API)
+    http_metrics = {"tinker"}
     serving = {
         m.component(w)
         for w in m.workloads(objs)
-        if any(p.get("name") == "metrics" for c in m.containers(w, init=False) for p in c.get("ports", []))
+        if any(
+            p.get("name") == ("http" if m.component(w) in http_metrics else "metrics")
+            for c in m.containers(w, init=False)
+            for p in c.get("ports", [])
+        )
     }
-    teacher = {"teacher"} if "distill" in variant.split("+") else set()  # components/distill
-    assert scraped == serving == {"generation", "reward", "critic", "learner", "rollout"} | teacher
+    for svc in m.find(objs, "Service"):
+        for p in svc["spec"]["ports"]:
+            if p["name"] == ep["port"]:
+                assert p["targetPort"] == ("http" if m.component(svc) in http_metrics else "metrics"), svc
+    components = variant.split("+")
+    teacher = {"teacher"} if "distill" in components else set()  # components/distill
+    tinker = {"tinker", "tinker-generation", "tinker-trainer"} if "tinker" in components else set()  # components/tinker
+    assert scraped == serving == {"generation", "reward", "critic", "learner", "rollout"} | teacher | tinker
     assert sm["spec"]["jobLabel"] in m.one(objs, "Service", "learner")["metadata"]["labels"]
     # the job label is the component: the names the compose scrape config gives its jobs, which
     # the alert rules and the dashboard select on
@@ -458,7 +470,13 @@ def test_servicemonitor_scrapes_every_metrics_port_with_the_token(variant, docs)
     compose_prom = m.ROOT / "deploy" / "prometheus" / "prometheus.yml"
     jobs = {j["job_name"] for j in yaml.safe_load(compose_prom.read_text())["scrape_configs"]}
     # job -> the component that adds it
-    optional = {"gateway": "gateway", "teacher": "distill", "tinker": "tinker", "tinker-generation": "tinker"}
+    optional = {
+        "gateway": "gateway",
+        "teacher": "distill",
+        "tinker": "tinker",
+        "tinker-generation": "tinker",
+        "tinker-trainer": "tinker",
+    }
     assert scraped == {j for j in jobs if j not in optional or optional[j] in variant.split("+")}
 
 

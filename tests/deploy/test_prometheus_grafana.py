@@ -59,6 +59,7 @@ def test_scrape_config_passes_promtool_as_the_container_lays_it_out(tmp_path):
         "teacher",
         "tinker",
         "tinker-generation",
+        "tinker-trainer",
     }
 
 

@@ -152,7 +152,11 @@ def test_references_resolve_and_selectors_select(variant, docs):
         assert len(chosen) == 1, f"Service {svc['metadata']['name']} selects {len(chosen)} workloads"
         ports = {p["name"]: p["containerPort"] for c in m.containers(chosen[0], init=False) for p in c.get("ports", [])}
         for p in svc["spec"]["ports"]:
-            assert p["targetPort"] in ports and ports[p["targetPort"]] == p["port"], (svc["metadata"]["name"], p)
+            assert p["targetPort"] in ports, (svc["metadata"]["name"], p)
+            # a Service port is its container port's number, but for the Tinker API's `metrics`,
+            # which targets its HTTP port (/metrics beside the API; a Service cannot list 8765 twice)
+            if (m.component(svc), p["name"]) != ("tinker", "metrics"):
+                assert ports[p["targetPort"]] == p["port"], (svc["metadata"]["name"], p)
     for pdb in m.find(objs, "PodDisruptionBudget"):
         assert [w for w, labels in pods if m.selects(pdb["spec"]["selector"], labels)]
     for sts in m.find(objs, "StatefulSet"):
@@ -250,9 +254,10 @@ def test_the_teacher_comes_with_components_distill(overlay, docs):
 @pytest.mark.parametrize("overlay", m.OVERLAYS)
 def test_the_tinker_api_comes_with_components_tinker(overlay, docs):
     """components/tinker adds `rlhf serve tinker` (one replica, probed on its open /healthz, its
-    tinker:// checkpoints on the runs volume), sized by the overlay: a GPU of its own on gpu, the
-    tiny model built first on cpu-tiny; without the component there is none."""
-    assert not [d for d in docs[overlay] if d["metadata"]["name"] in ("tinker", "tinker-generation")]
+    tinker:// checkpoints on the runs volume) with a trainer and a generation server of its own,
+    sized by the overlay: a GPU each for those two on gpu, the tiny model built first on cpu-tiny;
+    without the component there is none."""
+    assert not [d for d in docs[overlay] if d["metadata"]["name"] in ("tinker", "tinker-generation", "tinker-trainer")]
     objs = docs[f"{overlay}+tinker"]
     tinker = m.one(objs, "Deployment", "tinker")
     assert tinker["spec"]["replicas"] == 1 and tinker["spec"]["strategy"]["type"] == "Recreate"
@@ -261,15 +266,33 @@ def test_the_tinker_api_comes_with_components_tinker(overlay, docs):
     assert "tinker.root=/runs/tinker" in c["args"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/api/v1/healthz", "port": 8765}, probe
-    assert {p["name"]: p["port"] for p in m.one(objs, "Service", "tinker")["spec"]["ports"]} == {"http": 8765}
+    # its /metrics is on its HTTP port: the Service's port `metrics` (the one the ServiceMonitor
+    # scrapes) targets that container port
+    ports = m.one(objs, "Service", "tinker")["spec"]["ports"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in ports} == {
+        "http": (8765, "http"),
+        "metrics": (9765, "http"),
+    }
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8765}
     assert {v["mountPath"] for v in c["volumeMounts"]} >= {"/runs", "/etc/rlhf"}
-    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    # the API computes nothing itself: no GPU of its own
+    assert c["resources"]["limits"].get("nvidia.com/gpu") is None
     inits = [i["name"] for i in m.pod_spec(tinker).get("initContainers", [])]
-    if overlay == "gpu":
-        assert gpus == 1 and inits == []
-    else:
-        assert gpus is None and inits == ["tiny-model"]
-        assert c["resources"]["requests"] == {"cpu": "250m", "memory": "1Gi"}
+    if overlay != "gpu":
+        assert inits == ["tiny-model"] and c["resources"]["requests"] == {"cpu": "250m", "memory": "1Gi"}
+    # its training models in a trainer of its own, a GPU of its own on gpu
+    assert "tinker.trainer=tinker-trainer:50057" in c["args"]
+    trainer = m.one(objs, "Deployment", "tinker-trainer")
+    tc = m.pod_spec(trainer)["containers"][0]
+    assert tc["args"][:2] == ["serve", "tinker-trainer"] and trainer["spec"]["replicas"] == 1
+    assert tc["readinessProbe"]["grpc"] == {"port": 50057, "service": "rlhf.v1.Tinker-trainer"}
+    svc = m.one(objs, "Service", "tinker-trainer")
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50057, "metrics": 9107}
+    assert m.selects(svc["spec"]["selector"], trainer["spec"]["template"]["metadata"]["labels"])
+    trainer_inits = [i["name"] for i in m.pod_spec(trainer).get("initContainers", [])]
+    assert (tc["resources"]["limits"].get("nvidia.com/gpu"), trainer_inits) == (
+        (1, []) if overlay == "gpu" else (None, ["tiny-model"])
+    )
     # its samples on a generation server of its own, in no run's registry, that the run's
     # generation Service does not select
     assert "tinker.generation=tinker-generation:50051" in c["args"]
@@ -277,8 +300,9 @@ def test_the_tinker_api_comes_with_components_tinker(overlay, docs):
     g = m.pod_spec(own)["containers"][0]
     assert g["args"][:2] == ["serve", "generation"] and "replay.url=null" in g["args"] and own["spec"]["replicas"] == 1
     assert g["readinessProbe"]["grpc"] == {"port": 50051, "service": "rlhf.v1.Generation"}
+    assert {p["name"]: p["containerPort"] for p in g["ports"]} == {"grpc": 50051, "metrics": 9101}
     svc = m.one(objs, "Service", "tinker-generation")
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "metrics": 9101}
     assert m.selects(svc["spec"]["selector"], own["spec"]["template"]["metadata"]["labels"])
     assert not m.selects(
         m.one(objs, "Service", "generation")["spec"]["selector"], own["spec"]["template"]["metadata"]["labels"]

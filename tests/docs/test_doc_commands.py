@@ -120,6 +120,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/iterated-rlhf.md", "== round 2 of 3 =="): PROSE,  # what it prints
     ("docs/iterated-rlhf.md", "pairs from runs/smollm2-rlhf-iterated/round-2/policy"): PROSE,  # ... at the end
     ("docs/iterated-rlhf.md", "RUN_DIR/"): PROSE,  # the layout
+    ("docs/iterated-rlhf.md", "rlhf train-rm -c configs/smollm2-rlhf-iterated.yaml \\"): PARSE,  # SmolLM2, 8 minutes
     ("docs/environments.md", "config error in c.yaml: rollout.environment:"): PROSE,  # an unknown kind refused
     ("docs/environments.md", "# gym.yaml"): CONFIG,  # test_reasoning_gym writes it as gym.yaml
     ("docs/environments.md", "$ rlhf config validate bad-gym.yaml"): RUN,  # test_reasoning_gym_mistakes
@@ -194,6 +195,8 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "... INFO services.tinker.server: tinker: the Tinker"): PROSE,  # its output
     ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve generation"): PARSE,  # two servers, forever
     ("docs/tinker.md", "... INFO services.tinker.decoders: tinker: samples"): PROSE,  # their logs
+    ("docs/tinker.md", "$ RLHF_AUTH_TOKEN=s3cret .venv/bin/rlhf serve tinker-trainer"): PARSE,  # two servers, forever
+    ("docs/tinker.md", "... INFO services.tinker.trainers: tinker: training"): PROSE,  # their logs: tests/tinker
     ("docs/tinker.md", "$ .venv/bin/rlhf up -c configs/tiny-cpu.yaml --run-dir"): PARSE,  # tests/e2e/test_up_tinker.py
     ("docs/tinker.md", "generation-0 ready on port 43441"): PROSE,  # rlhf up --tinker-generation: tests/e2e
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_sampling.py"): PARSE,  # SmolLM2, a minute
@@ -425,11 +428,13 @@ def _without_assignments(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def _synopsis(words: list[str]) -> list[str]:
-    """A synopsis's words as a command: brackets of optional parts dropped, `...` dropped,
-    placeholders of numbers and sources given a value."""
+    """A synopsis's words as a command: brackets of optional parts dropped (not those of a value,
+    as in `key=[a,b]`), `...` dropped, placeholders of numbers and sources given a value."""
     out = []
     for w in words:
-        w = w.lstrip("[").rstrip("]")
+        w = w.lstrip("[")
+        while w.endswith("]") and w.count("]") > w.count("["):
+            w = w[:-1]
         if w and w not in ("...", "|"):
             out.append(SYNOPSIS.get(w, w))
     return out

@@ -1,9 +1,16 @@
-"""What the end-to-end tests of `rlhf up` share: the training data file and the run's progress."""
+"""What the end-to-end tests of `rlhf up` share: its command line, the training data file and the
+run's progress."""
 
 import json
+import sys
 from pathlib import Path
 
 from services.training.sources.synthetic import reverse_task
+
+
+def up_command(config, run_dir, *flags) -> list[str]:
+    """`rlhf up -c CONFIG --run-dir RUN_DIR FLAGS...` as an argv, run by this interpreter."""
+    return [sys.executable, "-m", "services.cli", "up", "-c", str(config), "--run-dir", str(run_dir), *flags]
 
 
 def write_train_data(path: Path, n: int, seed: int) -> list:

@@ -18,14 +18,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.support import run_iterations, write_train_data
+from tests.e2e.support import run_iterations, up_command, write_train_data
 
 BATCH, PROMPTS = 8, 40
 KILLED = ("generation-0", "reward", "critic", "teacher", "redis")
@@ -96,15 +95,9 @@ def _start(
     log = root / "up.log"
     with log.open("w") as f:
         up = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "-c",
-                str(config),
-                "--run-dir",
-                str(run_dir),
+            up_command(
+                config,
+                run_dir,
                 "--workers",
                 "1",
                 "--generation-servers",
@@ -113,7 +106,7 @@ def _start(
                 str(max_restarts),
                 "--restart-delay",
                 str(restart_delay_s),
-            ],
+            ),
             stdout=f,
             stderr=subprocess.STDOUT,
         )
@@ -200,16 +193,7 @@ def one_server(tiny_model_dir, tmp_path_factory):
     # the same command on the finished run: it says so and leaves everything as it is
     summary = (run_dir / "summary.json").read_bytes()
     again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "-c",
-            str(run_dir.parent / "chaos.yaml"),
-            "--run-dir",
-            str(run_dir),
-        ],
+        up_command(run_dir.parent / "chaos.yaml", run_dir),
         capture_output=True,
         text=True,
         timeout=600,

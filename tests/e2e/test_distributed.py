@@ -26,7 +26,7 @@ import yaml
 
 from services.common.config import load_config
 from services.generation.client import GenerationClient
-from tests.e2e.support import run_iterations, write_train_data
+from tests.e2e.support import run_iterations, up_command, write_train_data
 
 ITERATIONS, BATCH, PROMPTS = 80, 8, 48
 NS = "e2e"
@@ -132,20 +132,7 @@ def scenario(tiny_model_dir, redis_server, tmp_path_factory):
     up_log = root / "up.log"
     with up_log.open("w") as log:
         up = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "-c",
-                str(config),
-                "--run-dir",
-                str(run_dir),
-                "--workers",
-                "1",
-                "--set",
-                f"replay.url={url}",
-            ],
+            up_command(config, run_dir, "--workers", "1", "--set", f"replay.url={url}"),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -7,13 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.support import run_iterations
+from tests.e2e.support import run_iterations, up_command
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS, BATCH = 60, 64
@@ -49,15 +48,9 @@ def _wait_for(run_dir: Path, iteration: int, up, log_path: Path) -> int:
 
 def _up(tiny_model_dir, run_dir: Path, nproc: int, kill_follower_at: int | None = None) -> dict:
     """A run with the learner and the critic server each in `nproc` processes."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "-c",
+    cmd = up_command(
         "configs/tiny-cpu.yaml",
-        "--run-dir",
-        str(run_dir),
+        run_dir,
         "--set",
         f"model.path={tiny_model_dir}",
         "--set",
@@ -68,7 +61,7 @@ def _up(tiny_model_dir, run_dir: Path, nproc: int, kill_follower_at: int | None 
         f"model.nproc={nproc}",
         "--set",
         f"critic.nproc={nproc}",
-    ]
+    )
     log_path = run_dir.parent / f"up-{nproc}.log"
     out: dict = {}
     with log_path.open("w") as log:

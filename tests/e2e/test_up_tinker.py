@@ -1,7 +1,7 @@
-"""`rlhf up --tinker-generation` on the tiny model: the Tinker API comes up beside the run with a
-generation server of its own (its address printed, services.json names both), the official SDK
-trains a step on it while PPO runs and samples the step's weights on that server, and Ctrl-C stops
-both with the rest of the run."""
+"""`rlhf up --tinker-generation --tinker-trainer` on the tiny model: the Tinker API comes up beside
+the run with a generation server and a trainer of its own (its address printed, services.json names
+all three), the official SDK trains a step on it while PPO runs (computed by that trainer) and
+samples the step's weights on that server, and Ctrl-C stops all three with the rest of the run."""
 
 import json
 import math
@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ import yaml
 from tinker import types
 
 from services.common.model_files import load_tokenizer
-from tests.e2e.support import write_train_data
+from tests.e2e.support import up_command, write_train_data
+from tests.metrics_helpers import parse_exposition
 
 READY = re.compile(r"tinker API ready on http://127\.0\.0\.1:(\d+)")
 
@@ -58,12 +58,12 @@ def _wait_for(lines: "queue.Queue[str]", pattern: re.Pattern, timeout_s: float, 
     raise AssertionError("no line matched; the run printed:\n" + "".join(seen[-40:]))
 
 
-def _generated_tokens(metrics_port: int, token: str) -> float:
+def _counted(metrics_port: int, token: str, name: str, **labels: str) -> float:
+    """The counter `name` (its samples with `labels`, summed) a service's /metrics shows; 0 if none."""
     r = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10)
     assert r.status_code == 200, r.text
-    return sum(
-        float(line.split()[-1]) for line in r.text.splitlines() if line.startswith("rlhf_generated_tokens_total")
-    )
+    family = parse_exposition(r.text).get(name, {"samples": []})
+    return sum(v for n, got, v in family["samples"] if n == name and labels.items() <= got.items())
 
 
 def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, monkeypatch):
@@ -86,17 +86,7 @@ def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, 
         )
     )
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "-c",
-        str(config),
-        "--run-dir",
-        str(run_dir),
-        "--tinker-generation",
-    ]
+    cmd = up_command(config, run_dir, "--tinker-generation", "--tinker-trainer")
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2]
     )
@@ -118,14 +108,18 @@ def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, 
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
             _wait_for(lines, re.compile(r"rollout worker\(s\) running"), 300, seen)  # services.json written
             services = json.loads((run_dir / "services.json").read_text())["services"]
-            own = services["tinker-generation"]
-            before = _generated_tokens(own["metrics_port"], secrets["RLHF_AUTH_TOKEN"])
+            own, trainer = services["tinker-generation"], services["tinker-trainer"]
+            token = secrets["RLHF_AUTH_TOKEN"]
+            # the step was computed by the API's own trainer
+            assert _counted(trainer["metrics_port"], token, "rlhf_rpc_requests_total", method="OptimStep") == 1
+            assert _counted(trainer["metrics_port"], token, "rlhf_rpc_requests_total", method="ForwardBackward") == 1
+            before = _counted(own["metrics_port"], token, "rlhf_generated_tokens_total")
             sampler = tc.save_weights_and_get_sampling_client()
             params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=0)
             seqs = sampler.sample(types.ModelInput.from_ints(ids[:3]), 2, params).result().sequences
             assert len(seqs) == 2 and all(1 <= len(s.tokens) == len(s.logprobs) <= 4 for s in seqs)
             # decoded by the API's own server, not by the run's nor in the API's process
-            assert _generated_tokens(own["metrics_port"], secrets["RLHF_AUTH_TOKEN"]) > before
+            assert _counted(own["metrics_port"], token, "rlhf_generated_tokens_total") > before
         assert math.isfinite(loss) and loss > 0
         assert services["tinker"]["http_port"] == port and services["learner"]["pid"] != services["tinker"]["pid"]
         assert own["port"] != services["generation-0"]["port"]
@@ -138,7 +132,7 @@ def test_up_with_tinker_serves_the_sdk_beside_the_run(tiny_model_dir, tmp_path, 
             proc.kill()
             raise
     assert proc.returncode in (0, 130), "".join(seen[-40:])
-    for name in ("tinker", "tinker-generation"):
+    for name in ("tinker", "tinker-generation", "tinker-trainer"):
         try:
             os.kill(services[name]["pid"], 0)
             alive = True

@@ -16,7 +16,9 @@ from ..shared import USER_ERRORS, add_config_args, error, load_config, run_dir_p
 if TYPE_CHECKING:
     from ...common.config import Config
 
-SERVICES = ["generation", "reward", "critic", "teacher", "learner", "rollout", "gateway", "tinker"]
+SERVICES = ["generation", "reward", "critic", "teacher", "learner", "rollout", "gateway", "tinker", "tinker-trainer"]
+# where a service's `serve(cfg)` is, when not in services/<name>/server.py
+MODULES = {"tinker-trainer": "tinker.trainer_server"}
 
 
 def add_parser(sub) -> None:
@@ -117,7 +119,7 @@ def _follow(cfg: Config, args) -> int:
 def _serve_problem(cfg: Config, args) -> str | None:
     """What stops `rlhf serve SERVICE` before anything loads: a port out of range or in use, a
     placeholder or short secret on a non-loopback address, an unusable run directory (learner)."""
-    host = {"rollout": cfg.rpc.host, "tinker": cfg.tinker.host}.get(args.service) or getattr(cfg.rpc, args.service).host
+    host = {"rollout": cfg.rpc.host, "tinker": cfg.tinker.host}.get(args.service) or _endpoint(cfg, args.service).host
     problem = secret_problem(
         "rpc.auth_token" if cfg.rpc.auth_token else cfg.rpc.auth_token_env, cfg.rpc.resolved_auth_token(), host
     )
@@ -140,7 +142,7 @@ def _ports(cfg: Config, service: str) -> list[tuple[str, str, int | None]]:
         return [("HTTP", "--port, rpc.gateway.port", cfg.rpc.gateway.port)]
     if service == "tinker":
         return [("HTTP", "--port, tinker.port", cfg.tinker.port)]
-    ep, key = getattr(cfg.rpc, service), f"rpc.{service}"
+    ep, key = _endpoint(cfg, service), f"rpc.{service.replace('-', '_')}"
     ports = [
         ("gRPC", f"--port, {key}.port", ep.port),
         ("metrics", f"--metrics-port, {key}.metrics_port", ep.metrics_port),
@@ -148,6 +150,11 @@ def _ports(cfg: Config, service: str) -> list[tuple[str, str, int | None]]:
     if service in ("reward", "learner"):
         ports.append(("HTTP", f"--http-port, {key}.http_port", ep.http_port))
     return ports
+
+
+def _endpoint(cfg: Config, service: str):
+    """`rpc.<service>`, the endpoint a gRPC service binds (tinker-trainer: rpc.tinker_trainer)."""
+    return getattr(cfg.rpc, service.replace("-", "_"))
 
 
 def _bind_problem(what: str, keys: str, host: str, port: int | None) -> str | None:
@@ -177,4 +184,5 @@ def _service(cfg: Config, args):
         from ...rollout.worker import serve
 
         return serve(cfg, name=args.name)
-    return import_module(f"...{args.service}.server", __package__).serve(cfg)
+    module = MODULES.get(args.service, f"{args.service}.server")
+    return import_module(f"...{module}", __package__).serve(cfg)

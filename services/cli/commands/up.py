@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
         help="serve the Tinker API as --tinker does, its samples decoded by a generation server of its own "
         "(started with it, outside the run's registry: tinker.generation) instead of in the API's process",
     )
+    p.add_argument(
+        "--tinker-trainer",
+        action="store_true",
+        help="serve the Tinker API as --tinker does, its clients' training models held by a trainer of its own "
+        "(`rlhf serve tinker-trainer`, started with it: tinker.trainer) instead of in the API's process; "
+        "with --tinker-generation, both",
+    )
     p.set_defaults(func=cmd_up)
 
 

@@ -201,6 +201,10 @@ class RPCConfig(Strict):
         default_factory=lambda: Endpoint(port=50056, metrics_port=9106),
         description="the teacher server of on-policy distillation (rlhf serve teacher)",
     )
+    tinker_trainer: Endpoint = Field(
+        default_factory=lambda: Endpoint(port=50057, metrics_port=9107),
+        description="the training models of a Tinker API (rlhf serve tinker-trainer; the API's tinker.trainer)",
+    )
     learner: LearnerEndpoint = Field(
         default_factory=lambda: LearnerEndpoint(port=50054, metrics_port=9104), description="the learner service"
     )

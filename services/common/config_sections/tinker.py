@@ -32,6 +32,12 @@ class TinkerConfig(Strict):
         "pushes a policy (hf: the changed tensors; vllm: whole policies); null = an hf generation backend in this "
         "process",
     )
+    trainer: Optional[str] = Field(
+        default=None,
+        description="host:port of a trainer of this API's own (`rlhf serve tinker-trainer` on the same model.path) "
+        "that holds its clients' training models and computes their forward_backward and optim_step calls; "
+        "null = they train in this process",
+    )
     lora_rank: int = Field(
         default=32, ge=0, description="the LoRA rank of a create_model that names none; 0 = full weights"
     )

@@ -52,6 +52,10 @@ class Reason(enum.Enum):
     """Weights (FAILED_PRECONDITION): a delta push against a version the server does not hold (it
     restarted, missed a version, or keeps no delta base). A publisher streams the server the full
     version in the same push."""
+    MODEL_NOT_HELD = "MODEL_NOT_HELD"
+    """Tinker trainer (FAILED_PRECONDITION): it holds no training model of that id: it restarted
+    since the model was made, so the model's weights, optimiser state and accumulated gradients are
+    gone. The Tinker API tells its client to start again from a checkpoint; repeating will not help."""
 
 
 @dataclass(frozen=True)
