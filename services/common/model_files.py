@@ -114,6 +114,45 @@ def load_causal_lm(path: str | Path, device: torch.device | str = "cpu", dtype: 
     return model.to(device)
 
 
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors files of the model directory `path` (those its index names, or the one
+    model.safetensors); [] when it has none."""
+    import json
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    names = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    return [path / n for n in names if (path / n).is_file()]
+
+
+def read_state(path: str | Path, names: set[str], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:
+    """The tensors `names` of the causal LM at `path` (its state dict's names), read from its
+    safetensors files one by one as `dtype`, nothing else loaded; an unembedding tied to the
+    embedding is read as the embedding. None when the files do not hold them all (another format)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = check_model_dir(path)
+    tied = getattr(AutoConfig.from_pretrained(str(path)), "tie_word_embeddings", False)
+    wanted = {n: ("model.embed_tokens.weight" if tied and n == "lm_head.weight" else n) for n in names}
+    found: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            held = set(f.keys())
+            for name, stored in wanted.items():
+                if stored in held and name not in found:
+                    found[name] = f.get_tensor(stored).to(dtype)
+    return found if len(found) == len(wanted) else None
+
+
+def state_names(path: str | Path) -> set[str]:
+    """The names of the state dict of the causal LM at `path`, from its architecture alone."""
+    with torch.device("meta"):
+        return set(empty_causal_lm(path).state_dict())
+
+
 def empty_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32):
     """The architecture `load_causal_lm` loads, without its weights: built under the caller's
     default device (the meta device: no memory)."""

@@ -319,20 +319,13 @@ class ValueModel(nn.Module):
 def reward_head(path: str | Path) -> tuple[torch.Tensor, float]:
     """The one-label head of a sequence-classification model directory (such as `rlhf train-rm`
     writes): its weight (hidden,) and bias (0 when it has none), read from the safetensors files."""
-    import json
-
     from safetensors import safe_open
 
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    files = ["model.safetensors"]
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    from .model_files import safetensors_files
+
     found: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (path / name).exists():
-            continue
-        with safe_open(str(path / name), framework="pt") as f:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if key.split(".")[0] in ("score", "classifier") and key.endswith(("weight", "bias")):
                     found[key.rsplit(".", 1)[1]] = f.get_tensor(key)

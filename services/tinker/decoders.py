@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 import grpc
 import torch
 
-from ..common.model_files import load_causal_lm, load_tokenizer
+from ..common.model_files import load_causal_lm, load_tokenizer, read_state, state_names
 from ..common.rpc.errors import Reason, reason_of
 from ..common.rpc.retry import DependencyUnavailable, RideThrough, backoff_delays
 from ..common.types import GenerationResult, SamplingParams, TokenScores
@@ -100,7 +100,8 @@ class InProcess:
 class OverGrpc:
     """A generation server at `address` that serves `model.path`'s model to this API alone (its
     weights are whichever sampler the API last needed). Calls ride through its restarts for
-    rpc.dependency_wait_s; the base tensors are read from `model.path` once, when first needed."""
+    rpc.dependency_wait_s; the base tensors a push puts back are read from `model.path`'s files
+    each time they are needed (a partial push: the few a sampler's weights replaced)."""
 
     remote = True
 
@@ -181,8 +182,15 @@ class OverGrpc:
                 time.sleep(next(delays))
 
     def base(self, names: Iterable[str] | None = None) -> Weights:
+        """The base tensors `names` (None: all), float32, read from model.path's safetensors files
+        when asked, not held; a model in another format is loaded once and held."""
         with self._lock:
             if self._base is None:
+                wanted = state_names(self.model_path) if names is None else set(names)
+                found = read_state(self.model_path, wanted)
+                if found is not None:
+                    return found
+                log.info("tinker: %s holds no safetensors of every tensor: its base is held in memory", self.model_path)
                 self._base = {k: v.detach().float() for k, v in load_causal_lm(self.model_path).state_dict().items()}
         return dict(self._base) if names is None else {n: self._base[n] for n in names}
 

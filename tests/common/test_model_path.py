@@ -56,3 +56,26 @@ def test_a_cached_hub_snapshot_is_used(tiny_model_dir, offline_hub):
     tok = load_tokenizer("acme/tiny")
     assert tok.decode(tok("abc=")["input_ids"], skip_special_tokens=True) == "abc="
     assert ValueModel.from_pretrained("acme/tiny").value_head.out_features == 1
+
+
+def test_named_tensors_are_read_from_the_files_as_the_model_loads_them(tiny_model_dir, tmp_path):
+    """read_state: the state dict's tensors by name (the tied unembedding read as the embedding),
+    equal to the loaded model's; a directory of another format (a pickled .bin) gives None."""
+    import torch
+
+    from services.common.model_files import load_causal_lm, read_state, state_names
+
+    model = load_causal_lm(tiny_model_dir)
+    loaded = model.state_dict()
+    assert state_names(tiny_model_dir) == set(loaded)
+    names = {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight"}
+    got = read_state(tiny_model_dir, names)
+    assert got is not None and set(got) == names
+    assert all(torch.equal(got[n], loaded[n]) for n in names)
+    every = read_state(tiny_model_dir, set(loaded))
+    assert every is not None and all(torch.equal(every[n], loaded[n]) for n in loaded)
+    assert read_state(tiny_model_dir, {"no.such.weight"}) is None
+    (tmp_path / "bin").mkdir()
+    torch.save(loaded, tmp_path / "bin" / "pytorch_model.bin")
+    shutil.copy(Path(tiny_model_dir) / "config.json", tmp_path / "bin" / "config.json")
+    assert read_state(tmp_path / "bin", names) is None

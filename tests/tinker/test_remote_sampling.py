@@ -255,3 +255,17 @@ def test_an_api_started_on_a_server_with_other_weights_pushes_the_whole_base(
     np.testing.assert_allclose(base.logprobs, want.log_probs, atol=1e-5)
     with pytest.raises(Exception, match="another writer"):
         _greedy(client.create_sampling_client(base_model="tiny").result(), prompt)
+
+
+def test_the_base_a_push_puts_back_is_read_from_the_files_not_held(api, tiny_model_dir):
+    """The base tensors a push restores come from model.path's safetensors when asked: equal to
+    the model's own, and no copy of the base model stays in the API's process."""
+    import torch
+
+    decoder = api.api.engine.decoder
+    loaded = load_causal_lm(tiny_model_dir).state_dict()
+    names = {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"}
+    got = decoder.base(names)
+    assert set(got) == names and all(torch.equal(got[n], loaded[n]) for n in names)
+    assert set(decoder.base()) == set(loaded)
+    assert decoder._base is None
