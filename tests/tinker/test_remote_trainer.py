@@ -205,3 +205,36 @@ def test_a_trainer_of_another_model_is_refused_at_start(trainer, tiny_model_dir,
     with pytest.raises(ValueError, match="cannot serve this API: it reads requests of at most"):
         OverGrpc(cfg, trainer.address)
     assert TOKEN in cfg.rpc.resolved_auth_token()
+
+
+def test_the_trainer_trains_as_the_api_does_in_its_own_process(client, tiny_model_dir, tmp_path, tok):
+    """The same LoRA (seed), the same batches of the RL loss with per-token advantages, the same
+    Adam steps: the losses and the sampled log-probs in the trainer are the in-process ones
+    (tolerance: the same kernels on the same tensors, in another process)."""
+    batch = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={
+                "target_tokens": ids[1:],
+                "logprobs": [-1.0] * (len(ids) - 1),
+                "advantages": [adv] * (len(ids) - 1),
+            },
+        )
+        for ids, adv in ((tok.encode("abc=cba"), 1.0), (tok.encode("hello=olleh"), -0.5))
+    ]
+    local = serve(_cfg(tiny_model_dir, tmp_path / "local")).start()
+    try:
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{local.port}", api_key=KEY) as here:
+            runs = []
+            for sc in (here, client):
+                tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+                losses = []
+                for _ in range(3):
+                    losses.append(tc.forward_backward(batch, "importance_sampling").result().metrics["loss:sum"])
+                    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+                losses.append(_loss(tc, [_datum(tok, "abc=cba")]))
+                runs.append(losses)
+    finally:
+        local.stop()
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-4, atol=1e-5)
+    assert runs[0][0] != runs[0][2]  # the steps moved the model
