@@ -201,6 +201,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/tinker.md", "generation-0 ready on port 43441"): PROSE,  # rlhf up --tinker-generation: tests/e2e
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_sampling.py"): PARSE,  # SmolLM2, a minute
     ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_overhead.py"): PARSE,  # SmolLM2, a minute
+    ("docs/tinker.md", "$ .venv/bin/python benchmarks/bench_tinker_overhead.py #2"): PARSE,  # --trainer, SmolLM2
     ("docs/tinker.md", "$ .venv/bin/rlhf eval -c configs/smollm2-cpu.yaml --model"): PARSE,  # needs the run's weights
     ("docs/tinker.md", "import tinker"): SOURCE,  # the SDK's calls: tests/tinker/test_tinker_api.py
     ("docs/tinker.md", "$ make tinker-venv"): PARSE,  # pip, minutes
