@@ -129,22 +129,27 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def read_state(path: str | Path, names: set[str], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor] | None:
     """The tensors `names` of the causal LM at `path` (its state dict's names), read from its
-    safetensors files one by one as `dtype`, nothing else loaded; an unembedding tied to the
-    embedding is read as the embedding. None when the files do not hold them all (another format)."""
+    safetensors files one by one as `dtype`, nothing else loaded; a tensor the model ties to
+    another (an unembedding that is the embedding) is read under whichever name the files hold.
+    None when the files do not hold them all (another format)."""
     from safetensors import safe_open
-    from transformers import AutoConfig
 
+    if not names:
+        return {}
     path = check_model_dir(path)
-    tied = getattr(AutoConfig.from_pretrained(str(path)), "tie_word_embeddings", False)
-    wanted = {n: ("model.embed_tokens.weight" if tied and n == "lm_head.weight" else n) for n in names}
+    with torch.device("meta"):
+        model = empty_causal_lm(path)
+    first: dict[int, str] = {}
+    tied = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     found: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             held = set(f.keys())
-            for name, stored in wanted.items():
-                if stored in held and name not in found:
+            for name in names - found.keys():
+                stored = next((n for n in (name, tied.get(name, name)) if n in held), None)
+                if stored is not None:
                     found[name] = f.get_tensor(stored).to(dtype)
-    return found if len(found) == len(wanted) else None
+    return found if len(found) == len(names) else None
 
 
 def state_names(path: str | Path) -> set[str]:

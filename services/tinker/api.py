@@ -208,9 +208,9 @@ class TinkerApi:
             self.samplers.pop(sampler_id, None)
 
     def _let_go(self, state: ModelState) -> None:
-        """The trainer told that a dropped model is no longer used (on the compute thread)."""
+        """A dropped model released (on the compute thread: after the work queued for it)."""
         if state.model is not None:
-            self.trainer.drop(state.model)
+            state.model.release()
 
     def _reap(self) -> None:
         """Sessions silent for session_timeout_s finished (what an abandoned client held)."""
@@ -308,7 +308,11 @@ class TinkerApi:
         def build() -> Model:
             spec = ModelSpec(rank, lora_targets(self.cfg, flags) if rank else (), seed)
             model = self.trainer.create(model_id, spec)
-            self._write_run(model_id, spec, meta)
+            try:
+                self._write_run(model_id, spec, meta)
+            except Exception:
+                model.release()
+                raise
             return model
 
         digest = digest_of(req.model_dump_json())
@@ -473,7 +477,7 @@ class TinkerApi:
                 try:
                     model.load(directory / STATE_FILE, req.optimizer)
                 except Exception:
-                    self.trainer.drop(model)
+                    model.release()
                     raise
                 self._write_run(model_id, model.spec, {"user_metadata": source.get("user_metadata")})
                 return model

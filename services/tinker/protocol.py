@@ -32,6 +32,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+STATE_CHUNK = 1 << 20  # bytes of a saved state per message between the API and its trainer
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
 

@@ -7,11 +7,12 @@
 
 Both make models that answer the same calls, the ones api.py makes on its compute thread:
 `forward_backward(call)` (the SDK's output bytes), `optim_step(adam, op)`, `sampler_weights()`,
-`save(file)`, `load(file, optimizer)`; and `drop(model)` when the API lets one go."""
+`save(file)`, `load(file, optimizer)`, and `release()` when the API lets one go."""
 
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
@@ -25,8 +26,7 @@ from ..common.rpc.gen import trainer_pb2_grpc
 from ..common.rpc.retry import IDEMPOTENT, DependencyUnavailable, RideThrough
 from ..weights.assemble import assemble_weights
 from .decoders import STATUS
-from .protocol import ApiError
-from .trainer_server import STATE_CHUNK
+from .protocol import STATE_CHUNK, ApiError
 from .training import Adam, Call, ModelSpec, TrainingModel
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ T = TypeVar("T")
 # model is a no-op, a Drop of a dropped one too
 REPEATABLE = IDEMPOTENT | {"Create", "ForwardBackward", "OptimStep", "Drop"}
 COMPUTE_DEADLINE_FACTOR = 30  # a training call may take this many rpc.timeout_s (a long batch on a CPU)
+RELEASE_S = 10.0  # a model let go is dropped on the trainer within this, or left to the next API process
 
 
 class Model(Protocol):
@@ -54,14 +55,14 @@ class Model(Protocol):
 
     def load(self, file: Path, optimizer: bool) -> None: ...
 
+    def release(self) -> None: ...
+
 
 class Trainer(Protocol):
     remote: bool
     where: str
 
     def create(self, model_id: str, spec: ModelSpec) -> Model: ...
-
-    def drop(self, model: Model) -> None: ...
 
     def close(self) -> None: ...
 
@@ -75,9 +76,6 @@ class InProcess:
 
     def create(self, model_id: str, spec: ModelSpec) -> Model:
         return TrainingModel(self.cfg, spec)
-
-    def drop(self, model: Model) -> None:
-        pass  # the API lets go of it
 
     def close(self) -> None:
         pass
@@ -96,6 +94,8 @@ class Link:
         ride = RideThrough("tinker trainer", address, cfg.rpc, idempotent=REPEATABLE, final=(Reason.MODEL_NOT_HELD,))
         self.client = TrainerClient(address, cfg.rpc, cfg.rpc.timeout_s * COMPUTE_DEADLINE_FACTOR, [ride])
         self.kw = {"timeout": self.client.timeout, "metadata": self.client.metadata}
+        # calls that must not wait for a trainer that is away (a model let go): one try, briefly
+        self.once = trainer_pb2_grpc.TrainerStub(self.client._channel)
 
     def call(self, rpc: Callable[[trainer_pb2_grpc.TrainerStub], T]) -> T:
         """`rpc(stub)`, its failures as the API's errors: a trainer that stayed away, refused, or no
@@ -135,6 +135,7 @@ class OverGrpc:
     def __init__(self, cfg: Config, address: str):
         self.link = Link(cfg, address)
         self.where = self.link.where
+        self.owner = uuid.uuid4().hex  # this API process: its first model drops those of the one before
         try:
             info = self.link.call(lambda s: s.Info(tpb.TrainerInfoRequest(), **self.link.kw))
         except ApiError as e:
@@ -164,30 +165,42 @@ class OverGrpc:
 
     def create(self, model_id: str, spec: ModelSpec) -> Model:
         pb_spec = tpb.TrainerModelSpec(rank=spec.rank, targets=list(spec.targets), seed=spec.seed)
-        self.link.call(lambda s: s.Create(tpb.TrainerCreate(model=model_id, spec=pb_spec), **self.link.kw))
+        create = tpb.TrainerCreate(model=model_id, spec=pb_spec, owner=self.owner)
+        self.link.call(lambda s: s.Create(create, **self.link.kw))
         return RemoteModel(self.link, model_id, spec)
-
-    def drop(self, model: Model) -> None:
-        if isinstance(model, RemoteModel):
-            try:
-                self.link.call(lambda s: s.Drop(tpb.TrainerModelRef(model=model.id), **self.link.kw))
-            except ApiError as e:  # it is gone either way once the trainer restarts
-                log.warning("model %s: not dropped by %s: %s", model.id, self.where, e.message)
 
     def close(self) -> None:
         self.link.close()
 
 
 class RemoteModel:
-    """A training model held by a trainer over `link`, by the API's id."""
+    """A training model held by a trainer over `link`, by the API's id. A training call the trainer
+    stayed away for may or may not have run there: the model is then not known, and refused."""
 
     def __init__(self, link: Link, model_id: str, spec: ModelSpec):
         self.link, self.id, self.spec = link, model_id, spec
         self.ref = tpb.TrainerModelRef(model=model_id)
+        self.unknown: str | None = None  # why what the trainer holds is not known
+
+    def _train(self, what: str, rpc: Callable[[trainer_pb2_grpc.TrainerStub], T]) -> T:
+        """A call that changes the model: refused once the model is not known; a trainer that stays
+        away leaves it not known (whether the call ran there cannot be told)."""
+        if self.unknown is not None:
+            raise ApiError(400, self.unknown, param="model_id", code="server_restarted")
+        try:
+            return self.link.call(rpc)
+        except ApiError as e:
+            if e.code == "trainer_unavailable":
+                self.unknown = (
+                    f"model {self.id}: {self.link.where} did not answer a {what}, which may or may not have run "
+                    "there, so the model's state is not known. Create a training client from your last checkpoint "
+                    "(ServiceClient.create_training_client_from_state_with_optimizer)"
+                )
+            raise
 
     def forward_backward(self, call: Call) -> bytes:
         req = tpb.TrainerForwardBackward(model=self.id, op=call.op, request=call.body, backward=call.backward)
-        return self.link.call(lambda s: s.ForwardBackward(req, **self.link.kw)).output
+        return self._train("forward_backward", lambda s: s.ForwardBackward(req, **self.link.kw)).output
 
     def optim_step(self, adam: Adam, op: str = "") -> dict[str, float]:
         req = tpb.TrainerOptimStep(
@@ -200,7 +213,7 @@ class RemoteModel:
             weight_decay=adam.weight_decay,
             grad_clip_norm=adam.grad_clip_norm,
         )
-        return dict(self.link.call(lambda s: s.OptimStep(req, **self.link.kw)).metrics)
+        return dict(self._train("optim_step", lambda s: s.OptimStep(req, **self.link.kw)).metrics)
 
     def sampler_weights(self) -> dict[str, torch.Tensor]:
         return self.link.call(lambda s: assemble_weights(s.SamplerWeights(self.ref, **self.link.kw))[2])
@@ -231,7 +244,15 @@ class RemoteModel:
                 while data := f.read(STATE_CHUNK):
                     yield tpb.TrainerStateChunk(data=data)
 
-        self.link.call(lambda s: s.LoadState(chunks(), **self.link.kw))
+        self._train("load_state", lambda s: s.LoadState(chunks(), **self.link.kw))
+
+    def release(self) -> None:
+        """The model dropped on the trainer: one try, briefly (a trainer that is away has lost it, or
+        drops it when the next API process creates a model)."""
+        try:
+            self.link.once.Drop(self.ref, timeout=RELEASE_S, metadata=self.link.kw["metadata"])
+        except grpc.RpcError as e:
+            log.warning("model %s: not dropped by %s: %s", self.id, self.link.where, e.code().name)
 
 
 def trainer_for(cfg: Config) -> Trainer:

@@ -204,6 +204,9 @@ class TrainingModel:
         """The state `save` wrote to `file` over this model (see `load_state`)."""
         self.load_state(torch.load(file, weights_only=True), optimizer)
 
+    def release(self) -> None:
+        pass  # its memory goes with the last reference
+
     def state(self, optimizer: bool = True) -> dict:
         """save_state's content: the trainable tensors and the optimiser's state."""
         trainable = {n: p.detach().cpu().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
@@ -212,9 +215,9 @@ class TrainingModel:
     def load_state(self, state: dict, optimizer: bool) -> None:
         """A saved state over this model (of the same spec): its trainable tensors, and with
         `optimizer` its optimiser's state (else the moments start again)."""
-        mine = {n for n, p in self.policy.named_parameters() if p.requires_grad}
+        mine = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
         trainable = state.get("trainable") or {}
-        if set(trainable) != mine:
+        if set(trainable) != set(mine) or any(trainable[n].shape != p.shape for n, p in mine.items()):
             raise ApiError(400, "the checkpoint's trainable tensors are not this model's (another LoRA rank or layers)")
         self.policy.load_state_dict(trainable, strict=False)
         self.optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ is INVALID_ARGUMENT, a model it does not hold FAILED_PRECONDITION with its reaso
 from __future__ import annotations
 
 import math
+import time
 
 import grpc
 import numpy as np
@@ -155,8 +156,24 @@ def test_an_op_sent_twice_steps_once(trainer, tok):
     step = tpb.TrainerOptimStep(model="twice", op="step-1", learning_rate=0.01, beta1=0.9, beta2=0.999, eps=1e-8)
     first = stub.stub.OptimStep(step, **kw)
     assert stub.stub.OptimStep(step, **kw) == first and held.steps == 1
+    # the op's id again with another request: refused, not answered with the first one's result
+    other = tpb.TrainerOptimStep(model="twice", op="step-1", learning_rate=0.5, beta1=0.9, beta2=0.999, eps=1e-8)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.stub.OptimStep(other, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "used already" in e.value.details()
+    assert held.steps == 1
     assert stub.stub.Drop(tpb.TrainerModelRef(model="twice"), **kw).steps == 1
     stub.close()
+
+
+def _step(**given) -> tpb.TrainerOptimStep:
+    settings = {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, **given}
+    return tpb.TrainerOptimStep(model="bad", op="o", **settings)
+
+
+def _state_stream(model: str, data: bytes, total: int | None = None) -> list:
+    header = tpb.TrainerStateHeader(model=model, total_bytes=len(data) if total is None else total)
+    return [tpb.TrainerStateChunk(header=header), tpb.TrainerStateChunk(data=data)]
 
 
 @pytest.mark.parametrize(
@@ -176,6 +193,23 @@ def test_an_op_sent_twice_steps_once(trainer, tok):
         ),
         (lambda s, kw: s.ForwardBackward(tpb.TrainerForwardBackward(model="bad", op="o", request=b"\xff"), **kw), ""),
         (lambda s, kw: s.ForwardBackward(tpb.TrainerForwardBackward(model="bad", op="", request=b""), **kw), "op"),
+        (lambda s, kw: s.OptimStep(_step(beta1=1.0), **kw), "beta1"),
+        (lambda s, kw: s.OptimStep(_step(eps=0.0), **kw), "eps"),
+        (lambda s, kw: s.OptimStep(_step(grad_clip_norm=float("inf")), **kw), "grad_clip_norm"),
+        (
+            lambda s, kw: s.Create(
+                tpb.TrainerCreate(model="y", spec=tpb.TrainerModelSpec(rank=2, targets=["lm_head"])), **kw
+            ),
+            "lm_head",
+        ),
+        (
+            lambda s, kw: s.Create(
+                tpb.TrainerCreate(model="bad", spec=tpb.TrainerModelSpec(rank=4, targets=["q_proj"])), **kw
+            ),
+            "another spec",
+        ),
+        (lambda s, kw: s.LoadState(iter(_state_stream("bad", b"not a state")), **kw), "not a saved state"),
+        (lambda s, kw: s.LoadState(iter(_state_stream("bad", b"x" * 10, total=5)), **kw), "more than"),
     ],
 )
 def test_what_breaks_the_contract_is_invalid_argument(trainer, call, words):
@@ -185,6 +219,7 @@ def test_what_breaks_the_contract_is_invalid_argument(trainer, call, words):
     with pytest.raises(grpc.RpcError) as e:
         call(stub.stub, kw)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()
+    stub.stub.Drop(tpb.TrainerModelRef(model="bad"), **kw)
     stub.close()
 
 
@@ -238,3 +273,50 @@ def test_the_trainer_trains_as_the_api_does_in_its_own_process(client, tiny_mode
         local.stop()
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-4, atol=1e-5)
     assert runs[0][0] != runs[0][2]  # the steps moved the model
+
+
+def test_models_are_released_with_their_session_and_a_new_api_drops_the_olds(
+    client, api, trainer, tok, tiny_model_dir, tmp_path
+):
+    """A finished session's models are dropped on the trainer; an API process that restarted (a new
+    owner) drops, with its first model, those its predecessor left there."""
+    with tinker.ServiceClient(base_url=api.url, api_key=KEY) as sc:
+        model_id = sc.create_lora_training_client(base_model="tiny", rank=2, seed=5).result().get_info().model_id
+        assert model_id in trainer.servicer.models
+    deadline = time.monotonic() + 60
+    while model_id in trainer.servicer.models and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert model_id not in trainer.servicer.models
+    kept = client.create_lora_training_client(base_model="tiny", rank=2, seed=6).result().get_info().model_id
+    again = serve(_api_cfg(tiny_model_dir, tmp_path / "again", trainer.address)).start()
+    try:
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{again.port}", api_key=KEY) as sc:
+            new = sc.create_lora_training_client(base_model="tiny", rank=2, seed=7).result().get_info().model_id
+            assert set(trainer.servicer.models) == {new} and kept not in trainer.servicer.models
+    finally:
+        again.stop()
+
+
+def test_a_call_the_trainer_stayed_away_for_leaves_the_model_refused(tiny_model_dir, tmp_path, tok):
+    """The trainer gone past rpc.dependency_wait_s during a forward_backward: that call fails (503),
+    and, since whether it ran there cannot be told, the model's next step is refused with what to
+    do, even once the trainer is back."""
+    first = serve_trainer(_trainer_cfg(tiny_model_dir, tmp_path / "t")).__enter__()
+    port = first.server.port
+    cfg = _api_cfg(tiny_model_dir, tmp_path / "tinker", f"127.0.0.1:{port}")
+    cfg.rpc.dependency_wait_s = 2.0
+    api = serve(cfg).start()
+    second = None
+    try:
+        with tinker.ServiceClient(base_url=f"http://127.0.0.1:{api.port}", api_key=KEY) as sc:
+            tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+            tc.forward_backward([_datum(tok, "abc=cba")], "cross_entropy").result()
+            first.stop()
+            with pytest.raises(Exception, match="try again once it is back"):
+                tc.forward_backward([_datum(tok, "abc=cba")], "cross_entropy").result()
+            second = serve_trainer(_trainer_cfg(tiny_model_dir, tmp_path / "t", port)).__enter__()
+            with pytest.raises(Exception, match="may or may not have run there"):
+                tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    finally:
+        api.stop()
+        (second or first).stop()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as rlhf_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/trainer.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"M\n\x10TrainerModelSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07targets\x18\x02 \x03(\t\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"G\n\rTrainerCreate\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.rlhf.v1.TrainerModelSpec\" \n\x0fTrainerModelRef\x12\r\n\x05model\x18\x01 \x01(\t\"B\n\x11TrainerModelState\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x0f\n\x07pending\x18\x03 \x01(\x03\"V\n\x16TrainerForwardBackward\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x0f\n\x07request\x18\x03 \x01(\x0c\x12\x10\n\x08\x62\x61\x63kward\x18\x04 \x01(\x08\".\n\x1cTrainerForwardBackwardResult\x12\x0e\n\x06output\x18\x01 \x01(\x0c\"\x9d\x01\n\x10TrainerOptimStep\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x08 \x01(\x01\"\x87\x01\n\x16TrainerOptimStepResult\x12=\n\x07metrics\x18\x01 \x03(\x0b\x32,.rlhf.v1.TrainerOptimStepResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x11TrainerStateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.rlhf.v1.TrainerStateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"K\n\x12TrainerStateHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\toptimizer\x18\x02 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\"\x14\n\x12TrainerInfoRequest\"\x9d\x01\n\x0bTrainerInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x0e\n\x06models\x18\x03 \x01(\x05\x12\x12\n\nmax_models\x18\x04 \x01(\x05\x12\x19\n\x11max_request_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x12\n\nstarted_at\x18\x07 \x01(\x01\x32\xb4\x04\n\x07Trainer\x12<\n\x06\x43reate\x12\x16.rlhf.v1.TrainerCreate\x1a\x1a.rlhf.v1.TrainerModelState\x12Y\n\x0f\x46orwardBackward\x12\x1f.rlhf.v1.TrainerForwardBackward\x1a%.rlhf.v1.TrainerForwardBackwardResult\x12G\n\tOptimStep\x12\x19.rlhf.v1.TrainerOptimStep\x1a\x1f.rlhf.v1.TrainerOptimStepResult\x12\x42\n\x0eSamplerWeights\x12\x18.rlhf.v1.TrainerModelRef\x1a\x14.rlhf.v1.WeightChunk0\x01\x12\x43\n\tSaveState\x12\x18.rlhf.v1.TrainerModelRef\x1a\x1a.rlhf.v1.TrainerStateChunk0\x01\x12\x45\n\tLoadState\x12\x1a.rlhf.v1.TrainerStateChunk\x1a\x1a.rlhf.v1.TrainerModelState(\x01\x12<\n\x04\x44rop\x12\x18.rlhf.v1.TrainerModelRef\x1a\x1a.rlhf.v1.TrainerModelState\x12\x39\n\x04Info\x12\x1b.rlhf.v1.TrainerInfoRequest\x1a\x14.rlhf.v1.TrainerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/trainer.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"M\n\x10TrainerModelSpec\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07targets\x18\x02 \x03(\t\x12\x11\n\x04seed\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"V\n\rTrainerCreate\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x04spec\x18\x02 \x01(\x0b\x32\x19.rlhf.v1.TrainerModelSpec\x12\r\n\x05owner\x18\x03 \x01(\t\" \n\x0fTrainerModelRef\x12\r\n\x05model\x18\x01 \x01(\t\"B\n\x11TrainerModelState\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x0f\n\x07pending\x18\x03 \x01(\x03\"V\n\x16TrainerForwardBackward\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x0f\n\x07request\x18\x03 \x01(\x0c\x12\x10\n\x08\x62\x61\x63kward\x18\x04 \x01(\x08\".\n\x1cTrainerForwardBackwardResult\x12\x0e\n\x06output\x18\x01 \x01(\x0c\"\x9d\x01\n\x10TrainerOptimStep\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\x15\n\rlearning_rate\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x08 \x01(\x01\"\x87\x01\n\x16TrainerOptimStepResult\x12=\n\x07metrics\x18\x01 \x03(\x0b\x32,.rlhf.v1.TrainerOptimStepResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x11TrainerStateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.rlhf.v1.TrainerStateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"K\n\x12TrainerStateHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\toptimizer\x18\x02 \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\"\x14\n\x12TrainerInfoRequest\"\x9d\x01\n\x0bTrainerInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x0e\n\x06models\x18\x03 \x01(\x05\x12\x12\n\nmax_models\x18\x04 \x01(\x05\x12\x19\n\x11max_request_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x12\n\nstarted_at\x18\x07 \x01(\x01\x32\xb4\x04\n\x07Trainer\x12<\n\x06\x43reate\x12\x16.rlhf.v1.TrainerCreate\x1a\x1a.rlhf.v1.TrainerModelState\x12Y\n\x0f\x46orwardBackward\x12\x1f.rlhf.v1.TrainerForwardBackward\x1a%.rlhf.v1.TrainerForwardBackwardResult\x12G\n\tOptimStep\x12\x19.rlhf.v1.TrainerOptimStep\x1a\x1f.rlhf.v1.TrainerOptimStepResult\x12\x42\n\x0eSamplerWeights\x12\x18.rlhf.v1.TrainerModelRef\x1a\x14.rlhf.v1.WeightChunk0\x01\x12\x43\n\tSaveState\x12\x18.rlhf.v1.TrainerModelRef\x1a\x1a.rlhf.v1.TrainerStateChunk0\x01\x12\x45\n\tLoadState\x12\x1a.rlhf.v1.TrainerStateChunk\x1a\x1a.rlhf.v1.TrainerModelState(\x01\x12<\n\x04\x44rop\x12\x18.rlhf.v1.TrainerModelRef\x1a\x1a.rlhf.v1.TrainerModelState\x12\x39\n\x04Info\x12\x1b.rlhf.v1.TrainerInfoRequest\x1a\x14.rlhf.v1.TrainerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERMODELSPEC']._serialized_start=56
   _globals['_TRAINERMODELSPEC']._serialized_end=133
   _globals['_TRAINERCREATE']._serialized_start=135
-  _globals['_TRAINERCREATE']._serialized_end=206
-  _globals['_TRAINERMODELREF']._serialized_start=208
-  _globals['_TRAINERMODELREF']._serialized_end=240
-  _globals['_TRAINERMODELSTATE']._serialized_start=242
-  _globals['_TRAINERMODELSTATE']._serialized_end=308
-  _globals['_TRAINERFORWARDBACKWARD']._serialized_start=310
-  _globals['_TRAINERFORWARDBACKWARD']._serialized_end=396
-  _globals['_TRAINERFORWARDBACKWARDRESULT']._serialized_start=398
-  _globals['_TRAINERFORWARDBACKWARDRESULT']._serialized_end=444
-  _globals['_TRAINEROPTIMSTEP']._serialized_start=447
-  _globals['_TRAINEROPTIMSTEP']._serialized_end=604
-  _globals['_TRAINEROPTIMSTEPRESULT']._serialized_start=607
-  _globals['_TRAINEROPTIMSTEPRESULT']._serialized_end=742
-  _globals['_TRAINEROPTIMSTEPRESULT_METRICSENTRY']._serialized_start=696
-  _globals['_TRAINEROPTIMSTEPRESULT_METRICSENTRY']._serialized_end=742
-  _globals['_TRAINERSTATECHUNK']._serialized_start=744
-  _globals['_TRAINERSTATECHUNK']._serialized_end=837
-  _globals['_TRAINERSTATEHEADER']._serialized_start=839
-  _globals['_TRAINERSTATEHEADER']._serialized_end=914
-  _globals['_TRAINERINFOREQUEST']._serialized_start=916
-  _globals['_TRAINERINFOREQUEST']._serialized_end=936
-  _globals['_TRAINERINFO']._serialized_start=939
-  _globals['_TRAINERINFO']._serialized_end=1096
-  _globals['_TRAINER']._serialized_start=1099
-  _globals['_TRAINER']._serialized_end=1663
+  _globals['_TRAINERCREATE']._serialized_end=221
+  _globals['_TRAINERMODELREF']._serialized_start=223
+  _globals['_TRAINERMODELREF']._serialized_end=255
+  _globals['_TRAINERMODELSTATE']._serialized_start=257
+  _globals['_TRAINERMODELSTATE']._serialized_end=323
+  _globals['_TRAINERFORWARDBACKWARD']._serialized_start=325
+  _globals['_TRAINERFORWARDBACKWARD']._serialized_end=411
+  _globals['_TRAINERFORWARDBACKWARDRESULT']._serialized_start=413
+  _globals['_TRAINERFORWARDBACKWARDRESULT']._serialized_end=459
+  _globals['_TRAINEROPTIMSTEP']._serialized_start=462
+  _globals['_TRAINEROPTIMSTEP']._serialized_end=619
+  _globals['_TRAINEROPTIMSTEPRESULT']._serialized_start=622
+  _globals['_TRAINEROPTIMSTEPRESULT']._serialized_end=757
+  _globals['_TRAINEROPTIMSTEPRESULT_METRICSENTRY']._serialized_start=711
+  _globals['_TRAINEROPTIMSTEPRESULT_METRICSENTRY']._serialized_end=757
+  _globals['_TRAINERSTATECHUNK']._serialized_start=759
+  _globals['_TRAINERSTATECHUNK']._serialized_end=852
+  _globals['_TRAINERSTATEHEADER']._serialized_start=854
+  _globals['_TRAINERSTATEHEADER']._serialized_end=929
+  _globals['_TRAINERINFOREQUEST']._serialized_start=931
+  _globals['_TRAINERINFOREQUEST']._serialized_end=951
+  _globals['_TRAINERINFO']._serialized_start=954
+  _globals['_TRAINERINFO']._serialized_end=1111
+  _globals['_TRAINER']._serialized_start=1114
+  _globals['_TRAINER']._serialized_end=1678
 # @@protoc_insertion_point(module_scope)

@@ -18,12 +18,14 @@ class TrainerModelSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., targets: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TrainerCreate(_message.Message):
-    __slots__ = ("model", "spec")
+    __slots__ = ("model", "spec", "owner")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     model: str
     spec: TrainerModelSpec
-    def __init__(self, model: _Optional[str] = ..., spec: _Optional[_Union[TrainerModelSpec, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, model: _Optional[str] = ..., spec: _Optional[_Union[TrainerModelSpec, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class TrainerModelRef(_message.Message):
     __slots__ = ("model",)
