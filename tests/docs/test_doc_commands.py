@@ -111,6 +111,7 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/distillation.md", "distill:"): PARTIAL,
     ("docs/distillation.md", ".venv/bin/python benchmarks/bench_arms.py -c"): PARSE,  # SmolLM2, 55 minutes
     ("docs/distillation.md", ".venv/bin/python benchmarks/bench_arms.py -c #2"): PARSE,  # SmolLM2, 30 minutes
+    ("docs/distillation.md", ".venv/bin/python benchmarks/bench_arms.py -c #3"): PARSE,  # SmolLM2, 20 minutes
     ("docs/distillation.md", "$ .venv/bin/python benchmarks/bench_teacher.py -c"): PARSE,  # SmolLM2, 2 minutes
     ("docs/distillation.md", ".venv/bin/rlhf serve teacher -c configs/tiny-cpu.yaml"): PARSE,  # a server, forever
     ("docs/distillation.md", "error: the teacher's tokenizer (runs/other-model, 67"): PROSE,  # test_teacher_server
